@@ -1,0 +1,28 @@
+"""`python -m handler <command>`: each command lives in its own module, imported lazily."""
+from __future__ import annotations
+
+import importlib
+import sys
+
+COMMANDS = {
+    "serve": ("handler.server", "start the HTTP server (gunicorn + Flask)"),
+    "config": ("handler.config", "print the resolved configuration as JSON (no model load)"),
+    "build-demo-model": ("handler.demo_model", "build a tiny demo model + tokenizer locally"),
+    "bench": ("handler.bench.cli", "load client and strategy comparison"),
+    "deploy": ("handler.deploy", "SageMaker deployment tooling"),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
+        print("usage: python -m handler <command> [options]\n\ncommands:")
+        for name, (_, desc) in COMMANDS.items():
+            print(f"  {name:<18}{desc}")
+        return 0 if not argv or argv[0] in ("-h", "--help") else 2
+    module = importlib.import_module(COMMANDS[argv[0]][0])
+    return int(module.main(argv[1:]) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,96 @@
+"""Plain-torch paged attention: the test oracle and the engine's CPU path.
+
+Layout (docs/ARCHITECTURE.md, "KV pool and kernels"):
+  key_cache, value_cache: [num_blocks, block_size, Hkv, D]
+  slot = block_table[pos // block_size] * block_size + pos % block_size
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def write_kv(key_cache: torch.Tensor, value_cache: torch.Tensor, key: torch.Tensor,
+             value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Store key/value [T, Hkv, D] at flat slots slot_mapping [T]; a negative slot is skipped."""
+    bs = key_cache.shape[1]
+    slots = slot_mapping.to(device=key_cache.device, dtype=torch.long)
+    keep = slots >= 0
+    if not bool(keep.all()):
+        slots, key, value = slots[keep], key[keep], value[keep]
+    blk, off = slots // bs, slots % bs
+    key_cache[blk, off] = key.to(key_cache.dtype)
+    value_cache[blk, off] = value.to(value_cache.dtype)
+
+
+def _as_list(x, cpu_list: list[int] | None) -> list[int]:
+    if cpu_list is not None:
+        return [int(v) for v in cpu_list]
+    return x.tolist() if isinstance(x, torch.Tensor) else [int(v) for v in x]
+
+
+def _gather(cache: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
+    """cache [NB, bs, Hkv, D], tables [B, nblk] long -> [B, nblk*bs, Hkv, D]."""
+    b, nblk = tables.shape
+    return cache[tables].reshape(b, nblk * cache.shape[1], cache.shape[2], cache.shape[3])
+
+
+def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                    block_tables: torch.Tensor, seq_lens, query_start_loc, scale: float, *,
+                    seq_lens_cpu: list[int] | None = None,
+                    query_start_loc_cpu: list[int] | None = None) -> torch.Tensor:
+    """Causal attention of packed query rows [T, H, D] over paged KV -> [T, H, D].
+
+    Sequence s owns rows qsl[s]:qsl[s+1] (n_s rows) at positions seq_lens[s]-n_s ..
+    seq_lens[s]-1. Decode rows (n_s == 1) of all sequences go through one batched gather
+    and one masked matmul; prefill chunks (n_s > 1) go through SDPA one sequence each.
+    `seq_lens_cpu` / `query_start_loc_cpu` spare reading the tensors back.
+    """
+    t, h, d = query.shape
+    nb, bs, hkv, _ = key_cache.shape
+    if h % hkv:
+        raise ValueError(f"num query heads {h} is not a multiple of num kv heads {hkv}")
+    g = h // hkv
+    lens = _as_list(seq_lens, seq_lens_cpu)
+    qsl = _as_list(query_start_loc, query_start_loc_cpu)
+    dev = query.device
+    tables = block_tables.to(device=dev, dtype=torch.long) if isinstance(block_tables, torch.Tensor) \
+        else torch.tensor(block_tables, dtype=torch.long, device=dev)
+    out = torch.zeros(t, h, d, dtype=query.dtype, device=dev)
+
+    dec = [s for s in range(len(lens)) if qsl[s + 1] - qsl[s] == 1]
+    if dec:
+        max_len = max(lens[s] for s in dec)
+        nblk = -(-max_len // bs)
+        rows = torch.tensor([qsl[s] for s in dec], device=dev)
+        blen = torch.tensor([lens[s] for s in dec], device=dev)
+        tbl = tables[torch.tensor(dec, device=dev), :nblk]
+        # Entries past a sequence's last block may be padding (-1 or stale): any valid id will do.
+        tbl = tbl.clamp(0, nb - 1)
+        k = _gather(key_cache, tbl).float()  # [B, L, Hkv, D]
+        v = _gather(value_cache, tbl).float()
+        q = query[rows].float().view(len(dec), hkv, g, d)  # [B, Hkv, G, D]
+        scores = torch.einsum("bkgd,blkd->bkgl", q, k) * scale  # [B, Hkv, G, L]
+        valid = torch.arange(nblk * bs, device=dev)[None, :] < blen[:, None]  # [B, L]
+        scores.masked_fill_(~valid[:, None, None, :], float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        o = torch.einsum("bkgl,blkd->bkgd", probs, v)
+        out[rows] = o.reshape(len(dec), h, d).to(query.dtype)
+
+    for s in range(len(lens)):
+        a, b = qsl[s], qsl[s + 1]
+        n, ctx = b - a, lens[s]
+        if n <= 1:
+            continue
+        if n > ctx:
+            raise ValueError(f"sequence {s}: {n} query rows exceed its context length {ctx}")
+        nblk = -(-ctx // bs)
+        tbl = tables[s, :nblk]
+        k = key_cache[tbl].reshape(nblk * bs, hkv, d)[:ctx].float().transpose(0, 1)  # [Hkv, L, D]
+        v = value_cache[tbl].reshape(nblk * bs, hkv, d)[:ctx].float().transpose(0, 1)
+        q = query[a:b].float().transpose(0, 1)  # [H, n, D]
+        qpos = torch.arange(ctx - n, ctx, device=dev)
+        mask = torch.arange(ctx, device=dev)[None, :] <= qpos[:, None]  # [n, L]
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=g > 1)
+        out[a:b] = o.transpose(0, 1).to(query.dtype)
+    return out

@@ -1,0 +1,28 @@
+"""Shared fixtures: tiny models built locally once per test session (no hub)."""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture(scope="session")
+def demo_model_factory(tmp_path_factory):
+    from handler.demo_model import build_demo_model
+
+    built: dict[str, str] = {}
+
+    def make(family: str = "llama") -> str:
+        if family not in built:
+            built[family] = build_demo_model(str(tmp_path_factory.mktemp(f"demo-{family}")), family)
+        return built[family]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def demo_model_dir(demo_model_factory) -> str:
+    return demo_model_factory("llama")
