@@ -1,0 +1,55 @@
+"""Paged-attention kernels: Triton on CUDA tensors, the plain-torch reference otherwise.
+
+Importing this package never imports triton; the Triton module loads on the first CUDA call.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from . import reference
+
+__all__ = ["write_kv", "paged_attention", "triton_available"]
+
+
+@functools.lru_cache(maxsize=None)
+def triton_available() -> bool:
+    """True when `kernels.triton_kernels` (hence triton) imports on this machine."""
+    try:
+        from . import triton_kernels  # noqa: F401
+    except Exception:  # ImportError, or a triton build that fails at import time
+        return False
+    return True
+
+
+def _use_triton(t: torch.Tensor) -> bool:
+    return t.is_cuda and triton_available()
+
+
+def write_kv(key_cache: torch.Tensor, value_cache: torch.Tensor, key: torch.Tensor,
+             value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """In place: key/value [T, Hkv, D] -> caches [NB, bs, Hkv, D] at slot_mapping [T] (< 0: skip)."""
+    if _use_triton(key_cache):
+        from . import triton_kernels
+        triton_kernels.write_kv(key_cache, value_cache, key, value, slot_mapping)
+    else:
+        reference.write_kv(key_cache, value_cache, key, value, slot_mapping)
+
+
+def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                    block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
+                    scale: float, *, seq_lens_cpu: list[int] | None = None,
+                    query_start_loc_cpu: list[int] | None = None) -> torch.Tensor:
+    """query [T, H, D] over paged KV -> [T, H, D]; see docs/ARCHITECTURE.md "KV pool and kernels".
+
+    `seq_lens_cpu` / `query_start_loc_cpu` (plain lists, optional) let the CPU reference
+    skip reading the tensors back; the Triton path never reads them back.
+    """
+    if _use_triton(query):
+        from . import triton_kernels
+        return triton_kernels.paged_attention(query, key_cache, value_cache, block_tables,
+                                              seq_lens, query_start_loc, scale)
+    return reference.paged_attention(query, key_cache, value_cache, block_tables, seq_lens,
+                                     query_start_loc, scale, seq_lens_cpu=seq_lens_cpu,
+                                     query_start_loc_cpu=query_start_loc_cpu)

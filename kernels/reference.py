@@ -31,8 +31,11 @@ def _as_list(x, cpu_list: list[int] | None) -> list[int]:
 
 def _gather(cache: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
     """cache [NB, bs, Hkv, D], tables [B, nblk] long -> [B, nblk*bs, Hkv, D]."""
-    b, nblk = tables.shape
-    return cache[tables].reshape(b, nblk * cache.shape[1], cache.shape[2], cache.shape[3])
+    nb, bs, hkv, d = cache.shape
+    # embedding() gathers rows ~3x faster on CPU than advanced indexing; reshape is a view
+    # (the pool is allocated contiguous).
+    rows = F.embedding(tables, cache.reshape(nb, bs * hkv * d))
+    return rows.view(tables.shape[0], tables.shape[1] * bs, hkv, d)
 
 
 def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
@@ -43,7 +46,7 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
 
     Sequence s owns rows qsl[s]:qsl[s+1] (n_s rows) at positions seq_lens[s]-n_s ..
     seq_lens[s]-1. Decode rows (n_s == 1) of all sequences go through one batched gather
-    and one masked matmul; prefill chunks (n_s > 1) go through SDPA one sequence each.
+    and one masked SDPA; prefill chunks (n_s > 1) go through SDPA one sequence each.
     `seq_lens_cpu` / `query_start_loc_cpu` spare reading the tensors back.
     """
     t, h, d = query.shape
@@ -58,7 +61,11 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
         else torch.tensor(block_tables, dtype=torch.long, device=dev)
     out = torch.zeros(t, h, d, dtype=query.dtype, device=dev)
 
-    dec = [s for s in range(len(lens)) if qsl[s + 1] - qsl[s] == 1]
+    nq = [qsl[s + 1] - qsl[s] for s in range(len(lens))]
+    for s, (n, ctx) in enumerate(zip(nq, lens)):
+        if not 0 <= n <= ctx:
+            raise ValueError(f"sequence {s}: {n} query rows do not fit its context length {ctx}")
+    dec = [s for s in range(len(lens)) if nq[s] == 1]
     if dec:
         max_len = max(lens[s] for s in dec)
         nblk = -(-max_len // bs)
@@ -67,27 +74,23 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
         tbl = tables[torch.tensor(dec, device=dev), :nblk]
         # Entries past a sequence's last block may be padding (-1 or stale): any valid id will do.
         tbl = tbl.clamp(0, nb - 1)
-        k = _gather(key_cache, tbl).float()  # [B, L, Hkv, D]
-        v = _gather(value_cache, tbl).float()
-        q = query[rows].float().view(len(dec), hkv, g, d)  # [B, Hkv, G, D]
-        scores = torch.einsum("bkgd,blkd->bkgl", q, k) * scale  # [B, Hkv, G, L]
+        k = _gather(key_cache, tbl).float().transpose(1, 2)  # [B, Hkv, L, D]
+        v = _gather(value_cache, tbl).float().transpose(1, 2)
+        q = query[rows].float().unsqueeze(2)  # [B, H, 1, D]
         valid = torch.arange(nblk * bs, device=dev)[None, :] < blen[:, None]  # [B, L]
-        scores.masked_fill_(~valid[:, None, None, :], float("-inf"))
-        probs = torch.softmax(scores, dim=-1)
-        o = torch.einsum("bkgl,blkd->bkgd", probs, v)
-        out[rows] = o.reshape(len(dec), h, d).to(query.dtype)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=valid[:, None, None, :], scale=scale,
+                                           enable_gqa=g > 1)
+        out[rows] = o.squeeze(2).to(query.dtype)
 
     for s in range(len(lens)):
         a, b = qsl[s], qsl[s + 1]
         n, ctx = b - a, lens[s]
         if n <= 1:
             continue
-        if n > ctx:
-            raise ValueError(f"sequence {s}: {n} query rows exceed its context length {ctx}")
         nblk = -(-ctx // bs)
-        tbl = tables[s, :nblk]
-        k = key_cache[tbl].reshape(nblk * bs, hkv, d)[:ctx].float().transpose(0, 1)  # [Hkv, L, D]
-        v = value_cache[tbl].reshape(nblk * bs, hkv, d)[:ctx].float().transpose(0, 1)
+        tbl = tables[s:s + 1, :nblk]
+        k = _gather(key_cache, tbl)[0, :ctx].float().transpose(0, 1)  # [Hkv, L, D]
+        v = _gather(value_cache, tbl)[0, :ctx].float().transpose(0, 1)
         q = query[a:b].float().transpose(0, 1)  # [H, n, D]
         qpos = torch.arange(ctx - n, ctx, device=dev)
         mask = torch.arange(ctx, device=dev)[None, :] <= qpos[:, None]  # [n, L]

@@ -1,0 +1,145 @@
+"""`python -m handler bench run|compare ...`"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import replace
+
+from handler.bench.workloads import PRESETS
+
+
+class UsageError(ValueError):
+    pass
+
+
+def _ints(flag: str, text: str, lo: int = 1) -> tuple[int, ...]:
+    try:
+        vals = tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise UsageError(f"{flag}={text!r}: expected comma-separated integers, e.g. 64,128,256") from None
+    if not vals or min(vals) < lo:
+        raise UsageError(f"{flag}={text!r}: expected comma-separated integers >= {lo}")
+    return vals
+
+
+def _range(flag: str, text: str) -> tuple[int, int]:
+    lo, sep, hi = text.partition("-")
+    try:
+        r = (int(lo), int(hi if sep else lo))
+    except ValueError:
+        raise UsageError(f"{flag}={text!r}: expected LO-HI, e.g. 16-128") from None
+    if r[0] < 1 or r[1] < r[0]:
+        raise UsageError(f"{flag}={text!r}: expected 1 <= LO <= HI")
+    return r
+
+
+def _names(flag: str, text: str, allowed) -> list[str]:
+    names = [x.strip() for x in text.split(",") if x.strip()]
+    bad = [n for n in names if n not in allowed]
+    if bad or not names:
+        raise UsageError(f"{flag}={text!r}: unknown name {bad[0] if bad else '(none given)'!r}; "
+                         f"allowed: {', '.join(allowed)}")
+    return names
+
+
+def _overrides(a) -> dict:
+    o = {}
+    if a.requests is not None:
+        o["requests"] = _ints("--requests", str(a.requests))[0]
+    if a.concurrency is not None:
+        o["concurrency"] = _ints("--concurrency", str(a.concurrency))[0]
+    if a.max_new_tokens:
+        o["max_new_tokens"] = _ints("--max-new-tokens", a.max_new_tokens)
+    if a.prompt_words:
+        o["prompt_words"] = _ints("--prompt-words", a.prompt_words)
+    if getattr(a, "eos_after", None):
+        o["eos_after"] = _range("--eos-after", a.eos_after)
+    if a.seed is not None:
+        o["seed"] = a.seed
+    return o
+
+
+def _workload_args(p):
+    p.add_argument("--preset", default="cpu", choices=sorted(PRESETS))
+    p.add_argument("--requests", type=int, help="N, overriding the preset's")
+    p.add_argument("--concurrency", type=int, help="C closed-loop clients, overriding the preset's")
+    p.add_argument("--max-new-tokens", help="comma-separated set to draw from, e.g. 64,128,256")
+    p.add_argument("--prompt-words", help="comma-separated prompt lengths in words, e.g. 24,96,384")
+    p.add_argument("--seed", type=int)
+    p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+
+
+def cmd_run(a) -> int:
+    from handler.bench.client import invocations_url, run_load
+    from handler.bench.metrics import summarise
+
+    p = PRESETS[a.preset]
+    by_name = {w.name: w for w in p.workloads}
+    if a.workload not in by_name:
+        raise UsageError(f"--workload={a.workload!r}: not in preset {a.preset}; allowed: {', '.join(by_name)}")
+    w = replace(by_name[a.workload], **_overrides(a))
+    bodies = w.draw()
+    if a.no_stream:
+        bodies = [dict(b, stream=False) for b in bodies]
+    recs, dur = run_load(invocations_url(a.url), bodies, w.concurrency, timeout=a.timeout,
+                         progress=not a.no_progress, desc=w.name)
+    s = summarise(recs, w.concurrency, dur)
+    out = {"url": a.url, "workload": w.to_dict(), "result": s}
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump(dict(out, records=[r.to_dict() for r in recs]), f, indent=2)
+    ms = lambda x: "–" if x is None else f"{x * 1e3:.1f}"  # noqa: E731
+    print(f"{s['completed']}/{s['n']} ok, {s['errors']} errors in {dur:.1f} s: "
+          f"{s['requests_per_s']:.2f} req/s, {s['output_tokens_per_s']:.0f} output tok/s, "
+          f"LMI figure {s['lmi_requests_per_s'] or 0:.2f} req/s\n"
+          f"latency p50/p90/p99 {ms(s['latency_p50'])}/{ms(s['latency_p90'])}/{ms(s['latency_p99'])} ms, "
+          f"TTFT p50/p99 {ms(s['ttft_p50'])}/{ms(s['ttft_p99'])} ms, "
+          f"TPOT p50/p99 {ms(s['tpot_p50'])}/{ms(s['tpot_p99'])} ms")
+    for e in s["error_samples"]:
+        print(f"error: {e}", file=sys.stderr)
+    return 0 if s["errors"] == 0 else 1
+
+
+def cmd_compare(a) -> int:
+    from handler.bench.compare import ALL, compare
+
+    only = _names("--only", a.only, ALL) if a.only else None
+    names = [w.name for w in PRESETS[a.preset].workloads]
+    workloads = _names("--workloads", a.workloads, names) if a.workloads else None
+    if a.reps is not None and a.reps < 1:
+        raise UsageError(f"--reps={a.reps}: must be >= 1")
+    compare(a.preset, a.out, only=only, workloads=workloads, reps=a.reps, model_dir=a.model_dir,
+            overrides=_overrides(a), startup_timeout=a.startup_timeout, progress=not a.no_progress,
+            log=lambda m: print(m, file=sys.stderr, flush=True))
+    with open(f"{a.out}/results.md") as f:
+        print(f.read())
+    return 0
+
+
+def main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(prog="python -m handler bench",
+                                 description="Load client and batching-strategy comparison.")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("run", help="drive one server over HTTP and print its figures")
+    r.add_argument("--url", required=True, help="http://host:port (or .../invocations)")
+    r.add_argument("--workload", default="lmi", help="a workload of the preset: lmi, early_stop (smoke: smoke)")
+    r.add_argument("--eos-after", help="LO-HI: EOS arrives after K tokens, K drawn in LO..HI")
+    r.add_argument("--timeout", type=float, default=900.0, help="seconds per request")
+    r.add_argument("--no-stream", action="store_true", help="ask for one JSON body (TTFT unknown)")
+    r.add_argument("--out", help="write the figures and every request's record to this JSON file")
+    _workload_args(r)
+    c = sub.add_parser("compare", help="start every strategy and peer, run the preset, write results")
+    c.add_argument("--out", required=True, help="directory for results.json/.md/.png, logs and the model")
+    c.add_argument("--only", help="comma-separated subset of none,dynamic,rolling,paged,hf_naive,transformers_cb")
+    c.add_argument("--workloads", help="comma-separated subset of the preset's workloads")
+    c.add_argument("--reps", type=int, help="interleaved repetitions (preset default)")
+    c.add_argument("--model-dir", help="use this model instead of the preset's")
+    c.add_argument("--startup-timeout", type=float, default=180.0, help="seconds to wait for /ping")
+    _workload_args(c)
+    a = ap.parse_args(argv)
+    try:
+        return cmd_run(a) if a.cmd == "run" else cmd_compare(a)
+    except (UsageError, ValueError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2

@@ -1,0 +1,131 @@
+"""Closed-loop HTTP load client: C threads, each sending its next request as soon as the
+last one finished, until N are done. Streams when the server does (jsonlines) to time the
+first token; counts output tokens from stream lines or `details`, never from text."""
+from __future__ import annotations
+
+import json
+import sys
+import threading
+import time
+
+import requests
+
+from handler.bench.metrics import Record
+
+
+def _error_text(resp) -> str:
+    try:
+        body = resp.json()
+        msg = body.get("message") or body.get("error") or json.dumps(body)
+    except ValueError:
+        msg = resp.text[:200]
+    return f"HTTP {resp.status_code}: {msg}"
+
+
+def send_one(session: requests.Session, url: str, body: dict, t0: float, timeout: float) -> Record:
+    """POST one request; times are relative to t0 (time.perf_counter())."""
+    start = time.perf_counter() - t0
+    rec = Record(start=start, end=start)
+    try:
+        with session.post(url, json=body, stream=True, timeout=(10, timeout)) as resp:
+            if resp.status_code != 200:
+                rec.error = _error_text(resp)
+            elif "jsonlines" in resp.headers.get("content-type", ""):
+                _read_stream(resp, rec, t0)
+            else:
+                _read_json(resp.json(), rec)
+    except (requests.RequestException, ValueError, KeyError, TypeError) as e:
+        rec.error = f"{type(e).__name__}: {e}"[:300]
+    rec.end = time.perf_counter() - t0
+    return rec
+
+
+def _read_stream(resp, rec: Record, t0: float) -> None:
+    # chunk_size=None: hand each chunk over as it arrives (a fixed size would wait to fill it).
+    last = None
+    for line in resp.iter_lines(chunk_size=None):
+        if not line:
+            continue
+        msg = json.loads(line)
+        if "error" in msg and "token" not in msg:
+            rec.error = f"stream error: {msg['error']}"[:300]
+            return
+        if "token" in msg:
+            if rec.ttft is None:
+                rec.ttft = time.perf_counter() - t0 - rec.start
+            rec.tokens += 1
+        last = msg
+    if last is None or "generated_text" not in last:
+        rec.error = "stream ended without a final line carrying generated_text"
+        return
+    details = last.get("details") or {}
+    rec.finish_reason = details.get("finish_reason")
+    if "generated_tokens" in details:
+        rec.tokens = int(details["generated_tokens"])
+
+
+def _read_json(body, rec: Record) -> None:
+    if isinstance(body, list):   # a one-element list answer is still one request
+        body = body[0]
+    details = body.get("details")
+    if not details or "generated_tokens" not in details:
+        raise KeyError("response has no details.generated_tokens (send parameters.details=true)")
+    rec.tokens = int(details["generated_tokens"])
+    rec.finish_reason = details.get("finish_reason")
+
+
+def run_load(url: str, bodies: list[dict], concurrency: int, timeout: float = 900.0,
+             progress: bool = True, desc: str = "bench") -> tuple[list[Record], float]:
+    """Send `bodies` through `concurrency` closed-loop clients. Returns (records in body
+    order, duration from the first send to the last answer)."""
+    from tqdm import tqdm
+
+    records: list[Record | None] = [None] * len(bodies)
+    next_i = iter(range(len(bodies)))
+    lock = threading.Lock()
+    bar = tqdm(total=len(bodies), desc=desc, file=sys.stderr, disable=not progress,
+               unit="req", dynamic_ncols=True)
+    t0 = time.perf_counter()
+
+    def client():
+        with requests.Session() as s:
+            while True:
+                with lock:
+                    i = next(next_i, None)
+                if i is None:
+                    return
+                records[i] = send_one(s, url, bodies[i], t0, timeout)
+                with lock:
+                    bar.update(1)
+
+    threads = [threading.Thread(target=client, daemon=True) for _ in range(min(concurrency, len(bodies)))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    bar.close()
+    done = [r for r in records if r is not None]
+    duration = max(r.end for r in done) - min(r.start for r in done) if done else 0.0
+    return done, duration
+
+
+def invocations_url(url: str) -> str:
+    """Accept a base URL (http://host:port) or the full /invocations URL."""
+    url = url.rstrip("/")
+    return url if url.endswith("/invocations") else url + "/invocations"
+
+
+def wait_ready(base_url: str, timeout: float = 120.0, proc=None) -> None:
+    """Poll GET /ping until 200; raise TimeoutError (or RuntimeError if proc died)."""
+    base = base_url.rstrip("/").removesuffix("/invocations")
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"server exited with code {proc.returncode} before /ping answered")
+        try:
+            if requests.get(base + "/ping", timeout=2).status_code == 200:
+                return
+        except requests.RequestException:
+            pass
+        time.sleep(0.3)
+    raise TimeoutError(f"{base}/ping did not answer 200 within {timeout:.0f} s")

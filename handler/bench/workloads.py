@@ -1,0 +1,125 @@
+"""Workloads (what the clients send) and presets (which workloads, at what size).
+
+A workload is drawn once from its seed, so every server in a comparison gets the very
+same request list in the same order.
+"""
+from __future__ import annotations
+
+import random
+from dataclasses import asdict, dataclass, field, replace
+
+# One English paragraph; prompts are its first `words` words, repeated as needed.
+_TEXT = (
+    "The river rose slowly through the night, and by morning the low fields along the valley "
+    "were silver with standing water. Farmers walked the dykes with lanterns, listening for the "
+    "sound of earth giving way, while in the town the bakers lit their ovens as they always had. "
+    "Nobody spoke much. The old bridge had stood for two hundred years and most people believed it "
+    "would stand for two hundred more, but the engineer who had come up from the city on the last "
+    "train kept looking at the piers and writing numbers in a small black book. "
+)
+
+
+def prompt_of(words: int) -> str:
+    base = _TEXT.split()
+    return " ".join(base[i % len(base)] for i in range(words))
+
+
+@dataclass(frozen=True)
+class Workload:
+    name: str
+    requests: int                       # N
+    concurrency: int                    # C closed-loop clients
+    prompt_words: tuple[int, ...]       # three prompt lengths, drawn uniformly
+    max_new_tokens: tuple[int, ...]     # drawn uniformly; EOS ignored, so lengths are exact
+    eos_after: tuple[int, int] | None = None  # inclusive range of K: EOS "arrives" after K tokens
+    kv_reservations: int = 0            # KV capacity = this many full-length sequences (0: C)
+    dynamic_batch_size: int = 0         # 0: C
+    max_batch_delay_ms: int = 100
+    max_rolling_batch_size: int = 64
+    prefill_tokens: int = 4096          # option.max_rolling_batch_prefill_tokens, for all
+    seed: int = 0
+    note: str = ""
+
+    @property
+    def batch_width(self) -> int:
+        return self.dynamic_batch_size or self.concurrency
+
+    def draw(self) -> list[dict]:
+        """The request bodies, in order. Deterministic in the seed."""
+        rng = random.Random(self.seed)
+        bodies = []
+        for _ in range(self.requests):
+            params = {"max_new_tokens": rng.choice(self.max_new_tokens), "ignore_eos": True,
+                      "details": True}
+            if self.eos_after is not None:
+                params["eos_after"] = rng.randint(*self.eos_after)
+            bodies.append({"inputs": prompt_of(rng.choice(self.prompt_words)),
+                           "parameters": params, "stream": True})
+        return bodies
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["batch_width"] = self.batch_width
+        return d
+
+
+def output_lengths(bodies: list[dict]) -> list[int]:
+    """Tokens each request will produce: max_new_tokens, or eos_after when that is sooner."""
+    out = []
+    for b in bodies:
+        p = b["parameters"]
+        out.append(min(p["max_new_tokens"], p.get("eos_after", p["max_new_tokens"])))
+    return out
+
+
+_FAIR = ("every strategy and peer gets the same output-length mix (the published comparison "
+         "gave dynamic a fixed 128)")
+
+LMI_GPU = Workload(
+    name="lmi", requests=5000, concurrency=50, prompt_words=(24, 96, 384),
+    max_new_tokens=(64, 128, 256), prefill_tokens=16080,
+    note="the published LMI comparison's shape: 50 clients, 5,000 requests, three prompt "
+         "lengths, outputs 64/128/256; " + _FAIR)
+EARLY_STOP_GPU = Workload(
+    name="early_stop", requests=2000, concurrency=50, prompt_words=(24, 96, 384),
+    max_new_tokens=(256,), eos_after=(16, 128), kv_reservations=12, prefill_tokens=16080,
+    note="requests ask for 256 tokens but EOS arrives after K in 16..128 (eos_after, unknown "
+         "to the scheduler); KV capacity holds 12 full-length reservations, so rolling's "
+         "reservations bind and paged's on-demand blocks do not")
+
+LMI_CPU = replace(
+    LMI_GPU, requests=120, prompt_words=(8, 32, 96), max_new_tokens=(16, 32, 64),
+    prefill_tokens=4096,
+    note="LMI shape scaled for a 2-core CPU and the tiny demo model: 50 clients as published, "
+         "but 120 requests (not 5,000), outputs 16/32/64 (a quarter of 64/128/256), prompts "
+         "8/32/96 words (not the published prompts); " + _FAIR)
+EARLY_STOP_CPU = replace(
+    EARLY_STOP_GPU, requests=120, prompt_words=(8, 32, 96), max_new_tokens=(64,),
+    eos_after=(4, 32), prefill_tokens=4096,
+    note="early-stop scaled by a quarter for a 2-core CPU: max_new_tokens 64, EOS after K in "
+         "4..32, 120 requests, KV capacity of 12 full-length reservations")
+
+SMOKE = Workload(
+    name="smoke", requests=6, concurrency=2, prompt_words=(4, 12), max_new_tokens=(4, 8),
+    dynamic_batch_size=2, max_batch_delay_ms=20, prefill_tokens=512,
+    note="a smoke test: 6 requests, 2 clients, outputs 4/8")
+
+
+@dataclass(frozen=True)
+class Preset:
+    name: str
+    workloads: tuple[Workload, ...]
+    repetitions: int
+    model: str                  # "demo" (tiny local model) or "llama-2-7b" (random bf16 weights)
+    description: str = ""
+    extra: dict = field(default_factory=dict)
+
+
+PRESETS = {
+    "cpu": Preset("cpu", (LMI_CPU, EARLY_STOP_CPU), repetitions=2, model="demo",
+                  description="tiny demo Llama on CPU; the whole comparison in under 10 minutes"),
+    "gpu": Preset("gpu", (LMI_GPU, EARLY_STOP_GPU), repetitions=2, model="llama-2-7b",
+                  description="Llama-2-7B shape, random bf16 weights, on one GPU"),
+    "smoke": Preset("smoke", (SMOKE,), repetitions=1, model="demo",
+                    description="seconds-long check that every server answers"),
+}

@@ -1,0 +1,600 @@
+"""serving.properties + environment -> one frozen ServingConfig (LMI conventions).
+
+Precedence for every key: a value in the properties file wins over the environment;
+among environment variables an explicit OPTION_<KEY>/SERVING_<KEY> wins over the
+LMI/TGI aliases (HF_MODEL_ID, MAX_BATCH_SIZE, ...). Errors are ConfigError with one
+line naming where the value came from, the key, the value and what is allowed.
+No torch at import time and no transformers at all: `python -m handler config` is cheap.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import difflib
+import glob
+import json
+import os
+import re
+import sys
+from dataclasses import dataclass
+from typing import Callable, Iterator, Mapping
+
+DEFAULT_MODEL_DIR = "/opt/ml/model"
+DEFAULT_ENTRY_POINT = "djl_python.huggingface"
+
+
+class ConfigError(Exception):
+    """A configuration problem; str(e) is the single line shown to the user."""
+
+
+class PropertiesSyntaxError(ValueError):
+    def __init__(self, line: int, message: str):
+        super().__init__(f"line {line}: {message}")
+        self.line = line
+        self.message = message
+
+
+# --------------------------------------------------------------------------------------
+# java.util.Properties.load syntax
+# --------------------------------------------------------------------------------------
+_WS = " \t\f"  # Java's whitespace here: not \v, not unicode spaces
+_NEWLINE = re.compile(r"\r\n|\r|\n")  # not str.splitlines: that also splits on \x85, \u2028...
+_HEX4 = re.compile(r"[0-9a-fA-F]{4}")
+_ESCAPES = {"t": "\t", "n": "\n", "r": "\r", "f": "\f"}
+
+
+def _logical_lines(text: str) -> Iterator[tuple[int, str]]:
+    """(first line number, logical line): comments and blank lines skipped, continuations
+    joined with the continuation line's leading whitespace dropped. As in Java, while a
+    logical line is still empty (e.g. after a lone `\\`) the next line starts afresh."""
+    buf, start, pending = "", 0, False
+    natural = _NEWLINE.split(text)
+    if natural[-1] == "":
+        natural.pop()  # the text ended with a terminator: no further line
+    for i, raw in enumerate(natural):
+        line = raw.lstrip(_WS)
+        if not buf:
+            start = i + 1
+            if not line or line[0] in "#!":  # a comment line never continues
+                pending = False
+                continue
+        pending = (len(line) - len(line.rstrip("\\"))) % 2 == 1
+        if pending:
+            buf += line[:-1]
+            continue
+        yield start, buf + line
+        buf = ""
+    if pending:  # a backslash at the end of the input is dropped
+        yield start, buf
+
+
+def _unescape(s: str, lineno: int) -> str:
+    out = []
+    i, n = 0, len(s)
+    while i < n:
+        c = s[i]
+        i += 1
+        if c != "\\":
+            out.append(c)
+        elif i < n:
+            c = s[i]
+            i += 1
+            if c == "u":
+                if not _HEX4.fullmatch(s, i, i + 4):
+                    raise PropertiesSyntaxError(lineno, f"malformed \\uXXXX escape: {s[i - 2:i + 4]!r}")
+                out.append(chr(int(s[i:i + 4], 16)))
+                i += 4
+            else:
+                out.append(_ESCAPES.get(c, c))
+    r = "".join(out)
+    if any("\ud800" <= ch <= "\udfff" for ch in r):  # join \uD83D\uDE00 pairs into one char
+        r = r.encode("utf-16-le", "surrogatepass").decode("utf-16-le", "surrogatepass")
+    return r
+
+
+def _split_key_value(line: str) -> tuple[str, str]:
+    """Raw (still escaped) key and value of one logical line, as Properties.load does."""
+    n = len(line)
+    key_end = value_start = n
+    has_sep = backslash = False
+    for i, c in enumerate(line):
+        if not backslash and c in "=:":
+            key_end, value_start, has_sep = i, i + 1, True
+            break
+        if not backslash and c in _WS:
+            key_end, value_start = i, i + 1
+            break
+        backslash = (c == "\\") and not backslash
+    while value_start < n:
+        c = line[value_start]
+        if c not in _WS:
+            if has_sep or c not in "=:":
+                break
+            has_sep = True
+        value_start += 1
+    return line[:key_end], line[value_start:]
+
+
+def parse_properties_lines(text: str) -> list[tuple[int, str, str]]:
+    """[(line number, key, value)] in file order (duplicates kept)."""
+    out = []
+    for lineno, line in _logical_lines(text):
+        k, v = _split_key_value(line)
+        out.append((lineno, _unescape(k, lineno), _unescape(v, lineno)))
+    return out
+
+
+def parse_properties(text: str) -> dict[str, str]:
+    """java.util.Properties.load semantics; a later duplicate key wins.
+    Raises PropertiesSyntaxError (a ValueError) on a malformed \\uXXXX escape."""
+    return {k: v for _, k, v in parse_properties_lines(text)}
+
+
+# --------------------------------------------------------------------------------------
+# Keys
+# --------------------------------------------------------------------------------------
+class _Bad(ValueError):
+    """What is wrong with a value, completed by the caller with source/key/value."""
+
+
+def _int(minimum: int) -> Callable[[str], int]:
+    what = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
+
+    def parse(v: str) -> int:
+        if not re.fullmatch(r"[+]?[0-9]+", v) or int(v) < minimum:
+            raise _Bad(f"is not {what}")
+        return int(v)
+
+    return parse
+
+
+def _float(lo: float, hi: float | None, lo_open: bool, what: str) -> Callable[[str], float]:
+    def parse(v: str) -> float:
+        try:
+            x = float(v)
+        except ValueError:
+            raise _Bad(f"is not {what}") from None
+        if "_" in v or x != x or x in (float("inf"), float("-inf")) \
+                or (x <= lo if lo_open else x < lo) or (hi is not None and x > hi):
+            raise _Bad(f"is not {what}")
+        return x
+
+    return parse
+
+
+def _bool(v: str) -> bool:
+    if v.lower() in ("true", "false"):
+        return v.lower() == "true"
+    raise _Bad("is not a boolean; allowed: true, false")
+
+
+def _enum(allowed: list[str], aliases: Mapping[str, str] | None = None) -> Callable[[str], str]:
+    table = {a.lower(): a for a in allowed}
+    table.update({k.lower(): v for k, v in (aliases or {}).items()})
+
+    def parse(v: str) -> str:
+        if v.lower() not in table:
+            raise _Bad(f"is not supported; allowed: {', '.join(allowed)}")
+        return table[v.lower()]
+
+    return parse
+
+
+def _block_size(v: str) -> int:
+    n = int(v) if re.fullmatch(r"[+]?[0-9]+", v) else 0
+    if not 1 <= n <= 256 or n & (n - 1):
+        raise _Bad("is not a power of two from 1 to 256")
+    return n
+
+
+def _tp_degree(v: str) -> int | str:
+    if v.lower() == "max":
+        return "max"
+    try:
+        return _int(1)(v)
+    except _Bad:
+        raise _Bad("is not a positive integer or max") from None
+
+
+def _non_empty(v: str) -> str:
+    if not v:
+        raise _Bad("is empty")
+    return v
+
+
+ROLLING_BATCH_VALUES = ["auto", "scheduler", "lmi-dist", "vllm", "disable"]
+
+# key -> value parser. Keys honoured by this server.
+TYPED_KEYS: dict[str, Callable[[str], object]] = {
+    "engine": _enum(["Python", "MPI"]),
+    "batch_size": _int(1),
+    "max_batch_delay": _int(0),
+    "job_queue_size": _int(1),
+    "max_idle_time": _int(1),
+    "request_timeout": _float(0.0, None, True, "a positive number of seconds"),
+    "option.model_id": _non_empty,
+    "option.s3url": _non_empty,  # LMI's older name for an s3:// model_id
+    "option.rolling_batch": _enum(ROLLING_BATCH_VALUES),
+    "option.paged_attention": _bool,
+    "option.max_rolling_batch_size": _int(1),
+    "option.max_rolling_batch_prefill_tokens": _int(1),
+    "option.block_size": _block_size,
+    "option.enable_prefix_caching": _bool,
+    "option.kv_cache_tokens": _int(1),
+    "option.gpu_memory_utilization": _float(0.0, 1.0, True, "a number in (0, 1]"),
+    "option.max_model_len": _int(1),
+    "option.dtype": _enum(["fp32", "fp16", "bf16", "auto"],
+                          {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}),
+    "option.device": _enum(["auto", "cpu", "cuda"]),
+    "option.tensor_parallel_degree": _tp_degree,
+    "option.trust_remote_code": _bool,
+    "option.entryPoint": _non_empty,
+    "option.output_formatter": _enum(["json", "jsonlines", "sse"]),
+    "option.enable_streaming": _bool,  # LMI's switch; checked against dynamic batching
+}
+
+# Real LMI keys that change nothing here: accepted quietly so LMI files don't warn.
+IGNORED_KEYS = {
+    "minWorkers", "maxWorkers", "gpu.minWorkers", "gpu.maxWorkers", "cpu.minWorkers",
+    "cpu.maxWorkers", "load_on_devices", "required_memory_mb", "reserved_memory_mb",
+    "log_model_metric", "metrics_aggregation", "translatorFactory",
+    "option.quantize", "option.max_input_len", "option.max_output_len", "option.task",
+    "option.revision", "option.model_loading_timeout", "option.low_cpu_mem_usage",
+    "option.device_map", "option.load_in_8bit", "option.load_in_4bit", "option.mpi_mode",
+    "option.parallel_loading", "option.enforce_eager", "option.disable_flash_attn",
+    "option.pipeline_parallel_degree", "option.tgi_compat", "option.max_num_batched_tokens",
+    "option.rolling_batch_strategy", "option.predict_timeout",
+}
+
+KNOWN_KEYS = set(TYPED_KEYS) | IGNORED_KEYS
+_BY_LOWER = {k.lower(): k for k in KNOWN_KEYS}  # file keys: case-insensitive
+
+
+def _norm(key: str) -> str:
+    return key.lower().replace("_", "")
+
+
+_BY_NORM = {_norm(k): k for k in KNOWN_KEYS}  # env keys: case- and underscore-insensitive
+assert len(_BY_NORM) == len(KNOWN_KEYS), "two known keys collide once normalised"
+
+# Environment aliases; among several for one key the first one set wins.
+ENV_ALIASES: list[tuple[str, str]] = [
+    ("HF_MODEL_ID", "option.model_id"),
+    ("HF_MODEL_TRUST_REMOTE_CODE", "option.trust_remote_code"),
+    ("TENSOR_PARALLEL_DEGREE", "option.tensor_parallel_degree"),
+    ("SM_NUM_GPUS", "option.tensor_parallel_degree"),
+    ("MAX_BATCH_SIZE", "option.max_rolling_batch_size"),
+    ("MAX_CONCURRENT_REQUESTS", "job_queue_size"),
+    ("MAX_BATCH_PREFILL_TOKENS", "option.max_rolling_batch_prefill_tokens"),
+    ("SAGEMAKER_MODEL_SERVER_TIMEOUT", "request_timeout"),
+]
+
+
+# --------------------------------------------------------------------------------------
+# The resolved configuration
+# --------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ServingConfig:
+    strategy: str                 # "none" | "dynamic" | "rolling" | "paged"
+    engine: str                   # "Python" | "MPI"
+    model_id: str                 # as given (local path or s3:// URI)
+    model_dir: str                # absolute local dir to load; "" for s3:// (cache chosen later)
+    properties_file: str | None
+    batch_size: int
+    max_batch_delay_ms: int
+    job_queue_size: int
+    max_idle_time_s: int
+    request_timeout_s: float
+    rolling_batch: str            # "disable" | "auto" | "scheduler" | "lmi-dist" | "vllm"
+    paged_attention: bool
+    max_rolling_batch_size: int
+    max_rolling_batch_prefill_tokens: int
+    block_size: int
+    enable_prefix_caching: bool
+    kv_cache_tokens: int | None   # None = derive at start-up
+    gpu_memory_utilization: float
+    max_model_len: int | None     # None = the model's own
+    dtype: str                    # "fp32" | "fp16" | "bf16" | "auto"
+    device: str                   # "auto" | "cpu" | "cuda"
+    tensor_parallel_degree: int
+    trust_remote_code: bool
+    entry_point: str
+    output_formatter: str         # "json" | "jsonlines" | "sse"
+    port: int
+    warnings: tuple[str, ...]
+    properties: dict = dataclasses.field(hash=False)  # merged raw properties, key -> value
+
+
+@dataclass
+class _Value:
+    raw: str
+    source: str  # "path:line" or "environment VAR"
+
+
+def _show(v: str) -> str:
+    """A value as it can be shown on one line."""
+    return v if v.isprintable() and v == v.strip() and v else json.dumps(v)
+
+
+def _env_properties(env: Mapping[str, str]) -> dict[str, _Value]:
+    out: dict[str, _Value] = {}
+    for var in sorted(env):
+        val = env[var]
+        if val == "":
+            continue  # `-e OPTION_X=` means unset
+        if var.startswith("OPTION_") and len(var) > 7:
+            key = "option." + var[7:].lower()
+        elif var.startswith("SERVING_") and len(var) > 8:
+            key = var[8:].lower()
+        else:
+            continue
+        out[_BY_NORM.get(_norm(key), key)] = _Value(val, f"environment {var}")
+    for var, key in ENV_ALIASES:
+        if env.get(var) and key not in out:
+            out[key] = _Value(env[var], f"environment {var}")
+    return out
+
+
+def _read_properties(path: str) -> dict[str, _Value]:
+    try:
+        with open(path, encoding="utf-8-sig") as f:
+            text = f.read()
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read: {e.strerror}") from None
+    try:
+        lines = parse_properties_lines(text)
+    except PropertiesSyntaxError as e:
+        raise ConfigError(f"{path}:{e.line}: {e.message}") from None
+    return {_BY_LOWER.get(k.lower(), k): _Value(v, f"{path}:{n}") for n, k, v in lines}
+
+
+def _visible_gpus() -> int:
+    try:
+        import torch  # lazily: `config` must stay cheap when no GPU question is asked
+    except ImportError:
+        return 0
+    return torch.cuda.device_count()
+
+
+_S3_URI = re.compile(r"s3://[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9](/.*)?", re.IGNORECASE)
+
+
+def _check_model_dir(path: str) -> None:
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise ConfigError(f"model directory {path} has no config.json; "
+                          "it must hold a Hugging Face model (config.json + *.safetensors)")
+    if glob.glob(os.path.join(glob.escape(path), "*.safetensors")):
+        return
+    bins = glob.glob(os.path.join(glob.escape(path), "*.bin"))
+    if bins:
+        raise ConfigError(f"model directory {path} has {os.path.basename(sorted(bins)[0])} but no "
+                          "*.safetensors; safetensors weights are required (re-save with "
+                          "model.save_pretrained(dir, safe_serialization=True))")
+    raise ConfigError(f"model directory {path} has no *.safetensors weights")
+
+
+def load_config(properties_path: str | None = None, model_dir: str | None = None,
+                env: Mapping[str, str] | None = None, check_model: bool = True,
+                gpu_count: int | None = None) -> ServingConfig:
+    env = os.environ if env is None else env
+    model_dir = os.path.abspath(model_dir or DEFAULT_MODEL_DIR)
+    if properties_path is None:
+        default = os.path.join(model_dir, "serving.properties")
+        properties_path = default if os.path.isfile(default) else None
+    elif not os.path.isfile(properties_path):
+        raise ConfigError(f"properties file {properties_path} does not exist")
+
+    warnings: list[str] = []
+    merged = _env_properties(env)
+    if properties_path is not None:
+        for key, val in _read_properties(properties_path).items():
+            old = merged.get(key)
+            if old is not None and old.raw.strip() != val.raw.strip():
+                warnings.append(f"{old.source}={_show(old.raw)} is overridden by "
+                                f"{val.source}: {key}={_show(val.raw)}")
+            merged[key] = val
+
+    def parse(key):
+        val = merged.get(key)
+        if val is None:
+            return None
+        try:
+            return TYPED_KEYS[key](val.raw.strip())
+        except _Bad as e:
+            raise ConfigError(f"{val.source}: {key}={_show(val.raw)} {e}") from None
+
+    def where(key):
+        return f"{merged[key].source}: {key}={_show(merged[key].raw)}"
+
+    values = {k: parse(k) for k in TYPED_KEYS}  # every present typed key, validated up front
+
+    def get(key, default=None):
+        return default if values[key] is None else values[key]
+
+    unknown = sorted(k for k in merged if k not in KNOWN_KEYS)
+    if unknown:
+        named = []
+        for k in unknown:
+            src = merged[k].source
+            hint = difflib.get_close_matches(k, sorted(KNOWN_KEYS), n=1)
+            named.append(k + (f" ({src.split()[1]})" if src.startswith("environment") else "")
+                         + (f" (did you mean {hint[0]}?)" if hint else ""))
+        warnings.append("unknown keys ignored: " + ", ".join(named))
+
+    # --- strategy (LMI semantics)
+    batch_size = get("batch_size", 1)
+    rolling_batch = get("option.rolling_batch", "disable")
+    paged = get("option.paged_attention")
+    max_rolling = get("option.max_rolling_batch_size", 32)
+    if rolling_batch == "disable":
+        strategy = "dynamic" if batch_size > 1 else "none"
+        if paged:
+            warnings.append(f"{where('option.paged_attention')} has no effect without "
+                            "option.rolling_batch (set option.rolling_batch=auto for paged attention)")
+        paged = False
+        unused = [k for k in ("option.max_rolling_batch_size", "option.max_rolling_batch_prefill_tokens")
+                  if k in merged]
+    else:
+        if rolling_batch == "scheduler" and paged:
+            raise ConfigError(f"{where('option.paged_attention')} is not supported with "
+                              "option.rolling_batch=scheduler; use option.rolling_batch=auto for paged attention")
+        if paged is None:
+            paged = rolling_batch != "scheduler"
+        strategy = "paged" if paged else "rolling"
+        if batch_size > 1:
+            warnings.append(f"{where('batch_size')} is ignored with option.rolling_batch="
+                            f"{rolling_batch} (option.max_rolling_batch_size={max_rolling} governs)")
+        unused = []
+    if strategy != "dynamic" and "max_batch_delay" in merged:
+        unused.append("max_batch_delay")
+    if unused:
+        warnings.append(f"ignored with strategy {strategy}: {', '.join(unused)}")
+
+    output_formatter = get("option.output_formatter", "json")
+    if strategy == "dynamic":
+        for key, streams in (("option.output_formatter", output_formatter in ("jsonlines", "sse")),
+                             ("option.enable_streaming", get("option.enable_streaming", False))):
+            if streams:
+                raise ConfigError(f"{where(key)} streams tokens, which dynamic batching "
+                                  f"(batch_size={batch_size}) cannot do; use option.rolling_batch=auto "
+                                  "to stream, or drop the streaming setting")
+
+    block_size = get("option.block_size", 16)
+    kv_tokens = get("option.kv_cache_tokens")
+    max_model_len = get("option.max_model_len")
+    if kv_tokens is not None and kv_tokens < block_size:
+        raise ConfigError(f"{where('option.kv_cache_tokens')} is smaller than "
+                          f"option.block_size={block_size}; it must be >= the block size")
+    if kv_tokens is not None and max_model_len is not None and kv_tokens < max_model_len:
+        raise ConfigError(f"{where('option.kv_cache_tokens')} cannot hold one sequence of "
+                          f"option.max_model_len={max_model_len}; raise it or lower max_model_len")
+
+    entry_point = get("option.entryPoint", DEFAULT_ENTRY_POINT)
+    if entry_point != DEFAULT_ENTRY_POINT:
+        warnings.append(f"{where('option.entryPoint')} is not run: this server always uses its "
+                        f"built-in Hugging Face engine ({DEFAULT_ENTRY_POINT})")
+
+    # --- devices: ask torch only when the answer matters
+    device = get("option.device", "auto")
+    tp = get("option.tensor_parallel_degree", 1)
+    if tp == "max" or tp > 1 or device == "cuda":
+        if gpu_count is None:
+            gpu_count = _visible_gpus()
+    if device == "cuda" and gpu_count == 0:
+        raise ConfigError(f"{where('option.device')} but no CUDA GPU is visible; use option.device=auto or cpu")
+    if tp == "max":
+        tp = max(gpu_count, 1)
+    if tp > 1:
+        if tp > max(gpu_count, 1):
+            raise ConfigError(f"{where('option.tensor_parallel_degree')} needs {tp} GPUs, {gpu_count} visible; "
+                              "this server runs the model on one device: "
+                              "set option.tensor_parallel_degree=1")
+        raise ConfigError(f"{where('option.tensor_parallel_degree')}: tensor parallelism is not "
+                          "implemented yet (the model runs on one device); set option.tensor_parallel_degree=1")
+
+    port_raw = env.get("SAGEMAKER_BIND_TO_PORT", "").strip()
+    port = 8080
+    if port_raw:
+        if not re.fullmatch(r"[0-9]+", port_raw) or not 1 <= int(port_raw) <= 65535:
+            raise ConfigError(f"environment SAGEMAKER_BIND_TO_PORT={_show(port_raw)} "
+                              "is not a port number (1-65535)")
+        port = int(port_raw)
+
+    # --- where the model is
+    mkey = "option.model_id" if "option.model_id" in merged else \
+        "option.s3url" if "option.s3url" in merged else None
+    if mkey is not None:
+        model_id = get(mkey)
+        if model_id[:5].lower() == "s3://":
+            if not _S3_URI.fullmatch(model_id):
+                raise ConfigError(f"{where(mkey)} is not a valid s3://bucket/prefix URI")
+            local = ""
+        else:
+            path = os.path.expanduser(model_id)
+            bases = [os.path.dirname(os.path.abspath(properties_path))] if properties_path else []
+            candidates = [path] if os.path.isabs(path) else \
+                [os.path.join(b, path) for b in bases + [os.getcwd()]]
+            local = next((os.path.abspath(c) for c in candidates if os.path.isdir(c)), None)
+            if local is None:
+                raise ConfigError(
+                    f"{where(mkey)} is neither a local directory nor an s3:// URI; this container "
+                    "has no model hub access: put the model (config.json + *.safetensors) in the "
+                    f"model directory (--model-dir, default {DEFAULT_MODEL_DIR}) or set "
+                    "option.model_id to a local directory or s3://bucket/prefix")
+    else:
+        model_id = local = model_dir
+        if check_model and not os.path.isdir(model_dir):
+            raise ConfigError(f"model directory {model_dir} does not exist; pass --model-dir DIR "
+                              "or set option.model_id to a local directory or s3://bucket/prefix")
+    if check_model and local:
+        _check_model_dir(local)
+
+    return ServingConfig(
+        strategy=strategy,
+        engine=get("engine", "Python"),
+        model_id=model_id,
+        model_dir=local,
+        properties_file=os.path.abspath(properties_path) if properties_path else None,
+        batch_size=batch_size,
+        max_batch_delay_ms=get("max_batch_delay", 100),
+        job_queue_size=get("job_queue_size", 1000),
+        max_idle_time_s=get("max_idle_time", 60),
+        request_timeout_s=get("request_timeout", 600.0),
+        rolling_batch=rolling_batch,
+        paged_attention=paged,
+        max_rolling_batch_size=max_rolling,
+        max_rolling_batch_prefill_tokens=get("option.max_rolling_batch_prefill_tokens", 4096),
+        block_size=block_size,
+        enable_prefix_caching=get("option.enable_prefix_caching", False),
+        kv_cache_tokens=kv_tokens,
+        gpu_memory_utilization=get("option.gpu_memory_utilization", 0.9),
+        max_model_len=max_model_len,
+        dtype=get("option.dtype", "auto"),
+        device=device,
+        tensor_parallel_degree=tp,
+        trust_remote_code=get("option.trust_remote_code", False),
+        entry_point=entry_point,
+        output_formatter=output_formatter,
+        port=port,
+        warnings=tuple(warnings),
+        properties={k: v.raw for k, v in sorted(merged.items())},
+    )
+
+
+def config_to_dict(cfg: ServingConfig) -> dict:
+    d = dataclasses.asdict(cfg)
+    d["warnings"] = list(cfg.warnings)
+    return {"strategy": d.pop("strategy"), **d}
+
+
+def main(argv: list[str]) -> int:
+    """`python -m handler config [--properties FILE] [--model-dir DIR]`: print the resolved config."""
+    if argv[:1] == ["config"]:
+        argv = argv[1:]
+    p = argparse.ArgumentParser(prog="python -m handler config",
+                                description="Resolve serving.properties + environment and print it as JSON.")
+    p.add_argument("--properties", metavar="FILE",
+                   help="properties file (default: MODEL_DIR/serving.properties if it exists)")
+    p.add_argument("--model-dir", metavar="DIR", help=f"model directory (default {DEFAULT_MODEL_DIR})")
+    p.add_argument("--no-check-model", action="store_true",
+                   help="don't require config.json and *.safetensors in the model directory")
+    args = p.parse_args(argv)
+    try:
+        cfg = load_config(args.properties, args.model_dir, check_model=not args.no_check_model)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    for w in cfg.warnings:
+        print(f"warning: {w}", file=sys.stderr)
+    try:
+        print(json.dumps(config_to_dict(cfg), indent=2), flush=True)
+    except BrokenPipeError:  # `... | head`: not an error; keep the exit-time flush quiet too
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,278 @@
+"""Admission and per-step plans for the four strategies. No torch: plain ids and counts only.
+
+One rule for every strategy (as in vLLM v1): a sequence has `num_computed` tokens in the KV
+cache; each step gives it the tokens it lacks (a prompt chunk, or the last sampled token), and
+it samples when it has caught up. The strategies differ only in admission and KV reservation:
+
+  none     one sequence at a time; reserves prompt + max_new_tokens
+  dynamic  request level: a batch of up to batch_size forms when that many wait or
+           max_batch_delay passed since the first arrived; nobody joins until all finish
+  rolling  iteration level: join/leave every step; reserves prompt + max_new_tokens at admission
+  paged    iteration level: blocks on demand; preempt (recompute) the newest when they run out
+"""
+from __future__ import annotations
+
+import itertools
+from collections import deque
+from dataclasses import dataclass, field
+
+from .blocks import BlockManager
+from .request import SamplingParams
+
+STRATEGIES = ("none", "dynamic", "rolling", "paged")
+
+
+class QueueFull(Exception):
+    pass
+
+
+class CapacityError(ValueError):
+    """A request that can never fit in the KV cache or the model's context."""
+
+
+@dataclass(frozen=True)
+class SchedulerPolicy:
+    strategy: str
+    max_batch_size: int = 32            # batch_size (dynamic) / max_rolling_batch_size
+    max_batch_delay_s: float = 0.1      # dynamic only
+    prefill_token_budget: int = 4096    # rolling/paged: prompt tokens per step
+    max_waiting: int = 1000             # job_queue_size
+    max_model_len: int = 2048
+    eos_token_ids: frozenset = frozenset()
+
+    def __post_init__(self):
+        if self.strategy not in STRATEGIES:
+            raise ValueError(f"strategy must be one of {STRATEGIES}, got {self.strategy!r}")
+
+
+@dataclass(eq=False)
+class Sequence:
+    seq_id: int
+    prompt_ids: list[int]
+    params: SamplingParams
+    arrival: float
+    tokens: list[int] = field(default_factory=list)   # prompt + output; grows as we decode
+    num_computed: int = 0
+    finish_reason: str | None = None
+    admitted: int = -1          # admission order, for preemption victims
+    preemptions: int = 0
+    cached_tokens: int = 0      # prompt tokens served from the prefix cache
+
+    def __post_init__(self):
+        if not self.tokens:
+            self.tokens = list(self.prompt_ids)
+
+    @property
+    def num_output(self) -> int:
+        return len(self.tokens) - len(self.prompt_ids)
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.tokens[len(self.prompt_ids):]
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(frozen=True)
+class StepItem:
+    seq_id: int
+    token_ids: list[int]        # fed this step, at positions start_pos .. start_pos+len-1
+    start_pos: int
+    block_table: list[int]
+    sample: bool                # the chunk reaches the end of the known tokens
+    params: SamplingParams
+    history: list[int]          # prompt + output so far (repetition penalty); do not mutate
+
+
+@dataclass
+class StepPlan:
+    items: list[StepItem]
+    preempted: list[int] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(i.token_ids) for i in self.items)
+
+
+class Scheduler:
+    def __init__(self, policy: SchedulerPolicy, blocks: BlockManager):
+        self.policy = policy
+        self.blocks = blocks
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.seqs: dict[int, Sequence] = {}
+        self._order = itertools.count()
+        self.stats = {"steps": 0, "prefill_tokens": 0, "decode_tokens": 0, "preemptions": 0,
+                      "cached_prompt_tokens": 0, "admitted": 0}
+
+    # ---- intake
+    def max_len(self, seq: Sequence) -> int:
+        return min(len(seq.prompt_ids) + seq.params.max_new_tokens, self.policy.max_model_len)
+
+    def check_fits(self, prompt_len: int, params: SamplingParams) -> None:
+        cap = self.policy.max_model_len
+        if prompt_len >= cap:
+            raise CapacityError(f"inputs: the prompt has {prompt_len} tokens; this model allows "
+                                f"at most {cap - 1} prompt tokens (max_model_len={cap})")
+        need = min(prompt_len + params.max_new_tokens, cap)
+        room = self.blocks.num_blocks * self.blocks.block_size
+        if need > room:
+            raise CapacityError(f"parameters.max_new_tokens: prompt ({prompt_len} tokens) + "
+                                f"max_new_tokens ({params.max_new_tokens}) needs {need} KV slots; "
+                                f"the KV cache holds {room} (option.kv_cache_tokens)")
+
+    def add(self, seq: Sequence) -> None:
+        if len(self.waiting) >= self.policy.max_waiting:
+            raise QueueFull(f"the queue is full ({self.policy.max_waiting} waiting; job_queue_size)")
+        self.check_fits(len(seq.prompt_ids), seq.params)
+        self.seqs[seq.seq_id] = seq
+        self.waiting.append(seq)
+
+    def room_for(self, n: int) -> bool:
+        return len(self.waiting) + n <= self.policy.max_waiting
+
+    def finish(self, seq_id: int, reason: str) -> Sequence | None:
+        """End a sequence (done, cancelled or failed) and return its blocks."""
+        seq = self.seqs.pop(seq_id, None)
+        if seq is None:
+            return None
+        seq.finish_reason = seq.finish_reason or reason
+        if seq in self.running:
+            self.running.remove(seq)
+        else:
+            try:
+                self.waiting.remove(seq)
+            except ValueError:
+                pass
+        self.blocks.free(seq_id)
+        return seq
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ---- planning
+    def next_wakeup(self, now: float) -> float | None:
+        """Seconds until admission could change without new arrivals (dynamic's delay)."""
+        if self.policy.strategy == "dynamic" and self.waiting and not self.running:
+            return max(0.0, self.waiting[0].arrival + self.policy.max_batch_delay_s - now)
+        return None
+
+    def _reserve(self, seq: Sequence) -> int:
+        return len(seq.tokens) if self.policy.strategy == "paged" else self.max_len(seq)
+
+    def _admit(self, seq: Sequence) -> bool:
+        # Paged keeps one spare block per running sequence so admission does not preempt at once.
+        watermark = len(self.running) if self.policy.strategy == "paged" else 0
+        if not self.blocks.can_allocate(seq.tokens, self._reserve(seq), watermark):
+            return False
+        cached = self.blocks.allocate(seq.seq_id, seq.tokens, self._reserve(seq))
+        seq.num_computed = cached
+        seq.cached_tokens += cached
+        self.stats["cached_prompt_tokens"] += cached
+        seq.admitted = next(self._order)
+        self.stats["admitted"] += 1
+        self.waiting.popleft()
+        self.running.append(seq)
+        return True
+
+    def _admission(self, now: float) -> None:
+        p, s = self.policy, self.policy.strategy
+        if s in ("none", "dynamic"):
+            if self.running or not self.waiting:
+                return
+            cap = 1 if s == "none" else p.max_batch_size
+            if s == "dynamic" and len(self.waiting) < cap and \
+                    now < self.waiting[0].arrival + p.max_batch_delay_s:
+                return
+            while self.waiting and len(self.running) < cap and self._admit(self.waiting[0]):
+                pass
+            return
+        budget = p.prefill_token_budget - sum(len(q.tokens) - q.num_computed for q in self.running
+                                              if len(q.tokens) - q.num_computed > 1)
+        while self.waiting and len(self.running) < p.max_batch_size and budget > 0:
+            head = self.waiting[0]
+            if not self._admit(head):
+                break
+            budget -= len(head.tokens) - head.num_computed
+
+    def _preempt(self, victim: Sequence) -> None:
+        self.running.remove(victim)
+        self.blocks.free(victim.seq_id)
+        victim.num_computed = 0
+        victim.preemptions += 1
+        self.stats["preemptions"] += 1
+        self.waiting.appendleft(victim)
+
+    def schedule(self, now: float) -> StepPlan:
+        self._admission(now)
+        preempted: list[int] = []
+        budget = self.policy.prefill_token_budget
+        unlimited = self.policy.strategy in ("none", "dynamic")
+        items: list[StepItem] = []
+        for seq in sorted(self.running, key=lambda q: q.admitted):
+            if seq not in self.running:          # preempted below as a victim
+                continue
+            n = len(seq.tokens) - seq.num_computed
+            if n > 1 and not unlimited:          # prefill chunk: bounded by the token budget
+                n = min(n, budget)
+                if n <= 0:
+                    continue
+                budget -= n
+            if self.policy.strategy == "paged":
+                while not self.blocks.ensure(seq.seq_id, seq.num_computed + n):
+                    victim = max(self.running, key=lambda q: q.admitted)
+                    self._preempt(victim)
+                    preempted.append(victim.seq_id)
+                    if victim is seq:
+                        break
+                if seq not in self.running:
+                    continue
+            items.append(StepItem(
+                seq.seq_id, seq.tokens[seq.num_computed:seq.num_computed + n], seq.num_computed,
+                self.blocks.table(seq.seq_id), seq.num_computed + n == len(seq.tokens),
+                seq.params, seq.tokens))
+        # A victim chosen after its own item was planned must not run this step.
+        if preempted:
+            gone = set(preempted)
+            items = [i for i in items if i.seq_id not in gone]
+        return StepPlan(items, preempted)
+
+    def update(self, plan: StepPlan, sampled: list[int]) -> list[Sequence]:
+        """Apply a step's results (one token per sampling item, in order). Returns the
+        sequences that got a token; finishes those that hit length or EOS."""
+        self.stats["steps"] += 1
+        got: list[Sequence] = []
+        it = iter(sampled)
+        for item in plan.items:
+            seq = self.seqs.get(item.seq_id)
+            token = next(it) if item.sample else None
+            if seq is None or seq not in self.running:   # aborted while the step ran
+                continue
+            n = len(item.token_ids)
+            self.stats["decode_tokens" if n == 1 and item.sample and seq.num_output else
+                       "prefill_tokens"] += n
+            seq.num_computed += n
+            self.blocks.commit(seq.seq_id, seq.tokens, seq.num_computed)
+            if token is None:
+                continue
+            seq.tokens.append(token)
+            got.append(seq)
+            p = seq.params
+            if token in self.policy.eos_token_ids and not p.ignore_eos:
+                seq.finish_reason = "eos_token"
+            elif p.eos_after is not None and seq.num_output >= p.eos_after:
+                seq.finish_reason = "eos_token"
+            elif seq.num_output >= p.max_new_tokens or len(seq.tokens) >= self.policy.max_model_len:
+                seq.finish_reason = "length"
+        return got
+
+    # ---- observability
+    def kv_usage(self) -> dict:
+        stored = sum(s.num_computed for s in self.running)
+        allocated = self.blocks.allocated_tokens()
+        return {"kv_tokens_stored": stored, "kv_tokens_allocated": allocated,
+                "kv_tokens_total": self.blocks.num_blocks * self.blocks.block_size,
+                "kv_utilization": stored / allocated if allocated else 0.0}

@@ -1,0 +1,136 @@
+"""`python -m handler serve`: validate the configuration, then run gunicorn (one worker process
+holding the model and the engine; gthread threads give HTTP concurrency)."""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import threading
+
+log = logging.getLogger("lmi.server")
+
+
+def build_engine(cfg):
+    """ServingConfig -> a started Engine (loads the model; the slow part)."""
+    from .engine import Engine
+    from .runner import ModelRunner
+    from .scheduler import SchedulerPolicy
+
+    width = {"none": 1, "dynamic": cfg.batch_size}.get(cfg.strategy, cfg.max_rolling_batch_size)
+    runner = ModelRunner(cfg.model_dir, dtype=cfg.dtype, device=cfg.device, block_size=cfg.block_size,
+                         kv_cache_tokens=cfg.kv_cache_tokens,
+                         default_kv_tokens=width * (cfg.max_model_len or 2048),
+                         gpu_memory_utilization=cfg.gpu_memory_utilization,
+                         max_model_len=cfg.max_model_len, trust_remote_code=cfg.trust_remote_code)
+    policy = SchedulerPolicy(cfg.strategy, max_batch_size=width,
+                             max_batch_delay_s=cfg.max_batch_delay_ms / 1000.0,
+                             prefill_token_budget=cfg.max_rolling_batch_prefill_tokens,
+                             max_waiting=cfg.job_queue_size, max_model_len=runner.max_model_len,
+                             eos_token_ids=runner.eos_token_ids)
+    return Engine(runner, policy, cfg.block_size, cfg.enable_prefix_caching).start()
+
+
+def check_model_readable(model_dir: str) -> None:
+    """Cheap checks in the master process (no torch): config.json parses, safetensors headers read."""
+    from safetensors import safe_open
+
+    from .config import ConfigError
+    try:
+        with open(os.path.join(model_dir, "config.json")) as f:
+            json.load(f)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"model {model_dir}: config.json is unreadable ({e})") from None
+    for name in sorted(os.listdir(model_dir)):
+        if name.endswith(".safetensors"):
+            try:
+                with safe_open(os.path.join(model_dir, name), framework="numpy") as f:
+                    f.keys()
+            except Exception as e:
+                raise ConfigError(f"model {model_dir}: {name} is not a readable safetensors file "
+                                  f"({type(e).__name__}: {e})") from None
+
+
+def create_state(cfg, load_async: bool = True):
+    """The app's state; the engine is built in a background thread so /ping answers meanwhile."""
+    from .app import ServerState
+
+    state = ServerState(cfg)
+
+    def load():
+        try:
+            state.engine = build_engine(cfg)
+            log.info("ready: strategy=%s model=%s", cfg.strategy, cfg.model_dir)
+        except Exception as e:
+            state.error = str(e)
+            log.error("error: %s", e)
+            if load_async:
+                os._exit(3)   # gunicorn's WORKER_BOOT_ERROR: the master stops with a non-zero code
+
+    if load_async:
+        threading.Thread(target=load, name="lmi-load", daemon=True).start()
+    else:
+        load()
+    return state
+
+
+def _gunicorn_app(cfg, host: str, port: int, threads: int):
+    from gunicorn.app.base import BaseApplication
+
+    from .app import create_app
+
+    class App(BaseApplication):
+        def load_config(self):
+            settings = {
+                "bind": f"{host}:{port}", "workers": 1, "worker_class": "gthread",
+                "threads": threads, "timeout": 120, "keepalive": 75,
+                "graceful_timeout": int(min(max(cfg.request_timeout_s, 30), 600)),
+                "errorlog": "-", "loglevel": "info", "accesslog": None,
+                # Several servers may share a host (tests, benchmarks): no shared control socket.
+                "control_socket_disable": True,
+            }
+            for k, v in settings.items():
+                self.cfg.set(k, v)
+
+        def load(self):
+            return create_app(create_state(cfg))
+
+    return App()
+
+
+def main(argv: list[str]) -> int:
+    from .config import ConfigError, load_config
+
+    p = argparse.ArgumentParser(prog="python -m handler serve", description="Serve a causal LM "
+                                "behind SageMaker's HTTP contract (/ping, /invocations).")
+    p.add_argument("--properties", help="serving.properties file (default: MODEL_DIR/serving.properties)")
+    p.add_argument("--model-dir", help="model directory (default /opt/ml/model)")
+    p.add_argument("--port", type=int, help="port (default $SAGEMAKER_BIND_TO_PORT or 8080)")
+    p.add_argument("--host", default="0.0.0.0")
+    p.add_argument("--threads", type=int, help="HTTP threads (default: enough for the queue)")
+    a = p.parse_args(argv)
+    logging.basicConfig(level=os.environ.get("LMI_LOG_LEVEL", "INFO"),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        cfg = load_config(a.properties, a.model_dir, os.environ)
+        if cfg.model_id.startswith("s3://"):
+            from dataclasses import replace
+
+            from .s3 import S3ModelError, resolve_model_dir
+            try:
+                cfg = replace(cfg, model_dir=resolve_model_dir(cfg.model_id))
+            except S3ModelError as e:
+                raise ConfigError(str(e)) from None
+        check_model_readable(cfg.model_dir)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    for w in cfg.warnings:
+        log.warning("%s", w)
+    port = a.port or cfg.port
+    width = max(cfg.batch_size, cfg.max_rolling_batch_size)
+    threads = a.threads or min(1024, max(64, width + cfg.job_queue_size // 4 + 8))
+    log.info("strategy=%s model=%s port=%d threads=%d", cfg.strategy, cfg.model_dir, port, threads)
+    _gunicorn_app(cfg, a.host, port, threads).run()
+    return 0

@@ -1,0 +1,284 @@
+"""handler.deploy against moto's in-process SageMaker / Application Auto Scaling."""
+from __future__ import annotations
+
+import io
+import json
+
+import boto3
+import pytest
+from botocore.exceptions import ClientError
+from moto import mock_aws
+
+from handler import deploy
+from handler.deploy import (DeployError, create_deployment, environment_from_properties, invoke,
+                            invoke_stream, iter_jsonlines, properties_to_env, register_autoscaling,
+                            teardown)
+
+ROLE = "arn:aws:iam::123456789012:role/SageMakerExecution"
+IMAGE = "123456789012.dkr.ecr.us-east-1.amazonaws.com/lmi-serve:latest"
+INSTANCE = "ml.g4dn.xlarge"  # moto validates against an old list without ml.g5.*
+
+CONTINUOUS = """\
+# the continuous-batching example
+engine=MPI
+option.entryPoint=djl_python.huggingface
+option.model_id=/home/me/models/tiny
+option.rolling_batch=auto
+option.max_rolling_batch_size=64
+option.paged_attention=false
+option.max_rolling_batch_prefill_tokens=16080
+"""
+
+
+@pytest.fixture
+def aws(monkeypatch):
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+    for var in ("AWS_ENDPOINT_URL", "AWS_PROFILE", "SAGEMAKER_ROLE_ARN"):
+        monkeypatch.delenv(var, raising=False)
+    with mock_aws():
+        session = boto3.session.Session(region_name="us-east-1")
+        yield session.client("sagemaker"), session.client("application-autoscaling")
+
+
+@pytest.fixture
+def props(tmp_path):
+    path = tmp_path / "serving.properties"
+    path.write_text(CONTINUOUS)
+    return str(path)
+
+
+def test_properties_become_lmi_environment(props):
+    notes = []
+    env = environment_from_properties(props, model_data="s3://b/models/tiny/", notes=notes)
+    assert env == {
+        "SERVING_ENGINE": "MPI",
+        "OPTION_ENTRYPOINT": "djl_python.huggingface",
+        "OPTION_ROLLING_BATCH": "auto",
+        "OPTION_MAX_ROLLING_BATCH_SIZE": "64",
+        "OPTION_PAGED_ATTENTION": "false",
+        "OPTION_MAX_ROLLING_BATCH_PREFILL_TOKENS": "16080",
+    }
+    assert len(notes) == 1 and "/home/me/models/tiny is a local path" in notes[0]
+
+
+def test_the_server_reads_the_environment_back_as_the_same_properties(props, tmp_path):
+    from handler.config import load_config
+
+    env = environment_from_properties(props, model_data="s3://b/m/")
+    cfg = load_config(None, str(tmp_path / "model"), env=env, check_model=False)
+    assert (cfg.strategy, cfg.engine, cfg.max_rolling_batch_size, cfg.max_rolling_batch_prefill_tokens) == \
+        ("rolling", "MPI", 64, 16080)
+
+
+def test_s3_model_id_is_kept_and_no_model_data_needed(tmp_path):
+    path = tmp_path / "p.properties"
+    path.write_text("option.model_id=s3://my-bucket/llama/\nbatch_size=4\nmax_batch_delay=100\n")
+    assert environment_from_properties(str(path)) == {
+        "OPTION_MODEL_ID": "s3://my-bucket/llama/", "SERVING_BATCH_SIZE": "4", "SERVING_MAX_BATCH_DELAY": "100"}
+
+
+@pytest.mark.parametrize("text, words", [
+    ("option.rolling_batch=auto\n", "has no option.model_id=s3://"),
+    ("option.model_id=./tiny\n", "is a local path; an endpoint needs --model-data"),
+])
+def test_properties_without_a_model_source_are_rejected(tmp_path, text, words):
+    path = tmp_path / "p.properties"
+    path.write_text(text)
+    with pytest.raises(DeployError, match=words):
+        environment_from_properties(str(path))
+
+
+def test_bad_property_value_fails_before_anything_is_created(tmp_path):
+    path = tmp_path / "p.properties"
+    path.write_text("option.rolling_batch=auto\noption.max_rolling_batch_size=lots\n")
+    with pytest.raises(DeployError) as err:
+        environment_from_properties(str(path), model_data="s3://b/m.tar.gz")
+    msg = str(err.value)
+    assert "option.max_rolling_batch_size=lots" in msg and str(path) in msg and "\n" not in msg
+
+
+def test_properties_to_env_rejects_colliding_keys():
+    with pytest.raises(DeployError, match="both map to OPTION_A_B"):
+        properties_to_env({"option.a.b": "1", "option.a_b": "2"})
+
+
+def test_create_reaches_in_service_with_the_derived_environment(aws, props):
+    sm, _ = aws
+    env = environment_from_properties(props, model_data="s3://b/models/tiny/", instance_type=INSTANCE)
+    out = create_deployment(sm, name="lmi-test", image_uri=IMAGE, role_arn=ROLE, env=env,
+                            model_data="s3://b/models/tiny", instance_type=INSTANCE, instance_count=2,
+                            startup_timeout=1200, wait=True, wait_delay=1, log=lambda *_: None)
+    assert out["status"] == "InService"
+    assert sm.describe_endpoint(EndpointName="lmi-test")["EndpointStatus"] == "InService"
+    container = sm.describe_model(ModelName="lmi-test")["PrimaryContainer"]
+    assert container["Environment"]["OPTION_ROLLING_BATCH"] == "auto"
+    assert container["Environment"]["OPTION_MAX_ROLLING_BATCH_PREFILL_TOKENS"] == "16080"
+    assert container["ModelDataSource"]["S3DataSource"] == {
+        "S3Uri": "s3://b/models/tiny/", "S3DataType": "S3Prefix", "CompressionType": "None"}
+    assert "ModelDataUrl" not in container
+    (variant,) = sm.describe_endpoint_config(EndpointConfigName="lmi-test")["ProductionVariants"]
+    assert (variant["InstanceType"], variant["InitialInstanceCount"],
+            variant["ContainerStartupHealthCheckTimeoutInSeconds"]) == (INSTANCE, 2, 1200)
+
+
+def test_tarball_model_data_uses_model_data_url(aws):
+    sm, _ = aws
+    create_deployment(sm, name="tarball", image_uri=IMAGE, role_arn=ROLE, env={},
+                      model_data="s3://b/model.tar.gz", instance_type=INSTANCE, log=lambda *_: None)
+    container = sm.describe_model(ModelName="tarball")["PrimaryContainer"]
+    assert container["ModelDataUrl"] == "s3://b/model.tar.gz" and "ModelDataSource" not in container
+
+
+@pytest.mark.parametrize("kwargs, words", [
+    ({"role_arn": None}, "--role-arn is required"),
+    ({"role_arn": "my-role"}, "not an IAM role ARN"),
+    ({"instance_type": "g5.2xlarge"}, "--instance-type='g5.2xlarge' is not a SageMaker instance type"),
+    ({"name": "bad_name"}, "--name='bad_name' is not a SageMaker name"),
+    ({"model_data": "/local/model"}, "must be an s3:// URI"),
+])
+def test_bad_inputs_are_one_line_errors_and_create_nothing(aws, kwargs, words):
+    sm, _ = aws
+    args = dict(name="x", image_uri=IMAGE, role_arn=ROLE, env={}, instance_type=INSTANCE)
+    args.update(kwargs)
+    with pytest.raises(DeployError, match=words.replace("(", r"\(").replace("[", r"\[")):
+        create_deployment(sm, **args)
+    assert sm.list_models()["Models"] == [] and sm.list_endpoints()["Endpoints"] == []
+
+
+def test_aws_rejection_rolls_back_what_was_created(aws):
+    sm, _ = aws
+    # moto rejects ml.g5.* in create_endpoint_config, after create_model succeeded
+    with pytest.raises(ClientError):
+        create_deployment(sm, name="rb", image_uri=IMAGE, role_arn=ROLE, env={},
+                          instance_type="ml.g5.2xlarge", log=lambda *_: None)
+    assert sm.list_models()["Models"] == []
+
+
+def test_existing_name_is_refused_without_touching_it(aws):
+    sm, _ = aws
+    create_deployment(sm, name="taken", image_uri=IMAGE, role_arn=ROLE, env={}, instance_type=INSTANCE,
+                      log=lambda *_: None)
+    with pytest.raises(DeployError, match="model named 'taken' already exists"):
+        create_deployment(sm, name="taken", image_uri=IMAGE, role_arn=ROLE, env={},
+                          instance_type=INSTANCE, log=lambda *_: None)
+    assert sm.describe_endpoint(EndpointName="taken")["EndpointStatus"] == "InService"
+
+
+def test_autoscaling_then_teardown_leaves_nothing(aws):
+    sm, aas = aws
+    create_deployment(sm, name="scaled", image_uri=IMAGE, role_arn=ROLE, env={}, instance_type=INSTANCE,
+                      log=lambda *_: None)
+    out = register_autoscaling(aas, "scaled", min_capacity=1, max_capacity=4, target_invocations=25)
+    (target,) = aas.describe_scalable_targets(ServiceNamespace="sagemaker")["ScalableTargets"]
+    assert (target["ResourceId"], target["ScalableDimension"], target["MinCapacity"], target["MaxCapacity"]) == \
+        ("endpoint/scaled/variant/AllTraffic", "sagemaker:variant:DesiredInstanceCount", 1, 4)
+    (policy,) = aas.describe_scaling_policies(ServiceNamespace="sagemaker")["ScalingPolicies"]
+    assert policy["PolicyARN"] == out["policy_arn"] and policy["PolicyType"] == "TargetTrackingScaling"
+    tracking = policy["TargetTrackingScalingPolicyConfiguration"]
+    assert tracking["TargetValue"] == 25.0
+    assert tracking["PredefinedMetricSpecification"]["PredefinedMetricType"] == "SageMakerVariantInvocationsPerInstance"
+
+    deleted = teardown(sm, "scaled", aas=aas, log=lambda *_: None)
+    assert deleted == ["scalable target endpoint/scaled/variant/AllTraffic", "endpoint scaled",
+                       "endpoint config scaled", "model scaled"]
+    assert aas.describe_scalable_targets(ServiceNamespace="sagemaker")["ScalableTargets"] == []
+    assert sm.list_endpoints()["Endpoints"] == []
+    assert sm.list_endpoint_configs()["EndpointConfigs"] == []
+    assert sm.list_models()["Models"] == []
+    assert teardown(sm, "scaled", aas=aas, log=lambda *_: None) == []  # nothing left: no error
+
+
+def test_teardown_of_partial_deployment(aws):
+    sm, aas = aws
+    sm.create_model(ModelName="half", ExecutionRoleArn=ROLE, PrimaryContainer={"Image": IMAGE})
+    assert teardown(sm, "half", aas=aas, log=lambda *_: None) == ["model half"]
+    assert sm.list_models()["Models"] == []
+
+
+def test_bad_autoscaling_bounds():
+    with pytest.raises(DeployError, match="need 1 <= min <= max"):
+        register_autoscaling(None, "e", min_capacity=3, max_capacity=2)
+
+
+def test_invoke_through_moto_runtime_reports_non_json(aws):
+    runtime = boto3.client("sagemaker-runtime", region_name="us-east-1")
+    with pytest.raises(DeployError, match="not JSON"):  # moto's canned body is b"body"
+        invoke(runtime, "any", "hi")
+
+
+class FakeRuntime:
+    """Returns the given chunks as a response stream, and records the request."""
+
+    def __init__(self, chunks):
+        self.chunks, self.requests = chunks, []
+
+    def invoke_endpoint_with_response_stream(self, **kwargs):
+        self.requests.append(kwargs)
+        return {"Body": ({"PayloadPart": {"Bytes": c}} for c in self.chunks)}
+
+    def invoke_endpoint(self, **kwargs):
+        self.requests.append(kwargs)
+        return {"Body": io.BytesIO(b'{"generated_text": " world"}')}
+
+
+def test_stream_reassembles_lines_split_across_payload_parts():
+    lines = [{"token": {"id": 5, "text": " Hello", "log_prob": -0.5}},
+             {"token": {"id": 6, "text": ",", "log_prob": -1.0}, "generated_text": " Hello,"}]
+    data = b"".join(json.dumps(x).encode() + b"\n" for x in lines)
+    rt = FakeRuntime([data[:7], data[7:40], data[40:41], data[41:]])
+    assert list(invoke_stream(rt, "ep", "Say", max_new_tokens=2)) == lines
+    body = json.loads(rt.requests[0]["Body"])
+    assert body == {"inputs": "Say", "parameters": {"max_new_tokens": 2}, "stream": True}
+
+
+def test_stream_error_event_is_a_deploy_error():
+    class ErrRuntime(FakeRuntime):
+        def invoke_endpoint_with_response_stream(self, **kwargs):
+            return {"Body": iter([{"ModelStreamError": {"Message": "CUDA out of memory", "ErrorCode": "500"}}])}
+
+    with pytest.raises(DeployError, match="ModelStreamError: CUDA out of memory"):
+        list(invoke_stream(ErrRuntime([]), "ep", "x"))
+
+
+def test_iter_jsonlines_last_line_without_newline():
+    assert list(iter_jsonlines([b'{"a": 1}\n{"b"', b": 2}"])) == [{"a": 1}, {"b": 2}]
+
+
+# ---- CLI ---------------------------------------------------------------------------
+def test_cli_create_autoscale_delete(aws, props, capsys):
+    sm, aas = aws
+    base = ["--region", "us-east-1"]
+    rc = deploy.main(base + ["create", "--properties", props, "--model-data", "s3://b/model.tar.gz",
+                             "--image-uri", IMAGE, "--role-arn", ROLE, "--instance-type", INSTANCE,
+                             "--name", "cli", "--wait", "--env", "EXTRA=1"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert json.loads(out.strip().splitlines()[-1])["status"] == "InService"
+    assert sm.describe_model(ModelName="cli")["PrimaryContainer"]["Environment"]["EXTRA"] == "1"
+    assert deploy.main(base + ["autoscale", "--endpoint", "cli", "--max-capacity", "3"]) == 0
+    assert aas.describe_scalable_targets(ServiceNamespace="sagemaker")["ScalableTargets"][0]["MaxCapacity"] == 3
+    assert deploy.main(base + ["delete", "--name", "cli"]) == 0
+    assert sm.list_endpoints()["Endpoints"] == [] and sm.list_models()["Models"] == []
+
+
+def test_cli_errors_are_one_line(aws, props, capsys):
+    rc = deploy.main(["create", "--properties", props, "--model-data", "s3://b/m.tar.gz",
+                      "--image-uri", IMAGE, "--instance-type", INSTANCE])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.startswith("error: --role-arn is required") and err.count("\n") == 1
+
+    rc = deploy.main(["create", "--properties", props, "--model-data", "s3://b/m.tar.gz", "--image-uri",
+                      IMAGE, "--role-arn", ROLE, "--instance-type", "ml.g5.2xlarge", "--name", "g5"])
+    err = capsys.readouterr().err
+    assert rc == 1 and err.startswith("error: AWS CreateEndpointConfig: ValidationException:")
+    assert err.count("\n") == 1
+
+
+def test_cli_no_region(monkeypatch, capsys, tmp_path):
+    for var in ("AWS_REGION", "AWS_DEFAULT_REGION"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
+    assert deploy.main(["delete", "--name", "x"]) == 2
+    assert capsys.readouterr().err == "error: no AWS region: pass --region or set AWS_REGION\n"
