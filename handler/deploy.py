@@ -480,12 +480,6 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _run(args) -> int:
-    if args.command == "invoke" and args.local_url:
-        runtime = LocalRuntime(args.local_url)
-    else:
-        aws = clients(args.region)
-        runtime = aws["runtime"]
-
     if args.command == "create":
         name = args.name or time.strftime("lmi-serve-%Y%m%d-%H%M%S")
         _check_inputs(name, args.image_uri, args.role_arn, args.instance_type, args.instance_count,
@@ -501,12 +495,13 @@ def _run(args) -> int:
         for note in notes:
             print(f"note: {note}")
         print("container environment: " + " ".join(f"{k}={v}" for k, v in sorted(env.items())))
-        out = create_deployment(aws["sagemaker"], name=name, image_uri=args.image_uri,
+        out = create_deployment(clients(args.region)["sagemaker"], name=name, image_uri=args.image_uri,
                                 role_arn=args.role_arn, env=env, model_data=args.model_data,
                                 instance_type=args.instance_type, instance_count=args.instance_count,
                                 startup_timeout=args.startup_timeout, wait=args.wait)
         print(json.dumps(out))
     elif args.command == "invoke":
+        runtime = LocalRuntime(args.local_url) if args.local_url else clients(args.region)["runtime"]
         if args.stream:
             n, last = 0, {}
             for line in invoke_stream(runtime, args.endpoint, args.prompt, max_new_tokens=args.max_new_tokens):
@@ -519,18 +514,19 @@ def _run(args) -> int:
             out = invoke(runtime, args.endpoint, args.prompt, max_new_tokens=args.max_new_tokens)
             print(json.dumps(out, indent=2))
     elif args.command == "autoscale":
-        out = register_autoscaling(aws["autoscaling"], args.endpoint, min_capacity=args.min_capacity,
+        out = register_autoscaling(clients(args.region)["autoscaling"], args.endpoint, min_capacity=args.min_capacity,
                                    max_capacity=args.max_capacity, target_invocations=args.target_invocations,
                                    scale_in_cooldown=args.scale_in_cooldown,
                                    scale_out_cooldown=args.scale_out_cooldown)
         print(json.dumps(out))
     elif args.command == "delete":
+        aws = clients(args.region)
         teardown(aws["sagemaker"], args.name, aas=aws["autoscaling"])
     return 0
 
 
 def main(argv: list[str]) -> int:
-    from botocore.exceptions import BotoCoreError, ClientError
+    from botocore.exceptions import BotoCoreError, ClientError, NoCredentialsError
 
     args = _parser().parse_args(argv)
     try:
@@ -542,6 +538,10 @@ def main(argv: list[str]) -> int:
         err = e.response.get("Error", {})
         print(f"error: AWS {e.operation_name}: {err.get('Code', '?')}: "
               f"{' '.join(str(err.get('Message', e)).split())}", file=sys.stderr)
+        return 1
+    except NoCredentialsError:
+        print("error: no AWS credentials: run `aws configure`, set AWS_PROFILE, or set "
+              "AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY", file=sys.stderr)
         return 1
     except BotoCoreError as e:
         print(f"error: AWS: {e}", file=sys.stderr)

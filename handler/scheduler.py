@@ -116,7 +116,11 @@ class Scheduler:
         if prompt_len >= cap:
             raise CapacityError(f"inputs: the prompt has {prompt_len} tokens; this model allows "
                                 f"at most {cap - 1} prompt tokens (max_model_len={cap})")
-        need = min(prompt_len + params.max_new_tokens, cap)
+        need = prompt_len + params.max_new_tokens
+        if need > cap:
+            raise CapacityError(f"parameters.max_new_tokens: prompt ({prompt_len} tokens) + "
+                                f"max_new_tokens ({params.max_new_tokens}) exceeds this model's "
+                                f"{cap} tokens (max_model_len); ask for at most {cap - prompt_len}")
         room = self.blocks.num_blocks * self.blocks.block_size
         if need > room:
             raise CapacityError(f"parameters.max_new_tokens: prompt ({prompt_len} tokens) + "

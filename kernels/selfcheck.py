@@ -2,6 +2,7 @@
 
     TRITON_INTERPRET=1 python -m kernels.selfcheck            # CPU, triton interpreter
     python -m kernels.selfcheck --device cuda                  # GPU (adds bf16)
+    python -m kernels.selfcheck --compile-sm 90                # compile for sm_90, no GPU needed
 
 Prints one line per case and exits 1 if any case is off. Also the case generator the tests use.
 """
@@ -132,11 +133,46 @@ def run(device: str, dtypes: list[torch.dtype], seed: int = 0) -> list[str]:
     return failures
 
 
+def compile_for(sm: int) -> list[str]:
+    """Compiles both kernels to a cubin for CUDA arch `sm` (no GPU needed: catches errors
+    that the interpreter does not, e.g. tile shapes tl.dot rejects). Returns one line per build."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from . import triton_kernels as tk
+
+    def build(fn, types: dict, consts: dict) -> str:
+        names = fn.arg_names
+        sig = {n: types.get(n, "i32") for n in names}
+        sig.update({k: "constexpr" for k in consts})
+        src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in consts.items()})
+        triton.compile(src, target=GPUTarget("cuda", sm, 32))
+        return f"compiled {fn.__name__} for sm_{sm}: {types.get('kc_ptr')} {consts}"
+
+    lines = []
+    for dt in ("*bf16", "*fp16", "*fp32"):
+        lines.append(build(tk._store_kv_kernel, dict(key_ptr=dt, value_ptr=dt, kc_ptr=dt, vc_ptr=dt, slot_ptr="*i64"),
+                           dict(HKV=8, D=128, BLOCK_SIZE=16, HKV_PAD=8, D_PAD=128)))
+        ptrs = dict(q_ptr=dt, kc_ptr=dt, vc_ptr=dt, out_ptr=dt, bt_ptr="*i32", seq_lens_ptr="*i32",
+                    qsl_ptr="*i32", scale="fp32")
+        for block_q in (4, 16):  # the decode and the prefill tile for 32 heads / 8 kv heads
+            lines.append(build(tk._paged_attn_kernel, ptrs, dict(
+                G=4, G_PAD=4, D=128, D_PAD=128, BLOCK_SIZE=16, BLOCK_Q=block_q, BLOCK_M=block_q * 4,
+                TILE_N=32, IEEE=dt == "*fp32")))
+    return lines
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m kernels.selfcheck", description=__doc__.split("\n")[0])
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--compile-sm", type=int, metavar="SM", help="only compile for this CUDA arch (e.g. 90)")
     args = ap.parse_args(argv)
+    if args.compile_sm:
+        for line in compile_for(args.compile_sm):
+            print(line, flush=True)
+        return 0
     if args.device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
         print("error: --device cpu needs TRITON_INTERPRET=1 in the environment (set before triton "
               "is imported)", file=sys.stderr)

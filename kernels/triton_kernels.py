@@ -175,6 +175,9 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
         block_q = block_m // g_pad
     if tile_n is None:
         tile_n = 64 if d <= 64 else 32
+    if block_q * g_pad < 16 or tile_n < 16 or tile_n & (tile_n - 1) or block_q & (block_q - 1):
+        raise ValueError(f"block_q={block_q} (x {g_pad} heads) and tile_n={tile_n} must be powers of "
+                         "two giving tl.dot tiles of at least 16")
     d_pad = max(16, triton.next_power_of_2(d))
     grid = (t // block_q + s_num, hkv)
     _paged_attn_kernel[grid](

@@ -282,3 +282,21 @@ def test_cli_no_region(monkeypatch, capsys, tmp_path):
     monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
     assert deploy.main(["delete", "--name", "x"]) == 2
     assert capsys.readouterr().err == "error: no AWS region: pass --region or set AWS_REGION\n"
+
+
+def test_cli_no_credentials(monkeypatch, capsys, tmp_path):
+    for var in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    assert deploy.main(["--region", "us-east-1", "delete", "--name", "x"]) == 1
+    assert capsys.readouterr().err.startswith("error: no AWS credentials: run `aws configure`")
+
+
+def test_cli_validates_before_needing_aws(monkeypatch, props, capsys):
+    monkeypatch.delenv("AWS_DEFAULT_REGION", raising=False)
+    monkeypatch.delenv("AWS_REGION", raising=False)
+    rc = deploy.main(["create", "--properties", props, "--image-uri", IMAGE, "--role-arn", ROLE])
+    assert rc == 2
+    assert "is a local path; an endpoint needs --model-data" in capsys.readouterr().err

@@ -96,9 +96,9 @@ def properties(strategy: str, w: Workload, kv_tokens: int, dtype: str | None) ->
         "paged": ["option.rolling_batch=auto", "option.paged_attention=true",
                   f"option.max_rolling_batch_size={w.max_rolling_batch_size}"],
     }[strategy]
-    lines += [f"option.kv_cache_tokens={kv_tokens}",
-              f"option.max_rolling_batch_prefill_tokens={w.prefill_tokens}",
-              f"option.block_size={BLOCK}"]
+    if strategy in ("rolling", "paged"):  # none/dynamic prefill whole batches: the key is ignored there
+        lines.append(f"option.max_rolling_batch_prefill_tokens={w.prefill_tokens}")
+    lines += [f"option.kv_cache_tokens={kv_tokens}", f"option.block_size={BLOCK}"]
     if dtype:
         lines.append(f"option.dtype={dtype}")
     return "\n".join(lines) + "\n"

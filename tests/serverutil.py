@@ -1,0 +1,67 @@
+"""Start the real server (gunicorn, loopback) for end-to-end tests."""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import requests
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    def __init__(self, properties: str, model_dir: str, tmp_path, env: dict | None = None,
+                 timeout: float = 180.0):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        props = os.path.join(str(tmp_path), f"serving-{self.port}.properties")
+        with open(props, "w") as f:
+            f.write(properties)
+        self.log_path = os.path.join(str(tmp_path), f"server-{self.port}.log")
+        self.log = open(self.log_path, "w")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "handler", "serve", "--properties", props, "--model-dir", model_dir,
+             "--port", str(self.port), "--host", "127.0.0.1"],
+            cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT,
+            env={**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})})
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.output()}")
+            try:
+                if requests.get(self.url + "/ping", timeout=2).status_code == 200:
+                    return
+            except requests.RequestException:
+                pass
+            time.sleep(0.3)
+        self.stop()
+        raise RuntimeError(f"server not ready after {timeout} s:\n{self.output()}")
+
+    def output(self) -> str:
+        self.log.flush()
+        with open(self.log_path) as f:
+            return f.read()
+
+    def post(self, body: dict, **kw) -> requests.Response:
+        return requests.post(self.url + "/invocations", json=body, timeout=kw.pop("timeout", 120), **kw)
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+        return self.proc.returncode

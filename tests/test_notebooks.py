@@ -1,0 +1,135 @@
+"""Execute the notebooks end to end with nbclient: AWS calls go to a moto server on
+loopback (AWS_ENDPOINT_URL), requests to a real local server on a tiny model."""
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import boto3
+import nbformat
+import pytest
+from moto.server import ThreadedMotoServer
+from nbclient import NotebookClient
+
+REPO = Path(__file__).resolve().parents[1]
+NOTEBOOKS = REPO / "notebooks"
+
+pytestmark = pytest.mark.slow
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def with_overrides(nb, overrides: dict) -> nbformat.NotebookNode:
+    """Insert a cell assigning `overrides` right after the cell tagged "parameters"
+    (what papermill does), so the notebook's own defaults stay untouched."""
+    idx = next(i for i, c in enumerate(nb.cells) if "parameters" in c.metadata.get("tags", []))
+    src = "\n".join(f"{k} = {v!r}" for k, v in overrides.items())
+    nb.cells.insert(idx + 1, nbformat.v4.new_code_cell(src, metadata={"tags": ["injected-parameters"]}))
+    return nb
+
+
+def execute(name: str, overrides: dict, timeout: int = 300) -> nbformat.NotebookNode:
+    nb = with_overrides(nbformat.read(NOTEBOOKS / name, as_version=4), overrides)
+    NotebookClient(nb, timeout=timeout, kernel_name="python3",
+                   resources={"metadata": {"path": str(NOTEBOOKS)}}).execute()
+    return nb
+
+
+def cell_text(cell) -> str:
+    out = []
+    for o in cell.get("outputs", []):
+        out.append(o.get("text", "") or o.get("data", {}).get("text/plain", ""))
+    return "".join(out)
+
+
+@pytest.fixture(scope="module")
+def local_server(demo_model_dir, tmp_path_factory):
+    props = tmp_path_factory.mktemp("nb-server") / "serving.properties"
+    props.write_text("option.rolling_batch=auto\noption.paged_attention=true\noption.max_rolling_batch_size=4\n")
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    log = open(props.parent / "server.log", "w+")
+    proc = subprocess.Popen([sys.executable, "-m", "handler", "serve", "--model-dir", demo_model_dir,
+                             "--properties", str(props), "--host", "127.0.0.1", "--port", str(port)],
+                            stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    deadline = time.monotonic() + 180
+    while True:
+        try:
+            if urllib.request.urlopen(url + "/ping", timeout=2).status == 200:
+                break
+        except OSError:
+            pass
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            log.seek(0)
+            pytest.fail(f"local server did not come up: {log.read()[-3000:]}")
+        time.sleep(0.5)
+    yield url
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+    log.close()
+
+
+@pytest.fixture
+def moto_aws(monkeypatch):
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    endpoint = f"http://{host}:{port}"
+    for var, value in {"AWS_ENDPOINT_URL": endpoint, "AWS_ACCESS_KEY_ID": "testing",
+                       "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}.items():
+        monkeypatch.setenv(var, value)  # the kernel inherits this environment
+    monkeypatch.delenv("AWS_PROFILE", raising=False)
+    yield boto3.session.Session(region_name="us-east-1")
+    server.stop()
+
+
+def test_deploy_notebook_runs_against_moto_and_a_local_server(local_server, moto_aws):
+    nb = execute("deploy.ipynb", {
+        "NAME": "nb-test",
+        "IMAGE_URI": "123456789012.dkr.ecr.us-east-1.amazonaws.com/lmi-serve:test",
+        "ROLE_ARN": "arn:aws:iam::123456789012:role/SageMakerExecution",
+        "MODEL_DATA": "s3://nb-test-bucket/models/tiny/",
+        "PROPERTIES": str(REPO / "serving.properties.d" / "paged.properties"),
+        "INSTANCE_TYPE": "ml.g4dn.xlarge",  # moto's instance list predates ml.g5
+        "WAIT_DELAY": 1,
+        "LOCAL_URL": local_server,
+        "MAX_CAPACITY": 3,
+    })
+    outputs = {i: cell_text(c) for i, c in enumerate(nb.cells) if c.cell_type == "code"}
+    text = "\n".join(outputs.values())
+    assert '"OPTION_PAGED_ATTENTION": "true"' in text
+    assert "'status': 'InService'" in text
+    assert re.search(r"'finish_reason': '(length|eos_token)', 'generated_tokens': \d+", text), text
+    assert " tokens, first after " in text
+    assert "\n3\n" in text  # the scalable target's MaxCapacity, read back
+
+    sm = moto_aws.client("sagemaker")
+    assert sm.list_endpoints()["Endpoints"] == [] and sm.list_models()["Models"] == []
+    assert moto_aws.client("application-autoscaling").describe_scalable_targets(
+        ServiceNamespace="sagemaker")["ScalableTargets"] == []
+
+
+def test_notebooks_call_handler_deploy_instead_of_boto3_directly():
+    """The deployment logic lives once, in handler.deploy."""
+    for path in sorted(NOTEBOOKS.glob("deploy*.ipynb")):
+        nb = nbformat.read(path, as_version=4)
+        src = "\n".join(c.source for c in nb.cells if c.cell_type == "code")
+        for call in ("create_model(", "create_endpoint(", "invoke_endpoint(", "register_scalable_target(",
+                     "delete_endpoint("):
+            assert call not in src, f"{path.name} calls {call} itself; use handler.deploy"
+        assert any("parameters" in c.metadata.get("tags", []) for c in nb.cells), f"{path.name}: no parameters cell"
