@@ -1,0 +1,158 @@
+"""The engine in-process (no HTTP): greedy parity for three model families and every strategy,
+seeded sampling across batch neighbours, preemption, prefix caching, cancellation, queue limits."""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from handler.config import load_config
+from handler.engine import ErrorEvent
+from handler.request import SamplingParams
+from handler.scheduler import QueueFull
+from handler.server import build_engine
+from tests.reference import hf_greedy, tokenizer
+
+PROMPTS = [
+    "def main(argv):\n    parser = argparse.ArgumentParser()\n",
+    "x = 1",
+    "import collections\nimport functools\nimport itertools\nimport operator\n" * 3,
+    "while True:",
+    "# -*- coding: utf-8 -*-\n\"\"\"Utilities for strings.\"\"\"\n",
+    "if __name__ == '__main__':\n    main()",
+]
+NEW = [20, 7, 31, 3, 14, 25]
+
+STRATEGIES = {
+    "none": {},
+    "dynamic": {"batch_size": "4", "max_batch_delay": "20"},
+    "rolling": {"option.rolling_batch": "auto", "option.paged_attention": "false",
+                "option.max_rolling_batch_size": "4", "option.max_rolling_batch_prefill_tokens": "40",
+                "option.kv_cache_tokens": "512"},
+    "paged": {"option.rolling_batch": "auto", "option.paged_attention": "true",
+              "option.max_rolling_batch_size": "6", "option.max_rolling_batch_prefill_tokens": "40",
+              "option.kv_cache_tokens": "256", "option.block_size": "8"},
+}
+
+
+def make_engine(model_dir, tmp_path, props: dict):
+    path = os.path.join(str(tmp_path), "serving.properties")
+    with open(path, "w") as f:
+        f.write("\n".join(f"{k}={v}" for k, v in props.items()) + "\n")
+    return build_engine(load_config(path, model_dir, env={}))
+
+
+def run_all(engine, prompts, params_list):
+    """Submit everything at once; returns per prompt (token ids, DoneEvent)."""
+    chans = [engine.submit([engine.tokenize(p)], params)[0] for p, params in zip(prompts, params_list)]
+    out = []
+    for ch in chans:
+        ids = []
+        while True:
+            ev = ch.events.get(timeout=300)
+            assert not isinstance(ev, ErrorEvent), ev
+            ids.append(ev.id)
+            if ev.done:
+                out.append((ids, ev.done))
+                break
+    return out
+
+
+def assert_drained(engine):
+    import time
+    for _ in range(100):       # the engine thread frees blocks right after the last event
+        if engine.blocks.num_free == engine.blocks.num_blocks:
+            break
+        time.sleep(0.02)
+    assert engine.blocks.num_free == engine.blocks.num_blocks
+    engine.blocks.check_invariants()
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "gpt2"])
+@pytest.mark.parametrize("strategy", list(STRATEGIES))
+def test_greedy_parity_every_family_and_strategy(family, strategy, demo_model_factory, tmp_path):
+    model_dir = demo_model_factory(family)
+    engine = make_engine(model_dir, tmp_path, STRATEGIES[strategy])
+    try:
+        results = run_all(engine, PROMPTS, [SamplingParams(max_new_tokens=n) for n in NEW])
+        for p, n, (ids, done) in zip(PROMPTS, NEW, results):
+            assert ids == hf_greedy(model_dir, p, n), (family, strategy, p[:20])
+        assert_drained(engine)
+    finally:
+        engine.shutdown()
+
+
+def test_seeded_sampling_is_independent_of_batch_neighbours(demo_model_dir, tmp_path):
+    engine = make_engine(demo_model_dir, tmp_path, STRATEGIES["rolling"])
+    try:
+        seeded = SamplingParams(max_new_tokens=16, do_sample=True, temperature=0.9, top_k=50,
+                                top_p=0.95, seed=1234)
+        alone = run_all(engine, [PROMPTS[0]], [seeded])[0][0]
+        noise = SamplingParams(max_new_tokens=24, do_sample=True, temperature=1.3)
+        crowd = run_all(engine, [PROMPTS[2], PROMPTS[0], PROMPTS[1], PROMPTS[0]],
+                        [noise, seeded, noise, SamplingParams(max_new_tokens=16, do_sample=True, seed=99)])
+        assert crowd[1][0] == alone
+        assert crowd[3][0] != alone        # another seed gives other tokens
+    finally:
+        engine.shutdown()
+
+
+def test_preemption_under_tiny_kv_completes_everything_identically(demo_model_dir, tmp_path):
+    props = {**STRATEGIES["paged"], "option.kv_cache_tokens": "96", "option.block_size": "4",
+             "option.max_rolling_batch_size": "8"}
+    engine = make_engine(demo_model_dir, tmp_path, props)
+    try:
+        prompts = [PROMPTS[i % 2 * 4 + i % 3] for i in range(10)]   # short prompts only
+        prompts = [p[:60] for p in prompts]
+        news = [30 + 3 * i for i in range(10)]
+        results = run_all(engine, prompts, [SamplingParams(max_new_tokens=n, ignore_eos=True)
+                                            for n in news])
+        assert engine.scheduler.stats["preemptions"] > 0
+        for p, n, (ids, done) in zip(prompts, news, results):
+            assert len(ids) == n
+            want = hf_greedy(demo_model_dir, p, n)
+            assert ids[:len(want)] == want
+        assert_drained(engine)
+    finally:
+        engine.shutdown()
+
+
+def test_prefix_cache_computes_fewer_prefill_tokens_with_same_outputs(demo_model_dir, tmp_path):
+    system = "You are a helpful assistant. Answer in Python.\n" * 6
+    prompts = [system + q for q in ("def add(a, b):", "class Stack:", "import re\n")]
+    outputs = {}
+    for caching in ("false", "true"):
+        props = {**STRATEGIES["paged"], "option.kv_cache_tokens": "2048",
+                 "option.enable_prefix_caching": caching, "option.max_rolling_batch_prefill_tokens": "4096"}
+        engine = make_engine(demo_model_dir, tmp_path, props)
+        try:
+            res = []
+            for p in prompts:      # one after another, so later ones can hit the cache
+                res += run_all(engine, [p], [SamplingParams(max_new_tokens=8)])
+            outputs[caching] = ([ids for ids, _ in res], engine.scheduler.stats["prefill_tokens"],
+                                engine.scheduler.stats["cached_prompt_tokens"])
+        finally:
+            engine.shutdown()
+    (ids_off, prefill_off, cached_off), (ids_on, prefill_on, cached_on) = outputs["false"], outputs["true"]
+    assert ids_on == ids_off
+    assert cached_off == 0 and cached_on > 0
+    assert prefill_on == prefill_off - cached_on
+
+
+def test_abort_frees_blocks_and_queue_full_is_refused(demo_model_dir, tmp_path):
+    props = {**STRATEGIES["rolling"], "option.max_rolling_batch_size": "1", "job_queue_size": "2"}
+    engine = make_engine(demo_model_dir, tmp_path, props)
+    try:
+        long = SamplingParams(max_new_tokens=200, ignore_eos=True)
+        first = engine.submit([engine.tokenize("a")], long)[0]
+        first.events.get(timeout=60)                  # running
+        queued = engine.submit([engine.tokenize("b")], long) + engine.submit([engine.tokenize("c")], long)
+        with pytest.raises(QueueFull):
+            engine.submit([engine.tokenize("d")], long)
+        assert engine.counters["rejected_queue_full"] == 1
+        for ch in [first] + queued:
+            engine.abort(ch.seq_id)
+        assert_drained(engine)
+        assert engine.counters["aborted"] >= 3
+    finally:
+        engine.shutdown()
