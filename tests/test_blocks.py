@@ -267,6 +267,8 @@ class BlockMachine(RuleBasedStateMachine):
             for pos in range(s["computed"]):
                 assert self.kv.get(self._slot(sid, pos)) == (pos, s["tokens"][pos])
             for i, b in enumerate(table):
+                if self.bm.block_hash[b] is not None:   # registered: full and computed for us too
+                    assert s["computed"] >= (i + 1) * bs
                 if b in owner:                   # shared: same index, same full-block prefix
                     other, j = owner[b]
                     assert self.bm.prefix_caching and i == j

@@ -102,8 +102,7 @@ def test_preemption_under_tiny_kv_completes_everything_identically(demo_model_di
              "option.max_rolling_batch_size": "8"}
     engine = make_engine(demo_model_dir, tmp_path, props)
     try:
-        prompts = [PROMPTS[i % 2 * 4 + i % 3] for i in range(10)]   # short prompts only
-        prompts = [p[:60] for p in prompts]
+        prompts = [PROMPTS[i % len(PROMPTS)][:60] for i in range(10)]
         news = [30 + 3 * i for i in range(10)]
         results = run_all(engine, prompts, [SamplingParams(max_new_tokens=n, ignore_eos=True)
                                             for n in news])
