@@ -111,6 +111,7 @@ def cmd_compare(a) -> int:
         raise UsageError(f"--reps={a.reps}: must be >= 1")
     compare(a.preset, a.out, only=only, workloads=workloads, reps=a.reps, model_dir=a.model_dir,
             overrides=_overrides(a), startup_timeout=a.startup_timeout, progress=not a.no_progress,
+            one_at_a_time=True if a.one_at_a_time else None,
             log=lambda m: print(m, file=sys.stderr, flush=True))
     with open(f"{a.out}/results.md") as f:
         print(f.read())
@@ -135,6 +136,8 @@ def main(argv: list[str]) -> int:
     c.add_argument("--workloads", help="comma-separated subset of the preset's workloads")
     c.add_argument("--reps", type=int, help="interleaved repetitions (preset default)")
     c.add_argument("--model-dir", help="use this model instead of the preset's")
+    c.add_argument("--one-at-a-time", action="store_true",
+                   help="start each server only for its own run (default for the gpu preset)")
     c.add_argument("--startup-timeout", type=float, default=180.0, help="seconds to wait for /ping")
     _workload_args(c)
     a = ap.parse_args(argv)

@@ -125,7 +125,7 @@ class Server:
 
     def start(self) -> None:
         env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
-        log = open(self.log_path, "w")
+        log = open(self.log_path, "a")
         # Own session: SIGTERM reaches the whole group (gunicorn master and workers).
         self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
                                      start_new_session=True)
@@ -201,7 +201,9 @@ def ideal_block(w: Workload, bodies: list[dict]) -> dict:
 
 
 def run_workload(w: Workload, names, model_dir: str, out_dir: str, reps: int, dtype: str | None,
-                 startup_timeout: float, progress: bool, log=print) -> dict:
+                 startup_timeout: float, progress: bool, log=print, one_at_a_time: bool = False) -> dict:
+    """All servers up at once (cheap models), or each started for its own run and stopped
+    after it (one_at_a_time: large models that do not fit on the device together)."""
     run_dir = os.path.join(out_dir, "runs", w.name)
     os.makedirs(run_dir, exist_ok=True)
     ptoks = prompt_tokens(model_dir, w)
@@ -209,29 +211,42 @@ def run_workload(w: Workload, names, model_dir: str, out_dir: str, reps: int, dt
     bodies = w.draw()
     servers = make_servers(names, w, model_dir, kv, run_dir, dtype)
     runs: dict[str, list[tuple[list[Record], float]]] = {s.name: [] for s in servers}
-    try:
-        log(f"[{w.name}] starting {', '.join(names)} (KV capacity {kv} tokens)")
-        for s in servers:
+    warm = [dict(b, parameters=dict(b["parameters"], max_new_tokens=4)) for b in bodies[: min(8, len(bodies))]]
+
+    def up(group):
+        for s in group:
             s.start()
-        for s in servers:
+        for s in group:
             s.wait(startup_timeout)
             if s.error:
                 log(f"[{w.name}] {s.name} failed to start: {s.error}")
-        live = [s for s in servers if not s.error]
-        warm = [dict(b, parameters=dict(b["parameters"], max_new_tokens=4)) for b in bodies[: min(8, len(bodies))]]
-        for s in live:   # first-call costs (allocation, kernel selection) are not part of the run
-            run_load(invocations_url(s.url), warm, min(4, len(warm)), progress=False)
-        for rep in range(reps):
-            order = live[rep % len(live):] + live[: rep % len(live)] if live else []
-            for s in order:
-                if s.proc.poll() is not None:
-                    s.error = f"exited with code {s.proc.returncode}; log: {s.log_path}: {tail(s.log_path)}"
-                    continue
-                recs, dur = run_load(invocations_url(s.url), bodies, w.concurrency, progress=progress,
-                                     desc=f"{w.name} rep {rep + 1}/{reps} {s.name}")
-                runs[s.name].append((recs, dur))
-                log(f"[{w.name}] rep {rep + 1}/{reps} {s.name}: {len(recs) / dur if dur else 0:.2f} req/s, "
-                    f"{sum(r.error is not None for r in recs)} errors")
+            else:   # first-call costs (allocation, kernel selection) are not part of the run
+                run_load(invocations_url(s.url), warm, min(4, len(warm)), progress=False)
+
+    def measure(s, rep):
+        if s.error:
+            return
+        if s.proc.poll() is not None:
+            s.error = f"exited with code {s.proc.returncode}; log: {s.log_path}: {tail(s.log_path)}"
+            return
+        recs, dur = run_load(invocations_url(s.url), bodies, w.concurrency, progress=progress,
+                             desc=f"{w.name} rep {rep + 1}/{reps} {s.name}")
+        runs[s.name].append((recs, dur))
+        log(f"[{w.name}] rep {rep + 1}/{reps} {s.name}: {len(recs) / dur if dur else 0:.2f} req/s, "
+            f"{sum(r.error is not None for r in recs)} errors")
+
+    try:
+        log(f"[{w.name}] servers: {', '.join(names)}; KV capacity {kv} tokens each")
+        if not one_at_a_time:
+            up(servers)
+        for rep in range(reps):   # the order rotates each repetition
+            for s in servers[rep % len(servers):] + servers[: rep % len(servers)]:
+                if one_at_a_time:
+                    s.error = None
+                    up([s])
+                measure(s, rep)
+                if one_at_a_time:
+                    s.stop()
     finally:
         for s in servers:
             s.stop()
@@ -290,12 +305,14 @@ def machine_info() -> dict:
 
 def compare(preset: str | Preset = "cpu", out_dir: str = "bench-out", only=None, workloads=None,
             reps: int | None = None, model_dir: str | None = None, overrides: dict | None = None,
-            startup_timeout: float = 180.0, progress: bool = True, log=print) -> dict:
+            startup_timeout: float = 180.0, progress: bool = True, log=print,
+            one_at_a_time: bool | None = None) -> dict:
     """Run the comparison; write results.{json,md,png} into out_dir; return the results dict.
 
     only: names among none/dynamic/rolling/paged/hf_naive/transformers_cb (default: all);
     workloads: names within the preset (default: all); overrides: Workload fields applied
-    to every workload (e.g. {"requests": 20})."""
+    to every workload (e.g. {"requests": 20}); one_at_a_time: run servers one by one
+    (default: the preset's choice; the gpu preset's 7B servers cannot share one GPU)."""
     from dataclasses import replace
 
     p = PRESETS[preset] if isinstance(preset, str) else preset
@@ -309,7 +326,8 @@ def compare(preset: str | Preset = "cpu", out_dir: str = "bench-out", only=None,
     per = {}
     for w in ws:
         per[w.name] = run_workload(w, names, model, out_dir, reps or p.repetitions, dtype,
-                                   startup_timeout, progress, log)
+                                   startup_timeout, progress, log,
+                                   p.one_at_a_time if one_at_a_time is None else one_at_a_time)
     first = per[ws[0].name]
     results = {**first, "machine": machine, "preset": p.name, "model_dir": model,
                "elapsed_s": time.monotonic() - t0, "workloads": per}

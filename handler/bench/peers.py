@@ -18,6 +18,7 @@ requested length (one sequence at a time / blocks on demand), so it does not hel
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import math
 import os
@@ -100,7 +101,9 @@ class CBBackend:
         self.model, self.tok = model, tok
         gen = GenerationConfig(do_sample=False, max_new_tokens=256, eos_token_id=None,
                                pad_token_id=tok.pad_token_id)  # eos None -> -1: never stops early
-        cb = ContinuousBatchingConfig(page_size=page_size, num_blocks=math.ceil(kv_cache_tokens / page_size),
+        # transformers 5.23 calls the block "page_size"; 5.17 (the GPU machines) "block_size"
+        size_key = "page_size" if "page_size" in inspect.signature(ContinuousBatchingConfig).parameters else "block_size"
+        cb = ContinuousBatchingConfig(**{size_key: page_size}, num_blocks=math.ceil(kv_cache_tokens / page_size),
                                       max_batch_tokens=prefill_tokens, max_requests_per_batch=max_batch_size)
         self.mgr = model.init_continuous_batching(generation_config=gen, continuous_batching_config=cb)
         if model.device.type == "cuda":

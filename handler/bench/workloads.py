@@ -6,7 +6,7 @@ same request list in the same order.
 from __future__ import annotations
 
 import random
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, replace
 
 # One English paragraph; prompts are its first `words` words, repeated as needed.
 _TEXT = (
@@ -112,14 +112,14 @@ class Preset:
     repetitions: int
     model: str                  # "demo" (tiny local model) or "llama-2-7b" (random bf16 weights)
     description: str = ""
-    extra: dict = field(default_factory=dict)
+    one_at_a_time: bool = False  # start each server only for its own run (too big to share a device)
 
 
 PRESETS = {
     "cpu": Preset("cpu", (LMI_CPU, EARLY_STOP_CPU), repetitions=2, model="demo",
                   description="tiny demo Llama on CPU; the whole comparison in under 10 minutes"),
     "gpu": Preset("gpu", (LMI_GPU, EARLY_STOP_GPU), repetitions=2, model="llama-2-7b",
-                  description="Llama-2-7B shape, random bf16 weights, on one GPU"),
+                  description="Llama-2-7B shape, random bf16 weights, on one GPU", one_at_a_time=True),
     "smoke": Preset("smoke", (SMOKE,), repetitions=1, model="demo",
                     description="seconds-long check that every server answers"),
 }
