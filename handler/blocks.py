@@ -39,7 +39,8 @@ class BlockManager:
         return self.tables[seq_id]
 
     def allocated_tokens(self) -> int:
-        return sum(len(t) for t in self.tables.values()) * self.block_size
+        # Distinct blocks: a prefix block shared by several sequences is one block of the pool.
+        return len({b for t in self.tables.values() for b in t}) * self.block_size
 
     # ---- prefix matching
     @staticmethod

@@ -113,6 +113,9 @@ class Scheduler:
 
     def check_fits(self, prompt_len: int, params: SamplingParams) -> None:
         cap = self.policy.max_model_len
+        # An empty prompt would be planned as a sampling item with no tokens to sample from.
+        if prompt_len < 1:
+            raise CapacityError("inputs: the prompt has no tokens after tokenization")
         if prompt_len >= cap:
             raise CapacityError(f"inputs: the prompt has {prompt_len} tokens; this model allows "
                                 f"at most {cap - 1} prompt tokens (max_model_len={cap})")
@@ -275,7 +278,12 @@ class Scheduler:
 
     # ---- observability
     def kv_usage(self) -> dict:
-        stored = sum(s.num_computed for s in self.running)
+        # Written slots per physical block, so that a shared prefix block counts once.
+        bs, filled = self.blocks.block_size, {}
+        for s in self.running:
+            for i, b in enumerate(self.blocks.tables.get(s.seq_id, ())[:-(-s.num_computed // bs)]):
+                filled[b] = max(filled.get(b, 0), min(bs, s.num_computed - i * bs))
+        stored = sum(filled.values())
         allocated = self.blocks.allocated_tokens()
         return {"kv_tokens_stored": stored, "kv_tokens_allocated": allocated,
                 "kv_tokens_total": self.blocks.num_blocks * self.blocks.block_size,

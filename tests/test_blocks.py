@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, settings
@@ -15,7 +16,8 @@ from handler.blocks import BlockManager
 def test_no_torch_imported():
     code = ("import sys, handler.blocks, handler.scheduler; "
             "assert 'torch' not in sys.modules, sorted(m for m in sys.modules if 'torch' in m)")
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=".")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       cwd=Path(__file__).resolve().parents[1])
     assert r.returncode == 0, r.stderr
 
 

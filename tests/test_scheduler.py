@@ -122,6 +122,13 @@ def test_check_fits():
     assert not s.seqs and not s.waiting
 
 
+def test_empty_prompt_rejected():
+    s = make("paged")
+    with pytest.raises(CapacityError, match="no tokens"):
+        s.add(seq(1, []))
+    assert not s.has_work
+
+
 def test_queue_full():
     s = make("rolling", max_waiting=2)
     s.add(seq(1, 3))
@@ -242,13 +249,15 @@ def test_rolling_chunked_prefill():
     a, b = seq(1, 10, max_new=2), seq(2, 6, max_new=2)
     s.add(a)
     s.add(b)
-    chunks = []
+    chunks, waiting = [], []
     for _ in range(6):
         plan, _ = step(s, r)
+        waiting.append([q.seq_id for q in s.waiting])
         chunks.append([(i.seq_id, i.token_ids, i.start_pos, i.sample) for i in plan.items])
         assert sum(len(i.token_ids) for i in plan.items if len(i.token_ids) > 1) <= 4
     p, q = a.prompt_ids, b.prompt_ids
     assert chunks[0] == [(1, p[0:4], 0, False)]            # 2 is not admitted: no budget left
+    assert waiting[:3] == [[2], [2], []]
     assert chunks[1] == [(1, p[4:8], 4, False)]
     assert chunks[2] == [(1, p[8:10], 8, True), (2, q[0:2], 0, False)]
     assert chunks[3] == [(1, [a.tokens[10]], 10, True), (2, q[2:6], 2, True)]
@@ -296,6 +305,21 @@ def test_rolling_prefix_cache_hit_skips_computed_prompt():
         step(s, r)
     assert b.output_ids == alone(b.prompt_ids, b.params, 2048, model_no_eos)[0]
     assert s.blocks.num_free == s.blocks.num_blocks
+
+
+def test_kv_usage_counts_shared_prefix_blocks_once():
+    s, r = make("paged", num_blocks=8, block_size=2, caching=True), FakeRunner(2, model_no_eos)
+    s.add(seq(1, [1, 2, 3, 4, 5], max_new=3))
+    step(s, r)                                     # 1's two full blocks are now cached
+    s.add(seq(2, [1, 2, 3, 4, 6], max_new=3))
+    s.add(seq(3, [1, 2, 3, 4, 7], max_new=3))
+    plan = s.schedule(0.0)
+    assert ids(plan) == [1, 2, 3] and [q.cached_tokens for q in s.running] == [0, 4, 4]
+    # 3 + 1 + 1 physical blocks; 4 shared prompt tokens + 1 more of seq 1 written
+    assert s.kv_usage() == {"kv_tokens_stored": 5, "kv_tokens_allocated": 10,
+                            "kv_tokens_total": 16, "kv_utilization": 0.5}
+    s.update(plan, r.step(plan.items))
+    assert s.kv_usage()["kv_tokens_stored"] == 4 + 2 + 1 + 1
 
 
 # ---------------------------------------------------------------- paged
@@ -424,18 +448,29 @@ def test_finish_reasons(params, tokens, reason, n_out):
 
 
 # ---------------------------------------------------------------- whole runs, any workload
-def drive(s: Scheduler, requests: list[Sequence], runner: FakeRunner, dt=0.01, max_steps=5000):
-    """Run to completion with arrivals at their times; check per-step invariants."""
+def drive(s: Scheduler, requests: list[Sequence], runner: FakeRunner, aborts=None, dt=0.01,
+          max_steps=5000):
+    """Run to completion with arrivals at their times; check per-step invariants. `aborts` maps
+    seq_id -> (step, during): cancel it before that step's schedule, or while the step runs."""
     p, strategy = s.policy, s.policy.strategy
     pending = sorted(requests, key=lambda q: q.arrival)
     finished: dict[int, Sequence] = {}
+    aborted: set[int] = set()
     admitted_order: list[int] = []
     now = 0.0
-    for _ in range(max_steps):
+
+    def cancel(k, during):
+        for sid, (at, d) in (aborts or {}).items():
+            if at == k and d == during and sid in s.seqs:
+                assert s.finish(sid, "aborted").finish_reason == "aborted"
+                aborted.add(sid)
+
+    for k in range(max_steps):
         if not pending and not s.has_work:
             break
         while pending and pending[0].arrival <= now:
             s.add(pending.pop(0))
+        cancel(k, during=False)
         before = {q.seq_id for q in s.running}
         plan = s.schedule(now)
         after = {q.seq_id for q in s.running}
@@ -448,7 +483,8 @@ def drive(s: Scheduler, requests: list[Sequence], runner: FakeRunner, dt=0.01, m
         if strategy != "paged":
             assert plan.preempted == []
         else:                                          # victims: the newest of those running
-            pool = sorted((s.seqs[i] for i in after | set(plan.preempted)), key=lambda q: q.admitted)
+            pool = sorted((s.seqs[i] for i in after | set(plan.preempted)),
+                          key=lambda q: q.admitted)
             assert {q.seq_id for q in pool[len(pool) - len(plan.preempted):]} == set(plan.preempted)
         if strategy == "rolling":
             for q in s.running:                        # reserved for the maximum length
@@ -462,10 +498,17 @@ def drive(s: Scheduler, requests: list[Sequence], runner: FakeRunner, dt=0.01, m
         if not s.blocks.prefix_caching:                # without sharing, tables are disjoint
             held = [b for q in s.running for b in s.blocks.table(q.seq_id)]
             assert len(held) == len(set(held))
-        usage = s.kv_usage()
-        assert usage["kv_tokens_stored"] <= usage["kv_tokens_allocated"] or s.blocks.prefix_caching
+        u = s.kv_usage()
+        assert u["kv_tokens_stored"] <= u["kv_tokens_allocated"] <= u["kv_tokens_total"]
+        if not s.blocks.prefix_caching:
+            assert u["kv_tokens_stored"] == sum(q.num_computed for q in s.running)
+            assert u["kv_tokens_allocated"] == \
+                sum(len(s.blocks.table(q.seq_id)) for q in s.running) * s.blocks.block_size
         if plan.items:
-            for q in s.update(plan, runner.step(plan.items)):
+            sampled = runner.step(plan.items)
+            cancel(k, during=True)
+            for q in s.update(plan, sampled):
+                assert q.seq_id not in aborted
                 if q.finished:
                     finished[q.seq_id] = s.finish(q.seq_id, q.finish_reason)
         elif strategy != "dynamic":                    # only dynamic may idle while work waits
@@ -476,6 +519,7 @@ def drive(s: Scheduler, requests: list[Sequence], runner: FakeRunner, dt=0.01, m
     assert not s.seqs and not s.blocks.tables
     assert s.blocks.num_free == s.blocks.num_blocks
     s.blocks.check_invariants()
+    assert len(finished) + len(aborted) == len(requests)           # nobody is lost
     return finished, admitted_order
 
 
@@ -498,7 +542,7 @@ def workloads(draw, strategy, tight=False):
     bs = draw(st.integers(1, 2 if tight else 4))
     max_model_len = draw(st.integers(4, 24))
     prefix = draw(st.lists(st.integers(1, 3), max_size=8))
-    reqs = []
+    reqs, aborts = [], {}
     for i in range(draw(st.integers(3 if tight else 1, 8))):
         own = draw(st.lists(st.integers(1, VOCAB - 1), min_size=1, max_size=10))
         prompt = ((prefix if draw(st.booleans()) else []) + own)[:max_model_len - 1]
@@ -509,26 +553,31 @@ def workloads(draw, strategy, tight=False):
             params["eos_after"] = draw(st.integers(1, 5))
         arrival = 0.0 if tight else draw(st.sampled_from([0.0, 0.01, 0.02, 0.05, 0.2]))
         reqs.append(seq(i, prompt, arrival=arrival, **params))
+        if not tight and draw(st.integers(0, 5)) == 0:
+            aborts[i] = (draw(st.integers(0, 12)), draw(st.booleans()))
     need = max(len(q.prompt_ids) + q.params.max_new_tokens for q in reqs)
     num_blocks = -(-need // bs) + draw(st.integers(0, 1 if tight else 4))
     s = make(strategy, num_blocks=num_blocks, block_size=bs, caching=draw(st.booleans()),
              max_batch_size=draw(st.integers(2 if tight else 1, 4)),
              prefill_token_budget=draw(st.integers(1, 12)),
              max_batch_delay_s=draw(st.sampled_from([0.0, 0.03, 0.1])), max_model_len=max_model_len)
-    return s, reqs
+    return s, reqs, aborts
 
 
 @pytest.mark.parametrize("strategy,tight", [(s, False) for s in STRATEGIES] + [("paged", True)])
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data())
 def test_any_workload_matches_running_alone(strategy, tight, data):
-    s, reqs = data.draw(workloads(strategy, tight))
-    finished, order = drive(s, reqs, FakeRunner(s.blocks.block_size))
-    assert sorted(finished) == sorted(q.seq_id for q in reqs)         # nobody is lost
+    s, reqs, aborts = data.draw(workloads(strategy, tight))
+    finished, order = drive(s, reqs, FakeRunner(s.blocks.block_size), aborts)
     for q in reqs:
-        assert (q.output_ids, q.finish_reason) == \
-            alone(q.prompt_ids, q.params, s.policy.max_model_len)
+        out, reason = alone(q.prompt_ids, q.params, s.policy.max_model_len)
+        if q.seq_id in finished:
+            assert (q.output_ids, q.finish_reason) == (out, reason)
+        else:                                          # cancelled part-way: a prefix of it
+            assert q.seq_id in aborts and q.finish_reason == "aborted"
+            assert q.output_ids == out[:q.num_output] and q.num_output < len(out)
     first_admission = list(dict.fromkeys(order))
     assert first_admission == sorted(first_admission, key=lambda i: (reqs[i].arrival, i))
     if s.policy.strategy != "paged":
-        assert s.stats["preemptions"] == 0 and len(order) == len(reqs)
+        assert s.stats["preemptions"] == 0 and len(order) == len(set(order))
