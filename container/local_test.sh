@@ -154,13 +154,23 @@ log "stream: $lines token lines"
 (( lines >= 1 )) || die "stream returned no token lines"
 tail -n 1 "$WORK/stream.jsonl" | grep -q '"generated_text"' || die "last stream line has no generated_text"
 
-# 7. Stop with SIGTERM (podman stop sends SIGKILL only after 30 s).
-log "stopping (SIGTERM)"
+# 7. Stop with SIGTERM (podman stop sends SIGKILL only after 30 s) while a long streamed
+# request is in flight: the server must finish it before exiting.
+curl -sS -N -H 'Content-Type: application/json' \
+    -d '{"inputs": "def fibonacci(n):", "parameters": {"max_new_tokens": 200}, "stream": true}' \
+    "$URL/invocations" >"$WORK/inflight.jsonl" 2>&1 &
+inflight=$!
+until [[ -s "$WORK/inflight.jsonl" ]] || ! kill -0 "$inflight" 2>/dev/null; do sleep 0.05; done
+log "stopping (SIGTERM) with a 200-token stream in flight"
 start=$(date +%s.%N)
 "${PODMAN[@]}" stop -t 30 "$NAME" >/dev/null
+wait "$inflight" || true
 elapsed=$(awk -v a="$start" -v b="$(date +%s.%N)" 'BEGIN {printf "%.1f", b - a}')
 code=$("${PODMAN[@]}" inspect --format '{{.State.ExitCode}}' "$NAME")
 log "stopped in ${elapsed} s, exit code $code"
 "${PODMAN[@]}" logs "$NAME" 2>&1 | tail -5 | sed 's/^/    container: /'
 [[ $code != 137 ]] || die "the server ignored SIGTERM and was killed (exit 137)"
+log "in-flight stream: $(grep -c '"token"' "$WORK/inflight.jsonl" || true) token lines"
+tail -n 1 "$WORK/inflight.jsonl" | grep -q '"generated_text"' \
+    || { tail -n 3 "$WORK/inflight.jsonl"; die "the in-flight request was cut off by the stop"; }
 log "OK"

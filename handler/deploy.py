@@ -99,6 +99,9 @@ def environment_from_properties(path: str, *, model_data: str | None = None,
         notes.append(f"{model_key}={model_id} is a local path: dropped, the endpoint loads "
                      f"--model-data from /opt/ml/model")
         del props[model_key]
+    elif model_id and model_data:
+        notes.append(f"{model_key}={model_id} is what the server loads; --model-data is copied "
+                     "to /opt/ml/model but not used")
     elif not model_id and not model_data:
         raise DeployError(f"{path} has no option.model_id=s3://...; pass --model-data s3://...")
     env = properties_to_env(props)

@@ -60,8 +60,10 @@ def test_summarise_with_nothing_completed():
 def test_ideal_speedup_small_case_by_hand():
     # B=2: batches (1,2) and (3,4) cost 2 + 4 = 6 steps; iteration level: 10 tokens / 2 slots = 5.
     assert ideal_speedup([1, 2, 3, 4], 2) == pytest.approx(6 / 5)
-    # A short last batch still costs its max: (2,4) + (6) = 10 steps vs 12 / 2 = 6.
-    assert ideal_speedup([2, 4, 6], 2) == pytest.approx(10 / 6)
+    # Only complete batches count: (2,4) costs 4 steps vs 6 / 2 = 3; the trailing (6) is left out.
+    assert ideal_speedup([2, 4, 6], 2) == pytest.approx(4 / 3)
+    # Fewer requests than one batch: they are the batch. (1,3) costs 3 steps vs 4 / 2 = 2.
+    assert ideal_speedup([1, 3], 50) == pytest.approx(3 / 2)
     assert ideal_speedup([4, 4, 4], 3) == pytest.approx(1.0)    # equal lengths: nothing to gain
     assert ideal_speedup([1, 9], 1) == pytest.approx(1.0)       # batch of one: nothing to gain
     with pytest.raises(ValueError, match="batch_size"):

@@ -41,7 +41,8 @@ def test_dockerfile_sagemaker_contract():
     assert ("FROM", "${BASE_IMAGE}") in ins
     assert ("LABEL", "com.amazonaws.sagemaker.capabilities.accept-bind-to-port=true") in ins
     assert ("EXPOSE", "8080") in ins
-    assert ins[-1] == ("ENTRYPOINT", '["/usr/local/bin/serve"]')  # exec form: no shell in between
+    assert ("ENTRYPOINT", '["/usr/local/bin/serve"]') in ins  # exec form: no shell in between
+    assert [i for i, _ in ins].count("ENTRYPOINT") == 1 and not any(i == "CMD" for i, _ in ins)
     assert any(i == "COPY" and a == "container/serve /usr/local/bin/serve" for i, a in ins)
 
 

@@ -60,8 +60,9 @@ def _overrides(a) -> dict:
     return o
 
 
-def _workload_args(p):
-    p.add_argument("--preset", default="cpu", choices=sorted(PRESETS))
+def _workload_args(p, default_preset: str):
+    p.add_argument("--preset", default=default_preset, choices=sorted(PRESETS),
+                   help=f"workload sizes (default {default_preset}; gpu = the published full shape)")
     p.add_argument("--requests", type=int, help="N, overriding the preset's")
     p.add_argument("--concurrency", type=int, help="C closed-loop clients, overriding the preset's")
     p.add_argument("--max-new-tokens", help="comma-separated set to draw from, e.g. 64,128,256")
@@ -129,7 +130,7 @@ def main(argv: list[str]) -> int:
     r.add_argument("--timeout", type=float, default=900.0, help="seconds per request")
     r.add_argument("--no-stream", action="store_true", help="ask for one JSON body (TTFT unknown)")
     r.add_argument("--out", help="write the figures and every request's record to this JSON file")
-    _workload_args(r)
+    _workload_args(r, "gpu")
     c = sub.add_parser("compare", help="start every strategy and peer, run the preset, write results")
     c.add_argument("--out", required=True, help="directory for results.json/.md/.png, logs and the model")
     c.add_argument("--only", help="comma-separated subset of none,dynamic,rolling,paged,hf_naive,transformers_cb")
@@ -139,7 +140,7 @@ def main(argv: list[str]) -> int:
     c.add_argument("--one-at-a-time", action="store_true",
                    help="start each server only for its own run (default for the gpu preset)")
     c.add_argument("--startup-timeout", type=float, default=180.0, help="seconds to wait for /ping")
-    _workload_args(c)
+    _workload_args(c, "cpu")
     a = ap.parse_args(argv)
     try:
         return cmd_run(a) if a.cmd == "run" else cmd_compare(a)

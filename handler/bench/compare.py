@@ -14,7 +14,7 @@ import socket
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from handler.bench.client import invocations_url, run_load, wait_ready
 from handler.bench.metrics import Record, expected_ideal_speedup, ideal_speedup, summarise
@@ -177,6 +177,8 @@ def make_servers(names, w: Workload, model_dir: str, kv_tokens: int, run_dir: st
                    "--port", str(port), "--kv-cache-tokens", str(kv_tokens),
                    "--prefill-tokens", str(w.prefill_tokens),
                    "--max-batch-size", str(w.max_rolling_batch_size), "--page-size", str(BLOCK)]
+            if dtype:
+                cmd += ["--dtype", {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}[dtype]]
         servers.append(Server(name, cmd, log, port))
     return servers
 
@@ -193,7 +195,7 @@ def ideal_block(w: Workload, bodies: list[dict]) -> dict:
         "from_draws": ideal_speedup(lengths, w.batch_width),
         "expected": expected_ideal_speedup(list(mix), w.batch_width, list(mix.values())),
         "mean_output_tokens": sum(lengths) / len(lengths),
-        "formula": "B * sum over consecutive batches of max(len) / sum(len) = E[max of B lengths] / E[len]: "
+        "formula": "B * sum over complete consecutive batches of max(len) / sum(len) = E[max of B lengths] / E[len]: "
                    "decode steps of dynamic batching (a batch lasts as long as its longest member) "
                    "over perfect iteration-level batching at the same width B (a slot is refilled "
                    "the step it frees); prefill and per-step cost differences ignored",
@@ -321,7 +323,7 @@ def compare(preset: str | Preset = "cpu", out_dir: str = "bench-out", only=None,
     os.makedirs(out_dir, exist_ok=True)
     t0 = time.monotonic()
     model = prepare_model(p, out_dir, model_dir)
-    dtype = "bf16" if p.model != "demo" and not model_dir else None
+    dtype = None if p.model == "demo" else "bf16"   # demo: the server's and peers' default (fp32 on CPU)
     machine = machine_info()
     per = {}
     for w in ws:
@@ -387,13 +389,12 @@ def markdown(results: dict) -> str:
 
 
 def chart(results: dict, path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    # A bare Figure renders with Agg and leaves pyplot's backend alone (a notebook keeps inline).
+    from matplotlib.figure import Figure
 
     wl = results["workloads"]
-    fig, axes = plt.subplots(1, len(wl), figsize=(6 * len(wl), 4.2), squeeze=False)
+    fig = Figure(figsize=(6 * len(wl), 4.2))
+    axes = fig.subplots(1, len(wl), squeeze=False)
     for ax, (name, r) in zip(axes[0], wl.items()):
         entries = {**r["strategies"], **{f"{k}*": v for k, v in r["peers"].items()}}
         labels = list(entries)
@@ -406,7 +407,6 @@ def chart(results: dict, path: str) -> None:
     fig.text(0.01, 0.01, "* peer", fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
-    plt.close(fig)
 
 
 def write_results(results: dict, out_dir: str) -> None:

@@ -104,15 +104,20 @@ def summarise(records: list[Record], concurrency: int, duration: float) -> dict:
 #                   = E[max of B lengths] / E[len]          (batches of independent draws)
 
 def ideal_speedup(lengths: list[int], batch_size: int) -> float:
-    """Ideal speedup over dynamic batching for these output lengths, in arrival order,
-    cut into consecutive dynamic batches of batch_size (the last may be shorter: it still
-    costs its max, and its slots count as B, as a real padded batch's would)."""
+    """Ideal speedup over dynamic batching for these output lengths, in arrival order, cut
+    into consecutive dynamic batches of batch_size. Only complete batches count: the closed
+    loop keeps C requests in flight, and a finite run's short last batch would charge
+    dynamic a full-width batch for a few requests. Fewer lengths than one batch: one batch."""
     if batch_size < 1:
         raise ValueError(f"batch_size={batch_size}: must be >= 1")
     if not lengths:
         raise ValueError("ideal_speedup needs at least one length")
-    dynamic_steps = sum(max(lengths[i:i + batch_size]) for i in range(0, len(lengths), batch_size))
-    return dynamic_steps * batch_size / sum(lengths)
+    full = len(lengths) - len(lengths) % batch_size
+    if full == 0:
+        full, batch_size = len(lengths), len(lengths)
+    used = lengths[:full]
+    dynamic_steps = sum(max(used[i:i + batch_size]) for i in range(0, full, batch_size))
+    return dynamic_steps * batch_size / sum(used)
 
 
 def expected_ideal_speedup(values: list[int], batch_size: int, weights: list[float] | None = None) -> float:

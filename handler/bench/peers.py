@@ -59,7 +59,7 @@ def final_body(text: str, ids: list[int], reason: str, tok, details: bool) -> di
 
 
 def _reason(ids: list[int], n: int, k: int | None, eos: int | None, ignore_eos: bool) -> str:
-    if k is not None and len(ids) >= k and k < n:
+    if k is not None and len(ids) >= k:  # K == max_new_tokens: EOS came last, as a sampled one would
         return "eos_token"
     if not ignore_eos and ids and ids[-1] == eos:
         return "eos_token"

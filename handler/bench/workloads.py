@@ -81,23 +81,25 @@ LMI_GPU = Workload(
     note="the published LMI comparison's shape: 50 clients, 5,000 requests, three prompt "
          "lengths, outputs 64/128/256; " + _FAIR)
 EARLY_STOP_GPU = Workload(
-    name="early_stop", requests=2000, concurrency=50, prompt_words=(24, 96, 384),
+    name="early_stop", requests=2000, concurrency=50, prompt_words=(24, 48, 96),
     max_new_tokens=(256,), eos_after=(16, 128), kv_reservations=12, prefill_tokens=16080,
     note="requests ask for 256 tokens but EOS arrives after K in 16..128 (eos_after, unknown "
-         "to the scheduler); KV capacity holds 12 full-length reservations, so rolling's "
-         "reservations bind and paged's on-demand blocks do not")
+         "to the scheduler); prompts are short so that generation dominates the KV cache; KV "
+         "capacity holds 12 full-length reservations, so rolling's reservations bind and "
+         "paged's on-demand blocks do not")
 
 LMI_CPU = replace(
-    LMI_GPU, requests=120, prompt_words=(8, 32, 96), max_new_tokens=(16, 32, 64),
+    LMI_GPU, requests=100, prompt_words=(8, 32, 96), max_new_tokens=(16, 32, 64),
     prefill_tokens=4096,
     note="LMI shape scaled for a 2-core CPU and the tiny demo model: 50 clients as published, "
-         "but 120 requests (not 5,000), outputs 16/32/64 (a quarter of 64/128/256), prompts "
+         "but 100 requests (not 5,000), outputs 16/32/64 (a quarter of 64/128/256), prompts "
          "8/32/96 words (not the published prompts); " + _FAIR)
 EARLY_STOP_CPU = replace(
-    EARLY_STOP_GPU, requests=120, prompt_words=(8, 32, 96), max_new_tokens=(64,),
+    EARLY_STOP_GPU, requests=100, prompt_words=(8, 16, 32), max_new_tokens=(64,),
     eos_after=(4, 32), prefill_tokens=4096,
     note="early-stop scaled by a quarter for a 2-core CPU: max_new_tokens 64, EOS after K in "
-         "4..32, 120 requests, KV capacity of 12 full-length reservations")
+         "4..32 (unknown to the scheduler), prompts of 8/16/32 words, 100 requests, KV capacity "
+         "of 12 full-length reservations (rolling's reservations bind, paged's blocks do not)")
 
 SMOKE = Workload(
     name="smoke", requests=6, concurrency=2, prompt_words=(4, 12), max_new_tokens=(4, 8),
