@@ -22,6 +22,7 @@ from handler.bench.workloads import PRESETS, Preset, Workload, output_lengths, p
 
 STRATEGIES = ("none", "dynamic", "rolling", "paged")
 PEERS = ("hf_naive", "transformers_cb")
+SERIAL = ("none", "hf_naive")          # one request at a time (Workload.serial_requests)
 ALL = STRATEGIES + PEERS
 BLOCK = 16  # tokens per KV block for our servers (option.block_size default) and the CB peer's page
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -231,7 +232,8 @@ def run_workload(w: Workload, names, model_dir: str, out_dir: str, reps: int, dt
         if s.proc.poll() is not None:
             s.error = f"exited with code {s.proc.returncode}; log: {s.log_path}: {tail(s.log_path)}"
             return
-        recs, dur = run_load(invocations_url(s.url), bodies, w.concurrency, progress=progress,
+        mine = bodies[:w.serial_requests] if s.name in SERIAL and w.serial_requests else bodies
+        recs, dur = run_load(invocations_url(s.url), mine, w.concurrency, progress=progress,
                              desc=f"{w.name} rep {rep + 1}/{reps} {s.name}")
         runs[s.name].append((recs, dur))
         log(f"[{w.name}] rep {rep + 1}/{reps} {s.name}: {len(recs) / dur if dur else 0:.2f} req/s, "

@@ -38,6 +38,10 @@ class Workload:
     max_rolling_batch_size: int = 64
     prefill_tokens: int = 4096          # option.max_rolling_batch_prefill_tokens, for all
     seed: int = 0
+    # Servers that take one request at a time (none, hf_naive) run the first this-many requests
+    # of the same list: their requests/s does not depend on N, and the full N would take them
+    # most of the time budget. 0: all N.
+    serial_requests: int = 0
     note: str = ""
 
     @property
@@ -89,17 +93,19 @@ EARLY_STOP_GPU = Workload(
          "paged's on-demand blocks do not")
 
 LMI_CPU = replace(
-    LMI_GPU, requests=100, prompt_words=(8, 32, 96), max_new_tokens=(16, 32, 64),
-    prefill_tokens=4096,
+    LMI_GPU, requests=250, serial_requests=60, prompt_words=(8, 32, 96),
+    max_new_tokens=(16, 32, 64), prefill_tokens=4096,
     note="LMI shape scaled for a 2-core CPU and the tiny demo model: 50 clients as published, "
-         "but 100 requests (not 5,000), outputs 16/32/64 (a quarter of 64/128/256), prompts "
-         "8/32/96 words (not the published prompts); " + _FAIR)
+         "but 250 requests (not 5,000; the one-at-a-time servers none and hf_naive run the first "
+         "60 of them), outputs 16/32/64 (a quarter of 64/128/256), prompts 8/32/96 words (not "
+         "the published prompts); " + _FAIR)
 EARLY_STOP_CPU = replace(
-    EARLY_STOP_GPU, requests=100, prompt_words=(8, 16, 32), max_new_tokens=(64,),
-    eos_after=(4, 32), prefill_tokens=4096,
+    EARLY_STOP_GPU, requests=250, serial_requests=60, prompt_words=(8, 16, 32),
+    max_new_tokens=(64,), eos_after=(4, 32), prefill_tokens=4096,
     note="early-stop scaled by a quarter for a 2-core CPU: max_new_tokens 64, EOS after K in "
-         "4..32 (unknown to the scheduler), prompts of 8/16/32 words, 100 requests, KV capacity "
-         "of 12 full-length reservations (rolling's reservations bind, paged's blocks do not)")
+         "4..32 (unknown to the scheduler), prompts of 8/16/32 words, 250 requests (60 for the "
+         "one-at-a-time servers), KV capacity of 12 full-length reservations (rolling's "
+         "reservations bind, paged's blocks do not)")
 
 SMOKE = Workload(
     name="smoke", requests=6, concurrency=2, prompt_words=(4, 12), max_new_tokens=(4, 8),
