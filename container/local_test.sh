@@ -2,7 +2,7 @@
 # Build the CPU variant of the serving image and smoke-test it locally with podman:
 # /ping, a plain and a streamed /invocations, then a SIGTERM stop (timed).
 #
-#   container/local_test.sh [--build-only] [--keep-image]
+#   container/local_test.sh [--build-only] [--remove-image]   (the image is kept by default)
 #
 # Needs root, podman, buildah, runc (and debootstrap if the base image is missing).
 # Environment knobs:

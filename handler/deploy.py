@@ -296,7 +296,10 @@ def invoke_stream(runtime, endpoint: str, prompt: str, *, max_new_tokens: int = 
     resp = runtime.invoke_endpoint_with_response_stream(
         EndpointName=endpoint, ContentType="application/json", Accept="application/jsonlines",
         Body=_body(prompt, max_new_tokens, parameters, True))
-    yield from iter_jsonlines(_payload_parts(resp["Body"], endpoint))
+    for line in iter_jsonlines(_payload_parts(resp["Body"], endpoint)):
+        if "error" in line:  # the server reports a failure after the 200 header as a line
+            raise DeployError(f"endpoint {endpoint} stream failed: {line.get('code', '?')}: {line['error']}")
+        yield line
 
 
 class LocalRuntime:
@@ -506,13 +509,14 @@ def _run(args) -> int:
     elif args.command == "invoke":
         runtime = LocalRuntime(args.local_url) if args.local_url else clients(args.region)["runtime"]
         if args.stream:
-            n, last = 0, {}
-            for line in invoke_stream(runtime, args.endpoint, args.prompt, max_new_tokens=args.max_new_tokens):
+            n, details = 0, {}
+            for line in invoke_stream(runtime, args.endpoint, args.prompt, max_new_tokens=args.max_new_tokens,
+                                      parameters={"details": True}):
                 if "token" in line:
                     n += 1
                     print(line["token"]["text"], end="", flush=True)
-                last = line
-            print(f"\n[{n} tokens streamed; finish_reason={last.get('details', {}).get('finish_reason', '?')}]")
+                details = line.get("details", details)
+            print(f"\n[{n} tokens streamed, finish_reason={details.get('finish_reason', '?')}]")
         else:
             out = invoke(runtime, args.endpoint, args.prompt, max_new_tokens=args.max_new_tokens)
             print(json.dumps(out, indent=2))

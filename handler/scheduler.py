@@ -171,8 +171,11 @@ class Scheduler:
         return len(seq.tokens) if self.policy.strategy == "paged" else self.max_len(seq)
 
     def _admit(self, seq: Sequence) -> bool:
-        # Paged keeps one spare block per running sequence so admission does not preempt at once.
-        watermark = len(self.running) if self.policy.strategy == "paged" else 0
+        # Paged keeps a few blocks spare (5% of the pool, at most one per running sequence) so
+        # that an admission does not force a preemption on the very next step.
+        watermark = 0
+        if self.policy.strategy == "paged":
+            watermark = min(len(self.running), max(1, self.blocks.num_blocks // 20))
         if not self.blocks.can_allocate(seq.tokens, self._reserve(seq), watermark):
             return False
         cached = self.blocks.allocate(seq.seq_id, seq.tokens, self._reserve(seq))

@@ -300,3 +300,51 @@ def test_cli_validates_before_needing_aws(monkeypatch, props, capsys):
     rc = deploy.main(["create", "--properties", props, "--image-uri", IMAGE, "--role-arn", ROLE])
     assert rc == 2
     assert "is a local path; an endpoint needs --model-data" in capsys.readouterr().err
+
+
+def test_stream_error_line_from_the_server_is_a_deploy_error():
+    data = b'{"token": {"id": 1, "text": "a", "log_prob": -1.0}}\n{"error": "model failed", "code": 424}\n'
+    got = []
+    with pytest.raises(DeployError, match="stream failed: 424: model failed"):
+        for line in invoke_stream(FakeRuntime([data]), "ep", "x"):
+            got.append(line)
+    assert got == [{"token": {"id": 1, "text": "a", "log_prob": -1.0}}]
+
+
+def test_cli_stream_prints_tokens_and_finish_reason(monkeypatch, capsys):
+    lines = [{"token": {"id": 1, "text": " Hel", "log_prob": -1.0}},
+             {"token": {"id": 2, "text": "lo", "log_prob": -1.0}, "generated_text": " Hello",
+              "details": {"finish_reason": "length", "generated_tokens": 2}}]
+    rt = FakeRuntime([b"".join(json.dumps(x).encode() + b"\n" for x in lines)])
+    monkeypatch.setattr(deploy, "LocalRuntime", lambda url: rt)
+    rc = deploy.main(["invoke", "--local-url", "http://x", "--endpoint", "e", "--prompt", "p", "--stream",
+                      "--max-new-tokens", "2"])
+    assert rc == 0
+    assert capsys.readouterr().out == " Hello\n[2 tokens streamed, finish_reason=length]\n"
+    assert json.loads(rt.requests[0]["Body"])["parameters"] == {"max_new_tokens": 2, "details": True}
+
+
+def test_local_runtime_reports_http_errors_in_one_line():
+    import http.server
+    import threading
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_POST(self):
+            self.rfile.read(int(self.headers["Content-Length"]))
+            body = b'{"code": 400, "message": "parameters.max_new_tokens: must be >= 1"}'
+            self.send_response(400)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        rt = deploy.LocalRuntime(f"http://127.0.0.1:{server.server_address[1]}")
+        with pytest.raises(DeployError, match=r"answered 400: .*max_new_tokens: must be >= 1"):
+            invoke(rt, "local", "hi", max_new_tokens=0)
+    finally:
+        server.shutdown()

@@ -339,11 +339,11 @@ def test_paged_allocates_on_demand():
 
 def test_paged_preempts_newest_and_resumes_with_its_output():
     s, r = make("paged", num_blocks=4, block_size=2), FakeRunner(2, model_no_eos)
-    a, b, c = seq(1, 2, max_new=4), seq(2, 2, max_new=4), seq(3, 2, max_new=1)
+    a, b, c = seq(1, 2, max_new=4), seq(2, 2, max_new=4), seq(3, 3, max_new=1)
     for q in (a, b, c):
         s.add(q)
     plan, _ = step(s, r)
-    # watermark: one spare block per running sequence, so 3 waits
+    # 3 needs 2 blocks + a 1-block watermark, but only 2 are free: it waits
     assert ids(plan) == [1, 2] and [q.seq_id for q in s.waiting] == [3]
     step(s, r)                                                         # 4 tokens each
     step(s, r)                                                         # 5 tokens, 4 computed
