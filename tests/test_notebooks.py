@@ -133,3 +133,17 @@ def test_notebooks_call_handler_deploy_instead_of_boto3_directly():
                      "delete_endpoint("):
             assert call not in src, f"{path.name} calls {call} itself; use handler.deploy"
         assert any("parameters" in c.metadata.get("tags", []) for c in nb.cells), f"{path.name}: no parameters cell"
+
+
+def test_benchmark_notebook_runs_a_small_comparison(demo_model_dir, tmp_path):
+    out = tmp_path / "bench"
+    nb = execute("benchmark.ipynb", {"model_dir": demo_model_dir, "out_dir": str(out)}, timeout=600)
+    # the notebook wrote the same artefacts as `bench compare`, with every asked-for server measured
+    import json
+    res = json.loads((out / "results.json").read_text())
+    entries = {**res["strategies"], **res["peers"]}
+    assert set(entries) == {"dynamic", "paged", "hf_naive"}
+    assert all(e.get("requests_per_s", 0) > 0 and e.get("errors") == 0 for e in entries.values()), entries
+    assert (out / "results.png").stat().st_size > 0
+    assert any(o.get("output_type") == "display_data" and "image/png" in o.get("data", {})
+               for c in nb.cells for o in c.get("outputs", [])), "the notebook drew no chart"
