@@ -78,6 +78,7 @@ fi
 if [[ -n "${TORCH_WHEEL:-}" ]]; then
     [[ -f "$TORCH_WHEEL" ]] || die "TORCH_WHEEL=$TORCH_WHEEL is not a file"
     if [[ ! -f "container/wheels/$(basename "$TORCH_WHEEL")" ]]; then
+        mkdir -p container/wheels
         cp "$TORCH_WHEEL" container/wheels/
         STAGED_WHEEL="container/wheels/$(basename "$TORCH_WHEEL")"
     fi

@@ -43,7 +43,9 @@ def test_queue_full_503_then_recovers(demo_model_dir, tmp_path):
         results = []
         busy = requests.post(srv.url + "/invocations", json={"inputs": "a", "stream": True,
                                                             "parameters": LONG}, stream=True, timeout=120)
-        next(busy.iter_lines())                          # it is running
+        busy_lines = busy.iter_lines()                   # keep a reference: dropping the
+        next(busy_lines)                                 # iterator may close the stream
+        # it is running
         waiters = [threading.Thread(target=lambda: results.append(
             srv.post({"inputs": "b", "parameters": {"max_new_tokens": 2}}).status_code)) for _ in range(2)]
         for t in waiters:
