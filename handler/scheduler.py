@@ -282,12 +282,14 @@ class Scheduler:
     # ---- observability
     def kv_usage(self) -> dict:
         # Written slots per physical block, so that a shared prefix block counts once.
+        # /metrics calls this from an HTTP thread: read snapshots (list()/dict() copy atomically).
         bs, filled = self.blocks.block_size, {}
-        for s in self.running:
-            for i, b in enumerate(self.blocks.tables.get(s.seq_id, ())[:-(-s.num_computed // bs)]):
+        running, tables = list(self.running), dict(self.blocks.tables)
+        for s in running:
+            for i, b in enumerate(tables.get(s.seq_id, ())[:-(-s.num_computed // bs)]):
                 filled[b] = max(filled.get(b, 0), min(bs, s.num_computed - i * bs))
         stored = sum(filled.values())
-        allocated = self.blocks.allocated_tokens()
+        allocated = len({b for t in tables.values() for b in t}) * bs
         return {"kv_tokens_stored": stored, "kv_tokens_allocated": allocated,
                 "kv_tokens_total": self.blocks.num_blocks * self.blocks.block_size,
                 "kv_utilization": stored / allocated if allocated else 0.0}

@@ -11,7 +11,7 @@ from handler.engine import ErrorEvent
 from handler.request import SamplingParams
 from handler.scheduler import QueueFull
 from handler.server import build_engine
-from tests.reference import hf_greedy, tokenizer
+from tests.reference import hf_greedy
 
 PROMPTS = [
     "def main(argv):\n    parser = argparse.ArgumentParser()\n",

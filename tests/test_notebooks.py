@@ -2,14 +2,7 @@
 loopback (AWS_ENDPOINT_URL), requests to a real local server on a tiny model."""
 from __future__ import annotations
 
-import os
 import re
-import signal
-import socket
-import subprocess
-import sys
-import time
-import urllib.request
 from pathlib import Path
 
 import boto3
@@ -18,16 +11,12 @@ import pytest
 from moto.server import ThreadedMotoServer
 from nbclient import NotebookClient
 
+from tests.serverutil import Server
+
 REPO = Path(__file__).resolve().parents[1]
 NOTEBOOKS = REPO / "notebooks"
 
 pytestmark = pytest.mark.slow
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def with_overrides(nb, overrides: dict) -> nbformat.NotebookNode:
@@ -55,33 +44,10 @@ def cell_text(cell) -> str:
 
 @pytest.fixture(scope="module")
 def local_server(demo_model_dir, tmp_path_factory):
-    props = tmp_path_factory.mktemp("nb-server") / "serving.properties"
-    props.write_text("option.rolling_batch=auto\noption.paged_attention=true\noption.max_rolling_batch_size=4\n")
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    log = open(props.parent / "server.log", "w+")
-    proc = subprocess.Popen([sys.executable, "-m", "handler", "serve", "--model-dir", demo_model_dir,
-                             "--properties", str(props), "--host", "127.0.0.1", "--port", str(port)],
-                            stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "HF_HUB_OFFLINE": "1"})
-    deadline = time.monotonic() + 180
-    while True:
-        try:
-            if urllib.request.urlopen(url + "/ping", timeout=2).status == 200:
-                break
-        except OSError:
-            pass
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            log.seek(0)
-            pytest.fail(f"local server did not come up: {log.read()[-3000:]}")
-        time.sleep(0.5)
-    yield url
-    proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(timeout=60)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-    log.close()
+    srv = Server("option.rolling_batch=auto\noption.paged_attention=true\noption.max_rolling_batch_size=4\n",
+                 demo_model_dir, tmp_path_factory.mktemp("nb-server"))
+    yield srv.url
+    srv.stop()
 
 
 @pytest.fixture

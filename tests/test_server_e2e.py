@@ -9,7 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import requests
 
-from tests.reference import hf_greedy, tokenizer
+from tests.reference import hf_greedy
 from tests.serverutil import Server
 
 pytestmark = pytest.mark.slow
