@@ -30,10 +30,12 @@ class StepMeta:
 
 
 def paged_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
-                            lmi_step: StepMeta | None = None, **kwargs):
+                            lmi_step: StepMeta | None = None, sliding_window: int | None = None,
+                            softcap: float | None = None, **kwargs):
     if lmi_step is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling,
-                                      dropout=dropout, **kwargs)
+                                      dropout=dropout, sliding_window=sliding_window, softcap=softcap,
+                                      **kwargs)
     k_cache, v_cache = lmi_step.kv_cache[module.layer_idx]
     q = query[0].transpose(0, 1)     # [T, H, D]
     k = key[0].transpose(0, 1)       # [T, Hkv, D]
@@ -44,7 +46,8 @@ def paged_attention_forward(module, query, key, value, attention_mask, scaling=N
     out = kernels.paged_attention(q, k_cache, v_cache, lmi_step.block_tables, lmi_step.seq_lens,
                                   lmi_step.query_start_loc, float(scaling),
                                   seq_lens_cpu=lmi_step.seq_lens_cpu,
-                                  query_start_loc_cpu=lmi_step.query_start_loc_cpu)
+                                  query_start_loc_cpu=lmi_step.query_start_loc_cpu,
+                                  sliding_window=sliding_window, soft_cap=softcap)
     return out.unsqueeze(0), None    # [1, T, H, D]
 
 

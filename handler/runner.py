@@ -83,6 +83,11 @@ class ModelRunner:
                 trust_remote_code=trust_remote_code).to(self.device).eval()
         except Exception as e:  # one clear line for the operator; details in the debug log
             log.debug("model load failed", exc_info=True)
+            if ATTN_NAME in str(e):
+                raise ModelLoadError(
+                    f"cannot serve the model in {model_dir}: its architecture does not route attention "
+                    f"through transformers' AttentionInterface, which the paged KV cache needs (Llama, "
+                    f"Mistral, Qwen2/3, Gemma/Gemma2, Phi/Phi3, GPT-2, GPT-NeoX and OPT do)") from None
             raise ModelLoadError(f"cannot load the model from {model_dir}: {type(e).__name__}: {e}") from None
         layers, kv_heads, head_dim, max_pos = model_geometry(self.model.config)
         self.max_model_len = min(max_model_len or max_pos, max_pos)

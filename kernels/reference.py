@@ -38,16 +38,33 @@ def _gather(cache: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
     return rows.view(tables.shape[0], tables.shape[1] * bs, hkv, d)
 
 
+def _attend(q, k, v, mask, scale, g, soft_cap):
+    """SDPA, or explicit math when the logits are soft-capped (Gemma 2): tanh(s/cap)*cap.
+    q [..., H, n, D], k/v [..., Hkv, L, D], mask broadcastable to [..., H, n, L] (True = keep)."""
+    if soft_cap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=g > 1)
+    if g > 1:
+        k, v = k.repeat_interleave(g, dim=-3), v.repeat_interleave(g, dim=-3)
+    s = torch.matmul(q, k.transpose(-1, -2)) * scale
+    s = torch.tanh(s / soft_cap) * soft_cap
+    s = s.masked_fill(~mask, float("-inf"))
+    return torch.matmul(torch.softmax(s, dim=-1), v)
+
+
 def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                     block_tables: torch.Tensor, seq_lens, query_start_loc, scale: float, *,
                     seq_lens_cpu: list[int] | None = None,
-                    query_start_loc_cpu: list[int] | None = None) -> torch.Tensor:
+                    query_start_loc_cpu: list[int] | None = None,
+                    sliding_window: int | None = None,
+                    soft_cap: float | None = None) -> torch.Tensor:
     """Causal attention of packed query rows [T, H, D] over paged KV -> [T, H, D].
 
     Sequence s owns rows qsl[s]:qsl[s+1] (n_s rows) at positions seq_lens[s]-n_s ..
     seq_lens[s]-1. Decode rows (n_s == 1) of all sequences go through one batched gather
     and one masked SDPA; prefill chunks (n_s > 1) go through SDPA one sequence each.
-    `seq_lens_cpu` / `query_start_loc_cpu` spare reading the tensors back.
+    `seq_lens_cpu` / `query_start_loc_cpu` spare reading the tensors back. `sliding_window` W:
+    a query at position i sees keys j > i - W (transformers' convention); `soft_cap`: Gemma 2's
+    attention logit soft-capping.
     """
     t, h, d = query.shape
     nb, bs, hkv, _ = key_cache.shape
@@ -77,9 +94,11 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
         k = _gather(key_cache, tbl).float().transpose(1, 2)  # [B, Hkv, L, D]
         v = _gather(value_cache, tbl).float().transpose(1, 2)
         q = query[rows].float().unsqueeze(2)  # [B, H, 1, D]
-        valid = torch.arange(nblk * bs, device=dev)[None, :] < blen[:, None]  # [B, L]
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=valid[:, None, None, :], scale=scale,
-                                           enable_gqa=g > 1)
+        kpos = torch.arange(nblk * bs, device=dev)[None, :]
+        valid = kpos < blen[:, None]  # [B, L]
+        if sliding_window is not None:
+            valid &= kpos > blen[:, None] - 1 - sliding_window
+        o = _attend(q, k, v, valid[:, None, None, :], scale, g, soft_cap)
         out[rows] = o.squeeze(2).to(query.dtype)
 
     for s in range(len(lens)):
@@ -93,7 +112,10 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
         v = _gather(value_cache, tbl)[0, :ctx].float().transpose(0, 1)
         q = query[a:b].float().transpose(0, 1)  # [H, n, D]
         qpos = torch.arange(ctx - n, ctx, device=dev)
-        mask = torch.arange(ctx, device=dev)[None, :] <= qpos[:, None]  # [n, L]
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=g > 1)
+        kpos = torch.arange(ctx, device=dev)[None, :]
+        mask = kpos <= qpos[:, None]  # [n, L]
+        if sliding_window is not None:
+            mask &= kpos > qpos[:, None] - sliding_window
+        o = _attend(q, k, v, mask, scale, g, soft_cap)
         out[a:b] = o.transpose(0, 1).to(query.dtype)
     return out

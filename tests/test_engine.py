@@ -155,3 +155,54 @@ def test_abort_frees_blocks_and_queue_full_is_refused(demo_model_dir, tmp_path):
         assert engine.counters["aborted"] >= 3
     finally:
         engine.shutdown()
+
+
+FEATURE_CONFIGS = {
+    # a short sliding window (Mistral) and logit soft-capping + alternating sliding layers (Gemma 2),
+    # with weights large enough that both change the outputs
+    "mistral-sliding-window": lambda ids: __import__("transformers").MistralConfig(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, sliding_window=5, initializer_range=0.3, **ids),
+    "gemma2-softcap": lambda ids: __import__("transformers").Gemma2Config(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=1, head_dim=16, attn_logit_softcapping=0.5, sliding_window=6,
+        query_pre_attn_scalar=16, initializer_range=0.1, **ids),
+}
+
+
+@pytest.mark.parametrize("name", list(FEATURE_CONFIGS))
+def test_parity_for_sliding_window_and_softcap_models(name, demo_model_dir, tmp_path):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(demo_model_dir)
+    ids = dict(vocab_size=len(tok), bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+               pad_token_id=tok.pad_token_id)
+    torch.manual_seed(0)
+    model_dir = str(tmp_path / name)
+    AutoModelForCausalLM.from_config(FEATURE_CONFIGS[name](ids)).save_pretrained(model_dir)
+    tok.save_pretrained(model_dir)
+    engine = make_engine(model_dir, tmp_path, STRATEGIES["paged"])
+    try:
+        results = run_all(engine, PROMPTS[:4], [SamplingParams(max_new_tokens=n) for n in NEW[:4]])
+        for p, n, (got, _) in zip(PROMPTS, NEW, results):
+            assert got == hf_greedy(model_dir, p, n), (name, p[:20])
+    finally:
+        engine.shutdown()
+
+
+def test_architecture_without_attention_interface_is_refused_clearly(demo_model_dir, tmp_path):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, FalconConfig
+
+    from handler.runner import ModelLoadError
+
+    tok = AutoTokenizer.from_pretrained(demo_model_dir)
+    model_dir = str(tmp_path / "falcon")
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(FalconConfig(
+        vocab_size=len(tok), hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+        new_decoder_architecture=False, multi_query=True)).save_pretrained(model_dir)
+    tok.save_pretrained(model_dir)
+    with pytest.raises(ModelLoadError, match="AttentionInterface"):
+        make_engine(model_dir, tmp_path, STRATEGIES["paged"])

@@ -20,8 +20,10 @@ ROOT = Path(__file__).resolve().parents[1]
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
-def naive_attention(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale):
-    """One query row and one head at a time, keys gathered position by position, float64."""
+def naive_attention(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale,
+                    sliding_window=None, soft_cap=None):
+    """One query row and one head at a time, keys gathered position by position, float64.
+    sliding_window W: keys j > pos - W only; soft_cap c: logits -> tanh(logits / c) * c."""
     t, h, d = query.shape
     bs, hkv = key_cache.shape[1], key_cache.shape[2]
     group = h // hkv
@@ -35,11 +37,14 @@ def naive_attention(query, key_cache, value_cache, block_tables, seq_lens, query
         for j in range(n):
             pos = lens[s] - n + j
             row = qsl[s] + j
+            first = 0 if sliding_window is None else max(0, pos - sliding_window + 1)
             for head in range(h):
-                k = flat_k[slots[:pos + 1], head // group]  # [pos+1, D]
-                v = flat_v[slots[:pos + 1], head // group]
-                w = torch.softmax((k @ query[row, head].double()) * scale, dim=0)
-                out[row, head] = w @ v
+                k = flat_k[slots[first:pos + 1], head // group]  # [keys, D]
+                v = flat_v[slots[first:pos + 1], head // group]
+                logits = (k @ query[row, head].double()) * scale
+                if soft_cap is not None:
+                    logits = torch.tanh(logits / soft_cap) * soft_cap
+                out[row, head] = torch.softmax(logits, dim=0) @ v
     return out
 
 
@@ -64,6 +69,20 @@ def test_reference_matches_naive_loop(group, block_size, dtype, tol):
             **case, seq_lens_cpu=case["seq_lens"].tolist(),
             query_start_loc_cpu=case["query_start_loc"].tolist())
         assert torch.equal(again, got)
+
+
+@pytest.mark.parametrize("sliding_window,soft_cap", [(3, None), (None, 0.7), (5, 1.5), (1, None)])
+def test_reference_sliding_window_and_soft_cap_match_naive_loop(sliding_window, soft_cap):
+    rng = random.Random(f"sw-{sliding_window}-{soft_cap}")
+    for _ in range(3):
+        case = make_case(rng, num_seqs=rng.randint(2, 5), block_size=rng.choice([1, 4]), hkv=2,
+                         group=rng.choice([1, 2]), head_dim=16, dtype=torch.float32, max_ctx=24)
+        case["query"] = case["query"] * 4          # large logits, so the cap changes the answer
+        got = reference.paged_attention(**case, sliding_window=sliding_window, soft_cap=soft_cap)
+        want = naive_attention(**case, sliding_window=sliding_window, soft_cap=soft_cap)
+        assert rel_err(got, want) <= 1e-5
+        # and the options do change the result (the test would notice them being ignored)
+        assert rel_err(got, naive_attention(**case)) > 1e-3
 
 
 def test_reference_decode_batch_with_uneven_lengths():
