@@ -207,7 +207,8 @@ ROLLING_BATCH_VALUES = ["auto", "scheduler", "lmi-dist", "vllm", "disable"]
 
 # key -> value parser. Keys honoured by this server.
 TYPED_KEYS: dict[str, Callable[[str], object]] = {
-    "engine": _enum(["Python", "MPI"]),
+    # LMI's other engine names are accepted (with a warning) so that older files load as written.
+    "engine": _enum(["Python", "MPI", "DeepSpeed", "FasterTransformer"]),
     "batch_size": _int(1),
     "max_batch_delay": _int(0),
     "job_queue_size": _int(1),
@@ -476,6 +477,10 @@ def load_config(properties_path: str | None = None, model_dir: str | None = None
     if entry_point != DEFAULT_ENTRY_POINT:
         warnings.append(f"{where('option.entryPoint')} is not run: this server always uses its "
                         f"built-in Hugging Face engine ({DEFAULT_ENTRY_POINT})")
+
+    if get("engine", "Python") not in ("Python", "MPI"):
+        warnings.append(f"{where('engine')}: this server runs its built-in engine for every LMI "
+                        f"engine name (Python and MPI are the same here)")
 
     # --- devices: ask torch only when the answer matters
     device = get("option.device", "auto")

@@ -109,6 +109,7 @@ def test_reference_blocks_with_degree_1_resolve(strategy, text, load):
 GOOD = [
     ("engine", "python", "engine", "Python"),
     ("engine", "MPI", "engine", "MPI"),
+    ("engine", "deepspeed", "engine", "DeepSpeed"),
     ("batch_size", "8", "batch_size", 8),
     ("max_batch_delay", "0", "max_batch_delay_ms", 0),
     ("max_batch_delay", " 250 ", "max_batch_delay_ms", 250),
@@ -150,7 +151,7 @@ def test_good_values(key, value, field, expected, load):
 
 
 BAD = [
-    ("engine", "DeepSpeed", "is not supported; allowed: Python, MPI"),
+    ("engine", "TensorRT", "is not supported; allowed: Python, MPI, DeepSpeed, FasterTransformer"),
     ("batch_size", "0", "is not a positive integer"),
     ("batch_size", "abc", "is not a positive integer"),
     ("batch_size", "1.5", "is not a positive integer"),
