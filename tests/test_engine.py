@@ -157,7 +157,19 @@ def test_abort_frees_blocks_and_queue_full_is_refused(demo_model_dir, tmp_path):
         engine.shutdown()
 
 
+def _tiny(cls, **kw):
+    return lambda ids: getattr(__import__("transformers"), cls)(
+        num_hidden_layers=2, num_attention_heads=4, **kw, **ids)
+
+
 FEATURE_CONFIGS = {
+    # more families, each routed through the AttentionInterface (small, 2 layers)
+    "phi3": _tiny("Phi3Config", hidden_size=64, intermediate_size=128, num_key_value_heads=2),
+    "qwen3": _tiny("Qwen3Config", hidden_size=64, intermediate_size=128, num_key_value_heads=2, head_dim=16),
+    "gemma": _tiny("GemmaConfig", hidden_size=64, intermediate_size=128, num_key_value_heads=1, head_dim=16),
+    "gpt_neox": _tiny("GPTNeoXConfig", hidden_size=64, intermediate_size=128),
+    "opt": _tiny("OPTConfig", hidden_size=64, ffn_dim=128, word_embed_proj_dim=64),
+    "phi": _tiny("PhiConfig", hidden_size=64, intermediate_size=128),
     # a short sliding window (Mistral) and logit soft-capping + alternating sliding layers (Gemma 2),
     # with weights large enough that both change the outputs
     "mistral-sliding-window": lambda ids: __import__("transformers").MistralConfig(
@@ -171,7 +183,7 @@ FEATURE_CONFIGS = {
 
 
 @pytest.mark.parametrize("name", list(FEATURE_CONFIGS))
-def test_parity_for_sliding_window_and_softcap_models(name, demo_model_dir, tmp_path):
+def test_parity_for_more_families_sliding_window_and_softcap(name, demo_model_dir, tmp_path):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
