@@ -70,7 +70,7 @@ def model_geometry(config) -> tuple[int, int, int, int]:
 class ModelRunner:
     def __init__(self, model_dir: str, *, dtype: str = "auto", device: str = "auto",
                  block_size: int = 16, kv_cache_tokens: int | None = None,
-                 default_kv_tokens: int = 32768, gpu_memory_utilization: float = 0.9,
+                 max_running: int = 32, gpu_memory_utilization: float = 0.9,
                  max_model_len: int | None = None, trust_remote_code: bool = False):
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -93,7 +93,9 @@ class ModelRunner:
         self.max_model_len = min(max_model_len or max_pos, max_pos)
         self.block_size = block_size
         if kv_cache_tokens is None:
-            kv_cache_tokens = self._default_kv_tokens(layers, kv_heads, head_dim, default_kv_tokens,
+            # Room for every running sequence at full length (CPU: within a 4 GiB budget).
+            kv_cache_tokens = self._default_kv_tokens(layers, kv_heads, head_dim,
+                                                      max_running * self.max_model_len,
                                                       gpu_memory_utilization)
         self.kv = KVLayout(layers, kv_heads, head_dim, -(-kv_cache_tokens // block_size), block_size)
         shape = (self.kv.num_blocks, block_size, kv_heads, head_dim)

@@ -21,7 +21,7 @@ def build_engine(cfg):
     width = {"none": 1, "dynamic": cfg.batch_size}.get(cfg.strategy, cfg.max_rolling_batch_size)
     runner = ModelRunner(cfg.model_dir, dtype=cfg.dtype, device=cfg.device, block_size=cfg.block_size,
                          kv_cache_tokens=cfg.kv_cache_tokens,
-                         default_kv_tokens=width * (cfg.max_model_len or 2048),
+                         max_running=width,
                          gpu_memory_utilization=cfg.gpu_memory_utilization,
                          max_model_len=cfg.max_model_len, trust_remote_code=cfg.trust_remote_code)
     policy = SchedulerPolicy(cfg.strategy, max_batch_size=width,
