@@ -95,10 +95,13 @@ class Engine:
                 raise QueueFull(f"the queue is full ({self.scheduler.policy.max_waiting} requests "
                                 f"waiting; job_queue_size)")
             chans = []
+            group = None
             for ids in prompts_ids:
                 sid = next(self._ids)
+                group = sid if group is None else group
                 ch = Channel(sid, ids, params)
-                self._intake.append((Sequence(sid, list(ids), params, now), ch))
+                self._intake.append((Sequence(sid, list(ids), params, now,
+                                              group=group if len(prompts_ids) > 1 else None), ch))
                 chans.append(ch)
             self.counters["requests"] += len(chans)
         self._wake.set()

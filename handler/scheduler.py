@@ -57,6 +57,7 @@ class Sequence:
     admitted: int = -1          # admission order, for preemption victims
     preemptions: int = 0
     cached_tokens: int = 0      # prompt tokens served from the prefix cache
+    group: int | None = None    # the prompts of one client-side list share a group
 
     def __post_init__(self):
         if not self.tokens:
@@ -193,7 +194,12 @@ class Scheduler:
         if s in ("none", "dynamic"):
             if self.running or not self.waiting:
                 return
-            cap = 1 if s == "none" else p.max_batch_size
+            if s == "none":   # one request at a time; a client's list is that one request
+                head = self.waiting[0].group
+                cap = 1 if head is None else sum(1 for _ in itertools.takewhile(
+                    lambda q: q.group == head, self.waiting))
+            else:
+                cap = p.max_batch_size
             if s == "dynamic" and len(self.waiting) < cap and \
                     now < self.waiting[0].arrival + p.max_batch_delay_s:
                 return

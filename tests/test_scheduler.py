@@ -581,3 +581,17 @@ def test_any_workload_matches_running_alone(strategy, tight, data):
     assert first_admission == sorted(first_admission, key=lambda i: (reqs[i].arrival, i))
     if s.policy.strategy != "paged":
         assert s.stats["preemptions"] == 0 and len(order) == len(set(order))
+
+
+def test_none_runs_a_client_side_list_as_one_batch():
+    s, r = make("none"), FakeRunner(4, model_no_eos)
+    listed = [Sequence(i, [1 + i, 2, 3], SamplingParams(max_new_tokens=3), 0.0, group=10) for i in (10, 11, 12)]
+    alone = seq(13, 3, max_new=2)
+    for q in listed + [alone]:
+        s.add(q)
+    plan, _ = step(s, r)
+    assert ids(plan) == [10, 11, 12]            # the whole list, not the next request
+    while s.running:
+        step(s, r)
+    plan, _ = step(s, r)
+    assert ids(plan) == [13]
