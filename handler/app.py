@@ -29,7 +29,6 @@ class ServerState:
         self.cfg = cfg
         self.engine = None
         self.error: str | None = None
-        self.started = time.time()
         self.lock = threading.Lock()
         self.http = {"2xx": 0, "400": 0, "424": 0, "503": 0, "504": 0, "other": 0}
 

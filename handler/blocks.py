@@ -38,9 +38,11 @@ class BlockManager:
     def table(self, seq_id: int) -> list[int]:
         return self.tables[seq_id]
 
-    def allocated_tokens(self) -> int:
+    def allocated_tokens(self, tables: dict[int, list[int]] | None = None) -> int:
         # Distinct blocks: a prefix block shared by several sequences is one block of the pool.
-        return len({b for t in self.tables.values() for b in t}) * self.block_size
+        # `tables`: a snapshot, for readers on another thread.
+        tables = self.tables if tables is None else tables
+        return len({b for t in tables.values() for b in t}) * self.block_size
 
     # ---- prefix matching
     @staticmethod

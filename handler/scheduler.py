@@ -250,10 +250,8 @@ class Scheduler:
                 seq.seq_id, seq.tokens[seq.num_computed:seq.num_computed + n], seq.num_computed,
                 self.blocks.table(seq.seq_id), seq.num_computed + n == len(seq.tokens),
                 seq.params, seq.tokens))
-        # A victim chosen after its own item was planned must not run this step.
-        if preempted:
-            gone = set(preempted)
-            items = [i for i in items if i.seq_id not in gone]
+        # Items are planned oldest first and a victim is the newest running sequence, so no
+        # planned item is ever preempted after the fact.
         return StepPlan(items, preempted)
 
     def update(self, plan: StepPlan, sampled: list[int]) -> list[Sequence]:
@@ -295,7 +293,7 @@ class Scheduler:
             for i, b in enumerate(tables.get(s.seq_id, ())[:-(-s.num_computed // bs)]):
                 filled[b] = max(filled.get(b, 0), min(bs, s.num_computed - i * bs))
         stored = sum(filled.values())
-        allocated = len({b for t in tables.values() for b in t}) * bs
+        allocated = self.blocks.allocated_tokens(tables)
         return {"kv_tokens_stored": stored, "kv_tokens_allocated": allocated,
                 "kv_tokens_total": self.blocks.num_blocks * self.blocks.block_size,
                 "kv_utilization": stored / allocated if allocated else 0.0}

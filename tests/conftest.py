@@ -26,3 +26,13 @@ def demo_model_factory(tmp_path_factory):
 @pytest.fixture(scope="session")
 def demo_model_dir(demo_model_factory) -> str:
     return demo_model_factory("llama")
+
+
+@pytest.fixture
+def no_aws_credentials(monkeypatch, tmp_path):
+    """An environment where boto3 finds no credentials anywhere (env, files, instance metadata)."""
+    for var in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")

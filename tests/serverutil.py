@@ -3,20 +3,15 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
-import time
 
 import requests
 
+from handler.bench.client import wait_ready
+from handler.bench.compare import free_port
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Server:
@@ -34,18 +29,11 @@ class Server:
              "--port", str(self.port), "--host", "127.0.0.1"],
             cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT,
             env={**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})})
-        deadline = time.time() + timeout
-        while time.time() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.output()}")
-            try:
-                if requests.get(self.url + "/ping", timeout=2).status_code == 200:
-                    return
-            except requests.RequestException:
-                pass
-            time.sleep(0.3)
-        self.stop()
-        raise RuntimeError(f"server not ready after {timeout} s:\n{self.output()}")
+        try:
+            wait_ready(self.url, timeout, self.proc)
+        except (TimeoutError, RuntimeError) as e:
+            self.stop()
+            raise RuntimeError(f"{e}:\n{self.output()}") from None
 
     def output(self) -> str:
         self.log.flush()

@@ -284,12 +284,7 @@ def test_cli_no_region(monkeypatch, capsys, tmp_path):
     assert capsys.readouterr().err == "error: no AWS region: pass --region or set AWS_REGION\n"
 
 
-def test_cli_no_credentials(monkeypatch, capsys, tmp_path):
-    for var in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE"):
-        monkeypatch.delenv(var, raising=False)
-    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
-    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
-    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+def test_cli_no_credentials(no_aws_credentials, capsys):
     assert deploy.main(["--region", "us-east-1", "delete", "--name", "x"]) == 1
     assert capsys.readouterr().err.startswith("error: no AWS credentials: run `aws configure`")
 

@@ -129,12 +129,7 @@ def test_tarball_uri_gets_a_hint(s3):
         resolve_model_dir(f"s3://{bucket}/llama/model.tar.gz")
 
 
-def test_no_credentials(monkeypatch, moto_endpoint, tmp_path):
-    for var in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE"):
-        monkeypatch.delenv(var, raising=False)
-    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
-    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
-    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+def test_no_credentials(no_aws_credentials, monkeypatch, moto_endpoint):
     monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
     monkeypatch.setenv("AWS_ENDPOINT_URL", moto_endpoint)
     with pytest.raises(S3ModelError, match=r"^no AWS credentials to read s3://b/m/"):
