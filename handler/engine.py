@@ -26,6 +26,9 @@ class DoneEvent:
     generated_text: str
     generated_tokens: int
     prompt_tokens: int
+    # decoder_input_details: every prompt token as (id, text, log_prob); the first has None.
+    prefill: tuple | None = None
+    cumulative_log_prob: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -34,6 +37,8 @@ class TokenEvent:
     text: str
     log_prob: float
     done: DoneEvent | None = None   # set on a sequence's last token
+    special: bool = False           # a special token (EOS, ...): its text is "" in generated_text
+    top_tokens: tuple = ()          # top_n_tokens: ((id, text, log_prob), ...) most likely first
 
 
 @dataclass(frozen=True)
@@ -51,6 +56,8 @@ class Channel:
     params: SamplingParams
     events: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
     submitted: float = field(default_factory=time.monotonic)
+    prompt_index: int = 0           # which prompt of the submission
+    sample_index: int = 0           # which of that prompt's params.num_samples sequences
 
 
 class Engine:

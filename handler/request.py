@@ -30,6 +30,21 @@ class SamplingParams:
     ignore_eos: bool = False
     # Benchmark knob: finish as if EOS were sampled after this many tokens (unknown to the scheduler).
     eos_after: int | None = None
+    # Several samples per prompt: `best_of` sequences are generated (default n) and the API layer
+    # returns the `n` best by cumulative log-prob (LMI/TGI best_of, OpenAI n).
+    n: int = 1
+    best_of: int | None = None
+    top_n_tokens: int = 0               # alternatives per generated token (TGI/LMI top_tokens)
+    decoder_input_details: bool = False  # log-probs of every prompt token (details.prefill)
+    presence_penalty: float = 0.0        # OpenAI/vLLM semantics
+    frequency_penalty: float = 0.0
+    typical_p: float = 1.0               # TGI typical decoding; 1.0 = off
+    min_p: float = 0.0                   # vLLM min_p; 0.0 = off
+
+    @property
+    def num_samples(self) -> int:
+        """Sequences the engine generates for one prompt."""
+        return max(self.n, self.best_of or 1)
 
     @property
     def greedy(self) -> bool:
