@@ -29,6 +29,8 @@ class DoneEvent:
     # decoder_input_details: every prompt token as (id, text, log_prob); the first has None.
     prefill: tuple | None = None
     cumulative_log_prob: float = 0.0
+    queue_time_s: float = 0.0       # submit -> first scheduled
+    preemptions: int = 0
 
 
 @dataclass(frozen=True)
@@ -39,6 +41,7 @@ class TokenEvent:
     done: DoneEvent | None = None   # set on a sequence's last token
     special: bool = False           # a special token (EOS, ...): its text is "" in generated_text
     top_tokens: tuple = ()          # top_n_tokens: ((id, text, log_prob), ...) most likely first
+    time: float = 0.0               # time.monotonic() when the engine emitted it
 
 
 @dataclass(frozen=True)
@@ -197,8 +200,12 @@ class Engine:
             text += detok.flush()
         self.counters["generated_tokens"] += 1
         reason = "stop_sequence" if detok.stopped else seq.finish_reason
-        done = DoneEvent(reason, detok.text, seq.num_output, len(seq.prompt_ids)) if reason else None
-        ch.events.put(TokenEvent(token, text, logprob, done))
+        done = None
+        if reason:
+            queued = (seq.first_scheduled or seq.arrival) - seq.arrival
+            done = DoneEvent(reason, detok.text, seq.num_output, len(seq.prompt_ids),
+                             queue_time_s=queued, preemptions=seq.preemptions)
+        ch.events.put(TokenEvent(token, text, logprob, done, time=time.monotonic()))
         if done:
             self.counters["finished"] += 1
             self._end(seq.seq_id, None)

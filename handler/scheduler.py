@@ -13,6 +13,7 @@ it samples when it has caught up. The strategies differ only in admission and KV
 from __future__ import annotations
 
 import itertools
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -58,6 +59,7 @@ class Sequence:
     preemptions: int = 0
     cached_tokens: int = 0      # prompt tokens served from the prefix cache
     group: int | None = None    # the prompts of one client-side list share a group
+    first_scheduled: float | None = None   # time of the first admission (queue time ends)
 
     def __post_init__(self):
         if not self.tokens:
@@ -184,6 +186,8 @@ class Scheduler:
         seq.cached_tokens += cached
         self.stats["cached_prompt_tokens"] += cached
         seq.admitted = next(self._order)
+        if seq.first_scheduled is None:
+            seq.first_scheduled = time.monotonic()
         self.stats["admitted"] += 1
         self.waiting.popleft()
         self.running.append(seq)
