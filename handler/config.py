@@ -377,17 +377,30 @@ def _check_model_dir(path: str) -> None:
     raise ConfigError(f"model directory {path} has no *.safetensors weights")
 
 
-def load_config(properties_path: str | None = None, model_dir: str | None = None,
-                env: Mapping[str, str] | None = None, check_model: bool = True,
-                gpu_count: int | None = None) -> ServingConfig:
-    env = os.environ if env is None else env
-    model_dir = os.path.abspath(model_dir or DEFAULT_MODEL_DIR)
+class _Sources:
+    """The merged raw properties with their typed values; `where` names a value's origin."""
+
+    def __init__(self, merged: dict[str, _Value], properties_path: str | None, warnings: list[str]):
+        self.merged = merged
+        self.properties_path = properties_path
+        self.warnings = warnings
+        self.values: dict[str, object] = {}
+
+    def get(self, key, default=None):
+        v = self.values.get(key)
+        return default if v is None else v
+
+    def where(self, key: str) -> str:
+        return f"{self.merged[key].source}: {key}={_show(self.merged[key].raw)}"
+
+
+def _merge_sources(properties_path: str | None, model_dir: str, env: Mapping[str, str]) -> _Sources:
+    """Environment, then the properties file over it (an override is a warning)."""
     if properties_path is None:
         default = os.path.join(model_dir, "serving.properties")
         properties_path = default if os.path.isfile(default) else None
     elif not os.path.isfile(properties_path):
         raise ConfigError(f"properties file {properties_path} does not exist")
-
     warnings: list[str] = []
     merged = _env_properties(env)
     if properties_path is not None:
@@ -397,35 +410,35 @@ def load_config(properties_path: str | None = None, model_dir: str | None = None
                 warnings.append(f"{old.source}={_show(old.raw)} is overridden by "
                                 f"{val.source}: {key}={_show(val.raw)}")
             merged[key] = val
+    return _Sources(merged, properties_path, warnings)
 
-    def parse(key):
-        val = merged.get(key)
+
+def _parse_values(src: _Sources) -> None:
+    """Every present typed key validated up front; unknown keys warned about (with a hint)."""
+    for key in TYPED_KEYS:
+        val = src.merged.get(key)
         if val is None:
-            return None
+            src.values[key] = None
+            continue
         try:
-            return TYPED_KEYS[key](val.raw.strip())
+            src.values[key] = TYPED_KEYS[key](val.raw.strip())
         except _Bad as e:
             raise ConfigError(f"{val.source}: {key}={_show(val.raw)} {e}") from None
-
-    def where(key):
-        return f"{merged[key].source}: {key}={_show(merged[key].raw)}"
-
-    values = {k: parse(k) for k in TYPED_KEYS}  # every present typed key, validated up front
-
-    def get(key, default=None):
-        return default if values[key] is None else values[key]
-
-    unknown = sorted(k for k in merged if k not in KNOWN_KEYS)
+    unknown = sorted(k for k in src.merged if k not in KNOWN_KEYS)
     if unknown:
         named = []
         for k in unknown:
-            src = merged[k].source
+            origin = src.merged[k].source
             hint = difflib.get_close_matches(k, sorted(KNOWN_KEYS), n=1)
-            named.append(k + (f" ({src.split()[1]})" if src.startswith("environment") else "")
+            named.append(k + (f" ({origin.split()[1]})" if origin.startswith("environment") else "")
                          + (f" (did you mean {hint[0]}?)" if hint else ""))
-        warnings.append("unknown keys ignored: " + ", ".join(named))
+        src.warnings.append("unknown keys ignored: " + ", ".join(named))
 
-    # --- strategy (LMI semantics)
+
+def _resolve_strategy(src: _Sources) -> dict:
+    """LMI semantics: batch_size / rolling_batch / paged_attention -> strategy, and the
+    settings that only make sense with some strategies. Returns ServingConfig fields."""
+    get, where, warnings = src.get, src.where, src.warnings
     batch_size = get("batch_size", 1)
     rolling_batch = get("option.rolling_batch", "disable")
     paged = get("option.paged_attention")
@@ -437,7 +450,7 @@ def load_config(properties_path: str | None = None, model_dir: str | None = None
                             "option.rolling_batch (set option.rolling_batch=auto for paged attention)")
         paged = False
         unused = [k for k in ("option.max_rolling_batch_size", "option.max_rolling_batch_prefill_tokens")
-                  if k in merged]
+                  if k in src.merged]
     else:
         if rolling_batch == "scheduler" and paged:
             raise ConfigError(f"{where('option.paged_attention')} is not supported with "
@@ -449,7 +462,7 @@ def load_config(properties_path: str | None = None, model_dir: str | None = None
             warnings.append(f"{where('batch_size')} is ignored with option.rolling_batch="
                             f"{rolling_batch} (option.max_rolling_batch_size={max_rolling} governs)")
         unused = []
-    if strategy != "dynamic" and "max_batch_delay" in merged:
+    if strategy != "dynamic" and "max_batch_delay" in src.merged:
         unused.append("max_batch_delay")
     if unused:
         warnings.append(f"ignored with strategy {strategy}: {', '.join(unused)}")
@@ -477,12 +490,18 @@ def load_config(properties_path: str | None = None, model_dir: str | None = None
     if entry_point != DEFAULT_ENTRY_POINT:
         warnings.append(f"{where('option.entryPoint')} is not run: this server always uses its "
                         f"built-in Hugging Face engine ({DEFAULT_ENTRY_POINT})")
-
     if get("engine", "Python") not in ("Python", "MPI"):
         warnings.append(f"{where('engine')}: this server runs its built-in engine for every LMI "
                         f"engine name (Python and MPI are the same here)")
+    return dict(strategy=strategy, batch_size=batch_size, rolling_batch=rolling_batch,
+                paged_attention=paged, max_rolling_batch_size=max_rolling,
+                output_formatter=output_formatter, block_size=block_size,
+                kv_cache_tokens=kv_tokens, max_model_len=max_model_len, entry_point=entry_point)
 
-    # --- devices: ask torch only when the answer matters
+
+def _resolve_devices(src: _Sources, env: Mapping[str, str], gpu_count: int | None) -> dict:
+    """Device, tensor-parallel degree and port; torch is asked only when the answer matters."""
+    get, where = src.get, src.where
     device = get("option.device", "auto")
     tp = get("option.tensor_parallel_degree", 1)
     if tp == "max" or tp > 1 or device == "cuda":
@@ -507,10 +526,14 @@ def load_config(properties_path: str | None = None, model_dir: str | None = None
             raise ConfigError(f"environment SAGEMAKER_BIND_TO_PORT={_show(port_raw)} "
                               "is not a port number (1-65535)")
         port = int(port_raw)
+    return dict(device=device, tensor_parallel_degree=tp, port=port)
 
-    # --- where the model is
-    mkey = "option.model_id" if "option.model_id" in merged else \
-        "option.s3url" if "option.s3url" in merged else None
+
+def _resolve_model(src: _Sources, model_dir: str, check_model: bool) -> dict:
+    """option.model_id (or option.s3url, or the model directory) -> model_id and local dir."""
+    get, where, properties_path = src.get, src.where, src.properties_path
+    mkey = "option.model_id" if "option.model_id" in src.merged else \
+        "option.s3url" if "option.s3url" in src.merged else None
     if mkey is not None:
         model_id = get(mkey)
         if model_id[:5].lower() == "s3://":
@@ -536,36 +559,36 @@ def load_config(properties_path: str | None = None, model_dir: str | None = None
                               "or set option.model_id to a local directory or s3://bucket/prefix")
     if check_model and local:
         _check_model_dir(local)
+    return dict(model_id=model_id, model_dir=local)
 
+
+def load_config(properties_path: str | None = None, model_dir: str | None = None,
+                env: Mapping[str, str] | None = None, check_model: bool = True,
+                gpu_count: int | None = None) -> ServingConfig:
+    """Stages: merge sources -> parse typed values -> strategy -> devices -> model."""
+    env = os.environ if env is None else env
+    model_dir = os.path.abspath(model_dir or DEFAULT_MODEL_DIR)
+    src = _merge_sources(properties_path, model_dir, env)
+    _parse_values(src)
+    strategy = _resolve_strategy(src)
+    devices = _resolve_devices(src, env, gpu_count)
+    model = _resolve_model(src, model_dir, check_model)
+    get = src.get
     return ServingConfig(
-        strategy=strategy,
+        **strategy, **devices, **model,
         engine=get("engine", "Python"),
-        model_id=model_id,
-        model_dir=local,
-        properties_file=os.path.abspath(properties_path) if properties_path else None,
-        batch_size=batch_size,
+        properties_file=os.path.abspath(src.properties_path) if src.properties_path else None,
         max_batch_delay_ms=get("max_batch_delay", 100),
         job_queue_size=get("job_queue_size", 1000),
+        max_rolling_batch_prefill_tokens=get("option.max_rolling_batch_prefill_tokens", 4096),
         max_idle_time_s=get("max_idle_time", 60),
         request_timeout_s=get("request_timeout", 600.0),
-        rolling_batch=rolling_batch,
-        paged_attention=paged,
-        max_rolling_batch_size=max_rolling,
-        max_rolling_batch_prefill_tokens=get("option.max_rolling_batch_prefill_tokens", 4096),
-        block_size=block_size,
         enable_prefix_caching=get("option.enable_prefix_caching", False),
-        kv_cache_tokens=kv_tokens,
         gpu_memory_utilization=get("option.gpu_memory_utilization", 0.9),
-        max_model_len=max_model_len,
         dtype=get("option.dtype", "auto"),
-        device=device,
-        tensor_parallel_degree=tp,
         trust_remote_code=get("option.trust_remote_code", False),
-        entry_point=entry_point,
-        output_formatter=output_formatter,
-        port=port,
-        warnings=tuple(warnings),
-        properties={k: v.raw for k, v in sorted(merged.items())},
+        warnings=tuple(src.warnings),
+        properties={k: v.raw for k, v in sorted(src.merged.items())},
     )
 
 
