@@ -6,10 +6,11 @@ import sys
 
 COMMANDS = {
     "serve": ("handler.server", "start the HTTP server (gunicorn + Flask)"),
-    "config": ("handler.config", "print the resolved configuration as JSON (no model load)"),
+    "config": ("handler.config", "print the resolved configuration as JSON (--explain: its KV arithmetic)"),
     "build-demo-model": ("handler.demo_model", "build a tiny demo model + tokenizer locally"),
     "bench": ("handler.bench.cli", "load client and strategy comparison"),
     "deploy": ("handler.deploy", "SageMaker deployment tooling"),
+    "tune": ("handler.tune", "measure candidate serving.properties files, recommend one"),
 }
 
 

@@ -602,6 +602,9 @@ def main(argv: list[str]) -> int:
     """`python -m handler config [--properties FILE] [--model-dir DIR]`: print the resolved config."""
     if argv[:1] == ["config"]:
         argv = argv[1:]
+    if "--explain" in argv:  # the KV arithmetic of the file (handler/explain.py)
+        from .explain import main as explain_main
+        return explain_main(argv)
     p = argparse.ArgumentParser(prog="python -m handler config",
                                 description="Resolve serving.properties + environment and print it as JSON.")
     p.add_argument("--properties", metavar="FILE",
@@ -609,6 +612,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--model-dir", metavar="DIR", help=f"model directory (default {DEFAULT_MODEL_DIR})")
     p.add_argument("--no-check-model", action="store_true",
                    help="don't require config.json and *.safetensors in the model directory")
+    p.add_argument("--explain", action="store_true",
+                   help="print the KV-cache arithmetic instead (see --explain --help)")
     args = p.parse_args(argv)
     try:
         cfg = load_config(args.properties, args.model_dir, check_model=not args.no_check_model)

@@ -75,9 +75,16 @@ def _read_json(body, rec: Record) -> None:
 
 
 def run_load(url: str, bodies: list[dict], concurrency: int, timeout: float = 900.0,
-             progress: bool = True, desc: str = "bench") -> tuple[list[Record], float]:
+             progress: bool = True, desc: str = "bench", arrivals: list[float] | None = None,
+             stop: threading.Event | None = None, on_start=None, on_done=None
+             ) -> tuple[list[Record], float]:
     """Send `bodies` through `concurrency` closed-loop clients. Returns (records in body
-    order, duration from the first send to the last answer)."""
+    order, duration from the first send to the last answer).
+
+    arrivals: open loop instead: body i is sent `arrivals[i]` seconds after the start (one
+    thread per request in flight; `concurrency` is ignored). stop: once set, no further
+    request is sent (those in flight finish; the records returned are those that ended).
+    on_start(i, t) / on_done(i, record): called from the client threads (the tuner's watch)."""
     from tqdm import tqdm
 
     records: list[Record | None] = [None] * len(bodies)
@@ -87,20 +94,42 @@ def run_load(url: str, bodies: list[dict], concurrency: int, timeout: float = 90
                unit="req", dynamic_ncols=True)
     t0 = time.perf_counter()
 
+    def one(s, i):
+        if on_start:
+            on_start(i, time.perf_counter() - t0)
+        records[i] = send_one(s, url, bodies[i], t0, timeout)
+        if on_done:
+            on_done(i, records[i])
+        with lock:
+            bar.update(1)
+
     def client():
         with requests.Session() as s:
-            while True:
+            while stop is None or not stop.is_set():
                 with lock:
                     i = next(next_i, None)
                 if i is None:
                     return
-                records[i] = send_one(s, url, bodies[i], t0, timeout)
-                with lock:
-                    bar.update(1)
+                one(s, i)
 
-    threads = [threading.Thread(target=client, daemon=True) for _ in range(min(concurrency, len(bodies)))]
-    for t in threads:
-        t.start()
+    def opened(i):
+        with requests.Session() as s:
+            one(s, i)
+
+    threads = []
+    if arrivals is None:
+        threads = [threading.Thread(target=client, daemon=True) for _ in range(min(concurrency, len(bodies)))]
+        for t in threads:
+            t.start()
+    else:
+        for i in sorted(range(len(bodies)), key=lambda k: arrivals[k]):
+            wait = arrivals[i] - (time.perf_counter() - t0)
+            if stop is not None and stop.wait(max(0.0, wait)):
+                break
+            if stop is None and wait > 0:
+                time.sleep(wait)
+            threads.append(threading.Thread(target=opened, args=(i,), daemon=True))
+            threads[-1].start()
     for t in threads:
         t.join()
     bar.close()
