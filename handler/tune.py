@@ -195,12 +195,10 @@ def shared_prefix_share(prompt_ids: list[list[int]], block: int) -> float:
     for ids in prompt_ids:
         total += len(ids)
         parent, matching = None, True
-        for i in range((len(ids) - 1) // block):
+        for i in range(len(ids) // block):       # every full block is registered once computed
             h = hash((parent, tuple(ids[i * block:(i + 1) * block])))
-            if matching and h in seen:
-                hit += block
-            else:
-                matching = False
+            matching = matching and h in seen and i < (len(ids) - 1) // block
+            hit += block if matching else 0
             seen.add(h)
             parent = h
     return hit / total if total else 0.0
