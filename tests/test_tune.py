@@ -272,6 +272,77 @@ def test_open_loop_sends_at_the_arrival_times():
         srv.shutdown()
 
 
+# ------------------------------------------------------------------ the whole flow, measure() faked
+def fake_tune(monkeypatch, model_dir, out, figures: list[dict], spend_s: float, budget_minutes: float, slo: dict):
+    """tune() with each candidate's measurement replaced by the given figures."""
+    calls = []
+
+    def measure(c, idx, *a, **k):
+        calls.append(idx)
+        return dict(figures[idx % len(figures)], complete=True, stopped=None, measure_s=spend_s,
+                    summary={"n": 8, "completed": 8, "errors": 0, "duration_s": 8 / figures[idx % len(figures)]["requests_per_s"],
+                             "output_tokens_per_s": 1.0, "latency_p50": 0.1, "ttft_p50": 0.1, "tpot_p50": 0.01,
+                             "error_samples": []})
+    monkeypatch.setattr(tune, "measure", measure)
+    res, code = tune.tune(model_dir, "lmi", str(out), preset="cpu", slo=slo, budget_minutes=budget_minutes,
+                          progress=False, log=lambda m: None)
+    return res, code, calls
+
+
+def test_tune_flow_rule_and_budget(demo_model_dir, tmp_path, monkeypatch):
+    f = [dict(requests_per_s=4.0, ttft_p90_ms=100.0, tpot_p90_ms=10.0, latency_p90_s=1.0),
+         dict(requests_per_s=9.0, ttft_p90_ms=900.0, tpot_p90_ms=10.0, latency_p90_s=3.0),
+         dict(requests_per_s=6.0, ttft_p90_ms=200.0, tpot_p90_ms=10.0, latency_p90_s=1.5)]
+    res, code, calls = fake_tune(monkeypatch, demo_model_dir, tmp_path / "a", f, 0.0, 10, {"latency_p90_s": 2.0})
+    assert code == 0 and len(calls) == len(res["candidates"]) >= 5
+    rps = [c["requests_per_s"] for c in res["candidates"]]
+    # every candidate i got figures f[i % 3]; the fastest within 2 s is a 6.0 one (9.0 misses)
+    assert [c["meets_slo"] for c in res["candidates"]] == [f[i % 3]["latency_p90_s"] <= 2.0 for i in range(len(rps))]
+    assert rps[res["chosen"]] == 6.0
+    text = (tmp_path / "a" / "serving.properties").read_text()
+    assert parse_properties(text) == res["candidates"][res["chosen"]]["properties"]
+    assert "baseline (baseline): 4.00 req/s" in text and "1.50x" in text
+
+    # a budget of 30 s, a candidate that took 40 s: the second is not started
+    res, code, calls = fake_tune(monkeypatch, demo_model_dir, tmp_path / "b", f, 40.0, 0.5, {"latency_p90_s": 0.5})
+    assert calls == [0] and code == tune.NOTHING_MET
+    assert all(c["stopped"].startswith("not measured") for c in res["candidates"][1:])
+    assert res["chosen"] is None and res["closest"] == 0
+    assert (tmp_path / "b" / "serving.properties").read_text().startswith("# NO CANDIDATE MET")
+
+
+def test_candidates_give_reasons_and_respect_the_budget(demo_model_dir, tmp_path):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(demo_model_dir)
+    tr = tune.traffic_from_workload(tune.preset_workload("early_stop", "cpu"), tok)
+    base = load_config(None, demo_model_dir, env={})
+    cands = tune.propose(tr, base, explain.read_geometry(demo_model_dir), {"latency_p90_s": 2}, 8, tok)
+    kinds = {c.properties.get("option.paged_attention", "dynamic" if "max_batch_delay" in c.properties else "?")
+             for c in cands}
+    assert kinds >= {"true", "false", "dynamic"}
+    assert len({tuple(sorted(c.properties.items())) for c in cands}) == len(cands)
+    def explained_for(c, prompt):
+        path = tmp_path / "c.properties"
+        path.write_text(tune.properties_text(c.properties))
+        return explain.explain(load_config(str(path), demo_model_dir, env={}), explain.read_geometry(demo_model_dir),
+                               device="cpu", prompt_tokens=prompt, output_lengths=tr.outputs,
+                               max_new_tokens=max(tr.max_new))["mix"]
+    width = lambda c: int(c.properties.get("option.max_rolling_batch_size", c.properties.get("batch_size", 0)))  # noqa: E731
+    for c in cands:
+        assert int(c.properties["option.kv_cache_tokens"]) <= tr.kv_budget and c.reason
+    # the pool cannot hold all 50 clients' sequences on average: a paged candidate is capped at what it holds
+    paged = [c for c in cands if c.properties.get("option.paged_attention") == "true"]
+    held = explained_for(paged[0], round(sum(tr.prompt_tokens) / tr.n))["paged_sequences_in_steady_state"]
+    assert held < tr.concurrency and any(width(c) <= held + 1 for c in paged), (held, [width(c) for c in paged])
+    # rolling and dynamic are no wider than the reservations (longest prompt + max_new_tokens) the pool holds
+    for c in cands[1:]:
+        if c.properties.get("option.paged_attention") != "true":
+            assert width(c) <= explained_for(c, max(tr.prompt_tokens))["sequences_at_prompt_plus_max_new_tokens"], c.name
+    # early_stop's prompts share the bench paragraph's opening: prefix caching is proposed
+    assert any(c.properties.get("option.enable_prefix_caching") == "true" for c in cands)
+
+
 # ------------------------------------------------------------------ end to end (slow)
 def run_tune(args, timeout=480):
     return subprocess.run([sys.executable, "-m", "handler", "tune", "--no-progress", *args], cwd=ROOT,
@@ -315,15 +386,16 @@ def test_tune_says_so_when_nothing_meets_the_objective(demo_model_dir, tmp_path)
     traffic.write_text("".join(json.dumps({"prompt_tokens": 6 + i, "max_new_tokens": 6, "concurrency": 2}) + "\n"
                                for i in range(6)))
     out = tmp_path / "out"
-    # an objective no server meets; a budget that ends after the first candidate
     r = run_tune(["--model-dir", demo_model_dir, "--workload", str(traffic), "--preset", "smoke",
-                  "--slo", "latency_p90_s=0.001", "--budget-minutes", "0.05", "--out", str(out)])
+                  "--slo", "latency_p90_s=0.001", "--budget-minutes", "6", "--out", str(out)])
     assert r.returncode == tune.NOTHING_MET, r.stderr[-3000:]
     assert "NO candidate met the objective (latency_p90_s <= 0.001)" in r.stderr
     res = json.loads((out / "tune.json").read_text())
-    assert res["chosen"] is None and res["closest"] == 0
-    assert not any(c["meets_slo"] for c in res["candidates"])
-    assert any("not measured" in (c.get("stopped") or "") for c in res["candidates"][1:])
+    assert res["chosen"] is None and res["closest"] is not None
+    cands = res["candidates"]
+    assert not any(c["meets_slo"] for c in cands)
+    # each was stopped early: two requests over the target already fix a p90 of 6 (rank 4.5)
+    assert all("latency p90 must miss" in c["stopped"] for c in cands), [c.get("stopped") for c in cands]
     text = (out / "serving.properties").read_text()
     assert text.startswith("# NO CANDIDATE MET THE OBJECTIVE")
-    assert parse_properties(text) == res["candidates"][0]["properties"]
+    assert parse_properties(text) == cands[res["closest"]]["properties"]
