@@ -113,3 +113,15 @@ def test_benchmark_notebook_runs_a_small_comparison(demo_model_dir, tmp_path):
     assert (out / "results.png").stat().st_size > 0
     assert any(o.get("output_type") == "display_data" and "image/png" in o.get("data", {})
                for c in nb.cells for o in c.get("outputs", [])), "the notebook drew no chart"
+
+
+def test_tuning_notebook_runs_a_small_tune(demo_model_dir, tmp_path):
+    out = tmp_path / "tune"
+    nb = execute("tuning.ipynb", {"model_dir": demo_model_dir, "out_dir": str(out)}, timeout=600)
+    import json
+    res = json.loads((out / "tune.json").read_text())
+    assert res["chosen"] is not None and res["candidates"][res["chosen"]]["meets_slo"]
+    assert (out / "serving.properties").read_text().startswith("# Written by `python -m handler tune`")
+    assert "<- chosen" in "".join(cell_text(c) for c in nb.cells if c.cell_type == "code")
+    assert any(o.get("output_type") == "display_data" and "image/png" in o.get("data", {})
+               for c in nb.cells for o in c.get("outputs", [])), "the notebook showed no plot"
