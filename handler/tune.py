@@ -432,8 +432,9 @@ def meets(fig: dict, slo: dict) -> bool:
     return all(fig.get(k) is not None and fig[k] <= v for k, v in slo.items())
 
 
-def measure(c: Candidate, idx: int, tr: Traffic, model_dir: str, run_dir: str, slo: dict,
-            beat_s: float | None, deadline: float, startup_timeout: float, progress: bool, log) -> dict:
+def start_server(c: Candidate, idx: int, model_dir: str, run_dir: str, startup_timeout: float,
+                 warm: list[dict]) -> Server:
+    """The candidate's server, started, ready and warmed up with `warm` (or with `error` set)."""
     props = os.path.join(run_dir, f"candidate-{idx}.properties")
     with open(props, "w") as f:
         f.write(properties_text(c.properties, [f"candidate {idx}: {c.name}"]))
@@ -441,32 +442,75 @@ def measure(c: Candidate, idx: int, tr: Traffic, model_dir: str, run_dir: str, s
     srv = Server(c.name, [sys.executable, "-m", "handler", "serve", "--properties", props, "--model-dir",
                           model_dir, "--port", str(port), "--host", "127.0.0.1"],
                  os.path.join(run_dir, f"candidate-{idx}.log"), port)
+    srv.start()
+    srv.wait(startup_timeout)   # a started candidate may finish starting; the budget stops its load
+    if not srv.error:   # first-call costs (allocation, kernel selection) are not part of the run
+        run_load(invocations_url(srv.url), [dict(b, parameters=dict(b["parameters"], max_new_tokens=2))
+                                            for b in warm], len(warm), progress=False)
+    return srv
+
+
+def load(srv: Server, tr: Traffic, slo: dict, beat_s: float | None, deadline: float, progress: bool,
+         desc: str) -> dict:
+    """One pass of the traffic through a ready server, watched for hopelessness."""
+    watch = Watch(tr.n, slo, beat_s, deadline)
+    dog = watch.run_watchdog()
+    recs, dur = run_load(invocations_url(srv.url), tr.bodies, tr.concurrency or 1, arrivals=tr.arrivals,
+                         progress=progress, desc=desc, stop=watch.stop,
+                         on_start=watch.on_start, on_done=watch.on_done)
+    stopped = watch.reason
+    watch.stop.set()
+    dog.join()
+    if srv.proc.poll() is not None:
+        stopped = stopped or f"the server exited with code {srv.proc.returncode}: {tail(srv.log_path)}"
+    s = summarise(recs, tr.concurrency or tr.n, dur)
+    return dict(figures(s), summary=s, complete=stopped is None and s["completed"] == tr.n, stopped=stopped)
+
+
+def measure(c: Candidate, idx: int, tr: Traffic, model_dir: str, run_dir: str, slo: dict,
+            beat_s: float | None, deadline: float, startup_timeout: float, progress: bool, log) -> dict:
     t_start = time.monotonic()
-    res: dict = {"log": srv.log_path}
+    srv = start_server(c, idx, model_dir, run_dir, startup_timeout, tr.bodies[:4])
     try:
-        srv.start()
-        srv.wait(startup_timeout)   # a started candidate may finish starting; the budget stops its load
         if srv.error:
-            return dict(res, error=f"server did not start: {srv.error}")
-        res["startup_s"] = time.monotonic() - t_start
-        warm = [dict(b, parameters=dict(b["parameters"], max_new_tokens=2)) for b in tr.bodies[:4]]
-        run_load(invocations_url(srv.url), warm, len(warm), progress=False)
-        watch = Watch(tr.n, slo, beat_s, deadline)
-        dog = watch.run_watchdog()
-        recs, dur = run_load(invocations_url(srv.url), tr.bodies, tr.concurrency or 1, arrivals=tr.arrivals,
-                             progress=progress, desc=f"candidate {idx} {c.name}", stop=watch.stop,
-                             on_start=watch.on_start, on_done=watch.on_done)
-        stopped = watch.reason
-        watch.stop.set()
-        dog.join()
-        if srv.proc.poll() is not None:
-            stopped = stopped or f"the server exited with code {srv.proc.returncode}: {tail(srv.log_path)}"
-        s = summarise(recs, tr.concurrency or tr.n, dur)
-        res.update(figures(s), summary=s, complete=stopped is None and s["completed"] == tr.n,
-                   stopped=stopped, measure_s=time.monotonic() - t_start)
-        return res
+            return {"log": srv.log_path, "error": f"server did not start: {srv.error}"}
+        res = load(srv, tr, slo, beat_s, deadline, progress, f"candidate {idx} {c.name}")
+        return dict(res, log=srv.log_path, measure_s=time.monotonic() - t_start)
     finally:
         srv.stop()
+
+
+def confirm(pair: list[tuple[int, Candidate]], tr: Traffic, model_dir: str, run_dir: str, reps: int,
+            startup_timeout: float, progress: bool, log) -> dict:
+    """The choice and the baseline again, both servers up, `reps` interleaved passes each (the
+    order alternates), no early stop: the ratio to trust on a noisy machine."""
+    servers = []
+    try:
+        for idx, c in pair:
+            servers.append((idx, c, start_server(c, idx, model_dir, run_dir, startup_timeout, tr.bodies[:4])))
+        bad = [f"{c.name}: {s.error}" for _, c, s in servers if s.error]
+        if bad:
+            return {"error": "; ".join(bad)}
+        runs: dict[int, list[dict]] = {idx: [] for idx, _, _ in servers}
+        for rep in range(reps):
+            for idx, c, srv in (servers if rep % 2 == 0 else servers[::-1]):
+                r = load(srv, tr, {}, None, math.inf, progress, f"confirm {rep + 1}/{reps} {c.name}")
+                runs[idx].append(r)
+                log(f"confirm {rep + 1}/{reps} [{idx}] {c.name}: {_fmt(r)}")
+    finally:
+        for _, _, srv in servers:
+            srv.stop()
+    out = {"reps": reps, "order": "alternating, both servers up", "candidates": {}}
+    for idx, c, _ in servers:
+        rr = runs[idx]
+        recs_s = [r["summary"] for r in rr]
+        out["candidates"][str(idx)] = {
+            "name": c.name, "requests_per_s_reps": [r["requests_per_s"] for r in rr],
+            "requests_per_s": sum(s["completed"] for s in recs_s) / sum(s["duration_s"] for s in recs_s),
+            **{k: [r[k] for r in rr] for k in SLO_KEYS}}
+    a, b = (out["candidates"][str(idx)]["requests_per_s"] for idx, _ in pair)
+    out["ratio_chosen_to_baseline"] = a / b if b else None
+    return out
 
 
 # ------------------------------------------------------------------ the decision
@@ -502,7 +546,7 @@ def slo_text(slo: dict) -> str:
 def tune(model_dir: str, workload: str, out_dir: str, *, properties: str | None = None, preset: str = "cpu",
          slo: dict | None = None, budget_minutes: float = 30.0, concurrency: int | None = None,
          kv_budget_tokens: int | None = None, startup_timeout: float = 180.0, progress: bool = True,
-         log=print) -> tuple[dict, int]:
+         confirm_reps: int = 0, log=print) -> tuple[dict, int]:
     """Run the whole tune; returns (tune.json's dict, exit code)."""
     from transformers import AutoTokenizer
 
@@ -579,6 +623,14 @@ def tune(model_dir: str, workload: str, out_dir: str, *, properties: str | None 
               "budget_minutes": budget_minutes, "elapsed_s": time.monotonic() - t0,
               "kv_bytes_per_token": explain.kv_bytes_per_token(
                   geom, explain.resolve_dtype(base.dtype, explain.resolve_device(base.device)))}
+    if confirm_reps and chosen not in (None, 0):
+        left = deadline - time.monotonic()
+        if left > 0:
+            result["confirmation"] = confirm([(chosen, cands[chosen]), (0, cands[0])], tr, model_dir, run_dir,
+                                             confirm_reps, startup_timeout, progress, log)
+        else:
+            result["confirmation"] = {"error": "not run: the budget was spent"}
+        result["elapsed_s"] = time.monotonic() - t0
     with open(os.path.join(out_dir, "tune.json"), "w") as f:
         json.dump(result, f, indent=2)
     if pick is not None:
@@ -618,6 +670,13 @@ def comments(result: dict, pick: int) -> list[str]:
     if pick != 0 and b.get("requests_per_s"):
         out.append(f"baseline ({b['name']}): {_fmt(b)}; this file {c['requests_per_s'] / b['requests_per_s']:.2f}x "
                    "its requests/s" + ("" if b.get("meets_slo") else "; the baseline missed the objective"))
+    conf = result.get("confirmation") or {}
+    if conf.get("ratio_chosen_to_baseline"):
+        reps = conf["candidates"][str(pick)]["requests_per_s_reps"]
+        base_reps = conf["candidates"]["0"]["requests_per_s_reps"]
+        out.append(f"confirmed: {conf['reps']} interleaved passes each, this file "
+                   f"{', '.join(f'{x:.2f}' for x in reps)} req/s vs the baseline "
+                   f"{', '.join(f'{x:.2f}' for x in base_reps)}: {conf['ratio_chosen_to_baseline']:.2f}x")
     out.append(f"why these settings: {c['reason']}")
     return out
 
@@ -692,19 +751,23 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--kv-budget-tokens", type=int, help="KV memory budget in tokens (default: the base "
                                                          "file's option.kv_cache_tokens, else the workload's)")
     ap.add_argument("--startup-timeout", type=float, default=180.0, help="seconds to wait for a server's /ping")
+    ap.add_argument("--confirm-reps", type=int, default=0, metavar="R",
+                    help="then measure the choice and the baseline R more times each, interleaved, both "
+                         "servers up (the ratio to trust on a noisy machine; default 0)")
     ap.add_argument("--no-progress", action="store_true")
     a = ap.parse_args(argv)
     from handler.config import ConfigError
     try:
         if a.budget_minutes <= 0:
             raise UsageError(f"--budget-minutes={a.budget_minutes:g}: must be > 0")
-        for flag, v in (("--concurrency", a.concurrency), ("--kv-budget-tokens", a.kv_budget_tokens)):
-            if v is not None and v < 1:
-                raise UsageError(f"{flag}={v}: must be >= 1")
+        for flag, v, lo in (("--concurrency", a.concurrency, 1), ("--kv-budget-tokens", a.kv_budget_tokens, 1),
+                            ("--confirm-reps", a.confirm_reps, 0)):
+            if v is not None and v < lo:
+                raise UsageError(f"{flag}={v}: must be >= {lo}")
         _, code = tune(a.model_dir, a.workload, a.out, properties=a.properties, preset=a.preset,
                        slo=parse_slo(a.slo), budget_minutes=a.budget_minutes, concurrency=a.concurrency,
                        kv_budget_tokens=a.kv_budget_tokens, startup_timeout=a.startup_timeout,
-                       progress=not a.no_progress, log=lambda m: print(m, file=sys.stderr, flush=True))
+                       progress=not a.no_progress, confirm_reps=a.confirm_reps, log=lambda m: print(m, file=sys.stderr, flush=True))
         return code
     except (UsageError, ConfigError, ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)

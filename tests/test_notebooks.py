@@ -2,6 +2,7 @@
 loopback (AWS_ENDPOINT_URL), requests to a real local server on a tiny model."""
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 
@@ -30,8 +31,17 @@ def with_overrides(nb, overrides: dict) -> nbformat.NotebookNode:
 
 def execute(name: str, overrides: dict, timeout: int = 300) -> nbformat.NotebookNode:
     nb = with_overrides(nbformat.read(NOTEBOOKS / name, as_version=4), overrides)
-    NotebookClient(nb, timeout=timeout, kernel_name="python3",
-                   resources={"metadata": {"path": str(NOTEBOOKS)}}).execute()
+    # The kernel runs in notebooks/: it imports this checkout's `handler` (installed or not).
+    old = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join([str(REPO)] + ([old] if old else []))
+    try:
+        NotebookClient(nb, timeout=timeout, kernel_name="python3",
+                       resources={"metadata": {"path": str(NOTEBOOKS)}}).execute()
+    finally:
+        if old is None:
+            del os.environ["PYTHONPATH"]
+        else:
+            os.environ["PYTHONPATH"] = old
     return nb
 
 
