@@ -20,6 +20,7 @@ class BlockManager:
         self.prefix_caching = enable_prefix_caching
         self.ref = [0] * num_blocks
         self.block_hash: list[int | None] = [None] * num_blocks
+        self.block_tokens: list[tuple | None] = [None] * num_blocks   # of a registered block
         self.cached: dict[int, int] = {}                 # hash -> block id
         self.free_plain: list[int] = list(range(num_blocks - 1, -1, -1))  # pop() gives 0 first
         self.evictable: OrderedDict[int, None] = OrderedDict()  # ref 0 but cached, LRU first
@@ -49,15 +50,17 @@ class BlockManager:
     def _chain(parent: int | None, tokens) -> int:
         return hash((parent, tuple(tokens)))
 
-    def _match(self, token_ids: list[int]) -> list[int]:
-        """Cached blocks covering a prefix of token_ids (at least one token is left to compute)."""
+    def match(self, token_ids: list[int]) -> list[int]:
+        """Cached blocks covering a prefix of token_ids (at least one token is left to compute).
+        A hit is checked against the block's tokens, not only its hash."""
         if not self.prefix_caching:
             return []
         bs, out, parent = self.block_size, [], None
         for i in range((len(token_ids) - 1) // bs):
-            h = self._chain(parent, token_ids[i * bs:(i + 1) * bs])
+            chunk = tuple(token_ids[i * bs:(i + 1) * bs])
+            h = self._chain(parent, chunk)
             b = self.cached.get(h)
-            if b is None:
+            if b is None or self.block_tokens[b] != chunk:
                 break
             out.append(b)
             parent = h
@@ -69,22 +72,25 @@ class BlockManager:
             return self.free_plain.pop()
         b, _ = self.evictable.popitem(last=False)        # evict the least recently used
         del self.cached[self.block_hash[b]]
-        self.block_hash[b] = None
+        self.block_hash[b] = self.block_tokens[b] = None
         return b
 
-    def can_allocate(self, token_ids: list[int], reserve_tokens: int, watermark: int = 0) -> bool:
-        hit = self._match(token_ids)
+    def can_allocate(self, token_ids: list[int], reserve_tokens: int, watermark: int = 0,
+                     hit: list[int] | None = None) -> bool:
+        """`hit`: match(token_ids) if the caller has it ([] to bypass the prefix cache)."""
+        hit = self.match(token_ids) if hit is None else hit
         revived = sum(1 for b in hit if self.ref[b] == 0)
         need = self.blocks_for(max(reserve_tokens, len(token_ids))) - len(hit)
         return need + watermark <= self.num_free - revived
 
-    def allocate(self, seq_id: int, token_ids: list[int], reserve_tokens: int) -> int | None:
+    def allocate(self, seq_id: int, token_ids: list[int], reserve_tokens: int,
+                 hit: list[int] | None = None) -> int | None:
         """Give seq_id a table covering reserve_tokens; returns the number of prefix-cached
         tokens (already computed), or None when the blocks are not there."""
         assert seq_id not in self.tables, f"sequence {seq_id} already has blocks"
-        if not self.can_allocate(token_ids, reserve_tokens):
+        hit = self.match(token_ids) if hit is None else hit
+        if not self.can_allocate(token_ids, reserve_tokens, hit=hit):
             return None
-        hit = self._match(token_ids)
         for b in hit:
             if self.ref[b] == 0:
                 del self.evictable[b]
@@ -126,6 +132,28 @@ class BlockManager:
             if h not in self.cached and self.block_hash[b] is None:
                 self.cached[h] = b
                 self.block_hash[b] = h
+                self.block_tokens[b] = tuple(token_ids[i * bs:(i + 1) * bs])
+
+    def fork(self, parent: int, child: int, n_tokens: int) -> list[tuple[int, int]] | None:
+        """Give `child` the parent's KV for positions < n_tokens: full blocks shared (reference
+        counted), a partly filled last block copied, since the child writes into it next
+        (copy-on-write). Returns the (src, dst) block copies the runner makes before the next
+        forward, or None (and no change) when no block is free for the copy."""
+        assert child not in self.tables, f"sequence {child} already has blocks"
+        bs, src = self.block_size, self.tables[parent][:self.blocks_for(n_tokens)]
+        full = n_tokens // bs
+        copies = []
+        if len(src) > full:
+            if not self.num_free:
+                return None
+            b = self._take()       # never one of src: those are referenced by the parent
+            self.ref[b] = 1
+            copies.append((src[full], b))
+        for b in src[:full]:
+            self.ref[b] += 1
+        self.tables[child] = src[:full] + [dst for _, dst in copies]
+        self.hashes[child] = list(self.hashes[parent][:full])
+        return copies
 
     def free(self, seq_id: int) -> None:
         table = self.tables.pop(seq_id, None)

@@ -5,6 +5,7 @@ through `submit` / `abort` and read their results from a per-request `Channel`.
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import queue
@@ -15,7 +16,7 @@ from dataclasses import dataclass, field
 from .blocks import BlockManager
 from .detok import IncrementalDetokenizer
 from .request import SamplingParams
-from .scheduler import CapacityError, QueueFull, Scheduler, SchedulerPolicy, Sequence
+from .scheduler import CapacityError, QueueFull, SampleResult, Scheduler, SchedulerPolicy, Sequence
 
 log = logging.getLogger("lmi.engine")
 
@@ -78,6 +79,8 @@ class Engine:
         self._aborts: list[int] = []
         self._channels: dict[int, Channel] = {}
         self._detok: dict[int, IncrementalDetokenizer] = {}
+        self._pieces: dict[int, str] = {}
+        self._special = frozenset(getattr(self.tokenizer, "all_special_ids", ()))
         self._stop = False
         self.healthy = True
         self.error: str | None = None
@@ -94,26 +97,36 @@ class Engine:
         return self.tokenizer(text)["input_ids"]
 
     def submit(self, prompts_ids: list[list[int]], params: SamplingParams) -> list[Channel]:
-        """Queue prompts (all or none). Raises QueueFull or CapacityError."""
+        """Queue prompts (all or none): params.num_samples sequences per prompt, one Channel
+        each, prompt-major. Raises QueueFull or CapacityError."""
         now = time.monotonic()
+        k = params.num_samples
         with self._lock:
             for ids in prompts_ids:
                 self.scheduler.check_fits(len(ids), params)
             pending = len(self.scheduler.waiting) + len(self._intake)
-            if pending + len(prompts_ids) > self.scheduler.policy.max_waiting:
+            if pending + len(prompts_ids) * k > self.scheduler.policy.max_waiting:
                 self.counters["rejected_queue_full"] += len(prompts_ids)
                 raise QueueFull(f"the queue is full ({self.scheduler.policy.max_waiting} requests "
                                 f"waiting; job_queue_size)")
             chans = []
             group = None
-            for ids in prompts_ids:
-                sid = next(self._ids)
-                group = sid if group is None else group
-                ch = Channel(sid, ids, params)
-                self._intake.append((Sequence(sid, list(ids), params, now,
-                                              group=group if len(prompts_ids) > 1 else None), ch))
-                chans.append(ch)
-            self.counters["requests"] += len(chans)
+            for p_i, ids in enumerate(prompts_ids):
+                first = None
+                for s_i in range(k):
+                    sid = next(self._ids)
+                    group = sid if group is None else group
+                    first = sid if first is None else first
+                    # Each sample its own random stream: seed + index (as vLLM's n), so n
+                    # seeded samples are reproducible and differ from each other.
+                    sp = params if s_i == 0 or params.seed is None else \
+                        dataclasses.replace(params, seed=params.seed + s_i)
+                    ch = Channel(sid, ids, params, prompt_index=p_i, sample_index=s_i)
+                    self._intake.append((Sequence(
+                        sid, list(ids), sp, now, group=group if len(prompts_ids) * k > 1 else None,
+                        sample_index=s_i, fork_of=first if s_i else None), ch))
+                    chans.append(ch)
+            self.counters["requests"] += len(prompts_ids)
         self._wake.set()
         return chans
 
@@ -161,16 +174,15 @@ class Engine:
             self._wake.clear()
             return
         try:
-            results = self.runner.step(plan.items)
+            results = self.runner.step(plan.items, plan.copies)
         except Exception as e:  # the model failed: fail this step's requests, keep serving
             log.exception("model step failed")
             self.counters["failed"] += len(plan.items)
             for it in plan.items:
                 self._end(it.seq_id, ErrorEvent(424, f"model failure: {type(e).__name__}: {e}"))
             return
-        by_seq = {it.seq_id: r for it, r in zip((i for i in plan.items if i.sample), results)}
-        for seq in sched.update(plan, [t for t, _ in results]):
-            self._emit(seq, *by_seq[seq.seq_id])
+        for seq, res in sched.update(plan, results):
+            self._emit(seq, res)
 
     def _drain(self) -> None:
         with self._lock:
@@ -190,10 +202,23 @@ class Engine:
                 self.counters["aborted"] += 1
                 self._end(sid, None)
 
-    def _emit(self, seq: Sequence, token: int, logprob: float) -> None:
+    def _piece(self, token: int) -> str:
+        """One token's own text (top tokens, prefill), special tokens included."""
+        text = self._pieces.get(token)
+        if text is None:
+            text = self._pieces[token] = self.tokenizer.decode(
+                [token], skip_special_tokens=False, clean_up_tokenization_spaces=False)
+        return text
+
+    def _emit(self, seq: Sequence, res: SampleResult) -> None:
         ch = self._channels.get(seq.seq_id)
         if ch is None:
             return
+        if res.error is not None:
+            self.counters["failed"] += 1
+            self._end(seq.seq_id, ErrorEvent(*res.error))
+            return
+        token = res.token
         detok = self._detok[seq.seq_id]
         text = detok.add(token)
         if seq.finished and not detok.stopped:
@@ -203,9 +228,16 @@ class Engine:
         done = None
         if reason:
             queued = (seq.first_scheduled or seq.arrival) - seq.arrival
+            prefill = None
+            if seq.params.decoder_input_details:
+                lps = [None] + list(seq.prompt_logprobs)
+                prefill = tuple((t, self._piece(t), lp) for t, lp in zip(seq.prompt_ids, lps))
             done = DoneEvent(reason, detok.text, seq.num_output, len(seq.prompt_ids),
+                             prefill=prefill, cumulative_log_prob=seq.cum_logprob,
                              queue_time_s=queued, preemptions=seq.preemptions)
-        ch.events.put(TokenEvent(token, text, logprob, done, time=time.monotonic()))
+        top = tuple((t, self._piece(t), lp) for t, lp in res.top)
+        ch.events.put(TokenEvent(token, text, res.logprob, done, special=token in self._special,
+                                 top_tokens=top, time=time.monotonic()))
         if done:
             self.counters["finished"] += 1
             self._end(seq.seq_id, None)

@@ -6,15 +6,16 @@ through `handler.attention` (block tables), and only the rows that sample get lo
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
-import os
 from dataclasses import dataclass
 
 import torch
 
-from . import attention  # registers the attention function  # noqa: F401
-from .attention import ATTN_NAME, StepMeta
-from .scheduler import StepItem
+from . import sampling
+from .attention import ATTN_NAME, StepMeta  # importing it registers the attention function
+from .sampling import Sampler
+from .scheduler import SampleResult, StepItem
 
 log = logging.getLogger("lmi.runner")
 
@@ -103,8 +104,7 @@ class ModelRunner:
                           torch.zeros(shape, dtype=self.dtype, device=self.device))
                          for _ in range(layers)]
         self.eos_token_ids = self._eos_ids()
-        self.generators: dict[int, torch.Generator] = {}
-        self.rng = torch.Generator(device="cpu").manual_seed(int.from_bytes(os.urandom(4), "little"))
+        self.sampler = Sampler()
         log.info("model %s on %s/%s: %d layers, %d kv heads x %d; KV pool %d blocks x %d = %d tokens",
                  type(self.model).__name__, self.device, str(self.dtype).removeprefix("torch."),
                  layers, kv_heads, head_dim, self.kv.num_blocks, block_size, self.kv.tokens)
@@ -132,19 +132,30 @@ class ModelRunner:
         return frozenset(ids)
 
     def release(self, seq_id: int) -> None:
-        self.generators.pop(seq_id, None)
+        self.sampler.release(seq_id)
+
+    def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        src = torch.tensor([a for a, _ in copies], device=self.device)
+        dst = torch.tensor([b for _, b in copies], device=self.device)
+        for k_cache, v_cache in self.kv_cache:
+            k_cache[dst] = k_cache[src]
+            v_cache[dst] = v_cache[src]
 
     # ---- one step
     @torch.inference_mode()
-    def step(self, items: list[StepItem]) -> list[tuple[int, float]]:
-        """Run one packed forward; returns (token, log_prob) for each item with `sample`."""
+    def step(self, items: list[StepItem], copies: list[tuple[int, int]] = ()) -> list[SampleResult]:
+        """Copy the listed KV blocks (copy-on-write of forked samples), run one packed forward;
+        returns one SampleResult per item."""
+        if copies:
+            self._copy_blocks(copies)
         bs = self.block_size
         ids: list[int] = []
         pos: list[int] = []
         slots: list[int] = []
         qsl = [0]
         seq_lens: list[int] = []
-        rows: list[int] = []
+        rows: list[int] = []        # logits kept: each sampling item's last position, and every
+        first_row: list[int] = []   # position of an item that wants prompt log-probs
         for it in items:
             n, start, table = len(it.token_ids), it.start_pos, it.block_table
             ids.extend(it.token_ids)
@@ -152,7 +163,10 @@ class ModelRunner:
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
             qsl.append(qsl[-1] + n)
             seq_lens.append(start + n)
-            if it.sample:
+            first_row.append(len(rows))
+            if it.prompt_logprobs:
+                rows.extend(range(qsl[-2], qsl[-1]))
+            elif it.sample:
                 rows.append(qsl[-1] - 1)
         width = max(-(-s // bs) for s in seq_lens)
         tables = [it.block_table[:width] + [0] * (width - min(width, len(it.block_table)))
@@ -169,51 +183,21 @@ class ModelRunner:
         out = self.model(input_ids=torch.tensor([ids], device=dev),
                          position_ids=torch.tensor([pos], device=dev),
                          use_cache=False, logits_to_keep=keep, lmi_step=meta)
-        if not rows:
-            return []
-        logits = out.logits[0].float()   # [len(rows), V]
-        return self.sample(logits, [it for it in items if it.sample])
-
-    # ---- sampling, vectorised across rows with per-row parameters
-    def sample(self, logits: torch.Tensor, items: list[StepItem]) -> list[tuple[int, float]]:
-        for r, it in enumerate(items):
-            rp = it.params.repetition_penalty
-            if rp != 1.0:   # HF's RepetitionPenaltyLogitsProcessor over prompt + output
-                idx = torch.tensor(it.history, device=logits.device).unique()
-                score = logits[r, idx]
-                logits[r, idx] = torch.where(score < 0, score * rp, score / rp)
-        logprobs = torch.log_softmax(logits, dim=-1)
-        tokens = logits.argmax(dim=-1)
-        rand_rows = [r for r, it in enumerate(items) if not it.params.greedy]
-        if rand_rows:
-            sel = torch.tensor(rand_rows, device=logits.device)
-            tokens[sel] = self._draw(logits[sel], [items[r] for r in rand_rows])
-        chosen = logprobs.gather(1, tokens[:, None])[:, 0]
-        return list(zip(tokens.tolist(), chosen.tolist()))
-
-    def _draw(self, logits: torch.Tensor, items: list[StepItem]) -> torch.Tensor:
-        dev = logits.device
-        temp = torch.tensor([it.params.temperature for it in items], device=dev)
-        x = logits / temp[:, None]
-        x, order = x.sort(dim=-1, descending=True)
-        rank = torch.arange(x.shape[1], device=dev)[None, :]
-        top_k = torch.tensor([it.params.top_k or x.shape[1] for it in items], device=dev)
-        x = x.masked_fill(rank >= top_k[:, None], float("-inf"))
-        probs = torch.softmax(x, dim=-1)
-        top_p = torch.tensor([it.params.top_p for it in items], device=dev)
-        cum = probs.cumsum(dim=-1)
-        probs = probs.masked_fill((cum - probs) > top_p[:, None], 0.0)   # keeps at least one
-        cum = probs.cumsum(dim=-1)
-        # One uniform per row from that row's own generator: a seeded request draws the same
-        # numbers whatever shares its batch.
-        u = torch.cat([torch.rand(1, generator=self._generator(it)) for it in items]).to(dev)
-        pick = torch.searchsorted(cum, (u * cum[:, -1])[:, None]).clamp_max(x.shape[1] - 1)
-        return order.gather(1, pick)[:, 0]
-
-    def _generator(self, it: StepItem) -> torch.Generator:
-        if it.params.seed is None:
-            return self.rng
-        g = self.generators.get(it.seq_id)
-        if g is None:
-            g = self.generators[it.seq_id] = torch.Generator(device="cpu").manual_seed(it.params.seed)
-        return g
+        logits = out.logits[0]      # [len(rows), V]
+        results = [SampleResult() for _ in items]
+        sample_rows, sample_items, where = [], [], []
+        for k, it in enumerate(items):
+            r = first_row[k]
+            if it.prompt_logprobs:
+                results[k] = SampleResult(prompt_logprobs=sampling.prompt_logprobs(
+                    logits[r:r + len(it.token_ids)], it))
+                r += len(it.token_ids) - 1
+            if it.sample:
+                sample_rows.append(r)
+                sample_items.append(it)
+                where.append(k)
+        if sample_rows:
+            sampled = self.sampler.sample(logits[sample_rows].float(), sample_items)
+            for k, res in zip(where, sampled):
+                results[k] = dataclasses.replace(res, prompt_logprobs=results[k].prompt_logprobs)
+        return results

@@ -16,6 +16,7 @@ import itertools
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from enum import StrEnum
 
 from .blocks import BlockManager
 from .request import SamplingParams
@@ -29,6 +30,15 @@ class QueueFull(Exception):
 
 class CapacityError(ValueError):
     """A request that can never fit in the KV cache or the model's context."""
+
+
+class Finish(StrEnum):
+    """Why a sequence ended. The values are the protocol's finish_reason strings."""
+    LENGTH = "length"
+    EOS = "eos_token"
+    STOP = "stop_sequence"
+    ABORTED = "aborted"
+    FAILED = "failed"
 
 
 @dataclass(frozen=True)
@@ -60,6 +70,10 @@ class Sequence:
     cached_tokens: int = 0      # prompt tokens served from the prefix cache
     group: int | None = None    # the prompts of one client-side list share a group
     first_scheduled: float | None = None   # time of the first admission (queue time ends)
+    sample_index: int = 0       # which of its prompt's params.num_samples sequences
+    fork_of: int | None = None  # sample 0's seq_id: this sample may share its prompt blocks
+    prompt_logprobs: list[float] = field(default_factory=list)  # of prompt tokens 1.. (details)
+    cum_logprob: float = 0.0    # sum of the sampled tokens' log-probs (best_of)
 
     def __post_init__(self):
         if not self.tokens:
@@ -87,16 +101,25 @@ class StepItem:
     sample: bool                # the chunk reaches the end of the known tokens
     params: SamplingParams
     history: list[int]          # prompt + output so far (repetition penalty); do not mutate
+    num_prompt: int = 0         # history[:num_prompt] is the prompt (penalties on the output)
+    prompt_logprobs: bool = False   # return log-probs of history[p+1] for every fed position p
+
+
+@dataclass(frozen=True)
+class SampleResult:
+    """The runner's answer for one item."""
+    token: int | None = None        # None: a prompt chunk that does not reach the end
+    logprob: float = 0.0
+    top: tuple = ()                 # top_n_tokens: ((id, logprob), ...), most likely first
+    prompt_logprobs: tuple = ()     # log-probs of history[start_pos+1 ...] when asked for
+    error: tuple[int, str] | None = None   # (HTTP status, message): this item alone failed
 
 
 @dataclass
 class StepPlan:
     items: list[StepItem]
     preempted: list[int] = field(default_factory=list)
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(len(i.token_ids) for i in self.items)
+    copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) KV blocks, before the forward
 
 
 class Scheduler:
@@ -107,8 +130,9 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.seqs: dict[int, Sequence] = {}
         self._order = itertools.count()
+        self._copies: list[tuple[int, int]] = []     # copy-on-write of forked samples' blocks
         self.stats = {"steps": 0, "prefill_tokens": 0, "decode_tokens": 0, "preemptions": 0,
-                      "cached_prompt_tokens": 0, "admitted": 0}
+                      "cached_prompt_tokens": 0, "admitted": 0, "forked_prompt_tokens": 0}
 
     # ---- intake
     def max_len(self, seq: Sequence) -> int:
@@ -128,6 +152,9 @@ class Scheduler:
                                 f"max_new_tokens ({params.max_new_tokens}) exceeds this model's "
                                 f"{cap} tokens (max_model_len); ask for at most {cap - prompt_len}")
         room = self.blocks.num_blocks * self.blocks.block_size
+        if prompt_len >= room:
+            raise CapacityError(f"inputs: the prompt has {prompt_len} tokens; the KV cache holds "
+                                f"{room} (option.kv_cache_tokens), so at most {room - 1} prompt tokens")
         if need > room:
             raise CapacityError(f"parameters.max_new_tokens: prompt ({prompt_len} tokens) + "
                                 f"max_new_tokens ({params.max_new_tokens}) needs {need} KV slots; "
@@ -173,23 +200,68 @@ class Scheduler:
     def _reserve(self, seq: Sequence) -> int:
         return len(seq.tokens) if self.policy.strategy == "paged" else self.max_len(seq)
 
-    def _admit(self, seq: Sequence) -> bool:
-        # Paged keeps a few blocks spare (5% of the pool, at most one per running sequence) so
-        # that an admission does not force a preemption on the very next step.
-        watermark = 0
-        if self.policy.strategy == "paged":
-            watermark = min(len(self.running), max(1, self.blocks.num_blocks // 20))
-        if not self.blocks.can_allocate(seq.tokens, self._reserve(seq), watermark):
+    # ---- samples of one prompt (n / best_of): prefill once, then fork
+    def _fork_source(self, seq: Sequence) -> Sequence | None:
+        """The running sample 0 whose prompt KV `seq` can share: it has computed all but the
+        last prompt token, which the fork recomputes to get its own logits (as vLLM v1's
+        parallel sampling does through prefix-cache hits)."""
+        if seq.fork_of is None or seq.num_output or self.policy.strategy != "paged":
+            return None
+        parent = self.seqs.get(seq.fork_of)
+        if parent is None or parent not in self.running \
+                or parent.num_computed < len(parent.prompt_ids) - 1:
+            return None
+        return parent
+
+    def _awaits_fork(self, seq: Sequence) -> bool:
+        """A sample whose sample 0 is running but still prefilling: wait rather than prefill."""
+        if seq.fork_of is None or seq.num_output or self.policy.strategy != "paged":
             return False
-        cached = self.blocks.allocate(seq.seq_id, seq.tokens, self._reserve(seq))
-        seq.num_computed = cached
-        seq.cached_tokens += cached
-        self.stats["cached_prompt_tokens"] += cached
+        parent = self.seqs.get(seq.fork_of)
+        return parent is not None and parent in self.running \
+            and parent.num_computed < len(parent.prompt_ids) - 1
+
+    def _fork(self, seq: Sequence, parent: Sequence) -> bool:
+        n = len(seq.prompt_ids) - 1
+        copies = self.blocks.fork(parent.seq_id, seq.seq_id, n)
+        if copies is None:
+            return False
+        self._copies += copies
+        seq.num_computed = n
+        seq.prompt_logprobs = list(parent.prompt_logprobs)
+        self.stats["forked_prompt_tokens"] += n
+        return True
+
+    def _fork_waiting(self, parent: Sequence) -> None:
+        """Right after sample 0's prefill: admit its waiting samples onto its blocks."""
+        for q in [q for q in self.waiting if q.fork_of == parent.seq_id]:
+            if len(self.running) >= self.policy.max_batch_size or not self._admit(q):
+                return
+
+    def _admit(self, seq: Sequence) -> bool:
+        parent = self._fork_source(seq)
+        if parent is not None:
+            if not self._fork(seq, parent):
+                return False
+        else:
+            # Paged keeps a few blocks spare (5% of the pool, at most one per running sequence)
+            # so that an admission does not force a preemption on the very next step.
+            watermark = 0
+            if self.policy.strategy == "paged":
+                watermark = min(len(self.running), max(1, self.blocks.num_blocks // 20))
+            # Prompt log-probs need every prompt position computed: no prefix-cache hit.
+            hit = [] if seq.params.decoder_input_details else self.blocks.match(seq.tokens)
+            if not self.blocks.can_allocate(seq.tokens, self._reserve(seq), watermark, hit):
+                return False
+            cached = self.blocks.allocate(seq.seq_id, seq.tokens, self._reserve(seq), hit)
+            seq.num_computed = cached
+            seq.cached_tokens += cached
+            self.stats["cached_prompt_tokens"] += cached
         seq.admitted = next(self._order)
         if seq.first_scheduled is None:
             seq.first_scheduled = time.monotonic()
         self.stats["admitted"] += 1
-        self.waiting.popleft()
+        self.waiting.remove(seq)
         self.running.append(seq)
         return True
 
@@ -214,7 +286,7 @@ class Scheduler:
                                               if len(q.tokens) - q.num_computed > 1)
         while self.waiting and len(self.running) < p.max_batch_size and budget > 0:
             head = self.waiting[0]
-            if not self._admit(head):
+            if self._awaits_fork(head) or not self._admit(head):
                 break
             budget -= len(head.tokens) - head.num_computed
 
@@ -253,38 +325,57 @@ class Scheduler:
             items.append(StepItem(
                 seq.seq_id, seq.tokens[seq.num_computed:seq.num_computed + n], seq.num_computed,
                 self.blocks.table(seq.seq_id), seq.num_computed + n == len(seq.tokens),
-                seq.params, seq.tokens))
+                seq.params, seq.tokens, len(seq.prompt_ids),
+                seq.params.decoder_input_details
+                and len(seq.prompt_logprobs) < len(seq.prompt_ids) - 1))
         # Items are planned oldest first and a victim is the newest running sequence, so no
         # planned item is ever preempted after the fact.
-        return StepPlan(items, preempted)
+        plan = StepPlan(items, preempted)
+        if items:
+            plan.copies, self._copies = self._copies, []
+        return plan
 
-    def update(self, plan: StepPlan, sampled: list[int]) -> list[Sequence]:
-        """Apply a step's results (one token per sampling item, in order). Returns the
-        sequences that got a token; finishes those that hit length or EOS."""
+    def update(self, plan: StepPlan, results: list) -> list[tuple[Sequence, SampleResult]]:
+        """Apply a step's results: one SampleResult per item, or one per sampling item (a bare
+        int is a token). Returns (sequence, result) for those that got a token or failed;
+        finishes those that hit length or EOS, or whose item failed."""
         self.stats["steps"] += 1
-        got: list[Sequence] = []
-        it = iter(sampled)
-        for item in plan.items:
+        if len(results) != len(plan.items):
+            it = iter(results)
+            results = [next(it) if item.sample else None for item in plan.items]
+        got: list[tuple[Sequence, SampleResult]] = []
+        for item, res in zip(plan.items, results):
+            res = SampleResult(res) if isinstance(res, int) else res or SampleResult()
             seq = self.seqs.get(item.seq_id)
-            token = next(it) if item.sample else None
             if seq is None or seq not in self.running:   # aborted while the step ran
+                continue
+            if res.error is not None:
+                seq.finish_reason = Finish.FAILED
+                got.append((seq, res))
                 continue
             n = len(item.token_ids)
             self.stats["decode_tokens" if n == 1 and item.sample and seq.num_output else
                        "prefill_tokens"] += n
             seq.num_computed += n
             self.blocks.commit(seq.seq_id, seq.tokens, seq.num_computed)
-            if token is None:
+            for k, lp in enumerate(res.prompt_logprobs):    # chunks arrive in order
+                if item.start_pos + k == len(seq.prompt_logprobs) < len(seq.prompt_ids) - 1:
+                    seq.prompt_logprobs.append(lp)
+            if res.token is None:
                 continue
+            token = res.token
             seq.tokens.append(token)
-            got.append(seq)
+            seq.cum_logprob += res.logprob
+            got.append((seq, res))
+            if seq.num_output == 1 and seq.sample_index == 0 and self.policy.strategy == "paged":
+                self._fork_waiting(seq)
             p = seq.params
             if token in self.policy.eos_token_ids and not p.ignore_eos:
-                seq.finish_reason = "eos_token"
+                seq.finish_reason = Finish.EOS
             elif p.eos_after is not None and seq.num_output >= p.eos_after:
-                seq.finish_reason = "eos_token"
+                seq.finish_reason = Finish.EOS
             elif seq.num_output >= p.max_new_tokens or len(seq.tokens) >= self.policy.max_model_len:
-                seq.finish_reason = "length"
+                seq.finish_reason = Finish.LENGTH
         return got
 
     # ---- observability

@@ -250,6 +250,29 @@ class BlockMachine(RuleBasedStateMachine):
         self.bm.commit(sid, s["tokens"], end)
 
     @precondition(lambda self: self.seqs)
+    @rule(data=st.data(), new=st.lists(st.integers(0, 2), max_size=5))
+    def fork(self, data, new):
+        """A sample forks from another's computed tokens; partly filled blocks are copied."""
+        parent = data.draw(st.sampled_from(sorted(self.seqs)))
+        p = self.seqs[parent]
+        n = data.draw(st.integers(0, p["computed"]))
+        sid, self.next_id = self.next_id, self.next_id + 1
+        free_before = self.bm.num_free
+        copies = self.bm.fork(parent, sid, n)
+        if copies is None:
+            assert n % self.bm.block_size and free_before == 0 and sid not in self.bm.tables
+            return
+        assert len(copies) == (1 if n % self.bm.block_size else 0)
+        assert self.bm.num_free == free_before - len(copies)
+        for src, dst in copies:                  # what the runner does before the next forward
+            for k in range(self.bm.block_size):
+                if src * self.bm.block_size + k in self.kv:
+                    self.kv[dst * self.bm.block_size + k] = self.kv[src * self.bm.block_size + k]
+        self.seqs[sid] = {"tokens": p["tokens"][:n], "computed": n}
+        if new and self.bm.ensure(sid, n + len(new)):
+            self.seqs[sid]["tokens"] += new
+
+    @precondition(lambda self: self.seqs)
     @rule(data=st.data())
     def free(self, data):
         sid = data.draw(st.sampled_from(sorted(self.seqs)))
@@ -273,7 +296,7 @@ class BlockMachine(RuleBasedStateMachine):
                     assert s["computed"] >= (i + 1) * bs
                 if b in owner:                   # shared: same index, same full-block prefix
                     other, j = owner[b]
-                    assert self.bm.prefix_caching and i == j
+                    assert i == j
                     prefix = (i + 1) * bs
                     assert s["computed"] >= prefix and self.seqs[other]["computed"] >= prefix
                     assert s["tokens"][:prefix] == self.seqs[other]["tokens"][:prefix]

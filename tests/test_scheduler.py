@@ -40,8 +40,12 @@ class FakeRunner:
     def _slot(self, table, pos):
         return table[pos // self.bs] * self.bs + pos % self.bs
 
-    def step(self, items) -> list[int]:
+    def step(self, items, copies=()) -> list[int]:
         self.calls.append(items)
+        for src, dst in copies:                        # copy-on-write of forked samples' blocks
+            for k in range(self.bs):
+                if src * self.bs + k in self.kv:
+                    self.kv[dst * self.bs + k] = self.kv[src * self.bs + k]
         for it in items:                               # all writes first, as a packed forward does
             assert list(it.token_ids) == it.history[it.start_pos:it.start_pos + len(it.token_ids)]
             assert len(it.block_table) * self.bs >= it.start_pos + len(it.token_ids)
@@ -79,7 +83,7 @@ def step(s: Scheduler, runner: FakeRunner, now=0.0):
     plan = s.schedule(now)
     done = []
     if plan.items:
-        for q in s.update(plan, runner.step(plan.items)):
+        for q, _ in s.update(plan, runner.step(plan.items, plan.copies)):
             if q.finished:
                 done.append(s.finish(q.seq_id, q.finish_reason).seq_id)
     return plan, done
@@ -407,7 +411,7 @@ def test_update_ignores_sequence_aborted_during_step():
     plan = s.schedule(0.0)
     sampled = r.step(plan.items)
     s.finish(1, "aborted")
-    got = s.update(plan, sampled)
+    got = [q for q, _ in s.update(plan, sampled)]
     assert got == [b] and b.output_ids == [sampled[1]]     # 1's token is not handed to 2
     assert a.output_ids == [] and a.finish_reason == "aborted"
     assert s.blocks.num_free == 64 - len(s.blocks.table(2))
@@ -417,7 +421,7 @@ def test_finish_keeps_the_first_reason():
     s, r = make("rolling"), FakeRunner(4, model_no_eos)
     s.add(seq(1, 3, max_new=1))
     plan = s.schedule(0.0)
-    (q,) = s.update(plan, r.step(plan.items))
+    ((q, _),) = s.update(plan, r.step(plan.items))
     assert q.finish_reason == "length"
     assert s.finish(1, "aborted").finish_reason == "length"
 
@@ -495,19 +499,25 @@ def drive(s: Scheduler, requests: list[Sequence], runner: FakeRunner, aborts=Non
         assert len(set(ids(plan))) == len(plan.items)
         for it in plan.items:
             assert it.start_pos == s.seqs[it.seq_id].num_computed
-        if not s.blocks.prefix_caching:                # without sharing, tables are disjoint
+        sharing = s.blocks.prefix_caching or any(q.fork_of is not None for q in requests)
+        if not sharing:                                # without sharing, tables are disjoint
             held = [b for q in s.running for b in s.blocks.table(q.seq_id)]
             assert len(held) == len(set(held))
         u = s.kv_usage()
         assert u["kv_tokens_stored"] <= u["kv_tokens_allocated"] <= u["kv_tokens_total"]
-        if not s.blocks.prefix_caching:
+        if not sharing:
             assert u["kv_tokens_stored"] == sum(q.num_computed for q in s.running)
             assert u["kv_tokens_allocated"] == \
                 sum(len(s.blocks.table(q.seq_id)) for q in s.running) * s.blocks.block_size
         if plan.items:
-            sampled = runner.step(plan.items)
+            sampled = runner.step(plan.items, plan.copies)
             cancel(k, during=True)
-            for q in s.update(plan, sampled):
+            running = {q.seq_id for q in s.running}
+            got = s.update(plan, sampled)
+            forked = {q.seq_id for q in s.running} - running      # samples forked after a prefill
+            assert p.strategy == "paged" or not forked
+            admitted_order += sorted(forked, key=lambda i: s.seqs[i].admitted)
+            for q, _ in got:
                 assert q.seq_id not in aborted
                 if q.finished:
                     finished[q.seq_id] = s.finish(q.seq_id, q.finish_reason)
@@ -552,9 +562,14 @@ def workloads(draw, strategy, tight=False):
         if not tight and draw(st.integers(0, 4)) == 0:
             params["eos_after"] = draw(st.integers(1, 5))
         arrival = 0.0 if tight else draw(st.sampled_from([0.0, 0.01, 0.02, 0.05, 0.2]))
-        reqs.append(seq(i, prompt, arrival=arrival, **params))
-        if not tight and draw(st.integers(0, 5)) == 0:
-            aborts[i] = (draw(st.integers(0, 12)), draw(st.booleans()))
+        first = len(reqs)
+        samples = 1 if strategy == "none" else draw(st.integers(1, 3))   # none: one request at a time
+        for j in range(samples):                       # samples of one prompt (n), forked on paged
+            reqs.append(Sequence(len(reqs), list(prompt), SamplingParams(max_new_tokens=params["max_new"],
+                                 **{k: v for k, v in params.items() if k != "max_new"}), arrival,
+                                 sample_index=j, fork_of=first if j else None))
+            if not tight and draw(st.integers(0, 5)) == 0:
+                aborts[len(reqs) - 1] = (draw(st.integers(0, 12)), draw(st.booleans()))
     need = max(len(q.prompt_ids) + q.params.max_new_tokens for q in reqs)
     num_blocks = -(-need // bs) + draw(st.integers(0, 1 if tight else 4))
     s = make(strategy, num_blocks=num_blocks, block_size=bs, caching=draw(st.booleans()),
@@ -580,6 +595,8 @@ def test_any_workload_matches_running_alone(strategy, tight, data):
     first_admission = list(dict.fromkeys(order))
     assert first_admission == sorted(first_admission, key=lambda i: (reqs[i].arrival, i))
     if s.policy.strategy != "paged":
+        assert s.stats["forked_prompt_tokens"] == 0
+    if s.policy.strategy != "paged":
         assert s.stats["preemptions"] == 0 and len(order) == len(set(order))
 
 
@@ -595,3 +612,44 @@ def test_none_runs_a_client_side_list_as_one_batch():
         step(s, r)
     plan, _ = step(s, r)
     assert ids(plan) == [13]
+
+
+# ---------------------------------------------------------------- samples of one prompt (n)
+@pytest.mark.parametrize("plen", [5, 8, 9, 12])       # block_size 4: last shared block partial or not
+def test_paged_samples_prefill_once_then_fork_with_copy_on_write(plen):
+    s, r = make("paged", num_blocks=40, block_size=4, max_batch_size=8), FakeRunner(4, model_no_eos)
+    prompt = [1 + i % (VOCAB - 1) for i in range(plen)]
+    samples = [Sequence(10 + j, list(prompt), SamplingParams(max_new_tokens=6), 0.0, sample_index=j,
+                        fork_of=10 if j else None) for j in range(3)]
+    for q in samples:
+        s.add(q)
+    plan, _ = step(s, r)
+    assert ids(plan) == [10]                   # the other samples wait for sample 0's prefill
+    assert [q.seq_id for q in s.running] == [10, 11, 12]     # forked right after it
+    t0 = s.blocks.table(10)
+    for child in (11, 12):
+        t = s.blocks.table(child)
+        full = (plen - 1) // 4
+        assert t[:full] == t0[:full]           # full prompt blocks shared
+        assert s.blocks.ref[t0[0]] == 3 if full else True
+        assert set(t[full:]).isdisjoint(t0)    # the partly filled one copied, not shared
+    assert len(s._copies) == (2 if (plen - 1) % 4 else 0)
+    plan, _ = step(s, r)
+    assert [(i.seq_id, len(i.token_ids)) for i in plan.items] == [(10, 1), (11, 1), (12, 1)]
+    assert len(plan.copies) == (2 if (plen - 1) % 4 else 0)
+    while s.has_work:
+        step(s, r)
+    want = alone(prompt, samples[0].params, 2048, model_no_eos)
+    assert all((q.output_ids, q.finish_reason) == want for q in samples)
+    assert s.stats["forked_prompt_tokens"] == 2 * (plen - 1)
+    assert s.stats["prefill_tokens"] == plen + 2     # each fork recomputes only the last prompt token
+    assert s.blocks.num_free == s.blocks.num_blocks
+    s.blocks.check_invariants()
+
+
+def test_prompt_longer_than_the_kv_pool_is_blamed_on_inputs():
+    s = make("paged", num_blocks=4, block_size=4, max_model_len=100)
+    with pytest.raises(CapacityError, match=r"^inputs: the prompt has 20 tokens; the KV cache holds 16"):
+        s.check_fits(20, SamplingParams(max_new_tokens=5))
+    with pytest.raises(CapacityError, match=r"^parameters.max_new_tokens"):
+        s.check_fits(10, SamplingParams(max_new_tokens=10))
