@@ -18,6 +18,12 @@ class BlockManager:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.prefix_caching = enable_prefix_caching
+        self.hit_tokens = 0                              # prefix-cache hits, in tokens (a metric)
+        self.reset()
+
+    def reset(self) -> None:
+        """Every block free and uncached, no tables (the hit counter stays)."""
+        num_blocks = self.num_blocks
         self.ref = [0] * num_blocks
         self.block_hash: list[int | None] = [None] * num_blocks
         self.block_tokens: list[tuple | None] = [None] * num_blocks   # of a registered block
@@ -26,7 +32,6 @@ class BlockManager:
         self.evictable: OrderedDict[int, None] = OrderedDict()  # ref 0 but cached, LRU first
         self.tables: dict[int, list[int]] = {}
         self.hashes: dict[int, list[int]] = {}           # seq -> chained hashes of its full blocks
-        self.hit_tokens = 0                              # prefix-cache hits, in tokens (a metric)
 
     # ---- queries
     @property

@@ -22,13 +22,13 @@ class IncrementalDetokenizer:
     def _decode(self, ids) -> str:
         return self.tok.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
 
-    def add(self, token_id: int, final: bool = False) -> str:
+    def add(self, token_id: int) -> str:
         """Append a generated token; returns the new text it completes ('' if it is pending).
         When a stop sequence appears, the text is cut right after it and `stopped` is set."""
         self.ids.append(token_id)
         before = self._decode(self.ids[self.prefix:self.read])
         after = self._decode(self.ids[self.prefix:])
-        if len(after) <= len(before) or (after.endswith("\ufffd") and not final):
+        if len(after) <= len(before) or after.endswith("\ufffd"):
             return ""
         new = after[len(before):]
         # Keep the window short: the last emitted tokens are all the context we need.

@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 from .blocks import BlockManager
 from .detok import IncrementalDetokenizer
 from .request import SamplingParams
-from .scheduler import CapacityError, QueueFull, SampleResult, Scheduler, SchedulerPolicy, Sequence
+from .scheduler import (CapacityError, Finish, QueueFull, SampleResult, Scheduler, SchedulerPolicy,
+                        Sequence)
 
 log = logging.getLogger("lmi.engine")
 
@@ -69,9 +70,13 @@ class Engine:
                  enable_prefix_caching: bool = False):
         self.runner = runner
         self.tokenizer = runner.tokenizer
-        self.blocks = BlockManager(runner.kv.num_blocks, block_size,
-                                   enable_prefix_caching and policy.strategy == "paged")
+        policy = dataclasses.replace(policy, prefix_caching=enable_prefix_caching)
+        if enable_prefix_caching and not policy.prefix_caching:
+            log.warning("option.enable_prefix_caching has no effect with the %s strategy (it reserves "
+                        "every sequence's full length); it works with paged attention", policy.strategy)
+        self.blocks = BlockManager(runner.kv.num_blocks, block_size, policy.prefix_caching)
         self.scheduler = Scheduler(policy, self.blocks)
+        self._waiting = 0       # len(scheduler.waiting) as of the last iteration (under _lock)
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
         self._wake = threading.Event()
@@ -104,7 +109,7 @@ class Engine:
         with self._lock:
             for ids in prompts_ids:
                 self.scheduler.check_fits(len(ids), params)
-            pending = len(self.scheduler.waiting) + len(self._intake)
+            pending = self._waiting + len(self._intake)
             if pending + len(prompts_ids) * k > self.scheduler.policy.max_waiting:
                 self.counters["rejected_queue_full"] += len(prompts_ids)
                 raise QueueFull(f"the queue is full ({self.scheduler.policy.max_waiting} requests "
@@ -141,8 +146,10 @@ class Engine:
 
     def stats(self) -> dict:
         s = self.scheduler
-        return {"strategy": s.policy.strategy, "waiting": len(s.waiting) + len(self._intake),
-                "running": len(s.running), **s.stats, **s.kv_usage(), **self.counters,
+        with self._lock:
+            waiting = self._waiting + len(self._intake)
+        return {"strategy": s.policy.strategy, "waiting": waiting,
+                "running": len(list(s.running)), **dict(s.stats), **s.kv_usage(), **self.counters,
                 "prefix_cache_hit_tokens": self.blocks.hit_tokens}
 
     # ---- the engine thread
@@ -152,13 +159,19 @@ class Engine:
                 self._iteration()
             except Exception as e:  # a bug, not a model failure: answer everyone, start clean
                 log.exception("engine iteration failed; failing in-flight requests")
-                for sid in list(self._channels):
-                    self._end(sid, ErrorEvent(500, f"internal engine error: {type(e).__name__}: {e}"))
-                self.blocks.__init__(self.blocks.num_blocks, self.blocks.block_size,
-                                     self.blocks.prefix_caching)
-                self.scheduler.__init__(self.scheduler.policy, self.blocks)
+                self.reset(ErrorEvent(500, f"internal engine error: {type(e).__name__}: {e}"))
+            with self._lock:
+                self._waiting = len(self.scheduler.waiting)
+        self.reset(ErrorEvent(503, "the server is shutting down"))
+
+    def reset(self, event: ErrorEvent) -> None:
+        """Answer every in-flight sequence with `event` and forget all engine state (engine
+        thread only)."""
         for sid in list(self._channels):
-            self._end(sid, ErrorEvent(503, "the server is shutting down"))
+            self._end(sid, Finish.FAILED, event)
+        self.scheduler.reset()
+        self.runner.sampler.reset()
+        self._detok.clear()
 
     def _iteration(self) -> None:
         self._drain()
@@ -179,7 +192,7 @@ class Engine:
             log.exception("model step failed")
             self.counters["failed"] += len(plan.items)
             for it in plan.items:
-                self._end(it.seq_id, ErrorEvent(424, f"model failure: {type(e).__name__}: {e}"))
+                self._end(it.seq_id, Finish.FAILED, ErrorEvent(424, f"model failure: {type(e).__name__}: {e}"))
             return
         for seq, res in sched.update(plan, results):
             self._emit(seq, res)
@@ -200,7 +213,7 @@ class Engine:
         for sid in aborts:
             if sid in self._channels:
                 self.counters["aborted"] += 1
-                self._end(sid, None)
+                self._end(sid, Finish.ABORTED)
 
     def _piece(self, token: int) -> str:
         """One token's own text (top tokens, prefill), special tokens included."""
@@ -216,23 +229,24 @@ class Engine:
             return
         if res.error is not None:
             self.counters["failed"] += 1
-            self._end(seq.seq_id, ErrorEvent(*res.error))
+            self._end(seq.seq_id, Finish.FAILED, ErrorEvent(*res.error))
             return
         token = res.token
         detok = self._detok[seq.seq_id]
         text = detok.add(token)
-        if seq.finished and not detok.stopped:
+        if detok.stopped:               # a stop sequence ends it, whatever update decided
+            seq.finish_reason = Finish.STOP
+        elif seq.finished:
             text += detok.flush()
         self.counters["generated_tokens"] += 1
-        reason = "stop_sequence" if detok.stopped else seq.finish_reason
         done = None
-        if reason:
+        if seq.finished:
             queued = (seq.first_scheduled or seq.arrival) - seq.arrival
             prefill = None
             if seq.params.decoder_input_details:
                 lps = [None] + list(seq.prompt_logprobs)
                 prefill = tuple((t, self._piece(t), lp) for t, lp in zip(seq.prompt_ids, lps))
-            done = DoneEvent(reason, detok.text, seq.num_output, len(seq.prompt_ids),
+            done = DoneEvent(str(seq.finish_reason), detok.text, seq.num_output, len(seq.prompt_ids),
                              prefill=prefill, cumulative_log_prob=seq.cum_logprob,
                              queue_time_s=queued, preemptions=seq.preemptions)
         top = tuple((t, self._piece(t), lp) for t, lp in res.top)
@@ -240,10 +254,12 @@ class Engine:
                                  top_tokens=top, time=time.monotonic()))
         if done:
             self.counters["finished"] += 1
-            self._end(seq.seq_id, None)
+            self._end(seq.seq_id, seq.finish_reason)
 
-    def _end(self, seq_id: int, event) -> None:
-        self.scheduler.finish(seq_id, "aborted")
+    def _end(self, seq_id: int, reason: Finish, event: ErrorEvent | None = None) -> None:
+        """The one exit of a sequence: the scheduler frees its blocks and records `reason`
+        (unless it had one); `event`, if any, is its channel's last."""
+        self.scheduler.finish(seq_id, reason)
         self.runner.release(seq_id)
         self._detok.pop(seq_id, None)
         ch = self._channels.pop(seq_id, None)

@@ -25,6 +25,9 @@ class Sampler:
         self.generators: dict[int, torch.Generator] = {}
         self.rng = torch.Generator(device="cpu").manual_seed(int.from_bytes(os.urandom(4), "little"))
 
+    def reset(self) -> None:
+        self.generators.clear()
+
     def release(self, seq_id: int) -> None:
         self.generators.pop(seq_id, None)
 

@@ -43,17 +43,46 @@ class Finish(StrEnum):
 
 @dataclass(frozen=True)
 class SchedulerPolicy:
+    """Admission and reservation rules. `strategy` fills in the behaviour fields below; nothing
+    downstream tests the strategy's name."""
     strategy: str
     max_batch_size: int = 32            # batch_size (dynamic) / max_rolling_batch_size
-    max_batch_delay_s: float = 0.1      # dynamic only
-    prefill_token_budget: int = 4096    # rolling/paged: prompt tokens per step
+    max_batch_delay_s: float = 0.1      # wait_for_batch only
+    prefill_token_budget: int = 4096    # chunked_prefill: prompt tokens per step
     max_waiting: int = 1000             # job_queue_size
     max_model_len: int = 2048
     eos_token_ids: frozenset = frozenset()
+    prefix_caching: bool = False        # asked for; kept only where blocks grow on demand
+    # Behaviour (None: the strategy's value, see STRATEGY_BEHAVIOUR).
+    request_level: bool | None = None   # a batch forms, then nobody joins until all finish
+    one_request: bool | None = None     # request_level with one request (a client's list) a batch
+    wait_for_batch: bool | None = None  # gather max_batch_size or wait max_batch_delay_s
+    chunked_prefill: bool | None = None   # prompt tokens per step bounded by the budget
+    reserve_full_length: bool | None = None   # reserve prompt + max_new_tokens at admission
+    # (otherwise blocks grow on demand, preempting the newest sequence when they run out)
+    fork_samples: bool | None = None    # samples of one prompt share its KV blocks
 
     def __post_init__(self):
         if self.strategy not in STRATEGIES:
             raise ValueError(f"strategy must be one of {STRATEGIES}, got {self.strategy!r}")
+        for k, v in STRATEGY_BEHAVIOUR[self.strategy].items():
+            if getattr(self, k) is None:
+                object.__setattr__(self, k, v)
+        # A shared prefix needs blocks that are not reserved per sequence up front.
+        object.__setattr__(self, "prefix_caching", self.prefix_caching and not self.reserve_full_length)
+        object.__setattr__(self, "fork_samples", self.fork_samples and not self.reserve_full_length)
+
+
+STRATEGY_BEHAVIOUR = {
+    "none": dict(request_level=True, one_request=True, wait_for_batch=False, chunked_prefill=False,
+                 reserve_full_length=True, fork_samples=False),
+    "dynamic": dict(request_level=True, one_request=False, wait_for_batch=True, chunked_prefill=False,
+                    reserve_full_length=True, fork_samples=False),
+    "rolling": dict(request_level=False, one_request=False, wait_for_batch=False, chunked_prefill=True,
+                    reserve_full_length=True, fork_samples=False),
+    "paged": dict(request_level=False, one_request=False, wait_for_batch=False, chunked_prefill=True,
+                  reserve_full_length=False, fork_samples=True),
+}
 
 
 @dataclass(eq=False)
@@ -126,13 +155,18 @@ class Scheduler:
     def __init__(self, policy: SchedulerPolicy, blocks: BlockManager):
         self.policy = policy
         self.blocks = blocks
+        self.reset()
+        self.stats = {"steps": 0, "prefill_tokens": 0, "decode_tokens": 0, "preemptions": 0,
+                      "cached_prompt_tokens": 0, "admitted": 0, "forked_prompt_tokens": 0}
+
+    def reset(self) -> None:
+        """Forget every sequence and block (after an engine error); the statistics stay."""
+        self.blocks.reset()
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.seqs: dict[int, Sequence] = {}
         self._order = itertools.count()
         self._copies: list[tuple[int, int]] = []     # copy-on-write of forked samples' blocks
-        self.stats = {"steps": 0, "prefill_tokens": 0, "decode_tokens": 0, "preemptions": 0,
-                      "cached_prompt_tokens": 0, "admitted": 0, "forked_prompt_tokens": 0}
 
     # ---- intake
     def max_len(self, seq: Sequence) -> int:
@@ -167,9 +201,6 @@ class Scheduler:
         self.seqs[seq.seq_id] = seq
         self.waiting.append(seq)
 
-    def room_for(self, n: int) -> bool:
-        return len(self.waiting) + n <= self.policy.max_waiting
-
     def finish(self, seq_id: int, reason: str) -> Sequence | None:
         """End a sequence (done, cancelled or failed) and return its blocks."""
         seq = self.seqs.pop(seq_id, None)
@@ -193,19 +224,19 @@ class Scheduler:
     # ---- planning
     def next_wakeup(self, now: float) -> float | None:
         """Seconds until admission could change without new arrivals (dynamic's delay)."""
-        if self.policy.strategy == "dynamic" and self.waiting and not self.running:
+        if self.policy.wait_for_batch and self.waiting and not self.running:
             return max(0.0, self.waiting[0].arrival + self.policy.max_batch_delay_s - now)
         return None
 
     def _reserve(self, seq: Sequence) -> int:
-        return len(seq.tokens) if self.policy.strategy == "paged" else self.max_len(seq)
+        return self.max_len(seq) if self.policy.reserve_full_length else len(seq.tokens)
 
     # ---- samples of one prompt (n / best_of): prefill once, then fork
     def _fork_source(self, seq: Sequence) -> Sequence | None:
         """The running sample 0 whose prompt KV `seq` can share: it has computed all but the
         last prompt token, which the fork recomputes to get its own logits (as vLLM v1's
         parallel sampling does through prefix-cache hits)."""
-        if seq.fork_of is None or seq.num_output or self.policy.strategy != "paged":
+        if seq.fork_of is None or seq.num_output or not self.policy.fork_samples:
             return None
         parent = self.seqs.get(seq.fork_of)
         if parent is None or parent not in self.running \
@@ -215,7 +246,7 @@ class Scheduler:
 
     def _awaits_fork(self, seq: Sequence) -> bool:
         """A sample whose sample 0 is running but still prefilling: wait rather than prefill."""
-        if seq.fork_of is None or seq.num_output or self.policy.strategy != "paged":
+        if seq.fork_of is None or seq.num_output or not self.policy.fork_samples:
             return False
         parent = self.seqs.get(seq.fork_of)
         return parent is not None and parent in self.running \
@@ -247,7 +278,7 @@ class Scheduler:
             # Paged keeps a few blocks spare (5% of the pool, at most one per running sequence)
             # so that an admission does not force a preemption on the very next step.
             watermark = 0
-            if self.policy.strategy == "paged":
+            if not self.policy.reserve_full_length:
                 watermark = min(len(self.running), max(1, self.blocks.num_blocks // 20))
             # Prompt log-probs need every prompt position computed: no prefix-cache hit.
             hit = [] if seq.params.decoder_input_details else self.blocks.match(seq.tokens)
@@ -266,17 +297,17 @@ class Scheduler:
         return True
 
     def _admission(self, now: float) -> None:
-        p, s = self.policy, self.policy.strategy
-        if s in ("none", "dynamic"):
+        p = self.policy
+        if p.request_level:
             if self.running or not self.waiting:
                 return
-            if s == "none":   # one request at a time; a client's list is that one request
+            if p.one_request:   # one request at a time; a client's list (or n samples) is one
                 head = self.waiting[0].group
                 cap = 1 if head is None else sum(1 for _ in itertools.takewhile(
                     lambda q: q.group == head, self.waiting))
             else:
                 cap = p.max_batch_size
-            if s == "dynamic" and len(self.waiting) < cap and \
+            if p.wait_for_batch and len(self.waiting) < cap and \
                     now < self.waiting[0].arrival + p.max_batch_delay_s:
                 return
             while self.waiting and len(self.running) < cap and self._admit(self.waiting[0]):
@@ -302,7 +333,7 @@ class Scheduler:
         self._admission(now)
         preempted: list[int] = []
         budget = self.policy.prefill_token_budget
-        unlimited = self.policy.strategy in ("none", "dynamic")
+        unlimited = not self.policy.chunked_prefill
         items: list[StepItem] = []
         for seq in sorted(self.running, key=lambda q: q.admitted):
             if seq not in self.running:          # preempted below as a victim
@@ -313,7 +344,7 @@ class Scheduler:
                 if n <= 0:
                     continue
                 budget -= n
-            if self.policy.strategy == "paged":
+            if not self.policy.reserve_full_length:
                 while not self.blocks.ensure(seq.seq_id, seq.num_computed + n):
                     victim = max(self.running, key=lambda q: q.admitted)
                     self._preempt(victim)
@@ -367,7 +398,7 @@ class Scheduler:
             seq.tokens.append(token)
             seq.cum_logprob += res.logprob
             got.append((seq, res))
-            if seq.num_output == 1 and seq.sample_index == 0 and self.policy.strategy == "paged":
+            if seq.num_output == 1 and seq.sample_index == 0 and self.policy.fork_samples:
                 self._fork_waiting(seq)
             p = seq.params
             if token in self.policy.eos_token_ids and not p.ignore_eos:

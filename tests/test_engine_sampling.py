@@ -230,3 +230,42 @@ def test_a_bad_request_at_sampling_time_fails_alone(demo_model_dir, tmp_path, mo
         assert_drained(engine)
     finally:
         engine.shutdown()
+
+
+# ---------------------------------------------------------------- how sequences end
+def test_stop_sequence_is_the_recorded_finish_and_an_engine_error_resets_cleanly(demo_model_dir, tmp_path):
+    engine = make_engine(demo_model_dir, tmp_path, STRATEGIES["paged"])
+    try:
+        tok = engine.tokenizer
+        ids = engine.tokenize(PROMPTS[0])
+        text = tok.decode(hf_greedy(demo_model_dir, PROMPTS[0], 12), skip_special_tokens=True)
+        stop = text[len(text) // 2:len(text) // 2 + 3]
+        recorded = {}
+        real_finish = engine.scheduler.finish
+
+        def finish(sid, reason):
+            seq = real_finish(sid, reason)
+            if seq is not None:
+                recorded[sid] = seq.finish_reason
+            return seq
+        engine.scheduler.finish = finish
+        ch = engine.submit([ids], SamplingParams(max_new_tokens=12, stop_sequences=(stop,)))[0]
+        done = events(ch)[-1].done
+        assert done.finish_reason == "stop_sequence" and done.generated_text.endswith(stop)
+        assert recorded[ch.seq_id] == "stop_sequence" and engine.counters["aborted"] == 0
+
+        # A bug inside an iteration: everyone in flight gets a 500, then the engine serves again.
+        real_update = engine.scheduler.update
+
+        def broken(plan, results):
+            engine.scheduler.update = real_update
+            raise RuntimeError("bug")
+        engine.scheduler.update = broken
+        errs = [events(c)[-1] for c in engine.submit([ids, ids], SamplingParams(max_new_tokens=30))]
+        assert all(isinstance(e, ErrorEvent) and e.status == 500 for e in errs)
+        assert engine.blocks.num_free == engine.blocks.num_blocks and not engine.scheduler.seqs
+        got = [e.id for e in events(engine.submit([ids], SamplingParams(max_new_tokens=8))[0])]
+        assert got == hf_greedy(demo_model_dir, PROMPTS[0], 8)
+        assert_drained(engine)
+    finally:
+        engine.shutdown()
