@@ -76,7 +76,9 @@ class Engine:
                         "every sequence's full length); it works with paged attention", policy.strategy)
         self.blocks = BlockManager(runner.kv.num_blocks, block_size, policy.prefix_caching)
         self.scheduler = Scheduler(policy, self.blocks)
-        self._waiting = 0       # len(scheduler.waiting) as of the last iteration (under _lock)
+        # Sequences waiting in the scheduler, as the engine thread last published it (under
+        # _lock): HTTP threads count the queue from this and _intake, never the scheduler.
+        self._waiting = 0
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
         self._wake = threading.Event()
@@ -201,6 +203,7 @@ class Engine:
         with self._lock:
             intake, self._intake = self._intake, []
             aborts, self._aborts = self._aborts, []
+            self._waiting += len(intake)    # counted until the exact figure after this iteration
         for seq, ch in intake:
             try:
                 self.scheduler.add(seq)
