@@ -199,5 +199,6 @@ class ModelRunner:
         if sample_rows:
             sampled = self.sampler.sample(logits[sample_rows].float(), sample_items)
             for k, res in zip(where, sampled):
-                results[k] = dataclasses.replace(res, prompt_logprobs=results[k].prompt_logprobs)
+                pl = results[k].prompt_logprobs
+                results[k] = dataclasses.replace(res, prompt_logprobs=pl) if pl else res
         return results

@@ -29,7 +29,13 @@ class QueueFull(Exception):
 
 
 class CapacityError(ValueError):
-    """A request that can never fit in the KV cache or the model's context."""
+    """A request that can never fit in the KV cache or the model's context; `field` names the
+    part of the request to change (str(e) is "field: message")."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(f"{field}: {message}")
+        self.field = field
+        self.message = message
 
 
 class Finish(StrEnum):
@@ -176,21 +182,21 @@ class Scheduler:
         cap = self.policy.max_model_len
         # An empty prompt would be planned as a sampling item with no tokens to sample from.
         if prompt_len < 1:
-            raise CapacityError("inputs: the prompt has no tokens after tokenization")
+            raise CapacityError("inputs", "the prompt has no tokens after tokenization")
         if prompt_len >= cap:
-            raise CapacityError(f"inputs: the prompt has {prompt_len} tokens; this model allows "
+            raise CapacityError("inputs", f"the prompt has {prompt_len} tokens; this model allows "
                                 f"at most {cap - 1} prompt tokens (max_model_len={cap})")
         need = prompt_len + params.max_new_tokens
         if need > cap:
-            raise CapacityError(f"parameters.max_new_tokens: prompt ({prompt_len} tokens) + "
+            raise CapacityError("parameters.max_new_tokens", f"prompt ({prompt_len} tokens) + "
                                 f"max_new_tokens ({params.max_new_tokens}) exceeds this model's "
                                 f"{cap} tokens (max_model_len); ask for at most {cap - prompt_len}")
         room = self.blocks.num_blocks * self.blocks.block_size
         if prompt_len >= room:
-            raise CapacityError(f"inputs: the prompt has {prompt_len} tokens; the KV cache holds "
+            raise CapacityError("inputs", f"the prompt has {prompt_len} tokens; the KV cache holds "
                                 f"{room} (option.kv_cache_tokens), so at most {room - 1} prompt tokens")
         if need > room:
-            raise CapacityError(f"parameters.max_new_tokens: prompt ({prompt_len} tokens) + "
+            raise CapacityError("parameters.max_new_tokens", f"prompt ({prompt_len} tokens) + "
                                 f"max_new_tokens ({params.max_new_tokens}) needs {need} KV slots; "
                                 f"the KV cache holds {room} (option.kv_cache_tokens)")
 
