@@ -197,7 +197,12 @@ class Engine:
                 self._end(it.seq_id, Finish.FAILED, ErrorEvent(424, f"model failure: {type(e).__name__}: {e}"))
             return
         for seq, res in sched.update(plan, results):
-            self._emit(seq, res)
+            try:
+                self._emit(seq, res)
+            except Exception as e:      # e.g. the tokenizer on one sequence: fail it alone
+                log.exception("emitting a token of sequence %d failed", seq.seq_id)
+                self._end(seq.seq_id, Finish.FAILED,
+                          ErrorEvent(500, f"internal engine error: {type(e).__name__}: {e}"))
 
     def _drain(self) -> None:
         with self._lock:

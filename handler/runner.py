@@ -189,8 +189,13 @@ class ModelRunner:
         for k, it in enumerate(items):
             r = first_row[k]
             if it.prompt_logprobs:
-                results[k] = SampleResult(prompt_logprobs=sampling.prompt_logprobs(
-                    logits[r:r + len(it.token_ids)], it))
+                try:
+                    results[k] = SampleResult(prompt_logprobs=sampling.prompt_logprobs(
+                        logits[r:r + len(it.token_ids)], it))
+                except Exception as e:      # this item alone fails
+                    log.warning("prompt log-probs failed for sequence %d", it.seq_id, exc_info=True)
+                    results[k] = SampleResult(error=(424, f"prompt log-probs failed: {type(e).__name__}: {e}"))
+                    continue
                 r += len(it.token_ids) - 1
             if it.sample:
                 sample_rows.append(r)

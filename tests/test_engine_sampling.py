@@ -76,7 +76,7 @@ def test_top_tokens_and_logprobs_match_hf_logits(demo_model_dir, tmp_path):
         engine.shutdown()
 
 
-@pytest.mark.parametrize("strategy", ["paged", "rolling", "dynamic"])
+@pytest.mark.parametrize("strategy", ["paged", "rolling", "dynamic", "none"])
 def test_n_greedy_samples_equal_generate_and_paged_prefills_once(strategy, demo_model_dir, tmp_path):
     roomy = {"option.kv_cache_tokens": "1024", "option.max_rolling_batch_size": "9"} \
         if strategy == "paged" else {}            # no preemption, every sample running at once
@@ -225,6 +225,24 @@ def test_a_bad_request_at_sampling_time_fails_alone(demo_model_dir, tmp_path, mo
                                                                         repetition_penalty=1.25))[0]
         err = events(bad)[-1]
         assert isinstance(err, ErrorEvent) and err.status == 424 and "injected" in err.message
+        rest = events(a)
+        assert [a_first.id] + [e.id for e in rest] == hf_greedy(demo_model_dir, PROMPTS[0], 24)
+
+        # So does one found while turning its token into text.
+        import handler.engine as engine_module
+
+        class Fragile(engine_module.IncrementalDetokenizer):
+            def add(self, token_id):
+                if "BOOM" in self.stops:
+                    raise UnicodeError("injected")
+                return super().add(token_id)
+        monkeypatch.setattr(engine_module, "IncrementalDetokenizer", Fragile)
+        a = engine.submit([engine.tokenize(PROMPTS[0])], long)[0]
+        a_first = a.events.get(timeout=60)
+        bad = engine.submit([engine.tokenize(PROMPTS[1])], SamplingParams(max_new_tokens=5,
+                                                                        stop_sequences=("BOOM",)))[0]
+        err = events(bad)[-1]
+        assert isinstance(err, ErrorEvent) and err.status == 500 and "injected" in err.message
         rest = events(a)
         assert [a_first.id] + [e.id for e in rest] == hf_greedy(demo_model_dir, PROMPTS[0], 24)
         assert_drained(engine)
