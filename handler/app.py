@@ -1,25 +1,30 @@
-"""Flask app: SageMaker's contract (/ping, /invocations, /execution-parameters) + /metrics.
+"""Flask app: SageMaker's contract (/ping, /invocations, /execution-parameters), the OpenAI routes
+(/v1/chat/completions, /v1/completions, /v1/models), TGI's (/generate, /generate_stream, POST /)
+and /metrics.
 
-Thin on purpose: `parse_invocation` decodes a body, `collect` / `stream_lines` encode results;
-neither changes with the batching strategy.
+Thin on purpose: a protocol module in handler/api/ decodes each body into a Generation and encodes
+the engine's samples or events; the routes only submit, wait and choose the response type.
 """
 from __future__ import annotations
 
 import json
 import logging
-import queue
+import os
 import threading
 import time
 
 from flask import Flask, Response, request
 
-from .engine import Channel, ErrorEvent, TokenEvent
-from .request import RequestError, parse_invocation
+from . import api
+from .api import lmi, openai, tgi
+from .request import RequestError, SamplingParams
 from .scheduler import CapacityError, QueueFull
 
 log = logging.getLogger("lmi.http")
 
-STREAM_TYPES = {"jsonlines": "application/jsonlines", "sse": "text/event-stream"}
+SSE = "text/event-stream"
+JSONLINES = "application/jsonlines"
+STREAMING_FORMATTERS = ("jsonlines", "sse", "jsonlines_chat", "sse_chat")
 
 
 class ServerState:
@@ -31,6 +36,7 @@ class ServerState:
         self.error: str | None = None
         self.lock = threading.Lock()
         self.http = {"2xx": 0, "400": 0, "424": 0, "503": 0, "504": 0, "other": 0}
+        self.started = int(time.time())
 
     def count(self, status: int) -> None:
         key = "2xx" if 200 <= status < 300 else str(status) if str(status) in self.http else "other"
@@ -38,103 +44,91 @@ class ServerState:
             self.http[key] += 1
 
 
+def _json(body, status: int = 200) -> Response:
+    return Response(json.dumps(body, ensure_ascii=False), status=status, mimetype="application/json")
+
+
 def error_response(status: int, message: str, field: str | None = None) -> Response:
     body = {"code": status, "error": message}
     if field:
         body["field"] = field
-    return Response(json.dumps(body), status=status, mimetype="application/json")
+    return _json(body, status)
 
 
-class Timeout(Exception):
-    pass
+def _openai_error(status, message, field=None):
+    return _json(openai.error_body(status, message, field), status)
 
 
-def _events(engine, ch: Channel, deadline: float):
-    """Yield a channel's events until its last token; Timeout when the deadline passes."""
-    while True:
-        try:
-            ev = ch.events.get(timeout=max(0.0, deadline - time.monotonic()))
-        except queue.Empty:
-            engine.abort(ch.seq_id)
-            raise Timeout() from None
-        yield ev
-        if isinstance(ev, ErrorEvent) or ev.done is not None:
-            return
+def _tgi_error(status, message, field=None):
+    return _json(tgi.error_body(status, message, field), 422 if status == 400 else status)
 
 
-def _result(prompt: str, tokens: list[TokenEvent], params) -> dict:
-    done = tokens[-1].done
-    text = (prompt if params.return_full_text else "") + done.generated_text
-    out = {"generated_text": text}
-    if params.details:
-        out["details"] = {"finish_reason": done.finish_reason, "generated_tokens": done.generated_tokens,
-                          "inputs_tokens": done.prompt_tokens,
-                          "tokens": [{"id": t.id, "text": t.text, "log_prob": t.log_prob} for t in tokens]}
-    return out
-
-
-def collect(engine, chans: list[Channel], prompts: list[str], params, deadline: float):
-    """Wait for every prompt's result. Returns (results, None) or (None, ErrorEvent)."""
-    results = []
-    for ch, prompt in zip(chans, prompts):
-        tokens = []
-        for ev in _events(engine, ch, deadline):
-            if isinstance(ev, ErrorEvent):
-                for other in chans:
-                    engine.abort(other.seq_id)
-                return None, ev
-            tokens.append(ev)
-        results.append(_result(prompt, tokens, params))
-    return results, None
-
-
-def stream_lines(engine, ch: Channel, prompt: str, params, deadline: float, fmt: str):
-    """jsonlines / SSE: one {"token": ...} per token; the last also has generated_text."""
-    def line(obj) -> str:
-        data = json.dumps(obj, ensure_ascii=False)
-        return f"data: {data}\n\n" if fmt == "sse" else data + "\n"
-
-    finished = False
-    tokens: list[TokenEvent] = []
-    try:
-        for ev in _events(engine, ch, deadline):
-            if isinstance(ev, ErrorEvent):
-                finished = True
-                yield line({"error": ev.message, "code": ev.status})
-                return
-            tokens.append(ev)
-            obj = {"token": {"id": ev.id, "text": ev.text, "log_prob": ev.log_prob}}
-            if ev.done is not None:
-                finished = True
-                obj.update(_result(prompt, tokens, params))
-            yield line(obj)
-    except Timeout:
-        finished = True
-        yield line({"error": "request timed out", "code": 504})
-    finally:
-        if not finished:          # the client went away mid-stream: free its sequence now
-            engine.abort(ch.seq_id)
+def model_name(cfg) -> str:
+    return os.path.basename(str(cfg.model_id).rstrip("/")) or "model"
 
 
 def create_app(state: ServerState) -> Flask:
     app = Flask("lmi-serve")
     cfg = state.cfg
+    tgi_compat = getattr(cfg, "tgi_compat", False)
+    formatter = cfg.output_formatter
+    timeout_hint = "request_timeout / option.predict_timeout / SAGEMAKER_MODEL_SERVER_TIMEOUT_SECONDS"
 
     @app.after_request
     def _count(resp):
-        if request.path == "/invocations":
+        if request.path != "/ping" and request.method == "POST":
             state.count(resp.status_code)
         return resp
+
+    def run(parse, error, respond, stream):
+        """parse() -> Generation; respond(gen, samples) -> Response; stream(gen, events) -> Response."""
+        eng = state.engine
+        if eng is None:
+            return error(503, "the model is still loading" if not state.error
+                         else f"the model failed to load: {state.error}")
+        try:
+            gen = parse(eng.tokenizer)
+            ids = api.tokenize(eng.tokenizer, gen)
+            api.with_length(gen, ids, eng.scheduler.policy.max_model_len)
+            chans = eng.submit(ids, gen.params)
+        except RequestError as e:
+            return error(e.status, e.message, e.field)
+        except CapacityError as e:
+            field, _, msg = str(e).partition(": ")
+            return error(400, msg, field)
+        except QueueFull as e:
+            log.warning("refused a request: %s", e)
+            return error(503, str(e))
+        deadline = chans[0].submitted + cfg.request_timeout_s
+        if gen.stream:
+            events = api.stream_events(eng, chans, len(gen.prompts), deadline)
+            return stream(gen, events)
+        try:
+            samples = api.collect(eng, chans, len(gen.prompts), deadline)
+        except api.Timeout:
+            return error(504, f"request timed out after {cfg.request_timeout_s:g} s ({timeout_hint})")
+        except api.Failed as f:
+            return error(f.status, f.message)
+        return respond(gen, samples)
+
+    def streamed(lines, events, mimetype) -> Response:
+        def gen():
+            try:
+                yield from lines
+            finally:
+                events.close()      # the client went away: abort what is still running
+        return Response(gen(), mimetype=mimetype, headers={"X-Accel-Buffering": "no"})
+
+    def body_json():
+        return lmi.decode_body(request.get_data(), request.content_type)
 
     @app.get("/ping")
     def ping():
         eng = state.engine
         if eng is not None and eng.healthy:
-            return Response(json.dumps({"status": "healthy", "strategy": cfg.strategy}),
-                            mimetype="application/json")
+            return _json({"status": "healthy", "strategy": cfg.strategy})
         status = "unhealthy" if state.error else "loading"
-        return Response(json.dumps({"status": status, "error": state.error}), status=503,
-                        mimetype="application/json")
+        return _json({"status": status, "error": state.error}, 503)
 
     @app.get("/execution-parameters")
     def execution_parameters():
@@ -143,46 +137,86 @@ def create_app(state: ServerState) -> Flask:
         return {"MaxConcurrentTransforms": running, "BatchStrategy": "MULTI_RECORD"
                 if cfg.strategy != "none" else "SINGLE_RECORD", "MaxPayloadInMB": 6}
 
+    # ---- LMI
     @app.post("/invocations")
     def invocations():
-        eng = state.engine
-        if eng is None:
-            return error_response(503, "the model is still loading" if not state.error
-                                  else f"the model failed to load: {state.error}")
-        try:
-            inv = parse_invocation(request.get_data(), request.content_type,
-                                   default_stream=cfg.output_formatter in STREAM_TYPES,
-                                   max_batch_inputs=cfg.job_queue_size)
-            prompt_ids = [eng.tokenize(p) for p in inv.inputs]
-            for i, ids in enumerate(prompt_ids):
-                if not ids:
-                    raise RequestError(f"inputs[{i}]" if inv.is_list else "inputs", "encodes to no tokens")
-            chans = eng.submit(prompt_ids, inv.params)
-        except RequestError as e:
-            return error_response(400, e.message, e.field)
-        except CapacityError as e:
-            field, _, msg = str(e).partition(": ")
-            return error_response(400, msg, field)
-        except QueueFull as e:
-            log.warning("refused a request: %s", e)
-            return error_response(503, str(e))
-        deadline = chans[0].submitted + cfg.request_timeout_s
-        if inv.stream:
-            fmt = cfg.output_formatter if cfg.output_formatter in STREAM_TYPES else "jsonlines"
-            return Response(stream_lines(eng, chans[0], inv.inputs[0], inv.params, deadline, fmt),
-                            mimetype=STREAM_TYPES[fmt], headers={"X-Accel-Buffering": "no"})
-        try:
-            results, err = collect(eng, chans, inv.inputs, inv.params, deadline)
-        except Timeout:
-            for ch in chans:
-                eng.abort(ch.seq_id)
-            return error_response(504, f"request timed out after {cfg.request_timeout_s:g} s "
-                                       f"(request_timeout / SAGEMAKER_MODEL_SERVER_TIMEOUT)")
-        if err is not None:
-            return error_response(err.status, err.message)
-        body = results if inv.is_list else results[0]
-        return Response(json.dumps(body, ensure_ascii=False), mimetype="application/json")
+        chat_out = formatter.endswith("_chat")
+        sse = formatter in ("sse", "sse_chat") or (tgi_compat and formatter == "json")
+        tgi_shape = tgi_compat and formatter in ("json", "sse")
 
+        def parse(tokenizer):
+            payload = body_json()
+            if isinstance(payload, dict) and payload.get("messages") is not None:
+                gen = openai.parse_chat(payload, tokenizer, lmi=True)
+                if payload.get("stream") is None and formatter in STREAMING_FORMATTERS:
+                    gen.stream = True
+                return gen
+            defaults = SamplingParams(details=True) if tgi_shape else SamplingParams()
+            gen = lmi.parse(payload, default_stream=formatter in STREAMING_FORMATTERS,
+                            max_batch_inputs=cfg.job_queue_size, defaults=defaults)
+            if chat_out:
+                gen.extra = {"kind": "chat", "logprobs": False, "lmi": True, "include_usage": False}
+            return gen
+
+        def respond(gen, samples):
+            if gen.extra.get("kind") == "chat":
+                return _json(openai.encode(gen, samples, model_name(cfg)))
+            return _json(lmi.encode(gen, samples, tgi=tgi_shape))
+
+        def stream(gen, events):
+            if gen.extra.get("kind") == "chat":
+                return streamed(openai.stream(gen, events, model_name(cfg), sse=sse), events,
+                                SSE if sse else JSONLINES)
+            return streamed(lmi.stream(gen, events, sse, tgi=tgi_shape), events, SSE if sse else JSONLINES)
+
+        return run(parse, error_response, respond, stream)
+
+    # ---- OpenAI
+    def openai_route(parse_fn):
+        def respond(gen, samples):
+            return _json(openai.encode(gen, samples, model_name(cfg)))
+
+        def stream(gen, events):
+            return streamed(openai.stream(gen, events, model_name(cfg)), events, SSE)
+
+        return run(parse_fn, _openai_error, respond, stream)
+
+    @app.post("/v1/chat/completions")
+    def chat_completions():
+        return openai_route(lambda tok: openai.parse_chat(body_json(), tok))
+
+    @app.post("/v1/completions")
+    def completions():
+        return openai_route(lambda tok: openai.parse_completion(body_json()))
+
+    @app.get("/v1/models")
+    def list_models():
+        return _json(openai.models(model_name(cfg), state.started))
+
+    # ---- TGI
+    def tgi_route(force_stream, as_list):
+        def respond(gen, samples):
+            out = tgi.encode(gen, samples)
+            return _json([out] if as_list else out)
+
+        def stream(gen, events):
+            return streamed(tgi.stream(gen, events), events, SSE)
+
+        return run(lambda tok: tgi.parse(body_json(), stream=force_stream), _tgi_error, respond, stream)
+
+    @app.post("/generate")
+    def tgi_generate():
+        return tgi_route(False, False)
+
+    @app.post("/generate_stream")
+    def tgi_generate_stream():
+        return tgi_route(True, False)
+
+    @app.post("/")
+    def tgi_compat_route():
+        return tgi_route(None, True)
+
+    # ---- operations
     @app.get("/metrics")
     def metrics():
         lines = [f'lmi_http_responses_total{{class="{k}"}} {v}' for k, v in state.http.items()]
@@ -192,21 +226,27 @@ def create_app(state: ServerState) -> Flask:
                     lines.append(f"lmi_{k} {v}")
         return Response("\n".join(lines) + "\n", mimetype="text/plain; version=0.0.4")
 
+    def _route_error(status, message):
+        if request.path.startswith("/v1/"):
+            return _openai_error(status, message)
+        return error_response(status, message)
+
     @app.errorhandler(404)
     def not_found(_e):
-        return error_response(404, f"no route {request.path}; use GET /ping or POST /invocations")
+        return _route_error(404, f"no route {request.path}; use GET /ping, POST /invocations, "
+                                 "POST /v1/chat/completions, POST /v1/completions or POST /generate")
 
     @app.errorhandler(405)
     def bad_method(_e):
-        return error_response(405, f"{request.method} is not allowed on {request.path}")
+        return _route_error(405, f"{request.method} is not allowed on {request.path}")
 
     @app.errorhandler(413)
     def too_large(_e):
-        return error_response(413, "request body too large")
+        return _route_error(413, "request body too large")
 
     @app.errorhandler(Exception)
     def internal(e):
         log.exception("unhandled error")
-        return error_response(500, f"internal error: {type(e).__name__}")
+        return _route_error(500, f"internal error: {type(e).__name__}")
 
     return app

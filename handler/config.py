@@ -231,7 +231,8 @@ TYPED_KEYS: dict[str, Callable[[str], object]] = {
     "option.tensor_parallel_degree": _tp_degree,
     "option.trust_remote_code": _bool,
     "option.entryPoint": _non_empty,
-    "option.output_formatter": _enum(["json", "jsonlines", "sse"]),
+    "option.output_formatter": _enum(["json", "jsonlines", "sse", "json_chat", "jsonlines_chat", "sse_chat"]),
+    "option.tgi_compat": _bool,        # TGI's response shapes on /invocations
     "option.enable_streaming": _bool,  # LMI's switch; checked against dynamic batching
 }
 
@@ -244,7 +245,7 @@ IGNORED_KEYS = {
     "option.revision", "option.model_loading_timeout", "option.low_cpu_mem_usage",
     "option.device_map", "option.load_in_8bit", "option.load_in_4bit", "option.mpi_mode",
     "option.parallel_loading", "option.enforce_eager", "option.disable_flash_attn",
-    "option.pipeline_parallel_degree", "option.tgi_compat", "option.max_num_batched_tokens",
+    "option.pipeline_parallel_degree", "option.max_num_batched_tokens",
     "option.rolling_batch_strategy", "option.predict_timeout",
 }
 
@@ -301,10 +302,11 @@ class ServingConfig:
     tensor_parallel_degree: int
     trust_remote_code: bool
     entry_point: str
-    output_formatter: str         # "json" | "jsonlines" | "sse"
+    output_formatter: str         # "json" | "jsonlines" | "sse" | "json_chat" | "jsonlines_chat" | "sse_chat"
     port: int
     warnings: tuple[str, ...]
     properties: dict = dataclasses.field(hash=False)  # merged raw properties, key -> value
+    tgi_compat: bool = False      # TGI's shapes on /invocations (a list, logprob/special, details on, SSE)
 
 
 @dataclass
@@ -469,7 +471,8 @@ def _resolve_strategy(src: _Sources) -> dict:
 
     output_formatter = get("option.output_formatter", "json")
     if strategy == "dynamic":
-        for key, streams in (("option.output_formatter", output_formatter in ("jsonlines", "sse")),
+        for key, streams in (("option.output_formatter", output_formatter in ("jsonlines", "sse", "jsonlines_chat",
+                                                                             "sse_chat")),
                              ("option.enable_streaming", get("option.enable_streaming", False))):
             if streams:
                 raise ConfigError(f"{where(key)} streams tokens, which dynamic batching "
@@ -589,6 +592,7 @@ def load_config(properties_path: str | None = None, model_dir: str | None = None
         trust_remote_code=get("option.trust_remote_code", False),
         warnings=tuple(src.warnings),
         properties={k: v.raw for k, v in sorted(src.merged.items())},
+        tgi_compat=get("option.tgi_compat", False),
     )
 
 

@@ -14,6 +14,9 @@ import sysconfig
 FAMILIES = ("llama", "qwen2", "gpt2")
 VOCAB_SIZE = 8192
 SPECIAL = ["<unk>", "<s>", "</s>", "<pad>"]
+# A small ChatML-like template so that chat requests work on the demo model (`make serve`).
+CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}</s>\n{% endfor %}"
+                 "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
 
 
 def _corpus(max_bytes: int = 3_000_000):
@@ -43,9 +46,11 @@ def build_tokenizer(vocab_size: int = VOCAB_SIZE):
         vocab_size=vocab_size, special_tokens=SPECIAL,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     tok.train_from_iterator(_corpus(), trainer=trainer)
-    return PreTrainedTokenizerFast(
+    fast = PreTrainedTokenizerFast(
         tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>",
         pad_token="<pad>", model_max_length=1024)
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
 
 
 def model_config(family: str, tokenizer, vocab_size: int = VOCAB_SIZE):

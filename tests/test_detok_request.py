@@ -7,7 +7,8 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from handler.detok import IncrementalDetokenizer
-from handler.request import RequestError, SamplingParams, parse_invocation
+from handler.api import lmi
+from handler.request import RequestError, SamplingParams
 from tests.reference import tokenizer
 
 TEXTS = ["héllo wörld — 日本語 def  foo():\n    return 'x'  🎉 end",
@@ -62,13 +63,19 @@ def body(**kw):
     return json.dumps(kw).encode()
 
 
+def parse_invocation(raw: bytes, content_type: str = "application/json", **kw):
+    return lmi.parse(lmi.decode_body(raw, content_type), **kw)
+
+
 def test_defaults_and_lists():
     inv = parse_invocation(body(inputs="hi"))
-    assert inv.inputs == ["hi"] and not inv.is_list and not inv.stream
+    assert inv.prompts == ["hi"] and not inv.is_list and not inv.stream
     assert inv.params == SamplingParams() and inv.params.max_new_tokens == 30
     inv = parse_invocation(body(inputs=["a", "b"], parameters={"max_new_tokens": 3, "stop_sequences": "x"}))
-    assert inv.is_list and inv.inputs == ["a", "b"] and inv.params.stop_sequences == ("x",)
-    assert parse_invocation(b"plain prompt", "text/plain; charset=utf-8").inputs == ["plain prompt"]
+    assert inv.is_list and inv.prompts == ["a", "b"] and inv.params.stop_sequences == ("x",)
+    # LMI decodes text/plain as {"inputs": [text]}: a list (encode_decode.py), answered with a list
+    inv = parse_invocation(b"plain prompt", "text/plain; charset=utf-8")
+    assert inv.prompts == ["plain prompt"] and inv.is_list
     assert parse_invocation(body(inputs="x"), default_stream=True).stream
 
 
