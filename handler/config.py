@@ -233,20 +233,24 @@ TYPED_KEYS: dict[str, Callable[[str], object]] = {
     "option.entryPoint": _non_empty,
     "option.output_formatter": _enum(["json", "jsonlines", "sse", "json_chat", "jsonlines_chat", "sse_chat"]),
     "option.tgi_compat": _bool,        # TGI's response shapes on /invocations
+    # LMI's names for ours: used when ours are absent.
+    "option.predict_timeout": _float(0.0, None, True, "a positive number of seconds"),  # request_timeout
+    "option.max_num_batched_tokens": _int(1),   # vLLM's name for max_rolling_batch_prefill_tokens
+    "option.quantize": _non_empty,              # refused: quantization is not implemented
     "option.enable_streaming": _bool,  # LMI's switch; checked against dynamic batching
 }
 
-# Real LMI keys that change nothing here: accepted quietly so LMI files don't warn.
+# Real LMI keys that change nothing here: accepted (LMI files load as written) and reported once
+# as "accepted, has no effect here".
 IGNORED_KEYS = {
     "minWorkers", "maxWorkers", "gpu.minWorkers", "gpu.maxWorkers", "cpu.minWorkers",
     "cpu.maxWorkers", "load_on_devices", "required_memory_mb", "reserved_memory_mb",
     "log_model_metric", "metrics_aggregation", "translatorFactory",
-    "option.quantize", "option.max_input_len", "option.max_output_len", "option.task",
+    "option.max_input_len", "option.max_output_len", "option.task",
     "option.revision", "option.model_loading_timeout", "option.low_cpu_mem_usage",
     "option.device_map", "option.load_in_8bit", "option.load_in_4bit", "option.mpi_mode",
     "option.parallel_loading", "option.enforce_eager", "option.disable_flash_attn",
-    "option.pipeline_parallel_degree", "option.max_num_batched_tokens",
-    "option.rolling_batch_strategy", "option.predict_timeout",
+    "option.pipeline_parallel_degree", "option.rolling_batch_strategy",
 }
 
 KNOWN_KEYS = set(TYPED_KEYS) | IGNORED_KEYS
@@ -270,6 +274,8 @@ ENV_ALIASES: list[tuple[str, str]] = [
     ("MAX_CONCURRENT_REQUESTS", "job_queue_size"),
     ("MAX_BATCH_PREFILL_TOKENS", "option.max_rolling_batch_prefill_tokens"),
     ("SAGEMAKER_MODEL_SERVER_TIMEOUT", "request_timeout"),
+    ("SAGEMAKER_MODEL_SERVER_TIMEOUT_SECONDS", "option.predict_timeout"),   # as LMI's SageMakerCompatibility
+    ("HF_MODEL_QUANTIZE", "option.quantize"),
 ]
 
 
@@ -326,7 +332,9 @@ def _env_properties(env: Mapping[str, str]) -> dict[str, _Value]:
         val = env[var]
         if val == "":
             continue  # `-e OPTION_X=` means unset
-        if var.startswith("OPTION_") and len(var) > 7:
+        if var == "OPTION_ENGINE":
+            key = "engine"      # as LMI: the SageMaker SDK's DJLModel sets it
+        elif var.startswith("OPTION_") and len(var) > 7:
             key = "option." + var[7:].lower()
         elif var.startswith("SERVING_") and len(var) > 8:
             key = var[8:].lower()
@@ -435,6 +443,12 @@ def _parse_values(src: _Sources) -> None:
             named.append(k + (f" ({origin.split()[1]})" if origin.startswith("environment") else "")
                          + (f" (did you mean {hint[0]}?)" if hint else ""))
         src.warnings.append("unknown keys ignored: " + ", ".join(named))
+    if "option.quantize" in src.merged:
+        raise ConfigError(f"{src.where('option.quantize')}: quantization is not implemented in this server; "
+                          "remove the key (the model is served in option.dtype)")
+    no_effect = sorted(k for k in src.merged if k in IGNORED_KEYS)
+    if no_effect:
+        src.warnings.append("accepted, has no effect here: " + ", ".join(no_effect))
 
 
 def _resolve_strategy(src: _Sources) -> dict:
@@ -451,7 +465,8 @@ def _resolve_strategy(src: _Sources) -> dict:
             warnings.append(f"{where('option.paged_attention')} has no effect without "
                             "option.rolling_batch (set option.rolling_batch=auto for paged attention)")
         paged = False
-        unused = [k for k in ("option.max_rolling_batch_size", "option.max_rolling_batch_prefill_tokens")
+        unused = [k for k in ("option.max_rolling_batch_size", "option.max_rolling_batch_prefill_tokens",
+                              "option.max_num_batched_tokens")
                   if k in src.merged]
     else:
         if rolling_batch == "scheduler" and paged:
@@ -583,9 +598,10 @@ def load_config(properties_path: str | None = None, model_dir: str | None = None
         properties_file=os.path.abspath(src.properties_path) if src.properties_path else None,
         max_batch_delay_ms=get("max_batch_delay", 100),
         job_queue_size=get("job_queue_size", 1000),
-        max_rolling_batch_prefill_tokens=get("option.max_rolling_batch_prefill_tokens", 4096),
+        max_rolling_batch_prefill_tokens=get("option.max_rolling_batch_prefill_tokens",
+                                             get("option.max_num_batched_tokens", 4096)),
         max_idle_time_s=get("max_idle_time", 60),
-        request_timeout_s=get("request_timeout", 600.0),
+        request_timeout_s=get("request_timeout", get("option.predict_timeout", 600.0)),
         enable_prefix_caching=get("option.enable_prefix_caching", False),
         gpu_memory_utilization=get("option.gpu_memory_utilization", 0.9),
         dtype=get("option.dtype", "auto"),

@@ -99,6 +99,7 @@ def test_openai_completions_greedy_stream_and_echo(server, demo_model_dir):
     assert "".join(parts) == greedy_text(demo_model_dir, prompts[1], 6)
 
 
+@pytest.mark.xfail(strict=True, reason="n > 1 needs the engine side of issue 10 (several channels per prompt)")
 def test_openai_n_samples_reproducible_with_seed(server):
     client = oai(server)
     kw = dict(model="demo", messages=CHAT, max_tokens=8, n=3, temperature=1.0, seed=1234)

@@ -184,8 +184,12 @@ BAD = [
     ("option.tensor_parallel_degree", "0", "is not a positive integer or max"),
     ("option.trust_remote_code", "on", "is not a boolean; allowed: true, false"),
     ("option.entryPoint", "", "is empty"),
-    ("option.output_formatter", "xml", "is not supported; allowed: json, jsonlines, sse"),
+    ("option.output_formatter", "xml", "is not supported; allowed: json, jsonlines, sse, json_chat, jsonlines_chat, sse_chat"),
     ("option.enable_streaming", "maybe", "is not a boolean; allowed: true, false"),
+    ("option.tgi_compat", "yes", "is not a boolean; allowed: true, false"),
+    ("option.predict_timeout", "-1", "is not a positive number of seconds"),
+    ("option.max_num_batched_tokens", "0", "is not a positive integer"),
+    ("option.quantize", "", "is empty"),
     ("option.model_id", "", "is empty"),
 ]
 
@@ -321,9 +325,35 @@ def test_unknown_keys_make_one_warning(load):
         assert name in unknown[0]
 
 
-def test_ignored_lmi_keys_are_quiet(load):
+def test_ignored_lmi_keys_are_reported_once_as_having_no_effect(load):
     text = "".join(f"{k}=1\n" for k in sorted(IGNORED_KEYS))
-    assert load(text).warnings == ()
+    assert load(text).warnings == ("accepted, has no effect here: " + ", ".join(sorted(IGNORED_KEYS)),)
+
+
+def test_lmi_names_for_our_keys(load):
+    cfg = load("option.predict_timeout=30\noption.max_num_batched_tokens=512\noption.rolling_batch=auto\n")
+    assert (cfg.request_timeout_s, cfg.max_rolling_batch_prefill_tokens, cfg.warnings) == (30.0, 512, ())
+    cfg = load("request_timeout=9\noption.predict_timeout=30\noption.max_rolling_batch_prefill_tokens=64\n"
+               "option.max_num_batched_tokens=512\noption.rolling_batch=auto\n")
+    assert (cfg.request_timeout_s, cfg.max_rolling_batch_prefill_tokens) == (9.0, 64)   # ours win
+    cfg = load(None, env={"SAGEMAKER_MODEL_SERVER_TIMEOUT_SECONDS": "45", "OPTION_ENGINE": "MPI",
+                          "OPTION_TGI_COMPAT": "true", "OPTION_OUTPUT_FORMATTER": "sse_chat",
+                          "OPTION_ROLLING_BATCH": "auto"})
+    assert (cfg.request_timeout_s, cfg.engine, cfg.tgi_compat, cfg.output_formatter) == (45.0, "MPI", True, "sse_chat")
+    assert cfg.warnings == ()
+    assert load("engine=Python\n", env={"OPTION_ENGINE": "MPI"}).engine == "Python"   # the file wins
+
+
+def test_quantize_is_refused_with_one_line(load):
+    msg = error_of(load, "option.quantize=awq\n")
+    assert "option.quantize=awq" in msg and "not implemented" in msg
+    msg = error_of(load, None, env={"HF_MODEL_QUANTIZE": "bitsandbytes"})
+    assert "environment HF_MODEL_QUANTIZE" in msg and "not implemented" in msg
+
+
+def test_chat_streaming_formatter_is_refused_with_dynamic_batching(load):
+    msg = error_of(load, "batch_size=4\noption.output_formatter=jsonlines_chat\n")
+    assert "dynamic batching" in msg
 
 
 def test_file_keys_match_known_keys_case_insensitively(load):
