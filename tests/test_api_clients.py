@@ -193,7 +193,7 @@ def test_lmi_chat_bodies_exact_keys(server, demo_model_dir):
     assert c["message"] == {"role": "assistant", "content": chat_greedy(demo_model_dir, CHAT, 16)[2]}
     assert c["finish_reason"] in ("length", "eos_token")           # LMI's names on /invocations
     for lp in c["logprobs"]["content"]:
-        assert set(lp) == {"token", "logprob", "bytes", "top_logprobs"} and len(lp["top_logprobs"]) == 1
+        assert set(lp) == {"token", "logprob", "bytes", "top_logprobs"}
     assert set(out["usage"]) == {"prompt_tokens", "completion_tokens", "total_tokens"}
     msgs = [{"role": "user", "content": "hello, can you help me?"},
             {"role": "assistant", "content": "Hi, what can i help you with today?"},
@@ -207,6 +207,27 @@ def test_lmi_chat_bodies_exact_keys(server, demo_model_dir):
     assert chunks[-1]["choices"][0]["finish_reason"] is not None
 
 
+@pytest.mark.xfail(strict=True, reason="top tokens and prompt log-probs come from the engine side of issue 10")
+def test_top_tokens_and_prefill(server, demo_model_dir):
+    tok, model = _load(demo_model_dir)
+    out = server.post({"messages": CHAT, "logprobs": True, "top_logprobs": 2, "max_tokens": 4,
+                       "temperature": 0}).json()
+    for lp in out["choices"][0]["logprobs"]["content"]:
+        assert len(lp["top_logprobs"]) == 2 and lp["top_logprobs"][0]["logprob"] >= lp["top_logprobs"][1]["logprob"]
+        assert lp["top_logprobs"][0]["token"] == lp["token"]          # greedy: the chosen one is the top one
+    prompt = "DeepSpeed is a machine learning framework"
+    out = server.post({"inputs": prompt, "parameters": {"max_new_tokens": 4, "details": True,
+                                                        "decoder_input_details": True, "top_n_tokens": 3}}).json()
+    ids = tok(prompt)["input_ids"]
+    pre = out["details"]["prefill"]
+    assert [p["id"] for p in pre] == ids and pre[0]["log_prob"] is None
+    with torch.no_grad():   # the oracle: HF's logits over the prompt positions
+        want = torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), -1)
+    for i in range(1, len(ids)):
+        assert abs(pre[i]["log_prob"] - want[i - 1, ids[i]].item()) < 1e-3
+    assert all(len(t) == 3 for t in out["details"]["top_tokens"])
+
+
 # ---- TGI
 @pytest.fixture(scope="module")
 def tgi_server(demo_model_dir, tmp_path_factory):
@@ -216,8 +237,11 @@ def tgi_server(demo_model_dir, tmp_path_factory):
 
 
 @pytest.mark.parametrize("route", ["", "/invocations"])
-def test_huggingface_hub_text_generation(tgi_server, demo_model_dir, route):
-    from huggingface_hub import InferenceClient
+def test_huggingface_hub_text_generation(tgi_server, demo_model_dir, route, monkeypatch):
+    from huggingface_hub import InferenceClient, constants
+
+    # The client refuses every URL under HF_HUB_OFFLINE, even loopback; this one is our server.
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
 
     client = InferenceClient(base_url=tgi_server.url + route)
     prompt = "def fibonacci(n):"
