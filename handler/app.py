@@ -89,13 +89,14 @@ def create_app(state: ServerState) -> Flask:
         try:
             gen = parse(eng.tokenizer)
             ids = api.tokenize(eng.tokenizer, gen)
-            api.with_length(gen, ids, eng.scheduler.policy.max_model_len)
+            api.with_length(gen, ids, min(eng.scheduler.policy.max_model_len,
+                                          eng.blocks.num_blocks * eng.blocks.block_size))
             chans = eng.submit(ids, gen.params)
         except RequestError as e:
             return error(e.status, e.message, e.field)
         except CapacityError as e:
             field, _, msg = str(e).partition(": ")
-            return error(400, msg, field)
+            return error(400, msg, gen.extra.get("fields", {}).get(field, field))
         except QueueFull as e:
             log.warning("refused a request: %s", e)
             return error(503, str(e))

@@ -99,7 +99,6 @@ def test_openai_completions_greedy_stream_and_echo(server, demo_model_dir):
     assert "".join(parts) == greedy_text(demo_model_dir, prompts[1], 6)
 
 
-@pytest.mark.xfail(strict=True, reason="n > 1 needs the engine side of issue 10 (several channels per prompt)")
 def test_openai_n_samples_reproducible_with_seed(server):
     client = oai(server)
     kw = dict(model="demo", messages=CHAT, max_tokens=8, n=3, temperature=1.0, seed=1234)
@@ -193,7 +192,7 @@ def test_lmi_chat_bodies_exact_keys(server, demo_model_dir):
     assert c["message"] == {"role": "assistant", "content": chat_greedy(demo_model_dir, CHAT, 16)[2]}
     assert c["finish_reason"] in ("length", "eos_token")           # LMI's names on /invocations
     for lp in c["logprobs"]["content"]:
-        assert set(lp) == {"token", "logprob", "bytes", "top_logprobs"}
+        assert set(lp) == {"token", "logprob", "bytes", "top_logprobs"} and len(lp["top_logprobs"]) == 1
     assert set(out["usage"]) == {"prompt_tokens", "completion_tokens", "total_tokens"}
     msgs = [{"role": "user", "content": "hello, can you help me?"},
             {"role": "assistant", "content": "Hi, what can i help you with today?"},
@@ -207,7 +206,6 @@ def test_lmi_chat_bodies_exact_keys(server, demo_model_dir):
     assert chunks[-1]["choices"][0]["finish_reason"] is not None
 
 
-@pytest.mark.xfail(strict=True, reason="top tokens and prompt log-probs come from the engine side of issue 10")
 def test_top_tokens_and_prefill(server, demo_model_dir):
     tok, model = _load(demo_model_dir)
     out = server.post({"messages": CHAT, "logprobs": True, "top_logprobs": 2, "max_tokens": 4,
@@ -226,6 +224,35 @@ def test_top_tokens_and_prefill(server, demo_model_dir):
     for i in range(1, len(ids)):
         assert abs(pre[i]["log_prob"] - want[i - 1, ids[i]].item()) < 1e-3
     assert all(len(t) == 3 for t in out["details"]["top_tokens"])
+
+
+def test_lmi_samples_best_of_and_truncate(server, demo_model_dir):
+    tok, model = _load(demo_model_dir)
+    prompt = "DeepSpeed is a machine learning framework"
+    # greedy samples are all model.generate's answer
+    out = server.post({"inputs": prompt, "parameters": {"max_new_tokens": 6, "n": 2}}).json()
+    want = greedy_text(demo_model_dir, prompt, 6)
+    assert out["generated_text"] == want
+    assert [s["generated_text"] for s in out["details"]["best_of_sequences"]] == [want]
+    # sampled: the answer is the most likely of best_of, the others follow in order
+    out = server.post({"inputs": prompt, "parameters": {"do_sample": True, "best_of": 3, "seed": 7,
+                                                        "max_new_tokens": 6, "details": True}}).json()
+    seqs = [out["details"]] + out["details"]["best_of_sequences"]
+    assert len(seqs) == 3 and set(out["details"]["best_of_sequences"][0]) == {
+        "finish_reason", "generated_tokens", "tokens", "generated_text"}
+    scores = [sum(t["log_prob"] for t in s["tokens"]) for s in seqs]
+    assert scores == sorted(scores, reverse=True)
+    assert out["generated_text"] == "".join(t["text"] for t in seqs[0]["tokens"])
+    # truncate keeps the last N prompt tokens (TGI's meaning)
+    ids = tok(prompt)["input_ids"]
+    out = server.post({"inputs": prompt, "parameters": {"truncate": 4, "max_new_tokens": 5, "details": True,
+                                                        "decoder_input_details": True}}).json()
+    assert [p["id"] for p in out["details"]["prefill"]] == ids[-4:]
+    with torch.no_grad():
+        x = torch.tensor([ids[-4:]])
+        want_ids = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=5, do_sample=False,
+                                  pad_token_id=tok.pad_token_id)[0, 4:].tolist()
+    assert [t["id"] for t in out["details"]["tokens"]] == want_ids
 
 
 # ---- TGI

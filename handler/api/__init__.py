@@ -64,17 +64,16 @@ def tokenize(tokenizer, gen: Generation) -> list[list[int]]:
     return out
 
 
-def with_length(gen: Generation, prompt_ids: list[list[int]], max_model_len: int) -> None:
-    """OpenAI without max_tokens: generate up to the model's length (as vLLM)."""
+def with_length(gen: Generation, prompt_ids: list[list[int]], max_len: int) -> None:
+    """OpenAI without max_tokens: generate up to the model's length (as vLLM) or the KV cache's."""
     if gen.fill_max_tokens:
-        room = max(1, max_model_len - max(len(ids) for ids in prompt_ids))
+        room = max(1, max_len - max(len(ids) for ids in prompt_ids))
         gen.params = SamplingParams(**{**gen.params.__dict__, "max_new_tokens": room})
 
 
 def indices(chans, n_prompts: int) -> list[tuple[int, int]]:
-    """(prompt_index, sample_index) of each channel: the submission is prompt-major."""
-    per = max(1, len(chans) // max(1, n_prompts))
-    return [(i // per, i % per) for i in range(len(chans))]
+    """(prompt_index, sample_index) of each channel (the submission is prompt-major)."""
+    return [(ch.prompt_index, ch.sample_index) for ch in chans]
 
 
 def events(engine, ch, deadline: float):

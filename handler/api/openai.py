@@ -144,7 +144,8 @@ def parse_chat(payload, tokenizer, lmi: bool = False) -> Generation:
     return Generation([prompt], params, opts["stream"], add_special_tokens=False,
                       fill_max_tokens=no_max and not lmi, fields=["messages"],
                       extra={"kind": "chat", "logprobs": logprobs, "lmi": lmi, "model": payload.get("model"),
-                             "include_usage": opts["include_usage"]})
+                             "include_usage": opts["include_usage"],
+                             "fields": {"inputs": "messages", "parameters.max_new_tokens": "max_tokens"}})
 
 
 # ---- completions
@@ -172,7 +173,8 @@ def parse_completion(payload) -> Generation:
     fields = [f"prompt[{i}]" if is_list else "prompt" for i in range(len(prompts))]
     return Generation(list(prompts), params, opts["stream"], is_list, fields=fields,
                       extra={"kind": "completion", "logprobs": lp is not None, "echo": echo,
-                             "model": payload.get("model"), "include_usage": opts["include_usage"]})
+                             "model": payload.get("model"), "include_usage": opts["include_usage"],
+                             "fields": {"inputs": "prompt", "parameters.max_new_tokens": "max_tokens"}})
 
 
 # ---- responses
