@@ -141,7 +141,8 @@ def explain(cfg, g: Geometry, *, device: str, prompt_tokens: int | None = None,
         budget = int(gpu_memory_gib * (1 << 30) * cfg.gpu_memory_utilization) - wb - GPU_HEADROOM
         kv_tokens = max(bs, budget // per_tok)
         source = (f"estimate: {gpu_memory_gib:g} GiB x gpu_memory_utilization "
-                  f"{cfg.gpu_memory_utilization:g} - weights {wb / (1 << 30):.2f} GiB - 1 GiB headroom")
+                  f"{cfg.gpu_memory_utilization:g} - weights {wb / (1 << 30):.2f} GiB - 1 GiB headroom"
+                  + ("" if wb else " (no *.safetensors in the model directory: weights not counted)"))
     else:
         kv_tokens, source = None, "sized at start-up from free GPU memory (pass --gpu-memory-gib to estimate)"
     out["kv_cache_source"] = source
@@ -204,6 +205,13 @@ def explain(cfg, g: Geometry, *, device: str, prompt_tokens: int | None = None,
                                 f"paged will preempt (recompute); about "
                                 f"{int(mix['paged_sequences_in_steady_state'])} run without it")
         else:
+            if cfg.strategy == "dynamic":
+                from .bench.metrics import expected_ideal_speedup
+                # a batch runs until its longest member ends: E[max of B lengths] / E[length]
+                x = expected_ideal_speedup(sorted(set(lens)), running, [lens.count(v) for v in sorted(set(lens))])
+                mix["dynamic_steps_over_iteration_level"] = x
+                notes.append(f"dynamic: a batch of {running} runs until its longest member ends; with this "
+                             f"mix it takes {x:.2f}x the decode steps iteration-level batching (rolling/paged) needs")
             waste_key = "reservation_waste_over_life"
             mix["reservation_waste"] = mix[waste_key]
             fit = num_blocks // r_blocks

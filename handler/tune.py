@@ -18,6 +18,7 @@ import argparse
 import json
 import math
 import os
+import signal
 import statistics
 import sys
 import threading
@@ -734,6 +735,10 @@ def parse_slo(text: str | None) -> dict:
     return out
 
 
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt
+
+
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(prog="python -m handler tune",
                                  description="Measure candidate serving.properties files on your model and "
@@ -757,6 +762,9 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--no-progress", action="store_true")
     a = ap.parse_args(argv)
     from handler.config import ConfigError
+
+    # SIGTERM unwinds like Ctrl-C, so that the candidate server running now is stopped too.
+    signal.signal(signal.SIGTERM, _interrupt)
     try:
         if a.budget_minutes <= 0:
             raise UsageError(f"--budget-minutes={a.budget_minutes:g}: must be > 0")
@@ -772,6 +780,9 @@ def main(argv: list[str]) -> int:
     except (UsageError, ConfigError, ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("tune: interrupted; the candidate server was stopped", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -100,6 +100,13 @@ def test_mix_waste_and_paged_demand_by_hand(tmp_path):
     assert ok["warnings"] == [] and ok["mix"]["preemption"].startswith("none")
 
 
+def test_dynamic_steps_by_hand(tmp_path):
+    # batches of 2 from lengths {1, 3}: E[max] = 1 * 1/4 + 3 * 3/4 = 2.5 steps for E[L] = 2 tokens each
+    e = explained(tmp_path, "batch_size=2\noption.kv_cache_tokens=512\n", prompt_tokens=4, output_lengths=[1, 3])
+    assert e["strategy"] == "dynamic"
+    assert e["mix"]["dynamic_steps_over_iteration_level"] == pytest.approx(2.5 / 2)
+
+
 def test_explain_matches_the_runners_kv_pool(demo_model_dir, tmp_path):
     """The oracle: the tensors the runner allocates, and its default sizing."""
     from handler.runner import ModelRunner
