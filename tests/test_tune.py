@@ -318,6 +318,35 @@ def test_tune_flow_rule_and_budget(demo_model_dir, tmp_path, monkeypatch):
     assert (tmp_path / "b" / "serving.properties").read_text().startswith("# NO CANDIDATE MET")
 
 
+def test_confirm_alternates_the_order_and_pools_the_passes(monkeypatch):
+    class Srv:
+        error = None
+
+        def __init__(self, name):
+            self.name = name
+
+        def stop(self):
+            stopped.append(self.name)
+    order, stopped = [], []
+    rps = {"chosen": [10.0, 4.0], "baseline": [5.0, 4.0]}
+    monkeypatch.setattr(tune, "start_server", lambda c, *a: Srv(c.name))
+
+    def load(srv, tr, slo, beat_s, deadline, progress, desc):
+        assert slo == {} and beat_s is None            # no early stop when confirming
+        x = rps[srv.name][sum(o == srv.name for o in order)]
+        order.append(srv.name)
+        return {"requests_per_s": x, "ttft_p90_ms": 1.0, "tpot_p90_ms": 1.0, "latency_p90_s": 1.0,
+                "summary": {"completed": 20, "duration_s": 20 / x}}
+    monkeypatch.setattr(tune, "load", load)
+    tr = tune.Traffic("t", [{"inputs": "a", "parameters": {"max_new_tokens": 2}}] * 20, [1] * 20, concurrency=2)
+    pair = [(3, tune.Candidate("chosen", {}, "")), (0, tune.Candidate("baseline", {}, ""))]
+    out = tune.confirm(pair, tr, "m", "r", 2, 1.0, False, lambda m: None)
+    assert order == ["chosen", "baseline", "baseline", "chosen"] and sorted(stopped) == ["baseline", "chosen"]
+    assert out["candidates"]["3"]["requests_per_s"] == pytest.approx(40 / (2 + 5))      # pooled: 40 requests in 7 s
+    assert out["ratio_chosen_to_baseline"] == pytest.approx((40 / 7) / (40 / 9))
+    assert out["ratio_per_pass"] == [2.0, 1.0]
+
+
 def test_candidates_give_reasons_and_respect_the_budget(demo_model_dir, tmp_path):
     from transformers import AutoTokenizer
 
