@@ -36,7 +36,9 @@ class Sampler:
             return self.rng
         g = self.generators.get(it.seq_id)
         if g is None:
-            g = self.generators[it.seq_id] = torch.Generator(device="cpu").manual_seed(it.params.seed)
+            # Any integer seed (OpenAI's may be negative; samples add their index) as 64 bits.
+            g = self.generators[it.seq_id] = torch.Generator(device="cpu").manual_seed(
+                it.params.seed % (1 << 64))
         return g
 
     # ---- entry point

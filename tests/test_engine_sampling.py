@@ -287,3 +287,18 @@ def test_stop_sequence_is_the_recorded_finish_and_an_engine_error_resets_cleanly
         assert_drained(engine)
     finally:
         engine.shutdown()
+
+
+def test_any_integer_seed_works_as_64_bits():
+    from handler.sampling import Sampler
+    from handler.scheduler import StepItem
+    torch.manual_seed(0)
+    logits = torch.randn(1, 1000)
+
+    def draws(seed):
+        s, p = Sampler(), SamplingParams(do_sample=True, seed=seed)
+        out = [s.sample(logits, [StepItem(1, [1], 0, [0], True, p, [1])])[0] for _ in range(8)]
+        assert all(r.error is None for r in out)
+        return [r.token for r in out]
+    assert draws(-1) == draws(2**64 - 1) and draws(2**64 + 5) == draws(5)
+    assert draws(5) != draws(6)
