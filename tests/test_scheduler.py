@@ -652,3 +652,17 @@ def test_prompt_longer_than_the_kv_pool_is_blamed_on_inputs():
         s.check_fits(20, SamplingParams(max_new_tokens=5))
     with pytest.raises(CapacityError, match=r"^parameters.max_new_tokens"):
         s.check_fits(10, SamplingParams(max_new_tokens=10))
+
+
+def test_policy_behaviour_comes_from_fields_not_the_strategy_name():
+    assert SchedulerPolicy("paged", prefix_caching=True).prefix_caching
+    assert not SchedulerPolicy("rolling", prefix_caching=True).prefix_caching   # reserves full length
+    assert not SchedulerPolicy("rolling", fork_samples=True).fork_samples
+    s = Scheduler(SchedulerPolicy("paged", chunked_prefill=False, prefill_token_budget=2),
+                  BlockManager(64, 4))
+    s.add(seq(1, 10))
+    assert [len(i.token_ids) for i in s.schedule(0.0).items] == [10]           # not chunked
+    s = Scheduler(SchedulerPolicy("paged", reserve_full_length=True), BlockManager(64, 4))
+    s.add(seq(1, 10, max_new=10))
+    s.schedule(0.0)
+    assert len(s.blocks.table(1)) == 5                                         # 20 tokens reserved
