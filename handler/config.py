@@ -362,6 +362,42 @@ def _read_properties(path: str) -> dict[str, _Value]:
     return {_BY_LOWER.get(k.lower(), k): _Value(v, f"{path}:{n}") for n, k, v in lines}
 
 
+def _cpu_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:   # not Linux
+        return os.cpu_count() or 1
+
+
+def model_heads(model_dir: str) -> tuple[str, int, int] | None:
+    """(architecture, attention heads, KV heads) from config.json (plain JSON, no torch); None if
+    the file or the fields are missing."""
+    try:
+        with open(os.path.join(model_dir, "config.json")) as f:
+            c = json.load(f)
+    except (OSError, ValueError):
+        return None
+    text = c.get("text_config") or c
+    heads = text.get("num_attention_heads") or text.get("n_head")
+    if not isinstance(heads, int):
+        return None
+    kv = text.get("num_key_value_heads") or heads
+    arch = (c.get("architectures") or [c.get("model_type", "?")])[0]
+    return arch, heads, kv
+
+
+def check_tp_heads(model_dir: str, degree: int, origin: str) -> None:
+    """Each rank takes heads/degree query heads and kv_heads/degree KV heads: both must divide."""
+    found = model_heads(model_dir) if degree > 1 else None
+    if found is None:
+        return
+    arch, heads, kv = found
+    if heads % degree or kv % degree:
+        raise ConfigError(f"{origin}: option.tensor_parallel_degree={degree} does not divide the heads of "
+                          f"{arch} in {model_dir} (num_attention_heads={heads}, num_key_value_heads={kv}); "
+                          "use a degree that divides both")
+
+
 def _visible_gpus() -> int:
     try:
         import torch  # lazily: `config` must stay cheap when no GPU question is asked
@@ -527,15 +563,23 @@ def _resolve_devices(src: _Sources, env: Mapping[str, str], gpu_count: int | Non
             gpu_count = _visible_gpus()
     if device == "cuda" and gpu_count == 0:
         raise ConfigError(f"{where('option.device')} but no CUDA GPU is visible; use option.device=auto or cpu")
+    on_gpu = device == "cuda" or (device == "auto" and bool(gpu_count))
     if tp == "max":
-        tp = max(gpu_count, 1)
+        # All GPUs; on a CPU one rank: ranks on one host share its cores and its memory, so a
+        # degree > 1 on CPU buys nothing but gloo all-reduces (it is for correctness runs).
+        tp = gpu_count if on_gpu else 1
     if tp > 1:
-        if tp > max(gpu_count, 1):
-            raise ConfigError(f"{where('option.tensor_parallel_degree')} needs {tp} GPUs, {gpu_count} visible; "
-                              "this server runs the model on one device: "
-                              "set option.tensor_parallel_degree=1")
-        raise ConfigError(f"{where('option.tensor_parallel_degree')}: tensor parallelism is not "
-                          "implemented yet (the model runs on one device); set option.tensor_parallel_degree=1")
+        if on_gpu and tp > gpu_count:
+            raise ConfigError(f"{where('option.tensor_parallel_degree')} needs {tp} GPUs (one rank per GPU), "
+                              f"{gpu_count} visible; set option.tensor_parallel_degree to at most {gpu_count} "
+                              "or max")
+        if device == "cpu" and gpu_count:
+            raise ConfigError(f"{where('option.tensor_parallel_degree')} with option.device=cpu on a machine "
+                              f"with {gpu_count} GPUs is not supported; use option.device=auto (one rank per GPU)")
+        cores = _cpu_cores()
+        if not on_gpu and tp > cores:
+            src.warnings.append(f"{where('option.tensor_parallel_degree')} runs {tp} CPU ranks on {cores} "
+                                "cores: ranks share cores (slow; fine for correctness runs)")
 
     port_raw = env.get("SAGEMAKER_BIND_TO_PORT", "").strip()
     port = 8080
@@ -591,6 +635,10 @@ def load_config(properties_path: str | None = None, model_dir: str | None = None
     strategy = _resolve_strategy(src)
     devices = _resolve_devices(src, env, gpu_count)
     model = _resolve_model(src, model_dir, check_model)
+    if model["model_dir"] and devices["tensor_parallel_degree"] > 1:
+        key = "option.tensor_parallel_degree"
+        check_tp_heads(model["model_dir"], devices["tensor_parallel_degree"],
+                       src.merged[key].source if key in src.merged else "option.tensor_parallel_degree=max")
     get = src.get
     return ServingConfig(
         **strategy, **devices, **model,

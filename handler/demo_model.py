@@ -11,7 +11,7 @@ import json
 import os
 import sysconfig
 
-FAMILIES = ("llama", "qwen2", "gpt2")
+FAMILIES = ("llama", "qwen2", "gpt2", "qwen3")
 VOCAB_SIZE = 8192
 SPECIAL = ["<unk>", "<s>", "</s>", "<pad>"]
 # A small ChatML-like template so that chat requests work on the demo model (`make serve`).
@@ -54,7 +54,7 @@ def build_tokenizer(vocab_size: int = VOCAB_SIZE):
 
 
 def model_config(family: str, tokenizer, vocab_size: int = VOCAB_SIZE):
-    from transformers import GPT2Config, LlamaConfig, Qwen2Config
+    from transformers import GPT2Config, LlamaConfig, Qwen2Config, Qwen3Config
 
     ids = dict(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
                pad_token_id=tokenizer.pad_token_id)
@@ -70,6 +70,11 @@ def model_config(family: str, tokenizer, vocab_size: int = VOCAB_SIZE):
     if family == "gpt2":
         return GPT2Config(vocab_size=vocab_size, n_embd=256, n_layer=4, n_head=8, n_positions=1024,
                           initializer_range=0.1, **ids)
+    if family == "qwen3":   # per-head q/k RMSNorm, tied embeddings
+        return Qwen3Config(vocab_size=vocab_size, hidden_size=256, intermediate_size=688,
+                           num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
+                           head_dim=32, max_position_embeddings=1024, initializer_range=0.1,
+                           tie_word_embeddings=True, **ids)
     raise ValueError(f"unknown family {family!r}; choose one of {', '.join(FAMILIES)}")
 
 

@@ -14,6 +14,7 @@ import torch
 
 from . import sampling
 from .attention import ATTN_NAME, StepMeta  # importing it registers the attention function
+from .distributed import STEP
 from .sampling import Sampler
 from .scheduler import SampleResult, StepItem
 
@@ -68,20 +69,70 @@ def model_geometry(config) -> tuple[int, int, int, int]:
     return layers, kv, head_dim, max_pos
 
 
+def pack_step(items: list[StepItem], bs: int, copies=()) -> tuple[torch.Tensor, list[int]]:
+    """One step as one int64 tensor (what rank 0 broadcasts to the other ranks):
+    [T, S, W, R, C | ids T | positions T | KV slots T | query_start_loc S+1 | seq_lens S |
+    block tables S*W | logit rows R | block copies 2C (src..., dst...)]; T tokens, S sequences,
+    W table width, R logit rows, C copied blocks. Also each item's first logit row."""
+    ids: list[int] = []
+    pos: list[int] = []
+    slots: list[int] = []
+    qsl = [0]
+    seq_lens: list[int] = []
+    rows: list[int] = []        # logits kept: each sampling item's last position, and every
+    first_row: list[int] = []   # position of an item that wants prompt log-probs
+    for it in items:
+        n, start, table = len(it.token_ids), it.start_pos, it.block_table
+        ids.extend(it.token_ids)
+        pos.extend(range(start, start + n))
+        slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
+        qsl.append(qsl[-1] + n)
+        seq_lens.append(start + n)
+        first_row.append(len(rows))
+        if it.prompt_logprobs:
+            rows.extend(range(qsl[-2], qsl[-1]))
+        elif it.sample:
+            rows.append(qsl[-1] - 1)
+    width = max(-(-s // bs) for s in seq_lens)
+    tables: list[int] = []
+    for it in items:
+        t = it.block_table[:width]
+        tables.extend(t)
+        tables.extend([0] * (width - len(t)))
+    packed = torch.tensor([len(ids), len(items), width, len(rows), len(copies), *ids, *pos, *slots,
+                           *qsl, *seq_lens, *tables, *rows, *(a for a, _ in copies),
+                           *(b for _, b in copies)], dtype=torch.int64)
+    return packed, first_row
+
+
 class ModelRunner:
     def __init__(self, model_dir: str, *, dtype: str = "auto", device: str = "auto",
                  block_size: int = 16, kv_cache_tokens: int | None = None,
                  max_running: int = 32, gpu_memory_utilization: float = 0.9,
-                 max_model_len: int | None = None, trust_remote_code: bool = False):
+                 max_model_len: int | None = None, trust_remote_code: bool = False,
+                 ranks=None):
+        """`ranks` (handler.distributed.Ranks): this process is one of N tensor-parallel ranks;
+        the model is sharded by transformers' plan and the KV pool holds this rank's heads."""
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        self.device = pick_device(device)
+        self.ranks = ranks
+        self.device = ranks.device if ranks is not None else pick_device(device)
         self.dtype = pick_dtype(dtype, self.device)
+        kw = dict(dtype=self.dtype, attn_implementation=ATTN_NAME, trust_remote_code=trust_remote_code)
+        if ranks is not None:
+            from .distributed import check_supported
+            check_supported(model_dir, ranks.world_size, trust_remote_code)
+            try:
+                from transformers.distributed import DistributedConfig
+                kw["distributed_config"] = DistributedConfig(tp_size=ranks.world_size)
+            except ImportError:   # transformers < 5.18 (the GPU machines' 5.17)
+                kw.update(tp_plan="auto", tp_size=ranks.world_size)
         try:
             self.tokenizer = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
-            self.model = AutoModelForCausalLM.from_pretrained(
-                model_dir, dtype=self.dtype, attn_implementation=ATTN_NAME,
-                trust_remote_code=trust_remote_code).to(self.device).eval()
+            self.model = AutoModelForCausalLM.from_pretrained(model_dir, **kw)
+            if ranks is None:
+                self.model.to(self.device)
+            self.model.eval()
         except Exception as e:  # one clear line for the operator; details in the debug log
             log.debug("model load failed", exc_info=True)
             if ATTN_NAME in str(e):
@@ -91,6 +142,8 @@ class ModelRunner:
                     f"Mistral, Qwen2/3, Gemma/Gemma2, Phi/Phi3, GPT-2, GPT-NeoX and OPT do)") from None
             raise ModelLoadError(f"cannot load the model from {model_dir}: {type(e).__name__}: {e}") from None
         layers, kv_heads, head_dim, max_pos = model_geometry(self.model.config)
+        tp = ranks.world_size if ranks is not None else 1
+        kv_heads //= tp      # this rank's KV heads (config checked that the degree divides them)
         self.max_model_len = min(max_model_len or max_pos, max_pos)
         self.block_size = block_size
         if kv_cache_tokens is None:
@@ -98,16 +151,21 @@ class ModelRunner:
             kv_cache_tokens = self._default_kv_tokens(layers, kv_heads, head_dim,
                                                       max_running * self.max_model_len,
                                                       gpu_memory_utilization)
-        self.kv = KVLayout(layers, kv_heads, head_dim, -(-kv_cache_tokens // block_size), block_size)
+        num_blocks = -(-kv_cache_tokens // block_size)
+        if ranks is not None:   # every rank's pool the same size (also: every rank has loaded)
+            num_blocks = ranks.min_across(num_blocks)
+        self.kv = KVLayout(layers, kv_heads, head_dim, num_blocks, block_size)
         shape = (self.kv.num_blocks, block_size, kv_heads, head_dim)
         self.kv_cache = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
                           torch.zeros(shape, dtype=self.dtype, device=self.device))
                          for _ in range(layers)]
         self.eos_token_ids = self._eos_ids()
         self.sampler = Sampler()
-        log.info("model %s on %s/%s: %d layers, %d kv heads x %d; KV pool %d blocks x %d = %d tokens",
+        log.info("model %s on %s/%s: %d layers, %d kv heads x %d%s; KV pool %d blocks x %d = %d tokens",
                  type(self.model).__name__, self.device, str(self.dtype).removeprefix("torch."),
-                 layers, kv_heads, head_dim, self.kv.num_blocks, block_size, self.kv.tokens)
+                 layers, kv_heads, head_dim,
+                 f" (rank {ranks.rank} of {tp}: 1/{tp} of the heads)" if tp > 1 else "",
+                 self.kv.num_blocks, block_size, self.kv.tokens)
 
     def _bytes_per_token(self, layers, kv_heads, head_dim) -> int:
         return 2 * layers * kv_heads * head_dim * torch.tensor([], dtype=self.dtype).element_size()
@@ -134,56 +192,51 @@ class ModelRunner:
     def release(self, seq_id: int) -> None:
         self.sampler.release(seq_id)
 
-    def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
-        src = torch.tensor([a for a, _ in copies], device=self.device)
-        dst = torch.tensor([b for _, b in copies], device=self.device)
+    def _copy_blocks(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         for k_cache, v_cache in self.kv_cache:
             k_cache[dst] = k_cache[src]
             v_cache[dst] = v_cache[src]
+
+    @torch.inference_mode()
+    def forward(self, packed: torch.Tensor) -> torch.Tensor:
+        """One packed step (every rank runs it): block copies, then the forward; logits [R, V]
+        (the last token's row when R = 0). In a tensor-parallel group a failure here breaks
+        the group."""
+        try:
+            return self._forward(packed)
+        except Exception as e:
+            if self.ranks is not None:
+                self.ranks.fail(f"rank {self.ranks.rank}: forward failed: {type(e).__name__}: {e}")
+            raise
+
+    def _forward(self, packed: torch.Tensor) -> torch.Tensor:
+        n_tok, n_seq, width, n_rows, n_copies = packed[:5].tolist()
+        ids, pos, slots, qsl, seq_lens, tables, rows, src, dst = packed[5:].split(
+            [n_tok, n_tok, n_tok, n_seq + 1, n_seq, n_seq * width, n_rows, n_copies, n_copies])
+        dev = self.device
+        if n_copies:
+            self._copy_blocks(src.to(dev), dst.to(dev))
+        meta = StepMeta(
+            kv_cache=self.kv_cache,
+            slot_mapping=slots.to(dev),
+            block_tables=tables.view(n_seq, width).to(dev, torch.int32),
+            seq_lens=seq_lens.to(dev, torch.int32),
+            query_start_loc=qsl.to(dev, torch.int32),
+            seq_lens_cpu=seq_lens.tolist(), query_start_loc_cpu=qsl.tolist())
+        keep = rows if n_rows else torch.tensor([n_tok - 1])
+        out = self.model(input_ids=ids.to(dev)[None], position_ids=pos.to(dev)[None],
+                         use_cache=False, logits_to_keep=keep.to(dev), lmi_step=meta)
+        return out.logits[0]
 
     # ---- one step
     @torch.inference_mode()
     def step(self, items: list[StepItem], copies: list[tuple[int, int]] = ()) -> list[SampleResult]:
         """Copy the listed KV blocks (copy-on-write of forked samples), run one packed forward;
         returns one SampleResult per item."""
-        if copies:
-            self._copy_blocks(copies)
-        bs = self.block_size
-        ids: list[int] = []
-        pos: list[int] = []
-        slots: list[int] = []
-        qsl = [0]
-        seq_lens: list[int] = []
-        rows: list[int] = []        # logits kept: each sampling item's last position, and every
-        first_row: list[int] = []   # position of an item that wants prompt log-probs
-        for it in items:
-            n, start, table = len(it.token_ids), it.start_pos, it.block_table
-            ids.extend(it.token_ids)
-            pos.extend(range(start, start + n))
-            slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
-            qsl.append(qsl[-1] + n)
-            seq_lens.append(start + n)
-            first_row.append(len(rows))
-            if it.prompt_logprobs:
-                rows.extend(range(qsl[-2], qsl[-1]))
-            elif it.sample:
-                rows.append(qsl[-1] - 1)
-        width = max(-(-s // bs) for s in seq_lens)
-        tables = [it.block_table[:width] + [0] * (width - min(width, len(it.block_table)))
-                  for it in items]
-        dev = self.device
-        meta = StepMeta(
-            kv_cache=self.kv_cache,
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
-            block_tables=torch.tensor(tables, dtype=torch.int32, device=dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-            query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=dev),
-            seq_lens_cpu=seq_lens, query_start_loc_cpu=qsl)
-        keep = torch.tensor(rows or [len(ids) - 1], dtype=torch.int64, device=dev)
-        out = self.model(input_ids=torch.tensor([ids], device=dev),
-                         position_ids=torch.tensor([pos], device=dev),
-                         use_cache=False, logits_to_keep=keep, lmi_step=meta)
-        logits = out.logits[0]      # [len(rows), V]
+        packed, first_row = pack_step(items, self.block_size, copies)
+        if self.ranks is not None:   # the other ranks run the same copies + forward on their shards
+            self.ranks.send(STEP, packed)
+        logits = self.forward(packed)   # [len(rows), V]
         results = [SampleResult() for _ in items]
         sample_rows, sample_items, where = [], [], []
         for k, it in enumerate(items):

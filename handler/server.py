@@ -10,26 +10,62 @@ import sys
 import threading
 
 log = logging.getLogger("lmi.server")
+RANK_FAILURE_EXIT_S = 2.0     # /ping answers "unhealthy" this long before a broken TP server exits
 
 
-def build_engine(cfg):
-    """ServingConfig -> a started Engine (loads the model; the slow part)."""
-    from .engine import Engine
+def _width(cfg) -> int:
+    return {"none": 1, "dynamic": cfg.batch_size}.get(cfg.strategy, cfg.max_rolling_batch_size)
+
+
+def build_runner(cfg, on_rank_failure=None):
+    """ServingConfig -> a ModelRunner (loads the model; the slow part). With
+    tensor_parallel_degree N > 1 this process becomes rank 0 and starts ranks 1..N-1
+    (handler.distributed); `on_rank_failure(line)` is called if the rank group breaks."""
     from .runner import ModelRunner
+
+    kwargs = dict(model_dir=cfg.model_dir, dtype=cfg.dtype, device=cfg.device, block_size=cfg.block_size,
+                  kv_cache_tokens=cfg.kv_cache_tokens, max_running=_width(cfg),
+                  gpu_memory_utilization=cfg.gpu_memory_utilization,
+                  max_model_len=cfg.max_model_len, trust_remote_code=cfg.trust_remote_code)
+    if cfg.tensor_parallel_degree == 1:
+        return ModelRunner(**kwargs)
+    from .distributed import RankGroup, check_supported
+    from .runner import ModelLoadError, pick_device
+    check_supported(cfg.model_dir, cfg.tensor_parallel_degree, cfg.trust_remote_code)
+    group = RankGroup(cfg.tensor_parallel_degree, pick_device(cfg.device).type, kwargs,
+                      on_rank_failure or (lambda line: log.error("error: %s", line)))
+    try:
+        runner = ModelRunner(**kwargs, ranks=group.start())
+    except Exception:
+        # Rank 0 usually fails because another rank did (a collective sees it go away);
+        # that rank's own reason is the one to report.
+        why = group.wait_failure(3.0)
+        group.stop(graceful=False)
+        if why:
+            raise ModelLoadError(why) from None
+        raise
+    runner.ranks.start_heartbeat()
+    runner.rank_group = group
+    return runner
+
+
+def engine_for(cfg, runner):
+    """A started Engine with cfg's strategy over an already loaded runner."""
+    from .engine import Engine
     from .scheduler import SchedulerPolicy
 
-    width = {"none": 1, "dynamic": cfg.batch_size}.get(cfg.strategy, cfg.max_rolling_batch_size)
-    runner = ModelRunner(cfg.model_dir, dtype=cfg.dtype, device=cfg.device, block_size=cfg.block_size,
-                         kv_cache_tokens=cfg.kv_cache_tokens,
-                         max_running=width,
-                         gpu_memory_utilization=cfg.gpu_memory_utilization,
-                         max_model_len=cfg.max_model_len, trust_remote_code=cfg.trust_remote_code)
+    width = _width(cfg)
     policy = SchedulerPolicy(cfg.strategy, max_batch_size=width,
                              max_batch_delay_s=cfg.max_batch_delay_ms / 1000.0,
                              prefill_token_budget=cfg.max_rolling_batch_prefill_tokens,
                              max_waiting=cfg.job_queue_size, max_model_len=runner.max_model_len,
                              eos_token_ids=runner.eos_token_ids)
-    return Engine(runner, policy, cfg.block_size, cfg.enable_prefix_caching).start()
+    return Engine(runner, policy, runner.block_size, cfg.enable_prefix_caching).start()
+
+
+def build_engine(cfg, on_rank_failure=None):
+    """ServingConfig -> a started Engine (loads the model)."""
+    return engine_for(cfg, build_runner(cfg, on_rank_failure))
 
 
 def check_model_readable(model_dir: str) -> None:
@@ -58,13 +94,25 @@ def create_state(cfg, load_async: bool = True):
 
     state = ServerState(cfg)
 
+    def rank_failed(line: str) -> None:
+        # A broken rank group cannot serve again: unhealthy now, exit non-zero shortly after
+        # (gunicorn's WORKER_BOOT_ERROR stops the master), never hang.
+        if state.error is not None:
+            return
+        state.error = line
+        if state.engine is not None:
+            state.engine.healthy = False
+        log.error("error: %s", line)
+        threading.Timer(RANK_FAILURE_EXIT_S, os._exit, (3,)).start()
+
     def load():
         try:
-            state.engine = build_engine(cfg)
+            state.engine = build_engine(cfg, rank_failed)
             log.info("ready: strategy=%s model=%s", cfg.strategy, cfg.model_dir)
         except Exception as e:
-            state.error = str(e)
-            log.error("error: %s", e)
+            if state.error is None:   # else a rank's failure, already reported (one line)
+                state.error = str(e)
+                log.error("error: %s", e)
             if load_async:
                 os._exit(3)   # gunicorn's WORKER_BOOT_ERROR: the master stops with a non-zero code
 
@@ -100,7 +148,7 @@ def _gunicorn_app(cfg, host: str, port: int, threads: int):
 
 
 def main(argv: list[str]) -> int:
-    from .config import ConfigError, load_config
+    from .config import ConfigError, check_tp_heads, load_config
 
     p = argparse.ArgumentParser(prog="python -m handler serve", description="Serve a causal LM "
                                 "behind SageMaker's HTTP contract (/ping, /invocations).")
@@ -122,6 +170,7 @@ def main(argv: list[str]) -> int:
                 cfg = replace(cfg, model_dir=resolve_model_dir(cfg.model_id))
             except S3ModelError as e:
                 raise ConfigError(str(e)) from None
+            check_tp_heads(cfg.model_dir, cfg.tensor_parallel_degree, cfg.model_id)
         check_model_readable(cfg.model_dir)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)

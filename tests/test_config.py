@@ -86,16 +86,15 @@ def test_example_files(name, expected, model_dir):
 
 
 @pytest.mark.parametrize("strategy, text", REFERENCES)
-def test_reference_blocks_need_gpus_here(strategy, text, load):
-    msg = error_of(load, text, gpu_count=0)
-    assert "option.tensor_parallel_degree=2 needs 2 GPUs, 0 visible" in msg
-    assert "set option.tensor_parallel_degree=1" in msg
+def test_reference_blocks_run_two_cpu_ranks_here(strategy, text, load):
+    cfg = load(text, gpu_count=0)
+    assert (cfg.strategy, cfg.tensor_parallel_degree, cfg.device) == (strategy, 2, "auto")
 
 
 @pytest.mark.parametrize("strategy, text", REFERENCES)
-def test_reference_blocks_with_two_gpus_say_not_implemented(strategy, text, load):
-    msg = error_of(load, text, gpu_count=2)
-    assert "option.tensor_parallel_degree=2" in msg and "not implemented" in msg
+def test_reference_blocks_with_one_gpu_need_two(strategy, text, load):
+    msg = error_of(load, text, gpu_count=1)
+    assert "option.tensor_parallel_degree=2 needs 2 GPUs (one rank per GPU), 1 visible" in msg
 
 
 @pytest.mark.parametrize("strategy, text", REFERENCES)
@@ -290,13 +289,14 @@ def test_kv_cache_tokens_must_hold_a_block_and_a_sequence(load):
     assert load("option.kv_cache_tokens=2048\noption.max_model_len=2048\n").kv_cache_tokens == 2048
 
 
-@pytest.mark.parametrize("degree, gpus, expected", [("max", 0, 1), ("max", 1, 1), ("1", 0, 1)])
+@pytest.mark.parametrize("degree, gpus, expected", [("max", 0, 1), ("max", 1, 1), ("1", 0, 1), ("max", 4, 4),
+                                                    ("2", 0, 2), ("4", 4, 4), ("2", 4, 2)])
 def test_tensor_parallel_degree_resolves(degree, gpus, expected, load):
     assert load(f"option.tensor_parallel_degree={degree}\n", gpu_count=gpus).tensor_parallel_degree == expected
 
 
-@pytest.mark.parametrize("degree, gpus, needle", [("max", 4, "not implemented"), ("2", 1, "needs 2 GPUs, 1 visible"),
-                                                  ("8", 4, "needs 8 GPUs, 4 visible"), ("4", 4, "not implemented")])
+@pytest.mark.parametrize("degree, gpus, needle", [("2", 1, "needs 2 GPUs (one rank per GPU), 1 visible"),
+                                                  ("8", 4, "needs 8 GPUs (one rank per GPU), 4 visible")])
 def test_tensor_parallel_degree_errors(degree, gpus, needle, load):
     msg = error_of(load, f"option.tensor_parallel_degree={degree}\n", gpu_count=gpus)
     assert f"option.tensor_parallel_degree={degree}" in msg and needle in msg
@@ -306,8 +306,8 @@ def test_gpu_count_defaults_to_torch(load, monkeypatch):
     import torch
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 3)
     msg = error_of(load, "option.tensor_parallel_degree=4\n", gpu_count=None)
-    assert "needs 4 GPUs, 3 visible" in msg
-    assert "not implemented" in error_of(load, "option.tensor_parallel_degree=max\n", gpu_count=None)
+    assert "needs 4 GPUs (one rank per GPU), 3 visible" in msg
+    assert load("option.tensor_parallel_degree=max\n", gpu_count=None).tensor_parallel_degree == 3
 
 
 def test_device_cuda_needs_a_gpu(load):
@@ -392,7 +392,7 @@ def test_environment(env, field, expected, load):
 
 
 def test_sm_num_gpus_is_checked_like_the_property(load):
-    msg = error_of(load, None, env={"SM_NUM_GPUS": "4"}, gpu_count=0)
+    msg = error_of(load, None, env={"SM_NUM_GPUS": "4"}, gpu_count=2)
     assert msg.startswith("environment SM_NUM_GPUS: option.tensor_parallel_degree=4 needs 4 GPUs")
 
 

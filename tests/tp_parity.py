@@ -1,0 +1,51 @@
+"""Rank 0 of a degree-2 CPU group, as a script (the test process stays out of torch.distributed):
+loads one model once, runs every strategy over it with all prompts submitted at once, prints
+{strategy: [token ids per prompt]} as JSON. Used by tests/test_tp.py.
+
+    python -m tests.tp_parity MODEL_DIR PROPS_DIR [cuda]
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+
+from handler.config import load_config
+from handler.server import build_runner, engine_for
+from handler.request import SamplingParams
+from tests.test_engine import NEW, PROMPTS, STRATEGIES, run_all
+
+SHARED = {"option.tensor_parallel_degree": "2", "option.kv_cache_tokens": "256", "option.block_size": "8"}
+
+
+def main(model_dir: str, props_dir: str, device: str = "cpu") -> int:
+    logging.basicConfig(level="INFO", format="%(levelname)s %(name)s: %(message)s")
+    on_gpu = {"option.device": "cuda", "option.dtype": "fp32"} if device == "cuda" else {}
+
+    def cfg_for(strategy: str):
+        path = os.path.join(props_dir, f"{strategy}.properties")
+        props = {**STRATEGIES[strategy], **SHARED, **on_gpu}
+        with open(path, "w") as f:
+            f.write("".join(f"{k}={v}\n" for k, v in props.items()))
+        return load_config(path, model_dir, env={}, gpu_count=None if on_gpu else 0)
+
+    def failed(line: str) -> None:
+        print(f"error: {line}", file=sys.stderr, flush=True)
+        os._exit(3)
+
+    runner = build_runner(cfg_for("paged"), failed)
+    out = {"kv_heads_per_rank": runner.kv.num_kv_heads}
+    for strategy in STRATEGIES:
+        engine = engine_for(cfg_for(strategy), runner)
+        results = run_all(engine, PROMPTS, [SamplingParams(max_new_tokens=n) for n in NEW])
+        out[strategy] = [ids for ids, _ in results]
+        engine.shutdown()
+        engine._thread.join(30)
+    runner.rank_group.stop()
+    print(json.dumps(out), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(*sys.argv[1:]))
