@@ -259,8 +259,8 @@ class RankGroup:
             time.sleep(0.05)
         return self.failure
 
-    def start(self) -> Ranks:
-        """Start the children, then join the process group as rank 0 (blocks until all joined)."""
+    def spawn(self) -> "RankGroup":
+        """Start ranks 1..N-1 (they import and load while rank 0 goes on)."""
         pkg_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (pkg_root, env.get("PYTHONPATH")) if p)
@@ -278,6 +278,10 @@ class RankGroup:
                      self.procs[r].pid, self.layout.backend)
         threading.Thread(target=self._watch, name="lmi-tp-watch", daemon=True).start()
         atexit.register(self.stop)
+        return self
+
+    def join(self) -> Ranks:
+        """Join the process group as rank 0 (blocks until every rank has joined)."""
         return self.ranks.init()
 
     def _status_path(self, r: int) -> str:
@@ -374,10 +378,9 @@ def worker_main(spec_path: str) -> int:
                 break
     except Exception as e:
         return die(f"step failed: {type(e).__name__}: {_first_line(e)}")
-    import torch.distributed as dist
-    dist.destroy_process_group()
     log.info("rank %d stopped", layout.rank)
-    return 0
+    logging.shutdown()
+    os._exit(0)     # skip interpreter teardown (seconds of torch/gloo destructors); nothing to flush
 
 
 if __name__ == "__main__":

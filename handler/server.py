@@ -31,11 +31,15 @@ def build_runner(cfg, on_rank_failure=None):
         return ModelRunner(**kwargs)
     from .distributed import RankGroup, check_supported
     from .runner import ModelLoadError, pick_device
-    check_supported(cfg.model_dir, cfg.tensor_parallel_degree, cfg.trust_remote_code)
     group = RankGroup(cfg.tensor_parallel_degree, pick_device(cfg.device).type, kwargs,
-                      on_rank_failure or (lambda line: log.error("error: %s", line)))
+                      on_rank_failure or (lambda line: log.error("error: %s", line))).spawn()
     try:
-        runner = ModelRunner(**kwargs, ranks=group.start())
+        check_supported(cfg.model_dir, cfg.tensor_parallel_degree, cfg.trust_remote_code)
+    except Exception:
+        group.stop(graceful=False)
+        raise
+    try:
+        runner = ModelRunner(**kwargs, ranks=group.join())
     except Exception:
         # Rank 0 usually fails because another rank did (a collective sees it go away);
         # that rank's own reason is the one to report.

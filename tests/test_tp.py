@@ -21,6 +21,7 @@ from handler.config import ConfigError, load_config
 from tests.reference import hf_greedy, tokenizer
 from tests.serverutil import ROOT, Server
 from tests.test_engine import NEW, PROMPTS, STRATEGIES
+from tests.tp_parity import NEW_TP
 
 PROPS_D = os.path.join(ROOT, "serving.properties.d")
 REFERENCE_FILES = {"lmi-dynamic": "dynamic", "lmi-continuous": "rolling", "lmi-paged": "paged"}
@@ -62,7 +63,7 @@ def test_degree_2_greedy_parity_every_strategy(family, demo_model_factory, tmp_p
     out = _run_parity(model_dir, tmp_path)
     assert out["kv_heads_per_rank"] == kv_heads // 2      # each rank's pool holds half the KV heads
     for strategy in STRATEGIES:
-        for prompt, n, ids in zip(PROMPTS, NEW, out[strategy]):
+        for prompt, n, ids in zip(PROMPTS, NEW_TP, out[strategy]):
             assert ids == hf_greedy(model_dir, prompt, n), (family, strategy, prompt[:20])
 
 
@@ -273,5 +274,5 @@ def test_nccl_degree_2_parity(demo_model_factory, tmp_path):
     model_dir = demo_model_factory("llama")
     out = _run_parity(model_dir, tmp_path, "cuda")    # fp32 on the GPUs vs generate in fp32 on CPU
     for strategy in STRATEGIES:
-        for prompt, n, ids in zip(PROMPTS, NEW, out[strategy]):
+        for prompt, n, ids in zip(PROMPTS, NEW_TP, out[strategy]):
             assert ids == hf_greedy(model_dir, prompt, n), (strategy, prompt[:20])
