@@ -193,3 +193,29 @@ def test_materialise_random_pads_the_tokenizer_to_the_config_vocab(tmp_path):
     assert len(tok) == 40000 == model.config.vocab_size     # every sampled id decodes
     assert str(model.dtype) == "torch.bfloat16"
     assert tok.decode([39999]).startswith("<unused_")
+
+
+def test_properties_carry_the_tensor_parallel_degree(tmp_path):
+    from handler.config import load_config
+
+    w = Workload(name="t", requests=1, concurrency=2, prompt_words=(1,), max_new_tokens=(4,))
+    path = tmp_path / "serving.properties"
+    path.write_text(properties("paged", w, 4096, None, 2))
+    cfg = load_config(str(path), str(tmp_path), env={}, check_model=False, gpu_count=0)
+    assert (cfg.strategy, cfg.tensor_parallel_degree) == ("paged", 2)
+    assert "tensor_parallel_degree" not in properties("paged", w, 4096, None)
+
+
+@pytest.mark.slow
+def test_compare_at_degree_2_is_labelled_a_correctness_run(tmp_path, demo_model_dir):
+    w = Workload(name="tiny", requests=4, concurrency=2, prompt_words=(4,), max_new_tokens=(4,),
+                 prefill_tokens=512)
+    res = compare(Preset("tiny", (w,), repetitions=1, model="demo"), str(tmp_path), only=["paged"],
+                  model_dir=demo_model_dir, progress=False, log=lambda m: None, tensor_parallel_degree=2)
+    e = res["strategies"]["paged"]
+    assert e["completed"] == 4 and e["errors"] == 0, e
+    assert res["tensor_parallel_degree"] == 2
+    log = (tmp_path / "runs" / "tiny" / "paged.log").read_text()
+    assert "rank 1 of 2" in log                        # the server really ran two ranks
+    md = (tmp_path / "results.md").read_text()
+    assert "Tensor parallel degree 2" in md and "correctness run" in md

@@ -110,9 +110,12 @@ def cmd_compare(a) -> int:
     workloads = _names("--workloads", a.workloads, names) if a.workloads else None
     if a.reps is not None and a.reps < 1:
         raise UsageError(f"--reps={a.reps}: must be >= 1")
+    if a.tensor_parallel_degree < 1:
+        raise UsageError(f"--tensor-parallel-degree={a.tensor_parallel_degree}: must be >= 1")
     compare(a.preset, a.out, only=only, workloads=workloads, reps=a.reps, model_dir=a.model_dir,
             overrides=_overrides(a), startup_timeout=a.startup_timeout, progress=not a.no_progress,
             one_at_a_time=True if a.one_at_a_time else None,
+            tensor_parallel_degree=a.tensor_parallel_degree,
             log=lambda m: print(m, file=sys.stderr, flush=True))
     with open(f"{a.out}/results.md") as f:
         print(f.read())
@@ -140,6 +143,9 @@ def main(argv: list[str]) -> int:
     c.add_argument("--one-at-a-time", action="store_true",
                    help="start each server only for its own run (default for the gpu preset)")
     c.add_argument("--startup-timeout", type=float, default=180.0, help="seconds to wait for /ping")
+    c.add_argument("--tensor-parallel-degree", type=int, default=1, metavar="N",
+                   help="run our strategies with option.tensor_parallel_degree=N (the peers with one "
+                        "process); on CPU the figures are a correctness run")
     _workload_args(c, "cpu")
     a = ap.parse_args(argv)
     try:

@@ -88,7 +88,7 @@ def kv_cache_tokens(workload: Workload, prompt_toks: list[int]) -> int:
 
 
 # ------------------------------------------------------------------ servers
-def properties(strategy: str, w: Workload, kv_tokens: int, dtype: str | None) -> str:
+def properties(strategy: str, w: Workload, kv_tokens: int, dtype: str | None, tp: int = 1) -> str:
     lines = {
         "none": ["batch_size=1"],
         "dynamic": [f"batch_size={w.batch_width}", f"max_batch_delay={w.max_batch_delay_ms}"],
@@ -102,6 +102,8 @@ def properties(strategy: str, w: Workload, kv_tokens: int, dtype: str | None) ->
     lines += [f"option.kv_cache_tokens={kv_tokens}", f"option.block_size={BLOCK}"]
     if dtype:
         lines.append(f"option.dtype={dtype}")
+    if tp > 1:
+        lines.append(f"option.tensor_parallel_degree={tp}")
     return "\n".join(lines) + "\n"
 
 
@@ -162,7 +164,7 @@ def tail(path: str, n: int = 3) -> str:
 
 
 def make_servers(names, w: Workload, model_dir: str, kv_tokens: int, run_dir: str,
-                 dtype: str | None) -> list[Server]:
+                 dtype: str | None, tp: int = 1) -> list[Server]:
     servers = []
     for name in names:
         port = free_port()
@@ -170,7 +172,7 @@ def make_servers(names, w: Workload, model_dir: str, kv_tokens: int, run_dir: st
         if name in STRATEGIES:
             props = os.path.join(run_dir, f"{name}.properties")
             with open(props, "w") as f:
-                f.write(properties(name, w, kv_tokens, dtype))
+                f.write(properties(name, w, kv_tokens, dtype, tp))
             cmd = [sys.executable, "-m", "handler", "serve", "--properties", props,
                    "--model-dir", model_dir, "--port", str(port), "--host", "127.0.0.1"]
         else:
@@ -204,7 +206,8 @@ def ideal_block(w: Workload, bodies: list[dict]) -> dict:
 
 
 def run_workload(w: Workload, names, model_dir: str, out_dir: str, reps: int, dtype: str | None,
-                 startup_timeout: float, progress: bool, log=print, one_at_a_time: bool = False) -> dict:
+                 startup_timeout: float, progress: bool, log=print, one_at_a_time: bool = False,
+                 tp: int = 1) -> dict:
     """All servers up at once (cheap models), or each started for its own run and stopped
     after it (one_at_a_time: large models that do not fit on the device together)."""
     run_dir = os.path.join(out_dir, "runs", w.name)
@@ -212,7 +215,7 @@ def run_workload(w: Workload, names, model_dir: str, out_dir: str, reps: int, dt
     ptoks = prompt_tokens(model_dir, w)
     kv = kv_cache_tokens(w, ptoks)
     bodies = w.draw()
-    servers = make_servers(names, w, model_dir, kv, run_dir, dtype)
+    servers = make_servers(names, w, model_dir, kv, run_dir, dtype, tp)
     runs: dict[str, list[tuple[list[Record], float]]] = {s.name: [] for s in servers}
     warm = [dict(b, parameters=dict(b["parameters"], max_new_tokens=4)) for b in bodies[: min(8, len(bodies))]]
 
@@ -310,13 +313,14 @@ def machine_info() -> dict:
 def compare(preset: str | Preset = "cpu", out_dir: str = "bench-out", only=None, workloads=None,
             reps: int | None = None, model_dir: str | None = None, overrides: dict | None = None,
             startup_timeout: float = 180.0, progress: bool = True, log=print,
-            one_at_a_time: bool | None = None) -> dict:
+            one_at_a_time: bool | None = None, tensor_parallel_degree: int = 1) -> dict:
     """Run the comparison; write results.{json,md,png} into out_dir; return the results dict.
 
     only: names among none/dynamic/rolling/paged/hf_naive/transformers_cb (default: all);
     workloads: names within the preset (default: all); overrides: Workload fields applied
     to every workload (e.g. {"requests": 20}); one_at_a_time: run servers one by one
-    (default: the preset's choice; the gpu preset's 7B servers cannot share one GPU)."""
+    (default: the preset's choice; the gpu preset's 7B servers cannot share one GPU);
+    tensor_parallel_degree: our strategies run with that many ranks (the peers with one)."""
     from dataclasses import replace
 
     p = PRESETS[preset] if isinstance(preset, str) else preset
@@ -331,9 +335,11 @@ def compare(preset: str | Preset = "cpu", out_dir: str = "bench-out", only=None,
     for w in ws:
         per[w.name] = run_workload(w, names, model, out_dir, reps or p.repetitions, dtype,
                                    startup_timeout, progress, log,
-                                   p.one_at_a_time if one_at_a_time is None else one_at_a_time)
+                                   p.one_at_a_time if one_at_a_time is None else one_at_a_time,
+                                   tensor_parallel_degree)
     first = per[ws[0].name]
     results = {**first, "machine": machine, "preset": p.name, "model_dir": model,
+               "tensor_parallel_degree": tensor_parallel_degree,
                "elapsed_s": time.monotonic() - t0, "workloads": per}
     write_results(results, out_dir)
     log(f"wrote {out_dir}/results.json, results.md, results.png in {results['elapsed_s']:.0f} s")
@@ -363,6 +369,11 @@ def markdown(results: dict) -> str:
            "req/s and out tok/s are wall clock (completed / duration, repetitions pooled); LMI req/s "
            "is clients / mean latency, as LMI's load client computes it. × columns divide req/s. "
            "Share of ideal = (× dynamic) / the ideal speedup of perfect iteration-level batching.", ""]
+    tp = results.get("tensor_parallel_degree", 1)
+    if tp > 1:
+        out += [f"Tensor parallel degree {tp} for our strategies (the peers run one process)"
+                + ("." if m["cuda"] else ": on CPU the gloo ranks share the host's cores, so these "
+                   "figures are a correctness run, not a speed comparison."), ""]
     for name, r in results["workloads"].items():
         w = r["workload"]
         ideal = w["ideal"]
