@@ -18,7 +18,7 @@ import requests
 from handler.bench.client import wait_ready
 from handler.bench.compare import free_port
 from handler.config import ConfigError, load_config
-from tests.reference import hf_greedy, tokenizer
+from tests.reference import _load, hf_greedy, tokenizer
 from tests.serverutil import ROOT, Server
 from tests.test_engine import NEW, PROMPTS, STRATEGIES
 from tests.tp_parity import NEW_TP
@@ -65,6 +65,19 @@ def test_degree_2_greedy_parity_every_strategy(family, demo_model_factory, tmp_p
     for strategy in STRATEGIES:
         for prompt, n, ids in zip(PROMPTS, NEW_TP, out[strategy]):
             assert ids == hf_greedy(model_dir, prompt, n), (family, strategy, prompt[:20])
+    # n=3 greedy samples (forked KV, copy-on-write on every rank) each equal generate
+    assert out["forked_prompt_tokens"] > 0
+    for index, ids in out["n_samples"]:
+        assert ids == hf_greedy(model_dir, PROMPTS[index], 6)
+    # prompt log-probs against HF's logits (the all-reduce order differs: approximately)
+    prefill = out["prefill"]
+    ids = [t for t, _, _ in prefill]
+    _, model = _load(model_dir)
+    import torch
+    with torch.no_grad():
+        ref = torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), dim=-1)
+    assert [lp for _, _, lp in prefill[1:]] == pytest.approx(
+        [ref[i - 1, ids[i]].item() for i in range(1, len(ids))], abs=1e-4)
 
 
 # ---- the seed's files, unchanged, through the container entrypoint; then a rank dies ----

@@ -13,12 +13,25 @@ import sys
 import time
 
 from handler.config import load_config
+from handler.engine import ErrorEvent
 from handler.server import build_runner, engine_for
 from handler.request import SamplingParams
 from tests.test_engine import NEW, PROMPTS, STRATEGIES, run_all
 
 NEW_TP = [min(n, 10) for n in NEW]   # few tokens: two ranks share two cores
 SHARED = {"option.tensor_parallel_degree": "2", "option.kv_cache_tokens": "256", "option.block_size": "8"}
+
+
+def _events(ch) -> list:
+    evs = []
+    while not evs or not (isinstance(evs[-1], ErrorEvent) or evs[-1].done):
+        evs.append(ch.events.get(timeout=300))
+    assert not isinstance(evs[-1], ErrorEvent), evs[-1]
+    return evs
+
+
+def _ids(ch) -> list[int]:
+    return [e.id for e in _events(ch)]
 
 
 def main(model_dir: str, props_dir: str, device: str = "cpu") -> int:
@@ -47,6 +60,16 @@ def main(model_dir: str, props_dir: str, device: str = "cpu") -> int:
         engine.shutdown()
         engine._thread.join(30)
         logging.info("%s done at %.1f s", strategy, time.monotonic() - t0)
+    # n samples on paged: forks share prompt blocks, copy-on-write copies run on every rank;
+    # plus prompt log-probs (rows for every prompt position).
+    engine = engine_for(cfg_for("paged"), runner)
+    chans = engine.submit([engine.tokenize(p) for p in PROMPTS[:2]], SamplingParams(max_new_tokens=6, n=3))
+    out["n_samples"] = [[c.prompt_index, _ids(c)] for c in chans]
+    ch = engine.submit([engine.tokenize(PROMPTS[0])], SamplingParams(max_new_tokens=2, decoder_input_details=True))[0]
+    out["prefill"] = _events(ch)[-1].done.prefill
+    out["forked_prompt_tokens"] = engine.stats()["forked_prompt_tokens"]
+    engine.shutdown()
+    engine._thread.join(30)
     runner.rank_group.stop()
     print(json.dumps(out), flush=True)
     return 0
