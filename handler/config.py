@@ -362,7 +362,8 @@ def _read_properties(path: str) -> dict[str, _Value]:
     return {_BY_LOWER.get(k.lower(), k): _Value(v, f"{path}:{n}") for n, k, v in lines}
 
 
-def _cpu_cores() -> int:
+def cpu_cores() -> int:
+    """CPU cores this process may run on."""
     try:
         return len(os.sched_getaffinity(0))
     except AttributeError:   # not Linux
@@ -576,7 +577,7 @@ def _resolve_devices(src: _Sources, env: Mapping[str, str], gpu_count: int | Non
         if device == "cpu" and gpu_count:
             raise ConfigError(f"{where('option.tensor_parallel_degree')} with option.device=cpu on a machine "
                               f"with {gpu_count} GPUs is not supported; use option.device=auto (one rank per GPU)")
-        cores = _cpu_cores()
+        cores = cpu_cores()
         if not on_gpu and tp > cores:
             src.warnings.append(f"{where('option.tensor_parallel_degree')} runs {tp} CPU ranks on {cores} "
                                 "cores: ranks share cores (slow; fine for correctness runs)")

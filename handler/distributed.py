@@ -34,6 +34,8 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Callable
 
+from .config import cpu_cores
+
 log = logging.getLogger("lmi.ranks")
 
 STEP, STOP, PING = 1, 2, 3
@@ -50,13 +52,6 @@ def collective_timeout_s() -> float:
         return float(os.environ.get("LMI_TP_TIMEOUT_S", DEFAULT_TIMEOUT_S))
     except ValueError:
         return DEFAULT_TIMEOUT_S
-
-
-def cpu_cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:
-        return os.cpu_count() or 1
 
 
 @dataclass(frozen=True)
