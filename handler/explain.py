@@ -111,7 +111,8 @@ def explain(cfg, g: Geometry, *, device: str, prompt_tokens: int | None = None,
             model_dir: str | None = None) -> dict:
     """Every figure as a plain number, plus `warnings` (settings that cannot help) and `notes`."""
     dtype = resolve_dtype(cfg.dtype, device)
-    per_tok = kv_bytes_per_token(g, dtype)
+    tp = getattr(cfg, "tensor_parallel_degree", 1)
+    per_tok = kv_bytes_per_token(g, dtype) // tp    # per rank: each rank holds kv_heads / tp heads
     bs = cfg.block_size
     max_len = min(cfg.max_model_len or g.max_positions, g.max_positions)
     width = batch_width(cfg)
@@ -120,7 +121,8 @@ def explain(cfg, g: Geometry, *, device: str, prompt_tokens: int | None = None,
     out: dict = {"strategy": cfg.strategy, "device": device, "dtype": dtype, "geometry": asdict(g),
                  "kv_bytes_per_token": per_tok,
                  "kv_bytes_per_token_formula": f"2 * {g.layers} layers * {g.kv_heads} kv heads * "
-                                               f"{g.head_dim} head dim * {DTYPE_BYTES[dtype]} bytes",
+                                               f"{g.head_dim} head dim * {DTYPE_BYTES[dtype]} bytes"
+                                               + (f" / {tp} ranks (per rank)" if tp > 1 else ""),
                  "block_size": bs, "max_model_len": max_len, "batch_width": width}
     if cfg.max_model_len and cfg.max_model_len > g.max_positions:
         warnings.append(f"option.max_model_len={cfg.max_model_len} is above the model's "
@@ -137,7 +139,7 @@ def explain(cfg, g: Geometry, *, device: str, prompt_tokens: int | None = None,
         source = (f"default: {width} running sequences x {max_len} tokens"
                   + (" (capped by the 4 GiB CPU budget)" if width * max_len > CPU_KV_BUDGET // per_tok else ""))
     elif gpu_memory_gib:
-        wb = weights_bytes(model_dir, g, dtype) if model_dir else 0
+        wb = (weights_bytes(model_dir, g, dtype) if model_dir else 0) // tp   # per GPU
         budget = int(gpu_memory_gib * (1 << 30) * cfg.gpu_memory_utilization) - wb - GPU_HEADROOM
         kv_tokens = max(bs, budget // per_tok)
         source = (f"estimate: {gpu_memory_gib:g} GiB x gpu_memory_utilization "

@@ -289,3 +289,17 @@ def test_nccl_degree_2_parity(demo_model_factory, tmp_path):
     for strategy in STRATEGIES:
         for prompt, n, ids in zip(PROMPTS, NEW_TP, out[strategy]):
             assert ids == hf_greedy(model_dir, prompt, n), (strategy, prompt[:20])
+
+
+def test_explain_counts_kv_per_rank(demo_model_factory, tmp_path):
+    """`config --explain` sizes the pool as the runner does at degree 2: half the bytes per token."""
+    from handler.explain import explain, read_geometry
+    model = demo_model_factory("llama")
+    g = read_geometry(model)
+    props = tmp_path / "p.properties"
+    out = {}
+    for tp in (1, 2):
+        props.write_text(f"option.rolling_batch=auto\noption.tensor_parallel_degree={tp}\n")
+        out[tp] = explain(load_config(str(props), model, env={}, gpu_count=0), g, device="cpu")
+    assert out[2]["kv_bytes_per_token"] * 2 == out[1]["kv_bytes_per_token"]
+    assert "/ 2 ranks" in out[2]["kv_bytes_per_token_formula"]
