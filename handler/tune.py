@@ -444,10 +444,14 @@ def start_server(c: Candidate, idx: int, model_dir: str, run_dir: str, startup_t
                           model_dir, "--port", str(port), "--host", "127.0.0.1"],
                  os.path.join(run_dir, f"candidate-{idx}.log"), port)
     srv.start()
-    srv.wait(startup_timeout)   # a started candidate may finish starting; the budget stops its load
-    if not srv.error:   # first-call costs (allocation, kernel selection) are not part of the run
-        run_load(invocations_url(srv.url), [dict(b, parameters=dict(b["parameters"], max_new_tokens=2))
-                                            for b in warm], len(warm), progress=False)
+    try:
+        srv.wait(startup_timeout)   # a started candidate may finish starting; the budget stops its load
+        if not srv.error:   # first-call costs (allocation, kernel selection) are not part of the run
+            run_load(invocations_url(srv.url), [dict(b, parameters=dict(b["parameters"], max_new_tokens=2))
+                                                for b in warm], len(warm), progress=False)
+    except BaseException:   # Ctrl-C / SIGTERM while starting: the caller never gets it to stop
+        srv.stop()
+        raise
     return srv
 
 

@@ -435,3 +435,24 @@ def test_tune_says_so_when_nothing_meets_the_objective(demo_model_dir, tmp_path)
     text = (out / "serving.properties").read_text()
     assert text.startswith("# NO CANDIDATE MET THE OBJECTIVE")
     assert parse_properties(text) == cands[res["closest"]]["properties"]
+
+
+@pytest.mark.slow
+def test_sigterm_stops_the_running_candidate_server(demo_model_dir, tmp_path):
+    traffic = tmp_path / "traffic.jsonl"
+    traffic.write_text("".join(json.dumps({"prompt_tokens": 8, "max_new_tokens": 200, "concurrency": 1}) + "\n"
+                               for _ in range(8)))
+    out = tmp_path / "out"
+    proc = subprocess.Popen([sys.executable, "-m", "handler", "tune", "--no-progress", "--model-dir", demo_model_dir,
+                             "--workload", str(traffic), "--preset", "smoke", "--budget-minutes", "10",
+                             "--out", str(out)], cwd=ROOT, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    log = out / "runs" / "candidate-0.log"
+    deadline = time.monotonic() + 240
+    while not (log.exists() and "ready: strategy" in log.read_text()):
+        assert proc.poll() is None and time.monotonic() < deadline, "the first candidate never became ready"
+        time.sleep(0.5)
+    proc.terminate()
+    _, err = proc.communicate(timeout=90)
+    assert proc.returncode == 130 and "interrupted" in err, err[-2000:]
+    assert "Shutting down: Master" in log.read_text()     # gunicorn's master went down with it
