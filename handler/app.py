@@ -139,8 +139,10 @@ def create_app(state: ServerState) -> Flask:
                 if cfg.strategy != "none" else "SINGLE_RECORD", "MaxPayloadInMB": 6}
 
     # ---- LMI
+    # LMI (DJL Serving) also answers /predictions/<model>, which clients of LMI images use.
     @app.post("/invocations")
-    def invocations():
+    @app.post("/predictions/<model>")
+    def invocations(model=None):
         chat_out = formatter.endswith("_chat")
         sse = formatter in ("sse", "sse_chat") or (tgi_compat and formatter == "json")
         tgi_shape = tgi_compat and formatter in ("json", "sse")

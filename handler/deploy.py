@@ -1,14 +1,19 @@
 """SageMaker deployment tooling: `python -m handler deploy create|invoke|autoscale|delete`.
 
-The AWS logic lives in functions that take boto3 clients (notebooks and tests call them):
+Resources are SageMaker Python SDK objects (sagemaker-core's `sagemaker.core.resources`
+Model / EndpointConfig / Endpoint, the `[sagemaker]` extra); boto3 is kept where the SDK
+is defective or has nothing (docs/DEPLOY.md, "SDK defects"): the runtime client (no
+retries, a long read timeout) and application-autoscaling. Functions (notebooks and
+tests call them):
   environment_from_properties(path, model_data=..., instance_type=...) -> env dict
-  create_deployment(sm, name=, image_uri=, role_arn=, env=, model_data=, ...) -> names
+  create_deployment(session, name=, image_uri=, role_arn=, env=, model_data=, ...) -> names
   invoke(runtime, endpoint, prompt, ...) -> response dict
   invoke_stream(runtime, endpoint, prompt, ...) -> iterator of jsonlines dicts
   register_autoscaling(aas, endpoint, ...) -> {"resource_id", "policy_arn"}
-  teardown(sm, name, aas=None) -> list of what was deleted
-LocalRuntime(url) has the two sagemaker-runtime invoke methods over plain HTTP, so the
-same code can talk to a container running locally.
+  teardown(session, name, aas=None) -> list of what was deleted
+`session` is a boto3 session (clients()["session"]). LocalRuntime(url) has the two
+sagemaker-runtime invoke methods over plain HTTP, so the same code can talk to a
+container running locally.
 """
 from __future__ import annotations
 
@@ -117,8 +122,19 @@ def environment_from_properties(path: str, *, model_data: str | None = None,
 
 
 # ------------------------------------------------------------------------------------
-# create / wait
+# create / wait (SageMaker Python SDK: sagemaker.core.resources)
 # ------------------------------------------------------------------------------------
+def sdk():
+    """(resources, shapes) of the SageMaker Python SDK (sagemaker-core), imported on use:
+    it is a client-side extra, not a server dependency."""
+    try:
+        from sagemaker.core import resources, shapes
+    except ImportError:
+        raise DeployError("the SageMaker Python SDK is not installed: pip install 'lmi-serve[sagemaker]' "
+                          "(sagemaker-core)") from None
+    return resources, shapes
+
+
 def _check_inputs(name: str, image_uri: str, role_arn: str | None, instance_type: str,
                   instance_count: int, model_data: str | None) -> None:
     if not _NAME.fullmatch(name or ""):
@@ -142,102 +158,103 @@ def _check_inputs(name: str, image_uri: str, role_arn: str | None, instance_type
                           "(a model.tar.gz or a prefix of uncompressed files)")
 
 
-def _container(image_uri: str, env: dict[str, str], model_data: str | None) -> dict:
-    container = {"Image": image_uri, "Environment": dict(env)}
+def container_definition(image_uri: str, env: dict[str, str], model_data: str | None):
+    """The SDK's ContainerDefinition. A tarball is a plain ModelDataUrl; a prefix of
+    uncompressed files must be the S3DataSource form (SageMaker copies it as is to
+    /opt/ml/model; a prefix given as ModelDataUrl is taken for a tarball and fails)."""
+    _, shapes = sdk()
     if model_data and model_data.endswith((".tar.gz", ".tgz")):
-        container["ModelDataUrl"] = model_data
-    elif model_data:
-        # Uncompressed files: SageMaker copies the prefix to /opt/ml/model as is.
-        container["ModelDataSource"] = {"S3DataSource": {
-            "S3Uri": model_data.rstrip("/") + "/", "S3DataType": "S3Prefix", "CompressionType": "None"}}
-    return container
+        return shapes.ContainerDefinition(image=image_uri, environment=dict(env), model_data_url=model_data)
+    if model_data:
+        return shapes.ContainerDefinition(
+            image=image_uri, environment=dict(env),
+            model_data_source=shapes.ModelDataSource(s3_data_source=shapes.S3ModelDataSource(
+                s3_uri=model_data.rstrip("/") + "/", s3_data_type="S3Prefix", compression_type="None")))
+    return shapes.ContainerDefinition(image=image_uri, environment=dict(env))
 
 
-def _exists(describe, **kwargs) -> bool:
+def _get(getter, name: str, session):
+    """The SDK object named `name`, or None when SageMaker has none."""
     from botocore.exceptions import ClientError
 
     try:
-        describe(**kwargs)
-        return True
+        return getter(name, session=session, region=session.region_name)
     except ClientError as e:
         if _is_missing(e):
-            return False
+            return None
         raise
 
 
-def create_deployment(sm, *, name: str, image_uri: str, role_arn: str | None, env: dict[str, str],
+def create_deployment(session, *, name: str, image_uri: str, role_arn: str | None, env: dict[str, str],
                       model_data: str | None = None, instance_type: str = DEFAULT_INSTANCE_TYPE,
                       instance_count: int = 1, startup_timeout: int = 900, wait: bool = False,
-                      wait_delay: int = 30, wait_max_attempts: int = 120,
-                      log=print) -> dict[str, str]:
-    """Create model, endpoint config and endpoint, all named `name`.
+                      wait_delay: int = 30, wait_timeout: int = 3600, log=print) -> dict[str, str]:
+    """Create model, endpoint config and endpoint, all named `name`, as SDK objects
+    (sagemaker.core.resources Model / EndpointConfig / Endpoint) on a boto3 `session`.
 
-    Returns {"model", "endpoint_config", "endpoint", "status"}. If a step fails, what
-    this call created is deleted again; existing resources are never touched.
+    Returns {"model", "endpoint_config", "endpoint", "arn", "status"}. If a step fails,
+    what this call created is deleted again; existing resources are never touched.
     """
     _check_inputs(name, image_uri, role_arn, instance_type, instance_count, model_data)
-    for what, describe, key in (("model", sm.describe_model, "ModelName"),
-                                ("endpoint config", sm.describe_endpoint_config, "EndpointConfigName"),
-                                ("endpoint", sm.describe_endpoint, "EndpointName")):
-        if _exists(describe, **{key: name}):
+    resources, shapes = sdk()
+    region = session.region_name
+    for what, cls in (("model", resources.Model), ("endpoint config", resources.EndpointConfig),
+                      ("endpoint", resources.Endpoint)):
+        if _get(cls.get, name, session) is not None:
             raise DeployError(f"a SageMaker {what} named {name!r} already exists: delete it "
                               f"(python -m handler deploy delete --name {name}) or choose another --name")
-    created: list[str] = []
+    created: list[tuple[str, object]] = []
     try:
-        sm.create_model(ModelName=name, ExecutionRoleArn=role_arn,
-                        PrimaryContainer=_container(image_uri, env, model_data))
-        created.append("model")
+        model = resources.Model.create(
+            model_name=name, execution_role_arn=role_arn,
+            primary_container=container_definition(image_uri, env, model_data), session=session, region=region)
+        created.append(("model", model))
         log(f"created model {name}")
-        sm.create_endpoint_config(EndpointConfigName=name, ProductionVariants=[{
-            "VariantName": VARIANT, "ModelName": name, "InstanceType": instance_type,
-            "InitialInstanceCount": instance_count,
-            "ContainerStartupHealthCheckTimeoutInSeconds": startup_timeout,
-            "ModelDataDownloadTimeoutInSeconds": startup_timeout,
-        }])
-        created.append("endpoint config")
+        config = resources.EndpointConfig.create(
+            endpoint_config_name=name, session=session, region=region,
+            production_variants=[shapes.ProductionVariant(
+                variant_name=VARIANT, model_name=name, instance_type=instance_type,
+                initial_instance_count=instance_count,
+                container_startup_health_check_timeout_in_seconds=startup_timeout,
+                model_data_download_timeout_in_seconds=startup_timeout)])
+        created.append(("endpoint config", config))
         log(f"created endpoint config {name} ({instance_count} x {instance_type})")
-        sm.create_endpoint(EndpointName=name, EndpointConfigName=name)
-        created.append("endpoint")
+        endpoint = resources.Endpoint.create(endpoint_name=name, endpoint_config_name=config,
+                                             session=session, region=region)
+        created.append(("endpoint", endpoint))
         log(f"created endpoint {name}")
     except Exception:
-        _rollback(sm, name, created, log)
+        for what, obj in reversed(created):
+            try:
+                obj.delete()
+                log(f"rolled back: deleted {what} {name}")
+            except Exception as e:  # keep the original error; this one is only reported
+                log(f"rollback: could not delete {what} {name}: {e}")
         raise
-    status = sm.describe_endpoint(EndpointName=name)["EndpointStatus"]
     if wait:
-        status = wait_in_service(sm, name, delay=wait_delay, max_attempts=wait_max_attempts, log=log)
-    return {"model": name, "endpoint_config": name, "endpoint": name, "status": status}
+        wait_in_service(endpoint, delay=wait_delay, timeout=wait_timeout, log=log)
+    else:
+        endpoint.refresh()
+    return {"model": name, "endpoint_config": name, "endpoint": name, "arn": endpoint.endpoint_arn,
+            "status": endpoint.endpoint_status}
 
 
-def _rollback(sm, name: str, created: list[str], log) -> None:
-    deleters = {"endpoint": lambda: sm.delete_endpoint(EndpointName=name),
-                "endpoint config": lambda: sm.delete_endpoint_config(EndpointConfigName=name),
-                "model": lambda: sm.delete_model(ModelName=name)}
-    for what in reversed(created):
-        try:
-            deleters[what]()
-            log(f"rolled back: deleted {what} {name}")
-        except Exception as e:  # keep the original error; this one is only reported
-            log(f"rollback: could not delete {what} {name}: {e}")
+def wait_in_service(endpoint, *, delay: int = 30, timeout: int = 3600, log=print) -> str:
+    """Endpoint.wait_for_status("InService"); a failed endpoint raises DeployError carrying
+    SageMaker's FailureReason."""
+    from sagemaker.core.utils.exceptions import FailedStatusError, TimeoutExceededError
 
-
-def wait_in_service(sm, name: str, *, delay: int = 30, max_attempts: int = 120, log=print) -> str:
-    """Wait with boto3's endpoint_in_service waiter; a failed endpoint raises DeployError
-    carrying SageMaker's FailureReason."""
-    from botocore.exceptions import WaiterError
-
-    log(f"waiting for endpoint {name} to be InService (up to {delay * max_attempts // 60} min)")
+    name = endpoint.endpoint_name
+    log(f"waiting for endpoint {name} to be InService (up to {timeout // 60} min)")
     start = time.monotonic()
     try:
-        sm.get_waiter("endpoint_in_service").wait(
-            EndpointName=name, WaiterConfig={"Delay": delay, "MaxAttempts": max_attempts})
-    except WaiterError as e:
-        desc = e.last_response or {}
-        if "EndpointStatus" not in desc:
-            desc = sm.describe_endpoint(EndpointName=name)
-        reason = desc.get("FailureReason") or str(e)
-        raise DeployError(f"endpoint {name} is {desc.get('EndpointStatus', 'not InService')}: "
-                          f"{' '.join(reason.split())} (see CloudWatch log group "
-                          f"/aws/sagemaker/Endpoints/{name})") from None
+        endpoint.wait_for_status("InService", poll=delay, timeout=timeout)
+    except (FailedStatusError, TimeoutExceededError):
+        endpoint.refresh()
+        reason = getattr(endpoint, "failure_reason", None)
+        reason = reason if isinstance(reason, str) else f"not InService after {timeout} s"
+        raise DeployError(f"endpoint {name} is {endpoint.endpoint_status}: {' '.join(reason.split())} "
+                          f"(see CloudWatch log group /aws/sagemaker/Endpoints/{name})") from None
     log(f"endpoint {name} is InService after {time.monotonic() - start:.0f} s")
     return "InService"
 
@@ -253,12 +270,28 @@ def _body(prompt: str | list[str], max_new_tokens: int, parameters: dict | None,
     return json.dumps(req).encode()
 
 
+def _model_error(e, endpoint: str) -> DeployError | None:
+    """SageMaker's ModelError (HTTP 424: the container answered an error) as one line with
+    the container's own status and message; None for other errors."""
+    err = e.response.get("Error", {})
+    if err.get("Code") != "ModelError":
+        return None
+    status = e.response.get("OriginalStatusCode", "?")
+    original = e.response.get("OriginalMessage") or err.get("Message", "")
+    return DeployError(f"endpoint {endpoint}: the model answered {status}: {' '.join(str(original).split())}")
+
+
 def invoke(runtime, endpoint: str, prompt: str | list[str], *, max_new_tokens: int = 64,
            parameters: dict | None = None) -> dict | list:
     """One request; returns the decoded JSON response ({"generated_text": ...})."""
-    resp = runtime.invoke_endpoint(EndpointName=endpoint, ContentType="application/json",
-                                   Accept="application/json",
-                                   Body=_body(prompt, max_new_tokens, parameters, False))
+    from botocore.exceptions import ClientError
+
+    try:
+        resp = runtime.invoke_endpoint(EndpointName=endpoint, ContentType="application/json",
+                                       Accept="application/json",
+                                       Body=_body(prompt, max_new_tokens, parameters, False))
+    except ClientError as e:
+        raise (_model_error(e, endpoint) or e) from None
     raw = resp["Body"].read()
     try:
         return json.loads(raw)
@@ -280,22 +313,36 @@ def iter_jsonlines(parts: Iterable[bytes]) -> Iterator[dict]:
 
 
 def _payload_parts(event_stream, endpoint: str) -> Iterator[bytes]:
-    for event in event_stream:
-        if "PayloadPart" in event:
-            yield event["PayloadPart"]["Bytes"]
-        else:
-            kind, detail = next(iter(event.items()))
-            raise DeployError(f"endpoint {endpoint} stream failed: {kind}: "
-                              f"{detail.get('Message', detail) if isinstance(detail, dict) else detail}")
+    """PayloadPart bytes from an event stream. botocore raises an exception frame
+    (ModelStreamError, InternalStreamFailure) as EventStreamError while iterating."""
+    from botocore.exceptions import EventStreamError
+
+    try:
+        for event in event_stream:
+            if "PayloadPart" in event:
+                yield event["PayloadPart"]["Bytes"]
+            else:
+                kind, detail = next(iter(event.items()))
+                raise DeployError(f"endpoint {endpoint} stream failed: {kind}: "
+                                  f"{detail.get('Message', detail) if isinstance(detail, dict) else detail}")
+    except EventStreamError as e:
+        err = e.response.get("Error", {})
+        raise DeployError(f"endpoint {endpoint} stream failed: {err.get('Code', '?')}: "
+                          f"{err.get('Message', '')}") from None
 
 
 def invoke_stream(runtime, endpoint: str, prompt: str, *, max_new_tokens: int = 64,
                   parameters: dict | None = None) -> Iterator[dict]:
     """Streamed request; yields {"token": {"id", "text", "log_prob"}, ...} dicts, the last
     one also carrying "generated_text"."""
-    resp = runtime.invoke_endpoint_with_response_stream(
-        EndpointName=endpoint, ContentType="application/json", Accept="application/jsonlines",
-        Body=_body(prompt, max_new_tokens, parameters, True))
+    from botocore.exceptions import ClientError
+
+    try:
+        resp = runtime.invoke_endpoint_with_response_stream(
+            EndpointName=endpoint, ContentType="application/json", Accept="application/jsonlines",
+            Body=_body(prompt, max_new_tokens, parameters, True))
+    except ClientError as e:
+        raise (_model_error(e, endpoint) or e) from None
     for line in iter_jsonlines(_payload_parts(resp["Body"], endpoint)):
         if "error" in line:  # the server reports a failure after the 200 header as a line
             raise DeployError(f"endpoint {endpoint} stream failed: {line.get('code', '?')}: {line['error']}")
@@ -305,13 +352,20 @@ def invoke_stream(runtime, endpoint: str, prompt: str, *, max_new_tokens: int = 
 class LocalRuntime:
     """The two sagemaker-runtime calls used here, against a local server, e.g.
     LocalRuntime("http://127.0.0.1:8080") for a container run with `-p 8080:8080`.
-    The endpoint name is ignored."""
+    The endpoint name is ignored. `Body` is bytes, or str (what the SDK's serializers
+    return), sent as UTF-8. One attempt per call: nothing is retried."""
 
     def __init__(self, url: str, timeout: float = 600):
         self.url = url.rstrip("/") + "/invocations"
         self.timeout = timeout
 
-    def _post(self, body: bytes, content_type: str, accept: str):
+    def _post(self, body, content_type: str, accept: str):
+        if isinstance(body, str):
+            body = body.encode("utf-8")
+        elif isinstance(body, (bytearray, memoryview)):
+            body = bytes(body)
+        elif not isinstance(body, bytes):
+            raise DeployError(f"Body must be bytes or str, not {type(body).__name__}")
         req = urllib.request.Request(self.url, data=body, method="POST",
                                      headers={"Content-Type": content_type, "Accept": accept})
         try:
@@ -320,13 +374,15 @@ class LocalRuntime:
             raise DeployError(f"{self.url} answered {e.code}: {e.read()[:500].decode(errors='replace')}") from None
         except urllib.error.URLError as e:
             raise DeployError(f"cannot reach {self.url}: {e.reason}") from None
+        except TimeoutError:
+            raise DeployError(f"{self.url}: no answer within {self.timeout:g} s (not retried)") from None
 
-    def invoke_endpoint(self, *, EndpointName: str, Body: bytes, ContentType: str = "application/json",
+    def invoke_endpoint(self, *, EndpointName: str, Body: bytes | str, ContentType: str = "application/json",
                         Accept: str = "application/json", **_):
         resp = self._post(Body, ContentType, Accept)
         return {"Body": resp, "ContentType": resp.headers.get("Content-Type")}
 
-    def invoke_endpoint_with_response_stream(self, *, EndpointName: str, Body: bytes,
+    def invoke_endpoint_with_response_stream(self, *, EndpointName: str, Body: bytes | str,
                                              ContentType: str = "application/json",
                                              Accept: str = "application/jsonlines", **_):
         resp = self._post(Body, ContentType, Accept)
@@ -380,23 +436,16 @@ def _is_missing(e) -> bool:
          any(s in msg for s in ("could not find", "does not exist", "no scalable target")))
 
 
-def teardown(sm, name: str, aas=None, log=print) -> list[str]:
-    """Delete autoscaling (if `aas`), endpoint, endpoint config and model. Pieces that are
-    already gone are skipped; returns what was deleted, e.g. ["endpoint x", ...]."""
+def teardown(session, name: str, aas=None, log=print) -> list[str]:
+    """Delete autoscaling (if `aas`, a boto3 application-autoscaling client), then the SDK's
+    Endpoint, EndpointConfig and Model objects. Pieces that are already gone are skipped;
+    returns what was deleted, e.g. ["endpoint x", ...]."""
     from botocore.exceptions import ClientError
 
-    config_name, model_names = name, [name]
-    try:
-        config_name = sm.describe_endpoint(EndpointName=name)["EndpointConfigName"]
-    except ClientError as e:
-        if not _is_missing(e):
-            raise
-    try:
-        variants = sm.describe_endpoint_config(EndpointConfigName=config_name)["ProductionVariants"]
-        model_names = sorted({v["ModelName"] for v in variants})
-    except ClientError as e:
-        if not _is_missing(e):
-            raise
+    resources, _ = sdk()
+    endpoint = _get(resources.Endpoint.get, name, session)
+    config = _get(resources.EndpointConfig.get, endpoint.endpoint_config_name if endpoint else name, session)
+    model_names = sorted({v.model_name for v in config.production_variants}) if config else [name]
 
     steps = []
     if aas is not None:
@@ -404,9 +453,14 @@ def teardown(sm, name: str, aas=None, log=print) -> list[str]:
                 ServiceNamespace="sagemaker", ResourceIds=[resource_id(name)])["ScalableTargets"]:
             steps.append((f"scalable target {target['ResourceId']}", lambda t=target: aas.deregister_scalable_target(
                 ServiceNamespace="sagemaker", ResourceId=t["ResourceId"], ScalableDimension=t["ScalableDimension"])))
-    steps.append((f"endpoint {name}", lambda: sm.delete_endpoint(EndpointName=name)))
-    steps.append((f"endpoint config {config_name}", lambda: sm.delete_endpoint_config(EndpointConfigName=config_name)))
-    steps += [(f"model {m}", lambda m=m: sm.delete_model(ModelName=m)) for m in model_names]
+    if endpoint is not None:
+        steps.append((f"endpoint {name}", endpoint.delete))
+    if config is not None:
+        steps.append((f"endpoint config {config.endpoint_config_name}", config.delete))
+    for m in model_names:
+        model = _get(resources.Model.get, m, session)
+        if model is not None:
+            steps.append((f"model {m}", model.delete))
 
     deleted = []
     for what, delete in steps:
@@ -425,19 +479,31 @@ def teardown(sm, name: str, aas=None, log=print) -> list[str]:
 # ------------------------------------------------------------------------------------
 # CLI
 # ------------------------------------------------------------------------------------
-def clients(region: str | None = None, session=None) -> dict:
-    """{"sagemaker", "runtime", "autoscaling"} clients from one boto3 session. The
-    runtime client waits up to 10 min for a response and never retries an invocation
-    (a retry would generate twice)."""
-    import boto3
+RUNTIME_READ_TIMEOUT = 600
+
+
+def runtime_config(read_timeout: float = RUNTIME_READ_TIMEOUT):
+    """botocore Config for sagemaker-runtime: wait `read_timeout` s for a response and make
+    one attempt only. botocore's retry modes resend a request whose answer timed out, so
+    with retries a long generation would be generated again (the SDK's own clients use
+    the 60 s default read timeout and up to 11 attempts; see docs/DEPLOY.md)."""
     from botocore.config import Config
+
+    return Config(read_timeout=read_timeout, connect_timeout=10, retries={"total_max_attempts": 1})
+
+
+def clients(region: str | None = None, session=None, read_timeout: float = RUNTIME_READ_TIMEOUT) -> dict:
+    """{"session", "sagemaker", "runtime", "autoscaling"} from one boto3 session: the session
+    is what the SDK's objects take; `runtime` is a sagemaker-runtime client that never
+    retries an invocation (runtime_config); `autoscaling` is application-autoscaling,
+    which the SDK does not cover."""
+    import boto3
 
     session = session or boto3.session.Session(region_name=region)
     if not session.region_name:
         raise DeployError("no AWS region: pass --region or set AWS_REGION")
-    runtime_cfg = Config(read_timeout=600, connect_timeout=10, retries={"total_max_attempts": 1})
-    return {"sagemaker": session.client("sagemaker"),
-            "runtime": session.client("sagemaker-runtime", config=runtime_cfg),
+    return {"session": session, "sagemaker": session.client("sagemaker"),
+            "runtime": session.client("sagemaker-runtime", config=runtime_config(read_timeout)),
             "autoscaling": session.client("application-autoscaling")}
 
 
@@ -501,7 +567,7 @@ def _run(args) -> int:
         for note in notes:
             print(f"note: {note}")
         print("container environment: " + " ".join(f"{k}={v}" for k, v in sorted(env.items())))
-        out = create_deployment(clients(args.region)["sagemaker"], name=name, image_uri=args.image_uri,
+        out = create_deployment(clients(args.region)["session"], name=name, image_uri=args.image_uri,
                                 role_arn=args.role_arn, env=env, model_data=args.model_data,
                                 instance_type=args.instance_type, instance_count=args.instance_count,
                                 startup_timeout=args.startup_timeout, wait=args.wait)
@@ -528,7 +594,7 @@ def _run(args) -> int:
         print(json.dumps(out))
     elif args.command == "delete":
         aws = clients(args.region)
-        teardown(aws["sagemaker"], args.name, aas=aws["autoscaling"])
+        teardown(aws["session"], args.name, aas=aws["autoscaling"])
     return 0
 
 

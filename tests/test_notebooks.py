@@ -12,6 +12,7 @@ import pytest
 from moto.server import ThreadedMotoServer
 from nbclient import NotebookClient
 
+from tests.sagemaker_standin import RuntimeStandIn
 from tests.serverutil import Server
 
 REPO = Path(__file__).resolve().parents[1]
@@ -20,17 +21,17 @@ NOTEBOOKS = REPO / "notebooks"
 pytestmark = pytest.mark.slow
 
 
-def with_overrides(nb, overrides: dict) -> nbformat.NotebookNode:
-    """Insert a cell assigning `overrides` right after the cell tagged "parameters"
-    (what papermill does), so the notebook's own defaults stay untouched."""
+def with_overrides(nb, overrides: dict, setup: str = "") -> nbformat.NotebookNode:
+    """Insert a cell assigning `overrides` (after `setup` code) right after the cell tagged
+    "parameters" (what papermill does), so the notebook's own defaults stay untouched."""
     idx = next(i for i, c in enumerate(nb.cells) if "parameters" in c.metadata.get("tags", []))
-    src = "\n".join(f"{k} = {v!r}" for k, v in overrides.items())
+    src = setup + "\n".join(f"{k} = {v!r}" for k, v in overrides.items())
     nb.cells.insert(idx + 1, nbformat.v4.new_code_cell(src, metadata={"tags": ["injected-parameters"]}))
     return nb
 
 
-def execute(name: str, overrides: dict, timeout: int = 300) -> nbformat.NotebookNode:
-    nb = with_overrides(nbformat.read(NOTEBOOKS / name, as_version=4), overrides)
+def execute(name: str, overrides: dict, timeout: int = 300, setup: str = "") -> nbformat.NotebookNode:
+    nb = with_overrides(nbformat.read(NOTEBOOKS / name, as_version=4), overrides, setup)
     # The kernel runs in notebooks/: it imports this checkout's `handler` (installed or not).
     old = os.environ.get("PYTHONPATH")
     os.environ["PYTHONPATH"] = os.pathsep.join([str(REPO)] + ([old] if old else []))
@@ -61,20 +62,31 @@ def local_server(demo_model_dir, tmp_path_factory):
 
 
 @pytest.fixture
-def moto_aws(monkeypatch):
+def moto_aws(monkeypatch, local_server):
+    """SageMaker control plane: moto on loopback (AWS_ENDPOINT_URL); runtime: the stand-in
+    (AWS_ENDPOINT_URL_SAGEMAKER_RUNTIME) forwarding endpoint "nb-test" to a real server."""
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
     server.start()
     host, port = server.get_host_and_port()
-    endpoint = f"http://{host}:{port}"
-    for var, value in {"AWS_ENDPOINT_URL": endpoint, "AWS_ACCESS_KEY_ID": "testing",
-                       "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}.items():
+    standin = RuntimeStandIn({"nb-test": local_server})
+    for var, value in {"AWS_ENDPOINT_URL": f"http://{host}:{port}",
+                       "AWS_ENDPOINT_URL_SAGEMAKER_RUNTIME": standin.url,
+                       "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+                       "AWS_DEFAULT_REGION": "us-east-1"}.items():
         monkeypatch.setenv(var, value)  # the kernel inherits this environment
     monkeypatch.delenv("AWS_PROFILE", raising=False)
-    yield boto3.session.Session(region_name="us-east-1")
+    yield boto3.session.Session(region_name="us-east-1"), standin
+    standin.stop()
     server.stop()
 
 
-def test_deploy_notebook_runs_against_moto_and_a_local_server(local_server, moto_aws):
+# In the kernel: moto's empty Describe* structures dropped, as SageMaker sends none.
+MOTO_SETUP = ("import boto3.session\nfrom tests.sagemaker_standin import smoothed_init\n"
+              "boto3.session.Session.__init__ = smoothed_init()\n")
+
+
+def test_deploy_notebook_runs_the_sdk_against_moto_and_the_runtime_standin(moto_aws):
+    session, standin = moto_aws
     nb = execute("deploy.ipynb", {
         "NAME": "nb-test",
         "IMAGE_URI": "123456789012.dkr.ecr.us-east-1.amazonaws.com/lmi-serve:test",
@@ -83,20 +95,22 @@ def test_deploy_notebook_runs_against_moto_and_a_local_server(local_server, moto
         "PROPERTIES": str(REPO / "serving.properties.d" / "paged.properties"),
         "INSTANCE_TYPE": "ml.g4dn.xlarge",  # moto's instance list predates ml.g5
         "WAIT_DELAY": 1,
-        "LOCAL_URL": local_server,
         "MAX_CAPACITY": 3,
-    })
+    }, setup=MOTO_SETUP)
     outputs = {i: cell_text(c) for i, c in enumerate(nb.cells) if c.cell_type == "code"}
     text = "\n".join(outputs.values())
     assert '"OPTION_PAGED_ATTENTION": "true"' in text
     assert "'status': 'InService'" in text
+    assert "InService arn:aws:sagemaker:us-east-1:123456789012:endpoint/nb-test" in text  # Endpoint.get
     assert re.search(r"'finish_reason': '(length|eos_token)', 'generated_tokens': \d+", text), text
     assert " tokens, first after " in text
     assert "\n3\n" in text  # the scalable target's MaxCapacity, read back
+    # boto3 parsed the stand-in's event-stream frames; each generation was sent once
+    assert [(r["endpoint"], r["stream"]) for r in standin.requests] == [("nb-test", False), ("nb-test", True)]
 
-    sm = moto_aws.client("sagemaker")
+    sm = session.client("sagemaker")
     assert sm.list_endpoints()["Endpoints"] == [] and sm.list_models()["Models"] == []
-    assert moto_aws.client("application-autoscaling").describe_scalable_targets(
+    assert session.client("application-autoscaling").describe_scalable_targets(
         ServiceNamespace="sagemaker")["ScalableTargets"] == []
 
 
