@@ -2,11 +2,13 @@
 as root) a real local build + run through container/local_test.sh."""
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -79,6 +81,10 @@ def test_serve_entrypoint_execs_the_server(fake_python, args, expected):
     assert lines[1] == f"PPID {os.getpid()}"
 
 
+IMAGE = "localhost/lmi-serve:cpu"  # what container/local_test.sh builds
+PODMAN = ["podman", "--storage-driver", "vfs"]
+
+
 def _podman_skip_reason() -> str | None:
     if os.geteuid() != 0:
         return "needs root (podman/buildah with the vfs driver)"
@@ -88,17 +94,133 @@ def _podman_skip_reason() -> str | None:
     return None
 
 
+def _local_mode_skip_reason() -> str | None:
+    reason = _podman_skip_reason()
+    if reason:
+        return reason
+    if shutil.which("docker-compose") is None:
+        return "docker-compose not installed (apt-get install -y docker-compose): SageMaker local mode runs it"
+    if shutil.which("docker") is None:
+        return "no docker CLI: SageMaker local mode runs `docker context inspect` to find the host"
+    return None
+
+
+@pytest.fixture(scope="module")
+def image():
+    """The CPU image, built by container/local_test.sh (cached after the first build)."""
+    start = time.monotonic()
+    proc = subprocess.run([str(REPO / "container" / "local_test.sh"), "--build-only"], cwd=REPO,
+                          capture_output=True, text=True, timeout=3600)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    print(f"image build (or cache check): {time.monotonic() - start:.0f} s")
+    return IMAGE
+
+
 @pytest.mark.container
 @pytest.mark.slow
 @pytest.mark.skipif(_podman_skip_reason() is not None, reason=str(_podman_skip_reason()))
-def test_local_container_build_run_and_stop():
-    """Builds the CPU image (minutes the first time, cached after), serves a tiny model,
-    checks /ping, a plain and a streamed invocation, and a clean SIGTERM stop."""
+def test_local_container_build_run_and_stop(image):
+    """Serves a tiny model in the image, checks /ping, a plain and a streamed invocation,
+    and a clean SIGTERM stop."""
     proc = subprocess.run([str(REPO / "container" / "local_test.sh")], cwd=REPO, capture_output=True,
-                          text=True, timeout=3600)
+                          text=True, timeout=3600, env={**os.environ, "PYTHON": sys.executable})
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
     assert re.search(r"/ping ready after \d+ s", out), out[-4000:]
     assert '"generated_text"' in out
     stopped = re.search(r"stopped in ([\d.]+) s, exit code (\d+)", out)
     assert stopped and stopped.group(2) != "137", out[-4000:]
+
+
+@pytest.fixture
+def docker_api(tmp_path, monkeypatch):
+    """podman's Docker-compatible API on a unix socket (`podman system service`), as
+    DOCKER_HOST for the docker CLI and docker-compose that SageMaker local mode runs."""
+    conf = tmp_path / "containers.conf"
+    # runc and explicit rlimits: crun fails on rlimits with these hosts' hybrid cgroups
+    conf.write_text('[containers]\ndefault_ulimits = ["nofile=1024:1024", "nproc=4096:4096"]\n'
+                    '[engine]\nruntime = "runc"\n')
+    sock = tmp_path / "podman.sock"
+    env = {**os.environ, "CONTAINERS_CONF": str(conf)}
+    log = open(tmp_path / "podman-service.log", "w")
+    service = subprocess.Popen([*PODMAN, "system", "service", "--time", "0", f"unix://{sock}"],
+                               env=env, stdout=log, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 60
+    while not sock.exists():
+        assert service.poll() is None and time.monotonic() < deadline, (tmp_path / "podman-service.log").read_text()
+        time.sleep(0.2)
+    monkeypatch.setenv("CONTAINERS_CONF", str(conf))
+    monkeypatch.setenv("DOCKER_HOST", f"unix://{sock}")
+    yield env
+    # local mode stops its containers (compose "up" ends) but leaves them; remove ours
+    names = subprocess.run([*PODMAN, "ps", "-a", "--filter", f"ancestor={IMAGE}", "--format", "{{.Names}}"],
+                           capture_output=True, text=True, env=env).stdout.split()
+    for name in names:
+        if "-algo-" in name:
+            subprocess.run([*PODMAN, "rm", "-f", name], capture_output=True, env=env)
+    service.terminate()
+    service.wait(30)
+    log.close()
+
+
+@pytest.mark.container
+@pytest.mark.slow
+@pytest.mark.skipif(_local_mode_skip_reason() is not None, reason=str(_local_mode_skip_reason()))
+def test_sagemaker_sdk_local_mode_serves_the_image(image, docker_api, demo_model_dir, tmp_path, monkeypatch):
+    """The SageMaker Python SDK's local mode (sagemaker-core LocalSession) runs our image
+    through podman's Docker API: docker-compose `up` with command `serve`, the model
+    mounted at /opt/ml/model, /ping polled until InService; then the SDK's local runtime
+    client sends plain, list and streamed requests to /invocations."""
+    import requests
+    from sagemaker.core.local.local_session import LocalSession
+
+    from handler.bench.compare import free_port
+    from handler.deploy import iter_jsonlines, properties_to_env
+    from tests.reference import hf_greedy
+
+    for var, value in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+                       "AWS_DEFAULT_REGION": "us-east-1"}.items():
+        monkeypatch.setenv(var, value)
+    model = tmp_path / "model"
+    shutil.copytree(demo_model_dir, model)
+    port = free_port()
+    (tmp_path / "root").mkdir()
+    session = LocalSession()
+    session.config = {"local": {"serving_port": port, "container_root": str(tmp_path / "root")}}
+    sm = session.sagemaker_client
+    env = properties_to_env({"option.rolling_batch": "auto", "option.paged_attention": "true",
+                             "option.max_rolling_batch_size": "4"})
+    sm.create_model("lmi-local", {"Image": image, "ModelDataUrl": f"file://{model}", "Environment": env})
+    sm.create_endpoint_config("lmi-local", [{"VariantName": "AllTraffic", "ModelName": "lmi-local",
+                                             "InstanceType": "local", "InitialInstanceCount": 1}])
+    start = time.monotonic()
+    try:
+        sm.create_endpoint("lmi-local", "lmi-local")  # returns once /ping answers 200
+        print(f"local mode endpoint InService after {time.monotonic() - start:.0f} s")
+        assert sm.describe_endpoint("lmi-local")["EndpointStatus"] == "InService"
+        runtime = session.sagemaker_runtime_client
+        prompt, prompts = "def fibonacci(n):", ["def fibonacci(n):", "import os\n"]
+
+        def call(body: dict):
+            resp = runtime.invoke_endpoint(Body=json.dumps(body), EndpointName="lmi-local",
+                                           ContentType="application/json")
+            return resp["Body"].read()
+
+        def ids(result):
+            return [t["id"] for t in result["details"]["tokens"]]
+
+        params = {"max_new_tokens": 8, "details": True}
+        assert ids(json.loads(call({"inputs": prompt, "parameters": params}))) == \
+            hf_greedy(demo_model_dir, prompt, 8)
+        assert [ids(r) for r in json.loads(call({"inputs": prompts, "parameters": params}))] == \
+            [hf_greedy(demo_model_dir, p, 8) for p in prompts]
+        lines = list(iter_jsonlines([call({"inputs": prompt, "parameters": params, "stream": True})]))
+        assert [x["token"]["id"] for x in lines if "token" in x] == hf_greedy(demo_model_dir, prompt, 8)
+        # LMI's route in the same container
+        res = requests.post(f"http://127.0.0.1:{port}/predictions/lmi-local",
+                            json={"inputs": prompt, "parameters": params}, timeout=120)
+        assert res.status_code == 200 and ids(res.json()) == hf_greedy(demo_model_dir, prompt, 8)
+        # the environment reached the server: its /ping names the strategy the options chose
+        assert requests.get(f"http://127.0.0.1:{port}/ping", timeout=10).json()["strategy"] == "paged"
+    finally:
+        sm.delete_endpoint("lmi-local")
