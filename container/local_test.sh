@@ -2,7 +2,8 @@
 # Build the CPU variant of the serving image and smoke-test it locally with podman:
 # /ping, a plain and a streamed /invocations, then a SIGTERM stop (timed).
 #
-#   container/local_test.sh [--build-only] [--remove-image]   (the image is kept by default)
+#   container/local_test.sh [--build-only | --no-build] [--remove-image]   (the image is kept by default)
+#   --no-build: test the image already built (IMAGE) as it is
 #
 # Needs root, podman, buildah, runc (and debootstrap if the base image is missing).
 # Environment knobs:
@@ -24,13 +25,15 @@ BASE_IMAGE=${BASE_IMAGE:-localhost/bookworm-min}
 RUN_USER=${RUN_USER:-1000:1000}
 PYTHON=${PYTHON:-$REPO/.venv/bin/python}
 BUILD_ONLY=0
+NO_BUILD=0
 KEEP_IMAGE=1
 for arg in "$@"; do
     case "$arg" in
         --build-only) BUILD_ONLY=1 ;;
+        --no-build) NO_BUILD=1 ;;
         --keep-image) KEEP_IMAGE=1 ;;
         --remove-image) KEEP_IMAGE=0 ;;
-        *) echo "error: unknown argument '$arg' (allowed: --build-only, --keep-image, --remove-image)" >&2; exit 2 ;;
+        *) echo "error: unknown argument '$arg' (allowed: --build-only, --no-build, --keep-image, --remove-image)" >&2; exit 2 ;;
     esac
 done
 
@@ -57,56 +60,61 @@ cleanup() {
 }
 trap cleanup EXIT
 
-# 1. Base image: a minimal Debian bookworm (registries are unreachable here).
-if ! "${PODMAN[@]}" image exists "$BASE_IMAGE"; then
-    [[ $BASE_IMAGE == localhost/bookworm-min ]] || die "base image $BASE_IMAGE not found"
-    command -v debootstrap >/dev/null || die "'debootstrap' not found: apt-get install -y debootstrap"
-    log "building base image $BASE_IMAGE with debootstrap"
-    debootstrap --variant=minbase bookworm "$WORK/rootfs" http://deb.debian.org/debian >"$WORK/debootstrap.log" 2>&1 \
-        || { tail -20 "$WORK/debootstrap.log"; die "debootstrap failed"; }
-    tar -C "$WORK/rootfs" -cf "$WORK/rootfs.tar" .
-    "${PODMAN[@]}" import "$WORK/rootfs.tar" "$BASE_IMAGE" >/dev/null
-    rm -rf "$WORK/rootfs" "$WORK/rootfs.tar"
-fi
-
-# 2. CPU torch: PyPI's Linux torch is the CUDA build (~2.7 GB with its nvidia wheels),
-# and the CPU index is unreachable here, so a local CPU wheel goes into the build
-# context (container/wheels/, git-ignored) and the Dockerfile installs it.
-if [[ -z "${TORCH_WHEEL:-}" ]]; then
-    TORCH_WHEEL=$(find /opt/wheels "$HOME/.cache/pip" -name 'torch-2.13.0*cpu*.whl' 2>/dev/null | head -n 1 || true)
-fi
-if [[ -n "${TORCH_WHEEL:-}" ]]; then
-    [[ -f "$TORCH_WHEEL" ]] || die "TORCH_WHEEL=$TORCH_WHEEL is not a file"
-    if [[ ! -f "container/wheels/$(basename "$TORCH_WHEEL")" ]]; then
-        mkdir -p container/wheels
-        cp "$TORCH_WHEEL" container/wheels/
-        STAGED_WHEEL="container/wheels/$(basename "$TORCH_WHEEL")"
-    fi
-    log "using torch wheel $(basename "$TORCH_WHEEL")"
-    TORCH_INDEX_URL=""
+if [[ $NO_BUILD == 1 ]]; then
+    "${PODMAN[@]}" image exists "$IMAGE" || die "--no-build: image $IMAGE not found (build it first)"
+    log "testing the existing image $IMAGE"
 else
-    TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
-    log "no local CPU torch wheel found; installing from $TORCH_INDEX_URL"
-fi
+    # 1. Base image: a minimal Debian bookworm (registries are unreachable here).
+    if ! "${PODMAN[@]}" image exists "$BASE_IMAGE"; then
+        [[ $BASE_IMAGE == localhost/bookworm-min ]] || die "base image $BASE_IMAGE not found"
+        command -v debootstrap >/dev/null || die "'debootstrap' not found: apt-get install -y debootstrap"
+        log "building base image $BASE_IMAGE with debootstrap"
+        debootstrap --variant=minbase bookworm "$WORK/rootfs" http://deb.debian.org/debian >"$WORK/debootstrap.log" 2>&1 \
+            || { tail -20 "$WORK/debootstrap.log"; die "debootstrap failed"; }
+        tar -C "$WORK/rootfs" -cf "$WORK/rootfs.tar" .
+        "${PODMAN[@]}" import "$WORK/rootfs.tar" "$BASE_IMAGE" >/dev/null
+        rm -rf "$WORK/rootfs" "$WORK/rootfs.tar"
+    fi
 
-# 3. Image: the GPU Dockerfile with CPU build arguments. If this host's pip trusts an
-# extra CA (a TLS-inspecting proxy), the build's pip gets the same bundle, mounted
-# for the RUN steps only.
-CA_ARGS=()
-HOST_CA=${PIP_CERT:-$(pip3 config get global.cert 2>/dev/null || true)}
-if [[ -n "$HOST_CA" && -f "$HOST_CA" ]]; then
-    CA_ARGS=(-v "$HOST_CA:/etc/ssl/build-ca.crt:ro" --build-arg PIP_CERT=/etc/ssl/build-ca.crt)
-    log "pip in the build trusts $HOST_CA"
+    # 2. CPU torch: PyPI's Linux torch is the CUDA build (~2.7 GB with its nvidia wheels),
+    # and the CPU index is unreachable here, so a local CPU wheel goes into the build
+    # context (container/wheels/, git-ignored) and the Dockerfile installs it.
+    if [[ -z "${TORCH_WHEEL:-}" ]]; then
+        TORCH_WHEEL=$(find /opt/wheels "$HOME/.cache/pip" -name 'torch-2.13.0*cpu*.whl' 2>/dev/null | head -n 1 || true)
+    fi
+    if [[ -n "${TORCH_WHEEL:-}" ]]; then
+        [[ -f "$TORCH_WHEEL" ]] || die "TORCH_WHEEL=$TORCH_WHEEL is not a file"
+        if [[ ! -f "container/wheels/$(basename "$TORCH_WHEEL")" ]]; then
+            mkdir -p container/wheels
+            cp "$TORCH_WHEEL" container/wheels/
+            STAGED_WHEEL="container/wheels/$(basename "$TORCH_WHEEL")"
+        fi
+        log "using torch wheel $(basename "$TORCH_WHEEL")"
+        TORCH_INDEX_URL=""
+    else
+        TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
+        log "no local CPU torch wheel found; installing from $TORCH_INDEX_URL"
+    fi
+
+    # 3. Image: the GPU Dockerfile with CPU build arguments. If this host's pip trusts an
+    # extra CA (a TLS-inspecting proxy), the build's pip gets the same bundle, mounted
+    # for the RUN steps only.
+    CA_ARGS=()
+    HOST_CA=${PIP_CERT:-$(pip3 config get global.cert 2>/dev/null || true)}
+    if [[ -n "$HOST_CA" && -f "$HOST_CA" ]]; then
+        CA_ARGS=(-v "$HOST_CA:/etc/ssl/build-ca.crt:ro" --build-arg PIP_CERT=/etc/ssl/build-ca.crt)
+        log "pip in the build trusts $HOST_CA"
+    fi
+    log "building $IMAGE from $BASE_IMAGE"
+    start=$(date +%s)
+    "${BUILDAH[@]}" bud --isolation chroot --layers --format docker \
+        --ignorefile container/Dockerfile.dockerignore -f container/Dockerfile \
+        --build-arg BASE_IMAGE="$BASE_IMAGE" --build-arg EXTRAS= \
+        --build-arg TORCH_INDEX_URL="$TORCH_INDEX_URL" "${CA_ARGS[@]}" \
+        -t "$IMAGE" . >"$WORK/build.log" 2>&1 \
+        || { tail -40 "$WORK/build.log"; die "image build failed"; }
+    log "built $IMAGE in $(( $(date +%s) - start )) s ($("${PODMAN[@]}" image inspect --format '{{.Size}}' "$IMAGE" | awk '{printf "%.0f MB", $1/1e6}'))"
 fi
-log "building $IMAGE from $BASE_IMAGE"
-start=$(date +%s)
-"${BUILDAH[@]}" bud --isolation chroot --layers --format docker \
-    --ignorefile container/Dockerfile.dockerignore -f container/Dockerfile \
-    --build-arg BASE_IMAGE="$BASE_IMAGE" --build-arg EXTRAS= \
-    --build-arg TORCH_INDEX_URL="$TORCH_INDEX_URL" "${CA_ARGS[@]}" \
-    -t "$IMAGE" . >"$WORK/build.log" 2>&1 \
-    || { tail -40 "$WORK/build.log"; die "image build failed"; }
-log "built $IMAGE in $(( $(date +%s) - start )) s ($("${PODMAN[@]}" image inspect --format '{{.Size}}' "$IMAGE" | awk '{printf "%.0f MB", $1/1e6}'))"
 [[ $BUILD_ONLY == 1 ]] && exit 0
 
 # 4. A tiny model built on the host, with its serving.properties, mounted read-only.

@@ -2,6 +2,7 @@
 as root) a real local build + run through container/local_test.sh."""
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -81,7 +82,9 @@ def test_serve_entrypoint_execs_the_server(fake_python, args, expected):
     assert lines[1] == f"PPID {os.getpid()}"
 
 
-IMAGE = "localhost/lmi-serve:cpu"  # what container/local_test.sh builds
+# The image container/local_test.sh builds, tagged per checkout so that two checkouts
+# testing on one machine do not overwrite each other's image.
+IMAGE = "localhost/lmi-serve:test-" + hashlib.sha1(str(REPO).encode()).hexdigest()[:8]
 PODMAN = ["podman", "--storage-driver", "vfs"]
 
 
@@ -110,7 +113,7 @@ def image():
     """The CPU image, built by container/local_test.sh (cached after the first build)."""
     start = time.monotonic()
     proc = subprocess.run([str(REPO / "container" / "local_test.sh"), "--build-only"], cwd=REPO,
-                          capture_output=True, text=True, timeout=3600)
+                          capture_output=True, text=True, timeout=3600, env={**os.environ, "IMAGE": IMAGE})
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     print(f"image build (or cache check): {time.monotonic() - start:.0f} s")
     return IMAGE
@@ -122,8 +125,9 @@ def image():
 def test_local_container_build_run_and_stop(image):
     """Serves a tiny model in the image, checks /ping, a plain and a streamed invocation,
     and a clean SIGTERM stop."""
-    proc = subprocess.run([str(REPO / "container" / "local_test.sh")], cwd=REPO, capture_output=True,
-                          text=True, timeout=3600, env={**os.environ, "PYTHON": sys.executable})
+    proc = subprocess.run([str(REPO / "container" / "local_test.sh"), "--no-build"], cwd=REPO,
+                          capture_output=True, text=True, timeout=1200,
+                          env={**os.environ, "PYTHON": sys.executable, "IMAGE": image})
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
     assert re.search(r"/ping ready after \d+ s", out), out[-4000:]
