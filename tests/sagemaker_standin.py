@@ -24,6 +24,7 @@ import http.client
 import http.server
 import json
 import struct
+import sys
 import threading
 import urllib.parse
 
@@ -75,8 +76,14 @@ class RuntimeStandIn:
             def do_POST(self):
                 standin._handle(self)
 
-        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.server.daemon_threads = True
+        class Server(http.server.ThreadingHTTPServer):
+            daemon_threads = True
+
+            def handle_error(self, request, client_address):
+                if not isinstance(sys.exc_info()[1], ConnectionError):  # a client that gave up
+                    super().handle_error(request, client_address)
+
+        self.server = Server(("127.0.0.1", 0), Handler)
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
         self._thread = threading.Thread(target=self.server.serve_forever, daemon=True)
         self._thread.start()
