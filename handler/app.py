@@ -95,8 +95,7 @@ def create_app(state: ServerState) -> Flask:
         except RequestError as e:
             return error(e.status, e.message, e.field)
         except CapacityError as e:
-            field, _, msg = str(e).partition(": ")
-            return error(400, msg, gen.extra.get("fields", {}).get(field, field))
+            return error(400, e.message, gen.extra.get("fields", {}).get(e.field, e.field))
         except QueueFull as e:
             log.warning("refused a request: %s", e)
             return error(503, str(e))

@@ -122,6 +122,9 @@ def test_openai_errors_are_openai_shaped(server):
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model="demo", messages=[])
     assert e.value.body["param"] == "messages"
+    with pytest.raises(openai.BadRequestError) as e:      # beyond the model's length: OpenAI's field name
+        client.chat.completions.create(model="demo", messages=CHAT, max_tokens=100_000)
+    assert e.value.body["param"] == "max_tokens" and "max_model_len" in e.value.body["message"]
     r = requests.post(server.url + "/v1/nope", json={}, timeout=10)
     assert r.status_code == 404 and set(r.json()["error"]) == {"message", "type", "param", "code"}
 

@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import json
 
-from ..request import RequestError, SamplingParams, parse_params
-from . import Generation, Sample, ranked
-from . import lmi
+from ..request import RequestError
+from . import Generation, Sample, lmi, ranked
 
 
-def parse(payload, *, stream: bool | None = None, max_batch_inputs: int = 1) -> Generation:
+def parse(payload, *, stream: bool | None = None) -> Generation:
     gen = lmi.parse(payload, require_string=True)
     if stream is not None:
         gen.stream = stream
