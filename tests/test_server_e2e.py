@@ -9,7 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import requests
 
-from tests.reference import hf_greedy
+from tests.reference import hf_greedy, tokenizer
 from tests.serverutil import Server
 
 pytestmark = pytest.mark.slow
@@ -154,3 +154,16 @@ def test_execution_parameters_and_metrics(server):
     assert r.status_code == 200 and r.json()["MaxConcurrentTransforms"] >= 1
     m = requests.get(server.url + "/metrics", timeout=5).text
     assert "lmi_kv_utilization" in m and "lmi_generated_tokens" in m
+
+
+def test_best_of_samples_share_the_prompt_on_paged_as_metrics_show(server, demo_model_dir):
+    def forked():
+        text = requests.get(server.url + "/metrics", timeout=5).text
+        return float(next(line.split()[1] for line in text.splitlines()
+                          if line.startswith("lmi_forked_prompt_tokens ")))
+    before = forked()
+    r = server.post({"inputs": PROMPTS[2], "parameters": {"max_new_tokens": 6, "best_of": 3, "details": True}})
+    assert r.status_code == 200, r.text
+    assert [t["id"] for t in r.json()["details"]["tokens"]] == hf_greedy(demo_model_dir, PROMPTS[2], 6)
+    prompt_len = len(tokenizer(demo_model_dir)(PROMPTS[2])["input_ids"])
+    assert forked() - before == (2 * (prompt_len - 1) if server.strategy == "paged" else 0)
