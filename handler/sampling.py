@@ -44,8 +44,11 @@ class Sampler:
     # ---- entry point
     def sample(self, logits: torch.Tensor, items: list[StepItem]) -> list[SampleResult]:
         """logits [R, V] float32, one row per sampling item."""
+        # Penalties write into the logits: keep the originals for a retry row by row.
+        penalized = any(it.params.repetition_penalty != 1.0 or it.params.presence_penalty
+                        or it.params.frequency_penalty for it in items)
         try:
-            return self._sample(logits.clone(), items)
+            return self._sample(logits.clone() if penalized else logits, items)
         except Exception as e:
             if len(items) == 1:
                 return [self._failed(items[0], e)]
