@@ -14,9 +14,13 @@ import threading
 import time
 
 from flask import Flask, Response, request
+from werkzeug.exceptions import HTTPException
+from werkzeug.wsgi import ClosingIterator
 
 from . import api
 from .api import lmi, openai, tgi
+from .guard import (Admission, ClientDisconnected, MalformedBody, PayloadTooLarge, check_prompt,
+                    longest_token_chars, read_body)
 from .request import RequestError, SamplingParams
 from .scheduler import CapacityError, QueueFull
 
@@ -35,8 +39,30 @@ class ServerState:
         self.engine = None
         self.error: str | None = None
         self.lock = threading.Lock()
-        self.http = {"2xx": 0, "400": 0, "424": 0, "503": 0, "504": 0, "other": 0}
+        self.http = {"2xx": 0, "400": 0, "413": 0, "424": 0, "503": 0, "504": 0, "other": 0}
         self.started = int(time.time())
+        # Client went away during its upload or mid-stream: not a server error.
+        self.client_disconnects = 0
+        # At most this many generation requests in flight: every running slot + the queue.
+        self.admission = Admission(running_width(cfg) + cfg.job_queue_size)
+        self._max_prompt_chars: int | None = None
+
+    def check_prompts(self, gen) -> None:
+        """Before tokenizing: text the tokenizer cannot take, or too long to fit the context
+        whatever it tokenizes to (a token covers at most the longest vocabulary entry's
+        characters; x4 for normalizers that merge characters). Truncated prompts may be long."""
+        eng = self.engine
+        if self._max_prompt_chars is None:
+            self._max_prompt_chars = 4 * eng.scheduler.policy.max_model_len * \
+                longest_token_chars(eng.tokenizer)
+        limit = self._max_prompt_chars if gen.truncate is None else None
+        for i, text in enumerate(gen.prompts):
+            check_prompt(text, gen.fields[i] if i < len(gen.fields) else "inputs", limit,
+                         eng.scheduler.policy.max_model_len)
+
+    def disconnected(self) -> None:
+        with self.lock:
+            self.client_disconnects += 1
 
     def count(self, status: int) -> None:
         key = "2xx" if 200 <= status < 300 else str(status) if str(status) in self.http else "other"
@@ -61,6 +87,12 @@ def _openai_error(status, message, field=None):
 
 def _tgi_error(status, message, field=None):
     return _json(tgi.error_body(status, message, field), 422 if status == 400 else status)
+
+
+def running_width(cfg) -> int:
+    """Sequences the strategy runs at once."""
+    return cfg.batch_size if cfg.strategy == "dynamic" else (
+        cfg.max_rolling_batch_size if cfg.strategy in ("rolling", "paged") else 1)
 
 
 def model_name(cfg) -> str:
@@ -88,6 +120,7 @@ def create_app(state: ServerState) -> Flask:
                          else f"the model failed to load: {state.error}")
         try:
             gen = parse(eng.tokenizer)
+            state.check_prompts(gen)
             ids = api.tokenize(eng.tokenizer, gen)
             api.with_length(gen, ids, min(eng.scheduler.policy.max_model_len,
                                           eng.blocks.num_blocks * eng.blocks.block_size))
@@ -115,12 +148,24 @@ def create_app(state: ServerState) -> Flask:
         def gen():
             try:
                 yield from lines
+            except GeneratorExit:   # closed before its end: the client went away
+                state.disconnected()
+                raise
             finally:
                 events.close()      # the client went away: abort what is still running
         return Response(gen(), mimetype=mimetype, headers={"X-Accel-Buffering": "no"})
 
     def body_json():
-        return lmi.decode_body(request.get_data(), request.content_type)
+        try:
+            body = read_body(request.environ, int(cfg.max_payload_mb * 1e6))
+        except PayloadTooLarge as e:
+            raise RequestError("body", f"{e} (option.max_payload_mb={cfg.max_payload_mb:g})", 413) from None
+        except MalformedBody as e:
+            raise RequestError("body", str(e)) from None
+        except ClientDisconnected:
+            state.disconnected()
+            raise RequestError("body", "the client closed the connection before sending its body") from None
+        return lmi.decode_body(body, request.content_type)
 
     @app.get("/ping")
     def ping():
@@ -132,10 +177,10 @@ def create_app(state: ServerState) -> Flask:
 
     @app.get("/execution-parameters")
     def execution_parameters():
-        running = cfg.batch_size if cfg.strategy == "dynamic" else (
-            cfg.max_rolling_batch_size if cfg.strategy in ("rolling", "paged") else 1)
-        return {"MaxConcurrentTransforms": running, "BatchStrategy": "MULTI_RECORD"
-                if cfg.strategy != "none" else "SINGLE_RECORD", "MaxPayloadInMB": 6}
+        mb = cfg.max_payload_mb
+        return {"MaxConcurrentTransforms": running_width(cfg), "BatchStrategy": "MULTI_RECORD"
+                if cfg.strategy != "none" else "SINGLE_RECORD",
+                "MaxPayloadInMB": int(mb) if mb == int(mb) else mb}
 
     # ---- LMI
     # LMI (DJL Serving) also answers /predictions/<model>, which clients of LMI images use.
@@ -222,8 +267,13 @@ def create_app(state: ServerState) -> Flask:
     @app.get("/metrics")
     def metrics():
         lines = [f'lmi_http_responses_total{{class="{k}"}} {v}' for k, v in state.http.items()]
+        lines.append(f"lmi_http_client_disconnects_total {state.client_disconnects}")
+        lines.append(f"lmi_http_in_flight {state.admission.inside}")
         if state.engine is not None:
-            for k, v in state.engine.stats().items():
+            stats = state.engine.stats()
+            # Refused at the HTTP door or by the engine: one count of queue-full refusals.
+            stats["rejected_queue_full"] = stats.get("rejected_queue_full", 0) + state.admission.refused
+            for k, v in stats.items():
                 if isinstance(v, (int, float)) and not isinstance(v, bool):
                     lines.append(f"lmi_{k} {v}")
         return Response("\n".join(lines) + "\n", mimetype="text/plain; version=0.0.4")
@@ -242,13 +292,39 @@ def create_app(state: ServerState) -> Flask:
     def bad_method(_e):
         return _route_error(405, f"{request.method} is not allowed on {request.path}")
 
-    @app.errorhandler(413)
-    def too_large(_e):
-        return _route_error(413, "request body too large")
+    @app.errorhandler(HTTPException)
+    def http_error(e):
+        return _route_error(e.code or 500, f"{e.name}: {e.description}")
 
     @app.errorhandler(Exception)
     def internal(e):
         log.exception("unhandled error")
         return _route_error(500, f"internal error: {type(e).__name__}")
+
+    app.wsgi_app = _admitting(app.wsgi_app, state)
+    return app
+
+
+def _admitting(wsgi_app, state: ServerState):
+    """Admission in front of Flask: every POST (a generation request, whatever its protocol)
+    enters the counter or is refused with a prepared 503 before Flask builds a request, reads
+    the body, parses or tokenizes (the cheapest refusal this process can make). An admitted
+    request leaves when its response is closed, i.e. after the last byte of a stream."""
+    refusal = json.dumps({"code": 503, "error": f"the queue is full ({state.admission.capacity} "
+                          "requests in flight: running + job_queue_size); retry later"}).encode()
+    headers = [("Content-Type", "application/json"), ("Content-Length", str(len(refusal)))]
+
+    def app(environ, start_response):
+        if environ.get("REQUEST_METHOD") != "POST":
+            return wsgi_app(environ, start_response)
+        if not state.admission.enter():
+            state.count(503)
+            start_response("503 SERVICE UNAVAILABLE", headers)
+            return [refusal]
+        try:
+            return ClosingIterator(wsgi_app(environ, start_response), state.admission.leave)
+        except BaseException:
+            state.admission.leave()
+            raise
 
     return app

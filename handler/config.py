@@ -214,6 +214,7 @@ TYPED_KEYS: dict[str, Callable[[str], object]] = {
     "job_queue_size": _int(1),
     "max_idle_time": _int(1),
     "request_timeout": _float(0.0, None, True, "a positive number of seconds"),
+    "graceful_timeout": _float(0.0, None, True, "a positive number of seconds"),
     "option.model_id": _non_empty,
     "option.s3url": _non_empty,  # LMI's older name for an s3:// model_id
     "option.rolling_batch": _enum(ROLLING_BATCH_VALUES),
@@ -238,6 +239,8 @@ TYPED_KEYS: dict[str, Callable[[str], object]] = {
     "option.max_num_batched_tokens": _int(1),   # vLLM's name for max_rolling_batch_prefill_tokens
     "option.quantize": _non_empty,              # refused: quantization is not implemented
     "option.enable_streaming": _bool,  # LMI's switch; checked against dynamic batching
+    "option.max_payload_mb": _float(0.0, None, True, "a positive number of megabytes"),
+    "option.batch_invariant": _bool,
 }
 
 # Real LMI keys that change nothing here: accepted (LMI files load as written) and reported once
@@ -294,6 +297,7 @@ class ServingConfig:
     job_queue_size: int
     max_idle_time_s: int
     request_timeout_s: float
+    graceful_timeout_s: float     # SIGTERM -> in-flight work may finish for this long
     rolling_batch: str            # "disable" | "auto" | "scheduler" | "lmi-dist" | "vllm"
     paged_attention: bool
     max_rolling_batch_size: int
@@ -309,6 +313,8 @@ class ServingConfig:
     trust_remote_code: bool
     entry_point: str
     output_formatter: str         # "json" | "jsonlines" | "sse" | "json_chat" | "jsonlines_chat" | "sse_chat"
+    max_payload_mb: float         # request bodies above this are refused (413)
+    batch_invariant: bool         # numerics independent of what shares the batch
     port: int
     warnings: tuple[str, ...]
     properties: dict = dataclasses.field(hash=False)  # merged raw properties, key -> value
@@ -651,6 +657,10 @@ def load_config(properties_path: str | None = None, model_dir: str | None = None
                                              get("option.max_num_batched_tokens", 4096)),
         max_idle_time_s=get("max_idle_time", 60),
         request_timeout_s=get("request_timeout", get("option.predict_timeout", 600.0)),
+        # SageMaker sends SIGKILL 30 s after SIGTERM.
+        graceful_timeout_s=get("graceful_timeout", 30.0),
+        max_payload_mb=get("option.max_payload_mb", 6.0),
+        batch_invariant=get("option.batch_invariant", False),
         enable_prefix_caching=get("option.enable_prefix_caching", False),
         gpu_memory_utilization=get("option.gpu_memory_utilization", 0.9),
         dtype=get("option.dtype", "auto"),

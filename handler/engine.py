@@ -79,6 +79,7 @@ class Engine:
         # Sequences waiting in the scheduler, as the engine thread last published it (under
         # _lock): HTTP threads count the queue from this and _intake, never the scheduler.
         self._waiting = 0
+        self._running = 0
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
         self._wake = threading.Event()
@@ -111,8 +112,11 @@ class Engine:
         with self._lock:
             for ids in prompts_ids:
                 self.scheduler.check_fits(len(ids), params)
+            # Room: job_queue_size, plus the running slots now free (intake not yet drained may
+            # go straight to one), so a server exactly at capacity still admits.
+            free_slots = max(0, self.scheduler.policy.max_batch_size - self._running)
             pending = self._waiting + len(self._intake)
-            if pending + len(prompts_ids) * k > self.scheduler.policy.max_waiting:
+            if pending + len(prompts_ids) * k > self.scheduler.policy.max_waiting + free_slots:
                 self.counters["rejected_queue_full"] += len(prompts_ids)
                 raise QueueFull(f"the queue is full ({self.scheduler.policy.max_waiting} requests "
                                 f"waiting; job_queue_size)")
@@ -152,7 +156,11 @@ class Engine:
             waiting = self._waiting + len(self._intake)
         return {"strategy": s.policy.strategy, "waiting": waiting,
                 "running": len(list(s.running)), **dict(s.stats), **s.kv_usage(), **self.counters,
-                "prefix_cache_hit_tokens": self.blocks.hit_tokens}
+                "prefix_cache_hit_tokens": self.blocks.hit_tokens,
+                # Blocks holding a registered prefix (in use or not) / of those, unreferenced
+                # and reclaimable (len() of a dict is atomic: safe from an HTTP thread).
+                "prefix_cache_blocks_cached": len(self.blocks.cached),
+                "prefix_cache_blocks_evictable": len(self.blocks.evictable)}
 
     # ---- the engine thread
     def _loop(self) -> None:
@@ -164,6 +172,7 @@ class Engine:
                 self.reset(ErrorEvent(500, f"internal engine error: {type(e).__name__}: {e}"))
             with self._lock:
                 self._waiting = len(self.scheduler.waiting)
+                self._running = len(self.scheduler.running)
         self.reset(ErrorEvent(503, "the server is shutting down"))
 
     def reset(self, event: ErrorEvent) -> None:

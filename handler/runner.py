@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import sampling
+from . import batch_invariant, sampling
 from .attention import ATTN_NAME, StepMeta  # importing it registers the attention function
 from .distributed import STEP
 from .sampling import Sampler
@@ -106,6 +106,8 @@ def pack_step(items: list[StepItem], bs: int, copies=()) -> tuple[torch.Tensor, 
 
 
 class ModelRunner:
+    batch_invariant = False   # option.batch_invariant: see handler/batch_invariant.py
+
     def __init__(self, model_dir: str, *, dtype: str = "auto", device: str = "auto",
                  block_size: int = 16, kv_cache_tokens: int | None = None,
                  max_running: int = 32, gpu_memory_utilization: float = 0.9,
@@ -229,10 +231,16 @@ class ModelRunner:
         return out.logits[0]
 
     # ---- one step
-    @torch.inference_mode()
     def step(self, items: list[StepItem], copies: list[tuple[int, int]] = ()) -> list[SampleResult]:
-        """Copy the listed KV blocks (copy-on-write of forked samples), run one packed forward;
-        returns one SampleResult per item."""
+        """Copy the listed KV blocks (copy-on-write of forked samples), run the items; returns
+        one SampleResult per item. One packed forward, or with option.batch_invariant one
+        forward per token of each sequence (handler/batch_invariant.py)."""
+        if self.batch_invariant:
+            return batch_invariant.step(self._packed_step, items, copies)
+        return self._packed_step(items, copies)
+
+    @torch.inference_mode()
+    def _packed_step(self, items: list[StepItem], copies: list[tuple[int, int]] = ()) -> list[SampleResult]:
         packed, first_row = pack_step(items, self.block_size, copies)
         if self.ranks is not None:   # the other ranks run the same copies + forward on their shards
             self.ranks.send(STEP, packed)

@@ -121,7 +121,8 @@ def warped_probs(logits: torch.Tensor, items: list[StepItem]) -> torch.Tensor:
         x = x.masked_fill(x < kth, NEG_INF)
     if any(p.top_p < 1.0 for p in params):
         top_p = torch.tensor([p.top_p for p in params], device=dev)
-        sorted_x, order = x.sort(dim=-1)                     # ascending, as HF's TopPLogitsWarper
+        sorted_x, order = x.sort(dim=-1, stable=True)        # ascending, as HF's TopPLogitsWarper;
+        # stable: tied logits keep token order, so a tie cannot flip what is cut
         remove = sorted_x.softmax(dim=-1).cumsum(dim=-1) <= (1 - top_p)[:, None]
         remove[:, -1] = False
         x = x.masked_fill(remove.scatter(1, order, remove), NEG_INF)
@@ -142,7 +143,7 @@ def _typical(x: torch.Tensor, mass: torch.Tensor) -> torch.Tensor:
     normalized = torch.log_softmax(x, dim=-1)
     ent = -(normalized * normalized.exp()).nansum(-1, keepdim=True)
     shifted = (-normalized - ent).abs()
-    sorted_scores, order = shifted.sort(dim=-1)
+    sorted_scores, order = shifted.sort(dim=-1, stable=True)
     cum = x.gather(-1, order).softmax(dim=-1).cumsum(dim=-1)
     last = (cum < mass[:, None]).sum(dim=1).clamp_(max=x.shape[1] - 1)
     remove = sorted_scores > sorted_scores.gather(1, last[:, None])

@@ -200,8 +200,15 @@ class Scheduler:
                                 f"max_new_tokens ({params.max_new_tokens}) needs {need} KV slots; "
                                 f"the KV cache holds {room} (option.kv_cache_tokens)")
 
+    def queue_room(self) -> int:
+        """Sequences that may still wait: job_queue_size, plus the running slots now free (a
+        sequence added to waiting takes one of those at the next schedule), less those waiting.
+        So a server exactly at capacity (every slot running, the queue full) still admits."""
+        free_slots = max(0, self.policy.max_batch_size - len(self.running))
+        return self.policy.max_waiting + free_slots - len(self.waiting)
+
     def add(self, seq: Sequence) -> None:
-        if len(self.waiting) >= self.policy.max_waiting:
+        if self.queue_room() < 1:
             raise QueueFull(f"the queue is full ({self.policy.max_waiting} waiting; job_queue_size)")
         self.check_fits(len(seq.prompt_ids), seq.params)
         self.seqs[seq.seq_id] = seq

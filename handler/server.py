@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import os
 import sys
 import threading
@@ -59,6 +60,7 @@ def engine_for(cfg, runner):
     from .scheduler import SchedulerPolicy
 
     width = _width(cfg)
+    runner.batch_invariant = cfg.batch_invariant
     policy = SchedulerPolicy(cfg.strategy, max_batch_size=width,
                              max_batch_delay_s=cfg.max_batch_delay_ms / 1000.0,
                              prefill_token_budget=cfg.max_rolling_batch_prefill_tokens,
@@ -135,9 +137,9 @@ def _gunicorn_app(cfg, host: str, port: int, threads: int):
     class App(BaseApplication):
         def load_config(self):
             settings = {
-                "bind": f"{host}:{port}", "workers": 1, "worker_class": "gthread",
+                "bind": f"{host}:{port}", "workers": 1, "worker_class": "handler.worker.Worker",
                 "threads": threads, "timeout": 120, "keepalive": 75,
-                "graceful_timeout": int(min(max(cfg.request_timeout_s, 30), 600)),
+                "graceful_timeout": max(1, math.ceil(cfg.graceful_timeout_s)),
                 "errorlog": "-", "loglevel": "info", "accesslog": None,
                 # Several servers may share a host (tests, benchmarks): no shared control socket.
                 "control_socket_disable": True,

@@ -139,6 +139,9 @@ GOOD = [
     ("option.entryPoint", "djl_python.huggingface", "entry_point", "djl_python.huggingface"),
     ("option.output_formatter", "jsonlines", "output_formatter", "jsonlines"),
     ("option.output_formatter", "SSE", "output_formatter", "sse"),
+    ("graceful_timeout", "25", "graceful_timeout_s", 25.0),
+    ("option.max_payload_mb", "0.5", "max_payload_mb", 0.5),
+    ("option.batch_invariant", "TRUE", "batch_invariant", True),
 ]
 
 
@@ -190,6 +193,9 @@ BAD = [
     ("option.max_num_batched_tokens", "0", "is not a positive integer"),
     ("option.quantize", "", "is empty"),
     ("option.model_id", "", "is empty"),
+    ("graceful_timeout", "-1", "is not a positive number of seconds"),
+    ("option.max_payload_mb", "0", "is not a positive number of megabytes"),
+    ("option.batch_invariant", "sometimes", "is not a boolean; allowed: true, false"),
 ]
 
 

@@ -134,14 +134,17 @@ def test_empty_prompt_rejected():
 
 
 def test_queue_full():
-    s = make("rolling", max_waiting=2)
-    s.add(seq(1, 3))
-    s.add(seq(2, 3))
+    s = make("rolling", max_waiting=2, max_batch_size=1)   # capacity: 1 running + 2 waiting
+    for i in (1, 2):
+        s.add(seq(i, 3))
+    assert s.queue_room() == 1
+    s.add(seq(3, 3))                                                   # exactly at capacity: admitted
     with pytest.raises(QueueFull, match="job_queue_size"):
-        s.add(seq(3, 3))
-    assert [q.seq_id for q in s.waiting] == [1, 2]
-    s.schedule(0.0)                                                    # both admitted: room again
-    s.add(seq(3, 3))
+        s.add(seq(4, 3))
+    assert [q.seq_id for q in s.waiting] == [1, 2, 3]
+    s.schedule(0.0)                                                    # 1 runs, 2 and 3 wait: full
+    assert [q.seq_id for q in s.waiting] == [2, 3] and s.queue_room() == 0
+    assert make("rolling", max_waiting=2).queue_room() == 34           # 32 slots free + 2
 
 
 # ---------------------------------------------------------------- none

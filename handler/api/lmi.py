@@ -30,6 +30,8 @@ def decode_body(body: bytes, content_type: str | None) -> dict:
         except (ValueError, UnicodeDecodeError) as e:
             hint = " (one JSON object per request)" if "Extra data" in str(e) else ""
             raise RequestError("body", f"invalid JSON{hint}: {str(e)[:100]}") from None
+        except RecursionError:
+            raise RequestError("body", "JSON nested too deeply") from None
         return payload
     if ctype == "text/plain":
         try:

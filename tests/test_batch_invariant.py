@@ -1,0 +1,97 @@
+"""option.batch_invariant=true (issue 13, finding 7): a seeded request gives the same tokens, and
+the same log-probs to the last bit, whatever shares its batch; the default mode does not promise it."""
+from __future__ import annotations
+
+import pytest
+
+from handler.request import SamplingParams
+from tests.test_engine import PROMPTS, assert_drained, make_engine
+
+ROLLING = {"option.rolling_batch": "auto", "option.paged_attention": "false",
+           "option.max_rolling_batch_prefill_tokens": "24"}
+SEEDED = SamplingParams(max_new_tokens=12, do_sample=True, temperature=1.0, seed=7)
+NOISE = SamplingParams(max_new_tokens=20, do_sample=True, temperature=1.3)
+
+
+def logprobs(engine, prompt, params):
+    ch = engine.submit([engine.tokenize(prompt)], params)[0]
+    out = []
+    while True:
+        ev = ch.events.get(timeout=300)
+        out.append((ev.id, ev.log_prob))
+        if ev.done:
+            return out
+
+
+@pytest.mark.parametrize("strategy", ["rolling", "paged"])
+def test_seeded_request_is_bit_identical_whatever_shares_its_batch(strategy, demo_model_dir, tmp_path):
+    props = {**ROLLING, "option.batch_invariant": "true"}
+    if strategy == "paged":
+        props.update({"option.paged_attention": "true", "option.kv_cache_tokens": "96",
+                      "option.block_size": "4"})    # tight: the crowd preempts and recomputes
+    engine = make_engine(demo_model_dir, tmp_path, props)
+    try:
+        alone = logprobs(engine, PROMPTS[0], SEEDED)
+        chans = [engine.submit([engine.tokenize(p)], NOISE)[0] for p in (PROMPTS[2], PROMPTS[1])]
+        crowded = logprobs(engine, PROMPTS[0], SEEDED)
+        for ch in chans:
+            while not getattr(ch.events.get(timeout=300), "done", True):
+                pass
+        assert crowded == alone          # token ids and log-probs, exactly
+        assert_drained(engine)
+    finally:
+        engine.shutdown()
+
+
+def test_default_mode_numbers_depend_on_the_batch(demo_model_dir, tmp_path):
+    """Why the mode exists: without it the same seeded request's log-probs move with its batch
+    (this is what turns into a different token near a tie)."""
+    engine = make_engine(demo_model_dir, tmp_path, ROLLING)
+    try:
+        alone = logprobs(engine, PROMPTS[0], SEEDED)
+        chans = [engine.submit([engine.tokenize(p)], NOISE)[0] for p in (PROMPTS[2], PROMPTS[1])]
+        crowded = logprobs(engine, PROMPTS[0], SEEDED)
+        for ch in chans:
+            while not getattr(ch.events.get(timeout=300), "done", True):
+                pass
+        assert [lp for _, lp in crowded] != [lp for _, lp in alone]
+    finally:
+        engine.shutdown()
+
+
+def _done_events(engine, prompt, params):
+    chans = engine.submit([engine.tokenize(prompt)], params)
+    out = []
+    for ch in chans:
+        while True:
+            ev = ch.events.get(timeout=300)
+            assert not hasattr(ev, "status"), ev
+            if ev.done:
+                out.append(ev.done)
+                break
+    return out
+
+
+def test_batch_invariant_mode_keeps_prompt_logprobs_and_forked_samples(demo_model_dir, tmp_path):
+    """The per-token path joins each chunk's prompt log-probs and applies copy-on-write block
+    copies once: prompt log-probs match the packed path's; n=2 samples share the prompt's KV."""
+    paged = {"option.rolling_batch": "auto", "option.max_rolling_batch_prefill_tokens": "8",
+             "option.block_size": "4"}
+    details = SamplingParams(max_new_tokens=4, decoder_input_details=True)
+    packed = make_engine(demo_model_dir, tmp_path, paged)
+    try:
+        want = _done_events(packed, PROMPTS[1], details)[0].prefill
+    finally:
+        packed.shutdown()
+    inv = make_engine(demo_model_dir, tmp_path, {**paged, "option.batch_invariant": "true"})
+    try:
+        got = _done_events(inv, PROMPTS[1], details)[0].prefill
+        assert [t[0] for t in got] == [t[0] for t in want] and got[0][2] is None
+        assert [t[2] for t in got[1:]] == pytest.approx([t[2] for t in want[1:]], abs=1e-4)
+        two = SamplingParams(max_new_tokens=6, do_sample=True, seed=3, n=2, ignore_eos=True)
+        first, second = _done_events(inv, PROMPTS[0], two), _done_events(inv, PROMPTS[0], two)
+        assert [d.generated_text for d in first] == [d.generated_text for d in second]
+        assert all(d.generated_tokens == 6 for d in first)
+        assert_drained(inv)
+    finally:
+        inv.shutdown()
