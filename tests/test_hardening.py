@@ -52,13 +52,21 @@ class FakeRunner:
         pass
 
 
-class Counting:
-    def __init__(self, fn):
-        self.fn, self.calls = fn, 0
+class CountingTokenizer:
+    """The real tokenizer, counting encodes (what a refusal must never reach)."""
 
-    def __call__(self, text):
+    def __init__(self, tok):
+        self._tok, self.calls = tok, 0
+
+    def __call__(self, *a, **kw):
         self.calls += 1
-        return self.fn(text)
+        return self._tok(*a, **kw)
+
+    def __len__(self):
+        return len(self._tok)
+
+    def __getattr__(self, name):
+        return getattr(self._tok, name)
 
 
 class Boom:
@@ -120,14 +128,13 @@ def make_app(model_dir, tmp_path, props="option.rolling_batch=auto\n", max_model
     cfg = load_config(path, model_dir, env={})
     if model_dir not in _TOKENIZERS:
         _TOKENIZERS[model_dir] = AutoTokenizer.from_pretrained(model_dir)
-    runner = FakeRunner(_TOKENIZERS[model_dir])
+    runner = FakeRunner(CountingTokenizer(_TOKENIZERS[model_dir]))
     policy = SchedulerPolicy(cfg.strategy, max_batch_size=running_width(cfg),
                              max_batch_delay_s=cfg.max_batch_delay_ms / 1000.0,
                              prefill_token_budget=cfg.max_rolling_batch_prefill_tokens,
                              max_waiting=cfg.job_queue_size, max_model_len=max_model_len)
     state = ServerState(cfg)
     state.engine = Engine(runner, policy, cfg.block_size, cfg.enable_prefix_caching).start()
-    state.engine.tokenize = Counting(state.engine.tokenize)
     app = create_app(state)
     app.test_client_class = BufferedClient
     return state, app.test_client()
@@ -177,7 +184,7 @@ def test_declared_body_over_the_limit_is_413_before_reading(served):
     assert client.get("/execution-parameters").get_json()["MaxPayloadInMB"] == 6   # the default
     r = post_stream(client, Boom(), str(6_000_001))
     assert "6000000 bytes" in assert_json_error(r, 413)["error"]
-    assert state.engine.tokenize.calls == 0
+    assert state.engine.tokenizer.calls == 0
 
 
 def test_unbounded_chunked_body_is_cut_at_the_limit(served):
@@ -196,7 +203,7 @@ def test_prompt_longer_than_any_tokenization_can_fit_is_refused_without_tokenizi
     r = client.post("/invocations", json={"inputs": ["ok", "a" * (4 * 64 * longest + 1)]})
     body = assert_json_error(r, 400)
     assert body["field"] == "inputs[1]" and "64 tokens" in body["error"]
-    assert state.engine.tokenize.calls == 0
+    assert state.engine.tokenizer.calls == 0
 
 
 # ---- finding 3: client errors that were 500s ------------------------------------------------
@@ -208,7 +215,7 @@ def test_lone_surrogates_are_400_naming_the_input(served, body, field):
     state, client = served()
     r = client.post("/invocations", data=body, content_type="application/json")
     assert assert_json_error(r, 400)["field"] == field
-    assert state.engine.tokenize.calls == 0
+    assert state.engine.tokenizer.calls == 0
 
 
 @pytest.mark.parametrize("body", [b"[" * 100_000, b'{"inputs": "a", "parameters": ' + b'{"a": ' * 50_000],
@@ -244,11 +251,11 @@ def test_queue_exactly_at_capacity_admits_and_the_next_is_refused_before_parsing
     for text in ("second", "third"):         # both arrive while that step runs
         threads.append(threading.Thread(target=post, args=(text,)))
         threads[-1].start()
-    assert wait_for(lambda: state.admission.inside == 3 and state.engine.tokenize.calls == 3)
-    calls = state.engine.tokenize.calls
+    assert wait_for(lambda: state.admission.inside == 3 and state.engine.tokenizer.calls == 3)
+    calls = state.engine.tokenizer.calls
     r = post_stream(client, Boom(), "30")
     assert "job_queue_size" in assert_json_error(r, 503)["error"]
-    assert state.engine.tokenize.calls == calls           # refused before parsing or tokenizing
+    assert state.engine.tokenizer.calls == calls           # refused before parsing or tokenizing
     runner.hold.set()
     for t in threads:
         t.join(30)
