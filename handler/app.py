@@ -13,12 +13,13 @@ import os
 import threading
 import time
 
-from flask import Flask, Response, request
+from flask import Flask, Response, g, request
 from werkzeug.exceptions import HTTPException
 from werkzeug.wsgi import ClosingIterator
 
 from . import api
 from .api import lmi, openai, tgi
+from .metrics import CONTENT_TYPE, Metrics, RequestTrace, request_id
 from .guard import (Admission, ClientDisconnected, MalformedBody, PayloadTooLarge, check_prompt,
                     longest_token_chars, read_body)
 from .request import RequestError, SamplingParams
@@ -46,6 +47,13 @@ class ServerState:
         # At most this many generation requests in flight: every running slot + the queue.
         self.admission = Admission(running_width(cfg) + cfg.job_queue_size)
         self._max_prompt_chars: int | None = None
+        self.metrics = Metrics(model_name(cfg), cfg.strategy, lambda: self.engine, self.http_stats)
+
+    def http_stats(self) -> dict:
+        """What the HTTP layer counts itself, for the metrics collector."""
+        with self.lock:
+            return {"responses": dict(self.http), "client_disconnects": self.client_disconnects,
+                    "in_flight": self.admission.inside, "refused": self.admission.refused}
 
     def check_prompts(self, gen) -> None:
         """Before tokenizing: text the tokenizer cannot take, or too long to fit the context
@@ -106,16 +114,33 @@ def create_app(state: ServerState) -> Flask:
     formatter = cfg.output_formatter
     timeout_hint = "request_timeout / option.predict_timeout / SAGEMAKER_MODEL_SERVER_TIMEOUT_SECONDS"
 
+    @app.before_request
+    def _trace():
+        rid, header = request_id(request.headers)
+        g.request_id, g.id_header = rid, header
+        if request.method == "POST":          # an inference request, whatever its protocol
+            g.trace = RequestTrace(state.metrics, rid)
+
     @app.after_request
-    def _count(resp):
+    def _record(resp):
         if request.path != "/ping" and request.method == "POST":
             state.count(resp.status_code)
+        rid = g.get("request_id")
+        if rid is not None:
+            resp.headers["X-Request-Id"] = rid
+            if g.id_header == "X-Amzn-RequestId":
+                resp.headers["X-Amzn-RequestId"] = rid
+        trace = g.get("trace")
+        if trace is not None:               # after the body is sent (a stream included)
+            status = resp.status_code
+            resp.call_on_close(lambda: trace.finish(status))
         return resp
 
     def run(parse, error, respond, stream):
         """parse() -> Generation; respond(gen, samples) -> Response; stream(gen, events) -> Response."""
         eng = state.engine
         if eng is None:
+            g.trace.reason = "loading"
             return error(503, "the model is still loading" if not state.error
                          else f"the model failed to load: {state.error}")
         try:
@@ -128,10 +153,13 @@ def create_app(state: ServerState) -> Flask:
         except RequestError as e:
             return error(e.status, e.message, e.field)
         except CapacityError as e:
+            g.trace.reason = "too_long"
             return error(400, e.message, gen.extra.get("fields", {}).get(e.field, e.field))
         except QueueFull as e:
+            g.trace.reason = "queue_full"
             log.warning("refused a request: %s", e)
             return error(503, str(e))
+        g.trace.watch(chans)
         deadline = chans[0].submitted + cfg.request_timeout_s
         if gen.stream:
             events = api.stream_events(eng, chans, len(gen.prompts), deadline)
@@ -266,17 +294,7 @@ def create_app(state: ServerState) -> Flask:
     # ---- operations
     @app.get("/metrics")
     def metrics():
-        lines = [f'lmi_http_responses_total{{class="{k}"}} {v}' for k, v in state.http.items()]
-        lines.append(f"lmi_http_client_disconnects_total {state.client_disconnects}")
-        lines.append(f"lmi_http_in_flight {state.admission.inside}")
-        if state.engine is not None:
-            stats = state.engine.stats()
-            # Refused at the HTTP door or by the engine: one count of queue-full refusals.
-            stats["rejected_queue_full"] = stats.get("rejected_queue_full", 0) + state.admission.refused
-            for k, v in stats.items():
-                if isinstance(v, (int, float)) and not isinstance(v, bool):
-                    lines.append(f"lmi_{k} {v}")
-        return Response("\n".join(lines) + "\n", mimetype="text/plain; version=0.0.4")
+        return Response(state.metrics.exposition(), content_type=CONTENT_TYPE)
 
     def _route_error(status, message):
         if request.path.startswith("/v1/"):
@@ -319,6 +337,7 @@ def _admitting(wsgi_app, state: ServerState):
             return wsgi_app(environ, start_response)
         if not state.admission.enter():
             state.count(503)
+            state.metrics.count("queue_full", 503)
             start_response("503 SERVICE UNAVAILABLE", headers)
             return [refusal]
         try:

@@ -238,6 +238,7 @@ TYPED_KEYS: dict[str, Callable[[str], object]] = {
     "option.predict_timeout": _float(0.0, None, True, "a positive number of seconds"),  # request_timeout
     "option.max_num_batched_tokens": _int(1),   # vLLM's name for max_rolling_batch_prefill_tokens
     "option.quantize": _non_empty,              # refused: quantization is not implemented
+    "option.log_format": _enum(["text", "json"]),
     "option.enable_streaming": _bool,  # LMI's switch; checked against dynamic batching
     "option.max_payload_mb": _float(0.0, None, True, "a positive number of megabytes"),
     "option.batch_invariant": _bool,
@@ -315,6 +316,7 @@ class ServingConfig:
     output_formatter: str         # "json" | "jsonlines" | "sse" | "json_chat" | "jsonlines_chat" | "sse_chat"
     max_payload_mb: float         # request bodies above this are refused (413)
     batch_invariant: bool         # numerics independent of what shares the batch
+    log_format: str               # "text" | "json" (server logs, one request line each)
     port: int
     warnings: tuple[str, ...]
     properties: dict = dataclasses.field(hash=False)  # merged raw properties, key -> value
@@ -665,6 +667,7 @@ def load_config(properties_path: str | None = None, model_dir: str | None = None
         gpu_memory_utilization=get("option.gpu_memory_utilization", 0.9),
         dtype=get("option.dtype", "auto"),
         trust_remote_code=get("option.trust_remote_code", False),
+        log_format=get("option.log_format", "text"),
         warnings=tuple(src.warnings),
         properties={k: v.raw for k, v in sorted(src.merged.items())},
         tgi_compat=get("option.tgi_compat", False),

@@ -91,6 +91,7 @@ class Engine:
         self._special = frozenset(getattr(self.tokenizer, "all_special_ids", ()))
         self._stop = False
         self.healthy = True
+        self.on_step = None     # metrics: called with each step's plan (handler/metrics.py)
         self.error: str | None = None
         self.counters = {"requests": 0, "rejected_queue_full": 0, "aborted": 0, "failed": 0,
                          "finished": 0, "generated_tokens": 0}
@@ -197,6 +198,8 @@ class Engine:
             self._wake.wait(0.05 if wait is None else min(wait, 0.05))
             self._wake.clear()
             return
+        if self.on_step is not None:
+            self.on_step(plan)
         try:
             results = self.runner.step(plan.items, plan.copies)
         except Exception as e:  # the model failed: fail this step's requests, keep serving

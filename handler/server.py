@@ -113,7 +113,9 @@ def create_state(cfg, load_async: bool = True):
 
     def load():
         try:
-            state.engine = build_engine(cfg, rank_failed)
+            engine = build_engine(cfg, rank_failed)
+            engine.on_step = state.metrics.observe_step
+            state.engine = engine
             log.info("ready: strategy=%s model=%s", cfg.strategy, cfg.model_dir)
         except Exception as e:
             if state.error is None:   # else a rank's failure, already reported (one line)
@@ -148,6 +150,9 @@ def _gunicorn_app(cfg, host: str, port: int, threads: int):
                 self.cfg.set(k, v)
 
         def load(self):
+            from .metrics import configure_logging
+
+            configure_logging(cfg.log_format)      # gunicorn's own log handlers exist by now
             return create_app(create_state(cfg))
 
     return App()
@@ -164,10 +169,12 @@ def main(argv: list[str]) -> int:
     p.add_argument("--host", default="0.0.0.0")
     p.add_argument("--threads", type=int, help="HTTP threads (default: enough for the queue)")
     a = p.parse_args(argv)
-    logging.basicConfig(level=os.environ.get("LMI_LOG_LEVEL", "INFO"),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from .metrics import configure_logging
+
+    configure_logging("text", os.environ.get("LMI_LOG_LEVEL", "INFO"))
     try:
         cfg = load_config(a.properties, a.model_dir, os.environ)
+        configure_logging(cfg.log_format)
         if cfg.model_id.startswith("s3://"):
             from dataclasses import replace
 
