@@ -8,6 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import requests
+from prometheus_client.parser import text_string_to_metric_families
 
 from tests.reference import hf_greedy, tokenizer
 from tests.serverutil import Server
@@ -153,14 +154,14 @@ def test_execution_parameters_and_metrics(server):
     r = requests.get(server.url + "/execution-parameters", timeout=5)
     assert r.status_code == 200 and r.json()["MaxConcurrentTransforms"] >= 1
     m = requests.get(server.url + "/metrics", timeout=5).text
-    assert "lmi_kv_utilization" in m and "lmi_generated_tokens" in m
+    assert "\nlmi_kv_utilization{" in m and "\nlmi_generated_tokens_total{" in m
 
 
 def test_best_of_samples_share_the_prompt_on_paged_as_metrics_show(server, demo_model_dir):
     def forked():
         text = requests.get(server.url + "/metrics", timeout=5).text
-        return float(next(line.split()[1] for line in text.splitlines()
-                          if line.startswith("lmi_forked_prompt_tokens ")))
+        return next(s.value for fam in text_string_to_metric_families(text) for s in fam.samples
+                    if s.name == "lmi_forked_prompt_tokens_total")
     before = forked()
     r = server.post({"inputs": PROMPTS[2], "parameters": {"max_new_tokens": 6, "best_of": 3, "details": True}})
     assert r.status_code == 200, r.text

@@ -11,6 +11,7 @@ import time
 
 import pytest
 import requests
+from prometheus_client.parser import text_string_to_metric_families
 
 from tests.serverutil import ROOT, Server
 
@@ -19,11 +20,14 @@ pytestmark = pytest.mark.slow
 LONG = {"max_new_tokens": 900, "ignore_eos": True}
 
 
-def metric(srv, name) -> float:
-    for line in requests.get(srv.url + "/metrics", timeout=5).text.splitlines():
-        if line.startswith(name + " "):
-            return float(line.split()[1])
-    raise AssertionError(f"{name} not in /metrics")
+def metric(srv, name, **labels) -> float:
+    """A sample of /metrics (parsed by prometheus_client), summed over the labels not given."""
+    text = requests.get(srv.url + "/metrics", timeout=5).text
+    found = [s.value for fam in text_string_to_metric_families(text) for s in fam.samples
+             if s.name == name and labels.items() <= s.labels.items()]
+    if not found and name != "lmi_requests_total":     # an outcome not seen yet counts 0
+        raise AssertionError(f"{name} not in /metrics")
+    return sum(found)
 
 
 def wait_for(pred, timeout=60.0):
@@ -54,7 +58,8 @@ def test_queue_full_503_then_recovers(demo_model_dir, tmp_path):
         r = srv.post({"inputs": "c", "parameters": {"max_new_tokens": 2}})
         assert r.status_code == 503 and time.time() - t0 < 2.0
         assert "job_queue_size" in r.json()["error"]
-        assert metric(srv, "lmi_rejected_queue_full") == 1
+        assert metric(srv, "lmi_requests_total", outcome="queue_full", code="503") == 1
+        assert metric(srv, "lmi_rejected_queue_full_total") == 1
         busy.close()                                     # frees the running slot
         for t in waiters:
             t.join(60)
@@ -72,6 +77,7 @@ def test_request_timeout_gives_504_and_frees_the_sequence(demo_model_dir, tmp_pa
         assert r.status_code == 504 and 1.5 < time.time() - t0 < 10
         assert "timed out" in r.json()["error"]
         assert wait_for(lambda: metric(srv, "lmi_running") == 0 and metric(srv, "lmi_kv_tokens_allocated") == 0)
+        assert metric(srv, "lmi_requests_total", outcome="timeout", code="504") == 1
         assert srv.post({"inputs": "b", "parameters": {"max_new_tokens": 3}}).status_code == 200
     finally:
         srv.stop()
@@ -87,8 +93,9 @@ def test_disconnect_mid_stream_frees_the_sequence_and_sse_format(demo_model_dir,
         assert first.startswith(b"data: ") and "token" in json.loads(first[6:])
         r.close()
         assert wait_for(lambda: metric(srv, "lmi_running") == 0)
-        assert metric(srv, "lmi_aborted") >= 1
-        assert metric(srv, "lmi_generated_tokens") < 900
+        assert metric(srv, "lmi_aborted_total") >= 1
+        assert wait_for(lambda: metric(srv, "lmi_requests_total", outcome="aborted", code="499") == 1)
+        assert metric(srv, "lmi_generated_tokens_total") < 900
     finally:
         srv.stop()
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 from dataclasses import replace
@@ -73,7 +74,8 @@ def _workload_args(p, default_preset: str):
 
 def cmd_run(a) -> int:
     from handler.bench.client import invocations_url, run_load
-    from handler.bench.metrics import summarise
+    from handler.bench.metrics import summarise, tpot
+    from handler.bench.scrape import Scraper
 
     p = PRESETS[a.preset]
     by_name = {w.name: w for w in p.workloads}
@@ -83,13 +85,25 @@ def cmd_run(a) -> int:
     bodies = w.draw()
     if a.no_stream:
         bodies = [dict(b, stream=False) for b in bodies]
-    recs, dur = run_load(invocations_url(a.url), bodies, w.concurrency, timeout=a.timeout,
-                         progress=not a.no_progress, desc=w.name)
+    if a.scrape_interval < 0:
+        raise UsageError(f"--scrape-interval={a.scrape_interval}: must be >= 0 (0: no scraping)")
+    scraper = Scraper(a.url, a.scrape_interval) if a.scrape_interval > 0 else None
+    with scraper or contextlib.nullcontext():
+        recs, dur = run_load(invocations_url(a.url), bodies, w.concurrency, timeout=a.timeout,
+                             progress=not a.no_progress, desc=w.name)
     s = summarise(recs, w.concurrency, dur)
-    out = {"url": a.url, "workload": w.to_dict(), "result": s}
+    server = scraper.summary() if scraper else None
+    out = {"url": a.url, "workload": w.to_dict(), "result": s, "server": server}
     if a.out:
         with open(a.out, "w") as f:
             json.dump(dict(out, records=[r.to_dict() for r in recs]), f, indent=2)
+    if scraper and a.scrape_out:
+        with open(a.scrape_out, "w") as f:
+            json.dump({"interval_s": a.scrape_interval, "series": scraper.to_json()}, f)
+    if scraper and a.plot:
+        from handler.bench.dashboard import plot
+        plot(scraper.series, a.plot, title=f"{a.url}  workload {w.name}: {len(bodies)} requests, "
+                                          f"{w.concurrency} clients")
     ms = lambda x: "–" if x is None else f"{x * 1e3:.1f}"  # noqa: E731
     print(f"{s['completed']}/{s['n']} ok, {s['errors']} errors in {dur:.1f} s: "
           f"{s['requests_per_s']:.2f} req/s, {s['output_tokens_per_s']:.0f} output tok/s, "
@@ -97,6 +111,22 @@ def cmd_run(a) -> int:
           f"latency p50/p90/p99 {ms(s['latency_p50'])}/{ms(s['latency_p90'])}/{ms(s['latency_p99'])} ms, "
           f"TTFT p50/p99 {ms(s['ttft_p50'])}/{ms(s['ttft_p99'])} ms, "
           f"TPOT p50/p99 {ms(s['tpot_p50'])}/{ms(s['tpot_p99'])} ms")
+    if server is not None:
+        ok = [r for r in recs if r.error is None]
+        mean = lambda xs: sum(xs) / len(xs) if xs else None  # noqa: E731
+        client = {"ttft": mean([r.ttft for r in ok if r.ttft is not None]),
+                  "tpot": mean([t for t in (tpot(r.latency, r.ttft, r.tokens) for r in ok) if t is not None]),
+                  "latency": mean([r.latency for r in ok])}
+        print("server (/metrics) vs client, mean | p50 | p99 ms:")
+        for fig in ("ttft", "tpot", "latency"):
+            print(f"  {fig:8s} server {ms(server[fig + '_mean'])} | {ms(server[fig + '_p50'])} | "
+                  f"{ms(server[fig + '_p99'])}   client {ms(client[fig])} | {ms(s[fig + '_p50'])} | "
+                  f"{ms(s[fig + '_p99'])}")
+        print(f"  queue    server {ms(server['queue_mean'])} | {ms(server['queue_p50'])} | "
+              f"{ms(server['queue_p99'])}   ({server['scrapes']} scrapes)")
+    elif scraper is not None:
+        print(f"no server-side figures: {scraper.failures} of the scrapes of {scraper.url} failed",
+              file=sys.stderr)
     for e in s["error_samples"]:
         print(f"error: {e}", file=sys.stderr)
     return 0 if s["errors"] == 0 else 1
@@ -133,6 +163,10 @@ def main(argv: list[str]) -> int:
     r.add_argument("--timeout", type=float, default=900.0, help="seconds per request")
     r.add_argument("--no-stream", action="store_true", help="ask for one JSON body (TTFT unknown)")
     r.add_argument("--out", help="write the figures and every request's record to this JSON file")
+    r.add_argument("--scrape-interval", type=float, default=1.0,
+                   help="seconds between scrapes of the server's /metrics (0: none)")
+    r.add_argument("--scrape-out", help="write the /metrics scrape series to this JSON file")
+    r.add_argument("--plot", help="draw the dashboard's panels from the scrapes into this PNG")
     _workload_args(r, "gpu")
     c = sub.add_parser("compare", help="start every strategy and peer, run the preset, write results")
     c.add_argument("--out", required=True, help="directory for results.json/.md/.png, logs and the model")
