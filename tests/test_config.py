@@ -187,6 +187,7 @@ BAD = [
     ("option.trust_remote_code", "on", "is not a boolean; allowed: true, false"),
     ("option.entryPoint", "", "is empty"),
     ("option.output_formatter", "xml", "is not supported; allowed: json, jsonlines, sse, json_chat, jsonlines_chat, sse_chat"),
+    ("option.log_format", "yaml", "is not supported; allowed: text, json"),
     ("option.enable_streaming", "maybe", "is not a boolean; allowed: true, false"),
     ("option.tgi_compat", "yes", "is not a boolean; allowed: true, false"),
     ("option.predict_timeout", "-1", "is not a positive number of seconds"),

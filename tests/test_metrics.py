@@ -220,3 +220,60 @@ def test_request_id_sources():
     assert request_id({"X-Request-Id": "b"}) == ("b", "X-Request-Id")
     rid, src = request_id({"X-Request-Id": "bad id"})
     assert src is None and re.fullmatch(r"[0-9a-f]{32}", rid)
+
+
+@pytest.mark.slow
+def test_bench_run_reports_server_side_figures_from_scrapes(server, tmp_path):
+    """`bench run` scrapes /metrics: its server-side counts are the requests it sent, and the
+    server's mean TTFT/latency sit inside the client's (the difference is the HTTP/network share)."""
+    import gzip
+    import subprocess
+    import sys
+
+    from tests.serverutil import ROOT
+
+    out, scrapes, png = tmp_path / "run.json", tmp_path / "scrapes.json.gz", tmp_path / "panels.png"
+    p = subprocess.run([sys.executable, "-m", "handler", "bench", "run", "--url", server.url, "--preset", "smoke",
+                        "--workload", "smoke", "--scrape-interval", "0.2", "--out", str(out),
+                        "--scrape-out", str(scrapes), "--plot", str(png), "--no-progress"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "server (/metrics) vs client" in p.stdout
+    run = json.loads(out.read_text())
+    srv, client, recs = run["server"], run["result"], run["records"]
+    assert srv["ttft_count"] == srv["tpot_count"] == srv["latency_count"] == client["completed"] == 6
+    client_ttft = sum(r["ttft"] for r in recs) / len(recs)
+    client_latency = sum(r["end"] - r["start"] for r in recs) / len(recs)
+    assert 0 < srv["ttft_mean"] <= client_ttft and 0 < srv["latency_mean"] <= client_latency
+    with gzip.open(scrapes, "rt") as f:
+        series = json.load(f)["series"]
+    assert len(series) == srv["scrapes"] >= 2 and png.stat().st_size > 10_000
+
+
+def test_histogram_quantile_matches_the_observations():
+    """Bucket-estimated quantiles (as Prometheus computes them) land in the bucket that holds the
+    exact quantile of the raw observations; prometheus_client does the bucketing."""
+    import random
+
+    from prometheus_client import CollectorRegistry, Histogram
+
+    from handler.bench.dashboard import histogram_quantile
+    from handler.bench.scrape import parse
+
+    rng = random.Random(7)
+    xs = [rng.lognormvariate(-3, 0.8) for _ in range(2000)]
+    reg = CollectorRegistry()
+    bounds = (0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64)
+    h = Histogram("lmi_x_seconds", "x", buckets=bounds, registry=reg)
+    for x in xs:
+        h.observe(x)
+    from prometheus_client import generate_latest
+    buckets = [(float(dict(k)["le"]), v) for k, v in parse(generate_latest(reg).decode())["lmi_x_seconds_bucket"].items()]
+    for q in (0.1, 0.5, 0.9, 0.99):
+        exact = sorted(xs)[int(q * len(xs))]
+        est = histogram_quantile(q, buckets)
+        edges = (0.0,) + bounds + (float("inf"),)
+        i = next(i for i in range(len(edges) - 1) if edges[i] < exact <= edges[i + 1])
+        assert edges[i] <= est <= edges[i + 1], (q, exact, est)
+    assert histogram_quantile(0.5, [(0.1, 0), (float("inf"), 0)]) != histogram_quantile(0.5, [])  # NaN != NaN
+    assert histogram_quantile(0.99, [(0.1, 1), (float("inf"), 10)]) == 0.1  # in +Inf: the last finite bound

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gzip
 import json
 import sys
 from dataclasses import replace
@@ -98,12 +99,12 @@ def cmd_run(a) -> int:
         with open(a.out, "w") as f:
             json.dump(dict(out, records=[r.to_dict() for r in recs]), f, indent=2)
     if scraper and a.scrape_out:
-        with open(a.scrape_out, "w") as f:
+        with (gzip.open if a.scrape_out.endswith(".gz") else open)(a.scrape_out, "wt") as f:
             json.dump({"interval_s": a.scrape_interval, "series": scraper.to_json()}, f)
     if scraper and a.plot:
         from handler.bench.dashboard import plot
         plot(scraper.series, a.plot, title=f"{a.url}  workload {w.name}: {len(bodies)} requests, "
-                                          f"{w.concurrency} clients")
+                                          f"{w.concurrency} clients", window=max(15.0, 5 * a.scrape_interval))
     ms = lambda x: "–" if x is None else f"{x * 1e3:.1f}"  # noqa: E731
     print(f"{s['completed']}/{s['n']} ok, {s['errors']} errors in {dur:.1f} s: "
           f"{s['requests_per_s']:.2f} req/s, {s['output_tokens_per_s']:.0f} output tok/s, "
@@ -165,7 +166,7 @@ def main(argv: list[str]) -> int:
     r.add_argument("--out", help="write the figures and every request's record to this JSON file")
     r.add_argument("--scrape-interval", type=float, default=1.0,
                    help="seconds between scrapes of the server's /metrics (0: none)")
-    r.add_argument("--scrape-out", help="write the /metrics scrape series to this JSON file")
+    r.add_argument("--scrape-out", help="write the /metrics scrape series to this JSON file (.json.gz: gzipped)")
     r.add_argument("--plot", help="draw the dashboard's panels from the scrapes into this PNG")
     _workload_args(r, "gpu")
     c = sub.add_parser("compare", help="start every strategy and peer, run the preset, write results")

@@ -1,7 +1,8 @@
 """One panel list, two renderings: the Grafana dashboard (PromQL, committed under container/grafana/)
 and the same panels drawn with matplotlib from a series of /metrics scrapes (`bench run --plot`).
 
-`python -m handler.bench.dashboard` rewrites the committed JSON from PANELS.
+`python -m handler.bench.dashboard` rewrites the committed JSON from PANELS;
+`python -m handler.bench.dashboard --plot SCRAPES.json OUT.png` redraws a saved run.
 """
 from __future__ import annotations
 
@@ -163,7 +164,7 @@ def evaluate(query: Query, old: dict, new: dict, dt: float) -> dict:
     return {query.legend: histogram_quantile(query.q, [(float(k), v) for k, v in d.items()])}
 
 
-def plot(series: list[tuple[float, dict]], path: str, title: str = "", window: float = 5.0) -> None:
+def plot(series: list[tuple[float, dict]], path: str, title: str = "", window: float = 15.0) -> None:
     """Draw PANELS from scrapes [(seconds, {sample: {labels: value}})]; rates and quantiles over
     the last `window` seconds, as Grafana's rate(...[window]) would."""
     import matplotlib
@@ -208,7 +209,23 @@ def plot(series: list[tuple[float, dict]], path: str, title: str = "", window: f
     plt.close(fig)
 
 
-def main() -> int:
+def main(argv: list[str]) -> int:
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="python -m handler.bench.dashboard",
+                                 description="Rewrite the committed Grafana dashboard from PANELS, or plot "
+                                             "the panels from a scrape series (bench run --scrape-out).")
+    ap.add_argument("--plot", nargs=2, metavar=("SCRAPES_JSON", "OUT_PNG"))
+    ap.add_argument("--window", type=float, default=15.0, help="seconds for rates and quantiles")
+    ap.add_argument("--title", default="")
+    a = ap.parse_args(argv)
+    if a.plot:
+        from handler.bench.scrape import from_json
+        import gzip
+        with (gzip.open if a.plot[0].endswith(".gz") else open)(a.plot[0], "rt") as f:
+            plot(from_json(json.load(f)["series"]), a.plot[1], title=a.title, window=a.window)
+        print(a.plot[1])
+        return 0
     os.makedirs(os.path.dirname(DASHBOARD_PATH), exist_ok=True)
     with open(DASHBOARD_PATH, "w") as f:
         json.dump(build_dashboard(), f, indent=2)
@@ -218,4 +235,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(sys.argv[1:]))
