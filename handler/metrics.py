@@ -70,6 +70,8 @@ ENGINE_SERIES = {
     "cached_prompt_tokens": ("lmi_cached_prompt_tokens", "counter",
                              "Prompt tokens served from the prefix cache at admission"),
     "admitted": ("lmi_admitted", "counter", "Sequences admitted into the running batch"),
+    "forked_prompt_tokens": ("lmi_forked_prompt_tokens", "counter",
+                             "Prompt tokens that n/best_of samples shared instead of recomputing"),
     "requests": ("lmi_engine_sequences", "counter", "Sequences submitted to the engine"),
     "rejected_queue_full": ("lmi_rejected_queue_full", "counter", "Sequences refused: queue full"),
     "aborted": ("lmi_aborted", "counter", "Sequences aborted (client gone or time-out)"),
