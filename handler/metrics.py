@@ -48,7 +48,7 @@ STEP_SEQ_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 512)
 
 # HTTP status -> outcome label, unless the route named a finer reason (`RequestTrace.reason`).
 OUTCOMES = {200: "ok", 400: "bad_request", 404: "not_found", 405: "method_not_allowed",
-            411: "length_required", 413: "too_large", 415: "unsupported_media_type",
+            411: "length_required", 413: "too_large", 415: "unsupported_media_type", 422: "bad_request",
             424: "model_failure", 429: "throttled", 499: "aborted", 500: "internal",
             503: "unavailable", 504: "timeout"}
 
