@@ -32,6 +32,19 @@ def scrape(url: str) -> dict:
     return out
 
 
+def settled(url: str, before: dict, n: int) -> dict:
+    """The scrape once n more requests are recorded (a request is recorded when its response
+    closes, which may be just after the client has read the last byte)."""
+    def total(m):
+        return sum(m.get("lmi_requests_total", {}).values())
+    deadline = time.time() + 15
+    while True:
+        m = scrape(url)
+        if total(m) >= total(before) + n or time.time() > deadline:
+            return m
+        time.sleep(0.05)
+
+
 def one(m: dict, name: str, **labels) -> float:
     return m[name][frozenset(labels.items())]
 
@@ -76,7 +89,7 @@ def test_histogram_counts_match_the_requests_sent(server, tokenizer):
     bad = server.post({"inputs": "x", "parameters": {"max_new_tokens": 0}})
     too_long = server.post({"inputs": "x " * 5000, "parameters": {"max_new_tokens": 2}})
     assert bad.status_code == 400 and too_long.status_code == 400
-    after = scrape(server.url)
+    after = settled(server.url, before, len(bodies) + len(streams) + 3)
 
     def delta(name, **labels):
         return one(after, name, **labels) - before.get(name, {}).get(frozenset(labels.items()), 0.0)
@@ -106,6 +119,28 @@ def test_histogram_counts_match_the_requests_sent(server, tokenizer):
 
 
 @pytest.mark.slow
+def test_every_protocol_is_counted(server, tokenizer):
+    """OpenAI and TGI routes go through the same trace: their requests land in the same series."""
+    before = scrape(server.url)
+    chat = requests.post(server.url + "/v1/completions", timeout=60,
+                         json={"model": "demo", "prompt": "def g(", "max_tokens": 5, "stream": True})
+    tgi = requests.post(server.url + "/generate", timeout=60,
+                        json={"inputs": "x = ", "parameters": {"max_new_tokens": 4}})
+    bad = requests.post(server.url + "/generate", timeout=60, json={"inputs": "x", "parameters": {"top_p": 7}})
+    assert chat.status_code == tgi.status_code == 200 and bad.status_code == 422
+    after = settled(server.url, before, 3)
+
+    def delta(name, **labels):
+        return one(after, name, **labels) - before.get(name, {}).get(frozenset(labels.items()), 0.0)
+
+    assert delta("lmi_requests_total", outcome="ok", code="200") == 2
+    assert delta("lmi_requests_total", outcome="bad_request", code="422") == 1
+    assert delta("lmi_time_to_first_token_seconds_count") == 2
+    assert delta("lmi_request_prompt_tokens_sum") == sum(len(tokenizer(p)["input_ids"]) for p in ("def g(", "x = "))
+    assert tgi.headers["X-Request-Id"] and chat.headers["X-Request-Id"]
+
+
+@pytest.mark.slow
 def test_server_side_ttft_and_latency_sit_inside_the_clients(server):
     """One streamed request alone: the server's TTFT and end-to-end time are within the client's."""
     before = scrape(server.url)
@@ -117,7 +152,7 @@ def test_server_side_ttft_and_latency_sit_inside_the_clients(server):
         client_ttft = time.perf_counter() - t0
         n = 1 + sum(1 for ln in lines if ln)
     client_total = time.perf_counter() - t0
-    after = scrape(server.url)
+    after = settled(server.url, before, 1)
     d = {h: one(after, h + "_sum") - before[h + "_sum"][frozenset()]
          for h in ("lmi_time_to_first_token_seconds", "lmi_e2e_request_latency_seconds",
                    "lmi_time_per_output_token_seconds")}

@@ -60,6 +60,9 @@ class Scraper:
     def __exit__(self, *exc) -> None:
         self._stop.set()
         self._thread.join()
+        # The server records a request when its response closes, just after the client has read
+        # the last byte: give the last ones a moment before the final scrape.
+        time.sleep(0.5)
         self.scrape()
         self._session.close()
 
