@@ -53,3 +53,16 @@ class Server:
                 self.proc.wait()
         self.log.close()
         return self.proc.returncode
+
+
+def flat_metrics(text: str) -> dict:
+    """/metrics parsed by prometheus_client: {'name' or 'name{k="v",...}': value}, the
+    model/strategy labels every series carries left out."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            labels = ",".join(f'{k}="{v}"' for k, v in sorted(s.labels.items()) if k not in ("model", "strategy"))
+            out[s.name + (f"{{{labels}}}" if labels else "")] = s.value
+    return out

@@ -18,6 +18,7 @@ from handler.config import load_config
 from handler.engine import Engine
 from handler.request import ALLOWED_PARAMETERS
 from handler.scheduler import SampleResult, SchedulerPolicy
+from tests.serverutil import flat_metrics
 
 
 class FakeRunner:
@@ -155,11 +156,7 @@ def served(demo_model_dir, tmp_path):
 
 
 def metrics(client) -> dict:
-    out = {}
-    for line in client.get("/metrics").get_data(as_text=True).splitlines():
-        name, value = line.rsplit(" ", 1)
-        out[name] = float(value)
-    return out
+    return flat_metrics(client.get("/metrics").get_data(as_text=True))
 
 
 def assert_json_error(r, status):
@@ -260,7 +257,7 @@ def test_queue_exactly_at_capacity_admits_and_the_next_is_refused_before_parsing
     for t in threads:
         t.join(30)
     assert [r.status_code for r in results] == [200, 200, 200], [r.get_json() for r in results]
-    assert metrics(client)["lmi_rejected_queue_full"] == 1
+    assert metrics(client)["lmi_rejected_queue_full_total"] == 1
     assert state.admission.inside == 0
 
 

@@ -14,7 +14,7 @@ import requests
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.serverutil import Server
+from tests.serverutil import Server, flat_metrics
 from tests.test_hardening import _body, _bounded
 
 pytestmark = pytest.mark.slow
@@ -45,11 +45,7 @@ def raw(srv, data: bytes, timeout=10.0) -> tuple[int, dict | str]:
 
 
 def metrics(srv) -> dict:
-    out = {}
-    for line in requests.get(srv.url + "/metrics", timeout=10).text.splitlines():
-        name, value = line.rsplit(" ", 1)
-        out[name] = float(value)
-    return out
+    return flat_metrics(requests.get(srv.url + "/metrics", timeout=10).text)
 
 
 def worker_rss_mb(srv) -> float:
