@@ -79,7 +79,9 @@ class ServerState:
 
 
 def _json(body, status: int = 200) -> Response:
-    return Response(json.dumps(body, ensure_ascii=False), status=status, mimetype="application/json")
+    # A lone surrogate (echoed from a client's value) cannot be UTF-8: write it as its JSON escape.
+    data = json.dumps(body, ensure_ascii=False).encode("utf-8", "backslashreplace")
+    return Response(data, status=status, mimetype="application/json")
 
 
 def error_response(status: int, message: str, field: str | None = None) -> Response:

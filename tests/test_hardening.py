@@ -215,6 +215,15 @@ def test_lone_surrogates_are_400_naming_the_input(served, body, field):
     assert state.engine.tokenizer.calls == 0
 
 
+def test_an_error_echoing_a_lone_surrogate_is_a_json_400(served):
+    # The bad value is quoted back in the message; a lone surrogate cannot be UTF-8 encoded.
+    _, client = served()
+    r = client.post("/invocations", data=b'{"inputs": "a", "parameters": {"top_k": "\\ud800"}}',
+                    content_type="application/json")
+    body = assert_json_error(r, 400)
+    assert body["field"] == "parameters.top_k" and "\ud800" in body["error"]
+
+
 @pytest.mark.parametrize("body", [b"[" * 100_000, b'{"inputs": "a", "parameters": ' + b'{"a": ' * 50_000],
                          ids=["arrays", "objects"])
 def test_deeply_nested_json_is_400(served, body):
