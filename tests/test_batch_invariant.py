@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from handler.request import SamplingParams
-from tests.test_engine import PROMPTS, assert_drained, make_engine
+from tests.reference import hf_greedy
+from tests.test_engine import NEW, PROMPTS, assert_drained, make_engine, run_all
 
 ROLLING = {"option.rolling_batch": "auto", "option.paged_attention": "false",
            "option.max_rolling_batch_prefill_tokens": "24"}
@@ -95,3 +96,18 @@ def test_batch_invariant_mode_keeps_prompt_logprobs_and_forked_samples(demo_mode
         assert_drained(inv)
     finally:
         inv.shutdown()
+
+
+@pytest.mark.parametrize("strategy", ["rolling", "paged"])
+def test_greedy_in_batch_invariant_mode_equals_generate(strategy, demo_model_dir, tmp_path):
+    """The mode changes how rows reach the model, not what greedy decoding produces."""
+    props = {**ROLLING, "option.batch_invariant": "true",
+             "option.paged_attention": "true" if strategy == "paged" else "false"}
+    engine = make_engine(demo_model_dir, tmp_path, props)
+    try:
+        results = run_all(engine, PROMPTS, [SamplingParams(max_new_tokens=n) for n in NEW])
+        for p, n, (ids, _) in zip(PROMPTS, NEW, results):
+            assert ids == hf_greedy(demo_model_dir, p, n), (strategy, p[:20])
+        assert_drained(engine)
+    finally:
+        engine.shutdown()
