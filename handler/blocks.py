@@ -4,7 +4,8 @@ A block holds `block_size` token slots of every layer's KV. A sequence's block t
 position p to slot `table[p // block_size] * block_size + p % block_size`.
 Full blocks can be registered under a chained hash of (parent hash, token ids) and shared by
 later sequences with the same prefix; unreferenced cached blocks stay reusable until evicted
-least-recently-used.
+least-recently-used. A chain may start from a `root` (the LoRA adapter's key): sequences with
+different roots never share a block, since the same tokens give other KV under another adapter.
 """
 from __future__ import annotations
 
@@ -32,6 +33,7 @@ class BlockManager:
         self.evictable: OrderedDict[int, None] = OrderedDict()  # ref 0 but cached, LRU first
         self.tables: dict[int, list[int]] = {}
         self.hashes: dict[int, list[int]] = {}           # seq -> chained hashes of its full blocks
+        self.roots: dict[int, object] = {}               # seq -> its chain's root (None: base model)
 
     # ---- queries
     @property
@@ -55,12 +57,13 @@ class BlockManager:
     def _chain(parent: int | None, tokens) -> int:
         return hash((parent, tuple(tokens)))
 
-    def match(self, token_ids: list[int]) -> list[int]:
-        """Cached blocks covering a prefix of token_ids (at least one token is left to compute).
-        A hit is checked against the block's tokens, not only its hash."""
+    def match(self, token_ids: list[int], root=None) -> list[int]:
+        """Cached blocks covering a prefix of token_ids (at least one token is left to compute)
+        in the chain that starts at `root`. A hit is checked against the block's tokens, not only
+        its hash."""
         if not self.prefix_caching:
             return []
-        bs, out, parent = self.block_size, [], None
+        bs, out, parent = self.block_size, [], root
         for i in range((len(token_ids) - 1) // bs):
             chunk = tuple(token_ids[i * bs:(i + 1) * bs])
             h = self._chain(parent, chunk)
@@ -89,11 +92,12 @@ class BlockManager:
         return need + watermark <= self.num_free - revived
 
     def allocate(self, seq_id: int, token_ids: list[int], reserve_tokens: int,
-                 hit: list[int] | None = None) -> int | None:
+                 hit: list[int] | None = None, root=None) -> int | None:
         """Give seq_id a table covering reserve_tokens; returns the number of prefix-cached
-        tokens (already computed), or None when the blocks are not there."""
+        tokens (already computed), or None when the blocks are not there. `root`: the chain's
+        root for this sequence's blocks (match(token_ids, root) is the `hit` to pass)."""
         assert seq_id not in self.tables, f"sequence {seq_id} already has blocks"
-        hit = self.match(token_ids) if hit is None else hit
+        hit = self.match(token_ids, root) if hit is None else hit
         if not self.can_allocate(token_ids, reserve_tokens, hit=hit):
             return None
         for b in hit:
@@ -107,6 +111,7 @@ class BlockManager:
             table.append(b)
         self.tables[seq_id] = table
         self.hashes[seq_id] = [self.block_hash[b] for b in hit]
+        self.roots[seq_id] = root
         self.hit_tokens += len(hit) * self.block_size
         return len(hit) * self.block_size
 
@@ -131,7 +136,8 @@ class BlockManager:
         hashes, table, bs = self.hashes[seq_id], self.tables[seq_id], self.block_size
         while len(hashes) < n_computed // bs:
             i = len(hashes)
-            h = self._chain(hashes[-1] if hashes else None, token_ids[i * bs:(i + 1) * bs])
+            h = self._chain(hashes[-1] if hashes else self.roots.get(seq_id),
+                            token_ids[i * bs:(i + 1) * bs])
             hashes.append(h)
             b = table[i]
             if h not in self.cached and self.block_hash[b] is None:
@@ -158,11 +164,13 @@ class BlockManager:
             self.ref[b] += 1
         self.tables[child] = src[:full] + [dst for _, dst in copies]
         self.hashes[child] = list(self.hashes[parent][:full])
+        self.roots[child] = self.roots.get(parent)
         return copies
 
     def free(self, seq_id: int) -> None:
         table = self.tables.pop(seq_id, None)
         self.hashes.pop(seq_id, None)
+        self.roots.pop(seq_id, None)
         if table is None:
             return
         # Tail blocks first so that a shared prefix's head is evicted last.

@@ -242,6 +242,11 @@ TYPED_KEYS: dict[str, Callable[[str], object]] = {
     "option.enable_streaming": _bool,  # LMI's switch; checked against dynamic batching
     "option.max_payload_mb": _float(0.0, None, True, "a positive number of megabytes"),
     "option.batch_invariant": _bool,
+    # Multi-LoRA (LMI's / vLLM's names): adapters from MODEL_DIR/adapters/<name>/ and the routes.
+    "option.enable_lora": _bool,
+    "option.max_loras": _int(1),        # distinct adapters in one batch (device slots)
+    "option.max_lora_rank": _int(1),
+    "option.max_cpu_loras": _int(1),    # adapters kept read in memory (least recently used evicted)
 }
 
 # Real LMI keys that change nothing here: accepted (LMI files load as written) and reported once
@@ -255,6 +260,7 @@ IGNORED_KEYS = {
     "option.device_map", "option.load_in_8bit", "option.load_in_4bit", "option.mpi_mode",
     "option.parallel_loading", "option.enforce_eager", "option.disable_flash_attn",
     "option.pipeline_parallel_degree", "option.rolling_batch_strategy",
+    "option.lora_dtype", "option.fully_sharded_loras", "option.lora_extra_vocab_size",
 }
 
 KNOWN_KEYS = set(TYPED_KEYS) | IGNORED_KEYS
@@ -321,6 +327,10 @@ class ServingConfig:
     warnings: tuple[str, ...]
     properties: dict = dataclasses.field(hash=False)  # merged raw properties, key -> value
     tgi_compat: bool = False      # TGI's shapes on /invocations (a list, logprob/special, details on, SSE)
+    enable_lora: bool = False     # multi-LoRA (handler/lora.py)
+    max_loras: int = 4            # distinct adapters running at once
+    max_lora_rank: int = 16
+    max_cpu_loras: int = 4        # adapters kept read in memory
 
 
 @dataclass
@@ -633,16 +643,42 @@ def _resolve_model(src: _Sources, model_dir: str, check_model: bool) -> dict:
     return dict(model_id=model_id, model_dir=local)
 
 
+LORA_KEYS = ("option.max_loras", "option.max_lora_rank", "option.max_cpu_loras")
+
+
+def _resolve_lora(src: _Sources, tp_degree: int) -> dict:
+    """option.enable_lora and its limits (defaults as LMI: 4 adapters, rank 16)."""
+    get, where = src.get, src.where
+    enable = get("option.enable_lora", False)
+    max_loras = get("option.max_loras", 4)
+    max_cpu = get("option.max_cpu_loras", max_loras)
+    if not enable:
+        unused = [k for k in LORA_KEYS if k in src.merged]
+        if unused:
+            src.warnings.append(f"ignored without option.enable_lora=true: {', '.join(unused)}")
+    else:
+        if max_cpu < max_loras:
+            raise ConfigError(f"{where('option.max_cpu_loras')} must be >= option.max_loras={max_loras} "
+                              "(every adapter in a batch is also kept in memory)")
+        if tp_degree > 1:
+            raise ConfigError(f"{where('option.enable_lora')} is not supported with option."
+                              f"tensor_parallel_degree={tp_degree} (adapters are not sharded across "
+                              "ranks); use tensor_parallel_degree=1 or drop option.enable_lora")
+    return dict(enable_lora=enable, max_loras=max_loras, max_lora_rank=get("option.max_lora_rank", 16),
+                max_cpu_loras=max_cpu)
+
+
 def load_config(properties_path: str | None = None, model_dir: str | None = None,
                 env: Mapping[str, str] | None = None, check_model: bool = True,
                 gpu_count: int | None = None) -> ServingConfig:
-    """Stages: merge sources -> parse typed values -> strategy -> devices -> model."""
+    """Stages: merge sources -> parse typed values -> strategy -> devices -> LoRA -> model."""
     env = os.environ if env is None else env
     model_dir = os.path.abspath(model_dir or DEFAULT_MODEL_DIR)
     src = _merge_sources(properties_path, model_dir, env)
     _parse_values(src)
     strategy = _resolve_strategy(src)
     devices = _resolve_devices(src, env, gpu_count)
+    lora = _resolve_lora(src, devices["tensor_parallel_degree"])
     model = _resolve_model(src, model_dir, check_model)
     if model["model_dir"] and devices["tensor_parallel_degree"] > 1:
         key = "option.tensor_parallel_degree"
@@ -650,7 +686,7 @@ def load_config(properties_path: str | None = None, model_dir: str | None = None
                        src.merged[key].source if key in src.merged else "option.tensor_parallel_degree=max")
     get = src.get
     return ServingConfig(
-        **strategy, **devices, **model,
+        **strategy, **devices, **model, **lora,
         engine=get("engine", "Python"),
         properties_file=os.path.abspath(src.properties_path) if src.properties_path else None,
         max_batch_delay_ms=get("max_batch_delay", 100),

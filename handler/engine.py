@@ -95,6 +95,8 @@ class Engine:
         self.error: str | None = None
         self.counters = {"requests": 0, "rejected_queue_full": 0, "aborted": 0, "failed": 0,
                          "finished": 0, "generated_tokens": 0}
+        # LoRA adapter name -> {"requests", "generated_tokens"} (/metrics, per adapter)
+        self.adapter_counters: dict[str, dict[str, int]] = {}
         self._thread = threading.Thread(target=self._loop, name="lmi-engine", daemon=True)
 
     # ---- called from HTTP threads
@@ -139,6 +141,10 @@ class Engine:
                         sample_index=s_i, fork_of=first if s_i else None), ch))
                     chans.append(ch)
             self.counters["requests"] += len(prompts_ids)
+            if params.adapter is not None:
+                c = self.adapter_counters.setdefault(params.adapter.name,
+                                                     {"requests": 0, "generated_tokens": 0})
+                c["requests"] += len(prompts_ids)
         self._wake.set()
         return chans
 
@@ -259,6 +265,9 @@ class Engine:
         elif seq.finished:
             text += detok.flush()
         self.counters["generated_tokens"] += 1
+        if seq.params.adapter is not None:
+            with self._lock:
+                self.adapter_counters[seq.params.adapter.name]["generated_tokens"] += 1
         done = None
         if seq.finished:
             queued = (seq.first_scheduled or seq.arrival) - seq.arrival

@@ -51,6 +51,9 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     typical_p: float = 1.0               # TGI typical decoding; 1.0 = off
     min_p: float = 0.0                   # vLLM min_p; 0.0 = off
+    # A LoRA adapter (handler.lora.Adapter: .name, .uid, weights) chosen by the protocol layer;
+    # None = the base model. Opaque here: the scheduler reads only `.uid`.
+    adapter: object = None
 
     @property
     def num_samples(self) -> int:

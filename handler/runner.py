@@ -163,6 +163,7 @@ class ModelRunner:
                          for _ in range(layers)]
         self.eos_token_ids = self._eos_ids()
         self.sampler = Sampler()
+        self.lora = None        # handler.lora.LoraManager once enable_lora() ran
         log.info("model %s on %s/%s: %d layers, %d kv heads x %d%s; KV pool %d blocks x %d = %d tokens",
                  type(self.model).__name__, self.device, str(self.dtype).removeprefix("torch."),
                  layers, kv_heads, head_dim,
@@ -190,6 +191,15 @@ class ModelRunner:
             elif isinstance(v, (list, tuple)):
                 ids.update(int(x) for x in v)
         return frozenset(ids)
+
+    def enable_lora(self, max_loras: int, max_lora_rank: int, max_cpu_loras: int):
+        """Wrap the model's linear layers for per-row LoRA updates; returns the LoraManager."""
+        from .lora import LoraManager
+        if self.ranks is not None:
+            raise ModelLoadError("option.enable_lora is not supported with option.tensor_parallel_degree "
+                                 "> 1 (adapters are not sharded across ranks); use degree 1")
+        self.lora = LoraManager(self.model, max_loras, max_lora_rank, max_cpu_loras)
+        return self.lora
 
     def release(self, seq_id: int) -> None:
         self.sampler.release(seq_id)
@@ -244,7 +254,12 @@ class ModelRunner:
         packed, first_row = pack_step(items, self.block_size, copies)
         if self.ranks is not None:   # the other ranks run the same copies + forward on their shards
             self.ranks.send(STEP, packed)
-        logits = self.forward(packed)   # [len(rows), V]
+        if self.lora is not None:       # each adapter's rows get their low-rank update
+            from .lora import step_context
+            with step_context(self.lora.step(items)):
+                logits = self.forward(packed)
+        else:
+            logits = self.forward(packed)   # [len(rows), V]
         results = [SampleResult() for _ in items]
         sample_rows, sample_items, where = [], [], []
         for k, it in enumerate(items):

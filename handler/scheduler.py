@@ -67,6 +67,7 @@ class SchedulerPolicy:
     reserve_full_length: bool | None = None   # reserve prompt + max_new_tokens at admission
     # (otherwise blocks grow on demand, preempting the newest sequence when they run out)
     fork_samples: bool | None = None    # samples of one prompt share its KV blocks
+    max_loras: int = 0                  # distinct LoRA adapters running at once (0: no LoRA)
 
     def __post_init__(self):
         if self.strategy not in STRATEGIES:
@@ -125,6 +126,12 @@ class Sequence:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    @property
+    def adapter_key(self):
+        """The LoRA adapter's key (None: the base model): its prefix-cache chain root."""
+        a = self.params.adapter
+        return None if a is None else ("lora", a.uid)
 
 
 @dataclass(frozen=True)
@@ -282,7 +289,17 @@ class Scheduler:
             if len(self.running) >= self.policy.max_batch_size or not self._admit(q):
                 return
 
+    def _adapter_fits(self, seq: Sequence) -> bool:
+        """At most policy.max_loras distinct adapters run at once (one step's device slots)."""
+        key = seq.adapter_key
+        if key is None:
+            return True
+        running = {q.adapter_key for q in self.running} - {None}
+        return key in running or len(running) < self.policy.max_loras
+
     def _admit(self, seq: Sequence) -> bool:
+        if not self._adapter_fits(seq):
+            return False
         parent = self._fork_source(seq)
         if parent is not None:
             if not self._fork(seq, parent):
@@ -294,10 +311,12 @@ class Scheduler:
             if not self.policy.reserve_full_length:
                 watermark = min(len(self.running), max(1, self.blocks.num_blocks // 20))
             # Prompt log-probs need every prompt position computed: no prefix-cache hit.
-            hit = [] if seq.params.decoder_input_details else self.blocks.match(seq.tokens)
+            hit = [] if seq.params.decoder_input_details else \
+                self.blocks.match(seq.tokens, seq.adapter_key)
             if not self.blocks.can_allocate(seq.tokens, self._reserve(seq), watermark, hit):
                 return False
-            cached = self.blocks.allocate(seq.seq_id, seq.tokens, self._reserve(seq), hit)
+            cached = self.blocks.allocate(seq.seq_id, seq.tokens, self._reserve(seq), hit,
+                                          seq.adapter_key)
             seq.num_computed = cached
             seq.cached_tokens += cached
             self.stats["cached_prompt_tokens"] += cached

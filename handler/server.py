@@ -29,7 +29,10 @@ def build_runner(cfg, on_rank_failure=None):
                   gpu_memory_utilization=cfg.gpu_memory_utilization,
                   max_model_len=cfg.max_model_len, trust_remote_code=cfg.trust_remote_code)
     if cfg.tensor_parallel_degree == 1:
-        return ModelRunner(**kwargs)
+        runner = ModelRunner(**kwargs)
+        if getattr(cfg, "enable_lora", False):
+            enable_lora(cfg, runner)
+        return runner
     from .distributed import RankGroup, check_supported
     from .runner import ModelLoadError, pick_device
     group = RankGroup(cfg.tensor_parallel_degree, pick_device(cfg.device).type, kwargs,
@@ -54,6 +57,20 @@ def build_runner(cfg, on_rank_failure=None):
     return runner
 
 
+def enable_lora(cfg, runner) -> None:
+    """Wrap the model for LoRA and read MODEL_DIR/adapters/<name>/ (LMI's layout); a bad
+    adapter stops the start-up with its one-line reason."""
+    from .lora import AdapterError
+    from .runner import ModelLoadError
+    manager = runner.enable_lora(cfg.max_loras, cfg.max_lora_rank, cfg.max_cpu_loras)
+    try:
+        names = manager.register_dir(cfg.model_dir)
+    except AdapterError as e:
+        raise ModelLoadError(str(e)) from None
+    log.info("LoRA on: %d adapters from %s/adapters (max_loras=%d, max_lora_rank=%d, max_cpu_loras=%d)",
+             len(names), cfg.model_dir, cfg.max_loras, cfg.max_lora_rank, cfg.max_cpu_loras)
+
+
 def engine_for(cfg, runner):
     """A started Engine with cfg's strategy over an already loaded runner."""
     from .engine import Engine
@@ -65,7 +82,8 @@ def engine_for(cfg, runner):
                              max_batch_delay_s=cfg.max_batch_delay_ms / 1000.0,
                              prefill_token_budget=cfg.max_rolling_batch_prefill_tokens,
                              max_waiting=cfg.job_queue_size, max_model_len=runner.max_model_len,
-                             eos_token_ids=runner.eos_token_ids)
+                             eos_token_ids=runner.eos_token_ids,
+                             max_loras=cfg.max_loras if getattr(cfg, "enable_lora", False) else 0)
     return Engine(runner, policy, runner.block_size, cfg.enable_prefix_caching).start()
 
 

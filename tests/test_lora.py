@@ -1,0 +1,244 @@
+"""Multi-LoRA: PEFT adapters built here (random, non-trivial B), served in mixed batches.
+
+The oracle is PEFT itself: `merge_and_unload()` gives the base model with the adapter merged
+(W + B·A·alpha/r), whose `generate` each adapter's output must equal token for token, whatever
+else (other adapters, the base model) shares the batch.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import pytest
+import torch
+
+from handler.config import ConfigError, load_config
+from handler.engine import ErrorEvent
+from handler.request import SamplingParams
+from handler.server import build_engine
+
+PROMPTS = ["def add(a, b):", "class Stack:\n    def", "import os\nimport", "The quick brown fox",
+           "for i in range(10):"]
+TARGETS = {"a1": ["q_proj", "v_proj"], "a2": ["o_proj", "gate_proj", "down_proj"],
+           "a3": ["k_proj", "up_proj"]}
+
+
+def build_adapter(model_dir: str, out_dir: str, seed: int, targets, r: int = 4, alpha: int = 16):
+    """A PEFT LoRA adapter with random A and B saved to out_dir; returns the merged model."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    peft_model = get_peft_model(base, LoraConfig(r=r, lora_alpha=alpha, target_modules=targets,
+                                                 init_lora_weights=False))
+    peft_model.save_pretrained(out_dir)
+    return peft_model.merge_and_unload().eval()
+
+
+def greedy(model, tok, prompt: str, n: int) -> list[int]:
+    ids = tok(prompt, return_tensors="pt")["input_ids"]
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
+                             do_sample=False, pad_token_id=tok.pad_token_id)
+    return out[0, ids.shape[1]:].tolist()
+
+
+@pytest.fixture(scope="module")
+def lora_models(demo_model_factory, tmp_path_factory):
+    """family -> (model dir with adapters/a1..a3, {name|None: merged model}, tokenizer)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    built = {}
+
+    def make(family: str):
+        if family not in built:
+            src = demo_model_factory(family)
+            d = str(tmp_path_factory.mktemp(f"lora-{family}") / "model")
+            shutil.copytree(src, d)
+            merged = {None: AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()}
+            for i, (name, targets) in enumerate(TARGETS.items()):
+                merged[name] = build_adapter(d, os.path.join(d, "adapters", name), 100 + i, targets)
+            built[family] = (d, merged, AutoTokenizer.from_pretrained(d))
+        return built[family]
+
+    return make
+
+
+def make_engine(model_dir, tmp_path, props: dict):
+    path = os.path.join(str(tmp_path), "serving.properties")
+    with open(path, "w") as f:
+        f.write("\n".join(f"{k}={v}" for k, v in props.items()) + "\n")
+    return build_engine(load_config(path, model_dir, env={}))
+
+
+def run_all(engine, prompts, params_list):
+    chans = [engine.submit([engine.tokenize(p)], params)[0] for p, params in zip(prompts, params_list)]
+    out = []
+    for ch in chans:
+        ids = []
+        while True:
+            ev = ch.events.get(timeout=300)
+            assert not isinstance(ev, ErrorEvent), ev
+            ids.append(ev.id)
+            if ev.done:
+                out.append(ids)
+                break
+    return out
+
+
+STRATEGY_PROPS = {
+    "paged": {"option.rolling_batch": "auto", "option.max_rolling_batch_size": 8},
+    "rolling": {"option.rolling_batch": "auto", "option.paged_attention": "false",
+                "option.max_rolling_batch_size": 8},
+    "dynamic": {"batch_size": 8, "max_batch_delay": 200},
+}
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+@pytest.mark.parametrize("strategy", ["paged", "rolling", "dynamic"])
+def test_mixed_adapter_batch_matches_merged_generate(family, strategy, lora_models, tmp_path):
+    model_dir, merged, tok = lora_models(family)
+    n = 12
+    eng = make_engine(model_dir, tmp_path, {**STRATEGY_PROPS[strategy], "option.enable_lora": "true",
+                                            "option.max_loras": 3, "option.dtype": "fp32",
+                                            "option.device": "cpu"})
+    try:
+        lora = eng.runner.lora
+        assert sorted(a["name"] for a in lora.list()) == ["a1", "a2", "a3"]
+        # Every prompt under every adapter and the base, all submitted at once.
+        names = [None, "a1", "a2", "a3"]
+        jobs = [(p, name) for p in PROMPTS[:3] for name in names]
+        params = [SamplingParams(max_new_tokens=n, ignore_eos=True,
+                                 adapter=None if name is None else lora.get(name)) for _, name in jobs]
+        got = run_all(eng, [p for p, _ in jobs], params)
+        assert eng.scheduler.stats["steps"] < len(jobs) * n   # they did share steps
+    finally:
+        eng.shutdown()
+    differs = 0
+    for (prompt, name), ids in zip(jobs, got):
+        want = greedy(merged[name], tok, prompt, n)
+        assert ids == want, (family, strategy, prompt, name)
+        if name is not None:
+            differs += want != greedy(merged[None], tok, prompt, n)
+    # The adapters matter: most adapted outputs differ from the base model's.
+    assert differs >= 6, differs
+
+
+def test_more_adapters_than_slots_queue_and_stay_correct(lora_models, tmp_path):
+    """max_loras=1: adapters take turns (slots reloaded); prefix cache never shares across them."""
+    model_dir, merged, tok = lora_models("llama")
+    eng = make_engine(model_dir, tmp_path, {**STRATEGY_PROPS["paged"], "option.enable_lora": "true",
+                                            "option.max_loras": 1, "option.max_cpu_loras": 1,
+                                            "option.enable_prefix_caching": "true",
+                                            "option.block_size": 4, "option.device": "cpu",
+                                            "option.dtype": "fp32"})
+    try:
+        lora = eng.runner.lora
+        prompt = "import os\nimport sys\nimport re\n"   # several full blocks: prefix-cache candidates
+        jobs = [None, "a1", "a2", "a3", "a1", None]
+        params = [SamplingParams(max_new_tokens=6, ignore_eos=True,
+                                 adapter=None if j is None else lora.get(j)) for j in jobs]
+        got = run_all(eng, [prompt] * len(jobs), params)
+        assert len(lora.cache) == 1       # max_cpu_loras=1: the others were evicted (and re-read)
+    finally:
+        eng.shutdown()
+    for j, ids in zip(jobs, got):
+        assert ids == greedy(merged[j], tok, prompt, 6), j
+
+
+def test_prefix_cache_is_keyed_by_adapter():
+    from handler.blocks import BlockManager
+
+    bm = BlockManager(16, 4, enable_prefix_caching=True)
+    toks = list(range(13))
+    bm.allocate(1, toks, len(toks), root=("lora", 7))
+    bm.commit(1, toks, len(toks))
+    assert bm.match(toks, ("lora", 7)) and not bm.match(toks) and not bm.match(toks, ("lora", 8))
+    bm.allocate(2, toks, len(toks))
+    bm.commit(2, toks, len(toks))
+    assert set(bm.match(toks)).isdisjoint(bm.match(toks, ("lora", 7)))
+    bm.free(1)
+    bm.free(2)
+    bm.check_invariants()
+
+
+# ---- configuration and bad adapters
+def test_lora_settings_and_env_forms(demo_model_dir):
+    cfg = load_config(None, demo_model_dir, env={"OPTION_ENABLE_LORA": "true", "OPTION_MAX_LORAS": "2",
+                                                 "OPTION_MAX_LORA_RANK": "32", "OPTION_MAX_CPU_LORAS": "5"})
+    assert (cfg.enable_lora, cfg.max_loras, cfg.max_lora_rank, cfg.max_cpu_loras) == (True, 2, 32, 5)
+    cfg = load_config(None, demo_model_dir, env={"OPTION_ENABLE_LORA": "true", "OPTION_MAX_LORAS": "6"})
+    assert cfg.max_cpu_loras == 6 and cfg.max_lora_rank == 16
+    cfg = load_config(None, demo_model_dir, env={"OPTION_MAX_LORAS": "2"})
+    assert not cfg.enable_lora and any("option.max_loras" in w and "enable_lora" in w for w in cfg.warnings)
+    with pytest.raises(ConfigError, match="option.max_cpu_loras.*>= option.max_loras=4"):
+        load_config(None, demo_model_dir, env={"OPTION_ENABLE_LORA": "true", "OPTION_MAX_CPU_LORAS": "2"})
+    with pytest.raises(ConfigError, match="option.max_loras=0"):
+        load_config(None, demo_model_dir, env={"OPTION_ENABLE_LORA": "true", "OPTION_MAX_LORAS": "0"})
+
+
+def _shapes_and_model(model_dir):
+    from transformers import AutoModelForCausalLM
+
+    from handler.lora import LoraManager
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    return LoraManager(model, 2, 8, 2)
+
+
+@pytest.mark.parametrize("case, message", [
+    ("missing-weights", "missing adapter_model.safetensors"),
+    ("missing-config", "missing adapter_config.json"),
+    ("rank", "rank r=16 is above option.max_lora_rank=8"),
+    ("target", "unknown target module 'c_attn'"),
+    ("other-base", "do not fit the base layer"),
+    ("no-dir", "no such directory"),
+])
+def test_bad_adapter_gets_one_clear_line(case, message, lora_models, demo_model_factory, tmp_path):
+    from handler.lora import AdapterError
+
+    model_dir, _, _ = lora_models("llama")
+    good = os.path.join(model_dir, "adapters", "a1")
+    bad = str(tmp_path / "bad")
+    if case == "other-base":    # an adapter built for another model (qwen2's widths)
+        build_adapter(demo_model_factory("qwen2"), bad, 1, ["q_proj"])
+        if _widths(demo_model_factory("qwen2")) == _widths(model_dir):
+            pytest.skip("the demo llama and qwen2 models have the same widths: no other base to use")
+    elif case == "rank":
+        build_adapter(model_dir, bad, 1, ["q_proj"], r=16)
+    elif case != "no-dir":
+        shutil.copytree(good, bad)
+    if case == "missing-weights":
+        os.remove(os.path.join(bad, "adapter_model.safetensors"))
+    elif case == "missing-config":
+        os.remove(os.path.join(bad, "adapter_config.json"))
+    elif case == "target":
+        with open(os.path.join(bad, "adapter_config.json")) as f:
+            cfg = json.load(f)
+        cfg["target_modules"] = ["c_attn"]
+        with open(os.path.join(bad, "adapter_config.json"), "w") as f:
+            json.dump(cfg, f)
+    manager = _shapes_and_model(model_dir)
+    with pytest.raises(AdapterError) as e:
+        manager.register("bad", bad)
+    line = str(e.value)
+    assert message in line and "'bad'" in line and "\n" not in line, line
+
+
+def _widths(model_dir):
+    with open(os.path.join(model_dir, "config.json")) as f:
+        c = json.load(f)
+    return c["hidden_size"], c["intermediate_size"], c["num_attention_heads"], c.get("num_key_value_heads")
+
+
+def test_bad_adapter_directory_stops_start_up_with_one_line(lora_models, tmp_path):
+    from handler.runner import ModelLoadError
+
+    model_dir, _, _ = lora_models("llama")
+    d = str(tmp_path / "model")
+    shutil.copytree(model_dir, d)
+    os.remove(os.path.join(d, "adapters", "a2", "adapter_model.safetensors"))
+    with pytest.raises(ModelLoadError) as e:
+        make_engine(d, tmp_path, {"option.enable_lora": "true", "option.device": "cpu"})
+    assert str(e.value).startswith("adapter 'a2' (") and "missing adapter_model.safetensors" in str(e.value)
