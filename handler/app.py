@@ -7,6 +7,7 @@ the engine's samples or events; the routes only submit, wait and choose the resp
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -22,7 +23,7 @@ from .api import lmi, openai, tgi
 from .metrics import CONTENT_TYPE, Metrics, RequestTrace, request_id
 from .guard import (Admission, ClientDisconnected, MalformedBody, PayloadTooLarge, check_prompt,
                     longest_token_chars, read_body)
-from .request import RequestError, SamplingParams
+from .request import RequestError, SamplingParams, show
 from .scheduler import CapacityError, QueueFull
 
 log = logging.getLogger("lmi.http")
@@ -30,6 +31,7 @@ log = logging.getLogger("lmi.http")
 SSE = "text/event-stream"
 JSONLINES = "application/jsonlines"
 STREAMING_FORMATTERS = ("jsonlines", "sse", "jsonlines_chat", "sse_chat")
+ADAPTER_HEADER = "X-Amzn-SageMaker-Adapter-Identifier"   # SageMaker's per-request LoRA adapter
 
 
 class ServerState:
@@ -138,6 +140,36 @@ def create_app(state: ServerState) -> Flask:
             resp.call_on_close(lambda: trace.finish(status))
         return resp
 
+    def lora_of(eng):
+        return getattr(eng.runner, "lora", None)
+
+    def pick_adapter(eng, gen) -> None:
+        """The LoRA adapter a request names (the body's `adapters`, SageMaker's header, or an
+        OpenAI `model` other than the base's) into gen.params; an unknown name is a 400."""
+        lora = lora_of(eng)
+        name, where = gen.adapter, gen.adapter_field
+        if name is None and request.headers.get(ADAPTER_HEADER):
+            name, where = request.headers[ADAPTER_HEADER], ADAPTER_HEADER
+        model = gen.extra.get("model")
+        if name is None and lora is not None and isinstance(model, str) and model \
+                and model != model_name(cfg):
+            name, where = model, "model"
+        if name is None:
+            return
+        if lora is None:
+            raise RequestError(where, "LoRA adapters are not enabled on this server "
+                                      "(set option.enable_lora=true)")
+        try:
+            adapter = lora.get(name)
+        except ValueError as e:     # AdapterError: its files changed since it was registered
+            raise RequestError(where, str(e), status=424) from None
+        if adapter is None:
+            known = sorted(a["name"] for a in lora.list())
+            raise RequestError(where, f"unknown adapter {show(name)}; registered: "
+                                      f"{', '.join(known[:20]) or 'none'}"
+                                      + (f" (base model: {model_name(cfg)})" if where == "model" else ""))
+        gen.params = dataclasses.replace(gen.params, adapter=adapter)
+
     def run(parse, error, respond, stream):
         """parse() -> Generation; respond(gen, samples) -> Response; stream(gen, events) -> Response."""
         eng = state.engine
@@ -148,6 +180,7 @@ def create_app(state: ServerState) -> Flask:
         try:
             gen = parse(eng.tokenizer)
             state.check_prompts(gen)
+            pick_adapter(eng, gen)
             ids = api.tokenize(eng.tokenizer, gen)
             api.with_length(gen, ids, min(eng.scheduler.policy.max_model_len,
                                           eng.blocks.num_blocks * eng.blocks.block_size))
@@ -268,7 +301,73 @@ def create_app(state: ServerState) -> Flask:
 
     @app.get("/v1/models")
     def list_models():
-        return _json(openai.models(model_name(cfg), state.started))
+        lora = lora_of(state.engine) if state.engine is not None else None
+        names = [a["name"] for a in lora.list()] if lora is not None else []
+        return _json(openai.models(model_name(cfg), state.started, names))
+
+    # ---- LoRA adapters: LMI's management routes (djl-serving docs/adapters_api.md)
+    def adapters_or_error(model):
+        if model is not None and model != model_name(cfg):
+            return None, error_response(404, f"no model {show(model)}; this server serves "
+                                             f"{show(model_name(cfg))}")
+        if state.engine is None:
+            return None, error_response(503, "the model is still loading")
+        lora = lora_of(state.engine)
+        if lora is None:
+            return None, error_response(400, "LoRA adapters are not enabled on this server "
+                                             "(set option.enable_lora=true)")
+        return lora, None
+
+    def arg(name):
+        v = request.args.get(name)
+        if v is None and request.is_json:
+            body = request.get_json(silent=True)
+            v = body.get(name) if isinstance(body, dict) else None
+        return v
+
+    @app.post("/models/<model>/adapters")
+    @app.post("/adapters", defaults={"model": None})
+    def register_adapter(model):
+        lora, err = adapters_or_error(model)
+        if err:
+            return err
+        name, src = arg("name"), arg("src")
+        for key, v in (("name", name), ("src", src)):
+            if not isinstance(v, str) or not v:
+                return error_response(400, f"{key} is required (POST .../adapters?name=NAME&src=DIR)", key)
+        from .lora import AdapterError
+        try:
+            lora.register(name, src)
+        except KeyError:
+            return error_response(409, f"adapter {show(name)} is already registered; DELETE it first", "name")
+        except AdapterError as e:
+            return error_response(400, str(e), "src")
+        return _json({"status": f"Adapter {name} registered"})
+
+    @app.get("/models/<model>/adapters")
+    @app.get("/adapters", defaults={"model": None})
+    def list_adapters(model):
+        lora, err = adapters_or_error(model)
+        return err or _json({"adapters": lora.list()})
+
+    @app.get("/models/<model>/adapters/<name>")
+    @app.get("/adapters/<name>", defaults={"model": None})
+    def describe_adapter(model, name):
+        lora, err = adapters_or_error(model)
+        if err:
+            return err
+        found = [a for a in lora.list() if a["name"] == name]
+        return _json(found) if found else error_response(404, f"no adapter {show(name)}")
+
+    @app.delete("/models/<model>/adapters/<name>")
+    @app.delete("/adapters/<name>", defaults={"model": None})
+    def unregister_adapter(model, name):
+        lora, err = adapters_or_error(model)
+        if err:
+            return err
+        if not lora.unregister(name):
+            return error_response(404, f"no adapter {show(name)}")
+        return _json({"status": f"Adapter {name} unregistered"})
 
     # ---- TGI
     def tgi_route(force_stream, as_list):

@@ -148,6 +148,15 @@ class EngineCollector:
             fam = (CounterMetricFamily if kind == "counter" else GaugeMetricFamily)(name, doc, labels=LABELS)
             fam.add_metric(self.labels, value)
             yield fam
+        # LoRA: requests and generated tokens per adapter (handler/lora.py)
+        per_adapter = dict(getattr(eng, "adapter_counters", {}))
+        if per_adapter:
+            for key, doc in (("requests", "Requests per LoRA adapter"),
+                             ("generated_tokens", "Generated tokens per LoRA adapter")):
+                fam = CounterMetricFamily(f"lmi_adapter_{key}", doc, labels=LABELS + ("adapter",))
+                for adapter, c in sorted(per_adapter.items()):
+                    fam.add_metric(self.labels + [adapter], c[key])
+                yield fam
 
 
 class Metrics:

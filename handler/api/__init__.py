@@ -26,6 +26,8 @@ class Generation:
     fill_max_tokens: bool = False      # no max_tokens given: generate up to the model's length
     fields: list[str] = field(default_factory=list)   # per prompt: the request field, for errors
     extra: dict = field(default_factory=dict)         # protocol-specific options
+    adapter: str | None = None         # the LoRA adapter the body names (None: the base model)
+    adapter_field: str = "adapters"    # where the body names it (errors)
 
 
 @dataclass

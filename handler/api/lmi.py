@@ -15,7 +15,7 @@ import json
 from ..request import RequestError, SamplingParams, parse_params, show, warn_once
 from . import Generation, Sample, by_prompt, ranked
 
-TOP_LEVEL = ("inputs", "parameters", "stream", "messages")
+TOP_LEVEL = ("inputs", "parameters", "stream", "messages", "adapters")
 NO_EFFECT_TOP_LEVEL = {"cached_prompt": "prompt caching by the client is not implemented"}
 
 
@@ -55,8 +55,6 @@ def parse(payload, *, default_stream: bool = False, max_batch_inputs: int = 1000
     """An LMI (or TGI) body without `messages` -> Generation."""
     if not isinstance(payload, dict):
         raise RequestError("body", 'must be a JSON object like {"inputs": "...", "parameters": {...}}')
-    if payload.get("adapters") is not None:
-        raise RequestError("adapters", "LoRA adapters are not supported by this server")
     for k in payload:
         if k in NO_EFFECT_TOP_LEVEL:
             warn_once(f"top:{k}", f"request field {k!r} is ignored: {NO_EFFECT_TOP_LEVEL[k]}")
@@ -93,7 +91,24 @@ def parse(payload, *, default_stream: bool = False, max_batch_inputs: int = 1000
     if stream and params.num_samples > 1:
         raise RequestError("parameters.n" if params.n > 1 else "parameters.best_of",
                            "several samples per prompt (n, best_of) work only without streaming")
-    return Generation(list(items), params, stream, is_list, options.get("truncate"), fields=fields)
+    return Generation(list(items), params, stream, is_list, options.get("truncate"), fields=fields,
+                      adapter=adapter_name(payload.get("adapters"), len(items)))
+
+
+def adapter_name(value, n_inputs: int) -> str | None:
+    """LMI's `adapters`: a name, or a list with one name per input (one adapter per request
+    here: the names must agree)."""
+    if value is None:
+        return None
+    names = value if isinstance(value, list) else [value]
+    if not names or not all(isinstance(v, str) and v for v in names):
+        raise RequestError("adapters", f"must be an adapter name or a list of names, got {show(value)}")
+    if isinstance(value, list) and len(names) != n_inputs:
+        raise RequestError("adapters", f"a list needs one name per input ({n_inputs}), got {len(names)}")
+    if len(set(names)) > 1:
+        raise RequestError("adapters", "one adapter per request: send the inputs for different "
+                                       "adapters as separate requests (they are batched together)")
+    return names[0]
 
 
 # ---- responses

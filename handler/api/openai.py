@@ -310,9 +310,12 @@ def stream(gen: Generation, events, model: str, sse: bool = True):
         yield "data: [DONE]\n\n"
 
 
-def models(model: str, created: int) -> dict:
+def models(model: str, created: int, adapters: list[str] = ()) -> dict:
+    """The served model, then its LoRA adapters (as vLLM: `parent` is the base)."""
     return {"object": "list", "data": [{"id": model, "object": "model", "created": created,
-                                        "owned_by": "lmi-serve"}]}
+                                        "owned_by": "lmi-serve"}] + [
+        {"id": a, "object": "model", "created": created, "owned_by": "lmi-serve", "parent": model}
+        for a in adapters]}
 
 
 def error_body(status: int, message: str, field: str | None = None) -> dict:
