@@ -197,6 +197,10 @@ BAD = [
     ("graceful_timeout", "-1", "is not a positive number of seconds"),
     ("option.max_payload_mb", "0", "is not a positive number of megabytes"),
     ("option.batch_invariant", "sometimes", "is not a boolean; allowed: true, false"),
+    ("option.enable_lora", "yes", "is not a boolean; allowed: true, false"),
+    ("option.max_loras", "0", "is not a positive integer"),
+    ("option.max_lora_rank", "-8", "is not a positive integer"),
+    ("option.max_cpu_loras", "many", "is not a positive integer"),
 ]
 
 
