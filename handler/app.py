@@ -258,6 +258,7 @@ def create_app(state: ServerState) -> Flask:
             payload = body_json()
             if isinstance(payload, dict) and payload.get("messages") is not None:
                 gen = openai.parse_chat(payload, tokenizer, lmi=True)
+                gen.adapter = lmi.adapter_name(payload.get("adapters"), 1)
                 if payload.get("stream") is None and formatter in STREAMING_FORMATTERS:
                     gen.stream = True
                 return gen

@@ -96,6 +96,42 @@ def build_demo_model(out_dir: str, family: str = "llama", seed: int = 0) -> str:
     return out_dir
 
 
+def build_demo_adapters(model_dir: str, count: int, rank: int = 8,
+                        targets: tuple[str, ...] = ("q_proj", "v_proj", "o_proj", "down_proj"),
+                        seed: int = 0) -> list[str]:
+    """Write `count` random LoRA adapters in PEFT's format (adapter_config.json +
+    adapter_model.safetensors) to MODEL_DIR/adapters/demo-<i>/ (LMI's layout); returns the names.
+    B is random too (PEFT initialises it to zero), so each adapter changes the outputs."""
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    linears = {n: m for n, m in model.named_modules()
+               if isinstance(m, torch.nn.Linear) and n.rsplit(".", 1)[-1] in targets}
+    if not linears:
+        raise ValueError(f"the model in {model_dir} has no linear layer named {', '.join(targets)}")
+    names = []
+    for i in range(count):
+        g = torch.Generator().manual_seed(seed * 1000 + i)
+        tensors = {}
+        for n, m in linears.items():
+            tensors[f"base_model.model.{n}.lora_A.weight"] = \
+                torch.randn(rank, m.in_features, generator=g) / m.in_features ** 0.5
+            tensors[f"base_model.model.{n}.lora_B.weight"] = \
+                torch.randn(m.out_features, rank, generator=g) / rank ** 0.5
+        name = f"demo-{i + 1}"
+        out = os.path.join(model_dir, "adapters", name)
+        os.makedirs(out, exist_ok=True)
+        save_file(tensors, os.path.join(out, "adapter_model.safetensors"))
+        with open(os.path.join(out, "adapter_config.json"), "w") as f:
+            json.dump({"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": rank,
+                       "lora_dropout": 0.0, "bias": "none", "target_modules": sorted(set(targets)),
+                       "base_model_name_or_path": os.path.abspath(model_dir)}, f, indent=2)
+        names.append(name)
+    return names
+
+
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="python -m handler build-demo-model",
                                 description="Build a tiny random-weight causal LM + tokenizer locally.")
@@ -103,10 +139,15 @@ def main(argv: list[str]) -> int:
     p.add_argument("--family", choices=FAMILIES, default="llama")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--force", action="store_true", help="rebuild even if out_dir has a model")
+    p.add_argument("--adapters", type=int, default=0, metavar="N",
+                   help="also write N random LoRA adapters to OUT_DIR/adapters/demo-1..N (PEFT format)")
     a = p.parse_args(argv)
     if not a.force and os.path.exists(os.path.join(a.out_dir, "config.json")):
         print(f"{a.out_dir} already holds a model (use --force to rebuild)")
-        return 0
-    build_demo_model(a.out_dir, a.family, a.seed)
-    print(f"built a tiny {a.family} model in {a.out_dir}")
+    else:
+        build_demo_model(a.out_dir, a.family, a.seed)
+        print(f"built a tiny {a.family} model in {a.out_dir}")
+    if a.adapters > 0:
+        names = build_demo_adapters(a.out_dir, a.adapters, seed=a.seed)
+        print(f"wrote LoRA adapters {', '.join(names)} in {a.out_dir}/adapters")
     return 0

@@ -57,7 +57,9 @@ class Adapter:
     rank: int
     # module name -> (A [r, in], B*scale [out, r]) on the CPU, in the model's dtype
     weights: dict[str, tuple[torch.Tensor, torch.Tensor]]
-    uid: int = field(default_factory=lambda: next(_uids))   # a re-registered name is a new adapter
+    # One per registration: the same when the CPU cache re-reads it (its slots and prefix-cache
+    # blocks stay valid), a new one when a name is registered again.
+    uid: int = field(default_factory=lambda: next(_uids))
 
     def __repr__(self) -> str:
         return f"Adapter({self.name!r}, rank={self.rank}, modules={len(self.weights)})"
@@ -72,7 +74,7 @@ def target_linears(model: nn.Module) -> dict[str, nn.Linear]:
 
 
 def read_adapter(name: str, src: str, shapes: dict[str, tuple[int, int]], max_rank: int,
-                 dtype: torch.dtype = torch.float32) -> Adapter:
+                 dtype: torch.dtype = torch.float32, uid: int | None = None) -> Adapter:
     """A PEFT LoRA directory -> Adapter, checked against the base model's linear layers
     (`shapes`: module name -> (in_features, out_features)). Raises AdapterError."""
     from safetensors import safe_open
@@ -164,7 +166,10 @@ def read_adapter(name: str, src: str, shapes: dict[str, tuple[int, int]], max_ra
         if rm > max_rank:
             raise bad(f"{module}: rank {rm} is above option.max_lora_rank={max_rank}")
         weights[module] = (a.to(dtype).contiguous(), (b.double() * scale).to(dtype).contiguous())
-    return Adapter(name, os.path.abspath(src), r, weights)
+    adapter = Adapter(name, os.path.abspath(src), r, weights)
+    if uid is not None:
+        adapter.uid = uid
+    return adapter
 
 
 class StepLoras:
@@ -254,7 +259,7 @@ class LoraManager:
             self.layers[name] = wrapped
         self.shapes = {n: (m.in_features, m.out_features) for n, m in self.layers.items()}
         self._lock = threading.Lock()
-        self.sources: dict[str, str] = {}                     # registered name -> directory
+        self.sources: dict[str, tuple[str, int]] = {}        # registered name -> (directory, uid)
         self.cache: OrderedDict[str, Adapter] = OrderedDict()  # read adapters, LRU first
         self.slot_uid: list[int | None] = [None] * max_loras   # engine thread only
         self.slot_used: list[int] = [0] * max_loras
@@ -271,7 +276,7 @@ class LoraManager:
         with self._lock:
             if name in self.sources:
                 raise KeyError(name)
-            self.sources[name] = adapter.src
+            self.sources[name] = (adapter.src, adapter.uid)
             self._cache_put(adapter)
         log.info("adapter %s registered from %s: rank %d, %d layers", name, adapter.src,
                  adapter.rank, len(adapter.weights))
@@ -297,22 +302,23 @@ class LoraManager:
 
     def list(self) -> list[dict]:
         with self._lock:
-            return [{"name": n, "src": s, "pin": False} for n, s in self.sources.items()]
+            return [{"name": n, "src": s, "pin": False} for n, (s, _) in self.sources.items()]
 
     def get(self, name: str) -> Adapter | None:
         """The adapter a request names (read again from its directory if the CPU cache dropped
         it); None when no such adapter is registered."""
         with self._lock:
-            src = self.sources.get(name)
-            if src is None:
+            entry = self.sources.get(name)
+            if entry is None:
                 return None
             a = self.cache.get(name)
             if a is not None:
                 self.cache.move_to_end(name)
                 return a
-        a = read_adapter(name, src, self.shapes, self.max_rank, self.dtype)
+        src, uid = entry
+        a = read_adapter(name, src, self.shapes, self.max_rank, self.dtype, uid)
         with self._lock:
-            if self.sources.get(name) != src:     # removed or replaced meanwhile
+            if self.sources.get(name) != entry:     # removed or replaced meanwhile
                 return self.cache.get(name) if name in self.sources else None
             return self._cache_put(a)
 

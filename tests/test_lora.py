@@ -313,6 +313,17 @@ def test_server_adapters_by_field_header_and_openai_model_and_management_routes(
         metrics = requests.get(srv.url + "/metrics", timeout=30).text
         assert f'lmi_adapter_requests_total{{adapter="a1"}} 1' in metrics
         assert f'lmi_adapter_generated_tokens_total{{adapter="a4"}} {n}' in metrics
+        # bench's mixed-adapter traffic: request i asks for adapter i mod 4 ("-": the base).
+        import subprocess
+        import sys
+        out = subprocess.run([sys.executable, "-m", "handler", "bench", "run", "--url", srv.url,
+                              "--preset", "smoke", "--workload", "smoke", "--requests", "8",
+                              "--max-new-tokens", "4", "--adapters", "a1,a2,a3,-", "--no-progress"],
+                             capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0 and "8/8 ok" in out.stdout, out.stdout + out.stderr
+        metrics = requests.get(srv.url + "/metrics", timeout=30).text
+        assert f'lmi_adapter_requests_total{{adapter="a1"}} 3' in metrics   # 1 above + 2 here
+        assert f'lmi_adapter_requests_total{{adapter="a3"}} 3' in metrics   # 1 above + 2 here
     finally:
         srv.stop()
 
@@ -347,3 +358,29 @@ def test_adapter_without_lora_enabled_is_a_400_naming_the_setting(demo_model_dir
     assert r.status_code == 400 and r.json["field"] == "X-Amzn-SageMaker-Adapter-Identifier"
     r = client.get(f"/models/{os.path.basename(demo_model_dir)}/adapters")
     assert r.status_code == 400 and "option.enable_lora" in r.json["error"]
+
+
+def test_demo_adapters_load_in_peft_and_match_the_engine(demo_model_factory, tmp_path):
+    """build-demo-model --adapters writes what PEFT itself reads; our output equals PEFT's merge."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from handler.demo_model import build_demo_adapters
+
+    d = str(tmp_path / "model")
+    shutil.copytree(demo_model_factory("llama"), d)
+    names = build_demo_adapters(d, 2, rank=4)
+    assert names == ["demo-1", "demo-2"]
+    tok = AutoTokenizer.from_pretrained(d)
+    base = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32)
+    merged = PeftModel.from_pretrained(base, os.path.join(d, "adapters", "demo-2")).merge_and_unload().eval()
+    eng = make_engine(d, tmp_path, {"option.enable_lora": "true", "option.device": "cpu",
+                                    "option.dtype": "fp32"})
+    try:
+        prompt = "def add(a, b):"
+        [got] = run_all(eng, [prompt], [SamplingParams(max_new_tokens=8, ignore_eos=True,
+                                                       adapter=eng.runner.lora.get("demo-2"))])
+    finally:
+        eng.shutdown()
+    base_model = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
+    assert got == greedy(merged, tok, prompt, 8) != greedy(base_model, tok, prompt, 8)

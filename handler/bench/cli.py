@@ -86,6 +86,12 @@ def cmd_run(a) -> int:
     bodies = w.draw()
     if a.no_stream:
         bodies = [dict(b, stream=False) for b in bodies]
+    if a.adapters:      # mixed LoRA traffic: request i asks for adapter i mod len (the base: "-")
+        names = [n.strip() for n in a.adapters.split(",")]
+        if not all(names):
+            raise UsageError(f"--adapters={a.adapters!r}: comma-separated adapter names (- for the base model)")
+        bodies = [dict(b, adapters=names[i % len(names)]) if names[i % len(names)] != "-" else b
+                  for i, b in enumerate(bodies)]
     if a.scrape_interval < 0:
         raise UsageError(f"--scrape-interval={a.scrape_interval}: must be >= 0 (0: no scraping)")
     scraper = Scraper(a.url, a.scrape_interval) if a.scrape_interval > 0 else None
@@ -94,7 +100,7 @@ def cmd_run(a) -> int:
                              progress=not a.no_progress, desc=w.name)
     s = summarise(recs, w.concurrency, dur)
     server = scraper.summary() if scraper else None
-    out = {"url": a.url, "workload": w.to_dict(), "result": s, "server": server}
+    out = {"url": a.url, "workload": w.to_dict(), "adapters": a.adapters, "result": s, "server": server}
     if a.out:
         with open(a.out, "w") as f:
             json.dump(dict(out, records=[r.to_dict() for r in recs]), f, indent=2)
@@ -168,6 +174,8 @@ def main(argv: list[str]) -> int:
                    help="seconds between scrapes of the server's /metrics (0: none)")
     r.add_argument("--scrape-out", help="write the /metrics scrape series to this JSON file (.json.gz: gzipped)")
     r.add_argument("--plot", help="draw the dashboard's panels from the scrapes into this PNG")
+    r.add_argument("--adapters", help="LoRA adapters to spread the requests over, e.g. a1,a2,a3,a4 "
+                                      "(- for the base model); the server needs option.enable_lora=true")
     _workload_args(r, "gpu")
     c = sub.add_parser("compare", help="start every strategy and peer, run the preset, write results")
     c.add_argument("--out", required=True, help="directory for results.json/.md/.png, logs and the model")
