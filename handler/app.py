@@ -179,8 +179,8 @@ def create_app(state: ServerState) -> Flask:
                          else f"the model failed to load: {state.error}")
         try:
             gen = parse(eng.tokenizer)
-            state.check_prompts(gen)
             pick_adapter(eng, gen)
+            state.check_prompts(gen)
             ids = api.tokenize(eng.tokenizer, gen)
             api.with_length(gen, ids, min(eng.scheduler.policy.max_model_len,
                                           eng.blocks.num_blocks * eng.blocks.block_size))
