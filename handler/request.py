@@ -179,15 +179,24 @@ ALIASES = {
     "ignore_eos_token": "ignore_eos",      # LMI's name for vLLM's ignore_eos
     "max_tokens": "max_new_tokens",        # vLLM / OpenAI
 }
+
+
+def _adapter_id(field: str, v) -> str:
+    if not isinstance(v, str) or not v:
+        raise RequestError(field, f"must be an adapter name, got {show(v)}")
+    return v
+
+
 # Parsed here but applied by the protocol layer, not the engine.
 REQUEST_OPTIONS = {
     "truncate": lambda f, v: check_int(f, v, 1, MAX_NEW_TOKENS),   # keep the last N prompt tokens
     "stream": check_bool,                  # LMI copies `stream` into the parameters
+    "adapter_id": _adapter_id,             # TGI's LoRA adapter (LMI: top-level `adapters`)
 }
+
 # Accepted for compatibility; they change nothing here (TGI clients always send some of them).
 NO_EFFECT = {
     "watermark": "watermarking is not implemented",
-    "adapter_id": "LoRA adapters are not implemented",
     "grammar": "constrained (grammar) decoding is not implemented",
 }
 ALLOWED_PARAMETERS = tuple(_CHECKS) + tuple(ALIASES) + tuple(REQUEST_OPTIONS)

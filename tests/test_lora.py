@@ -278,6 +278,9 @@ def test_server_adapters_by_field_header_and_openai_model_and_management_routes(
             timeout=120)
         assert r.status_code == 200, r.text
         assert r.json()["choices"][0]["text"] == tok.decode(want["a3"]) and r.json()["model"] == "a3"
+        r = requests.post(srv.url + "/generate", json={"inputs": prompt, "parameters": {
+            "adapter_id": "a1", "max_new_tokens": n, "details": True, "ignore_eos": True}}, timeout=120)
+        assert r.status_code == 200 and [t["id"] for t in r.json()["details"]["tokens"]] == want["a1"], r.text
         assert want["a1"] != want[None] and want["a3"] != want[None]
         # Unknown names: a 400 naming the adapter, whichever way it was asked for.
         for r, field in ((lmi("nope"), "adapters"),
@@ -311,7 +314,7 @@ def test_server_adapters_by_field_header_and_openai_model_and_management_routes(
         # The base model still answers as before.
         assert ids(lmi()) == want[None]
         metrics = requests.get(srv.url + "/metrics", timeout=30).text
-        assert f'lmi_adapter_requests_total{{adapter="a1"}} 1' in metrics
+        assert f'lmi_adapter_requests_total{{adapter="a1"}} 2' in metrics   # LMI and TGI above
         assert f'lmi_adapter_generated_tokens_total{{adapter="a4"}} {n}' in metrics
         # bench's mixed-adapter traffic: request i asks for adapter i mod 4 ("-": the base).
         import subprocess
@@ -322,7 +325,7 @@ def test_server_adapters_by_field_header_and_openai_model_and_management_routes(
                              capture_output=True, text=True, timeout=300)
         assert out.returncode == 0 and "8/8 ok" in out.stdout, out.stdout + out.stderr
         metrics = requests.get(srv.url + "/metrics", timeout=30).text
-        assert f'lmi_adapter_requests_total{{adapter="a1"}} 3' in metrics   # 1 above + 2 here
+        assert f'lmi_adapter_requests_total{{adapter="a1"}} 4' in metrics   # 2 above + 2 here
         assert f'lmi_adapter_requests_total{{adapter="a3"}} 3' in metrics   # 1 above + 2 here
     finally:
         srv.stop()
@@ -335,12 +338,15 @@ def test_lmi_adapters_field_parsing():
     assert gen.adapter == "a1"
     gen = parse({"inputs": ["x", "y"], "adapters": ["a1", "a1"]})
     assert gen.adapter == "a1"
+    gen = parse({"inputs": "x", "parameters": {"adapter_id": "a2"}})     # TGI's parameter
+    assert (gen.adapter, gen.adapter_field) == ("a2", "parameters.adapter_id")
+    assert parse({"inputs": "x", "adapters": "a1", "parameters": {"adapter_id": "a2"}}).adapter == "a1"
     from handler.request import RequestError
     for bad in ({"inputs": ["x", "y"], "adapters": ["a1", "a2"]}, {"inputs": ["x"], "adapters": ["a", "a"]},
-                {"inputs": "x", "adapters": 3}):
+                {"inputs": "x", "adapters": 3}, {"inputs": "x", "parameters": {"adapter_id": 3}}):
         with pytest.raises(RequestError) as e:
             parse(bad)
-        assert e.value.field == "adapters"
+        assert e.value.field in ("adapters", "parameters.adapter_id")
 
 
 def test_adapter_without_lora_enabled_is_a_400_naming_the_setting(demo_model_dir):
@@ -384,3 +390,23 @@ def test_demo_adapters_load_in_peft_and_match_the_engine(demo_model_factory, tmp
         eng.shutdown()
     base_model = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
     assert got == greedy(merged, tok, prompt, 8) != greedy(base_model, tok, prompt, 8)
+
+
+def test_scheduler_runs_at_most_max_loras_adapters_at_once():
+    """A sequence for a third adapter waits (in order) until one of the two running ones ends;
+    base-model sequences are never held back."""
+    from types import SimpleNamespace
+
+    from handler.blocks import BlockManager
+    from handler.scheduler import Scheduler, SchedulerPolicy, Sequence
+
+    sched = Scheduler(SchedulerPolicy("paged", max_loras=2), BlockManager(64, 4))
+    a, b, c = (SimpleNamespace(name=n, uid=i) for i, n in enumerate("abc"))
+    for sid, adapter in enumerate([a, b, a, c, None], start=1):
+        sched.add(Sequence(sid, [1, 2, 3], SamplingParams(max_new_tokens=4, adapter=adapter), 0.0))
+    plan = sched.schedule(0.0)
+    assert [it.seq_id for it in plan.items] == [1, 2, 3]    # c (4) waits, and the base (5) behind it
+    assert {it.params.adapter.name for it in plan.items} == {"a", "b"}
+    sched.finish(2, "aborted")                              # b ends: c may run, then the base
+    plan = sched.schedule(0.0)
+    assert sorted(it.seq_id for it in plan.items) == [1, 3, 4, 5]

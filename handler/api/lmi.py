@@ -91,8 +91,11 @@ def parse(payload, *, default_stream: bool = False, max_batch_inputs: int = 1000
     if stream and params.num_samples > 1:
         raise RequestError("parameters.n" if params.n > 1 else "parameters.best_of",
                            "several samples per prompt (n, best_of) work only without streaming")
-    return Generation(list(items), params, stream, is_list, options.get("truncate"), fields=fields,
-                      adapter=adapter_name(payload.get("adapters"), len(items)))
+    gen = Generation(list(items), params, stream, is_list, options.get("truncate"), fields=fields,
+                     adapter=adapter_name(payload.get("adapters"), len(items)))
+    if gen.adapter is None and options.get("adapter_id"):     # TGI's name for it
+        gen.adapter, gen.adapter_field = options["adapter_id"], "parameters.adapter_id"
+    return gen
 
 
 def adapter_name(value, n_inputs: int) -> str | None:
