@@ -12,7 +12,7 @@ Where each figure is recorded, so that the engine's loop stays free of it:
 
 Units: sequence-level histograms (TTFT, TPOT, queue, prompt/generation tokens) count engine
 sequences (a list input of k prompts counts k); `lmi_e2e_request_latency_seconds` and
-`lmi_requests_total` count HTTP requests. Latency histograms record successful requests only;
+`lmi_requests_total` count HTTP requests (end-to-end: arrival to the last token). Latency histograms record successful requests only;
 every request, failed or not, is counted once in `lmi_requests_total{outcome=...}`.
 """
 from __future__ import annotations
@@ -288,7 +288,10 @@ class RequestTrace:
         ok = outcome == "ok"
         done = [s.done for s in self.seqs if s.done is not None]
         if ok:
-            m.e2e.observe(end - self.start)
+            # As vLLM: arrival to the engine's last token (not the socket close, which races the
+            # client reading its last line).
+            m.e2e.observe(max((s.last for s in self.seqs if s.last is not None), default=end)
+                          - self.start)
             for s in self.seqs:
                 m.ttft.observe(s.first - self.start)
                 if s.tokens > 1:
