@@ -24,6 +24,17 @@ def logprobs(engine, prompt, params):
             return out
 
 
+def alone_and_crowded(engine):
+    """The seeded request's (id, log_prob)s alone, then with two sampling neighbours."""
+    alone = logprobs(engine, PROMPTS[0], SEEDED)
+    chans = [engine.submit([engine.tokenize(p)], NOISE)[0] for p in (PROMPTS[2], PROMPTS[1])]
+    crowded = logprobs(engine, PROMPTS[0], SEEDED)
+    for ch in chans:
+        while not getattr(ch.events.get(timeout=300), "done", True):
+            pass
+    return alone, crowded
+
+
 @pytest.mark.parametrize("strategy", ["rolling", "paged"])
 def test_seeded_request_is_bit_identical_whatever_shares_its_batch(strategy, demo_model_dir, tmp_path):
     props = {**ROLLING, "option.batch_invariant": "true"}
@@ -32,12 +43,7 @@ def test_seeded_request_is_bit_identical_whatever_shares_its_batch(strategy, dem
                       "option.block_size": "4"})    # tight: the crowd preempts and recomputes
     engine = make_engine(demo_model_dir, tmp_path, props)
     try:
-        alone = logprobs(engine, PROMPTS[0], SEEDED)
-        chans = [engine.submit([engine.tokenize(p)], NOISE)[0] for p in (PROMPTS[2], PROMPTS[1])]
-        crowded = logprobs(engine, PROMPTS[0], SEEDED)
-        for ch in chans:
-            while not getattr(ch.events.get(timeout=300), "done", True):
-                pass
+        alone, crowded = alone_and_crowded(engine)
         assert crowded == alone          # token ids and log-probs, exactly
         assert_drained(engine)
     finally:
@@ -49,12 +55,7 @@ def test_default_mode_numbers_depend_on_the_batch(demo_model_dir, tmp_path):
     (this is what turns into a different token near a tie)."""
     engine = make_engine(demo_model_dir, tmp_path, ROLLING)
     try:
-        alone = logprobs(engine, PROMPTS[0], SEEDED)
-        chans = [engine.submit([engine.tokenize(p)], NOISE)[0] for p in (PROMPTS[2], PROMPTS[1])]
-        crowded = logprobs(engine, PROMPTS[0], SEEDED)
-        for ch in chans:
-            while not getattr(ch.events.get(timeout=300), "done", True):
-                pass
+        alone, crowded = alone_and_crowded(engine)
         assert [lp for _, lp in crowded] != [lp for _, lp in alone]
     finally:
         engine.shutdown()

@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from handler.config import ConfigError, load_config
-from handler.engine import ErrorEvent
 from handler.request import SamplingParams
-from handler.server import build_engine
+from tests.test_engine import make_engine
+from tests.test_engine import run_all as engine_run_all
 
 PROMPTS = ["def add(a, b):", "class Stack:\n    def", "import os\nimport", "The quick brown fox",
            "for i in range(10):"]
@@ -66,26 +66,9 @@ def lora_models(demo_model_factory, tmp_path_factory):
     return make
 
 
-def make_engine(model_dir, tmp_path, props: dict):
-    path = os.path.join(str(tmp_path), "serving.properties")
-    with open(path, "w") as f:
-        f.write("\n".join(f"{k}={v}" for k, v in props.items()) + "\n")
-    return build_engine(load_config(path, model_dir, env={}))
-
-
 def run_all(engine, prompts, params_list):
-    chans = [engine.submit([engine.tokenize(p)], params)[0] for p, params in zip(prompts, params_list)]
-    out = []
-    for ch in chans:
-        ids = []
-        while True:
-            ev = ch.events.get(timeout=300)
-            assert not isinstance(ev, ErrorEvent), ev
-            ids.append(ev.id)
-            if ev.done:
-                out.append(ids)
-                break
-    return out
+    """Token ids per prompt, everything submitted at once."""
+    return [ids for ids, _ in engine_run_all(engine, prompts, params_list)]
 
 
 STRATEGY_PROPS = {
