@@ -95,13 +95,14 @@ def test_long_values_are_not_echoed_in_full():
     ("text/plain", "héllo".encode(), (["héllo"], True)),                 # LMI: {"inputs": [text]}
     ("text/csv", b"inputs\nfirst\nsecond\n", (["first", "second"], True)),
     (None, b'{"inputs": "a"}', (["a"], False)),
+    ("application/x-www-form-urlencoded", b'{"inputs": "a"}', (["a"], False)),   # curl -d
 ])
 def test_content_types_as_lmi_decodes_them(ctype, raw, want):
     g = parse(lmi.decode_body(raw, ctype))
     assert (g.prompts, g.is_list) == want
 
 
-@pytest.mark.parametrize("ctype", ["image/png", "application/octet-stream", "application/x-www-form-urlencoded"])
+@pytest.mark.parametrize("ctype", ["image/png", "application/octet-stream", "multipart/form-data"])
 def test_other_content_types_get_415_naming_the_type(ctype):
     with pytest.raises(RequestError) as e:
         lmi.decode_body(b"xx", ctype)

@@ -22,7 +22,10 @@ NO_EFFECT_TOP_LEVEL = {"cached_prompt": "prompt caching by the client is not imp
 def decode_body(body: bytes, content_type: str | None) -> dict:
     """A request body -> a JSON-like map, per content type as LMI's encode_decode.decode."""
     ctype = (content_type or "").split(";")[0].strip().lower()
-    if not ctype or ctype in ("application/json", "application/jsonlines", "application/x-jsonlines"):
+    # curl -d sends application/x-www-form-urlencoded: its body is read as JSON too, so that
+    # `curl URL -d '{"inputs": ...}'` works without a content-type header.
+    if not ctype or ctype in ("application/json", "application/jsonlines", "application/x-jsonlines",
+                              "application/x-www-form-urlencoded"):
         if not body.strip() and not ctype:
             return {"inputs": ""}
         try:
