@@ -29,6 +29,7 @@ import requests
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from handler.bench import scrape  # noqa: E402
 from handler.bench.client import wait_ready  # noqa: E402
 from handler.bench.compare import free_port  # noqa: E402
 
@@ -50,10 +51,8 @@ class Server:
         wait_ready(self.url, 300, self.proc)
 
     def metric(self, name: str) -> float:
-        for line in requests.get(self.url + "/metrics", timeout=30).text.splitlines():
-            if line.startswith(name + " "):
-                return float(line.split()[1])
-        raise KeyError(name)
+        """One series (summed over its labels) from /metrics, parsed as the bench parses it."""
+        return sum(scrape.parse(requests.get(self.url + "/metrics", timeout=30).text)[name].values())
 
     def worker(self) -> int:
         pid = self.proc.pid
@@ -78,6 +77,17 @@ class Server:
             return self.proc.wait()
 
 
+
+def _run_threads(target, n: int) -> float:
+    """Run `target` in n threads until all return; the seconds it took."""
+    threads = [threading.Thread(target=target) for _ in range(n)]
+    t0 = time.time()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return time.time() - t0
+
 def closed_loop(url: str, body: dict, clients: int, seconds: float) -> dict:
     ok, refused, other = [0], [0], [0]
     lock = threading.Lock()
@@ -93,13 +103,7 @@ def closed_loop(url: str, body: dict, clients: int, seconds: float) -> dict:
                 with lock:
                     (ok if code == 200 else refused if code == 503 else other)[0] += 1
 
-    threads = [threading.Thread(target=client) for _ in range(clients)]
-    t0 = time.time()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    took = time.time() - t0
+    took = _run_threads(client, clients)
     return {"ok_per_s": ok[0] / took, "refused_per_s": refused[0] / took, "other": other[0], "ok": ok[0]}
 
 
@@ -128,13 +132,7 @@ def _flood_process(port, clients, seconds, out):
             with lock:
                 counts[key] += 1
 
-    threads = [threading.Thread(target=flooder) for _ in range(clients)]
-    t0 = time.time()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    took = time.time() - t0
+    took = _run_threads(flooder, clients)
     out.put({"ok_per_s": counts["ok"] / took, "refused_per_s": counts["refused"] / took,
              "other": counts["other"], "ok": counts["ok"]})
 
