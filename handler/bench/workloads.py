@@ -19,9 +19,25 @@ _TEXT = (
 )
 
 
-def prompt_of(words: int) -> str:
+def prompt_of(words: int, start: int = 0, head: str = "") -> str:
+    """`head` (if any), then `words` words of the paragraph from word `start` on, cycling."""
     base = _TEXT.split()
-    return " ".join(base[i % len(base)] for i in range(words))
+    body = " ".join(base[(start + i) % len(base)] for i in range(words))
+    return f"{head} {body}" if head else body
+
+
+def prompt_to_tokens(tokenizer, target: int, start: int = 0, head: str = "") -> str:
+    """The shortest prompt_of(k, start, head) of at least `target` tokens. Byte-level BPE
+    splits before each space, so the count grows strictly with k: binary search; the
+    overshoot is under one word's tokens."""
+    count = lambda k: len(tokenizer(prompt_of(k, start, head))["input_ids"])  # noqa: E731
+    lo, hi = 0, max(1, target)
+    while count(hi) < target:
+        hi *= 2
+    while lo < hi:
+        mid = (lo + hi) // 2
+        lo, hi = (mid + 1, hi) if count(mid) < target else (lo, mid)
+    return prompt_of(lo, start, head)
 
 
 @dataclass(frozen=True)
@@ -42,23 +58,38 @@ class Workload:
     # of the same list: their requests/s does not depend on N, and the full N would take them
     # most of the time budget. 0: all N.
     serial_requests: int = 0
+    # Prompt lengths in tokens of the served model's tokenizer (draw(tokenizer) needed),
+    # replacing prompt_words; each prompt is the shortest of at least that many tokens.
+    prompt_tokens: tuple[int, ...] = ()
+    # Every prompt starts with its own request number ("Request 17.") and the paragraph at
+    # its own offset, so no two share a first KV block: no prefix-cache hits anywhere.
+    unique_prompts: bool = False
+    kv_cache_tokens: int = 0            # KV capacity in tokens; 0: from kv_reservations
     note: str = ""
 
     @property
     def batch_width(self) -> int:
         return self.dynamic_batch_size or self.concurrency
 
-    def draw(self) -> list[dict]:
-        """The request bodies, in order. Deterministic in the seed."""
+    def draw(self, tokenizer=None) -> list[dict]:
+        """The request bodies, in order. Deterministic in the seed (and the tokenizer, for
+        a workload sized in tokens)."""
+        if self.prompt_tokens and tokenizer is None:
+            raise ValueError(f"workload {self.name!r} sizes its prompts in tokens "
+                             f"{list(self.prompt_tokens)}: it needs the served model's tokenizer")
         rng = random.Random(self.seed)
         bodies = []
-        for _ in range(self.requests):
+        for i in range(self.requests):
             params = {"max_new_tokens": rng.choice(self.max_new_tokens), "ignore_eos": True,
                       "details": True}
             if self.eos_after is not None:
                 params["eos_after"] = rng.randint(*self.eos_after)
-            bodies.append({"inputs": prompt_of(rng.choice(self.prompt_words)),
-                           "parameters": params, "stream": True})
+            start, head = (7 * i, f"Request {i}.") if self.unique_prompts else (0, "")
+            if self.prompt_tokens:
+                prompt = prompt_to_tokens(tokenizer, rng.choice(self.prompt_tokens), start, head)
+            else:
+                prompt = prompt_of(rng.choice(self.prompt_words), start, head)
+            bodies.append({"inputs": prompt, "parameters": params, "stream": True})
         return bodies
 
     def to_dict(self) -> dict:
@@ -107,6 +138,15 @@ EARLY_STOP_CPU = replace(
          "one-at-a-time servers), KV capacity of 12 full-length reservations (rolling's "
          "reservations bind, paged's blocks do not)")
 
+LMI_CPU_135M = Workload(
+    name="lmi", requests=200, concurrency=50, prompt_words=(), prompt_tokens=(15, 60, 160),
+    max_new_tokens=(16, 32, 64), unique_prompts=True, kv_cache_tokens=12800,
+    max_rolling_batch_size=64, prefill_tokens=4096, serial_requests=30,
+    note="issue 14's CPU comparison: 200 requests, 50 clients, prompts of about 15/60/160 tokens, "
+         "each unique from its first token (no prefix-cache hits), outputs 16/32/64, greedy, EOS "
+         "ignored; KV capacity 12,800 tokens, at most 64 running, prefill budget 4,096 tokens; the "
+         "one-at-a-time servers none and hf_naive run the first 30 requests")
+
 SMOKE = Workload(
     name="smoke", requests=6, concurrency=2, prompt_words=(4, 12), max_new_tokens=(4, 8),
     dynamic_batch_size=2, max_batch_delay_ms=20, prefill_tokens=512,
@@ -118,16 +158,21 @@ class Preset:
     name: str
     workloads: tuple[Workload, ...]
     repetitions: int
-    model: str                  # "demo" (tiny local model) or "llama-2-7b" (random bf16 weights)
+    model: str                  # "demo" (tiny local model) or a dir of benchmarks/configs (random weights)
     description: str = ""
     one_at_a_time: bool = False  # start each server only for its own run (too big to share a device)
+    dtype: str | None = None     # fp32|bf16 for every server when --dtype is not given (None: by device)
 
 
 PRESETS = {
     "cpu": Preset("cpu", (LMI_CPU, EARLY_STOP_CPU), repetitions=2, model="demo",
                   description="tiny demo Llama on CPU; the whole comparison in under 10 minutes"),
     "gpu": Preset("gpu", (LMI_GPU, EARLY_STOP_GPU), repetitions=2, model="llama-2-7b",
-                  description="Llama-2-7B shape, random bf16 weights, on one GPU", one_at_a_time=True),
+                  description="Llama-2-7B shape, random bf16 weights, on one GPU", one_at_a_time=True,
+                  dtype="bf16"),
+    "cpu-135m": Preset("cpu-135m", (LMI_CPU_135M,), repetitions=2, model="smollm-135m",
+                       description="SmolLM-135M's shape (30 layers, hidden 576), random weights, on CPU; "
+                                   "one server at a time", one_at_a_time=True),
     "smoke": Preset("smoke", (SMOKE,), repetitions=1, model="demo",
                     description="seconds-long check that every server answers"),
 }
