@@ -40,14 +40,15 @@ def paged_attention_forward(module, query, key, value, attention_mask, scaling=N
     q = query[0].transpose(0, 1)     # [T, H, D]
     k = key[0].transpose(0, 1)       # [T, Hkv, D]
     v = value[0].transpose(0, 1)
-    kernels.write_kv(k_cache, v_cache, k.to(k_cache.dtype), v.to(v_cache.dtype), lmi_step.slot_mapping)
+    k, v = k.to(k_cache.dtype), v.to(v_cache.dtype)
+    kernels.write_kv(k_cache, v_cache, k, v, lmi_step.slot_mapping)
     if scaling is None:
         scaling = q.shape[-1] ** -0.5
     out = kernels.paged_attention(q, k_cache, v_cache, lmi_step.block_tables, lmi_step.seq_lens,
                                   lmi_step.query_start_loc, float(scaling),
                                   seq_lens_cpu=lmi_step.seq_lens_cpu,
                                   query_start_loc_cpu=lmi_step.query_start_loc_cpu,
-                                  sliding_window=sliding_window, soft_cap=softcap)
+                                  sliding_window=sliding_window, soft_cap=softcap, key=k, value=v)
     return out.unsqueeze(0), None    # [1, T, H, D]
 
 

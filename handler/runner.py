@@ -157,10 +157,7 @@ class ModelRunner:
         if ranks is not None:   # every rank's pool the same size (also: every rank has loaded)
             num_blocks = ranks.min_across(num_blocks)
         self.kv = KVLayout(layers, kv_heads, head_dim, num_blocks, block_size)
-        shape = (self.kv.num_blocks, block_size, kv_heads, head_dim)
-        self.kv_cache = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
-                          torch.zeros(shape, dtype=self.dtype, device=self.device))
-                         for _ in range(layers)]
+        self.kv_cache = [(self._kv_pool(), self._kv_pool()) for _ in range(layers)]
         self.eos_token_ids = self._eos_ids()
         self.sampler = Sampler()
         self.lora = None        # handler.lora.LoraManager once enable_lora() ran
@@ -169,6 +166,17 @@ class ModelRunner:
                  layers, kv_heads, head_dim,
                  f" (rank {ranks.rank} of {tp}: 1/{tp} of the heads)" if tp > 1 else "",
                  self.kv.num_blocks, block_size, self.kv.tokens)
+
+    def _kv_pool(self) -> torch.Tensor:
+        """One layer's keys or values, [NB, bs, Hkv, D] to every reader. On CPU that is a view of
+        a head-major [NB, Hkv, bs, D] allocation, so that the attention's gather of a batch's
+        blocks is one copy into the [B, Hkv, L, D] it multiplies (kernels/reference.py); the
+        Triton kernels read strides and take either."""
+        nb, bs, hkv, d = self.kv.num_blocks, self.kv.block_size, self.kv.num_kv_heads, self.kv.head_dim
+        from .cpu import head_major_kv
+        if self.device.type == "cpu" and head_major_kv():
+            return torch.zeros(nb, hkv, bs, d, dtype=self.dtype).transpose(1, 2)
+        return torch.zeros(nb, bs, hkv, d, dtype=self.dtype, device=self.device)
 
     def _bytes_per_token(self, layers, kv_heads, head_dim) -> int:
         return 2 * layers * kv_heads * head_dim * torch.tensor([], dtype=self.dtype).element_size()
@@ -200,6 +208,15 @@ class ModelRunner:
                                  "> 1 (adapters are not sharded across ranks); use degree 1")
         self.lora = LoraManager(self.model, max_loras, max_lora_rank, max_cpu_loras)
         return self.lora
+
+    def prepack_cpu(self, keep_weights: bool = False) -> None:
+        """On CPU (one rank): the linear layers' weights in oneDNN's packed layout
+        (handler/cpu.py). keep_weights: LoRA reads the original weights."""
+        if self.device.type != "cpu" or self.ranks is not None:
+            return
+        from .cpu import prepack_linears
+        n = prepack_linears(self.model, keep_weights)
+        log.info("CPU: %d linear layers prepacked for oneDNN", n)
 
     def release(self, seq_id: int) -> None:
         self.sampler.release(seq_id)

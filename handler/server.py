@@ -30,8 +30,10 @@ def build_runner(cfg, on_rank_failure=None):
                   max_model_len=cfg.max_model_len, trust_remote_code=cfg.trust_remote_code)
     if cfg.tensor_parallel_degree == 1:
         runner = ModelRunner(**kwargs)
-        if getattr(cfg, "enable_lora", False):
+        lora = getattr(cfg, "enable_lora", False)
+        if lora:
             enable_lora(cfg, runner)
+        runner.prepack_cpu(keep_weights=lora)
         return runner
     from .distributed import RankGroup, check_supported
     from .runner import ModelLoadError, pick_device

@@ -41,13 +41,15 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
                     block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
                     scale: float, *, seq_lens_cpu: list[int] | None = None,
                     query_start_loc_cpu: list[int] | None = None,
-                    sliding_window: int | None = None, soft_cap: float | None = None) -> torch.Tensor:
+                    sliding_window: int | None = None, soft_cap: float | None = None,
+                    key: torch.Tensor | None = None, value: torch.Tensor | None = None) -> torch.Tensor:
     """query [T, H, D] over paged KV -> [T, H, D]; see docs/ARCHITECTURE.md "KV pool and kernels".
 
     `seq_lens_cpu` / `query_start_loc_cpu` (plain lists, optional) let the CPU reference
     skip reading the tensors back; the Triton path never reads them back. A sliding window or
     logit soft-cap (Mistral-style / Gemma 2 models) goes to the reference on any device: the
-    Triton kernel does not implement them yet.
+    Triton kernel does not implement them yet. `key` / `value` (this step's, optional) let the
+    reference skip gathering a sequence whose whole context is in this step.
     """
     if _use_triton(query) and sliding_window is None and soft_cap is None:
         from . import triton_kernels
@@ -56,4 +58,5 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
     return reference.paged_attention(query, key_cache, value_cache, block_tables, seq_lens,
                                      query_start_loc, scale, seq_lens_cpu=seq_lens_cpu,
                                      query_start_loc_cpu=query_start_loc_cpu,
-                                     sliding_window=sliding_window, soft_cap=soft_cap)
+                                     sliding_window=sliding_window, soft_cap=soft_cap,
+                                     key=key, value=value)

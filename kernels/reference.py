@@ -29,13 +29,25 @@ def _as_list(x, cpu_list: list[int] | None) -> list[int]:
     return x.tolist() if isinstance(x, torch.Tensor) else [int(v) for v in x]
 
 
+def head_major(cache: torch.Tensor) -> bool:
+    """True for a [NB, bs, Hkv, D] view of a [NB, Hkv, bs, D] allocation (the CPU pool): there
+    a gather of whole blocks yields [B, Hkv, L, D] in one copy, the layout attention reads."""
+    return cache.transpose(1, 2).is_contiguous()
+
+
 def _gather(cache: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
-    """cache [NB, bs, Hkv, D], tables [B, nblk] long -> [B, nblk*bs, Hkv, D]."""
+    """cache [NB, bs, Hkv, D], tables [B, nblk] long -> keys [B, Hkv, nblk*bs, D] (a view,
+    contiguous when the pool is head-major)."""
     nb, bs, hkv, d = cache.shape
+    b, nblk = tables.shape
     # embedding() gathers rows ~3x faster on CPU than advanced indexing; reshape is a view
-    # (the pool is allocated contiguous).
+    # (the pool is allocated contiguous in one of the two layouts).
+    if head_major(cache):
+        idx = tables[:, None, :] * hkv + torch.arange(hkv, device=tables.device)[None, :, None]
+        rows = F.embedding(idx, cache.transpose(1, 2).reshape(nb * hkv, bs * d))  # [B, Hkv, nblk, bs*D]
+        return rows.view(b, hkv, nblk * bs, d)
     rows = F.embedding(tables, cache.reshape(nb, bs * hkv * d))
-    return rows.view(tables.shape[0], tables.shape[1] * bs, hkv, d)
+    return rows.view(b, nblk * bs, hkv, d).transpose(1, 2)
 
 
 def _attend(q, k, v, mask, scale, g, soft_cap):
@@ -56,15 +68,19 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
                     seq_lens_cpu: list[int] | None = None,
                     query_start_loc_cpu: list[int] | None = None,
                     sliding_window: int | None = None,
-                    soft_cap: float | None = None) -> torch.Tensor:
+                    soft_cap: float | None = None,
+                    key: torch.Tensor | None = None,
+                    value: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of packed query rows [T, H, D] over paged KV -> [T, H, D].
 
     Sequence s owns rows qsl[s]:qsl[s+1] (n_s rows) at positions seq_lens[s]-n_s ..
     seq_lens[s]-1. Decode rows (n_s == 1) of all sequences go through one batched gather
-    and one masked SDPA; prefill chunks (n_s > 1) go through SDPA one sequence each.
+    and one masked attention; prefill chunks (n_s > 1) go through SDPA one sequence each.
     `seq_lens_cpu` / `query_start_loc_cpu` spare reading the tensors back. `sliding_window` W:
     a query at position i sees keys j > i - W (transformers' convention); `soft_cap`: Gemma 2's
-    attention logit soft-capping.
+    attention logit soft-capping. `key` / `value` [T, Hkv, D] (optional): this step's own keys
+    and values (already written to the pool); a sequence whose whole context is in this step
+    attends to them directly instead of gathering them back.
     """
     t, h, d = query.shape
     nb, bs, hkv, _ = key_cache.shape
@@ -76,7 +92,7 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
     dev = query.device
     tables = block_tables.to(device=dev, dtype=torch.long) if isinstance(block_tables, torch.Tensor) \
         else torch.tensor(block_tables, dtype=torch.long, device=dev)
-    out = torch.zeros(t, h, d, dtype=query.dtype, device=dev)
+    out = torch.empty(t, h, d, dtype=query.dtype, device=dev)   # every row is written below
 
     nq = [qsl[s + 1] - qsl[s] for s in range(len(lens))]
     for s, (n, ctx) in enumerate(zip(nq, lens)):
@@ -91,31 +107,43 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
         tbl = tables[torch.tensor(dec, device=dev), :nblk]
         # Entries past a sequence's last block may be padding (-1 or stale): any valid id will do.
         tbl = tbl.clamp(0, nb - 1)
-        k = _gather(key_cache, tbl).float().transpose(1, 2)  # [B, Hkv, L, D]
-        v = _gather(value_cache, tbl).float().transpose(1, 2)
-        q = query[rows].float().unsqueeze(2)  # [B, H, 1, D]
+        k = _gather(key_cache, tbl).float()   # [B, Hkv, L, D] (float(): a no-op in fp32)
+        v = _gather(value_cache, tbl).float()
         kpos = torch.arange(nblk * bs, device=dev)[None, :]
         valid = kpos < blen[:, None]  # [B, L]
         if sliding_window is not None:
             valid &= kpos > blen[:, None] - 1 - sliding_window
-        o = _attend(q, k, v, valid[:, None, None, :], scale, g, soft_cap)
-        out[rows] = o.squeeze(2).to(query.dtype)
+        # Query head i reads KV head i // g: group the g heads of each KV head as the rows of
+        # one small matmul (no repeat of K/V); scores and softmax in fp32.
+        q = query[rows].float().view(len(dec), hkv, g, d)
+        s_ = torch.matmul(q, k.transpose(-1, -2)) * scale     # [B, Hkv, g, L]
+        if soft_cap is not None:
+            s_ = torch.tanh(s_ / soft_cap) * soft_cap
+        s_.masked_fill_(~valid[:, None, None, :], float("-inf"))
+        o = torch.matmul(torch.softmax(s_, dim=-1), v)        # [B, Hkv, g, D]
+        out[rows] = o.view(len(dec), h, d).to(query.dtype)
 
     for s in range(len(lens)):
         a, b = qsl[s], qsl[s + 1]
         n, ctx = b - a, lens[s]
         if n <= 1:
             continue
+        q = query[a:b].transpose(0, 1)  # [H, n, D]
+        if ctx == n and key is not None and sliding_window is None and soft_cap is None:
+            # The whole context is this step's: attend to its own keys, causally (no gather).
+            o = F.scaled_dot_product_attention(q, key[a:b].transpose(0, 1), value[a:b].transpose(0, 1),
+                                               is_causal=True, scale=scale, enable_gqa=g > 1)
+            out[a:b] = o.transpose(0, 1)
+            continue
         nblk = -(-ctx // bs)
         tbl = tables[s:s + 1, :nblk]
-        k = _gather(key_cache, tbl)[0, :ctx].float().transpose(0, 1)  # [Hkv, L, D]
-        v = _gather(value_cache, tbl)[0, :ctx].float().transpose(0, 1)
-        q = query[a:b].float().transpose(0, 1)  # [H, n, D]
+        k = _gather(key_cache, tbl)[0, :, :ctx].float()  # [Hkv, L, D]
+        v = _gather(value_cache, tbl)[0, :, :ctx].float()
         qpos = torch.arange(ctx - n, ctx, device=dev)
         kpos = torch.arange(ctx, device=dev)[None, :]
         mask = kpos <= qpos[:, None]  # [n, L]
         if sliding_window is not None:
             mask &= kpos > qpos[:, None] - sliding_window
-        o = _attend(q, k, v, mask, scale, g, soft_cap)
+        o = _attend(q.float(), k, v, mask, scale, g, soft_cap)
         out[a:b] = o.transpose(0, 1).to(query.dtype)
     return out

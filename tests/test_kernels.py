@@ -85,6 +85,41 @@ def test_reference_sliding_window_and_soft_cap_match_naive_loop(sliding_window, 
         assert rel_err(got, naive_attention(**case)) > 1e-3
 
 
+def _head_major(cache: torch.Tensor) -> torch.Tensor:
+    """The same values in the CPU pool's layout: a [NB, bs, Hkv, D] view of [NB, Hkv, bs, D]."""
+    hm = cache.transpose(1, 2).contiguous().transpose(1, 2)
+    assert reference.head_major(hm) and torch.equal(hm, cache)
+    return hm
+
+
+def _own_kv(case) -> tuple[torch.Tensor, torch.Tensor]:
+    """The step's own keys/values [T, Hkv, D], read from the pool at each row's position."""
+    bs = case["key_cache"].shape[1]
+    tables, lens, qsl = case["block_tables"].tolist(), case["seq_lens"].tolist(), case["query_start_loc"].tolist()
+    slots = [tables[s][p // bs] * bs + p % bs for s in range(len(lens))
+             for p in range(lens[s] - (qsl[s + 1] - qsl[s]), lens[s])]
+    flat = lambda c: c.reshape(-1, *c.shape[2:])  # noqa: E731
+    return flat(case["key_cache"])[slots], flat(case["value_cache"])[slots]
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("options", [{}, {"sliding_window": 4}, {"soft_cap": 1.5}])
+def test_reference_head_major_pool_and_own_keys_match_naive_loop(dtype, tol, options):
+    # The engine's CPU pool is head-major and passes the step's own keys: the answer must be
+    # the naive loop's for decode rows, chunks over cached prefixes and whole prefills alike.
+    rng = random.Random(f"hm-{dtype}-{options}")
+    for _ in range(3):
+        case = make_case(rng, num_seqs=rng.randint(3, 6), block_size=rng.choice([1, 4, 16]),
+                         hkv=rng.choice([1, 3]), group=rng.choice([1, 3]), head_dim=16, dtype=dtype, max_ctx=40)
+        key, value = _own_kv(case)
+        hm = dict(case, key_cache=_head_major(case["key_cache"]), value_cache=_head_major(case["value_cache"]))
+        got = reference.paged_attention(**hm, key=key, value=value, **options)
+        assert got.dtype == dtype
+        assert rel_err(got, naive_attention(**case, **options)) <= tol
+        if dtype == torch.float32:    # the layout alone changes nothing
+            assert rel_err(got, reference.paged_attention(**case, **options)) <= 1e-6
+
+
 def test_reference_decode_batch_with_uneven_lengths():
     # Many decode rows in one batched gather: lengths 1..70 in one batch, tables padded with -1.
     rng = random.Random(7)
