@@ -13,11 +13,18 @@ reading `in_features` keep working. Without LoRA, a weight no other module share
 after packing (the packed copy replaces it: memory stays the same); a tied output head keeps
 the embedding's weight.
 
+Allocator: `python -m handler serve` on a CPU host re-executes itself once with tcmalloc in
+LD_PRELOAD when the system has it (Debian: libtcmalloc-minimal4, installed in the image), as
+vLLM's CPU recipe does: the engine allocates thousands of short-lived tensors per step.
+In process, 100 requests of the cpu-135m mix: 3.21 -> 3.63 req/s (two interleaved pairs).
+
 Escape hatches (and the A/B switches of benchmarks/step_floor.py): LMI_CPU_PREPACK=0 keeps the
-plain nn.Linear; LMI_CPU_KV_LAYOUT=token keeps the CPU KV pool token-major like the GPU's.
+plain nn.Linear; LMI_CPU_KV_LAYOUT=token keeps the CPU KV pool token-major like the GPU's;
+LMI_CPU_MALLOC=system keeps the C library's allocator.
 """
 from __future__ import annotations
 
+import glob
 import logging
 import os
 
@@ -45,6 +52,33 @@ def enabled(name: str, default: str = "1") -> str:
 def head_major_kv() -> bool:
     """The CPU KV pool's layout: head-major (default) or token-major (LMI_CPU_KV_LAYOUT=token)."""
     return enabled("LMI_CPU_KV_LAYOUT", "head") != "token"
+
+
+TCMALLOC_DIRS = ("/usr/lib/x86_64-linux-gnu", "/usr/lib/aarch64-linux-gnu", "/usr/lib64", "/usr/lib",
+                 "/usr/local/lib")
+
+
+def find_tcmalloc(dirs=TCMALLOC_DIRS) -> str | None:
+    for d in dirs:
+        for name in ("libtcmalloc_minimal.so.4", "libtcmalloc.so.4"):
+            hits = sorted(glob.glob(os.path.join(d, name)))
+            if hits:
+                return hits[0]
+    return None
+
+
+def preload_env(env, dirs=TCMALLOC_DIRS) -> dict | None:
+    """The environment to re-execute the server with (tcmalloc first in LD_PRELOAD), or None:
+    opted out (LMI_CPU_MALLOC=system), already preloaded, or no tcmalloc on this system."""
+    if env.get("LMI_CPU_MALLOC", "tcmalloc").strip().lower() == "system":
+        return None
+    preload = env.get("LD_PRELOAD", "")
+    if "tcmalloc" in preload:
+        return None
+    lib = find_tcmalloc(dirs)
+    if lib is None:
+        return None
+    return dict(env, LD_PRELOAD=f"{lib}:{preload}" if preload else lib)
 
 
 def can_prepack(dtype: torch.dtype) -> bool:

@@ -194,6 +194,11 @@ def main(argv: list[str]) -> int:
     configure_logging("text", os.environ.get("LMI_LOG_LEVEL", "INFO"))
     try:
         cfg = load_config(a.properties, a.model_dir, os.environ)
+        if cfg.device != "cuda":    # once, before anything is loaded: tcmalloc (handler/cpu.py)
+            from .cpu import preload_env
+            env = preload_env(os.environ)
+            if env is not None:
+                os.execve(sys.executable, [sys.executable, "-m", "handler", "serve", *argv], env)
         configure_logging(cfg.log_format)
         if cfg.model_id.startswith("s3://"):
             from dataclasses import replace

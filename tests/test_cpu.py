@@ -1,0 +1,93 @@
+"""handler/cpu.py: oneDNN weight prepacking, the head-major CPU KV pool and the tcmalloc re-exec."""
+from __future__ import annotations
+
+import os
+import pytest
+import torch
+from torch import nn
+
+from handler import cpu
+from handler.cpu import PackedLinear, find_tcmalloc, preload_env, prepack_linears
+
+def _load(model_dir, dtype=torch.float32):
+    from transformers import AutoModelForCausalLM
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 0.1)])
+def test_prepacked_model_gives_the_plain_models_logits(demo_model_factory, dtype, tol):
+    if not cpu.can_prepack(dtype):
+        pytest.skip(f"oneDNN cannot prepack {dtype} on this CPU")
+    path = demo_model_factory("llama")
+    plain, packed = _load(path, dtype), _load(path, dtype)
+    n = prepack_linears(packed)
+    linears = [m for m in packed.modules() if isinstance(m, nn.Linear)]
+    assert n == len(linears) > 0 and all(type(m) is PackedLinear for m in linears)
+    ids = torch.randint(5, plain.config.vocab_size, (2, 13))
+    with torch.inference_mode():
+        want, got = plain(ids).logits.float(), packed(ids).logits.float()
+    assert (got - want).abs().max().item() <= tol * max(1.0, want.abs().max().item())
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
+
+
+def test_prepacking_drops_only_weights_nobody_else_holds(demo_model_factory):
+    model = _load(demo_model_factory("llama"))
+    head = model.get_output_embeddings()
+    tied = head.weight is model.get_input_embeddings().weight
+    q = model.model.layers[0].self_attn.q_proj
+    prepack_linears(model)
+    assert q.weight.numel() == 0 and q.in_features > 0        # replaced by its packed copy
+    if tied:    # the embedding still reads the shared weight
+        assert head.weight.numel() == model.get_input_embeddings().weight.numel() > 0
+    kept = _load(demo_model_factory("llama"))
+    prepack_linears(kept, keep_weights=True)                  # LoRA reads the weights
+    assert kept.model.layers[0].self_attn.q_proj.weight.shape == (q.out_features, q.in_features)
+
+
+def test_prepacking_switch(demo_model_factory, monkeypatch):
+    monkeypatch.setenv("LMI_CPU_PREPACK", "0")
+    model = _load(demo_model_factory("llama"))
+    assert prepack_linears(model) == 0
+    assert not any(type(m) is PackedLinear for m in model.modules())
+
+
+def test_runner_pool_is_head_major_on_cpu_and_switchable(demo_model_factory, monkeypatch):
+    from handler.runner import ModelRunner
+    from kernels.reference import head_major
+
+    path = demo_model_factory("llama")
+    r = ModelRunner(path, kv_cache_tokens=64, block_size=4)
+    k = r.kv_cache[0][0]
+    assert k.shape == (16, 4, r.kv.num_kv_heads, r.kv.head_dim)   # every reader's view
+    assert head_major(k) and not k.is_contiguous()
+    monkeypatch.setenv("LMI_CPU_KV_LAYOUT", "token")
+    r2 = ModelRunner(path, kv_cache_tokens=64, block_size=4)
+    assert r2.kv_cache[0][0].is_contiguous()
+
+
+def test_preload_env(tmp_path):
+    lib = tmp_path / "libtcmalloc_minimal.so.4"
+    lib.write_bytes(b"")
+    dirs = (str(tmp_path),)
+    env = preload_env({"PATH": "/bin"}, dirs)
+    assert env["LD_PRELOAD"] == str(lib) and env["PATH"] == "/bin"
+    assert preload_env({"LD_PRELOAD": "/x/libfoo.so"}, dirs)["LD_PRELOAD"] == f"{lib}:/x/libfoo.so"
+    assert preload_env({"LD_PRELOAD": str(lib)}, dirs) is None           # already: no loop
+    assert preload_env({"LMI_CPU_MALLOC": "system"}, dirs) is None       # opted out
+    assert preload_env({}, (str(tmp_path / "none"),)) is None            # absent: serve as is
+
+
+def test_server_runs_with_tcmalloc_when_the_system_has_it(demo_model_factory, tmp_path):
+    lib = find_tcmalloc()
+    if lib is None:
+        pytest.skip("no tcmalloc on this machine (Debian: apt-get install libtcmalloc-minimal4)")
+    from tests.serverutil import Server
+    srv = Server("option.rolling_batch=auto\noption.paged_attention=true\noption.max_rolling_batch_size=4\n",
+                 demo_model_factory("llama"), tmp_path, env={"LD_PRELOAD": "", "LMI_CPU_MALLOC": "tcmalloc"})
+    try:
+        with open(f"/proc/{srv.proc.pid}/maps") as f:     # the re-executed process keeps its pid
+            assert os.path.basename(lib) in f.read()
+        r = srv.post({"inputs": "hello there", "parameters": {"max_new_tokens": 3}})
+        assert r.status_code == 200, r.text
+    finally:
+        assert srv.stop() == 0
