@@ -50,6 +50,23 @@ def _gather(cache: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
     return rows.view(b, nblk * bs, hkv, d).transpose(1, 2)
 
 
+def length_groups(seqs: list[int], nblks: list[int], min_size: int = 8,
+                  slack: float = 0.6) -> list[list[int]]:
+    """Decode sequences in groups of similar length, longest first. A batched gather pads every
+    sequence to the group's longest; a new group starts (once the current one holds `min_size`)
+    when the next sequence needs under `slack` of the current group's blocks, so short
+    contexts beside long ones are not gathered and multiplied at the long length."""
+    order = sorted(range(len(seqs)), key=lambda i: -nblks[i])
+    groups: list[list[int]] = []
+    width = 0
+    for i in order:
+        if not groups or (len(groups[-1]) >= min_size and nblks[i] < slack * width):
+            groups.append([])
+            width = nblks[i]
+        groups[-1].append(seqs[i])
+    return groups
+
+
 def _attend(q, k, v, mask, scale, g, soft_cap):
     """SDPA, or explicit math when the logits are soft-capped (Gemma 2): tanh(s/cap)*cap.
     q [..., H, n, D], k/v [..., Hkv, L, D], mask broadcastable to [..., H, n, L] (True = keep)."""
@@ -74,8 +91,9 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
     """Causal attention of packed query rows [T, H, D] over paged KV -> [T, H, D].
 
     Sequence s owns rows qsl[s]:qsl[s+1] (n_s rows) at positions seq_lens[s]-n_s ..
-    seq_lens[s]-1. Decode rows (n_s == 1) of all sequences go through one batched gather
-    and one masked attention; prefill chunks (n_s > 1) go through SDPA one sequence each.
+    seq_lens[s]-1. Decode rows (n_s == 1) go through one batched gather and one masked
+    attention per group of similar lengths (`length_groups`); prefill chunks (n_s > 1) go
+    through SDPA one sequence each.
     `seq_lens_cpu` / `query_start_loc_cpu` spare reading the tensors back. `sliding_window` W:
     a query at position i sees keys j > i - W (transformers' convention); `soft_cap`: Gemma 2's
     attention logit soft-capping. `key` / `value` [T, Hkv, D] (optional): this step's own keys
@@ -99,12 +117,11 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
         if not 0 <= n <= ctx:
             raise ValueError(f"sequence {s}: {n} query rows do not fit its context length {ctx}")
     dec = [s for s in range(len(lens)) if nq[s] == 1]
-    if dec:
-        max_len = max(lens[s] for s in dec)
-        nblk = -(-max_len // bs)
-        rows = torch.tensor([qsl[s] for s in dec], device=dev)
-        blen = torch.tensor([lens[s] for s in dec], device=dev)
-        tbl = tables[torch.tensor(dec, device=dev), :nblk]
+    for group in length_groups(dec, [-(-lens[s] // bs) for s in dec]):
+        nblk = -(-max(lens[s] for s in group) // bs)
+        rows = torch.tensor([qsl[s] for s in group], device=dev)
+        blen = torch.tensor([lens[s] for s in group], device=dev)
+        tbl = tables[torch.tensor(group, device=dev), :nblk]
         # Entries past a sequence's last block may be padding (-1 or stale): any valid id will do.
         tbl = tbl.clamp(0, nb - 1)
         k = _gather(key_cache, tbl).float()   # [B, Hkv, L, D] (float(): a no-op in fp32)
@@ -115,13 +132,13 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
             valid &= kpos > blen[:, None] - 1 - sliding_window
         # Query head i reads KV head i // g: group the g heads of each KV head as the rows of
         # one small matmul (no repeat of K/V); scores and softmax in fp32.
-        q = query[rows].float().view(len(dec), hkv, g, d)
+        q = query[rows].float().view(len(group), hkv, g, d)
         s_ = torch.matmul(q, k.transpose(-1, -2)) * scale     # [B, Hkv, g, L]
         if soft_cap is not None:
             s_ = torch.tanh(s_ / soft_cap) * soft_cap
         s_.masked_fill_(~valid[:, None, None, :], float("-inf"))
         o = torch.matmul(torch.softmax(s_, dim=-1), v)        # [B, Hkv, g, D]
-        out[rows] = o.view(len(dec), h, d).to(query.dtype)
+        out[rows] = o.view(len(group), h, d).to(query.dtype)
 
     for s in range(len(lens)):
         a, b = qsl[s], qsl[s + 1]

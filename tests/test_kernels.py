@@ -130,6 +130,30 @@ def test_reference_decode_batch_with_uneven_lengths():
     assert rel_err(reference.paged_attention(**case), naive_attention(**case)) <= 1e-5
 
 
+def test_length_groups_cover_each_sequence_once_longest_first():
+    rng = random.Random(3)
+    seqs = list(range(100, 160))
+    nblks = [rng.randint(1, 40) for _ in seqs]
+    groups = reference.length_groups(seqs, nblks, min_size=8, slack=0.6)
+    assert sorted(x for g in groups for x in g) == seqs
+    width = {s: n for s, n in zip(seqs, nblks)}
+    tops = [max(width[x] for x in g) for g in groups]
+    assert tops == sorted(tops, reverse=True) and len(groups) > 1
+    for g, nxt in zip(groups, groups[1:]):      # a group closes only when full enough and the
+        assert len(g) >= 8                      # next is much shorter than its widest
+        assert max(width[x] for x in nxt) < 0.6 * max(width[x] for x in g)
+    assert reference.length_groups([7, 8], [1, 30]) == [[8, 7]]     # small batches stay one group
+
+
+def test_reference_decode_rows_in_several_length_groups_match_naive_loop():
+    rng = random.Random(11)
+    case = make_case(rng, num_seqs=40, block_size=4, hkv=2, group=3, head_dim=16,
+                     dtype=torch.float32, max_ctx=120, decode_only=True)
+    lens = case["seq_lens"].tolist()
+    assert len(reference.length_groups(list(range(40)), [-(-n // 4) for n in lens])) > 1
+    assert rel_err(reference.paged_attention(**case), naive_attention(**case)) <= 1e-5
+
+
 def test_write_kv_then_attend_equals_causal_sdpa_over_contiguous_kv():
     # A 37-token sequence written through a shuffled block table, read back by attention,
     # must equal plain causal SDPA on the unpaged tensors.
