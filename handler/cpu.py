@@ -45,13 +45,14 @@ class PackedLinear(nn.Linear):
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
 
-def enabled(name: str, default: str = "1") -> str:
+def _setting(name: str, default: str = "1") -> str:
+    """An environment switch, lower-cased."""
     return os.environ.get(name, default).strip().lower()
 
 
 def head_major_kv() -> bool:
     """The CPU KV pool's layout: head-major (default) or token-major (LMI_CPU_KV_LAYOUT=token)."""
-    return enabled("LMI_CPU_KV_LAYOUT", "head") != "token"
+    return _setting("LMI_CPU_KV_LAYOUT", "head") != "token"
 
 
 TCMALLOC_DIRS = ("/usr/lib/x86_64-linux-gnu", "/usr/lib/aarch64-linux-gnu", "/usr/lib64", "/usr/lib",
@@ -94,7 +95,7 @@ def prepack_linears(model: nn.Module, keep_weights: bool = False) -> int:
     keep_weights: leave the original weights in place (LoRA reads their shape and dtype)."""
     tied = {id(p) for name, m in model.named_modules() if not isinstance(m, nn.Linear)
             for p in m.parameters(recurse=False)}
-    if enabled("LMI_CPU_PREPACK") in ("0", "false", "no", "off"):
+    if _setting("LMI_CPU_PREPACK") in ("0", "false", "no", "off"):
         return 0
     done = 0
     for name, m in model.named_modules():

@@ -67,17 +67,25 @@ def length_groups(seqs: list[int], nblks: list[int], min_size: int = 8,
     return groups
 
 
+def _grouped(q, k, v, keep, scale, soft_cap):
+    """Explicit attention with query heads grouped by KV head (no K/V repeat), fp32 logits,
+    optionally soft-capped (Gemma 2): tanh(s/cap)*cap. q [..., Hkv, m, D] (m rows of one KV
+    head's query heads), k/v [..., Hkv, L, D], keep broadcastable to [..., Hkv, m, L]."""
+    s = torch.matmul(q, k.transpose(-1, -2)) * scale
+    if soft_cap is not None:
+        s = torch.tanh(s / soft_cap) * soft_cap
+    s = s.masked_fill(~keep, float("-inf"))
+    return torch.matmul(torch.softmax(s, dim=-1), v)
+
+
 def _attend(q, k, v, mask, scale, g, soft_cap):
-    """SDPA, or explicit math when the logits are soft-capped (Gemma 2): tanh(s/cap)*cap.
-    q [..., H, n, D], k/v [..., Hkv, L, D], mask broadcastable to [..., H, n, L] (True = keep)."""
+    """SDPA, or the grouped math when the logits are soft-capped.
+    q [H, n, D], k/v [Hkv, L, D], mask [n, L] (True = keep) -> [H, n, D]."""
     if soft_cap is None:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=g > 1)
-    if g > 1:
-        k, v = k.repeat_interleave(g, dim=-3), v.repeat_interleave(g, dim=-3)
-    s = torch.matmul(q, k.transpose(-1, -2)) * scale
-    s = torch.tanh(s / soft_cap) * soft_cap
-    s = s.masked_fill(~mask, float("-inf"))
-    return torch.matmul(torch.softmax(s, dim=-1), v)
+    h, n, d = q.shape
+    o = _grouped(q.reshape(h // g, g * n, d), k, v, mask.repeat(g, 1), scale, soft_cap)
+    return o.view(h, n, d)
 
 
 def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
@@ -133,11 +141,7 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
         # Query head i reads KV head i // g: group the g heads of each KV head as the rows of
         # one small matmul (no repeat of K/V); scores and softmax in fp32.
         q = query[rows].float().view(len(group), hkv, g, d)
-        s_ = torch.matmul(q, k.transpose(-1, -2)) * scale     # [B, Hkv, g, L]
-        if soft_cap is not None:
-            s_ = torch.tanh(s_ / soft_cap) * soft_cap
-        s_.masked_fill_(~valid[:, None, None, :], float("-inf"))
-        o = torch.matmul(torch.softmax(s_, dim=-1), v)        # [B, Hkv, g, D]
+        o = _grouped(q, k, v, valid[:, None, None, :], scale, soft_cap)   # [B, Hkv, g, D]
         out[rows] = o.view(len(group), h, d).to(query.dtype)
 
     for s in range(len(lens)):
