@@ -158,6 +158,10 @@ class ModelRunner:
             num_blocks = ranks.min_across(num_blocks)
         self.kv = KVLayout(layers, kv_heads, head_dim, num_blocks, block_size)
         self.kv_cache = [(self._kv_pool(), self._kv_pool()) for _ in range(layers)]
+        if self.device.type == "cpu":   # build (or find cached) the decode kernel now, not in a request
+            from kernels import cpu_ext
+            if cpu_ext.supports(self.kv_cache[0][0]) and cpu_ext.load() is not None:
+                log.info("CPU: decode attention by the in-place C kernel (kernels/cpu_decode.c)")
         self.eos_token_ids = self._eos_ids()
         self.sampler = Sampler()
         self.lora = None        # handler.lora.LoraManager once enable_lora() ran

@@ -49,7 +49,8 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
     skip reading the tensors back; the Triton path never reads them back. A sliding window or
     logit soft-cap (Mistral-style / Gemma 2 models) goes to the reference on any device: the
     Triton kernel does not implement them yet. `key` / `value` (this step's, optional) let the
-    reference skip gathering a sequence whose whole context is in this step.
+    reference skip gathering a sequence whose whole context is in this step. On CPU the decode
+    rows go to the C kernel of kernels/cpu_ext.py when it built (the reference serves otherwise).
     """
     if _use_triton(query) and sliding_window is None and soft_cap is None:
         from . import triton_kernels
@@ -59,4 +60,14 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
                                      query_start_loc, scale, seq_lens_cpu=seq_lens_cpu,
                                      query_start_loc_cpu=query_start_loc_cpu,
                                      sliding_window=sliding_window, soft_cap=soft_cap,
-                                     key=key, value=value)
+                                     key=key, value=value, decode=_cpu_decode(query, key_cache))
+
+
+def _cpu_decode(query: torch.Tensor, key_cache: torch.Tensor):
+    """kernels/cpu_ext.decode_attention when it serves this pool, else None."""
+    if query.device.type != "cpu":
+        return None
+    from . import cpu_ext
+    if not cpu_ext.supports(key_cache) or cpu_ext.load() is None:
+        return None
+    return cpu_ext.decode_attention

@@ -95,7 +95,8 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
                     sliding_window: int | None = None,
                     soft_cap: float | None = None,
                     key: torch.Tensor | None = None,
-                    value: torch.Tensor | None = None) -> torch.Tensor:
+                    value: torch.Tensor | None = None,
+                    decode=None) -> torch.Tensor:
     """Causal attention of packed query rows [T, H, D] over paged KV -> [T, H, D].
 
     Sequence s owns rows qsl[s]:qsl[s+1] (n_s rows) at positions seq_lens[s]-n_s ..
@@ -106,7 +107,10 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
     a query at position i sees keys j > i - W (transformers' convention); `soft_cap`: Gemma 2's
     attention logit soft-capping. `key` / `value` [T, Hkv, D] (optional): this step's own keys
     and values (already written to the pool); a sequence whose whole context is in this step
-    attends to them directly instead of gathering them back.
+    attends to them directly instead of gathering them back. `decode` (optional): a kernel
+    for all decode rows at once, `decode(q [B, H, D], key_cache, value_cache, tables [B, W],
+    lens [B], scale, sliding_window, soft_cap) -> fp32 [B, H, D]` (kernels/cpu_ext.py reads
+    the pool in place); without it they go through the gather below.
     """
     t, h, d = query.shape
     nb, bs, hkv, _ = key_cache.shape
@@ -125,6 +129,13 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
         if not 0 <= n <= ctx:
             raise ValueError(f"sequence {s}: {n} query rows do not fit its context length {ctx}")
     dec = [s for s in range(len(lens)) if nq[s] == 1]
+    if decode is not None and dec:
+        rows = torch.tensor([qsl[s] for s in dec], device=dev)
+        nblk = -(-max(lens[s] for s in dec) // bs)
+        o = decode(query[rows], key_cache, value_cache, tables[torch.tensor(dec, device=dev), :nblk],
+                   torch.tensor([lens[s] for s in dec], device=dev), scale, sliding_window, soft_cap)
+        out[rows] = o.to(query.dtype)
+        dec = []
     for group in length_groups(dec, [-(-lens[s] // bs) for s in dec]):
         nblk = -(-max(lens[s] for s in group) // bs)
         rows = torch.tensor([qsl[s] for s in group], device=dev)

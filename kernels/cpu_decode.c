@@ -1,0 +1,132 @@
+/* Decode attention on CPU reading the paged KV pool in place (kernels/cpu_ext.py builds and
+ * loads it; kernels/reference.py is its oracle and the fallback).
+ *
+ * One query row per sequence (decode). Work item = (sequence b, KV head kh): the g query heads
+ * that share kh are scored against every visible key of the sequence's blocks, read where they
+ * lie in the pool (no gather copy), then softmax and the weighted sum of the values, all in fp32.
+ * Items run in parallel on the process's OpenMP pool (the same libgomp torch loaded).
+ *
+ * Pool: [NB, bs, Hkv, D] addressed through element strides (block, token, head) with D
+ * contiguous, so both the head-major CPU allocation and the token-major one are read as is.
+ * K/V elements are fp32 (kv_bf16 = 0) or bf16 (kv_bf16 = 1).
+ * q, out: fp32 [B, H, D] contiguous; tables: int32 [B, tw]; lens: int32 [B] (context length,
+ * this step's token included). window > 0: a query at position i sees keys j > i - window;
+ * softcap > 0: logits become tanh(s / softcap) * softcap.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+static inline float bf16_to_f32(uint16_t x) {
+    union { uint32_t u; float f; } v;
+    v.u = (uint32_t)x << 16;
+    return v.f;
+}
+
+/* Row r of the pool as fp32 in dst[0:D]. */
+static inline void load_row(float *restrict dst, const void *base, int64_t off, int64_t D, int kv_bf16) {
+    if (kv_bf16) {
+        const uint16_t *src = (const uint16_t *)base + off;
+#pragma omp simd
+        for (int64_t d = 0; d < D; ++d) dst[d] = bf16_to_f32(src[d]);
+    } else {
+        memcpy(dst, (const float *)base + off, (size_t)D * sizeof(float));
+    }
+}
+
+int lmi_decode_attention(const float *q, const void *kc, const void *vc, int kv_bf16,
+                         int64_t s_blk, int64_t s_tok, int64_t s_head,
+                         const int32_t *tables, int64_t tw, const int32_t *lens,
+                         int64_t B, int64_t H, int64_t Hkv, int64_t D, int64_t bs,
+                         float scale, int64_t window, float softcap, float *out, int nthreads) {
+    const int64_t g = H / Hkv;
+    int64_t maxlen = 0;
+    for (int64_t b = 0; b < B; ++b) maxlen = lens[b] > maxlen ? lens[b] : maxlen;
+    int failed = 0;
+
+#pragma omp parallel num_threads(nthreads)
+    {
+        /* Per thread: scores [g, maxlen], one fp32 K/V row, accumulators [g, D]. */
+        float *s = malloc(sizeof(float) * (size_t)(g * maxlen + D + g * D + 1));
+        if (!s) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp barrier
+        if (!failed) {
+            float *row = s + g * maxlen, *acc = row + D;
+#pragma omp for schedule(dynamic, 1)
+            for (int64_t item = 0; item < B * Hkv; ++item) {
+                const int64_t b = item / Hkv, kh = item % Hkv;
+                const int64_t L = lens[b];
+                const int64_t t0 = (window > 0 && L - window > 0) ? L - window : 0;
+                const int32_t *tbl = tables + b * tw;
+                const float *qb = q + (b * H + kh * g) * D;
+                float *ob = out + (b * H + kh * g) * D;
+                if (L <= 0) {
+                    memset(ob, 0, sizeof(float) * (size_t)(g * D));
+                    continue;
+                }
+                /* scores s[j, t] = q_j . k_t * scale */
+                for (int64_t t = t0; t < L; ++t) {
+                    const int64_t off = (int64_t)tbl[t / bs] * s_blk + (t % bs) * s_tok + kh * s_head;
+                    const float *k;
+                    if (kv_bf16) {
+                        load_row(row, kc, off, D, 1);
+                        k = row;
+                    } else {
+                        k = (const float *)kc + off;
+                    }
+                    for (int64_t j = 0; j < g; ++j) {
+                        const float *qj = qb + j * D;
+                        float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+                        for (int64_t d = 0; d < D; ++d) dot += qj[d] * k[d];
+                        s[j * maxlen + t] = dot * scale;
+                    }
+                }
+                /* softmax over t in [t0, L) per query head */
+                for (int64_t j = 0; j < g; ++j) {
+                    float *sj = s + j * maxlen;
+                    if (softcap > 0.f) {
+#pragma omp simd
+                        for (int64_t t = t0; t < L; ++t) sj[t] = tanhf(sj[t] / softcap) * softcap;
+                    }
+                    float m = sj[t0];
+                    for (int64_t t = t0 + 1; t < L; ++t) m = sj[t] > m ? sj[t] : m;
+                    float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+                    for (int64_t t = t0; t < L; ++t) {
+                        sj[t] = expf(sj[t] - m);
+                        sum += sj[t];
+                    }
+                    const float inv = 1.f / sum;
+#pragma omp simd
+                    for (int64_t t = t0; t < L; ++t) sj[t] *= inv;
+                }
+                /* out_j = sum_t p[j, t] v_t */
+                memset(acc, 0, sizeof(float) * (size_t)(g * D));
+                for (int64_t t = t0; t < L; ++t) {
+                    const int64_t off = (int64_t)tbl[t / bs] * s_blk + (t % bs) * s_tok + kh * s_head;
+                    const float *v;
+                    if (kv_bf16) {
+                        load_row(row, vc, off, D, 1);
+                        v = row;
+                    } else {
+                        v = (const float *)vc + off;
+                    }
+                    for (int64_t j = 0; j < g; ++j) {
+                        const float p = s[j * maxlen + t];
+                        float *aj = acc + j * D;
+#pragma omp simd
+                        for (int64_t d = 0; d < D; ++d) aj[d] += p * v[d];
+                    }
+                }
+                memcpy(ob, acc, sizeof(float) * (size_t)(g * D));
+            }
+        }
+        free(s);
+    }
+    return failed ? -1 : 0;
+}

@@ -1,0 +1,136 @@
+"""The CPU decode-attention kernel (kernels/cpu_decode.c): built on this host, loaded with ctypes.
+
+Decode rows read the paged pool in place instead of gathering their blocks into a copy that
+a batched matmul then reads again (kernels/reference.py), which on CPU is memory-bound work
+done three times. The C file has no torch headers, so the build is one `cc` call of about a
+second: `-O3 -march=native` for this CPU, `-ffast-math` for vectorised exp/tanh (glibc's
+libmvec) and reassociated dot products, `-fopenmp` whose libgomp.so.1 resolves at load time
+to the one torch already loaded (same soname), so the kernel shares torch's thread pool.
+
+The shared object is cached under $LMI_CPU_EXT_CACHE (default ~/.cache/lmi-serve/kernels),
+named by a hash of the source, the flags, the compiler and the CPU's model and flags (a cache
+carried to another CPU is rebuilt, never run with instructions it lacks), written to a temporary
+file and renamed, so concurrent workers and tensor-parallel ranks can build at once.
+
+No compiler, a failed build or LMI_CPU_ATTENTION=reference: `load()` returns None and the
+reference path serves (one warning says why). The first call builds; `handler.runner` calls
+`load()` at start-up so no request pays for it.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+
+import torch
+
+log = logging.getLogger("lmi.kernels")
+
+SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu_decode.c")
+FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-shared"]
+KV_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+
+
+def enabled() -> bool:
+    return os.environ.get("LMI_CPU_ATTENTION", "kernel").strip().lower() != "reference"
+
+
+def _cache_dir() -> str:
+    return os.environ.get("LMI_CPU_EXT_CACHE") or os.path.join(os.path.expanduser("~"), ".cache",
+                                                                "lmi-serve", "kernels")
+
+
+def _cpu_signature() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            keep = [ln for ln in f.read().splitlines() if ln.startswith(("model name", "flags"))]
+        return "\n".join(sorted(set(keep)))
+    except OSError:
+        import platform
+        return platform.processor() or platform.machine()
+
+
+def _compiler() -> str | None:
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+
+
+def build(cache_dir: str | None = None) -> str:
+    """Compile the kernel for this host (or reuse the cached build); returns the .so path.
+    Raises RuntimeError naming what failed."""
+    cc = _compiler()
+    if cc is None:
+        raise RuntimeError("no C compiler (cc/gcc) on PATH")
+    with open(SOURCE, "rb") as f:
+        src = f.read()
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
+    key = hashlib.sha256(b"\0".join([src, " ".join(FLAGS).encode(), version.encode(),
+                                     _cpu_signature().encode()])).hexdigest()[:16]
+    out_dir = cache_dir or _cache_dir()
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, f"lmi_cpu_decode-{key}.so")
+    if os.path.isfile(path):
+        return path
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
+    os.close(fd)
+    try:
+        r = subprocess.run([cc, *FLAGS, SOURCE, "-o", tmp, "-lm"], capture_output=True, text=True)
+        if r.returncode != 0:
+            raise RuntimeError(f"{cc} failed: {r.stderr.strip()[-2000:]}")
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return path
+
+
+@functools.lru_cache(maxsize=None)
+def load():
+    """The loaded kernel (a ctypes function), or None when the reference path must serve."""
+    if not enabled():
+        return None
+    try:
+        lib = ctypes.CDLL(build())
+    except Exception as e:   # no compiler, read-only cache, a flag this compiler refuses
+        log.warning("CPU decode-attention kernel unavailable (%s); the plain-torch path serves", e)
+        return None
+    fn = lib.lmi_decode_attention
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    fn.argtypes = [ptr, ptr, ptr, ctypes.c_int, i64, i64, i64, ptr, i64, ptr,
+                   i64, i64, i64, i64, i64, ctypes.c_float, i64, ctypes.c_float, ptr, ctypes.c_int]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+def supports(key_cache: torch.Tensor) -> bool:
+    """Whether the kernel reads this pool: a CPU tensor of fp32/bf16 with the head dim contiguous."""
+    return key_cache.device.type == "cpu" and key_cache.dtype in KV_DTYPES and key_cache.stride(-1) == 1
+
+
+def decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                     tables: torch.Tensor, lens: torch.Tensor, scale: float,
+                     sliding_window: int | None = None, soft_cap: float | None = None) -> torch.Tensor:
+    """query [B, H, D] (one row per sequence), pools [NB, bs, Hkv, D], tables [B, W] (block ids,
+    entries past a sequence's last block unused), lens [B] -> fp32 [B, H, D]."""
+    fn = load()
+    if fn is None:
+        raise RuntimeError("the CPU decode-attention kernel is not available")
+    b, h, d = query.shape
+    nb, bs, hkv, _ = key_cache.shape
+    if key_cache.stride() != value_cache.stride() or key_cache.dtype != value_cache.dtype:
+        raise ValueError("key and value pools must share dtype and layout")
+    q = query.to(torch.float32).contiguous()
+    tbl = tables.to(torch.int32).contiguous()
+    ln = lens.to(torch.int32).contiguous()
+    out = torch.empty(b, h, d, dtype=torch.float32)
+    rc = fn(q.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(), KV_DTYPES[key_cache.dtype],
+            key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+            tbl.data_ptr(), tbl.shape[1], ln.data_ptr(), b, h, hkv, d, bs, float(scale),
+            int(sliding_window or 0), float(soft_cap or 0.0), out.data_ptr(), torch.get_num_threads())
+    if rc != 0:
+        raise MemoryError("CPU decode attention: scratch allocation failed")
+    return out

@@ -1,0 +1,132 @@
+"""The CPU decode-attention kernel (kernels/cpu_decode.c via kernels/cpu_ext.py) against the
+float64 naive loop, its dispatch from `kernels.paged_attention`, its build cache and its fallback."""
+from __future__ import annotations
+
+import logging
+import random
+
+import pytest
+import torch
+
+import kernels
+from kernels import cpu_ext, reference
+from kernels.selfcheck import make_case
+from tests.test_kernels import _head_major, _own_kv, naive_attention, rel_err
+
+pytestmark = pytest.mark.skipif(cpu_ext._compiler() is None,
+                                reason="no C compiler (cc/gcc) on PATH: the CPU kernel cannot be built")
+
+
+@pytest.fixture(autouse=True)
+def fresh_load(monkeypatch, tmp_path_factory):
+    """Each test sees `load()` decide afresh; builds go to one cache shared by this session."""
+    monkeypatch.setenv("LMI_CPU_EXT_CACHE", str(tmp_path_factory.getbasetemp() / "kernel-cache"))
+    monkeypatch.delenv("LMI_CPU_ATTENTION", raising=False)
+    cpu_ext.load.cache_clear()
+    yield
+    cpu_ext.load.cache_clear()
+
+
+def _decode_args(case):
+    """The kernel's arguments for a decode-only case (query row s = sequence s)."""
+    return (case["query"], case["key_cache"], case["value_cache"], case["block_tables"],
+            case["seq_lens"], case["scale"])
+
+
+def test_kernel_builds_and_loads():
+    assert cpu_ext.load() is not None, "the CPU kernel did not build (see the warning logged)"
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-5)])
+@pytest.mark.parametrize("layout", ["token", "head"])
+@pytest.mark.parametrize("options", [{}, {"sliding_window": 5}, {"sliding_window": 1}, {"soft_cap": 1.5}])
+def test_kernel_decode_matches_naive_loop(dtype, tol, layout, options):
+    rng = random.Random(f"k-{dtype}-{layout}-{options}")
+    for _ in range(3):
+        case = make_case(rng, num_seqs=rng.randint(1, 9), block_size=rng.choice([1, 4, 16]),
+                         hkv=rng.choice([1, 2, 3]), group=rng.choice([1, 3, 4]),
+                         head_dim=rng.choice([16, 64, 80]), dtype=dtype, max_ctx=70, decode_only=True)
+        case["query"] = case["query"] * 3      # sharper softmax: a wrong key would show
+        if layout == "head":
+            case["key_cache"], case["value_cache"] = _head_major(case["key_cache"]), _head_major(case["value_cache"])
+        got = cpu_ext.decode_attention(*_decode_args(case), options.get("sliding_window"), options.get("soft_cap"))
+        assert got.dtype == torch.float32 and got.shape == case["query"].shape
+        # bf16 K/V are read exactly (fp32 math): the error is the fp32 one against the same bf16 inputs.
+        assert rel_err(got, naive_attention(**case, **options)) <= tol
+
+
+def test_kernel_options_change_the_answer():
+    # The window and the cap reach the kernel (a kernel ignoring them would pass the test above
+    # only if they did nothing): each moves the result away from plain attention.
+    case = make_case(random.Random(5), num_seqs=4, block_size=4, hkv=2, group=2, head_dim=16,
+                     dtype=torch.float32, max_ctx=40, decode_only=True)
+    assert int(case["seq_lens"].max()) > 3     # some context longer than the window
+    case["query"] = case["query"] * 4
+    plain = cpu_ext.decode_attention(*_decode_args(case))
+    assert rel_err(cpu_ext.decode_attention(*_decode_args(case), 3, None), plain) > 1e-3
+    assert rel_err(cpu_ext.decode_attention(*_decode_args(case), None, 0.5), plain) > 1e-3
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_dispatch_mixed_batch_uses_kernel_for_decode_rows_and_matches_naive_loop(dtype, tol, monkeypatch):
+    # Decode rows, chunks over cached prefixes and whole prefills in one packed batch: the decode
+    # rows go to the kernel (counted), the rest to the reference, and the whole answer is the loop's.
+    calls = []
+    real = cpu_ext.decode_attention
+    monkeypatch.setattr(cpu_ext, "decode_attention", lambda *a, **k: calls.append(a[0].shape[0]) or real(*a, **k))
+    rng = random.Random(f"mix-{dtype}")
+    for _ in range(4):
+        case = make_case(rng, num_seqs=rng.randint(4, 8), block_size=rng.choice([4, 16]), hkv=rng.choice([1, 3]),
+                         group=rng.choice([1, 3]), head_dim=32, dtype=dtype, max_ctx=50)
+        key, value = _own_kv(case)
+        hm = dict(case, key_cache=_head_major(case["key_cache"]), value_cache=_head_major(case["value_cache"]))
+        got = kernels.paged_attention(**hm, key=key, value=value)
+        assert got.dtype == dtype
+        assert rel_err(got, naive_attention(**case)) <= tol
+    assert calls and sum(calls) > 0
+
+
+def test_decode_rows_of_the_kernel_equal_the_reference_gather_in_fp32():
+    case = make_case(random.Random(9), num_seqs=40, block_size=16, hkv=3, group=3, head_dim=64,
+                     dtype=torch.float32, max_ctx=200, decode_only=True)
+    hm = dict(case, key_cache=_head_major(case["key_cache"]), value_cache=_head_major(case["value_cache"]))
+    want = reference.paged_attention(**hm)
+    got = reference.paged_attention(**hm, decode=cpu_ext.decode_attention)
+    assert (got - want).abs().max().item() <= 1e-5
+
+
+def test_reference_setting_turns_the_kernel_off(monkeypatch):
+    monkeypatch.setenv("LMI_CPU_ATTENTION", "reference")
+    assert cpu_ext.load() is None
+    assert kernels._cpu_decode(torch.zeros(1, 2, 8), torch.zeros(2, 4, 2, 8)) is None
+    with pytest.raises(RuntimeError, match="not available"):
+        cpu_ext.decode_attention(torch.zeros(1, 2, 8), torch.zeros(2, 4, 2, 8), torch.zeros(2, 4, 2, 8),
+                                 torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, dtype=torch.int32), 1.0)
+
+
+def test_failed_build_falls_back_to_the_reference_with_a_warning(monkeypatch, tmp_path, caplog):
+    monkeypatch.setenv("LMI_CPU_EXT_CACHE", str(tmp_path))     # nothing cached: a build is needed
+    monkeypatch.setenv("CC", "false")                          # a compiler that always fails
+    with caplog.at_level(logging.WARNING, logger="lmi.kernels"):
+        assert cpu_ext.load() is None
+    assert "CPU decode-attention kernel unavailable" in caplog.text and "false failed" in caplog.text
+    case = make_case(random.Random(4), num_seqs=5, block_size=4, hkv=2, group=2, head_dim=16,
+                     dtype=torch.float32, max_ctx=30, decode_only=True)
+    assert kernels._cpu_decode(case["query"], case["key_cache"]) is None
+    assert rel_err(kernels.paged_attention(**case), naive_attention(**case)) <= 1e-5
+    assert list(tmp_path.iterdir()) == []                      # no half-written object left behind
+
+
+def test_build_is_cached_per_cpu(monkeypatch, tmp_path):
+    first = cpu_ext.build(str(tmp_path))
+    assert cpu_ext.build(str(tmp_path)) == first               # reused, not rebuilt
+    monkeypatch.setattr(cpu_ext, "_cpu_signature", lambda: "model name: another CPU\nflags: sse2")
+    other = cpu_ext.build(str(tmp_path))
+    assert other != first and sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        [first.rsplit("/", 1)[1], other.rsplit("/", 1)[1]])
+
+
+def test_kernel_skips_pools_it_cannot_read():
+    assert not cpu_ext.supports(torch.zeros(2, 4, 2, 8, dtype=torch.float16))     # fp16: the reference
+    assert not cpu_ext.supports(torch.zeros(2, 4, 2, 8).transpose(2, 3))           # D not contiguous
+    assert cpu_ext.supports(torch.zeros(2, 2, 4, 8, dtype=torch.bfloat16).transpose(1, 2))
