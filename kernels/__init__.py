@@ -33,7 +33,7 @@ def write_kv(key_cache: torch.Tensor, value_cache: torch.Tensor, key: torch.Tens
     if _use_triton(key_cache):
         from . import triton_kernels
         triton_kernels.write_kv(key_cache, value_cache, key, value, slot_mapping)
-    else:
+    elif key_cache.device.type != "cpu" or not _cpu_write(key_cache, value_cache, key, value, slot_mapping):
         reference.write_kv(key_cache, value_cache, key, value, slot_mapping)
 
 
@@ -61,6 +61,12 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
                                      query_start_loc_cpu=query_start_loc_cpu,
                                      sliding_window=sliding_window, soft_cap=soft_cap,
                                      key=key, value=value, decode=_cpu_decode(query, key_cache))
+
+
+def _cpu_write(key_cache, value_cache, key, value, slot_mapping) -> bool:
+    """kernels/cpu_ext.write_kv: True when it stored the rows (it takes fp32/bf16 pools)."""
+    from . import cpu_ext
+    return cpu_ext.write_kv(key_cache, value_cache, key, value, slot_mapping)
 
 
 def _cpu_decode(query: torch.Tensor, key_cache: torch.Tensor):

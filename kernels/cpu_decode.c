@@ -130,3 +130,26 @@ int lmi_decode_attention(const float *q, const void *kc, const void *vc, int kv_
     }
     return failed ? -1 : 0;
 }
+
+/* Store key/value rows [T, Hkv, D] (element strides: token, head; D contiguous) at flat slots
+ * slots[T] of the pools (slot = block * bs + offset; a negative slot is skipped; -1 returned,
+ * nothing written, when a slot is >= nslots). elem: bytes
+ * per element (the pools' dtype, which the rows already have). */
+int lmi_write_kv(void *kc, void *vc, const void *key, const void *value, int64_t elem,
+                 int64_t s_blk, int64_t s_tok, int64_t s_head,
+                 int64_t k_tok, int64_t k_head, int64_t v_tok, int64_t v_head,
+                 const int64_t *slots, int64_t T, int64_t Hkv, int64_t D, int64_t bs, int64_t nslots) {
+    const size_t row = (size_t)(D * elem);
+    for (int64_t t = 0; t < T; ++t)   /* nothing is written unless every slot is in the pool */
+        if (slots[t] >= nslots) return -1;
+    for (int64_t t = 0; t < T; ++t) {
+        const int64_t slot = slots[t];
+        if (slot < 0) continue;
+        const int64_t base = (slot / bs) * s_blk + (slot % bs) * s_tok;
+        for (int64_t h = 0; h < Hkv; ++h) {
+            memcpy((char *)kc + (base + h * s_head) * elem, (const char *)key + (t * k_tok + h * k_head) * elem, row);
+            memcpy((char *)vc + (base + h * s_head) * elem, (const char *)value + (t * v_tok + h * v_head) * elem, row);
+        }
+    }
+    return 0;
+}

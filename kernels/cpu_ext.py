@@ -103,12 +103,40 @@ def load():
     fn.argtypes = [ptr, ptr, ptr, ctypes.c_int, i64, i64, i64, ptr, i64, ptr,
                    i64, i64, i64, i64, i64, ctypes.c_float, i64, ctypes.c_float, ptr, ctypes.c_int]
     fn.restype = ctypes.c_int
+    wr = lib.lmi_write_kv
+    wr.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, ptr, i64, i64, i64, i64, i64]
+    wr.restype = ctypes.c_int
+    fn.write_kv = wr
     return fn
 
 
 def supports(key_cache: torch.Tensor) -> bool:
     """Whether the kernel reads this pool: a CPU tensor of fp32/bf16 with the head dim contiguous."""
     return key_cache.device.type == "cpu" and key_cache.dtype in KV_DTYPES and key_cache.stride(-1) == 1
+
+
+def write_kv(key_cache: torch.Tensor, value_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+             slot_mapping: torch.Tensor) -> bool:
+    """Store key/value [T, Hkv, D] at slot_mapping [T] (< 0: skip) in place, as
+    reference.write_kv does; False (nothing written) when the kernel cannot take these tensors."""
+    fn = load()
+    if (fn is None or not supports(key_cache) or key_cache.stride() != value_cache.stride()
+            or key.dtype != key_cache.dtype or value.dtype != key_cache.dtype or key.device.type != "cpu"
+            or key.stride(-1) != 1 or value.stride(-1) != 1 or key.shape != value.shape
+            or key.shape[1:] != key_cache.shape[2:]):
+        return False
+    t, hkv, d = key.shape
+    slots = slot_mapping.to(torch.int64).contiguous()
+    if slots.shape != (t,):
+        return False
+    nb, bs = key_cache.shape[:2]
+    rc = fn.write_kv(key_cache.data_ptr(), value_cache.data_ptr(), key.data_ptr(), value.data_ptr(),
+                     key_cache.element_size(), key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+                     key.stride(0), key.stride(1), value.stride(0), value.stride(1), slots.data_ptr(),
+                     t, hkv, d, bs, nb * bs)
+    if rc != 0:
+        raise IndexError(f"write_kv: a slot is past the pool's {nb * bs} slots")
+    return True
 
 
 def decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,

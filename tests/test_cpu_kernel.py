@@ -130,3 +130,31 @@ def test_kernel_skips_pools_it_cannot_read():
     assert not cpu_ext.supports(torch.zeros(2, 4, 2, 8, dtype=torch.float16))     # fp16: the reference
     assert not cpu_ext.supports(torch.zeros(2, 4, 2, 8).transpose(2, 3))           # D not contiguous
     assert cpu_ext.supports(torch.zeros(2, 2, 4, 8, dtype=torch.bfloat16).transpose(1, 2))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("layout", ["token", "head"])
+def test_kernel_write_kv_equals_reference_write(dtype, layout):
+    # Rows as the attention hands them over (a transposed view of [Hkv, T, D]), some slots -1.
+    gen = torch.Generator().manual_seed(3)
+    nb, bs, hkv, d, t = 6, 4, 3, 16, 9
+    pools = [torch.randn(nb, bs, hkv, d, generator=gen).to(dtype) for _ in range(2)]
+    if layout == "head":
+        pools = [_head_major(p) for p in pools]
+    key = torch.randn(hkv, t, d, generator=gen).to(dtype).transpose(0, 1)
+    value = torch.randn(hkv, t, d, generator=gen).to(dtype).transpose(0, 1)
+    slots = torch.randperm(nb * bs, generator=gen)[:t]
+    slots[[2, 5]] = -1
+    want = [p.clone() for p in pools]
+    reference.write_kv(*want, key, value, slots)
+    kernels.write_kv(*pools, key, value, slots)
+    assert torch.equal(pools[0], want[0]) and torch.equal(pools[1], want[1])
+    assert not torch.equal(want[0], pools[0].clone().zero_())   # rows were written at all
+    assert cpu_ext.write_kv(*pools, key, value, slots)          # the kernel, not the fallback, took it
+
+
+def test_kernel_write_kv_refuses_a_slot_past_the_pool():
+    kc, vc = torch.zeros(2, 4, 1, 8), torch.zeros(2, 4, 1, 8)
+    with pytest.raises(IndexError, match="past the pool's 8 slots"):
+        cpu_ext.write_kv(kc, vc, torch.ones(2, 1, 8), torch.ones(2, 1, 8), torch.tensor([3, 8]))
+    assert not kc.any() and not vc.any()                        # nothing written
