@@ -214,13 +214,13 @@ class ModelRunner:
         return self.lora
 
     def prepack_cpu(self, keep_weights: bool = False) -> None:
-        """On CPU (one rank): the linear layers' weights in oneDNN's packed layout
+        """On CPU (one rank): the linear layers' weights in oneDNN's packed layout, Llama-style RMSNorms fused
         (handler/cpu.py). keep_weights: LoRA reads the original weights."""
         if self.device.type != "cpu" or self.ranks is not None:
             return
-        from .cpu import prepack_linears
+        from .cpu import fuse_rms_norms, prepack_linears
         n = prepack_linears(self.model, keep_weights)
-        log.info("CPU: %d linear layers prepacked for oneDNN", n)
+        log.info("CPU: %d linear layers prepacked for oneDNN, %d RMSNorms fused", n, fuse_rms_norms(self.model))
 
     def release(self, seq_id: int) -> None:
         self.sampler.release(seq_id)

@@ -91,3 +91,35 @@ def test_server_runs_with_tcmalloc_when_the_system_has_it(demo_model_factory, tm
         assert r.status_code == 200, r.text
     finally:
         assert srv.stop() == 0
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "gpt2"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_rms_norms_give_the_models_own_values_bit_for_bit(demo_model_factory, family, dtype):
+    plain, fused = _load(demo_model_factory(family), dtype), _load(demo_model_factory(family), dtype)
+    n = cpu.fuse_rms_norms(fused)
+    norms = [m for m in fused.modules() if type(m).__name__.endswith("RMSNorm")]
+    assert n == len(norms)                 # every Llama-style norm of these families, gpt2 has none
+    assert (n > 0) == (family != "gpt2")
+    for m in norms:                         # random weights, so a dropped weight product would show
+        with torch.no_grad():
+            m.weight.normal_()
+    for a, b in zip(plain.modules(), fused.modules()):
+        if type(a).__name__.endswith("RMSNorm"):
+            with torch.no_grad():
+                a.weight.copy_(b.weight)
+    ids = torch.randint(5, plain.config.vocab_size, (2, 17))
+    with torch.inference_mode():
+        for a, b in zip([m for m in plain.modules() if type(m).__name__.endswith("RMSNorm")], norms):
+            x = torch.randn(3, 7, a.weight.numel()).to(dtype) * 3    # Qwen3's q/k norms: head_dim wide
+            assert torch.equal(b(x), a(x))
+        assert torch.equal(fused(ids).logits, plain(ids).logits)
+
+
+def test_rms_norms_written_otherwise_keep_their_forward(monkeypatch):
+    from transformers.models.gemma.modeling_gemma import GemmaRMSNorm   # (1 + weight): not Llama's
+    model = nn.Sequential(GemmaRMSNorm(16))
+    assert cpu.fuse_rms_norms(model) == 0 and "forward" not in vars(model[0])
+    monkeypatch.setenv("LMI_CPU_FUSED_NORM", "0")
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+    assert cpu.fuse_rms_norms(nn.Sequential(LlamaRMSNorm(16))) == 0
