@@ -21,7 +21,9 @@ In process, 100 requests of the cpu-135m mix: 3.21 -> 3.63 req/s (two interleave
 RMSNorm: a norm module whose forward is, line for line, Llama's (fp32 mean of squares, rsqrt,
 weight times the result cast back: Llama, Mistral, Qwen2/3 and the other copies) gets a forward
 calling torch's fused `F.rms_norm` on the same input, then the same weight product: one kernel
-instead of seven small ops per norm, the same values (checked bit for bit in tests/test_cpu.py).
+instead of seven small ops per norm, the same values (bit for bit in fp32, checked in
+tests/test_cpu.py; bf16 rows go to the C kernel of kernels/cpu_ext.py, since torch has no fused bf16
+CPU rms_norm: an element may land one bf16 step away).
 Norms written otherwise (Gemma's 1 + weight, ...) keep their own forward.
 
 Escape hatches (and the A/B switches of benchmarks/step_floor.py): LMI_CPU_PREPACK=0 keeps the
@@ -141,7 +143,13 @@ def _llama_rms_forward_source() -> str:
 
 
 def _fused_rms_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-    """Llama's RMSNorm through torch's fused kernel: weight * rms_norm(x).to(x.dtype)."""
+    """Llama's RMSNorm in one kernel: bf16 rows through the C kernel of kernels/cpu_ext.py,
+    others through torch's fused rms_norm, then the same weight product."""
+    if hidden_states.dtype == torch.bfloat16:
+        from kernels import cpu_ext
+        out = cpu_ext.rms_norm_bf16(hidden_states, self.weight, self.variance_epsilon)
+        if out is not None:
+            return out
     return self.weight * F.rms_norm(hidden_states, (hidden_states.shape[-1],), eps=self.variance_epsilon)
 
 

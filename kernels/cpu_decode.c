@@ -201,3 +201,34 @@ int lmi_write_kv(void *kc, void *vc, const void *key, const void *value, int64_t
     }
     return 0;
 }
+
+static inline uint16_t f32_to_bf16(float f) {   /* round to nearest even, as torch does */
+    union { float f; uint32_t u; } v;
+    v.f = f;
+    if ((v.u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((v.u >> 16) | 0x40u);   /* NaN stays NaN */
+    return (uint16_t)((v.u + 0x7fffu + ((v.u >> 16) & 1u)) >> 16);
+}
+
+/* Llama's RMSNorm of bf16 rows x [rows, H] (contiguous) with weight w [H]:
+ * out = w * bf16(x * rsqrt(mean(x^2) + eps)), the mean in fp32, each product rounded to bf16
+ * as transformers' two bf16 steps round it. */
+void lmi_rms_norm_bf16(const uint16_t *x, const uint16_t *w, uint16_t *out, int64_t rows, int64_t H,
+                       float eps, int nthreads) {
+#pragma omp parallel for num_threads(nthreads) if (rows * H >= 32768) schedule(static)
+    for (int64_t r = 0; r < rows; ++r) {
+        const uint16_t *xr = x + r * H;
+        uint16_t *o = out + r * H;
+        float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+        for (int64_t i = 0; i < H; ++i) {
+            const float v = bf16_to_f32(xr[i]);
+            ss += v * v;
+        }
+        const float inv = 1.f / sqrtf(ss / (float)H + eps);
+#pragma omp simd
+        for (int64_t i = 0; i < H; ++i) {
+            const float y = bf16_to_f32(f32_to_bf16(bf16_to_f32(xr[i]) * inv));
+            o[i] = f32_to_bf16(bf16_to_f32(w[i]) * y);
+        }
+    }
+}

@@ -107,12 +107,31 @@ def load():
     wr.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, ptr, i64, i64, i64, i64, i64]
     wr.restype = ctypes.c_int
     fn.write_kv = wr
+    rms = lib.lmi_rms_norm_bf16
+    rms.argtypes = [ptr, ptr, ptr, i64, i64, ctypes.c_float, ctypes.c_int]
+    rms.restype = None
+    fn.rms_norm_bf16 = rms
     return fn
 
 
 def supports(key_cache: torch.Tensor) -> bool:
     """Whether the kernel reads this pool: a CPU tensor of fp32/bf16 with the head dim contiguous."""
     return key_cache.device.type == "cpu" and key_cache.dtype in KV_DTYPES and key_cache.stride(-1) == 1
+
+
+def rms_norm_bf16(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
+    """Llama's RMSNorm of bf16 x [..., H] by weight [H] (bf16), or None when the kernel cannot
+    take them (then the caller's own path serves). torch's rms_norm has no fused bf16 CPU kernel
+    (it decomposes into ~7 ops with fp32 copies)."""
+    fn = load()
+    h = x.shape[-1]
+    if (fn is None or x.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16 or x.device.type != "cpu"
+            or weight.shape != (h,) or not x.is_contiguous() or not weight.is_contiguous() or x.requires_grad):
+        return None
+    out = torch.empty_like(x)
+    fn.rms_norm_bf16(x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.numel() // h, h, float(eps),
+                     torch.get_num_threads())
+    return out
 
 
 def write_kv(key_cache: torch.Tensor, value_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

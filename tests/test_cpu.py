@@ -95,7 +95,9 @@ def test_server_runs_with_tcmalloc_when_the_system_has_it(demo_model_factory, tm
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "gpt2"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_fused_rms_norms_give_the_models_own_values_bit_for_bit(demo_model_factory, family, dtype):
+def test_fused_rms_norms_give_the_models_own_values(demo_model_factory, family, dtype):
+    # fp32 (torch's fused rms_norm): bit for bit. bf16 (the C kernel, its own fp32 sum order):
+    # an element may land one bf16 step away, and the logits stay within bf16 noise.
     plain, fused = _load(demo_model_factory(family), dtype), _load(demo_model_factory(family), dtype)
     n = cpu.fuse_rms_norms(fused)
     norms = [m for m in fused.modules() if type(m).__name__.endswith("RMSNorm")]
@@ -112,8 +114,18 @@ def test_fused_rms_norms_give_the_models_own_values_bit_for_bit(demo_model_facto
     with torch.inference_mode():
         for a, b in zip([m for m in plain.modules() if type(m).__name__.endswith("RMSNorm")], norms):
             x = torch.randn(3, 7, a.weight.numel()).to(dtype) * 3    # Qwen3's q/k norms: head_dim wide
-            assert torch.equal(b(x), a(x))
-        assert torch.equal(fused(ids).logits, plain(ids).logits)
+            got, want = b(x), a(x)
+            if dtype == torch.float32:
+                assert torch.equal(got, want)
+            else:
+                step = want.float().abs().clamp_min(1e-30) * 2 ** -7     # one bf16 step (8 bits of mantissa)
+                assert ((got.float() - want.float()).abs() <= step * 1.01).all()
+                assert (got != want).float().mean().item() < 0.02
+        got, want = fused(ids).logits, plain(ids).logits
+        if dtype == torch.float32:
+            assert torch.equal(got, want)
+        else:
+            assert (got.float() - want.float()).abs().max().item() <= 0.05 * max(1.0, want.float().abs().max().item())
 
 
 def test_rms_norms_written_otherwise_keep_their_forward(monkeypatch):

@@ -158,3 +158,22 @@ def test_kernel_write_kv_refuses_a_slot_past_the_pool():
     with pytest.raises(IndexError, match="past the pool's 8 slots"):
         cpu_ext.write_kv(kc, vc, torch.ones(2, 1, 8), torch.ones(2, 1, 8), torch.tensor([3, 8]))
     assert not kc.any() and not vc.any()                        # nothing written
+
+
+def test_rms_norm_bf16_kernel_matches_float64_math():
+    # Against the formula itself in float64 (then rounded as transformers rounds): within one
+    # bf16 step, and a row of zeros stays zeros (eps keeps the rsqrt finite).
+    gen = torch.Generator().manual_seed(8)
+    x = (torch.randn(37, 96, generator=gen) * 4).to(torch.bfloat16)
+    x[5] = 0
+    w = torch.randn(96, generator=gen).to(torch.bfloat16)
+    got = cpu_ext.rms_norm_bf16(x, w, 1e-6)
+    xd = x.double()
+    normed = (xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + 1e-6)).to(torch.bfloat16)
+    want = (w.double() * normed.double()).to(torch.bfloat16)
+    step = want.float().abs().clamp_min(1e-30) * 2 ** -7
+    assert got.dtype == torch.bfloat16 and got.shape == x.shape
+    assert ((got.float() - want.float()).abs() <= 2 * step).all()
+    assert torch.equal(got[5], torch.zeros(96, dtype=torch.bfloat16))
+    assert cpu_ext.rms_norm_bf16(x.float(), w, 1e-6) is None              # fp32: not this kernel's
+    assert cpu_ext.rms_norm_bf16(x.t(), w[:37], 1e-6) is None             # not contiguous
