@@ -39,6 +39,24 @@ static inline void load_row(float *restrict dst, const void *base, int64_t off, 
     }
 }
 
+/* Key/value row t of sequence table tbl, KV head kh, as fp32: in place for an fp32 pool, else
+ * converted into buf. */
+static inline const float *row_at(const void *pool, const int32_t *tbl, int64_t t, int64_t bs,
+                                  int64_t s_blk, int64_t s_tok, int64_t off_head, int64_t D,
+                                  int kv_bf16, float *buf) {
+    const int64_t off = (int64_t)tbl[t / bs] * s_blk + (t % bs) * s_tok + off_head;
+    if (!kv_bf16) return (const float *)pool + off;
+    load_row(buf, pool, off, D, 1);
+    return buf;
+}
+
+/* Ask for `bytes` from key/value row t on (memory-level parallelism over scattered blocks). */
+static inline void prefetch_rows(const void *pool, int64_t esz, const int32_t *tbl, int64_t t, int64_t bs,
+                                 int64_t s_blk, int64_t s_tok, int64_t off_head, int64_t bytes) {
+    const char *p = (const char *)pool + ((int64_t)tbl[t / bs] * s_blk + (t % bs) * s_tok + off_head) * esz;
+    for (int64_t c = 0; c < bytes; c += 64) __builtin_prefetch(p + c);
+}
+
 int lmi_decode_attention(const float *q, const void *kc, const void *vc, int kv_bf16,
                          int64_t s_blk, int64_t s_tok, int64_t s_head,
                          const int32_t *tables, int64_t tw, const int32_t *lens,
@@ -78,21 +96,10 @@ int lmi_decode_attention(const float *q, const void *kc, const void *vc, int kv_
                 int64_t t = t0;
                 for (; t + 4 <= L; t += 4) {
                     const float *k4[4];
-                    for (int u = 0; u < 4; ++u) {
-                        const int64_t tu = t + u;
-                        const int64_t off = (int64_t)tbl[tu / bs] * s_blk + (tu % bs) * s_tok + kh * s_head;
-                        if (kv_bf16) {
-                            load_row(row + u * D, kc, off, D, 1);
-                            k4[u] = row + u * D;
-                        } else {
-                            k4[u] = (const float *)kc + off;
-                        }
-                    }
-                    if (t + PF < L) {   /* memory-level parallelism: ask for keys PF ahead */
-                        const int64_t tp = t + PF;
-                        const char *p = (const char *)kc + ((int64_t)tbl[tp / bs] * s_blk + (tp % bs) * s_tok + kh * s_head) * esz;
-                        for (int64_t c = 0; c < 4 * D * esz; c += 64) __builtin_prefetch(p + c);
-                    }
+                    for (int u = 0; u < 4; ++u)
+                        k4[u] = row_at(kc, tbl, t + u, bs, s_blk, s_tok, kh * s_head, D, kv_bf16, row + u * D);
+                    if (t + PF < L)   /* the next keys' lines, PF ahead */
+                        prefetch_rows(kc, esz, tbl, t + PF, bs, s_blk, s_tok, kh * s_head, 4 * D * esz);
                     const float *k0 = k4[0], *k1 = k4[1], *k2 = k4[2], *k3 = k4[3];
                     for (int64_t j = 0; j < g; ++j) {
                         const float *qj = qb + j * D;
@@ -113,14 +120,7 @@ int lmi_decode_attention(const float *q, const void *kc, const void *vc, int kv_
                     }
                 }
                 for (; t < L; ++t) {
-                    const int64_t off = (int64_t)tbl[t / bs] * s_blk + (t % bs) * s_tok + kh * s_head;
-                    const float *k;
-                    if (kv_bf16) {
-                        load_row(row, kc, off, D, 1);
-                        k = row;
-                    } else {
-                        k = (const float *)kc + off;
-                    }
+                    const float *k = row_at(kc, tbl, t, bs, s_blk, s_tok, kh * s_head, D, kv_bf16, row);
                     for (int64_t j = 0; j < g; ++j) {
                         const float *qj = qb + j * D;
                         float dot = 0.f;
@@ -151,19 +151,9 @@ int lmi_decode_attention(const float *q, const void *kc, const void *vc, int kv_
                 /* out_j = sum_t p[j, t] v_t */
                 memset(acc, 0, sizeof(float) * (size_t)(g * D));
                 for (int64_t t = t0; t < L; ++t) {
-                    const int64_t off = (int64_t)tbl[t / bs] * s_blk + (t % bs) * s_tok + kh * s_head;
-                    if (t + PF < L) {
-                        const int64_t tp = t + PF;
-                        const char *p = (const char *)vc + ((int64_t)tbl[tp / bs] * s_blk + (tp % bs) * s_tok + kh * s_head) * esz;
-                        for (int64_t c = 0; c < D * esz; c += 64) __builtin_prefetch(p + c);
-                    }
-                    const float *v;
-                    if (kv_bf16) {
-                        load_row(row, vc, off, D, 1);
-                        v = row;
-                    } else {
-                        v = (const float *)vc + off;
-                    }
+                    if (t + PF < L)
+                        prefetch_rows(vc, esz, tbl, t + PF, bs, s_blk, s_tok, kh * s_head, D * esz);
+                    const float *v = row_at(vc, tbl, t, bs, s_blk, s_tok, kh * s_head, D, kv_bf16, row);
                     for (int64_t j = 0; j < g; ++j) {
                         const float p = s[j * maxlen + t];
                         float *aj = acc + j * D;
