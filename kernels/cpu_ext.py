@@ -4,7 +4,7 @@ Decode rows read the paged pool in place instead of gathering their blocks into 
 a batched matmul then reads again (kernels/reference.py), which on CPU is memory-bound work
 done three times. The C file has no torch headers, so the build is one `cc` call of about a
 second: `-O3 -march=native` for this CPU, `-ffast-math` for vectorised exp/tanh (glibc's
-libmvec) and reassociated dot products, `-fopenmp` whose libgomp.so.1 resolves at load time
+libmvec) and reassociated dot products (compile step only: see LINK), `-fopenmp` whose libgomp.so.1 resolves at load time
 to the one torch already loaded (same soname), so the kernel shares torch's thread pool.
 
 The shared object is cached under $LMI_CPU_EXT_CACHE (default ~/.cache/lmi-serve/kernels),
@@ -32,7 +32,10 @@ import torch
 log = logging.getLogger("lmi.kernels")
 
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu_decode.c")
-FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-shared"]
+FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC"]
+# Linked without -ffast-math: given at link time, gcc adds crtfastmath.o, whose constructor sets
+# flush-to-zero for the whole process on load (every float op of torch and Python would change).
+LINK = ["-shared", "-fopenmp", "-lm"]
 KV_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 
 
@@ -68,7 +71,7 @@ def build(cache_dir: str | None = None) -> str:
     with open(SOURCE, "rb") as f:
         src = f.read()
     version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
-    key = hashlib.sha256(b"\0".join([src, " ".join(FLAGS).encode(), version.encode(),
+    key = hashlib.sha256(b"\0".join([src, " ".join(FLAGS + LINK).encode(), version.encode(),
                                      _cpu_signature().encode()])).hexdigest()[:16]
     out_dir = cache_dir or _cache_dir()
     os.makedirs(out_dir, exist_ok=True)
@@ -78,13 +81,16 @@ def build(cache_dir: str | None = None) -> str:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
     os.close(fd)
     try:
-        r = subprocess.run([cc, *FLAGS, SOURCE, "-o", tmp, "-lm"], capture_output=True, text=True)
-        if r.returncode != 0:
-            raise RuntimeError(f"{cc} failed: {r.stderr.strip()[-2000:]}")
+        obj = tmp[:-3] + ".o"
+        for cmd in ([cc, *FLAGS, "-c", SOURCE, "-o", obj], [cc, obj, *LINK, "-o", tmp]):
+            r = subprocess.run(cmd, capture_output=True, text=True)
+            if r.returncode != 0:
+                raise RuntimeError(f"{cc} failed: {r.stderr.strip()[-2000:]}")
         os.replace(tmp, path)
     finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+        for f in (tmp, tmp[:-3] + ".o"):
+            if os.path.exists(f):
+                os.unlink(f)
     return path
 
 

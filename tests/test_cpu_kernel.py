@@ -177,3 +177,16 @@ def test_rms_norm_bf16_kernel_matches_float64_math():
     assert torch.equal(got[5], torch.zeros(96, dtype=torch.bfloat16))
     assert cpu_ext.rms_norm_bf16(x.float(), w, 1e-6) is None              # fp32: not this kernel's
     assert cpu_ext.rms_norm_bf16(x.t(), w[:37], 1e-6) is None             # not contiguous
+
+
+def test_loading_the_kernel_leaves_subnormal_floats_alone():
+    # A shared object linked with -ffast-math sets flush-to-zero for the whole process when it
+    # loads (gcc's crtfastmath.o): torch's and Python's float math would silently change.
+    import subprocess
+    import sys
+    code = ("import sys, torch\nfrom kernels import cpu_ext\nassert cpu_ext.load() is not None\n"
+            "x = sys.float_info.min\nassert x / 4 > 0, 'subnormals flushed to zero'\n"
+            "assert (torch.tensor([x], dtype=torch.float64) / 4).item() > 0\n"
+            "assert (torch.tensor([1e-39]) * 1.0).item() > 0\nprint('ok')\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-2000:]
