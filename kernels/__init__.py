@@ -33,8 +33,10 @@ def write_kv(key_cache: torch.Tensor, value_cache: torch.Tensor, key: torch.Tens
     if _use_triton(key_cache):
         from . import triton_kernels
         triton_kernels.write_kv(key_cache, value_cache, key, value, slot_mapping)
-    elif key_cache.device.type != "cpu" or not _cpu_write(key_cache, value_cache, key, value, slot_mapping):
-        reference.write_kv(key_cache, value_cache, key, value, slot_mapping)
+    else:
+        from . import cpu_ext   # takes CPU fp32/bf16 pools; False: the reference stores the rows
+        if not cpu_ext.write_kv(key_cache, value_cache, key, value, slot_mapping):
+            reference.write_kv(key_cache, value_cache, key, value, slot_mapping)
 
 
 def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
@@ -46,9 +48,9 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
     """query [T, H, D] over paged KV -> [T, H, D]; see docs/ARCHITECTURE.md "KV pool and kernels".
 
     `seq_lens_cpu` / `query_start_loc_cpu` (plain lists, optional) let the CPU reference
-    skip reading the tensors back; the Triton path never reads them back. A sliding window or
-    logit soft-cap (Mistral-style / Gemma 2 models) goes to the reference on any device: the
-    Triton kernel does not implement them yet. `key` / `value` (this step's, optional) let the
+    skip reading the tensors back; the Triton path never reads them back. On CUDA a sliding
+    window or logit soft-cap (Mistral-style / Gemma 2 models) goes to the reference: the Triton
+    kernel does not implement them yet. `key` / `value` (this step's, optional) let the
     reference skip gathering a sequence whose whole context is in this step. On CPU the decode
     rows go to the C kernel of kernels/cpu_ext.py when it built (the reference serves otherwise).
     """
@@ -61,12 +63,6 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
                                      query_start_loc_cpu=query_start_loc_cpu,
                                      sliding_window=sliding_window, soft_cap=soft_cap,
                                      key=key, value=value, decode=_cpu_decode(query, key_cache))
-
-
-def _cpu_write(key_cache, value_cache, key, value, slot_mapping) -> bool:
-    """kernels/cpu_ext.write_kv: True when it stored the rows (it takes fp32/bf16 pools)."""
-    from . import cpu_ext
-    return cpu_ext.write_kv(key_cache, value_cache, key, value, slot_mapping)
 
 
 def _cpu_decode(query: torch.Tensor, key_cache: torch.Tensor):
