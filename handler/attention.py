@@ -7,7 +7,7 @@ model object) we fall back to SDPA, so the model stays usable on its own.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from transformers import AttentionInterface
@@ -27,6 +27,7 @@ class StepMeta:
     query_start_loc: torch.Tensor    # [S+1] int32
     seq_lens_cpu: list[int]
     query_start_loc_cpu: list[int]
+    memo: dict = field(default_factory=dict)   # per-step bookkeeping the layers share (kernels)
 
 
 def paged_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
@@ -48,7 +49,8 @@ def paged_attention_forward(module, query, key, value, attention_mask, scaling=N
                                   lmi_step.query_start_loc, float(scaling),
                                   seq_lens_cpu=lmi_step.seq_lens_cpu,
                                   query_start_loc_cpu=lmi_step.query_start_loc_cpu,
-                                  sliding_window=sliding_window, soft_cap=softcap, key=k, value=v)
+                                  sliding_window=sliding_window, soft_cap=softcap, key=k, value=v,
+                                  memo=lmi_step.memo)
     return out.unsqueeze(0), None    # [1, T, H, D]
 
 

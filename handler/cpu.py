@@ -37,6 +37,7 @@ import glob
 import inspect
 import logging
 import os
+import sys
 import textwrap
 import types
 
@@ -166,3 +167,112 @@ def fuse_rms_norms(model: nn.Module) -> int:
             m.forward = types.MethodType(_fused_rms_forward, m)
             done += 1
     return done
+
+
+# ---- Llama-shaped attention and MLP: the same modules, fewer passes over memory.
+# A module qualifies when its forward's source is Llama's line for line (comments aside), so a
+# family that computes anything differently keeps its own forward.
+
+def _body(fn) -> list[str] | None:
+    """A forward's statements from its first line after the signature, comments dropped."""
+    try:
+        lines = textwrap.dedent(inspect.getsource(fn)).splitlines()
+    except (OSError, TypeError):
+        return None
+    start = next((i + 1 for i, ln in enumerate(lines) if ln.rstrip().endswith(":") and ")" in ln), None)
+    if start is None:
+        return None
+    return [ln.split("#", 1)[0].strip() for ln in lines[start:] if ln.split("#", 1)[0].strip()]
+
+
+# Llama's attention forward, or it with one of these lines added (Mistral, Qwen2 and their copies
+# pass a sliding window): line -> the window of a module.
+_WINDOW_LINES = {
+    "sliding_window=self.sliding_window,": lambda m: getattr(m, "sliding_window", None),
+    'sliding_window=getattr(self.config, "sliding_window", None),':
+        lambda m: getattr(m.config, "sliding_window", None),
+}
+
+
+def _llama():
+    from transformers.models.llama import modeling_llama
+    return modeling_llama
+
+
+def _window_of(cls):
+    """For an attention class whose forward is Llama's: a function module -> sliding window (None:
+    none); None when the class does not qualify. Its module's rotary helpers must be Llama's too."""
+    llama = _llama()
+    mod = sys.modules.get(cls.__module__)
+    for name in ("apply_rotary_pos_emb", "rotate_half"):
+        if mod is None or _body(getattr(mod, name, None)) != _body(getattr(llama, name)):
+            return None
+    want, got = _body(llama.LlamaAttention.forward), _body(cls.forward)
+    if want is None or got is None:
+        return None
+    if got == want:
+        return lambda m: None
+    for line, window in _WINDOW_LINES.items():
+        if line in got and [ln for ln in got if ln != line] == want:
+            return window
+    return None
+
+
+def _fused_attention_forward(self, hidden_states, position_embeddings=None, attention_mask=None,
+                             past_key_values=None, **kwargs):
+    """Llama's attention on a packed step: projections, rotary in place (kernels/cpu_ext.py, the
+    same rounding as transformers'), the paged attention, the output projection; the model's own
+    forward whenever the step is not ours."""
+    from kernels import cpu_ext
+
+    from .attention import ATTN_NAME, paged_attention_forward
+    step = kwargs.get("lmi_step")
+    if (step is None or position_embeddings is None or hidden_states.dim() != 3 or hidden_states.shape[0] != 1
+            or self.config._attn_implementation != ATTN_NAME):
+        return type(self).forward(self, hidden_states, position_embeddings, attention_mask, past_key_values,
+                                  **kwargs)
+    t, d = hidden_states.shape[1], self.head_dim
+    q = self.q_proj(hidden_states).view(t, -1, d)   # [T, H, D]
+    k = self.k_proj(hidden_states).view(t, -1, d)
+    v = self.v_proj(hidden_states).view(t, -1, d)
+    cos, sin = position_embeddings
+    qh, kh, vh = q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None]   # [1, H, T, D]
+    if not cpu_ext.rotary_(q, k, cos[0], sin[0]):
+        qh, kh = sys.modules[type(self).__module__].apply_rotary_pos_emb(qh, kh, cos, sin)
+    out, _ = paged_attention_forward(self, qh, kh, vh, None, scaling=self.scaling, lmi_step=step,
+                                     sliding_window=self._lmi_window)
+    return self.o_proj(out.reshape(1, t, -1)), None
+
+
+def _is_silu(act) -> bool:
+    from transformers.activations import SiLUActivation
+    return type(act) is nn.SiLU or (type(act) is SiLUActivation
+                                    and _body(SiLUActivation.forward) == ["return nn.functional.silu(input)"])
+
+
+def _fused_mlp_forward(self, x):
+    """Llama's MLP with the activation and the product in place: the same ops and values, two
+    fewer [T, I] buffers per layer."""
+    return self.down_proj(F.silu(self.gate_proj(x), inplace=True).mul_(self.up_proj(x)))
+
+
+def fuse_llama_layers(model: nn.Module) -> tuple[int, int]:
+    """Give every attention and MLP module whose forward is Llama's (see above) the fused forward;
+    returns (attention modules, MLPs). LMI_CPU_FUSED_LAYERS=0 keeps the models' own."""
+    if _setting("LMI_CPU_FUSED_LAYERS") in ("0", "false", "no", "off"):
+        return 0, 0
+    llama_mlp = _body(_llama().LlamaMLP.forward)
+    attn = mlp = 0
+    for m in model.modules():
+        cls = type(m)
+        if all(hasattr(m, a) for a in ("q_proj", "k_proj", "v_proj", "o_proj", "head_dim", "scaling", "config")):
+            window = _window_of(cls)
+            if window is not None:
+                m._lmi_window = window(m)
+                m.forward = types.MethodType(_fused_attention_forward, m)
+                attn += 1
+        elif (all(hasattr(m, a) for a in ("gate_proj", "up_proj", "down_proj", "act_fn"))
+              and _is_silu(m.act_fn) and _body(cls.forward) == llama_mlp):
+            m.forward = types.MethodType(_fused_mlp_forward, m)
+            mlp += 1
+    return attn, mlp

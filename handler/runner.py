@@ -218,9 +218,11 @@ class ModelRunner:
         (handler/cpu.py). keep_weights: LoRA reads the original weights."""
         if self.device.type != "cpu" or self.ranks is not None:
             return
-        from .cpu import fuse_rms_norms, prepack_linears
+        from .cpu import fuse_llama_layers, fuse_rms_norms, prepack_linears
         n = prepack_linears(self.model, keep_weights)
-        log.info("CPU: %d linear layers prepacked for oneDNN, %d RMSNorms fused", n, fuse_rms_norms(self.model))
+        attn, mlp = fuse_llama_layers(self.model)
+        log.info("CPU: %d linear layers prepacked for oneDNN, %d RMSNorms, %d attention and %d MLP modules fused",
+                 n, fuse_rms_norms(self.model), attn, mlp)
 
     def release(self, seq_id: int) -> None:
         self.sampler.release(seq_id)

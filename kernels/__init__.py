@@ -44,7 +44,8 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
                     scale: float, *, seq_lens_cpu: list[int] | None = None,
                     query_start_loc_cpu: list[int] | None = None,
                     sliding_window: int | None = None, soft_cap: float | None = None,
-                    key: torch.Tensor | None = None, value: torch.Tensor | None = None) -> torch.Tensor:
+                    key: torch.Tensor | None = None, value: torch.Tensor | None = None,
+                    memo: dict | None = None) -> torch.Tensor:
     """query [T, H, D] over paged KV -> [T, H, D]; see docs/ARCHITECTURE.md "KV pool and kernels".
 
     `seq_lens_cpu` / `query_start_loc_cpu` (plain lists, optional) let the CPU reference
@@ -53,6 +54,8 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
     kernel does not implement them yet. `key` / `value` (this step's, optional) let the
     reference skip gathering a sequence whose whole context is in this step. On CPU the decode
     rows go to the C kernel of kernels/cpu_ext.py when it built (the reference serves otherwise).
+    `memo` (optional, a dict per step shared by its layers) spares the reference recomputing the
+    step's row bookkeeping at every layer.
     """
     if _use_triton(query) and sliding_window is None and soft_cap is None:
         from . import triton_kernels
@@ -62,7 +65,7 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
                                      query_start_loc, scale, seq_lens_cpu=seq_lens_cpu,
                                      query_start_loc_cpu=query_start_loc_cpu,
                                      sliding_window=sliding_window, soft_cap=soft_cap,
-                                     key=key, value=value, decode=_cpu_decode(query, key_cache))
+                                     key=key, value=value, decode=_cpu_decode(query, key_cache), memo=memo)
 
 
 def _cpu_decode(query: torch.Tensor, key_cache: torch.Tensor):

@@ -18,15 +18,11 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "cpu_bf16.h"
+
 #ifndef PF
 #define PF 16   /* prefetch distance in keys */
 #endif
-
-static inline float bf16_to_f32(uint16_t x) {
-    union { uint32_t u; float f; } v;
-    v.u = (uint32_t)x << 16;
-    return v.f;
-}
 
 /* Row r of the pool as fp32 in dst[0:D]. */
 static inline void load_row(float *restrict dst, const void *base, int64_t off, int64_t D, int kv_bf16) {
@@ -39,21 +35,17 @@ static inline void load_row(float *restrict dst, const void *base, int64_t off, 
     }
 }
 
-/* Key/value row t of sequence table tbl, KV head kh, as fp32: in place for an fp32 pool, else
- * converted into buf. */
-static inline const float *row_at(const void *pool, const int32_t *tbl, int64_t t, int64_t bs,
-                                  int64_t s_blk, int64_t s_tok, int64_t off_head, int64_t D,
-                                  int kv_bf16, float *buf) {
-    const int64_t off = (int64_t)tbl[t / bs] * s_blk + (t % bs) * s_tok + off_head;
+/* The row at element offset off as fp32: in place for an fp32 pool, else converted into buf. */
+static inline const float *row_at(const void *pool, int64_t off, int64_t D, int kv_bf16, float *buf) {
     if (!kv_bf16) return (const float *)pool + off;
     load_row(buf, pool, off, D, 1);
     return buf;
 }
 
-/* Ask for `bytes` from key/value row t on (memory-level parallelism over scattered blocks). */
-static inline void prefetch_rows(const void *pool, int64_t esz, const int32_t *tbl, int64_t t, int64_t bs,
-                                 int64_t s_blk, int64_t s_tok, int64_t off_head, int64_t bytes) {
-    const char *p = (const char *)pool + ((int64_t)tbl[t / bs] * s_blk + (t % bs) * s_tok + off_head) * esz;
+/* Ask for `bytes` from the row at element offset off (memory-level parallelism over scattered
+ * blocks). */
+static inline void prefetch_row(const void *pool, int64_t esz, int64_t off, int64_t bytes) {
+    const char *p = (const char *)pool + off * esz;
     for (int64_t c = 0; c < bytes; c += 64) __builtin_prefetch(p + c);
 }
 
@@ -70,9 +62,11 @@ int lmi_decode_attention(const float *q, const void *kc, const void *vc, int kv_
 
 #pragma omp parallel num_threads(nthreads)
     {
-        /* Per thread: scores [g, maxlen], four fp32 K/V rows, accumulators [g, D]. */
+        /* Per thread: scores [g, maxlen], four fp32 K/V rows, accumulators [g, D], and the
+         * element offset of each key's row (block walk once, no division per key). */
         float *s = malloc(sizeof(float) * (size_t)(g * maxlen + 4 * D + g * D + 1));
-        if (!s) {
+        int64_t *offs = malloc(sizeof(int64_t) * (size_t)(maxlen + 1));
+        if (!s || !offs) {
 #pragma omp atomic write
             failed = 1;
         }
@@ -91,15 +85,19 @@ int lmi_decode_attention(const float *q, const void *kc, const void *vc, int kv_
                     memset(ob, 0, sizeof(float) * (size_t)(g * D));
                     continue;
                 }
+                for (int64_t blk = t0 / bs, t = blk * bs; t < L; ++blk) {
+                    const int64_t base = (int64_t)tbl[blk] * s_blk + kh * s_head;
+                    for (int64_t o = 0; o < bs && t < L; ++o, ++t) offs[t] = base + o * s_tok;
+                }
                 /* scores s[j, t] = q_j . k_t * scale, four keys at a time (four independent
                  * accumulators per head keep the FMA units busy across the reductions) */
                 int64_t t = t0;
                 for (; t + 4 <= L; t += 4) {
                     const float *k4[4];
                     for (int u = 0; u < 4; ++u)
-                        k4[u] = row_at(kc, tbl, t + u, bs, s_blk, s_tok, kh * s_head, D, kv_bf16, row + u * D);
-                    if (t + PF < L)   /* the next keys' lines, PF ahead */
-                        prefetch_rows(kc, esz, tbl, t + PF, bs, s_blk, s_tok, kh * s_head, 4 * D * esz);
+                        k4[u] = row_at(kc, offs[t + u], D, kv_bf16, row + u * D);
+                    for (int u = 0; u < 4 && t + PF + u < L; ++u)   /* the next keys' lines, PF ahead */
+                        prefetch_row(kc, esz, offs[t + PF + u], D * esz);
                     const float *k0 = k4[0], *k1 = k4[1], *k2 = k4[2], *k3 = k4[3];
                     for (int64_t j = 0; j < g; ++j) {
                         const float *qj = qb + j * D;
@@ -120,7 +118,7 @@ int lmi_decode_attention(const float *q, const void *kc, const void *vc, int kv_
                     }
                 }
                 for (; t < L; ++t) {
-                    const float *k = row_at(kc, tbl, t, bs, s_blk, s_tok, kh * s_head, D, kv_bf16, row);
+                    const float *k = row_at(kc, offs[t], D, kv_bf16, row);
                     for (int64_t j = 0; j < g; ++j) {
                         const float *qj = qb + j * D;
                         float dot = 0.f;
@@ -152,8 +150,8 @@ int lmi_decode_attention(const float *q, const void *kc, const void *vc, int kv_
                 memset(acc, 0, sizeof(float) * (size_t)(g * D));
                 for (int64_t t = t0; t < L; ++t) {
                     if (t + PF < L)
-                        prefetch_rows(vc, esz, tbl, t + PF, bs, s_blk, s_tok, kh * s_head, D * esz);
-                    const float *v = row_at(vc, tbl, t, bs, s_blk, s_tok, kh * s_head, D, kv_bf16, row);
+                        prefetch_row(vc, esz, offs[t + PF], D * esz);
+                    const float *v = row_at(vc, offs[t], D, kv_bf16, row);
                     for (int64_t j = 0; j < g; ++j) {
                         const float p = s[j * maxlen + t];
                         float *aj = acc + j * D;
@@ -165,6 +163,7 @@ int lmi_decode_attention(const float *q, const void *kc, const void *vc, int kv_
             }
         }
         free(s);
+        free(offs);
     }
     return failed ? -1 : 0;
 }
@@ -190,13 +189,6 @@ int lmi_write_kv(void *kc, void *vc, const void *key, const void *value, int64_t
         }
     }
     return 0;
-}
-
-static inline uint16_t f32_to_bf16(float f) {   /* round to nearest even, as torch does */
-    union { float f; uint32_t u; } v;
-    v.f = f;
-    if ((v.u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((v.u >> 16) | 0x40u);   /* NaN stays NaN */
-    return (uint16_t)((v.u + 0x7fffu + ((v.u >> 16) & 1u)) >> 16);
 }
 
 /* Llama's RMSNorm of bf16 rows x [rows, H] (contiguous) with weight w [H]:

@@ -31,8 +31,12 @@ import torch
 
 log = logging.getLogger("lmi.kernels")
 
-SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu_decode.c")
+_HERE = os.path.dirname(os.path.abspath(__file__))
 FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC"]
+# Element-wise ops that must round as torch's do (rotary): no fast-math, no FMA contraction.
+EXACT_FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-fPIC"]
+SOURCES = [(os.path.join(_HERE, "cpu_decode.c"), FLAGS), (os.path.join(_HERE, "cpu_exact.c"), EXACT_FLAGS)]
+HEADERS = [os.path.join(_HERE, "cpu_bf16.h")]
 # Linked without -ffast-math: given at link time, gcc adds crtfastmath.o, whose constructor sets
 # flush-to-zero for the whole process on load (every float op of torch and Python would change).
 LINK = ["-shared", "-fopenmp", "-lm"]
@@ -68,10 +72,13 @@ def build(cache_dir: str | None = None) -> str:
     cc = _compiler()
     if cc is None:
         raise RuntimeError("no C compiler (cc/gcc) on PATH")
-    with open(SOURCE, "rb") as f:
-        src = f.read()
+    parts = []
+    for path in [p for p, _ in SOURCES] + HEADERS:
+        with open(path, "rb") as f:
+            parts.append(f.read())
     version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
-    key = hashlib.sha256(b"\0".join([src, " ".join(FLAGS + LINK).encode(), version.encode(),
+    flags = " | ".join(" ".join(fl) for _, fl in SOURCES) + " | " + " ".join(LINK)
+    key = hashlib.sha256(b"\0".join([*parts, flags.encode(), version.encode(),
                                      _cpu_signature().encode()])).hexdigest()[:16]
     out_dir = cache_dir or _cache_dir()
     os.makedirs(out_dir, exist_ok=True)
@@ -80,15 +87,16 @@ def build(cache_dir: str | None = None) -> str:
         return path
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
     os.close(fd)
+    objs = [f"{tmp[:-3]}.{i}.o" for i in range(len(SOURCES))]
     try:
-        obj = tmp[:-3] + ".o"
-        for cmd in ([cc, *FLAGS, "-c", SOURCE, "-o", obj], [cc, obj, *LINK, "-o", tmp]):
+        cmds = [[cc, *fl, "-c", src, "-o", obj] for (src, fl), obj in zip(SOURCES, objs)]
+        for cmd in cmds + [[cc, *objs, *LINK, "-o", tmp]]:
             r = subprocess.run(cmd, capture_output=True, text=True)
             if r.returncode != 0:
                 raise RuntimeError(f"{cc} failed: {r.stderr.strip()[-2000:]}")
         os.replace(tmp, path)
     finally:
-        for f in (tmp, tmp[:-3] + ".o"):
+        for f in (tmp, *objs):
             if os.path.exists(f):
                 os.unlink(f)
     return path
@@ -117,6 +125,10 @@ def load():
     rms.argtypes = [ptr, ptr, ptr, i64, i64, ctypes.c_float, ctypes.c_int]
     rms.restype = None
     fn.rms_norm_bf16 = rms
+    rope = lib.lmi_rotary
+    rope.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, ctypes.c_int, ctypes.c_int]
+    rope.restype = None
+    fn.rotary = rope
     return fn
 
 
@@ -125,19 +137,45 @@ def supports(key_cache: torch.Tensor) -> bool:
     return key_cache.device.type == "cpu" and key_cache.dtype in KV_DTYPES and key_cache.stride(-1) == 1
 
 
+def _plain(t: torch.Tensor, dtype: torch.dtype) -> bool:
+    """A CPU tensor of `dtype` the kernels may take as input: none that autograd tracks (the kernels
+    have no backward; weights are only read, so they may be parameters)."""
+    return t.dtype == dtype and t.device.type == "cpu" and not t.requires_grad
+
+
 def rms_norm_bf16(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
     """Llama's RMSNorm of bf16 x [..., H] by weight [H] (bf16), or None when the kernel cannot
     take them (then the caller's own path serves). torch's rms_norm has no fused bf16 CPU kernel
-    (it decomposes into ~7 ops with fp32 copies)."""
+    (it decomposes into ~7 ops with fp32 copies). (fp32 keeps torch's fused kernel: bit for bit
+    transformers' values, where a C sum in another order would move elements by an ulp.)"""
     fn = load()
     h = x.shape[-1]
-    if (fn is None or x.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16 or x.device.type != "cpu"
-            or weight.shape != (h,) or not x.is_contiguous() or not weight.is_contiguous() or x.requires_grad):
+    if (fn is None or not _plain(x, torch.bfloat16) or weight.dtype != torch.bfloat16
+            or weight.device.type != "cpu" or weight.shape != (h,) or not x.is_contiguous()
+            or not weight.is_contiguous()):
         return None
     out = torch.empty_like(x)
     fn.rms_norm_bf16(x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.numel() // h, h, float(eps),
                      torch.get_num_threads())
     return out
+
+
+def rotary_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
+    """In place, Llama's rotary embedding of q [T, H, D] and k [T, Hkv, D] (each token's heads
+    contiguous) by cos/sin [T, D], all fp32 or all bf16, rounded exactly as transformers'
+    `apply_rotary_pos_emb` rounds; False (nothing changed) when the kernel cannot take them."""
+    fn = load()
+    dt = q.dtype
+    if fn is None or dt not in KV_DTYPES or not all(_plain(t, dt) for t in (q, k, cos, sin)):
+        return False
+    t, h, d = q.shape
+    if (k.dim() != 3 or k.shape[0] != t or k.shape[2] != d or d % 2 or cos.shape != (t, d)
+            or sin.shape != (t, d) or cos.stride() != sin.stride() or cos.stride(1) != 1
+            or q.stride()[1:] != (d, 1) or k.stride()[1:] != (d, 1)):
+        return False
+    fn.rotary(q.data_ptr(), k.data_ptr(), cos.data_ptr(), sin.data_ptr(), t, h, k.shape[1], d,
+              q.stride(0), k.stride(0), cos.stride(0), KV_DTYPES[dt], torch.get_num_threads())
+    return True
 
 
 def write_kv(key_cache: torch.Tensor, value_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

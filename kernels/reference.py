@@ -89,6 +89,30 @@ def _attend(q, k, v, mask, scale, g, soft_cap):
     return o.view(h, n, d)
 
 
+def _plan(block_tables, seq_lens, query_start_loc, seq_lens_cpu, query_start_loc_cpu, bs: int, t: int,
+          dev) -> dict:
+    """A step's row bookkeeping, the same for every layer: context lengths and row offsets as
+    lists, the block tables, which sequences decode one row, and the decode kernel's inputs
+    (their rows, tables cut to the longest and lengths, int32)."""
+    lens = _as_list(seq_lens, seq_lens_cpu)
+    qsl = _as_list(query_start_loc, query_start_loc_cpu)
+    tables = block_tables.to(device=dev, dtype=torch.long) if isinstance(block_tables, torch.Tensor) \
+        else torch.tensor(block_tables, dtype=torch.long, device=dev)
+    nq = [qsl[s + 1] - qsl[s] for s in range(len(lens))]
+    for s, (n, ctx) in enumerate(zip(nq, lens)):
+        if not 0 <= n <= ctx:
+            raise ValueError(f"sequence {s}: {n} query rows do not fit its context length {ctx}")
+    dec = [s for s in range(len(lens)) if nq[s] == 1]
+    p = {"lens": lens, "qsl": qsl, "tables": tables, "dec": dec,
+         "all_decode": len(dec) == len(lens) == t and qsl[0] == 0}
+    if dec:
+        nblk = -(-max(lens[s] for s in dec) // bs)
+        p["dec_rows"] = torch.tensor([qsl[s] for s in dec], device=dev)
+        p["dec_tables"] = tables[torch.tensor(dec, device=dev), :nblk].to(torch.int32).contiguous()
+        p["dec_lens"] = torch.tensor([lens[s] for s in dec], dtype=torch.int32, device=dev)
+    return p
+
+
 def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                     block_tables: torch.Tensor, seq_lens, query_start_loc, scale: float, *,
                     seq_lens_cpu: list[int] | None = None,
@@ -97,7 +121,7 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
                     soft_cap: float | None = None,
                     key: torch.Tensor | None = None,
                     value: torch.Tensor | None = None,
-                    decode=None) -> torch.Tensor:
+                    decode=None, memo: dict | None = None) -> torch.Tensor:
     """Causal attention of packed query rows [T, H, D] over paged KV -> [T, H, D].
 
     Sequence s owns rows qsl[s]:qsl[s+1] (n_s rows) at positions seq_lens[s]-n_s ..
@@ -111,32 +135,32 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
     attends to them directly instead of gathering them back. `decode` (optional): a kernel
     for all decode rows at once, `decode(q [B, H, D], key_cache, value_cache, tables [B, W],
     lens [B], scale, sliding_window, soft_cap) -> fp32 [B, H, D]` (kernels/cpu_ext.py reads
-    the pool in place); without it they go through the gather below.
+    the pool in place); without it they go through the gather below. `memo` (optional): a dict
+    shared by the layers of one step, which keeps the step's row bookkeeping (the same for
+    every layer) after the first layer computed it.
     """
     t, h, d = query.shape
     nb, bs, hkv, _ = key_cache.shape
     if h % hkv:
         raise ValueError(f"num query heads {h} is not a multiple of num kv heads {hkv}")
     g = h // hkv
-    lens = _as_list(seq_lens, seq_lens_cpu)
-    qsl = _as_list(query_start_loc, query_start_loc_cpu)
     dev = query.device
-    tables = block_tables.to(device=dev, dtype=torch.long) if isinstance(block_tables, torch.Tensor) \
-        else torch.tensor(block_tables, dtype=torch.long, device=dev)
-    out = torch.empty(t, h, d, dtype=query.dtype, device=dev)   # every row is written below
-
-    nq = [qsl[s + 1] - qsl[s] for s in range(len(lens))]
-    for s, (n, ctx) in enumerate(zip(nq, lens)):
-        if not 0 <= n <= ctx:
-            raise ValueError(f"sequence {s}: {n} query rows do not fit its context length {ctx}")
-    dec = [s for s in range(len(lens)) if nq[s] == 1]
+    p = memo.get(("plan", bs)) if memo is not None else None
+    if p is None:
+        p = _plan(block_tables, seq_lens, query_start_loc, seq_lens_cpu, query_start_loc_cpu, bs, t, dev)
+        if memo is not None:
+            memo[("plan", bs)] = p
+    lens, qsl, tables, dec = p["lens"], p["qsl"], p["tables"], p["dec"]
     if decode is not None and dec:
-        rows = torch.tensor([qsl[s] for s in dec], device=dev)
-        nblk = -(-max(lens[s] for s in dec) // bs)
-        o = decode(query[rows], key_cache, value_cache, tables[torch.tensor(dec, device=dev), :nblk],
-                   torch.tensor([lens[s] for s in dec], device=dev), scale, sliding_window, soft_cap)
-        out[rows] = o.to(query.dtype)
+        q = query if p["all_decode"] else query[p["dec_rows"]]
+        o = decode(q, key_cache, value_cache, p["dec_tables"], p["dec_lens"], scale, sliding_window, soft_cap)
+        if p["all_decode"]:   # one row per sequence, in order: the kernel's output is the answer
+            return o.to(query.dtype)
+        out = torch.empty(t, h, d, dtype=query.dtype, device=dev)   # every row is written below
+        out[p["dec_rows"]] = o.to(query.dtype)
         dec = []
+    else:
+        out = torch.empty(t, h, d, dtype=query.dtype, device=dev)
     for group in length_groups(dec, [-(-lens[s] // bs) for s in dec]):
         nblk = -(-max(lens[s] for s in group) // bs)
         rows = torch.tensor([qsl[s] for s in group], device=dev)

@@ -135,3 +135,44 @@ def test_rms_norms_written_otherwise_keep_their_forward(monkeypatch):
     monkeypatch.setenv("LMI_CPU_FUSED_NORM", "0")
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
     assert cpu.fuse_rms_norms(nn.Sequential(LlamaRMSNorm(16))) == 0
+
+
+def _runner(model_dir, dtype, monkeypatch, fused: bool):
+    from handler.runner import ModelRunner
+    monkeypatch.setenv("LMI_CPU_FUSED_LAYERS", "1" if fused else "0")
+    r = ModelRunner(model_dir, dtype=dtype, device="cpu", block_size=4, kv_cache_tokens=256, max_running=8)
+    r.prepack_cpu()
+    return r
+
+
+@pytest.mark.parametrize("family,attn_fused", [("llama", True), ("qwen2", True), ("qwen3", False), ("gpt2", False)])
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_fused_llama_layers_give_the_same_logits(demo_model_factory, monkeypatch, family, attn_fused, dtype):
+    # Oracle: the same runner with the models' own forwards (LMI_CPU_FUSED_LAYERS=0), on a step
+    # of two prefills, then a mixed step (two decode rows and a third prompt). The fused
+    # attention's rotary rounds as transformers' does and its MLP runs the same ops in place, so
+    # the logits are equal bit for bit, in bf16 too.
+    from handler.cpu import fuse_llama_layers
+    from handler.request import SamplingParams
+    from handler.runner import pack_step
+    from handler.scheduler import StepItem
+    path = demo_model_factory(family)
+    plain, fused = _runner(path, dtype, monkeypatch, False), _runner(path, dtype, monkeypatch, True)
+    layers = plain.model.config.num_hidden_layers
+    attn = [m for m in fused.model.modules() if "forward" in vars(m) and hasattr(m, "q_proj")]
+    mlps = [m for m in fused.model.modules() if "forward" in vars(m) and hasattr(m, "gate_proj")]
+    assert len(attn) == (layers if attn_fused else 0) and len(mlps) == (0 if family == "gpt2" else layers)
+    assert not any("forward" in vars(m) for m in plain.model.modules() if hasattr(m, "q_proj"))
+    monkeypatch.setenv("LMI_CPU_FUSED_LAYERS", "0")
+    assert fuse_llama_layers(fused.model) == (0, 0)                  # the switch
+    g = torch.Generator().manual_seed(3)
+    p = SamplingParams(max_new_tokens=4)
+    a, b, c = (torch.randint(5, 200, (n,), generator=g).tolist() for n in (9, 5, 7))
+    steps = [[StepItem(1, a, 0, [0, 1, 2], True, p, a), StepItem(2, b, 0, [3, 4], True, p, b)],
+             [StepItem(1, [17], 9, [0, 1, 2], True, p, a + [17]), StepItem(2, [23], 5, [3, 4], True, p, b + [23]),
+              StepItem(3, c, 0, [5, 6], True, p, c)],
+             [StepItem(1, [4], 10, [0, 1, 2], True, p, a + [17, 4]), StepItem(3, [9], 7, [5, 6], True, p, c + [9])]]
+    for items in steps:
+        packed, _ = pack_step(items, 4)
+        want, got = plain.forward(packed), fused.forward(packed)
+        assert want.shape[0] == len(items) and torch.equal(got, want), family

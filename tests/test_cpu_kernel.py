@@ -179,6 +179,30 @@ def test_rms_norm_bf16_kernel_matches_float64_math():
     assert cpu_ext.rms_norm_bf16(x.t(), w[:37], 1e-6) is None             # not contiguous
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads", [(4, 4), (6, 2), (9, 3)])
+def test_rotary_kernel_equals_transformers_bit_for_bit(dtype, heads):
+    # Oracle: transformers' own apply_rotary_pos_emb and rotary module on the same inputs.
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
+    h, hkv = heads
+    d, t = 64, 29
+    cfg = LlamaConfig(hidden_size=h * d, num_attention_heads=h, num_key_value_heads=hkv)
+    gen = torch.Generator().manual_seed(10)
+    # q/k as the projections give them: [T, heads*D] rows viewed [T, heads, D]
+    q = torch.randn(t, h * d, generator=gen).to(dtype).view(t, h, d)
+    k = torch.randn(t, hkv * d, generator=gen).to(dtype).view(t, hkv, d)
+    pos = torch.tensor([[3, 0, 17, 1000, 4095] + list(range(50, 74))])
+    cos, sin = LlamaRotaryEmbedding(cfg)(q, pos)                          # [1, T, D] in dtype
+    want_q, want_k = apply_rotary_pos_emb(q.transpose(0, 1)[None], k.transpose(0, 1)[None], cos, sin)
+    assert cpu_ext.rotary_(q, k, cos[0], sin[0])
+    assert torch.equal(q, want_q[0].transpose(0, 1)) and torch.equal(k, want_k[0].transpose(0, 1))
+    before = q.clone()
+    assert not cpu_ext.rotary_(q, k, cos[0, :5], sin[0, :5])              # cos for other tokens
+    assert not cpu_ext.rotary_(q, k.float() if dtype != torch.float32 else k.double(), cos[0], sin[0])
+    assert torch.equal(q, before)                                          # refused: untouched
+
+
 def test_loading_the_kernel_leaves_subnormal_floats_alone():
     # A shared object linked with -ffast-math sets flush-to-zero for the whole process when it
     # loads (gcc's crtfastmath.o): torch's and Python's float math would silently change.
