@@ -49,6 +49,31 @@ static inline void prefetch_row(const void *pool, int64_t esz, int64_t off, int6
     for (int64_t c = 0; c < bytes; c += 64) __builtin_prefetch(p + c);
 }
 
+/* out_j[0:D] = sum_t p[j, t] v_t for the g heads, one head at a time so its accumulator stays in
+ * registers (DC a constant: 64 and 128 get their own copies, with the loops unrolled). v_t: row t of vb (fp32 copies,
+ * [L - t0, DC]) when given, else the fp32 pool's row at offs[t]. */
+#define LMI_PV(NAME, DC)                                                                          \
+    static void NAME(const float *s, int64_t maxlen, const float *vb, const float *vc,            \
+                     const int64_t *offs, int64_t t0, int64_t L, int64_t g, int64_t D, float *ob) { \
+        for (int64_t j = 0; j < g; ++j) {                                                          \
+            float a[DC];                                                                           \
+            for (int64_t d = 0; d < (DC); ++d) a[d] = 0.f;                                         \
+            const float *pj = s + j * maxlen;                                                      \
+            for (int64_t t = t0; t < L; ++t) {                                                     \
+                if (!vb && j == 0 && t + PF < L)                                                   \
+                    prefetch_row(vc, 4, offs[t + PF], (DC) * 4);                                   \
+                const float *v = vb ? vb + (t - t0) * (DC) : vc + offs[t];                         \
+                const float pt = pj[t];                                                            \
+                _Pragma("omp simd") for (int64_t d = 0; d < (DC); ++d) a[d] += pt * v[d];          \
+            }                                                                                      \
+            memcpy(ob + j * (DC), a, sizeof(float) * (size_t)(DC));                                \
+        }                                                                                          \
+    }
+LMI_PV(pv_64, 64)
+LMI_PV(pv_128, 128)
+LMI_PV(pv_any, D)   /* any other head size (a variable-length accumulator) */
+#undef LMI_PV
+
 int lmi_decode_attention(const float *q, const void *kc, const void *vc, int kv_bf16,
                          int64_t s_blk, int64_t s_tok, int64_t s_head,
                          const int32_t *tables, int64_t tw, const int32_t *lens,
@@ -62,9 +87,10 @@ int lmi_decode_attention(const float *q, const void *kc, const void *vc, int kv_
 
 #pragma omp parallel num_threads(nthreads)
     {
-        /* Per thread: scores [g, maxlen], four fp32 K/V rows, accumulators [g, D], and the
+        /* Per thread: scores [g, maxlen], four fp32 K rows, a bf16 pool's V rows as fp32
+         * [maxlen, D], and the
          * element offset of each key's row (block walk once, no division per key). */
-        float *s = malloc(sizeof(float) * (size_t)(g * maxlen + 4 * D + g * D + 1));
+        float *s = malloc(sizeof(float) * (size_t)(g * maxlen + 4 * D + 1 + (kv_bf16 ? maxlen * D : 0)));
         int64_t *offs = malloc(sizeof(int64_t) * (size_t)(maxlen + 1));
         if (!s || !offs) {
 #pragma omp atomic write
@@ -72,7 +98,7 @@ int lmi_decode_attention(const float *q, const void *kc, const void *vc, int kv_
         }
 #pragma omp barrier
         if (!failed) {
-            float *row = s + g * maxlen, *acc = row + 4 * D;
+            float *row = s + g * maxlen, *vbuf = row + 4 * D;
 #pragma omp for schedule(dynamic, 1)
             for (int64_t item = 0; item < B * Hkv; ++item) {
                 const int64_t b = item / Hkv, kh = item % Hkv;
@@ -135,6 +161,7 @@ int lmi_decode_attention(const float *q, const void *kc, const void *vc, int kv_
                         for (int64_t t = t0; t < L; ++t) sj[t] = tanhf(sj[t] / softcap) * softcap;
                     }
                     float m = sj[t0];
+#pragma omp simd reduction(max : m)
                     for (int64_t t = t0 + 1; t < L; ++t) m = sj[t] > m ? sj[t] : m;
                     float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
@@ -146,20 +173,22 @@ int lmi_decode_attention(const float *q, const void *kc, const void *vc, int kv_
 #pragma omp simd
                     for (int64_t t = t0; t < L; ++t) sj[t] *= inv;
                 }
-                /* out_j = sum_t p[j, t] v_t */
-                memset(acc, 0, sizeof(float) * (size_t)(g * D));
-                for (int64_t t = t0; t < L; ++t) {
-                    if (t + PF < L)
-                        prefetch_row(vc, esz, offs[t + PF], D * esz);
-                    const float *v = row_at(vc, offs[t], D, kv_bf16, row);
-                    for (int64_t j = 0; j < g; ++j) {
-                        const float p = s[j * maxlen + t];
-                        float *aj = acc + j * D;
-#pragma omp simd
-                        for (int64_t d = 0; d < D; ++d) aj[d] += p * v[d];
+                /* out_j = sum_t p[j, t] v_t; a bf16 pool's rows converted once for the g heads */
+                const float *vb = NULL;
+                if (kv_bf16) {
+                    for (int64_t t = t0; t < L; ++t) {
+                        if (t + PF < L)
+                            prefetch_row(vc, esz, offs[t + PF], D * esz);
+                        load_row(vbuf + (t - t0) * D, vc, offs[t], D, 1);
                     }
+                    vb = vbuf;
                 }
-                memcpy(ob, acc, sizeof(float) * (size_t)(g * D));
+                if (D == 64)
+                    pv_64(s, maxlen, vb, (const float *)vc, offs, t0, L, g, D, ob);
+                else if (D == 128)
+                    pv_128(s, maxlen, vb, (const float *)vc, offs, t0, L, g, D, ob);
+                else
+                    pv_any(s, maxlen, vb, (const float *)vc, offs, t0, L, g, D, ob);
             }
         }
         free(s);

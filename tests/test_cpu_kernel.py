@@ -45,7 +45,7 @@ def test_kernel_decode_matches_naive_loop(dtype, tol, layout, options):
     for _ in range(3):
         case = make_case(rng, num_seqs=rng.randint(1, 9), block_size=rng.choice([1, 4, 16]),
                          hkv=rng.choice([1, 2, 3]), group=rng.choice([1, 3, 4]),
-                         head_dim=rng.choice([16, 64, 80]), dtype=dtype, max_ctx=70, decode_only=True)
+                         head_dim=rng.choice([16, 64, 80, 128]), dtype=dtype, max_ctx=70, decode_only=True)
         case["query"] = case["query"] * 3      # sharper softmax: a wrong key would show
         if layout == "head":
             case["key_cache"], case["value_cache"] = _head_major(case["key_cache"]), _head_major(case["value_cache"])
