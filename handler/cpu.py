@@ -26,8 +26,19 @@ tests/test_cpu.py; bf16 rows go to the C kernel of kernels/cpu_ext.py, since tor
 CPU rms_norm: an element may land one bf16 step away).
 Norms written otherwise (Gemma's 1 + weight, ...) keep their own forward.
 
+Attention and MLP (`fuse_llama_layers`): a module whose forward is Llama's, line for line
+(comments aside; the attention may add Mistral's or Qwen2's `sliding_window=` line), whose
+module's rotary helpers are Llama's too, gets a forward that does the same work in fewer passes
+on a packed engine step: the projections, the rotary embedding applied in place to q and k by
+a C kernel that rounds each product and sum as transformers' torch ops do (bit for bit, checked
+in tests/test_cpu_kernel.py and tests/test_cpu.py), the paged attention straight on the [T, H, D]
+views (no transposes, no attention-interface lookup), the output projection; the MLP's SiLU and
+product run in place (the same ops and values, two fewer [T, I] buffers per layer). Outside an
+engine step (e.g. `model.generate` on the same object) the model's own forward runs. Qwen3's
+q/k norms, Gemma 2's soft-cap, partial rotary, ...: other sources, their own forward.
+
 Escape hatches (and the A/B switches of benchmarks/step_floor.py): LMI_CPU_PREPACK=0 keeps the
-plain nn.Linear; LMI_CPU_FUSED_NORM=0 keeps the models' own RMSNorm forward; LMI_CPU_KV_LAYOUT=token keeps the CPU KV pool token-major like the GPU's;
+plain nn.Linear; LMI_CPU_FUSED_NORM=0 keeps the models' own RMSNorm forward; LMI_CPU_FUSED_LAYERS=0 their own attention and MLP forwards; LMI_CPU_KV_LAYOUT=token keeps the CPU KV pool token-major like the GPU's;
 LMI_CPU_MALLOC=system keeps the C library's allocator.
 """
 from __future__ import annotations

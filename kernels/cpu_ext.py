@@ -1,4 +1,4 @@
-"""The CPU decode-attention kernel (kernels/cpu_decode.c): built on this host, loaded with ctypes.
+"""The CPU kernels (kernels/cpu_decode.c, kernels/cpu_exact.c): built on this host, loaded with ctypes.
 
 Decode rows read the paged pool in place instead of gathering their blocks into a copy that
 a batched matmul then reads again (kernels/reference.py), which on CPU is memory-bound work
@@ -11,6 +11,10 @@ The shared object is cached under $LMI_CPU_EXT_CACHE (default ~/.cache/lmi-serve
 named by a hash of the source, the flags, the compiler and the CPU's model and flags (a cache
 carried to another CPU is rebuilt, never run with instructions it lacks), written to a temporary
 file and renamed, so concurrent workers and tensor-parallel ranks can build at once.
+
+kernels/cpu_exact.c holds element-wise kernels that must round exactly as transformers' torch ops
+do (the rotary embedding): compiled without -ffast-math and without FMA contraction, linked into
+the same library.
 
 No compiler, a failed build or LMI_CPU_ATTENTION=reference: `load()` returns None and the
 reference path serves (one warning says why). The first call builds; `handler.runner` calls

@@ -153,9 +153,6 @@ def test_fused_llama_layers_give_the_same_logits(demo_model_factory, monkeypatch
     # attention's rotary rounds as transformers' does and its MLP runs the same ops in place, so
     # the logits are equal bit for bit, in bf16 too.
     from handler.cpu import fuse_llama_layers
-    from handler.request import SamplingParams
-    from handler.runner import pack_step
-    from handler.scheduler import StepItem
     path = demo_model_factory(family)
     plain, fused = _runner(path, dtype, monkeypatch, False), _runner(path, dtype, monkeypatch, True)
     layers = plain.model.config.num_hidden_layers
@@ -165,6 +162,14 @@ def test_fused_llama_layers_give_the_same_logits(demo_model_factory, monkeypatch
     assert not any("forward" in vars(m) for m in plain.model.modules() if hasattr(m, "q_proj"))
     monkeypatch.setenv("LMI_CPU_FUSED_LAYERS", "0")
     assert fuse_llama_layers(fused.model) == (0, 0)                  # the switch
+    _assert_same_logits(plain, fused)
+
+
+def _assert_same_logits(plain, fused):
+    """Two prefills, then a mixed step (two decode rows and a third prompt), then two decodes."""
+    from handler.request import SamplingParams
+    from handler.runner import pack_step
+    from handler.scheduler import StepItem
     g = torch.Generator().manual_seed(3)
     p = SamplingParams(max_new_tokens=4)
     a, b, c = (torch.randint(5, 200, (n,), generator=g).tolist() for n in (9, 5, 7))
@@ -175,4 +180,43 @@ def test_fused_llama_layers_give_the_same_logits(demo_model_factory, monkeypatch
     for items in steps:
         packed, _ = pack_step(items, 4)
         want, got = plain.forward(packed), fused.forward(packed)
-        assert want.shape[0] == len(items) and torch.equal(got, want), family
+        assert want.shape[0] == len(items) and torch.equal(got, want)
+
+
+def test_fused_attention_without_the_c_kernels_uses_transformers_rotary(demo_model_factory, monkeypatch):
+    # No kernel library (LMI_CPU_ATTENTION=reference): the fused forward still serves, with the
+    # module's own apply_rotary_pos_emb, and gives the same logits.
+    from kernels import cpu_ext
+    monkeypatch.setenv("LMI_CPU_ATTENTION", "reference")
+    cpu_ext.load.cache_clear()
+    try:
+        path = demo_model_factory("llama")
+        plain, fused = _runner(path, "fp32", monkeypatch, False), _runner(path, "fp32", monkeypatch, True)
+        assert any("forward" in vars(m) for m in fused.model.modules() if hasattr(m, "q_proj"))
+        assert cpu_ext.load() is None
+        _assert_same_logits(plain, fused)
+    finally:
+        cpu_ext.load.cache_clear()
+
+
+def test_attention_source_check_takes_llamas_forward_and_its_sliding_window_variants():
+    # The fused forward replaces only a forward that is Llama's (plus Mistral's or Qwen2's window
+    # line, which the fused forward then passes on); anything computed differently keeps its own.
+    from types import SimpleNamespace
+
+    from transformers.models.gemma2.modeling_gemma2 import Gemma2Attention
+    from transformers.models.llama.modeling_llama import LlamaAttention
+    from transformers.models.mistral.modeling_mistral import MistralAttention
+    from transformers.models.qwen2.modeling_qwen2 import Qwen2Attention
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3Attention
+    m = SimpleNamespace(sliding_window=7, config=SimpleNamespace(sliding_window=5))
+    assert cpu._window_of(LlamaAttention)(m) is None
+    assert cpu._window_of(MistralAttention)(m) == 5          # from the config
+    assert cpu._window_of(Qwen2Attention)(m) == 7            # the module's own (per layer type)
+    assert cpu._window_of(Qwen3Attention) is None            # q/k norms
+    assert cpu._window_of(Gemma2Attention) is None           # soft-cap
+
+    class Edited(LlamaAttention):                             # one changed line: not Llama's
+        def forward(self, hidden_states, position_embeddings=None, attention_mask=None, **kwargs):
+            return super().forward(hidden_states * 2, position_embeddings, attention_mask, **kwargs)
+    assert cpu._window_of(Edited) is None
