@@ -210,6 +210,7 @@ def _llama():
     return modeling_llama
 
 
+@functools.lru_cache(maxsize=None)
 def _window_of(cls):
     """For an attention class whose forward is Llama's: a function module -> sliding window (None:
     none); None when the class does not qualify. Its module's rotary helpers must be Llama's too."""

@@ -50,8 +50,8 @@ static inline void prefetch_row(const void *pool, int64_t esz, int64_t off, int6
 }
 
 /* out_j[0:D] = sum_t p[j, t] v_t for the g heads, one head at a time so its accumulator stays in
- * registers (DC a constant: 64 and 128 get their own copies, with the loops unrolled). v_t: row t of vb (fp32 copies,
- * [L - t0, DC]) when given, else the fp32 pool's row at offs[t]. */
+ * registers (DC a constant: 64 and 128 get their own copies, with the loops unrolled). v_t: row
+ * t of vb (fp32 copies, [L - t0, DC]) when given, else the fp32 pool's row at offs[t]. */
 #define LMI_PV(NAME, DC)                                                                          \
     static void NAME(const float *s, int64_t maxlen, const float *vb, const float *vc,            \
                      const int64_t *offs, int64_t t0, int64_t L, int64_t g, int64_t D, float *ob) { \
@@ -88,8 +88,8 @@ int lmi_decode_attention(const float *q, const void *kc, const void *vc, int kv_
 #pragma omp parallel num_threads(nthreads)
     {
         /* Per thread: scores [g, maxlen], four fp32 K rows, a bf16 pool's V rows as fp32
-         * [maxlen, D], and the
-         * element offset of each key's row (block walk once, no division per key). */
+         * [maxlen, D], and each key row's element offset (the blocks walked once per item, no
+         * division per key). */
         float *s = malloc(sizeof(float) * (size_t)(g * maxlen + 4 * D + 1 + (kv_bf16 ? maxlen * D : 0)));
         int64_t *offs = malloc(sizeof(int64_t) * (size_t)(maxlen + 1));
         if (!s || !offs) {

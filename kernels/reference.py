@@ -151,16 +151,16 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
         if memo is not None:
             memo[("plan", bs)] = p
     lens, qsl, tables, dec = p["lens"], p["qsl"], p["tables"], p["dec"]
+    o = None
     if decode is not None and dec:
         q = query if p["all_decode"] else query[p["dec_rows"]]
         o = decode(q, key_cache, value_cache, p["dec_tables"], p["dec_lens"], scale, sliding_window, soft_cap)
         if p["all_decode"]:   # one row per sequence, in order: the kernel's output is the answer
             return o.to(query.dtype)
-        out = torch.empty(t, h, d, dtype=query.dtype, device=dev)   # every row is written below
-        out[p["dec_rows"]] = o.to(query.dtype)
         dec = []
-    else:
-        out = torch.empty(t, h, d, dtype=query.dtype, device=dev)
+    out = torch.empty(t, h, d, dtype=query.dtype, device=dev)   # every row is written below
+    if o is not None:
+        out[p["dec_rows"]] = o.to(query.dtype)
     for group in length_groups(dec, [-(-lens[s] // bs) for s in dec]):
         nblk = -(-max(lens[s] for s in group) // bs)
         rows = torch.tensor([qsl[s] for s in group], device=dev)
