@@ -243,3 +243,27 @@ void lmi_rms_norm_bf16(const uint16_t *x, const uint16_t *w, uint16_t *out, int6
         }
     }
 }
+
+/* Per row r of fp32 logits x [rows, V] (row stride ld): the first index of the row's maximum
+ * (torch.argmax's choice), the maximum m and log(sum_v exp(x_v - m)), so that a token's log-prob
+ * is (x_t - m) - logsum, log_softmax's own formula. One read of each row (it stays in L2), rows in
+ * parallel. Built with -ffast-math: a NaN or infinite logit makes that row's logsum NaN or
+ * infinite (exp(NaN) and inf - inf propagate), which the caller detects and hands back to torch. */
+void lmi_row_stats(const float *x, int64_t rows, int64_t V, int64_t ld, int64_t *argmax, float *maxv,
+                   float *logsum, int nthreads) {
+#pragma omp parallel for num_threads(nthreads) if (rows * V >= 65536) schedule(static)
+    for (int64_t r = 0; r < rows; ++r) {
+        const float *xr = x + r * ld;
+        float m = xr[0];
+#pragma omp simd reduction(max : m)
+        for (int64_t v = 1; v < V; ++v) m = xr[v] > m ? xr[v] : m;
+        int64_t at = 0;
+        while (at < V - 1 && !(xr[at] == m)) ++at;
+        float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t v = 0; v < V; ++v) sum += expf(xr[v] - m);
+        argmax[r] = at;
+        maxv[r] = m;
+        logsum[r] = logf(sum);
+    }
+}

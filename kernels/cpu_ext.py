@@ -133,6 +133,10 @@ def load():
     rope.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, ctypes.c_int, ctypes.c_int]
     rope.restype = None
     fn.rotary = rope
+    stats = lib.lmi_row_stats
+    stats.argtypes = [ptr, i64, i64, i64, ptr, ptr, ptr, ctypes.c_int]
+    stats.restype = None
+    fn.row_stats = stats
     return fn
 
 
@@ -180,6 +184,27 @@ def rotary_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tens
     fn.rotary(q.data_ptr(), k.data_ptr(), cos.data_ptr(), sin.data_ptr(), t, h, k.shape[1], d,
               q.stride(0), k.stride(0), cos.stride(0), KV_DTYPES[dt], torch.get_num_threads())
     return True
+
+
+def row_stats(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """For fp32 logits [R, V] (CPU, rows contiguous): (argmax [R] int64, the first index of each
+    row's maximum as torch.argmax picks it; logz [R] fp32, the pair (max, log-sum-exp about it)
+    as [R, 2]) in one read of each row, so that log_softmax(x)[r, t] = (x[r, t] - max) - logsum.
+    None when the kernel cannot take them or a row holds a NaN or infinite logit (then torch's
+    own ops serve, with their semantics)."""
+    if not _plain(logits, torch.float32) or logits.dim() != 2 or logits.stride(1) != 1 or 0 in logits.shape:
+        return None
+    fn = load()
+    if fn is None:
+        return None
+    r, v = logits.shape
+    idx = torch.empty(r, dtype=torch.int64)
+    z = torch.empty(2, r, dtype=torch.float32)
+    fn.row_stats(logits.data_ptr(), r, v, logits.stride(0), idx.data_ptr(), z[0].data_ptr(), z[1].data_ptr(),
+                 torch.get_num_threads())
+    if not bool(torch.isfinite(z[1]).all()):
+        return None
+    return idx, z.t()
 
 
 def write_kv(key_cache: torch.Tensor, value_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

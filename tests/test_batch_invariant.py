@@ -50,13 +50,18 @@ def test_seeded_request_is_bit_identical_whatever_shares_its_batch(strategy, dem
         engine.shutdown()
 
 
-def test_default_mode_numbers_depend_on_the_batch(demo_model_dir, tmp_path):
-    """Why the mode exists: without it the same seeded request's log-probs move with its batch
-    (this is what turns into a different token near a tie)."""
+def test_default_mode_numbers_agree_across_batches_within_rounding(demo_model_dir, tmp_path):
+    """Without the mode the same seeded request's log-probs may move with its batch by rounding
+    (whether they do depends on the CPU's GEMM kernels: on some they stay bit-identical), never by
+    more; the mode exists to make them identical everywhere."""
     engine = make_engine(demo_model_dir, tmp_path, ROLLING)
     try:
         alone, crowded = alone_and_crowded(engine)
-        assert [lp for _, lp in crowded] != [lp for _, lp in alone]
+        assert len(crowded) == len(alone) == SEEDED.max_new_tokens
+        for (tok_a, lp_a), (tok_c, lp_c) in zip(alone, crowded):
+            if tok_a != tok_c:   # a near-tie flipped by rounding: the streams part here
+                break
+            assert lp_c == pytest.approx(lp_a, abs=1e-4)
     finally:
         engine.shutdown()
 

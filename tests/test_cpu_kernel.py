@@ -214,3 +214,33 @@ def test_loading_the_kernel_leaves_subnormal_floats_alone():
             "assert (torch.tensor([1e-39]) * 1.0).item() > 0\nprint('ok')\n")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-2000:]
+
+
+@pytest.mark.parametrize("rows,vocab", [(1, 7), (5, 384), (33, 49152)])
+def test_row_stats_give_torch_argmax_and_log_softmax(rows, vocab):
+    """The sampler's one-pass kernel: torch.argmax's index (ties: the first), and log_softmax of
+    the chosen token from (x - max) - logsum, against float64 log_softmax."""
+    g = torch.Generator().manual_seed(rows * vocab)
+    x = torch.randn(rows, vocab, generator=g) * 4
+    x[0, vocab // 2] = x[0].max() + 1.0
+    x[0, vocab - 1] = x[0, vocab // 2]            # a tie: the first index wins, as in torch
+    wide = torch.randn(rows, vocab + 5, generator=g)
+    for logits in (x, wide[:, 2:vocab + 2]):      # contiguous rows, and rows at a stride
+        idx, z = cpu_ext.row_stats(logits)
+        assert torch.equal(idx, logits.argmax(dim=-1))
+        lp = (logits.gather(1, idx[:, None])[:, 0] - z[:, 0]) - z[:, 1]
+        want = torch.log_softmax(logits.double(), dim=-1).gather(1, idx[:, None])[:, 0]
+        assert torch.allclose(lp.double(), want, atol=1e-5, rtol=0)
+
+
+def test_row_stats_hand_non_finite_rows_back_to_torch():
+    x = torch.randn(3, 64)
+    for bad in (float("nan"), float("inf")):
+        y = x.clone()
+        y[1, 5] = bad
+        assert cpu_ext.row_stats(y) is None
+    y = x.clone()
+    y[2] = float("-inf")
+    assert cpu_ext.row_stats(y) is None
+    assert cpu_ext.row_stats(x.to(torch.bfloat16)) is None      # fp32 only
+    assert cpu_ext.row_stats(x.t()) is None                     # rows must be contiguous
