@@ -12,6 +12,9 @@ named by a hash of the source, the flags, the compiler and the CPU's model and f
 carried to another CPU is rebuilt, never run with instructions it lacks), written to a temporary
 file and renamed, so concurrent workers and tensor-parallel ranks can build at once.
 
+The same library gives the sampler each row's argmax and log-sum-exp in one read of the logits
+(`row_stats`), where torch would run a log_softmax over the whole vocabulary and an argmax.
+
 kernels/cpu_exact.c holds element-wise kernels that must round exactly as transformers' torch ops
 do (the rotary embedding): compiled without -ffast-math and without FMA contraction, linked into
 the same library.
