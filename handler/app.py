@@ -184,7 +184,7 @@ def create_app(state: ServerState) -> Flask:
             ids = api.tokenize(eng.tokenizer, gen)
             api.with_length(gen, ids, min(eng.scheduler.policy.max_model_len,
                                           eng.blocks.num_blocks * eng.blocks.block_size))
-            chans = eng.submit(ids, gen.params)
+            chans = eng.submit(ids, gen.params, stream=gen.stream)
         except RequestError as e:
             return error(e.status, e.message, e.field)
         except CapacityError as e:

@@ -63,6 +63,10 @@ class Channel:
     submitted: float = field(default_factory=time.monotonic)
     prompt_index: int = 0           # which prompt of the submission
     sample_index: int = 0           # which of that prompt's params.num_samples sequences
+    # A reader that wants the whole answer (not a stream): its TokenEvents wait here and reach
+    # `events` together with the last one, so its HTTP thread wakes once per sequence, not once
+    # per token to take the GIL from the engine thread. None: each event is put at once.
+    held: list | None = None
 
 
 class Engine:
@@ -107,9 +111,11 @@ class Engine:
     def tokenize(self, text: str) -> list[int]:
         return self.tokenizer(text)["input_ids"]
 
-    def submit(self, prompts_ids: list[list[int]], params: SamplingParams) -> list[Channel]:
+    def submit(self, prompts_ids: list[list[int]], params: SamplingParams,
+               stream: bool = True) -> list[Channel]:
         """Queue prompts (all or none): params.num_samples sequences per prompt, one Channel
-        each, prompt-major. Raises QueueFull or CapacityError."""
+        each, prompt-major. stream=False: each channel's token events arrive together with its
+        last (Channel.held). Raises QueueFull or CapacityError."""
         now = time.monotonic()
         k = params.num_samples
         with self._lock:
@@ -135,7 +141,8 @@ class Engine:
                     # seeded samples are reproducible and differ from each other.
                     sp = params if s_i == 0 or params.seed is None else \
                         dataclasses.replace(params, seed=params.seed + s_i)
-                    ch = Channel(sid, ids, params, prompt_index=p_i, sample_index=s_i)
+                    ch = Channel(sid, ids, params, prompt_index=p_i, sample_index=s_i,
+                                 held=None if stream else [])
                     self._intake.append((Sequence(
                         sid, list(ids), sp, now, group=group if len(prompts_ids) * k > 1 else None,
                         sample_index=s_i, fork_of=first if s_i else None), ch))
@@ -279,8 +286,12 @@ class Engine:
                              prefill=prefill, cumulative_log_prob=seq.cum_logprob,
                              queue_time_s=queued, preemptions=seq.preemptions)
         top = tuple((t, self._piece(t), lp) for t, lp in res.top)
-        ch.events.put(TokenEvent(token, text, res.logprob, done, special=token in self._special,
-                                 top_tokens=top, time=time.monotonic()))
+        ev = TokenEvent(token, text, res.logprob, done, special=token in self._special,
+                        top_tokens=top, time=time.monotonic())
+        if ch.held is not None and done is None:
+            ch.held.append(ev)
+        else:
+            self._put(ch, ev)
         if done:
             self.counters["finished"] += 1
             self._end(seq.seq_id, seq.finish_reason)
@@ -293,4 +304,13 @@ class Engine:
         self._detok.pop(seq_id, None)
         ch = self._channels.pop(seq_id, None)
         if ch is not None and event is not None:
-            ch.events.put(event)
+            self._put(ch, event)
+
+    @staticmethod
+    def _put(ch: Channel, event) -> None:
+        """`event` to its reader, after any events held back for it (in order)."""
+        if ch.held:
+            for ev in ch.held:
+                ch.events.put(ev)
+            ch.held.clear()
+        ch.events.put(event)

@@ -218,3 +218,43 @@ def test_architecture_without_attention_interface_is_refused_clearly(demo_model_
     tok.save_pretrained(model_dir)
     with pytest.raises(ModelLoadError, match="AttentionInterface"):
         make_engine(model_dir, tmp_path, STRATEGIES["paged"])
+
+
+def _drained(q) -> list:
+    out = []
+    while not q.empty():
+        out.append(q.get_nowait())
+    return out
+
+
+def test_a_whole_answer_reader_is_woken_once_per_sequence_in_order(demo_model_dir, tmp_path):
+    """stream=False (a non-streaming request): the channel's token events stay with the engine
+    until the sequence's last one, then arrive together, in order, equal to a streamed copy's;
+    an error ends such a channel with its held tokens first."""
+    engine = make_engine(demo_model_dir, tmp_path, {"option.rolling_batch": "auto",
+                                                    "option.paged_attention": "true"})
+    engine.shutdown()           # this test drives the iterations itself
+    engine._thread.join()
+    engine._stop = False
+    ids = engine.tokenize(PROMPTS[0])
+    params = SamplingParams(max_new_tokens=6, ignore_eos=True)
+    streamed = engine.submit([ids], params)[0]
+    whole = engine.submit([ids], params, stream=False)[0]
+    seen, sizes = [], []
+    while engine.scheduler.has_work or engine._intake:
+        engine._iteration()
+        seen += _drained(streamed.events)
+        sizes.append(whole.events.qsize())
+    got = _drained(whole.events)
+    assert len(seen) == params.max_new_tokens and seen[-1].done is not None
+    assert sizes[-1] == len(seen) and set(sizes[:-1]) == {0}   # nothing until the last token
+    assert [(e.id, e.text, e.log_prob) for e in got] == [(e.id, e.text, e.log_prob) for e in seen]
+
+    held = engine.submit([ids], params, stream=False)[0]
+    while held.events.empty() and len(held.held) < 2:
+        engine._iteration()
+    n = len(held.held)
+    engine.reset(ErrorEvent(500, "boom"))
+    out = _drained(held.events)
+    assert len(out) == n + 1 and all(e.done is None for e in out[:-1])
+    assert isinstance(out[-1], ErrorEvent) and out[-1].message == "boom"
