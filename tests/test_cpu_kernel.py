@@ -225,7 +225,9 @@ def test_row_stats_give_torch_argmax_and_log_softmax(rows, vocab):
     x[0, vocab // 2] = x[0].max() + 1.0
     x[0, vocab - 1] = x[0, vocab // 2]            # a tie: the first index wins, as in torch
     wide = torch.randn(rows, vocab + 5, generator=g)
-    for logits in (x, wide[:, 2:vocab + 2]):      # contiguous rows, and rows at a stride
+    masked = x.clone()
+    masked[:, 1::3] = float("-inf")               # some logits masked out: still the kernel's
+    for logits in (x, wide[:, 2:vocab + 2], masked):   # contiguous rows, rows at a stride, masked
         idx, z = cpu_ext.row_stats(logits)
         assert torch.equal(idx, logits.argmax(dim=-1))
         lp = (logits.gather(1, idx[:, None])[:, 0] - z[:, 0]) - z[:, 1]
