@@ -68,6 +68,18 @@ class Channel:
     # per token to take the GIL from the engine thread. None: each event is put at once.
     held: list | None = None
 
+    def deliver(self, event, last: bool) -> None:
+        """`event` to the reader: held back when the reader wants the whole answer and this is
+        not its last event, else put after whatever was held (in order)."""
+        if self.held is not None:
+            if not last:
+                self.held.append(event)
+                return
+            for ev in self.held:
+                self.events.put(ev)
+            self.held.clear()
+        self.events.put(event)
+
 
 class Engine:
     def __init__(self, runner, policy: SchedulerPolicy, block_size: int,
@@ -238,7 +250,7 @@ class Engine:
             try:
                 self.scheduler.add(seq)
             except (QueueFull, CapacityError) as e:   # raced past submit's check
-                ch.events.put(ErrorEvent(503 if isinstance(e, QueueFull) else 400, str(e)))
+                ch.deliver(ErrorEvent(503 if isinstance(e, QueueFull) else 400, str(e)), last=True)
                 continue
             self._channels[seq.seq_id] = ch
             self._detok[seq.seq_id] = IncrementalDetokenizer(
@@ -288,10 +300,7 @@ class Engine:
         top = tuple((t, self._piece(t), lp) for t, lp in res.top)
         ev = TokenEvent(token, text, res.logprob, done, special=token in self._special,
                         top_tokens=top, time=time.monotonic())
-        if ch.held is not None and done is None:
-            ch.held.append(ev)
-        else:
-            self._put(ch, ev)
+        ch.deliver(ev, last=done is not None)
         if done:
             self.counters["finished"] += 1
             self._end(seq.seq_id, seq.finish_reason)
@@ -304,13 +313,4 @@ class Engine:
         self._detok.pop(seq_id, None)
         ch = self._channels.pop(seq_id, None)
         if ch is not None and event is not None:
-            self._put(ch, event)
-
-    @staticmethod
-    def _put(ch: Channel, event) -> None:
-        """`event` to its reader, after any events held back for it (in order)."""
-        if ch.held:
-            for ev in ch.held:
-                ch.events.put(ev)
-            ch.held.clear()
-        ch.events.put(event)
+            ch.deliver(event, last=True)

@@ -14,6 +14,8 @@ import os
 
 import torch
 
+from kernels import cpu_ext
+
 from .scheduler import SampleResult, StepItem
 
 log = logging.getLogger("lmi.sampling")
@@ -70,12 +72,12 @@ class Sampler:
         counts = [it.params.top_n_tokens for it in items]
         # No top tokens wanted (the common case): the argmax and each row's log-sum-exp in one
         # read of the logits (a CPU kernel) instead of a full log_softmax plus an argmax.
-        stats = None if max(counts) > 0 else row_stats(logits)
+        stats = None if max(counts) > 0 else cpu_ext.row_stats(logits)
         if stats is None:
             logprobs = torch.log_softmax(logits, dim=-1)
             tokens = logits.argmax(dim=-1)
         else:
-            tokens, z = stats
+            tokens, row_max, logsum = stats
         rand_rows = [r for r, it in enumerate(items) if not it.params.greedy]
         if rand_rows:
             sel = torch.tensor(rand_rows, device=logits.device)
@@ -84,7 +86,7 @@ class Sampler:
             chosen = logprobs.gather(1, tokens[:, None])[:, 0].tolist()
             tops = top_tokens(logprobs, counts)
         else:   # log_softmax's formula: (x_t - max) - log(sum exp(x - max))
-            chosen = ((logits.gather(1, tokens[:, None])[:, 0] - z[:, 0]) - z[:, 1]).tolist()
+            chosen = ((logits.gather(1, tokens[:, None])[:, 0] - row_max) - logsum).tolist()
             tops = [()] * len(items)
         return [SampleResult(t, lp, top) for t, lp, top in zip(tokens.tolist(), chosen, tops)]
 
@@ -117,15 +119,6 @@ class Sampler:
         # A temperature so small that the logits overflow leaves no distribution: take its limit.
         bad = ~torch.isfinite(cum[:, -1]) | (cum[:, -1] <= 0)
         return torch.where(bad, logits.argmax(dim=-1), pick)
-
-
-def row_stats(logits: torch.Tensor):
-    """(argmax, [max, logsum] per row) from the CPU kernel, or None (another device, no kernel,
-    a non-finite logit): kernels/cpu_ext.row_stats."""
-    if logits.device.type != "cpu":
-        return None
-    from kernels import cpu_ext
-    return cpu_ext.row_stats(logits)
 
 
 def warped_probs(logits: torch.Tensor, items: list[StepItem]) -> torch.Tensor:

@@ -189,12 +189,12 @@ def rotary_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tens
     return True
 
 
-def row_stats(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """For fp32 logits [R, V] (CPU, rows contiguous): (argmax [R] int64, the first index of each
-    row's maximum as torch.argmax picks it; logz [R] fp32, the pair (max, log-sum-exp about it)
-    as [R, 2]) in one read of each row, so that log_softmax(x)[r, t] = (x[r, t] - max) - logsum.
-    None when the kernel cannot take them or a row holds a NaN or infinite logit (then torch's
-    own ops serve, with their semantics)."""
+def row_stats(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """For fp32 logits [R, V] (CPU, rows contiguous), in one read of each row: (argmax [R] int64,
+    the first index of each row's maximum as torch.argmax picks it; max [R]; logsum [R], the log of
+    sum exp(x - max)), so that log_softmax(x)[r, t] = (x[r, t] - max[r]) - logsum[r]. None when the
+    kernel cannot take them (another device or dtype, no kernel) or a row holds a NaN or infinite
+    logit (then torch's own ops serve, with their semantics)."""
     if not _plain(logits, torch.float32) or logits.dim() != 2 or logits.stride(1) != 1 or 0 in logits.shape:
         return None
     fn = load()
@@ -202,12 +202,12 @@ def row_stats(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
         return None
     r, v = logits.shape
     idx = torch.empty(r, dtype=torch.int64)
-    z = torch.empty(2, r, dtype=torch.float32)
-    fn.row_stats(logits.data_ptr(), r, v, logits.stride(0), idx.data_ptr(), z[0].data_ptr(), z[1].data_ptr(),
+    m, logsum = torch.empty(r), torch.empty(r)
+    fn.row_stats(logits.data_ptr(), r, v, logits.stride(0), idx.data_ptr(), m.data_ptr(), logsum.data_ptr(),
                  torch.get_num_threads())
-    if not bool(torch.isfinite(z[1]).all()):
+    if not bool(torch.isfinite(logsum).all()):
         return None
-    return idx, z.t()
+    return idx, m, logsum
 
 
 def write_kv(key_cache: torch.Tensor, value_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
