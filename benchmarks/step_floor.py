@@ -35,9 +35,9 @@ from handler.request import SamplingParams  # noqa: E402
 from handler.server import build_engine  # noqa: E402
 
 
-def make_engine(model_dir: str, dtype: str, batch: int, kv_tokens: int):
+def make_engine(model_dir: str, dtype: str, batch: int, kv_tokens: int, prefill_tokens: int = 8192):
     props = {"option.rolling_batch": "auto", "option.paged_attention": "true",
-             "option.max_rolling_batch_size": batch, "option.max_rolling_batch_prefill_tokens": 8192,
+             "option.max_rolling_batch_size": batch, "option.max_rolling_batch_prefill_tokens": prefill_tokens,
              "option.kv_cache_tokens": kv_tokens, "option.dtype": dtype}
     with tempfile.TemporaryDirectory() as d:
         path = os.path.join(d, "serving.properties")

@@ -1,0 +1,114 @@
+"""The paged engine's own throughput: the benchmark's closed loop driven in this thread, no HTTP.
+
+    python benchmarks/engine_loop.py --model-dir DIR [--dtype fp32|bf16] [--requests 200]
+        [--concurrency 50] [--prompt-tokens 15,60,160] [--max-new-tokens 16,32,64] [--reps 2]
+        [--out engine_loop.json]
+
+The same shape as `handler bench compare`'s `lmi` workload (50 closed-loop clients, greedy,
+ignore_eos, KV 12,800 tokens, 64 running, prefill budget 4,096, block 16), but the clients are
+this thread: it submits to the engine, runs its iterations itself and reads every channel
+between two iterations, so nothing else competes for the interpreter or the cores. Against a
+served figure (`bench compare`'s paged row) the difference is what serving costs: HTTP
+threads, their wake-ups per streamed token, JSON, and the load client sharing the machine.
+
+Prompts are random token ids (no tokenizer round trip), drawn per repetition from one seed.
+CPU-s / 1k out tok: this process's user + system time over the measured loop.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks.step_floor import make_engine  # noqa: E402
+from handler.cpu import preload_env  # noqa: E402
+from handler.request import SamplingParams  # noqa: E402
+
+
+def draw(n: int, prompt_tokens: list[int], max_new: list[int], vocab: int, seed: int):
+    rng = random.Random(seed)
+    return [([rng.randrange(10, vocab - 10) for _ in range(rng.choice(prompt_tokens))],
+             rng.choice(max_new)) for _ in range(n)]
+
+
+def closed_loop(engine, requests, concurrency: int) -> dict:
+    """Run `requests` with `concurrency` in flight; one token event = one output token."""
+    def submit(i):
+        ids, m = requests[i]
+        return engine.submit([ids], SamplingParams(max_new_tokens=m, ignore_eos=True))[0]
+
+    live, nxt = {}, 0
+    while nxt < min(concurrency, len(requests)):
+        live[nxt] = submit(nxt)
+        nxt += 1
+    t0, c0 = time.perf_counter(), os.times()
+    done = tokens = steps = 0
+    while live:
+        engine._iteration()
+        steps += 1
+        for i, ch in list(live.items()):
+            while not ch.events.empty():
+                ev = ch.events.get()
+                if not hasattr(ev, "done"):
+                    raise RuntimeError(f"request {i} failed: {ev}")
+                tokens += 1
+                if ev.done is not None:
+                    del live[i]
+                    done += 1
+                    if nxt < len(requests):
+                        live[nxt] = submit(nxt)
+                        nxt += 1
+    wall, c1 = time.perf_counter() - t0, os.times()
+    cpu = (c1.user - c0.user) + (c1.system - c0.system)
+    return {"requests": done, "output_tokens": tokens, "iterations": steps, "wall_s": wall,
+            "req_per_s": done / wall, "out_tok_per_s": tokens / wall,
+            "cpu_s_per_1k_out_tok": 1000.0 * cpu / max(1, tokens)}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model-dir", required=True)
+    p.add_argument("--dtype", default="fp32")
+    p.add_argument("--requests", type=int, default=200)
+    p.add_argument("--concurrency", type=int, default=50)
+    p.add_argument("--prompt-tokens", default="15,60,160")
+    p.add_argument("--max-new-tokens", default="16,32,64")
+    p.add_argument("--reps", type=int, default=2)
+    p.add_argument("--kv-tokens", type=int, default=12800)
+    p.add_argument("--max-running", type=int, default=64)
+    p.add_argument("--out")
+    a = p.parse_args(argv)
+    env = preload_env(os.environ)      # tcmalloc, as `handler serve` runs with it
+    if env is not None and argv is None:
+        os.execve(sys.executable, [sys.executable, *sys.argv], env)
+    engine = make_engine(a.model_dir, a.dtype, a.max_running, a.kv_tokens, prefill_tokens=4096)
+    vocab = engine.tokenizer.vocab_size
+    ptoks = [int(x) for x in a.prompt_tokens.split(",")]
+    mnew = [int(x) for x in a.max_new_tokens.split(",")]
+    closed_loop(engine, draw(a.concurrency, ptoks, mnew, vocab, seed=-1), a.concurrency)   # warm-up
+    runs = []
+    for r in range(a.reps):
+        res = closed_loop(engine, draw(a.requests, ptoks, mnew, vocab, seed=r), a.concurrency)
+        runs.append(res)
+        print(f"rep {r}: {res['req_per_s']:.2f} req/s, {res['out_tok_per_s']:.0f} out tok/s, "
+              f"{res['cpu_s_per_1k_out_tok']:.2f} CPU-s / 1k out tok", flush=True)
+    out = {"model_dir": a.model_dir, "dtype": a.dtype, "requests": a.requests,
+           "concurrency": a.concurrency, "prompt_tokens": ptoks, "max_new_tokens": mnew,
+           "kv_tokens": a.kv_tokens, "max_running": a.max_running, "runs": runs,
+           "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
+                       "ld_preload": os.environ.get("LD_PRELOAD", ""),
+                       "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}}
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump(out, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
