@@ -28,6 +28,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.step_floor import make_engine  # noqa: E402
 from handler.cpu import preload_env  # noqa: E402
+from handler.engine import ErrorEvent  # noqa: E402
 from handler.request import SamplingParams  # noqa: E402
 
 
@@ -55,7 +56,7 @@ def closed_loop(engine, requests, concurrency: int) -> dict:
         for i, ch in list(live.items()):
             while not ch.events.empty():
                 ev = ch.events.get()
-                if not hasattr(ev, "done"):
+                if isinstance(ev, ErrorEvent):
                     raise RuntimeError(f"request {i} failed: {ev}")
                 tokens += 1
                 if ev.done is not None:

@@ -202,7 +202,7 @@ def row_stats(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.T
         return None
     r, v = logits.shape
     idx = torch.empty(r, dtype=torch.int64)
-    m, logsum = torch.empty(r), torch.empty(r)
+    m, logsum = torch.empty(r, dtype=torch.float32), torch.empty(r, dtype=torch.float32)   # float* in C
     fn.row_stats(logits.data_ptr(), r, v, logits.stride(0), idx.data_ptr(), m.data_ptr(), logsum.data_ptr(),
                  torch.get_num_threads())
     if not bool(torch.isfinite(logsum).all()):
