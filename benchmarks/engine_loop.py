@@ -27,6 +27,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.step_floor import make_engine  # noqa: E402
+from handler.config import ConfigError  # noqa: E402
 from handler.cpu import preload_env  # noqa: E402
 from handler.engine import ErrorEvent  # noqa: E402
 from handler.request import SamplingParams  # noqa: E402
@@ -88,7 +89,11 @@ def main(argv=None) -> int:
     env = preload_env(os.environ)      # tcmalloc, as `handler serve` runs with it
     if env is not None and argv is None:
         os.execve(sys.executable, [sys.executable, *sys.argv], env)
-    engine = make_engine(a.model_dir, a.dtype, a.max_running, a.kv_tokens, prefill_tokens=4096)
+    try:
+        engine = make_engine(a.model_dir, a.dtype, a.max_running, a.kv_tokens, prefill_tokens=4096)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     vocab = engine.tokenizer.vocab_size
     ptoks = [int(x) for x in a.prompt_tokens.split(",")]
     mnew = [int(x) for x in a.max_new_tokens.split(",")]
