@@ -8,6 +8,12 @@ the packed layout spares the per-call reorder. Measured on the 2-core dev machin
 fp32 576x1536 projections 1.23 -> 1.03 ms, the fp32 49152x576 output head 60 -> 36 ms;
 bf16 5-45% (the head 24 -> 19.5 ms, at batch 1 8.1 -> 4.5 ms).
 
+bf16 models on a CPU whose bf16 GEMM is the slower one (AVX-512 BF16 without AMX: oneDNN's
+bf16 brgemm ran at 0.55-0.65x its fp32 speed on the dev machine, and vLLM's build alike) keep
+bf16 values but multiply them in fp32 (`WidenedLinear`, decided by timing both at load; see
+`bf16_gemm_in_fp32`): the 135 M model's closed loop 185-190 -> 229-230 output tokens/s. AMX
+hosts, where bf16 is the faster GEMM, keep it.
+
 The module keeps being an `nn.Linear` (its class is swapped), so LoRA's wrapping and any code
 reading `in_features` keep working. Without LoRA, a weight no other module shares is dropped
 after packing (the packed copy replaces it: memory stays the same); a tied output head keeps
@@ -39,7 +45,8 @@ q/k norms, Gemma 2's soft-cap, partial rotary, ...: other sources, their own for
 
 Escape hatches (and the A/B switches of benchmarks/step_floor.py): LMI_CPU_PREPACK=0 keeps the
 plain nn.Linear; LMI_CPU_FUSED_NORM=0 keeps the models' own RMSNorm forward; LMI_CPU_FUSED_LAYERS=0 their own attention and MLP forwards; LMI_CPU_KV_LAYOUT=token keeps the CPU KV pool token-major like the GPU's;
-LMI_CPU_MALLOC=system keeps the C library's allocator.
+LMI_CPU_MALLOC=system keeps the C library's allocator; LMI_CPU_BF16_GEMM=bf16 | fp32 fixes the bf16
+models' GEMM instead of timing it.
 """
 from __future__ import annotations
 
@@ -68,6 +75,23 @@ class PackedLinear(nn.Linear):
         if x.dtype != self.packed.dtype:   # e.g. a float32 caller of a bf16 model: as F.linear would refuse
             raise RuntimeError(f"PackedLinear: input dtype {x.dtype} != weight dtype {self.packed.dtype}")
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+
+
+class WidenedLinear(nn.Linear):
+    """A bf16 nn.Linear multiplied by oneDNN's fp32 GEMM: `packed` holds the weight widened to
+    fp32 (exact), the input is widened (exact), each product of two bf16 values is exact in fp32
+    and the sum accumulates in fp32, as a bf16 GEMM does; the output is rounded to bf16 once.
+    The same values as the bf16 GEMM up to the order of the fp32 sum, at twice its weight memory;
+    chosen where the CPU's bf16 GEMM is the slower one (see bf16_gemm_in_fp32)."""
+
+    packed: torch.Tensor
+    bias32: torch.Tensor | None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype != torch.bfloat16:
+            raise RuntimeError(f"WidenedLinear: input dtype {x.dtype} != weight dtype torch.bfloat16")
+        y = torch.ops.mkldnn._linear_pointwise(x.float(), self.packed, self.bias32, "none", [], "")
+        return y.to(torch.bfloat16)
 
 
 def _setting(name: str, default: str = "1") -> str:
@@ -115,25 +139,111 @@ def can_prepack(dtype: torch.dtype) -> bool:
     return True
 
 
-def prepack_linears(model: nn.Module, keep_weights: bool = False) -> int:
-    """Swap every plain nn.Linear on CPU for a PackedLinear; returns how many were packed.
-    keep_weights: leave the original weights in place (LoRA reads their shape and dtype)."""
+def _linears(model: nn.Module):
+    return [(name, m) for name, m in model.named_modules()
+            if type(m) is nn.Linear and m.weight.device.type == "cpu"]
+
+
+def _mem_available() -> int | None:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def _gemm_seconds(m: int, k: int, n: int, dtype: torch.dtype, reps: int = 5) -> float:
+    """The best of `reps` timed calls of a packed [m, k] x [k, n] GEMM in `dtype` (fp32 as
+    WidenedLinear runs it: widen the bf16 input, multiply, round the output)."""
+    import time
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(m, k, generator=g).to(torch.bfloat16)
+    w = torch.randn(n, k, generator=g).to(torch.bfloat16)
+    if dtype == torch.float32:
+        packed = torch.ops.mkldnn._reorder_linear_weight(w.float())
+        def call():
+            return torch.ops.mkldnn._linear_pointwise(x.float(), packed, None, "none", [], "").to(torch.bfloat16)
+    else:
+        packed = torch.ops.mkldnn._reorder_linear_weight(w)
+        def call():
+            return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+    best = float("inf")
+    with torch.inference_mode():
+        call()
+        for _ in range(reps):
+            t = time.perf_counter()
+            call()
+            best = min(best, time.perf_counter() - t)
+    return best
+
+
+@functools.lru_cache(maxsize=None)
+def _bf16_over_fp32(k: int, n: int, rows: tuple) -> tuple:
+    """bf16 GEMM time / fp32 GEMM time per row count, measured once per process and shape (the
+    CPU does not change: every runner of a process decides alike)."""
+    return tuple(_gemm_seconds(r, k, n, torch.bfloat16) / _gemm_seconds(r, k, n, torch.float32)
+                 for r in rows)
+
+
+BF16_GEMM_MARGIN = 1.15     # fp32 must be this much faster to be worth twice the weight memory
+
+
+def bf16_gemm_in_fp32(model: nn.Module, rows=(64, 512)) -> tuple[bool, str]:
+    """Whether this bf16 model's linears should multiply in fp32 (WidenedLinear), and why.
+
+    LMI_CPU_BF16_GEMM=bf16 | fp32 decides; auto (the default) times the model's widest linear
+    shape (the output head aside) both ways at a decode-sized and a prefill-sized row count, and
+    widens only when fp32 wins at both by BF16_GEMM_MARGIN and the fp32 copies fit in a quarter
+    of the memory available. CPUs with AMX multiply bf16 ~2x faster than fp32 and keep bf16; on
+    AVX-512 BF16 without AMX the dev machine's oneDNN bf16 GEMM ran at 0.55-0.65x fp32's speed."""
+    choice = _setting("LMI_CPU_BF16_GEMM", "auto")
+    if choice in ("bf16", "fp32"):
+        return choice == "fp32", f"LMI_CPU_BF16_GEMM={choice}"
+    lin = [m for _, m in _linears(model) if m.weight.dtype == torch.bfloat16]
+    if not lin or not can_prepack(torch.float32):
+        return False, "no bf16 linear layers"
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    body = [m for m in lin if m is not head] or lin
+    extra = 4 * sum(m.weight.numel() for m in lin)
+    avail = _mem_available()
+    if avail is not None and extra > avail // 4:
+        return False, (f"fp32 copies of the linear weights ({extra / 2**30:.1f} GiB) would take more "
+                       f"than a quarter of the memory available ({avail / 2**30:.1f} GiB)")
+    widest = max(body, key=lambda m: m.weight.numel())
+    n, k = widest.weight.shape
+    ratios = _bf16_over_fp32(k, n, tuple(rows))
+    shown = ", ".join(f"{r} rows {x:.2f}x" for r, x in zip(rows, ratios))
+    widen = all(x >= BF16_GEMM_MARGIN for x in ratios)
+    return widen, f"bf16 GEMM time / fp32 GEMM time on a {k}x{n} weight: {shown}"
+
+
+def prepack_linears(model: nn.Module, keep_weights: bool = False, widen_bf16: bool = False) -> int:
+    """Swap every plain nn.Linear on CPU for a PackedLinear (WidenedLinear for bf16 weights when
+    widen_bf16); returns how many were packed. keep_weights: leave the original weights in place
+    (LoRA reads their shape and dtype)."""
     tied = {id(p) for name, m in model.named_modules() if not isinstance(m, nn.Linear)
             for p in m.parameters(recurse=False)}
     if _setting("LMI_CPU_PREPACK") in ("0", "false", "no", "off"):
         return 0
     done = 0
-    for name, m in model.named_modules():
-        if type(m) is not nn.Linear or m.weight.device.type != "cpu" or not can_prepack(m.weight.dtype):
+    for name, m in _linears(model):
+        if not can_prepack(m.weight.dtype):
             continue
+        widen = widen_bf16 and m.weight.dtype == torch.bfloat16
         try:
             with torch.no_grad():
-                packed = torch.ops.mkldnn._reorder_linear_weight(m.weight.detach())
+                w = m.weight.detach()
+                packed = torch.ops.mkldnn._reorder_linear_weight(w.float() if widen else w)
         except RuntimeError as e:   # a shape or build oneDNN refuses: this layer stays as it was
             log.debug("not prepacking %s: %s", name, e)
             continue
-        m.__class__ = PackedLinear
+        m.__class__ = WidenedLinear if widen else PackedLinear
         m.packed = packed
+        if widen:
+            m.bias32 = None if m.bias is None else m.bias.detach().float()
         if not keep_weights and id(m.weight) not in tied:
             # The packed copy replaces it; an empty tensor keeps dtype/device for readers.
             m.weight = nn.Parameter(m.weight.new_empty(0), requires_grad=False)

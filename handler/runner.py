@@ -218,8 +218,13 @@ class ModelRunner:
         (handler/cpu.py). keep_weights: LoRA reads the original weights."""
         if self.device.type != "cpu" or self.ranks is not None:
             return
-        from .cpu import fuse_llama_layers, fuse_rms_norms, prepack_linears
-        n = prepack_linears(self.model, keep_weights)
+        from .cpu import bf16_gemm_in_fp32, fuse_llama_layers, fuse_rms_norms, prepack_linears
+        widen = False
+        if self.dtype == torch.bfloat16:
+            widen, why = bf16_gemm_in_fp32(self.model)
+            log.info("CPU: bf16 linear layers multiply in %s (%s)", "fp32 over the same bf16 values, "
+                     "twice the weight memory" if widen else "bf16", why)
+        n = prepack_linears(self.model, keep_weights, widen_bf16=widen)
         attn, mlp = fuse_llama_layers(self.model)
         log.info("CPU: %d linear layers prepacked for oneDNN, %d RMSNorms, %d attention and %d MLP modules fused",
                  n, fuse_rms_norms(self.model), attn, mlp)

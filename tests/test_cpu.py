@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from handler import cpu
-from handler.cpu import PackedLinear, find_tcmalloc, preload_env, prepack_linears
+from handler.cpu import PackedLinear, WidenedLinear, find_tcmalloc, preload_env, prepack_linears
 
 def _load(model_dir, dtype=torch.float32):
     from transformers import AutoModelForCausalLM
@@ -28,6 +28,79 @@ def test_prepacked_model_gives_the_plain_models_logits(demo_model_factory, dtype
         want, got = plain(ids).logits.float(), packed(ids).logits.float()
     assert (got - want).abs().max().item() <= tol * max(1.0, want.abs().max().item())
     assert torch.equal(got.argmax(-1), want.argmax(-1))
+
+
+def test_widened_bf16_linear_is_the_exact_products_summed_and_rounded_once():
+    # Oracle: float64 math on the same bf16 values, rounded to bf16 once. The widened GEMM
+    # (fp32 sum of exact products) lands on it or one bf16 step away where the fp32 sum order
+    # decides a rounding; the bf16 GEMM oneDNN runs obeys the same bound.
+    if not cpu.can_prepack(torch.float32):
+        pytest.skip("oneDNN cannot prepack on this CPU")
+    g = torch.Generator().manual_seed(5)
+    lin = nn.Linear(300, 70, bias=True).to(torch.bfloat16)
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(70, 300, generator=g))
+        lin.bias.copy_(torch.randn(70, generator=g))
+    x = torch.randn(33, 300, generator=g).to(torch.bfloat16)
+    want = (x.double() @ lin.weight.double().t() + lin.bias.double()).to(torch.bfloat16)
+    model = nn.Sequential(lin)
+    assert prepack_linears(model, widen_bf16=True) == 1 and type(lin) is WidenedLinear
+    assert lin.packed.dtype == torch.float32 and lin.weight.numel() == 0
+    with torch.inference_mode():
+        got = lin(x)
+    assert got.dtype == torch.bfloat16 and got.shape == want.shape
+    step = want.float().abs().clamp_min(1e-30) * 2 ** -7
+    assert ((got.float() - want.float()).abs() <= step * 1.01).all()
+    assert (got == want).float().mean().item() > 0.98
+    with pytest.raises(RuntimeError, match="input dtype"):
+        lin(x.float())
+
+
+def test_widened_model_gives_the_bf16_models_greedy_tokens(demo_model_factory):
+    path = demo_model_factory("llama")
+    plain, widened = _load(path, torch.bfloat16), _load(path, torch.bfloat16)
+    n = prepack_linears(widened, widen_bf16=True)
+    linears = [m for m in widened.modules() if isinstance(m, nn.Linear)]
+    assert n == len(linears) > 0 and all(type(m) is WidenedLinear for m in linears)
+    ids = torch.randint(5, plain.config.vocab_size, (2, 13))
+    with torch.inference_mode():
+        want, got = plain(ids).logits.float(), widened(ids).logits.float()
+    assert (got - want).abs().max().item() <= 0.1 * max(1.0, want.abs().max().item())
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
+
+
+def test_bf16_gemm_choice_follows_the_switch_the_timing_and_the_memory(monkeypatch):
+    model = nn.Sequential(nn.Linear(64, 96), nn.Linear(96, 64)).to(torch.bfloat16)
+    monkeypatch.setenv("LMI_CPU_BF16_GEMM", "fp32")
+    assert cpu.bf16_gemm_in_fp32(model) == (True, "LMI_CPU_BF16_GEMM=fp32")
+    monkeypatch.setenv("LMI_CPU_BF16_GEMM", "bf16")
+    assert cpu.bf16_gemm_in_fp32(model)[0] is False
+    monkeypatch.setenv("LMI_CPU_BF16_GEMM", "auto")
+    timed = []
+
+    def fake(rows, k, n, dtype, reps=5):
+        timed.append((rows, k, n))
+        return {torch.bfloat16: bf16_s[rows], torch.float32: 1.0}[dtype]
+    monkeypatch.setattr(cpu, "_gemm_seconds", fake)
+    for bf16_s, widen in (({64: 1.7, 512: 1.6}, True), ({64: 1.7, 512: 1.1}, False),
+                          ({64: 0.5, 512: 0.5}, False)):
+        cpu._bf16_over_fp32.cache_clear()
+        got, why = cpu.bf16_gemm_in_fp32(model)
+        assert got is widen and "64x96" in why     # the widest weight, [96, 64]: k=64, n=96
+    assert {(r, k, n) for r, k, n in timed} == {(64, 64, 96), (512, 64, 96)}
+    monkeypatch.setattr(cpu, "_mem_available", lambda: 4 * 4 * (64 * 96 * 2) - 1)
+    got, why = cpu.bf16_gemm_in_fp32(model)
+    assert got is False and "quarter of the memory" in why
+    assert cpu.bf16_gemm_in_fp32(nn.Sequential(nn.Linear(4, 4)))[0] is False   # fp32 model
+    cpu._bf16_over_fp32.cache_clear()
+
+
+def test_bf16_gemm_timing_measures_both_paths():
+    if not cpu.can_prepack(torch.float32) or not cpu.can_prepack(torch.bfloat16):
+        pytest.skip("oneDNN cannot prepack bf16 on this CPU")
+    for dtype in (torch.bfloat16, torch.float32):
+        s = cpu._gemm_seconds(8, 32, 48, dtype, reps=2)
+        assert 0 < s < 1
 
 
 def test_prepacking_drops_only_weights_nobody_else_holds(demo_model_factory):
