@@ -2,7 +2,7 @@
 
     python benchmarks/engine_loop.py --model-dir DIR [--dtype fp32|bf16] [--requests 200]
         [--concurrency 50] [--prompt-tokens 15,60,160] [--max-new-tokens 16,32,64] [--reps 2]
-        [--out engine_loop.json]
+        [--preset cpu|cpu-135m] [--out engine_loop.json]
 
 The same shape as `handler bench compare`'s `lmi` workload (50 closed-loop clients, greedy,
 ignore_eos, KV 12,800 tokens, 64 running, prefill budget 4,096, block 16), but the clients are
@@ -11,7 +11,9 @@ between two iterations, so nothing else competes for the interpreter or the core
 served figure (`bench compare`'s paged row) the difference is what serving costs: HTTP
 threads, their wake-ups per streamed token, JSON, and the load client sharing the machine.
 
-Prompts are random token ids (no tokenizer round trip), drawn per repetition from one seed.
+Prompts are random token ids (no tokenizer round trip), drawn per repetition from one seed;
+with --preset, the preset's own request list as `bench compare` serves it (the same prompt
+token counts and output lengths: compare these runs with a served figure).
 CPU-s / 1k out tok: this process's user + system time over the measured loop.
 """
 from __future__ import annotations
@@ -37,6 +39,15 @@ def draw(n: int, prompt_tokens: list[int], max_new: list[int], vocab: int, seed:
     rng = random.Random(seed)
     return [([rng.randrange(10, vocab - 10) for _ in range(rng.choice(prompt_tokens))],
              rng.choice(max_new)) for _ in range(n)]
+
+
+def from_preset(name: str, tokenizer) -> list[tuple[list[int], int]]:
+    """The `lmi` workload of a `bench compare` preset, exactly as served: the same bodies,
+    tokenized as /invocations does, with their max_new_tokens."""
+    from handler.bench.workloads import PRESETS
+    w = next(w for w in PRESETS[name].workloads if w.name == "lmi")
+    return [(tokenizer(b["inputs"])["input_ids"], b["parameters"]["max_new_tokens"])
+            for b in w.draw(tokenizer)]
 
 
 def closed_loop(engine, requests, concurrency: int) -> dict:
@@ -84,6 +95,9 @@ def main(argv=None) -> int:
     p.add_argument("--reps", type=int, default=2)
     p.add_argument("--kv-tokens", type=int, default=12800)
     p.add_argument("--max-running", type=int, default=64)
+    p.add_argument("--preset", choices=("cpu", "cpu-135m"),
+                   help="run this `bench compare` preset's lmi request list, tokenized as served "
+                        "(every repetition the same list), instead of random prompts")
     p.add_argument("--out")
     a = p.parse_args(argv)
     env = preload_env(os.environ)      # tcmalloc, as `handler serve` runs with it
@@ -97,13 +111,18 @@ def main(argv=None) -> int:
     vocab = engine.tokenizer.vocab_size
     ptoks = [int(x) for x in a.prompt_tokens.split(",")]
     mnew = [int(x) for x in a.max_new_tokens.split(",")]
+    served = from_preset(a.preset, engine.tokenizer) if a.preset else None
     closed_loop(engine, draw(a.concurrency, ptoks, mnew, vocab, seed=-1), a.concurrency)   # warm-up
     runs = []
     for r in range(a.reps):
-        res = closed_loop(engine, draw(a.requests, ptoks, mnew, vocab, seed=r), a.concurrency)
+        reqs = served if served is not None else draw(a.requests, ptoks, mnew, vocab, seed=r)
+        res = closed_loop(engine, reqs, a.concurrency)
         runs.append(res)
         print(f"rep {r}: {res['req_per_s']:.2f} req/s, {res['out_tok_per_s']:.0f} out tok/s, "
               f"{res['cpu_s_per_1k_out_tok']:.2f} CPU-s / 1k out tok", flush=True)
+    if served is not None:
+        a.requests = len(served)
+        ptoks = {"preset": a.preset, "mean": sum(len(ids) for ids, _ in served) / len(served)}
     out = {"model_dir": a.model_dir, "dtype": a.dtype, "requests": a.requests,
            "concurrency": a.concurrency, "prompt_tokens": ptoks, "max_new_tokens": mnew,
            "kv_tokens": a.kv_tokens, "max_running": a.max_running, "runs": runs,

@@ -38,3 +38,21 @@ def test_main_writes_every_repetition(demo_model_dir, tmp_path):
     assert [r["requests"] for r in data["runs"]] == [6, 6]
     assert [r["output_tokens"] for r in data["runs"]] == [18, 18]
     assert data["prompt_tokens"] == [4, 9] and data["concurrency"] == 2
+
+
+def test_preset_requests_are_the_served_bodies_tokenized(demo_model_dir):
+    # Oracle: the bench's own bodies for the `cpu` preset, tokenized here the way the server's
+    # /invocations does (api.tokenize), with each body's max_new_tokens.
+    from transformers import AutoTokenizer
+
+    from handler.api import Generation, tokenize
+    from handler.bench.workloads import PRESETS
+    from handler.request import SamplingParams
+    tok = AutoTokenizer.from_pretrained(demo_model_dir)
+    got = engine_loop.from_preset("cpu", tok)
+    bodies = next(w for w in PRESETS["cpu"].workloads if w.name == "lmi").draw(tok)
+    assert len(got) == len(bodies) == 250
+    for (ids, m), b in zip(got, bodies):
+        want = tokenize(tok, Generation([b["inputs"]], SamplingParams()))[0]
+        assert ids == want and m == b["parameters"]["max_new_tokens"]
+    assert len({m for _, m in got}) == 3 and len({len(ids) for ids, _ in got}) >= 3
