@@ -199,25 +199,28 @@ def bf16_gemm_in_fp32(model: nn.Module, rows=(64, 512)) -> tuple[bool, str]:
     widens only when fp32 wins at both by BF16_GEMM_MARGIN and the fp32 copies fit in a quarter
     of the memory available. CPUs with AMX multiply bf16 ~2x faster than fp32 and keep bf16; on
     AVX-512 BF16 without AMX the dev machine's oneDNN bf16 GEMM ran at 0.55-0.65x fp32's speed."""
+    if _setting("LMI_CPU_PREPACK") in ("0", "false", "no", "off"):
+        return False, "LMI_CPU_PREPACK=0: the linear layers stay as the model built them"
     choice = _setting("LMI_CPU_BF16_GEMM", "auto")
     if choice in ("bf16", "fp32"):
         return choice == "fp32", f"LMI_CPU_BF16_GEMM={choice}"
+    ignored = "" if choice == "auto" else f"; LMI_CPU_BF16_GEMM={choice!r} ignored (auto, bf16 or fp32)"
     lin = [m for _, m in _linears(model) if m.weight.dtype == torch.bfloat16]
     if not lin or not can_prepack(torch.float32):
-        return False, "no bf16 linear layers"
+        return False, "no bf16 linear layers" + ignored
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     body = [m for m in lin if m is not head] or lin
     extra = 4 * sum(m.weight.numel() for m in lin)
     avail = _mem_available()
     if avail is not None and extra > avail // 4:
         return False, (f"fp32 copies of the linear weights ({extra / 2**30:.1f} GiB) would take more "
-                       f"than a quarter of the memory available ({avail / 2**30:.1f} GiB)")
+                       f"than a quarter of the memory available ({avail / 2**30:.1f} GiB)" + ignored)
     widest = max(body, key=lambda m: m.weight.numel())
     n, k = widest.weight.shape
     ratios = _bf16_over_fp32(k, n, tuple(rows))
     shown = ", ".join(f"{r} rows {x:.2f}x" for r, x in zip(rows, ratios))
     widen = all(x >= BF16_GEMM_MARGIN for x in ratios)
-    return widen, f"bf16 GEMM time / fp32 GEMM time on a {k}x{n} weight: {shown}"
+    return widen, f"bf16 GEMM time / fp32 GEMM time on a {k}x{n} weight: {shown}" + ignored
 
 
 def prepack_linears(model: nn.Module, keep_weights: bool = False, widen_bf16: bool = False) -> int:

@@ -92,6 +92,14 @@ def test_bf16_gemm_choice_follows_the_switch_the_timing_and_the_memory(monkeypat
     got, why = cpu.bf16_gemm_in_fp32(model)
     assert got is False and "quarter of the memory" in why
     assert cpu.bf16_gemm_in_fp32(nn.Sequential(nn.Linear(4, 4)))[0] is False   # fp32 model
+    monkeypatch.setattr(cpu, "_mem_available", lambda: None)
+    monkeypatch.setenv("LMI_CPU_BF16_GEMM", "fp16")          # not a choice: said, then timed
+    got, why = cpu.bf16_gemm_in_fp32(model)
+    assert got is False and "'fp16' ignored (auto, bf16 or fp32)" in why and "64x96" in why
+    monkeypatch.setenv("LMI_CPU_BF16_GEMM", "fp32")
+    monkeypatch.setenv("LMI_CPU_PREPACK", "0")                # nothing is packed: nothing widens
+    got, why = cpu.bf16_gemm_in_fp32(model)
+    assert got is False and "LMI_CPU_PREPACK=0" in why
     cpu._bf16_over_fp32.cache_clear()
 
 
@@ -293,3 +301,14 @@ def test_attention_source_check_takes_llamas_forward_and_its_sliding_window_vari
         def forward(self, hidden_states, position_embeddings=None, attention_mask=None, **kwargs):
             return super().forward(hidden_states * 2, position_embeddings, attention_mask, **kwargs)
     assert cpu._window_of(Edited) is None
+
+
+@pytest.mark.parametrize("dtype,setting,want", [("bf16", "fp32", WidenedLinear), ("bf16", "bf16", PackedLinear),
+                                                ("fp32", "fp32", PackedLinear)])
+def test_runner_packs_bf16_linears_as_the_gemm_choice_says(demo_model_factory, monkeypatch, dtype, setting, want):
+    if not cpu.can_prepack(torch.bfloat16):
+        pytest.skip("oneDNN cannot prepack bf16 on this CPU")
+    monkeypatch.setenv("LMI_CPU_BF16_GEMM", setting)
+    r = _runner(demo_model_factory("llama"), dtype, monkeypatch, True)
+    linears = [m for m in r.model.modules() if isinstance(m, nn.Linear)]
+    assert linears and all(type(m) is want for m in linears)
