@@ -56,17 +56,25 @@ def test_widened_bf16_linear_is_the_exact_products_summed_and_rounded_once():
         lin(x.float())
 
 
-def test_widened_model_gives_the_bf16_models_greedy_tokens(demo_model_factory):
-    path = demo_model_factory("llama")
+@pytest.mark.parametrize("family", ["llama", "qwen2"])     # qwen2: q/k/v with a bias
+def test_widened_model_gives_the_bf16_models_greedy_tokens(demo_model_factory, family):
+    # Widened and bf16 GEMMs sum in different orders, so an activation may round one bf16 step
+    # apart: the logits stay within bf16 noise, and the greedy token differs only where the top
+    # two logits are within that noise of each other (random weights give a few such near-ties).
+    path = demo_model_factory(family)
     plain, widened = _load(path, torch.bfloat16), _load(path, torch.bfloat16)
     n = prepack_linears(widened, widen_bf16=True)
     linears = [m for m in widened.modules() if isinstance(m, nn.Linear)]
     assert n == len(linears) > 0 and all(type(m) is WidenedLinear for m in linears)
-    ids = torch.randint(5, plain.config.vocab_size, (2, 13))
+    ids = torch.randint(5, plain.config.vocab_size, (4, 13), generator=torch.Generator().manual_seed(1))
     with torch.inference_mode():
         want, got = plain(ids).logits.float(), widened(ids).logits.float()
-    assert (got - want).abs().max().item() <= 0.1 * max(1.0, want.abs().max().item())
-    assert torch.equal(got.argmax(-1), want.argmax(-1))
+    noise = 0.1 * max(1.0, want.abs().max().item())
+    assert (got - want).abs().max().item() <= noise
+    differ = got.argmax(-1) != want.argmax(-1)
+    top2 = want.topk(2, dim=-1).values
+    assert ((top2[..., 0] - top2[..., 1])[differ] <= 2 * noise).all()
+    assert differ.float().mean().item() <= 0.05
 
 
 def test_bf16_gemm_choice_follows_the_switch_the_timing_and_the_memory(monkeypatch):
