@@ -166,10 +166,13 @@ def _gemm_seconds(m: int, k: int, n: int, dtype: torch.dtype, reps: int = 5) -> 
         packed = torch.ops.mkldnn._reorder_linear_weight(w.float())
         def call():
             return torch.ops.mkldnn._linear_pointwise(x.float(), packed, None, "none", [], "").to(torch.bfloat16)
-    else:
+    elif can_prepack(torch.bfloat16):
         packed = torch.ops.mkldnn._reorder_linear_weight(w)
         def call():
             return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+    else:                           # no oneDNN bf16 on this CPU: the plain layer's F.linear
+        def call():
+            return F.linear(x, w)
     best = float("inf")
     with torch.inference_mode():
         call()
@@ -217,7 +220,10 @@ def bf16_gemm_in_fp32(model: nn.Module, rows=(64, 512)) -> tuple[bool, str]:
                        f"than a quarter of the memory available ({avail / 2**30:.1f} GiB)" + ignored)
     widest = max(body, key=lambda m: m.weight.numel())
     n, k = widest.weight.shape
-    ratios = _bf16_over_fp32(k, n, tuple(rows))
+    try:
+        ratios = _bf16_over_fp32(k, n, tuple(rows))
+    except RuntimeError as e:       # a build or CPU oneDNN refuses: keep the model as it is
+        return False, f"the GEMMs could not be timed ({e})" + ignored
     shown = ", ".join(f"{r} rows {x:.2f}x" for r, x in zip(rows, ratios))
     widen = all(x >= BF16_GEMM_MARGIN for x in ratios)
     return widen, f"bf16 GEMM time / fp32 GEMM time on a {k}x{n} weight: {shown}" + ignored
@@ -233,9 +239,9 @@ def prepack_linears(model: nn.Module, keep_weights: bool = False, widen_bf16: bo
         return 0
     done = 0
     for name, m in _linears(model):
-        if not can_prepack(m.weight.dtype):
-            continue
         widen = widen_bf16 and m.weight.dtype == torch.bfloat16
+        if not can_prepack(torch.float32 if widen else m.weight.dtype):
+            continue
         try:
             with torch.no_grad():
                 w = m.weight.detach()

@@ -111,12 +111,21 @@ def test_bf16_gemm_choice_follows_the_switch_the_timing_and_the_memory(monkeypat
     cpu._bf16_over_fp32.cache_clear()
 
 
-def test_bf16_gemm_timing_measures_both_paths():
-    if not cpu.can_prepack(torch.float32) or not cpu.can_prepack(torch.bfloat16):
-        pytest.skip("oneDNN cannot prepack bf16 on this CPU")
+@pytest.mark.parametrize("onednn_bf16", [True, False])
+def test_bf16_gemm_timing_measures_both_paths(monkeypatch, onednn_bf16):
+    # Without oneDNN's bf16 (an older CPU), the bf16 side is the plain layer's F.linear and
+    # widening still packs the fp32 copies.
+    if not cpu.can_prepack(torch.float32) or (onednn_bf16 and not cpu.can_prepack(torch.bfloat16)):
+        pytest.skip("oneDNN cannot prepack on this CPU")
+    real = cpu.can_prepack
+    monkeypatch.setattr(cpu, "can_prepack", lambda dt: real(dt) and (onednn_bf16 or dt != torch.bfloat16))
     for dtype in (torch.bfloat16, torch.float32):
         s = cpu._gemm_seconds(8, 32, 48, dtype, reps=2)
         assert 0 < s < 1
+    model = nn.Sequential(nn.Linear(32, 48)).to(torch.bfloat16)
+    assert prepack_linears(model, widen_bf16=True) == 1 and type(model[0]) is WidenedLinear
+    plain = nn.Sequential(nn.Linear(32, 48)).to(torch.bfloat16)
+    assert prepack_linears(plain) == (1 if onednn_bf16 else 0)
 
 
 def test_prepacking_drops_only_weights_nobody_else_holds(demo_model_factory):
