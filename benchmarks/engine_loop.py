@@ -120,11 +120,10 @@ def main(argv=None) -> int:
         runs.append(res)
         print(f"rep {r}: {res['req_per_s']:.2f} req/s, {res['out_tok_per_s']:.0f} out tok/s, "
               f"{res['cpu_s_per_1k_out_tok']:.2f} CPU-s / 1k out tok", flush=True)
-    if served is not None:
-        a.requests = len(served)
-        ptoks = {"preset": a.preset, "mean": sum(len(ids) for ids, _ in served) / len(served)}
-    out = {"model_dir": a.model_dir, "dtype": a.dtype, "requests": a.requests,
-           "concurrency": a.concurrency, "prompt_tokens": ptoks, "max_new_tokens": mnew,
+    prompts = ptoks if served is None else \
+        {"preset": a.preset, "mean": sum(len(ids) for ids, _ in served) / len(served)}
+    out = {"model_dir": a.model_dir, "dtype": a.dtype, "requests": a.requests if served is None else len(served),
+           "concurrency": a.concurrency, "prompt_tokens": prompts, "max_new_tokens": mnew,
            "kv_tokens": a.kv_tokens, "max_running": a.max_running, "runs": runs,
            "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
                        "ld_preload": os.environ.get("LD_PRELOAD", ""),

@@ -57,6 +57,7 @@ import logging
 import os
 import sys
 import textwrap
+import time
 import types
 
 import torch
@@ -97,6 +98,11 @@ class WidenedLinear(nn.Linear):
 def _setting(name: str, default: str = "1") -> str:
     """An environment switch, lower-cased."""
     return os.environ.get(name, default).strip().lower()
+
+
+def _switched_off(name: str) -> bool:
+    """An on-by-default switch (LMI_CPU_PREPACK, ...) set to 0 / false / no / off."""
+    return _setting(name) in ("0", "false", "no", "off")
 
 
 def head_major_kv() -> bool:
@@ -156,29 +162,18 @@ def _mem_available() -> int | None:
 
 
 def _gemm_seconds(m: int, k: int, n: int, dtype: torch.dtype, reps: int = 5) -> float:
-    """The best of `reps` timed calls of a packed [m, k] x [k, n] GEMM in `dtype` (fp32 as
-    WidenedLinear runs it: widen the bf16 input, multiply, round the output)."""
-    import time
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(m, k, generator=g).to(torch.bfloat16)
-    w = torch.randn(n, k, generator=g).to(torch.bfloat16)
-    if dtype == torch.float32:
-        packed = torch.ops.mkldnn._reorder_linear_weight(w.float())
-        def call():
-            return torch.ops.mkldnn._linear_pointwise(x.float(), packed, None, "none", [], "").to(torch.bfloat16)
-    elif can_prepack(torch.bfloat16):
-        packed = torch.ops.mkldnn._reorder_linear_weight(w)
-        def call():
-            return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
-    else:                           # no oneDNN bf16 on this CPU: the plain layer's F.linear
-        def call():
-            return F.linear(x, w)
+    """The best of `reps` timed calls of an [m, k] bf16 input through a bf16 k -> n linear layer
+    packed as a model's would be: widened (dtype float32) or in bf16 (oneDNN's, or the plain
+    layer's F.linear on a CPU without it)."""
+    lin = nn.Linear(k, n, bias=False, dtype=torch.bfloat16)
+    prepack_linears(nn.Sequential(lin), widen_bf16=dtype == torch.float32)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
     best = float("inf")
     with torch.inference_mode():
-        call()
+        lin(x)
         for _ in range(reps):
             t = time.perf_counter()
-            call()
+            lin(x)
             best = min(best, time.perf_counter() - t)
     return best
 
@@ -202,7 +197,7 @@ def bf16_gemm_in_fp32(model: nn.Module, rows=(64, 512)) -> tuple[bool, str]:
     widens only when fp32 wins at both by BF16_GEMM_MARGIN and the fp32 copies fit in a quarter
     of the memory available. CPUs with AMX multiply bf16 ~2x faster than fp32 and keep bf16; on
     AVX-512 BF16 without AMX the dev machine's oneDNN bf16 GEMM ran at 0.55-0.65x fp32's speed."""
-    if _setting("LMI_CPU_PREPACK") in ("0", "false", "no", "off"):
+    if _switched_off("LMI_CPU_PREPACK"):
         return False, "LMI_CPU_PREPACK=0: the linear layers stay as the model built them"
     choice = _setting("LMI_CPU_BF16_GEMM", "auto")
     if choice in ("bf16", "fp32"):
@@ -235,7 +230,7 @@ def prepack_linears(model: nn.Module, keep_weights: bool = False, widen_bf16: bo
     (LoRA reads their shape and dtype)."""
     tied = {id(p) for name, m in model.named_modules() if not isinstance(m, nn.Linear)
             for p in m.parameters(recurse=False)}
-    if _setting("LMI_CPU_PREPACK") in ("0", "false", "no", "off"):
+    if _switched_off("LMI_CPU_PREPACK"):
         return 0
     done = 0
     for name, m in _linears(model):
@@ -286,7 +281,7 @@ def _fused_rms_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
 
 def fuse_rms_norms(model: nn.Module) -> int:
     """Give every RMSNorm module whose forward is Llama's the fused forward; returns how many."""
-    if _setting("LMI_CPU_FUSED_NORM") in ("0", "false", "no", "off"):
+    if _switched_off("LMI_CPU_FUSED_NORM"):
         return 0
     want = _llama_rms_forward_source()
     done = 0
@@ -390,7 +385,7 @@ def _fused_mlp_forward(self, x):
 def fuse_llama_layers(model: nn.Module) -> tuple[int, int]:
     """Give every attention and MLP module whose forward is Llama's (see above) the fused forward;
     returns (attention modules, MLPs). LMI_CPU_FUSED_LAYERS=0 keeps the models' own."""
-    if _setting("LMI_CPU_FUSED_LAYERS") in ("0", "false", "no", "off"):
+    if _switched_off("LMI_CPU_FUSED_LAYERS"):
         return 0, 0
     llama_mlp = _body(_llama().LlamaMLP.forward)
     attn = mlp = 0
