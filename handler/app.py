@@ -50,6 +50,8 @@ class ServerState:
         self.admission = Admission(running_width(cfg) + cfg.job_queue_size)
         self._max_prompt_chars: int | None = None
         self.metrics = Metrics(model_name(cfg), cfg.strategy, lambda: self.engine, self.http_stats)
+        # The gevent worker's hub.HubWaker (set by server.create_state); None: threads block.
+        self.waker = None
 
     def http_stats(self) -> dict:
         """What the HTTP layer counts itself, for the metrics collector."""
@@ -194,6 +196,8 @@ def create_app(state: ServerState) -> Flask:
             g.trace.reason = "queue_full"
             log.warning("refused a request: %s", e)
             return error(503, str(e))
+        if state.waker is not None:
+            state.waker.attach(chans)
         g.trace.watch(chans)
         deadline = chans[0].submitted + cfg.request_timeout_s
         if gen.stream:

@@ -67,18 +67,22 @@ class Channel:
     # `events` together with the last one, so its HTTP thread wakes once per sequence, not once
     # per token to take the GIL from the engine thread. None: each event is put at once.
     held: list | None = None
+    # An event-loop front end's wake-up for the reader (handler/hub.py), set from
+    # Engine.on_delivered; None: the reader blocks on `events` itself.
+    wake: object = None
 
-    def deliver(self, event, last: bool) -> None:
+    def deliver(self, event, last: bool) -> bool:
         """`event` to the reader: held back when the reader wants the whole answer and this is
-        not its last event, else put after whatever was held (in order)."""
+        not its last event (False), else put after whatever was held, in order (True)."""
         if self.held is not None:
             if not last:
                 self.held.append(event)
-                return
+                return False
             for ev in self.held:
                 self.events.put(ev)
             self.held.clear()
         self.events.put(event)
+        return True
 
 
 class Engine:
@@ -108,6 +112,10 @@ class Engine:
         self._stop = False
         self.healthy = True
         self.on_step = None     # metrics: called with each step's plan (handler/metrics.py)
+        # Called (engine thread) once per iteration with the channels that got events in it:
+        # an event-loop front end wakes its readers from here (handler/hub.py), once per step.
+        self.on_delivered = None
+        self._touched: list[Channel] = []
         self.error: str | None = None
         self.counters = {"requests": 0, "rejected_queue_full": 0, "aborted": 0, "failed": 0,
                          "finished": 0, "generated_tokens": 0}
@@ -196,10 +204,19 @@ class Engine:
             except Exception as e:  # a bug, not a model failure: answer everyone, start clean
                 log.exception("engine iteration failed; failing in-flight requests")
                 self.reset(ErrorEvent(500, f"internal engine error: {type(e).__name__}: {e}"))
+            self._wake_readers()
             with self._lock:
                 self._waiting = len(self.scheduler.waiting)
                 self._running = len(self.scheduler.running)
         self.reset(ErrorEvent(503, "the server is shutting down"))
+        self._wake_readers()
+
+    def _wake_readers(self) -> None:
+        """The channels delivered to since the last call, to on_delivered (once per iteration)."""
+        if self._touched:
+            touched, self._touched = self._touched, []
+            if self.on_delivered is not None:
+                self.on_delivered(touched)
 
     def reset(self, event: ErrorEvent) -> None:
         """Answer every in-flight sequence with `event` and forget all engine state (engine
@@ -250,7 +267,7 @@ class Engine:
             try:
                 self.scheduler.add(seq)
             except (QueueFull, CapacityError) as e:   # raced past submit's check
-                ch.deliver(ErrorEvent(503 if isinstance(e, QueueFull) else 400, str(e)), last=True)
+                self._deliver(ch, ErrorEvent(503 if isinstance(e, QueueFull) else 400, str(e)), True)
                 continue
             self._channels[seq.seq_id] = ch
             self._detok[seq.seq_id] = IncrementalDetokenizer(
@@ -300,7 +317,7 @@ class Engine:
         top = tuple((t, self._piece(t), lp) for t, lp in res.top)
         ev = TokenEvent(token, text, res.logprob, done, special=token in self._special,
                         top_tokens=top, time=time.monotonic())
-        ch.deliver(ev, last=done is not None)
+        self._deliver(ch, ev, done is not None)
         if done:
             self.counters["finished"] += 1
             self._end(seq.seq_id, seq.finish_reason)
@@ -313,4 +330,8 @@ class Engine:
         self._detok.pop(seq_id, None)
         ch = self._channels.pop(seq_id, None)
         if ch is not None and event is not None:
-            ch.deliver(event, last=True)
+            self._deliver(ch, event, True)
+
+    def _deliver(self, ch: Channel, event, last: bool) -> None:
+        if ch.deliver(event, last) and self.on_delivered is not None:
+            self._touched.append(ch)

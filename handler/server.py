@@ -1,5 +1,6 @@
 """`python -m handler serve`: validate the configuration, then run gunicorn (one worker process
-holding the model and the engine; gthread threads give HTTP concurrency)."""
+holding the model and the engine; its HTTP requests are gevent greenlets, or gthread threads
+with LMI_HTTP_WORKER=gthread: handler/worker.py)."""
 from __future__ import annotations
 
 import argparse
@@ -114,11 +115,16 @@ def check_model_readable(model_dir: str) -> None:
                                   f"({type(e).__name__}: {e})") from None
 
 
-def create_state(cfg, load_async: bool = True):
-    """The app's state; the engine is built in a background thread so /ping answers meanwhile."""
+def create_state(cfg, load_async: bool = True, hub: bool = False):
+    """The app's state; the engine is built in a background thread so /ping answers meanwhile.
+    hub: requests are greenlets of this thread's gevent hub (the gevent worker), which the engine
+    wakes once per step (handler/hub.py)."""
     from .app import ServerState
 
     state = ServerState(cfg)
+    if hub:
+        from .hub import HubWaker
+        state.waker = HubWaker()
 
     def rank_failed(line: str) -> None:
         # A broken rank group cannot serve again: unhealthy now, exit non-zero shortly after
@@ -135,6 +141,8 @@ def create_state(cfg, load_async: bool = True):
         try:
             engine = build_engine(cfg, rank_failed)
             engine.on_step = state.metrics.observe_step
+            if state.waker is not None:
+                engine.on_delivered = state.waker
             state.engine = engine
             log.info("ready: strategy=%s model=%s", cfg.strategy, cfg.model_dir)
         except Exception as e:
@@ -151,7 +159,19 @@ def create_state(cfg, load_async: bool = True):
     return state
 
 
-def _gunicorn_app(cfg, host: str, port: int, threads: int):
+WORKER_CLASSES = {"gevent": "handler.worker.GeventWorker", "gthread": "handler.worker.Worker"}
+
+
+def http_worker(env) -> str:
+    """LMI_HTTP_WORKER: gevent (default) or gthread; anything else is a ConfigError."""
+    from .config import ConfigError
+    kind = env.get("LMI_HTTP_WORKER", "gevent").strip().lower() or "gevent"
+    if kind not in WORKER_CLASSES:
+        raise ConfigError(f"LMI_HTTP_WORKER: {kind!r} is not one of {', '.join(WORKER_CLASSES)}")
+    return kind
+
+
+def _gunicorn_app(cfg, host: str, port: int, threads: int, worker: str = "gevent"):
     from gunicorn.app.base import BaseApplication
 
     from .app import create_app
@@ -159,8 +179,8 @@ def _gunicorn_app(cfg, host: str, port: int, threads: int):
     class App(BaseApplication):
         def load_config(self):
             settings = {
-                "bind": f"{host}:{port}", "workers": 1, "worker_class": "handler.worker.Worker",
-                "threads": threads, "timeout": 120, "keepalive": 75,
+                "bind": f"{host}:{port}", "workers": 1, "worker_class": WORKER_CLASSES[worker],
+                "threads": threads, "worker_connections": max(1000, threads), "timeout": 120, "keepalive": 75,
                 "graceful_timeout": max(1, math.ceil(cfg.graceful_timeout_s)),
                 "errorlog": "-", "loglevel": "info", "accesslog": None,
                 # Several servers may share a host (tests, benchmarks): no shared control socket.
@@ -173,7 +193,7 @@ def _gunicorn_app(cfg, host: str, port: int, threads: int):
             from .metrics import configure_logging
 
             configure_logging(cfg.log_format)      # gunicorn's own log handlers exist by now
-            return create_app(create_state(cfg))
+            return create_app(create_state(cfg, hub=worker == "gevent"))
 
     return App()
 
@@ -210,6 +230,7 @@ def main(argv: list[str]) -> int:
                 raise ConfigError(str(e)) from None
             check_tp_heads(cfg.model_dir, cfg.tensor_parallel_degree, cfg.model_id)
         check_model_readable(cfg.model_dir)
+        worker = http_worker(os.environ)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -218,6 +239,7 @@ def main(argv: list[str]) -> int:
     port = a.port or cfg.port
     width = max(cfg.batch_size, cfg.max_rolling_batch_size)
     threads = a.threads or min(1024, max(64, width + cfg.job_queue_size // 4 + 8))
-    log.info("strategy=%s model=%s port=%d threads=%d", cfg.strategy, cfg.model_dir, port, threads)
-    _gunicorn_app(cfg, a.host, port, threads).run()
+    log.info("strategy=%s model=%s port=%d http=%s (%s)", cfg.strategy, cfg.model_dir, port, worker,
+             f"{threads} threads" if worker == "gthread" else f"up to {max(1000, threads)} connections")
+    _gunicorn_app(cfg, a.host, port, threads, worker).run()
     return 0

@@ -80,15 +80,31 @@ def indices(chans, n_prompts: int) -> list[tuple[int, int]]:
 
 def events(engine, ch, deadline: float):
     """A channel's events until its last token; Timeout when the deadline passes."""
+    wake = ch.wake
     while True:
         try:
-            ev = ch.events.get(timeout=max(0.0, deadline - time.monotonic()))
+            if wake is None:
+                ev = ch.events.get(timeout=max(0.0, deadline - time.monotonic()))
+            else:
+                ev = _cooperative_get(ch, wake, deadline)
         except queue.Empty:
             engine.abort(ch.seq_id)
             raise Timeout() from None
         yield ev
         if isinstance(ev, ErrorEvent) or ev.done is not None:
             return
+
+
+def _cooperative_get(ch, wake, deadline):
+    """The channel's next event, waiting on its front end's event (handler/hub.py) rather than
+    the queue: cleared before the queue is read, so a wake-up set after an empty read is kept."""
+    while True:
+        wake.clear()
+        if not ch.events.empty():           # this greenlet is the only reader
+            return ch.events.get_nowait()
+        left = deadline - time.monotonic()
+        if left <= 0 or not wake.wait(left):
+            raise queue.Empty
 
 
 def collect(engine, chans, n_prompts: int, deadline: float) -> list[Sample]:
