@@ -207,7 +207,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--model-dir", help="model directory (default /opt/ml/model)")
     p.add_argument("--port", type=int, help="port (default $SAGEMAKER_BIND_TO_PORT or 8080)")
     p.add_argument("--host", default="0.0.0.0")
-    p.add_argument("--threads", type=int, help="HTTP threads (default: enough for the queue)")
+    p.add_argument("--threads", type=int, help="HTTP threads with LMI_HTTP_WORKER=gthread (default: enough for "
+                   "the queue); with gevent, connections beyond 1000")
     a = p.parse_args(argv)
     from .metrics import configure_logging
 

@@ -11,6 +11,7 @@ import time
 
 import gevent
 import pytest
+import requests
 
 from handler import api
 from handler.config import ConfigError
@@ -18,7 +19,7 @@ from handler.engine import Channel, ErrorEvent, TokenEvent
 from handler.hub import HubWaker
 from handler.request import SamplingParams
 from handler.server import http_worker
-from tests.serverutil import Server
+from tests.serverutil import Server, flat_metrics
 from tests.test_engine import PROMPTS, make_engine
 
 
@@ -177,6 +178,13 @@ def test_both_workers_stream_and_answer_concurrent_requests(worker, demo_model_d
         for status, n, ctype, last in results:
             assert status == 200 and n == 6 and ctype.startswith("application/jsonlines")
             assert json.loads(last)["generated_text"] == whole
+        # Every request recorded as answered (a cooperative read of an empty queue is not a
+        # time-out), each with its 6 tokens.
+        m = flat_metrics(requests.get(srv.url + "/metrics", timeout=10).text)
+        assert m['lmi_requests_total{code="200",outcome="ok"}'] == 7
+        assert not any(k.startswith("lmi_requests_total") and 'outcome="ok"' not in k and v
+                       for k, v in m.items())
+        assert m["lmi_request_generation_tokens_sum"] == 7 * 6
     finally:
         assert srv.stop() == 0
 
