@@ -171,7 +171,8 @@ def http_worker(env) -> str:
     return kind
 
 
-def _gunicorn_app(cfg, host: str, port: int, threads: int, worker: str = "gevent"):
+def _gunicorn_app(cfg, host: str, port: int, threads: int, worker: str = "gevent",
+                  connections: int = 1000):
     from gunicorn.app.base import BaseApplication
 
     from .app import create_app
@@ -180,7 +181,7 @@ def _gunicorn_app(cfg, host: str, port: int, threads: int, worker: str = "gevent
         def load_config(self):
             settings = {
                 "bind": f"{host}:{port}", "workers": 1, "worker_class": WORKER_CLASSES[worker],
-                "threads": threads, "worker_connections": max(1000, threads), "timeout": 120, "keepalive": 75,
+                "threads": threads, "worker_connections": connections, "timeout": 120, "keepalive": 75,
                 "graceful_timeout": max(1, math.ceil(cfg.graceful_timeout_s)),
                 "errorlog": "-", "loglevel": "info", "accesslog": None,
                 # Several servers may share a host (tests, benchmarks): no shared control socket.
@@ -240,7 +241,8 @@ def main(argv: list[str]) -> int:
     port = a.port or cfg.port
     width = max(cfg.batch_size, cfg.max_rolling_batch_size)
     threads = a.threads or min(1024, max(64, width + cfg.job_queue_size // 4 + 8))
+    connections = max(1000, threads)       # gunicorn's default, or more when --threads asks
     log.info("strategy=%s model=%s port=%d http=%s (%s)", cfg.strategy, cfg.model_dir, port, worker,
-             f"{threads} threads" if worker == "gthread" else f"up to {max(1000, threads)} connections")
-    _gunicorn_app(cfg, a.host, port, threads, worker).run()
+             f"{threads} threads" if worker == "gthread" else f"up to {connections} connections")
+    _gunicorn_app(cfg, a.host, port, threads, worker, connections).run()
     return 0

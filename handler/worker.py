@@ -19,7 +19,9 @@ waits are gevent events; the engine, the model load and the TP ranks keep real t
 from __future__ import annotations
 
 import json
+import socket
 
+import gevent
 from gunicorn import util
 from gunicorn.workers.ggevent import GeventWorker as _GeventWorker
 from gunicorn.workers.gthread import ThreadWorker
@@ -30,7 +32,6 @@ LINGER_BYTES = 1 << 20
 
 def _end(sock) -> None:
     """End a keep-alive connection: its reader (gunicorn's parser) sees the end of the stream."""
-    import socket
     try:
         sock.shutdown(socket.SHUT_RDWR)
     except OSError:
@@ -42,9 +43,6 @@ def _linger(sock) -> None:
     it with unread bytes (a 9 KB request line refused at 4 KB) sends a reset, which can destroy
     the error answer before the client reads it. gthread is slow enough to hide this; gevent
     answers within the client's send."""
-    import socket
-
-    import gevent
     try:
         sock.shutdown(socket.SHUT_WR)
         with gevent.Timeout(LINGER_S, False):
@@ -66,12 +64,14 @@ def write_json_error(sock, status_int: int, reason: str, mesg: str) -> None:
     util.write_nonblock(sock, head + body)
 
 
-class Worker(ThreadWorker):
+class _JsonErrors:
     def init_process(self):
         # gunicorn's only renderer of its own errors; this process serves JSON everywhere.
         util.write_error = write_json_error
         super().init_process()
 
+
+class Worker(_JsonErrors, ThreadWorker):
     def set_accept_enabled(self, enabled):
         super().set_accept_enabled(enabled)
         if not enabled and not self.alive:   # stopping: refuse new connections from now on
@@ -79,7 +79,7 @@ class Worker(ThreadWorker):
                 s.close()
 
 
-class GeventWorker(_GeventWorker):
+class GeventWorker(_JsonErrors, _GeventWorker):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self._conns: dict = {}      # client socket -> busy with a request (False: idle keep-alive)
@@ -88,9 +88,10 @@ class GeventWorker(_GeventWorker):
     def patch(self):
         # gunicorn's patch() is monkey.patch_all(): it would turn the engine's and the loader's
         # threads into greenlets of this one. Only the listening sockets become gevent's.
-        from gevent import server, socket
+        from gevent import server
+        from gevent import socket as gsocket
         from gunicorn.workers import ggevent
-        self.sockets = [socket.socket(s.FAMILY, socket.SOCK_STREAM, fileno=s.sock.detach())
+        self.sockets = [gsocket.socket(s.FAMILY, socket.SOCK_STREAM, fileno=s.sock.detach())
                         for s in self.sockets]
         servers = self._servers
 
@@ -100,10 +101,6 @@ class GeventWorker(_GeventWorker):
                 servers.append(self)
 
         ggevent.StreamServer = Server          # this worker process's module only
-
-    def init_process(self):
-        util.write_error = write_json_error
-        super().init_process()
 
     def handle(self, listener, client, addr):
         self._conns[client] = False
@@ -117,8 +114,7 @@ class GeventWorker(_GeventWorker):
         try:
             super().handle_request(listener_name, req, sock, addr)
         finally:
-            if sock in self._conns:
-                self._conns[sock] = False
+            self._conns[sock] = False   # handle() holds it until the connection ends
             if not self.alive:          # begun before SIGTERM: not kept alive either
                 _end(sock)
 
@@ -128,7 +124,6 @@ class GeventWorker(_GeventWorker):
 
     def handle_exit(self, sig, frame):
         super().handle_exit(sig, frame)
-        import gevent
         gevent.spawn(self._refuse)
 
     def _refuse(self):

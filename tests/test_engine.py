@@ -220,6 +220,14 @@ def test_architecture_without_attention_interface_is_refused_clearly(demo_model_
         make_engine(model_dir, tmp_path, STRATEGIES["paged"])
 
 
+def driven_by_hand(engine):
+    """Stop the engine's thread: the test runs its iterations itself."""
+    engine.shutdown()
+    engine._thread.join()
+    engine._stop = False
+    return engine
+
+
 def _drained(q) -> list:
     out = []
     while not q.empty():
@@ -231,11 +239,8 @@ def test_a_whole_answer_reader_is_woken_once_per_sequence_in_order(demo_model_di
     """stream=False (a non-streaming request): the channel's token events stay with the engine
     until the sequence's last one, then arrive together, in order, equal to a streamed copy's;
     an error ends such a channel with its held tokens first."""
-    engine = make_engine(demo_model_dir, tmp_path, {"option.rolling_batch": "auto",
-                                                    "option.paged_attention": "true"})
-    engine.shutdown()           # this test drives the iterations itself
-    engine._thread.join()
-    engine._stop = False
+    engine = driven_by_hand(make_engine(demo_model_dir, tmp_path, {"option.rolling_batch": "auto",
+                                                                   "option.paged_attention": "true"}))
     ids = engine.tokenize(PROMPTS[0])
     params = SamplingParams(max_new_tokens=6, ignore_eos=True)
     streamed = engine.submit([ids], params)[0]

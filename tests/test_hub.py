@@ -20,19 +20,12 @@ from handler.hub import HubWaker
 from handler.request import SamplingParams
 from handler.server import http_worker
 from tests.serverutil import Server, flat_metrics
-from tests.test_engine import PROMPTS, make_engine
-
-
-def _manual(engine):
-    engine.shutdown()           # these tests drive the iterations themselves
-    engine._thread.join()
-    engine._stop = False
-    return engine
+from tests.test_engine import PROMPTS, driven_by_hand, make_engine
 
 
 def test_on_delivered_is_called_once_per_iteration_with_the_channels_that_got_events(
         demo_model_dir, tmp_path):
-    engine = _manual(make_engine(demo_model_dir, tmp_path, {"option.rolling_batch": "auto",
+    engine = driven_by_hand(make_engine(demo_model_dir, tmp_path, {"option.rolling_batch": "auto",
                                                             "option.paged_attention": "true"}))
     calls = []
     engine.on_delivered = lambda chans: calls.append(list(chans))
