@@ -5,6 +5,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 
 import requests
 
@@ -66,3 +67,10 @@ def flat_metrics(text: str) -> dict:
             labels = ",".join(f'{k}="{v}"' for k, v in sorted(s.labels.items()) if k not in ("model", "strategy"))
             out[s.name + (f"{{{labels}}}" if labels else "")] = s.value
     return out
+
+
+def assert_eventually(pred, timeout=30.0):
+    end = time.time() + timeout
+    while not pred():
+        assert time.time() < end, "condition not reached"
+        time.sleep(0.05)

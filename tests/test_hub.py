@@ -19,7 +19,7 @@ from handler.engine import Channel, ErrorEvent, TokenEvent
 from handler.hub import HubWaker
 from handler.request import SamplingParams
 from handler.server import http_worker
-from tests.serverutil import Server, flat_metrics
+from tests.serverutil import Server, assert_eventually, flat_metrics
 from tests.test_engine import PROMPTS, driven_by_hand, make_engine
 
 
@@ -172,9 +172,15 @@ def test_both_workers_stream_and_answer_concurrent_requests(worker, demo_model_d
             assert status == 200 and n == 6 and ctype.startswith("application/jsonlines")
             assert json.loads(last)["generated_text"] == whole
         # Every request recorded as answered (a cooperative read of an empty queue is not a
-        # time-out), each with its 6 tokens.
-        m = flat_metrics(requests.get(srv.url + "/metrics", timeout=10).text)
-        assert m['lmi_requests_total{code="200",outcome="ok"}'] == 7
+        # time-out), each with its 6 tokens. A stream is recorded when its response closes,
+        # which may come just after the client has read its last line.
+        ok = 'lmi_requests_total{code="200",outcome="ok"}'
+
+        def scrape():
+            return flat_metrics(requests.get(srv.url + "/metrics", timeout=10).text)
+        assert_eventually(lambda: scrape().get(ok, 0) >= 7, timeout=10)
+        m = scrape()
+        assert m[ok] == 7
         assert not any(k.startswith("lmi_requests_total") and 'outcome="ok"' not in k and v
                        for k, v in m.items())
         assert m["lmi_request_generation_tokens_sum"] == 7 * 6

@@ -14,7 +14,7 @@ import requests
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.serverutil import Server, flat_metrics
+from tests.serverutil import Server, assert_eventually, flat_metrics
 from tests.test_hardening import _body, _bounded
 
 pytestmark = pytest.mark.slow
@@ -93,13 +93,6 @@ def test_upload_disconnect_is_counted_apart_from_server_errors(srv):
     assert_eventually(lambda: metrics(srv)["lmi_http_client_disconnects_total"]
                       == before["lmi_http_client_disconnects_total"] + 1)
     assert metrics(srv)['lmi_http_responses_total{class="other"}'] == before['lmi_http_responses_total{class="other"}']
-
-
-def assert_eventually(pred, timeout=30.0):
-    end = time.time() + timeout
-    while not pred():
-        assert time.time() < end, "condition not reached"
-        time.sleep(0.05)
 
 
 def test_fuzz_against_the_real_server_harms_no_batch_mate(srv):
