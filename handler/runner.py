@@ -165,6 +165,7 @@ class ModelRunner:
         self.eos_token_ids = self._eos_ids()
         self.sampler = Sampler()
         self.lora = None        # handler.lora.LoraManager once enable_lora() ran
+        self.lean = None        # CPU: the model's forward as one plain loop (handler.cpu.lean_forward)
         log.info("model %s on %s/%s: %d layers, %d kv heads x %d%s; KV pool %d blocks x %d = %d tokens",
                  type(self.model).__name__, self.device, str(self.dtype).removeprefix("torch."),
                  layers, kv_heads, head_dim,
@@ -218,7 +219,7 @@ class ModelRunner:
         (handler/cpu.py). keep_weights: LoRA reads the original weights."""
         if self.device.type != "cpu" or self.ranks is not None:
             return
-        from .cpu import bf16_gemm_in_fp32, fuse_llama_layers, fuse_rms_norms, prepack_linears
+        from .cpu import bf16_gemm_in_fp32, fuse_llama_layers, fuse_rms_norms, lean_forward, prepack_linears
         widen = False
         if self.dtype == torch.bfloat16:
             widen, why = bf16_gemm_in_fp32(self.model)
@@ -228,6 +229,34 @@ class ModelRunner:
         attn, mlp = fuse_llama_layers(self.model)
         log.info("CPU: %d linear layers prepacked for oneDNN, %d RMSNorms, %d attention and %d MLP modules fused",
                  n, fuse_rms_norms(self.model), attn, mlp)
+        lean = lean_forward(self.model)
+        if lean is not None:
+            if self._same_logits(lean):
+                self.lean = lean
+                log.info("CPU: the model's forward runs as one loop over its layers")
+            else:
+                log.warning("CPU: the one-loop forward is not used: its logits differ from the model's own "
+                            "on a check step (the model's forward serves)")
+
+    @torch.inference_mode()
+    def _same_logits(self, lean) -> bool:
+        """Whether `lean` gives the model's own logits, bit for bit, on one step of two prompts
+        (written to the first blocks of the pool, which no sequence holds yet)."""
+        from .request import SamplingParams
+        from .scheduler import StepItem
+        g = torch.Generator().manual_seed(0)
+        a, b = (torch.randint(0, self.model.config.vocab_size, (n,), generator=g).tolist() for n in (7, 4))
+        bs, nb = self.block_size, self.kv.num_blocks
+        ta = [i % nb for i in range(-(-len(a) // bs))]
+        tb = [(len(ta) + i) % nb for i in range(-(-len(b) // bs))]
+        p = SamplingParams(max_new_tokens=1)
+        packed, _ = pack_step([StepItem(0, a, 0, ta, True, p, a), StepItem(1, b, 0, tb, True, p, b)], bs)
+        want = self._forward(packed)
+        saved, self.lean = self.lean, lean
+        try:
+            return torch.equal(self._forward(packed), want)
+        finally:
+            self.lean = saved
 
     def release(self, seq_id: int) -> None:
         self.sampler.release(seq_id)
@@ -264,6 +293,8 @@ class ModelRunner:
             query_start_loc=qsl.to(dev, torch.int32),
             seq_lens_cpu=seq_lens.tolist(), query_start_loc_cpu=qsl.tolist())
         keep = rows if n_rows else torch.tensor([n_tok - 1])
+        if self.lean is not None:
+            return self.lean(ids.to(dev)[None], pos.to(dev)[None], keep.to(dev), meta)
         out = self.model(input_ids=ids.to(dev)[None], position_ids=pos.to(dev)[None],
                          use_cache=False, logits_to_keep=keep.to(dev), lmi_step=meta)
         return out.logits[0]

@@ -329,3 +329,70 @@ def test_runner_packs_bf16_linears_as_the_gemm_choice_says(demo_model_factory, m
     r = _runner(demo_model_factory("llama"), dtype, monkeypatch, True)
     linears = [m for m in r.model.modules() if isinstance(m, nn.Linear)]
     assert linears and all(type(m) is want for m in linears)
+
+
+def _lean_runner(model_dir, dtype, monkeypatch, on: bool):
+    monkeypatch.setenv("LMI_CPU_LEAN_FORWARD", "1" if on else "0")
+    return _runner(model_dir, dtype, monkeypatch, True)
+
+
+@pytest.mark.parametrize("family,qualifies", [("llama", True), ("qwen2", True), ("qwen3", True), ("gpt2", False)])
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_one_loop_forward_gives_the_models_own_logits(demo_model_factory, monkeypatch, family, qualifies, dtype):
+    # Oracle: the same runner with the model's own forward (LMI_CPU_LEAN_FORWARD=0), bit for bit
+    # on prefills, a mixed step and decodes. Qwen3's attention is its own (q/k norms): the loop
+    # calls it as the decoder layer would. GPT-2's layers are not Llama's: no loop.
+    path = demo_model_factory(family)
+    plain, fast = _lean_runner(path, dtype, monkeypatch, False), _lean_runner(path, dtype, monkeypatch, True)
+    assert plain.lean is None and (fast.lean is not None) == qualifies
+    calls = []
+    if qualifies:
+        loop = fast.lean
+        fast.lean = lambda *a: calls.append(1) or loop(*a)
+    _assert_same_logits(plain, fast)
+    assert len(calls) == (3 if qualifies else 0)      # each of its three steps ran through the loop
+
+
+def test_one_loop_forward_is_refused_where_the_models_outer_forward_differs(demo_model_factory, monkeypatch,
+                                                                              caplog):
+    # Layers and head are Llama's, but the model's own forward does more (here: doubles the
+    # embeddings), which the loop does not know: the load-time check catches it and the model's
+    # own forward serves.
+    import logging
+
+    from transformers.models.llama.modeling_llama import LlamaModel
+    own = LlamaModel.forward
+
+    def doubled(self, input_ids=None, inputs_embeds=None, **kwargs):
+        return own(self, inputs_embeds=self.embed_tokens(input_ids) * 2, **kwargs)
+    monkeypatch.setattr(LlamaModel, "forward", doubled)
+    path = demo_model_factory("llama")
+    assert cpu.lean_forward(_load(path)) is not None      # the source checks alone would take it
+    with caplog.at_level(logging.WARNING, logger="lmi.runner"):
+        r = _lean_runner(path, "fp32", monkeypatch, True)
+    assert r.lean is None
+    assert any("not used" in rec.getMessage() for rec in caplog.records)
+    monkeypatch.setattr(LlamaModel, "forward", own)
+    other = _lean_runner(path, "fp32", monkeypatch, True)
+    assert other.lean is not None
+    from handler.request import SamplingParams
+    from handler.runner import pack_step
+    from handler.scheduler import StepItem
+    items = [StepItem(1, [5, 9, 11, 30], 0, [0], True, SamplingParams(max_new_tokens=2), [5, 9, 11, 30])]
+    packed, _ = pack_step(items, 4)
+    monkeypatch.setattr(LlamaModel, "forward", doubled)
+    doubled_logits = r.forward(packed)
+    monkeypatch.setattr(LlamaModel, "forward", own)
+    assert not torch.equal(doubled_logits, other.forward(packed))   # r ran the model's (doubled) forward
+
+
+def test_one_loop_forward_needs_no_hooks_and_follows_its_switch(demo_model_factory, monkeypatch):
+    model = _load(demo_model_factory("llama"))
+    monkeypatch.setenv("LMI_CPU_LEAN_FORWARD", "1")
+    assert cpu.lean_forward(model) is not None
+    handle = model.model.layers[2].mlp.register_forward_hook(lambda m, i, o: None)
+    assert cpu.lean_forward(model) is None                # the loop would skip the hook
+    handle.remove()
+    assert cpu.lean_forward(model) is not None
+    monkeypatch.setenv("LMI_CPU_LEAN_FORWARD", "0")
+    assert cpu.lean_forward(model) is None
