@@ -105,6 +105,24 @@ class WidenedLinear(nn.Linear):
         return y.to(torch.bfloat16)
 
 
+class PanelLinear(nn.Linear):
+    """An nn.Linear multiplied by kernels/cpu_gemm.c from `panels` (the weight in 32-column
+    panels, fp32): an fp32 weight as it is, a bf16 weight widened to fp32 (`widen`, exact, as
+    WidenedLinear: the input widened, the output rounded to bf16 once)."""
+
+    panels: torch.Tensor
+    bias32: torch.Tensor | None
+    widen: bool
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from kernels import cpu_ext
+        want = torch.bfloat16 if self.widen else torch.float32
+        if x.dtype != want:
+            raise RuntimeError(f"PanelLinear: input dtype {x.dtype} != weight dtype {want}")
+        y = cpu_ext.gemm(x.float() if self.widen else x, self.panels, self.out_features, self.bias32)
+        return y.to(torch.bfloat16) if self.widen else y
+
+
 def _setting(name: str, default: str = "1") -> str:
     """An environment switch, lower-cased."""
     return os.environ.get(name, default).strip().lower()
@@ -244,30 +262,49 @@ def bf16_gemm_in_fp32(model: nn.Module, rows=(64, 512)) -> tuple[bool, str]:
     return widen, f"bf16 GEMM time / fp32 GEMM time on a {k}x{n} weight: {shown}" + ignored
 
 
+def panels_wanted() -> bool:
+    """Whether fp32 GEMMs (and widened bf16 ones) go to kernels/cpu_gemm.c: it runs on this CPU
+    and LMI_CPU_GEMM is not `onednn`."""
+    if _setting("LMI_CPU_GEMM", "panels") == "onednn":
+        return False
+    from kernels import cpu_ext
+    return cpu_ext.gemm_available()
+
+
 def prepack_linears(model: nn.Module, keep_weights: bool = False, widen_bf16: bool = False) -> int:
-    """Swap every plain nn.Linear on CPU for a PackedLinear (WidenedLinear for bf16 weights when
-    widen_bf16); returns how many were packed. keep_weights: leave the original weights in place
-    (LoRA reads their shape and dtype)."""
+    """Swap every plain nn.Linear on CPU for a PanelLinear where kernels/cpu_gemm.c serves (fp32
+    weights, and bf16 ones when widen_bf16), else a PackedLinear (WidenedLinear for bf16 weights
+    when widen_bf16); returns how many were packed. keep_weights: leave the original weights in
+    place (LoRA reads their shape and dtype)."""
     tied = {id(p) for name, m in model.named_modules() if not isinstance(m, nn.Linear)
             for p in m.parameters(recurse=False)}
     if _switched_off("LMI_CPU_PREPACK"):
         return 0
+    panels = panels_wanted()
     done = 0
     for name, m in _linears(model):
         widen = widen_bf16 and m.weight.dtype == torch.bfloat16
-        if not can_prepack(torch.float32 if widen else m.weight.dtype):
-            continue
-        try:
+        if panels and (widen or m.weight.dtype == torch.float32):
+            from kernels import cpu_ext
             with torch.no_grad():
-                w = m.weight.detach()
-                packed = torch.ops.mkldnn._reorder_linear_weight(w.float() if widen else w)
-        except RuntimeError as e:   # a shape or build oneDNN refuses: this layer stays as it was
-            log.debug("not prepacking %s: %s", name, e)
-            continue
-        m.__class__ = WidenedLinear if widen else PackedLinear
-        m.packed = packed
-        if widen:
-            m.bias32 = None if m.bias is None else m.bias.detach().float()
+                m.panels = cpu_ext.pack_panels(m.weight.detach().float())
+            m.__class__ = PanelLinear
+            m.widen = widen
+            m.bias32 = None if m.bias is None else m.bias.detach().float().contiguous()
+        else:
+            if not can_prepack(torch.float32 if widen else m.weight.dtype):
+                continue
+            try:
+                with torch.no_grad():
+                    w = m.weight.detach()
+                    packed = torch.ops.mkldnn._reorder_linear_weight(w.float() if widen else w)
+            except RuntimeError as e:   # a shape or build oneDNN refuses: this layer stays as it was
+                log.debug("not prepacking %s: %s", name, e)
+                continue
+            m.__class__ = WidenedLinear if widen else PackedLinear
+            m.packed = packed
+            if widen:
+                m.bias32 = None if m.bias is None else m.bias.detach().float()
         if not keep_weights and id(m.weight) not in tied:
             # The packed copy replaces it; an empty tensor keeps dtype/device for readers.
             m.weight = nn.Parameter(m.weight.new_empty(0), requires_grad=False)

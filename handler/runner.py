@@ -219,16 +219,18 @@ class ModelRunner:
         (handler/cpu.py). keep_weights: LoRA reads the original weights."""
         if self.device.type != "cpu" or self.ranks is not None:
             return
-        from .cpu import bf16_gemm_in_fp32, fuse_llama_layers, fuse_rms_norms, lean_forward, prepack_linears
+        from .cpu import (PanelLinear, bf16_gemm_in_fp32, fuse_llama_layers, fuse_rms_norms, lean_forward,
+                          prepack_linears)
         widen = False
         if self.dtype == torch.bfloat16:
             widen, why = bf16_gemm_in_fp32(self.model)
             log.info("CPU: bf16 linear layers multiply in %s (%s)", "fp32 over the same bf16 values, "
                      "twice the weight memory" if widen else "bf16", why)
         n = prepack_linears(self.model, keep_weights, widen_bf16=widen)
+        gemm = "kernels/cpu_gemm.c" if any(isinstance(m, PanelLinear) for m in self.model.modules()) else "oneDNN"
         attn, mlp = fuse_llama_layers(self.model)
-        log.info("CPU: %d linear layers prepacked for oneDNN, %d RMSNorms, %d attention and %d MLP modules fused",
-                 n, fuse_rms_norms(self.model), attn, mlp)
+        log.info("CPU: %d linear layers packed for %s, %d RMSNorms, %d attention and %d MLP modules fused",
+                 n, gemm, fuse_rms_norms(self.model), attn, mlp)
         lean = lean_forward(self.model)
         if lean is not None:
             if self._same_logits(lean):

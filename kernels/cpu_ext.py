@@ -42,7 +42,8 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC"]
 # Element-wise ops that must round as torch's do (rotary): no fast-math, no FMA contraction.
 EXACT_FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-fPIC"]
-SOURCES = [(os.path.join(_HERE, "cpu_decode.c"), FLAGS), (os.path.join(_HERE, "cpu_exact.c"), EXACT_FLAGS)]
+SOURCES = [(os.path.join(_HERE, "cpu_decode.c"), FLAGS), (os.path.join(_HERE, "cpu_exact.c"), EXACT_FLAGS),
+           (os.path.join(_HERE, "cpu_gemm.c"), EXACT_FLAGS)]
 HEADERS = [os.path.join(_HERE, "cpu_bf16.h")]
 # Linked without -ffast-math: given at link time, gcc adds crtfastmath.o, whose constructor sets
 # flush-to-zero for the whole process on load (every float op of torch and Python would change).
@@ -140,6 +141,15 @@ def load():
     stats.argtypes = [ptr, i64, i64, i64, ptr, ptr, ptr, ctypes.c_int]
     stats.restype = None
     fn.row_stats = stats
+    pack = lib.lmi_pack_b
+    pack.argtypes = [ptr, i64, i64, ptr]
+    pack.restype = None
+    fn.pack_b = pack
+    gemm = lib.lmi_gemm
+    gemm.argtypes = [ptr, i64, i64, i64, ptr, i64, ptr, ptr, i64, ctypes.c_int]
+    gemm.restype = None
+    fn.gemm = gemm
+    fn.gemm_available = bool(lib.lmi_gemm_available())
     return fn
 
 
@@ -152,6 +162,41 @@ def _plain(t: torch.Tensor, dtype: torch.dtype) -> bool:
     """A CPU tensor of `dtype` the kernels may take as input: none that autograd tracks (the kernels
     have no backward; weights are only read, so they may be parameters)."""
     return t.dtype == dtype and t.device.type == "cpu" and not t.requires_grad
+
+
+PANEL = 32   # output columns per panel of a packed weight (kernels/cpu_gemm.c)
+
+
+def gemm_available() -> bool:
+    """Whether kernels/cpu_gemm.c's GEMM runs on this host (built, and the CPU has AVX-512F)."""
+    fn = load()
+    return fn is not None and fn.gemm_available
+
+
+def pack_panels(weight: torch.Tensor) -> torch.Tensor:
+    """nn.Linear's fp32 weight [N, K] -> its panels for `gemm` (a flat fp32 tensor, zero padded
+    to a multiple of 32 output columns)."""
+    fn = load()
+    n, k = weight.shape
+    w = weight.detach().contiguous()
+    out = torch.empty(-(-n // PANEL) * PANEL * k, dtype=torch.float32)
+    fn.pack_b(w.data_ptr(), n, k, out.data_ptr())
+    return out
+
+
+def gemm(x: torch.Tensor, panels: torch.Tensor, n: int, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [..., K] fp32 @ the packed weight's transpose (+ bias [N], fp32) -> [..., N] fp32: each
+    output summed in k order by fused multiply-adds (kernels/cpu_gemm.c)."""
+    k = x.shape[-1]
+    a = x.reshape(-1, k)
+    m = a.shape[0]
+    if a.stride(-1) != 1 or (m > 1 and a.stride(0) < k):
+        a = a.contiguous()
+    out = torch.empty(m, n, dtype=torch.float32)
+    if m:
+        load().gemm(a.data_ptr(), m, k, a.stride(0) if m > 1 else k, panels.data_ptr(), n,
+                    None if bias is None else bias.data_ptr(), out.data_ptr(), n, torch.get_num_threads())
+    return out.view(*x.shape[:-1], n)
 
 
 def rms_norm_bf16(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:

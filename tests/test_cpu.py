@@ -7,22 +7,35 @@ import torch
 from torch import nn
 
 from handler import cpu
-from handler.cpu import PackedLinear, WidenedLinear, find_tcmalloc, preload_env, prepack_linears
+from handler.cpu import PackedLinear, PanelLinear, WidenedLinear, find_tcmalloc, preload_env, prepack_linears
+from kernels import cpu_ext
+
+needs_panels = pytest.mark.skipif(not cpu_ext.gemm_available(),
+                                  reason="kernels/cpu_gemm.c needs AVX-512F and a C compiler")
+
+
+def _classes(gemm: str):
+    """(the fp32 class, the widened bf16 class) prepack_linears picks under LMI_CPU_GEMM=gemm."""
+    return (PanelLinear, PanelLinear) if gemm == "panels" else (PackedLinear, WidenedLinear)
+
 
 def _load(model_dir, dtype=torch.float32):
     from transformers import AutoModelForCausalLM
     return AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
 
 
+@pytest.mark.parametrize("gemm", ["onednn", pytest.param("panels", marks=needs_panels)])
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 0.1)])
-def test_prepacked_model_gives_the_plain_models_logits(demo_model_factory, dtype, tol):
+def test_prepacked_model_gives_the_plain_models_logits(demo_model_factory, monkeypatch, gemm, dtype, tol):
     if not cpu.can_prepack(dtype):
         pytest.skip(f"oneDNN cannot prepack {dtype} on this CPU")
+    monkeypatch.setenv("LMI_CPU_GEMM", gemm)
     path = demo_model_factory("llama")
     plain, packed = _load(path, dtype), _load(path, dtype)
     n = prepack_linears(packed)
     linears = [m for m in packed.modules() if isinstance(m, nn.Linear)]
-    assert n == len(linears) > 0 and all(type(m) is PackedLinear for m in linears)
+    want_cls = _classes(gemm)[0] if dtype == torch.float32 else PackedLinear   # bf16 unwidened: oneDNN's
+    assert n == len(linears) > 0 and all(type(m) is want_cls for m in linears)
     ids = torch.randint(5, plain.config.vocab_size, (2, 13))
     with torch.inference_mode():
         want, got = plain(ids).logits.float(), packed(ids).logits.float()
@@ -30,12 +43,14 @@ def test_prepacked_model_gives_the_plain_models_logits(demo_model_factory, dtype
     assert torch.equal(got.argmax(-1), want.argmax(-1))
 
 
-def test_widened_bf16_linear_is_the_exact_products_summed_and_rounded_once():
+@pytest.mark.parametrize("gemm", ["onednn", pytest.param("panels", marks=needs_panels)])
+def test_widened_bf16_linear_is_the_exact_products_summed_and_rounded_once(monkeypatch, gemm):
     # Oracle: float64 math on the same bf16 values, rounded to bf16 once. The widened GEMM
     # (fp32 sum of exact products) lands on it or one bf16 step away where the fp32 sum order
     # decides a rounding; the bf16 GEMM oneDNN runs obeys the same bound.
     if not cpu.can_prepack(torch.float32):
         pytest.skip("oneDNN cannot prepack on this CPU")
+    monkeypatch.setenv("LMI_CPU_GEMM", gemm)
     g = torch.Generator().manual_seed(5)
     lin = nn.Linear(300, 70, bias=True).to(torch.bfloat16)
     with torch.no_grad():
@@ -44,8 +59,9 @@ def test_widened_bf16_linear_is_the_exact_products_summed_and_rounded_once():
     x = torch.randn(33, 300, generator=g).to(torch.bfloat16)
     want = (x.double() @ lin.weight.double().t() + lin.bias.double()).to(torch.bfloat16)
     model = nn.Sequential(lin)
-    assert prepack_linears(model, widen_bf16=True) == 1 and type(lin) is WidenedLinear
-    assert lin.packed.dtype == torch.float32 and lin.weight.numel() == 0
+    assert prepack_linears(model, widen_bf16=True) == 1 and type(lin) is _classes(gemm)[1]
+    packed = lin.panels if gemm == "panels" else lin.packed
+    assert packed.dtype == torch.float32 and lin.weight.numel() == 0
     with torch.inference_mode():
         got = lin(x)
     assert got.dtype == torch.bfloat16 and got.shape == want.shape
@@ -56,16 +72,18 @@ def test_widened_bf16_linear_is_the_exact_products_summed_and_rounded_once():
         lin(x.float())
 
 
+@pytest.mark.parametrize("gemm", ["onednn", pytest.param("panels", marks=needs_panels)])
 @pytest.mark.parametrize("family", ["llama", "qwen2"])     # qwen2: q/k/v with a bias
-def test_widened_model_gives_the_bf16_models_greedy_tokens(demo_model_factory, family):
+def test_widened_model_gives_the_bf16_models_greedy_tokens(demo_model_factory, monkeypatch, family, gemm):
     # Widened and bf16 GEMMs sum in different orders, so an activation may round one bf16 step
     # apart: the logits stay within bf16 noise, and the greedy token differs only where the top
     # two logits are within that noise of each other (random weights give a few such near-ties).
+    monkeypatch.setenv("LMI_CPU_GEMM", gemm)
     path = demo_model_factory(family)
     plain, widened = _load(path, torch.bfloat16), _load(path, torch.bfloat16)
     n = prepack_linears(widened, widen_bf16=True)
     linears = [m for m in widened.modules() if isinstance(m, nn.Linear)]
-    assert n == len(linears) > 0 and all(type(m) is WidenedLinear for m in linears)
+    assert n == len(linears) > 0 and all(type(m) is _classes(gemm)[1] for m in linears)
     ids = torch.randint(5, plain.config.vocab_size, (4, 13), generator=torch.Generator().manual_seed(1))
     with torch.inference_mode():
         want, got = plain(ids).logits.float(), widened(ids).logits.float()
@@ -123,7 +141,8 @@ def test_bf16_gemm_timing_measures_both_paths(monkeypatch, onednn_bf16):
         s = cpu._gemm_seconds(8, 32, 48, dtype, reps=2)
         assert 0 < s < 1
     model = nn.Sequential(nn.Linear(32, 48)).to(torch.bfloat16)
-    assert prepack_linears(model, widen_bf16=True) == 1 and type(model[0]) is WidenedLinear
+    widened = PanelLinear if cpu.panels_wanted() else WidenedLinear
+    assert prepack_linears(model, widen_bf16=True) == 1 and type(model[0]) is widened
     plain = nn.Sequential(nn.Linear(32, 48)).to(torch.bfloat16)
     assert prepack_linears(plain) == (1 if onednn_bf16 else 0)
 
@@ -320,15 +339,21 @@ def test_attention_source_check_takes_llamas_forward_and_its_sliding_window_vari
     assert cpu._window_of(Edited) is None
 
 
-@pytest.mark.parametrize("dtype,setting,want", [("bf16", "fp32", WidenedLinear), ("bf16", "bf16", PackedLinear),
-                                                ("fp32", "fp32", PackedLinear)])
-def test_runner_packs_bf16_linears_as_the_gemm_choice_says(demo_model_factory, monkeypatch, dtype, setting, want):
+@pytest.mark.parametrize("gemm", ["onednn", pytest.param("panels", marks=needs_panels)])
+@pytest.mark.parametrize("dtype,setting,widened", [("bf16", "fp32", True), ("bf16", "bf16", False),
+                                                   ("fp32", "fp32", False)])
+def test_runner_packs_bf16_linears_as_the_gemm_choice_says(demo_model_factory, monkeypatch, dtype, setting,
+                                                           widened, gemm):
     if not cpu.can_prepack(torch.bfloat16):
         pytest.skip("oneDNN cannot prepack bf16 on this CPU")
     monkeypatch.setenv("LMI_CPU_BF16_GEMM", setting)
+    monkeypatch.setenv("LMI_CPU_GEMM", gemm)
     r = _runner(demo_model_factory("llama"), dtype, monkeypatch, True)
+    fp32_cls, widened_cls = _classes(gemm)
+    want = widened_cls if widened else PackedLinear if dtype == "bf16" else fp32_cls
     linears = [m for m in r.model.modules() if isinstance(m, nn.Linear)]
     assert linears and all(type(m) is want for m in linears)
+    assert all(m.widen is widened for m in linears if type(m) is PanelLinear)
 
 
 def _lean_runner(model_dir, dtype, monkeypatch, on: bool):

@@ -246,3 +246,62 @@ def test_row_stats_hand_non_finite_rows_back_to_torch():
     assert cpu_ext.row_stats(y) is None
     assert cpu_ext.row_stats(x.to(torch.bfloat16)) is None      # fp32 only
     assert cpu_ext.row_stats(x.t()) is None                     # rows must be contiguous
+
+
+gemm_needed = pytest.mark.skipif("avx512f" not in cpu_ext._cpu_signature(),
+                                 reason="kernels/cpu_gemm.c needs AVX-512F; this CPU keeps oneDNN")
+
+
+@gemm_needed
+@pytest.mark.parametrize("m", [1, 5, 12, 13, 37, 64, 300])
+@pytest.mark.parametrize("k,n", [(64, 1), (96, 17), (256, 32), (576, 192), (100, 333), (1536, 70)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_gemm_matches_float64_within_the_fp32_sum_bound(m, k, n, bias):
+    # Oracle: the float64 product. An fp32 sum of k products (each FMA rounds once) is within
+    # k * 2^-24 * sum_k |a_k w_k| of it (the standard bound, plus the bias add's rounding).
+    assert cpu_ext.gemm_available()
+    g = torch.Generator().manual_seed(m * 1000 + k + n)
+    x, w = torch.randn(m, k, generator=g), torch.randn(n, k, generator=g)
+    b = torch.randn(n, generator=g) if bias else None
+    got = cpu_ext.gemm(x, cpu_ext.pack_panels(w), n, b)
+    want = x.double() @ w.double().t() + (b.double() if bias else 0)
+    bound = (k + 1) * 2.0 ** -24 * (x.double().abs() @ w.double().abs().t() + (b.double().abs() if bias else 0))
+    assert got.dtype == torch.float32 and got.shape == (m, n)
+    assert ((got.double() - want).abs() <= bound + 1e-30).all()
+
+
+@gemm_needed
+def test_gemm_rows_do_not_depend_on_the_batch_and_inputs_may_be_views():
+    # Each output row is its own k-ordered sum: the same bits alone, in a batch of 7 or of 300,
+    # and from a 3-D input, a row-strided view or a non-contiguous one.
+    g = torch.Generator().manual_seed(1)
+    k, n = 576, 200
+    w, b = torch.randn(n, k, generator=g), torch.randn(n, generator=g)
+    p = cpu_ext.pack_panels(w)
+    x = torch.randn(300, k, generator=g)
+    full = cpu_ext.gemm(x, p, n, b)
+    for rows in (slice(0, 1), slice(3, 10), slice(40, 300)):
+        assert torch.equal(cpu_ext.gemm(x[rows], p, n, b), full[rows])
+    assert torch.equal(cpu_ext.gemm(x.view(3, 100, k), p, n, b), full.view(3, 100, n))
+    wide = torch.randn(300, k + 8, generator=g)
+    wide[:, :k] = x
+    assert torch.equal(cpu_ext.gemm(wide[:, :k], p, n, b), full)          # rows at stride k + 8
+    xt = x.t().contiguous().t()                                           # column-major: copied
+    assert torch.equal(cpu_ext.gemm(xt, p, n, b), full)
+    assert cpu_ext.gemm(x[:0], p, n, b).shape == (0, n)
+
+
+@gemm_needed
+def test_gemm_gives_the_same_answer_on_any_number_of_threads():
+    g = torch.Generator().manual_seed(2)
+    x, w = torch.randn(37, 300, generator=g), torch.randn(130, 300, generator=g)
+    p = cpu_ext.pack_panels(w)
+    before = torch.get_num_threads()
+    try:
+        outs = []
+        for t in (1, 2, 3):
+            torch.set_num_threads(t)
+            outs.append(cpu_ext.gemm(x, p, 130, None))
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])

@@ -1,0 +1,131 @@
+/* Small-batch fp32 GEMM for CPU linear layers: C[M, N] = A[M, K] @ W^T (+ bias), with W [N, K]
+ * (nn.Linear's weight) packed once into panels of 32 output columns, [ceil(N/32)][K][32], zero
+ * padded (lmi_pack_b). kernels/cpu_ext.py builds and loads it; handler/cpu.py's PanelLinear uses it.
+ *
+ * Why: a decode step multiplies 1-64 rows by every weight, so the weights stream from memory
+ * once per step. oneDNN's kernels at these sizes spent the memory time and the compute time one
+ * after the other (135 M Llama's layer GEMMs on 2 cores: 20 ms of streaming plus 0.67 ms per row).
+ * Here each thread owns a contiguous range of panels and, while it multiplies the current panel
+ * (from L2 after the first row block), prefetches the next panel into L2: the stream hides under
+ * the multiplications.
+ *
+ * Microkernel: up to 12 rows x 32 columns of accumulators in 24 zmm registers; for each k, two
+ * loads of the panel, one broadcast per row, two FMAs per row. Each output element is
+ * sum_k A[m, k] * W[n, k] accumulated in k order by fused multiply-adds from 0, then + bias:
+ * a row's result depends only on that row (the same in any batch). Rows go in chunks whose A
+ * slice stays in L2 (about 1 MiB), the row blocks of a chunk near-equal in size.
+ *
+ * Needs AVX-512F (built with -march=native); elsewhere lmi_gemm_available() returns 0 and the
+ * caller keeps oneDNN.
+ */
+#include <stdint.h>
+
+#define NR 32
+#define MRMAX 12
+
+/* W [N, K] row-major -> panels [ceil(N/32)][K][32], zero padded. */
+void lmi_pack_b(const float *W, int64_t N, int64_t K, float *out) {
+    int64_t np = (N + NR - 1) / NR;
+#pragma omp parallel for schedule(static)
+    for (int64_t p = 0; p < np; ++p)
+        for (int64_t k = 0; k < K; ++k)
+            for (int64_t j = 0; j < NR; ++j) {
+                int64_t n = p * NR + j;
+                out[(p * K + k) * NR + j] = n < N ? W[n * K + k] : 0.f;
+            }
+}
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#include <omp.h>
+
+int lmi_gemm_available(void) { return 1; }
+
+/* MR rows of A (row stride lda) x one panel B [K][32] -> C (row stride ldc), ncols <= 32 of them
+ * stored. Bn (or NULL): the next panel; this row block prefetches its k-rows pf0, pf0 + pfs, ...
+ * into L2, so the panel's row blocks share the prefetching. */
+#define KERNEL(MR)                                                                                  \
+    static void kern_##MR(const float *A, int64_t lda, const float *B, int64_t K, float *C,         \
+                          int64_t ldc, const float *bias, int64_t ncols, const float *Bn,           \
+                          int64_t pf0, int64_t pfs) {                                               \
+        __m512 c0[MR], c1[MR];                                                                      \
+        for (int r = 0; r < MR; ++r) {                                                              \
+            c0[r] = _mm512_setzero_ps();                                                            \
+            c1[r] = _mm512_setzero_ps();                                                            \
+        }                                                                                           \
+        int64_t pfk = Bn ? pf0 : K;                                                                 \
+        for (int64_t k = 0; k < K; ++k) {                                                           \
+            if (k == pfk) {                                                                         \
+                _mm_prefetch((const char *)(Bn + k * NR), _MM_HINT_T1);                             \
+                _mm_prefetch((const char *)(Bn + k * NR + 16), _MM_HINT_T1);                        \
+                pfk += pfs;                                                                         \
+            }                                                                                       \
+            const __m512 b0 = _mm512_loadu_ps(B + k * NR), b1 = _mm512_loadu_ps(B + k * NR + 16);   \
+            _mm_prefetch((const char *)(B + (k + 8) * NR), _MM_HINT_T0);                            \
+            _mm_prefetch((const char *)(B + (k + 8) * NR + 16), _MM_HINT_T0);                       \
+            for (int r = 0; r < MR; ++r) {                                                          \
+                const __m512 a = _mm512_set1_ps(A[r * lda + k]);                                    \
+                c0[r] = _mm512_fmadd_ps(a, b0, c0[r]);                                              \
+                c1[r] = _mm512_fmadd_ps(a, b1, c1[r]);                                              \
+            }                                                                                       \
+        }                                                                                           \
+        const __mmask16 m0 = ncols >= 16 ? 0xFFFF : (__mmask16)((1u << ncols) - 1);                 \
+        const __mmask16 m1 = ncols >= 32 ? 0xFFFF : ncols <= 16 ? 0                                 \
+                                                  : (__mmask16)((1u << (ncols - 16)) - 1);          \
+        if (bias) {                                                                                 \
+            const __m512 bb0 = _mm512_maskz_loadu_ps(m0, bias), bb1 = _mm512_maskz_loadu_ps(m1, bias + 16); \
+            for (int r = 0; r < MR; ++r) {                                                          \
+                c0[r] = _mm512_add_ps(c0[r], bb0);                                                  \
+                c1[r] = _mm512_add_ps(c1[r], bb1);                                                  \
+            }                                                                                       \
+        }                                                                                           \
+        for (int r = 0; r < MR; ++r) {                                                              \
+            _mm512_mask_storeu_ps(C + r * ldc, m0, c0[r]);                                          \
+            _mm512_mask_storeu_ps(C + r * ldc + 16, m1, c1[r]);                                     \
+        }                                                                                           \
+    }
+KERNEL(1) KERNEL(2) KERNEL(3) KERNEL(4) KERNEL(5) KERNEL(6)
+KERNEL(7) KERNEL(8) KERNEL(9) KERNEL(10) KERNEL(11) KERNEL(12)
+
+typedef void (*kern_t)(const float *, int64_t, const float *, int64_t, float *, int64_t, const float *,
+                       int64_t, const float *, int64_t, int64_t);
+static const kern_t KERNS[MRMAX + 1] = {0, kern_1, kern_2, kern_3, kern_4, kern_5, kern_6,
+                                        kern_7, kern_8, kern_9, kern_10, kern_11, kern_12};
+
+/* A [M, K] at row stride lda (K contiguous), Bp from lmi_pack_b, bias [N] or NULL,
+ * C [M, N] at row stride ldc. */
+void lmi_gemm(const float *A, int64_t M, int64_t K, int64_t lda, const float *Bp, int64_t N,
+              const float *bias, float *C, int64_t ldc, int nthreads) {
+    const int64_t np = (N + NR - 1) / NR;
+    int64_t chunk = ((1 << 20) / (K * 4)) / MRMAX * MRMAX;
+    if (chunk < MRMAX) chunk = MRMAX;
+    if (nthreads > np) nthreads = (int)np;
+    if (nthreads < 1) nthreads = 1;
+#pragma omp parallel num_threads(nthreads)
+    {
+        const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+        const int64_t p0 = np * t / nt, p1 = np * (t + 1) / nt;
+        for (int64_t m0 = 0; m0 < M; m0 += chunk) {
+            const int64_t Mc = M - m0 < chunk ? M - m0 : chunk;
+            const int64_t nb = (Mc + MRMAX - 1) / MRMAX;
+            for (int64_t p = p0; p < p1; ++p) {
+                const float *B = Bp + p * K * NR;
+                const float *Bn = p + 1 < p1 ? B + K * NR : 0;
+                const int64_t ncols = N - p * NR < NR ? N - p * NR : NR;
+                for (int64_t i = 0; i < nb; ++i) {
+                    const int64_t lo = Mc * i / nb, hi = Mc * (i + 1) / nb;
+                    KERNS[hi - lo](A + (m0 + lo) * lda, lda, B, K, C + (m0 + lo) * ldc + p * NR, ldc,
+                                   bias ? bias + p * NR : 0, ncols, Bn, i, nb);
+                }
+            }
+        }
+    }
+}
+#else
+int lmi_gemm_available(void) { return 0; }
+
+void lmi_gemm(const float *A, int64_t M, int64_t K, int64_t lda, const float *Bp, int64_t N,
+              const float *bias, float *C, int64_t ldc, int nthreads) {
+    (void)A; (void)M; (void)K; (void)lda; (void)Bp; (void)N; (void)bias; (void)C; (void)ldc; (void)nthreads;
+}
+#endif
