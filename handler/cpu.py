@@ -14,6 +14,18 @@ bf16 values but multiply them in fp32 (`WidenedLinear`, decided by timing both a
 `bf16_gemm_in_fp32`): the 135 M model's closed loop 185-190 -> 229-230 output tokens/s. AMX
 hosts, where bf16 is the faster GEMM, keep it.
 
+Where kernels/cpu_gemm.c runs (AVX-512F, a C compiler; LMI_CPU_GEMM=onednn keeps oneDNN), fp32
+weights and widened bf16 ones are packed instead into 32-column panels for it (PanelLinear). A
+decode step multiplies 1-64 rows by every weight, so the weights stream from memory each step;
+oneDNN spent that streaming time and its multiplications one after the other (the 135 M model's
+210 layer GEMMs on 2 cores: 22 ms at 1 row, 50 ms at 36, 73 ms at 64 = about 20 ms + 0.67 ms per
+row). The kernel streams the next panel into L2 while it multiplies the current one: 16 / 34 /
+51 ms, 1.04x oneDNN's speed at 256 rows, 0.94-0.96x at 512-1,024 (long prefills); the output
+head 1.27-1.32x at 8-50 rows, even at 64-256 (`python benchmarks/gemm_bench.py`, interleaved). Engine alone, cpu-135m fp32:
+6.20 / 6.28 -> 6.90 / 6.88 req/s, 8.9 -> 8.0 CPU-s per 1k output tokens (interleaved). Each
+output is its row's k-ordered FMA sum, whatever the batch: a row's values do not depend on the
+rows beside it.
+
 The module keeps being an `nn.Linear` (its class is swapped), so LoRA's wrapping and any code
 reading `in_features` keep working. Without LoRA, a weight no other module shares is dropped
 after packing (the packed copy replaces it: memory stays the same); a tied output head keeps
@@ -55,7 +67,7 @@ decode step spent about 15 ms of 95 outside its GEMMs and attention; the engine 
 Escape hatches (and the A/B switches of benchmarks/step_floor.py): LMI_CPU_PREPACK=0 keeps the
 plain nn.Linear; LMI_CPU_FUSED_NORM=0 keeps the models' own RMSNorm forward; LMI_CPU_FUSED_LAYERS=0 their own attention and MLP forwards; LMI_CPU_LEAN_FORWARD=0 the model's own forward around them; LMI_CPU_KV_LAYOUT=token keeps the CPU KV pool token-major like the GPU's;
 LMI_CPU_MALLOC=system keeps the C library's allocator; LMI_CPU_BF16_GEMM=bf16 | fp32 fixes the bf16
-models' GEMM instead of timing it.
+models' GEMM instead of timing it; LMI_CPU_GEMM=onednn keeps oneDNN for the fp32 GEMMs.
 """
 from __future__ import annotations
 
