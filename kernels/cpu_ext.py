@@ -188,6 +188,8 @@ def gemm(x: torch.Tensor, panels: torch.Tensor, n: int, bias: torch.Tensor | Non
     """x [..., K] fp32 @ the packed weight's transpose (+ bias [N], fp32) -> [..., N] fp32: each
     output summed in k order by fused multiply-adds (kernels/cpu_gemm.c)."""
     k = x.shape[-1]
+    if k == 0:      # an empty sum: the bias alone (the kernel sizes its row chunks by k)
+        return torch.zeros(*x.shape[:-1], n, dtype=torch.float32) + (0 if bias is None else bias)
     a = x.reshape(-1, k)
     m = a.shape[0]
     if a.stride(-1) != 1 or (m > 1 and a.stride(0) < k):

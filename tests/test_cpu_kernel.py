@@ -289,6 +289,8 @@ def test_gemm_rows_do_not_depend_on_the_batch_and_inputs_may_be_views():
     xt = x.t().contiguous().t()                                           # column-major: copied
     assert torch.equal(cpu_ext.gemm(xt, p, n, b), full)
     assert cpu_ext.gemm(x[:0], p, n, b).shape == (0, n)
+    assert torch.equal(cpu_ext.gemm(torch.randn(4, 0), cpu_ext.pack_panels(torch.randn(n, 0)), n, b),
+                       b.expand(4, n))                                  # no inputs: the bias alone
 
 
 @gemm_needed
