@@ -86,6 +86,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels import cpu_ext
+
 log = logging.getLogger("lmi.cpu")
 
 
@@ -127,7 +129,6 @@ class PanelLinear(nn.Linear):
     widen: bool
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        from kernels import cpu_ext
         want = torch.bfloat16 if self.widen else torch.float32
         if x.dtype != want:
             raise RuntimeError(f"PanelLinear: input dtype {x.dtype} != weight dtype {want}")
@@ -279,8 +280,21 @@ def panels_wanted() -> bool:
     and LMI_CPU_GEMM is not `onednn`."""
     if _setting("LMI_CPU_GEMM", "panels") == "onednn":
         return False
-    from kernels import cpu_ext
     return cpu_ext.gemm_available()
+
+
+def _onednn_pack(name: str, weight: torch.Tensor, widen: bool) -> torch.Tensor | None:
+    """The weight in oneDNN's layout (widened to fp32 when `widen`), or None where oneDNN cannot
+    take it (its dtype on this CPU, or a shape or build it refuses: the layer stays as it was)."""
+    if not can_prepack(torch.float32 if widen else weight.dtype):
+        return None
+    try:
+        with torch.no_grad():
+            w = weight.detach()
+            return torch.ops.mkldnn._reorder_linear_weight(w.float() if widen else w)
+    except RuntimeError as e:
+        log.debug("not prepacking %s: %s", name, e)
+        return None
 
 
 def prepack_linears(model: nn.Module, keep_weights: bool = False, widen_bf16: bool = False) -> int:
@@ -297,26 +311,17 @@ def prepack_linears(model: nn.Module, keep_weights: bool = False, widen_bf16: bo
     for name, m in _linears(model):
         widen = widen_bf16 and m.weight.dtype == torch.bfloat16
         if panels and (widen or m.weight.dtype == torch.float32):
-            from kernels import cpu_ext
             with torch.no_grad():
                 m.panels = cpu_ext.pack_panels(m.weight.detach().float())
-            m.__class__ = PanelLinear
-            m.widen = widen
-            m.bias32 = None if m.bias is None else m.bias.detach().float().contiguous()
+            m.widen, cls = widen, PanelLinear
         else:
-            if not can_prepack(torch.float32 if widen else m.weight.dtype):
+            packed = _onednn_pack(name, m.weight, widen)
+            if packed is None:
                 continue
-            try:
-                with torch.no_grad():
-                    w = m.weight.detach()
-                    packed = torch.ops.mkldnn._reorder_linear_weight(w.float() if widen else w)
-            except RuntimeError as e:   # a shape or build oneDNN refuses: this layer stays as it was
-                log.debug("not prepacking %s: %s", name, e)
-                continue
-            m.__class__ = WidenedLinear if widen else PackedLinear
-            m.packed = packed
-            if widen:
-                m.bias32 = None if m.bias is None else m.bias.detach().float()
+            m.packed, cls = packed, WidenedLinear if widen else PackedLinear
+        if cls is not PackedLinear:     # an fp32 GEMM: the bias in fp32
+            m.bias32 = None if m.bias is None else m.bias.detach().float().contiguous()
+        m.__class__ = cls
         if not keep_weights and id(m.weight) not in tied:
             # The packed copy replaces it; an empty tensor keeps dtype/device for readers.
             m.weight = nn.Parameter(m.weight.new_empty(0), requires_grad=False)
@@ -341,7 +346,6 @@ def _fused_rms_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
     """Llama's RMSNorm in one kernel: bf16 rows through the C kernel of kernels/cpu_ext.py,
     others through torch's fused rms_norm, then the same weight product."""
     if hidden_states.dtype == torch.bfloat16:
-        from kernels import cpu_ext
         out = cpu_ext.rms_norm_bf16(hidden_states, self.weight, self.variance_epsilon)
         if out is not None:
             return out
@@ -418,7 +422,6 @@ def _fused_attention_forward(self, hidden_states, position_embeddings=None, atte
     """Llama's attention on a packed step: projections, rotary in place (kernels/cpu_ext.py, the
     same rounding as transformers'), the paged attention, the output projection; the model's own
     forward whenever the step is not ours."""
-    from kernels import cpu_ext
 
     from .attention import ATTN_NAME, paged_attention_forward
     step = kwargs.get("lmi_step")
