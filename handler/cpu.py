@@ -278,8 +278,12 @@ def bf16_gemm_in_fp32(model: nn.Module, rows=(64, 512)) -> tuple[bool, str]:
 def panels_wanted() -> bool:
     """Whether fp32 GEMMs (and widened bf16 ones) go to kernels/cpu_gemm.c: it runs on this CPU
     and LMI_CPU_GEMM is not `onednn`."""
-    if _setting("LMI_CPU_GEMM", "panels") == "onednn":
+    choice = _setting("LMI_CPU_GEMM", "panels")
+    if choice == "onednn":
         return False
+    if choice != "panels":
+        log.warning("LMI_CPU_GEMM=%r ignored (allowed: panels, onednn); using panels where the CPU runs them",
+                    choice)
     return cpu_ext.gemm_available()
 
 

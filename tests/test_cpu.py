@@ -421,3 +421,13 @@ def test_one_loop_forward_needs_no_hooks_and_follows_its_switch(demo_model_facto
     assert cpu.lean_forward(model) is not None
     monkeypatch.setenv("LMI_CPU_LEAN_FORWARD", "0")
     assert cpu.lean_forward(model) is None
+
+
+def test_gemm_setting_names_its_values_when_it_is_wrong(monkeypatch, caplog):
+    import logging
+    monkeypatch.setenv("LMI_CPU_GEMM", "onednn")
+    assert cpu.panels_wanted() is False
+    monkeypatch.setenv("LMI_CPU_GEMM", "mkl")
+    with caplog.at_level(logging.WARNING, logger="lmi.cpu"):
+        assert cpu.panels_wanted() is cpu_ext.gemm_available()
+    assert any("LMI_CPU_GEMM='mkl' ignored (allowed: panels, onednn)" in r.getMessage() for r in caplog.records)
