@@ -190,9 +190,10 @@ class ModelRunner:
         per_token = self._bytes_per_token(layers, kv_heads, head_dim)
         if self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
-            # Leave room for activations: the rest of `utilization` after the weights.
+            # Leave room for activations: the rest of `utilization` after the weights; no more
+            # than every running sequence at full length can use (other processes keep the rest).
             budget = int(total * utilization) - (total - free) - (1 << 30)
-            return max(self.block_size, budget // per_token)
+            return max(self.block_size, min(wanted, budget // per_token))
         return max(self.block_size, min(wanted, (4 << 30) // per_token))
 
     def _eos_ids(self) -> frozenset:
@@ -282,23 +283,28 @@ class ModelRunner:
 
     def _forward(self, packed: torch.Tensor) -> torch.Tensor:
         n_tok, n_seq, width, n_rows, n_copies = packed[:5].tolist()
-        ids, pos, slots, qsl, seq_lens, tables, rows, src, dst = packed[5:].split(
-            [n_tok, n_tok, n_tok, n_seq + 1, n_seq, n_seq * width, n_rows, n_copies, n_copies])
-        dev = self.device
+        sizes = [n_tok, n_tok, n_tok, n_seq + 1, n_seq, n_seq * width, n_rows, n_copies, n_copies]
+        host = packed[5:].split(sizes)
+        qsl_cpu, seq_lens_cpu = host[3].tolist(), host[4].tolist()
+        if not n_rows:   # no row asked for: the last token's
+            packed = torch.cat([packed, packed.new_tensor([n_tok - 1])])
+            sizes[6] = 1
+        # One host-to-device copy for the whole step (on CPU: views of `packed`).
+        dev_packed = packed.to(self.device, non_blocking=True) if self.device.type == "cuda" else packed
+        ids, pos, slots, qsl, seq_lens, tables, keep, src, dst = dev_packed[5:].split(sizes)
         if n_copies:
-            self._copy_blocks(src.to(dev), dst.to(dev))
+            self._copy_blocks(src, dst)
         meta = StepMeta(
             kv_cache=self.kv_cache,
-            slot_mapping=slots.to(dev),
-            block_tables=tables.view(n_seq, width).to(dev, torch.int32),
-            seq_lens=seq_lens.to(dev, torch.int32),
-            query_start_loc=qsl.to(dev, torch.int32),
-            seq_lens_cpu=seq_lens.tolist(), query_start_loc_cpu=qsl.tolist())
-        keep = rows if n_rows else torch.tensor([n_tok - 1])
+            slot_mapping=slots,
+            block_tables=tables.view(n_seq, width).to(torch.int32),
+            seq_lens=seq_lens.to(torch.int32),
+            query_start_loc=qsl.to(torch.int32),
+            seq_lens_cpu=seq_lens_cpu, query_start_loc_cpu=qsl_cpu)
         if self.lean is not None:
-            return self.lean(ids.to(dev)[None], pos.to(dev)[None], keep.to(dev), meta)
-        out = self.model(input_ids=ids.to(dev)[None], position_ids=pos.to(dev)[None],
-                         use_cache=False, logits_to_keep=keep.to(dev), lmi_step=meta)
+            return self.lean(ids[None], pos[None], keep, meta)
+        out = self.model(input_ids=ids[None], position_ids=pos[None],
+                         use_cache=False, logits_to_keep=keep, lmi_step=meta)
         return out.logits[0]
 
     # ---- one step

@@ -59,6 +59,8 @@ def _overrides(a) -> dict:
         o["eos_after"] = _range("--eos-after", a.eos_after)
     if a.seed is not None:
         o["seed"] = a.seed
+    if getattr(a, "serial_requests", None) is not None:
+        o["serial_requests"] = _ints("--serial-requests", str(a.serial_requests), lo=0)[0]
     return o
 
 
@@ -70,6 +72,8 @@ def _workload_args(p, default_preset: str):
     p.add_argument("--max-new-tokens", help="comma-separated set to draw from, e.g. 64,128,256")
     p.add_argument("--prompt-words", help="comma-separated prompt lengths in words, e.g. 24,96,384")
     p.add_argument("--seed", type=int)
+    p.add_argument("--serial-requests", type=int, metavar="K",
+                   help="the one-at-a-time servers (none, hf_naive) run the first K requests (0: all N)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
 
 
