@@ -30,9 +30,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.step_floor import make_engine  # noqa: E402
 from handler.config import ConfigError  # noqa: E402
-from handler.cpu import preload_env  # noqa: E402
-from handler.engine import ErrorEvent  # noqa: E402
-from handler.request import SamplingParams  # noqa: E402
+from handler.model.cpu import preload_env  # noqa: E402
+from handler.engine.loop import ErrorEvent  # noqa: E402
+from handler.engine.request import SamplingParams  # noqa: E402
 
 
 def draw(n: int, prompt_tokens: list[int], max_new: list[int], vocab: int, seed: int):
@@ -44,7 +44,7 @@ def draw(n: int, prompt_tokens: list[int], max_new: list[int], vocab: int, seed:
 def from_preset(name: str, tokenizer) -> list[tuple[list[int], int]]:
     """The `lmi` workload of a `bench compare` preset, exactly as served: the same bodies,
     tokenized as /invocations does, with their max_new_tokens."""
-    from handler.bench.workloads import PRESETS
+    from handler.tools.bench.workloads import PRESETS
     w = next(w for w in PRESETS[name].workloads if w.name == "lmi")
     return [(tokenizer(b["inputs"])["input_ids"], b["parameters"]["max_new_tokens"])
             for b in w.draw(tokenizer)]

@@ -29,9 +29,9 @@ import requests
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from handler.bench import scrape  # noqa: E402
-from handler.bench.client import wait_ready  # noqa: E402
-from handler.bench.compare import free_port  # noqa: E402
+from handler.tools.bench import scrape  # noqa: E402
+from handler.tools.bench.client import wait_ready  # noqa: E402
+from handler.tools.bench.compare import free_port  # noqa: E402
 
 GOOD = {"inputs": "def handler(event, context):", "parameters": {"max_new_tokens": 16, "ignore_eos": True}}
 

@@ -21,8 +21,8 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from handler.config import load_config  # noqa: E402
-from handler.demo_model import build_demo_adapters, build_demo_model  # noqa: E402
-from handler.request import SamplingParams  # noqa: E402
+from handler.tools.demo_model import build_demo_adapters, build_demo_model  # noqa: E402
+from handler.engine.request import SamplingParams  # noqa: E402
 from handler.server import build_engine  # noqa: E402
 
 PROPS = ("option.rolling_batch=auto\noption.max_rolling_batch_size={width}\noption.enable_lora=true\n"

@@ -23,8 +23,8 @@ import timeit
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from handler.config import load_config  # noqa: E402
-from handler.metrics import Metrics, RequestTrace  # noqa: E402
-from handler.request import SamplingParams  # noqa: E402
+from handler.http.metrics import Metrics, RequestTrace  # noqa: E402
+from handler.engine.request import SamplingParams  # noqa: E402
 from handler.server import build_engine  # noqa: E402
 
 PROPS = ("option.rolling_batch=lmi-dist\noption.paged_attention=true\noption.max_rolling_batch_size={width}\n"
@@ -77,7 +77,7 @@ def main() -> int:
     tmp = tempfile.mkdtemp()
     model_dir = a.model_dir
     if model_dir is None:
-        from handler.demo_model import build_demo_model
+        from handler.tools.demo_model import build_demo_model
         model_dir = os.path.join(tmp, "demo")
         build_demo_model(model_dir)
     props = os.path.join(tmp, "serving.properties")

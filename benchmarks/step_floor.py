@@ -31,7 +31,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 from handler.config import load_config  # noqa: E402
-from handler.request import SamplingParams  # noqa: E402
+from handler.engine.request import SamplingParams  # noqa: E402
 from handler.server import build_engine  # noqa: E402
 
 

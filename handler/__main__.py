@@ -7,10 +7,10 @@ import sys
 COMMANDS = {
     "serve": ("handler.server", "start the HTTP server (gunicorn + Flask)"),
     "config": ("handler.config", "print the resolved configuration as JSON (--explain: its KV arithmetic)"),
-    "build-demo-model": ("handler.demo_model", "build a tiny demo model + tokenizer locally"),
-    "bench": ("handler.bench.cli", "load client and strategy comparison"),
-    "deploy": ("handler.deploy", "SageMaker deployment tooling"),
-    "tune": ("handler.tune", "measure candidate serving.properties files, recommend one"),
+    "build-demo-model": ("handler.tools.demo_model", "build a tiny demo model + tokenizer locally"),
+    "bench": ("handler.tools.bench.cli", "load client and strategy comparison"),
+    "deploy": ("handler.tools.deploy", "SageMaker deployment tooling"),
+    "tune": ("handler.tools.tune", "measure candidate serving.properties files, recommend one"),
 }
 
 

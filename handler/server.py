@@ -22,8 +22,8 @@ def _width(cfg) -> int:
 def build_runner(cfg, on_rank_failure=None):
     """ServingConfig -> a ModelRunner (loads the model; the slow part). With
     tensor_parallel_degree N > 1 this process becomes rank 0 and starts ranks 1..N-1
-    (handler.distributed); `on_rank_failure(line)` is called if the rank group breaks."""
-    from .runner import ModelRunner
+    (handler.model.distributed); `on_rank_failure(line)` is called if the rank group breaks."""
+    from handler.model.runner import ModelRunner
 
     kwargs = dict(model_dir=cfg.model_dir, dtype=cfg.dtype, device=cfg.device, block_size=cfg.block_size,
                   kv_cache_tokens=cfg.kv_cache_tokens, max_running=_width(cfg),
@@ -36,8 +36,8 @@ def build_runner(cfg, on_rank_failure=None):
             enable_lora(cfg, runner)
         runner.prepack_cpu(keep_weights=lora)
         return runner
-    from .distributed import RankGroup, check_supported
-    from .runner import ModelLoadError, pick_device
+    from handler.model.distributed import RankGroup, check_supported
+    from handler.model.runner import ModelLoadError, pick_device
     group = RankGroup(cfg.tensor_parallel_degree, pick_device(cfg.device).type, kwargs,
                       on_rank_failure or (lambda line: log.error("error: %s", line))).spawn()
     try:
@@ -63,8 +63,8 @@ def build_runner(cfg, on_rank_failure=None):
 def enable_lora(cfg, runner) -> None:
     """Wrap the model for LoRA and read MODEL_DIR/adapters/<name>/ (LMI's layout); a bad
     adapter stops the start-up with its one-line reason."""
-    from .lora import AdapterError
-    from .runner import ModelLoadError
+    from handler.model.lora import AdapterError
+    from handler.model.runner import ModelLoadError
     manager = runner.enable_lora(cfg.max_loras, cfg.max_lora_rank, cfg.max_cpu_loras)
     try:
         names = manager.register_dir(cfg.model_dir)
@@ -76,8 +76,8 @@ def enable_lora(cfg, runner) -> None:
 
 def engine_for(cfg, runner):
     """A started Engine with cfg's strategy over an already loaded runner."""
-    from .engine import Engine
-    from .scheduler import SchedulerPolicy
+    from handler.engine.loop import Engine
+    from handler.engine.scheduler import SchedulerPolicy
 
     width = _width(cfg)
     runner.batch_invariant = cfg.batch_invariant
@@ -99,7 +99,7 @@ def check_model_readable(model_dir: str) -> None:
     """Cheap checks in the master process (no torch): config.json parses, safetensors headers read."""
     from safetensors import safe_open
 
-    from .config import ConfigError
+    from handler.config import ConfigError
     try:
         with open(os.path.join(model_dir, "config.json")) as f:
             json.load(f)
@@ -119,11 +119,11 @@ def create_state(cfg, load_async: bool = True, hub: bool = False):
     """The app's state; the engine is built in a background thread so /ping answers meanwhile.
     hub: requests are greenlets of this thread's gevent hub (the gevent worker), which the engine
     wakes once per step (handler/hub.py)."""
-    from .app import ServerState
+    from handler.http.app import ServerState
 
     state = ServerState(cfg)
     if hub:
-        from .hub import HubWaker
+        from handler.http.hub import HubWaker
         state.waker = HubWaker()
 
     def rank_failed(line: str) -> None:
@@ -159,12 +159,12 @@ def create_state(cfg, load_async: bool = True, hub: bool = False):
     return state
 
 
-WORKER_CLASSES = {"gevent": "handler.worker.GeventWorker", "gthread": "handler.worker.Worker"}
+WORKER_CLASSES = {"gevent": "handler.http.worker.GeventWorker", "gthread": "handler.http.worker.Worker"}
 
 
 def http_worker(env) -> str:
     """LMI_HTTP_WORKER: gevent (default) or gthread; anything else is a ConfigError."""
-    from .config import ConfigError
+    from handler.config import ConfigError
     kind = env.get("LMI_HTTP_WORKER", "gevent").strip().lower() or "gevent"
     if kind not in WORKER_CLASSES:
         raise ConfigError(f"LMI_HTTP_WORKER: {kind!r} is not one of {', '.join(WORKER_CLASSES)}")
@@ -175,7 +175,7 @@ def _gunicorn_app(cfg, host: str, port: int, threads: int, worker: str = "gevent
                   connections: int = 1000):
     from gunicorn.app.base import BaseApplication
 
-    from .app import create_app
+    from handler.http.app import create_app
 
     class App(BaseApplication):
         def load_config(self):
@@ -191,7 +191,7 @@ def _gunicorn_app(cfg, host: str, port: int, threads: int, worker: str = "gevent
                 self.cfg.set(k, v)
 
         def load(self):
-            from .metrics import configure_logging
+            from handler.http.metrics import configure_logging
 
             configure_logging(cfg.log_format)      # gunicorn's own log handlers exist by now
             return create_app(create_state(cfg, hub=worker == "gevent"))
@@ -200,7 +200,7 @@ def _gunicorn_app(cfg, host: str, port: int, threads: int, worker: str = "gevent
 
 
 def main(argv: list[str]) -> int:
-    from .config import ConfigError, check_tp_heads, load_config
+    from handler.config import ConfigError, check_tp_heads, load_config
 
     p = argparse.ArgumentParser(prog="python -m handler serve", description="Serve a causal LM "
                                 "behind SageMaker's HTTP contract (/ping, /invocations).")
@@ -211,13 +211,13 @@ def main(argv: list[str]) -> int:
     p.add_argument("--threads", type=int, help="HTTP threads with LMI_HTTP_WORKER=gthread (default: enough for "
                    "the queue); with gevent, connections beyond 1000")
     a = p.parse_args(argv)
-    from .metrics import configure_logging
+    from handler.http.metrics import configure_logging
 
     configure_logging("text", os.environ.get("LMI_LOG_LEVEL", "INFO"))
     try:
         cfg = load_config(a.properties, a.model_dir, os.environ)
         if cfg.device != "cuda":    # once, before anything is loaded: tcmalloc (handler/cpu.py)
-            from .cpu import preload_env
+            from handler.model.cpu import preload_env
             env = preload_env(os.environ)
             if env is not None:
                 os.execve(sys.executable, [sys.executable, "-m", "handler", "serve", *argv], env)
@@ -225,7 +225,7 @@ def main(argv: list[str]) -> int:
         if cfg.model_id.startswith("s3://"):
             from dataclasses import replace
 
-            from .s3 import S3ModelError, resolve_model_dir
+            from handler.model.s3 import S3ModelError, resolve_model_dir
             try:
                 cfg = replace(cfg, model_dir=resolve_model_dir(cfg.model_id))
             except S3ModelError as e:

@@ -20,7 +20,7 @@ do (the rotary embedding): compiled without -ffast-math and without FMA contract
 the same library.
 
 No compiler, a failed build or LMI_CPU_ATTENTION=reference: `load()` returns None and the
-reference path serves (one warning says why). The first call builds; `handler.runner` calls
+reference path serves (one warning says why). The first call builds; `handler.model.runner` calls
 `load()` at start-up so no request pays for it.
 """
 from __future__ import annotations

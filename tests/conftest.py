@@ -11,7 +11,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 @pytest.fixture(scope="session")
 def demo_model_factory(tmp_path_factory):
-    from handler.demo_model import build_demo_model
+    from handler.tools.demo_model import build_demo_model
 
     built: dict[str, str] = {}
 

@@ -178,9 +178,9 @@ def test_sagemaker_sdk_local_mode_serves_the_image(image, docker_api, demo_model
     import requests
     from sagemaker.core.local.local_session import LocalSession
 
-    from handler.bench.compare import free_port
-    from handler.deploy import iter_jsonlines, properties_to_env
-    from tests.reference import hf_greedy
+    from handler.tools.bench.compare import free_port
+    from handler.tools.deploy import iter_jsonlines, properties_to_env
+    from tests.support.reference import hf_greedy
 
     for var, value in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
                        "AWS_DEFAULT_REGION": "us-east-1"}.items():

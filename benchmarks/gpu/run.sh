@@ -69,8 +69,8 @@ bench() {  # bench:none,dynamic:500[:lmi]
 suite() {
     say "suite: start"
     timeout ${SUITE_TIMEOUT:-300} $py -m pytest -p no:cacheprovider -q -ra --timeout 240 -n 6 \
-        --ignore=tests/test_container.py --ignore=tests/test_deploy.py --ignore=tests/test_s3.py \
-        --ignore=tests/test_notebooks.py --ignore=tests/test_lora.py --ignore=tests/test_api_clients.py \
+        --ignore=tests/test_container.py --ignore=tests/tools/test_deploy.py --ignore=tests/model/test_s3.py \
+        --ignore=tests/tools/test_notebooks.py --ignore=tests/model/test_lora.py --ignore=tests/http/test_api_clients.py \
         tests/ 2>&1 | tee "$OUT/suite.log" | tail -40
     say "suite: done"
 }

@@ -1,0 +1,751 @@
+"""serving.properties + environment -> one frozen ServingConfig (LMI conventions).
+
+Precedence for every key: a value in the properties file wins over the environment;
+among environment variables an explicit OPTION_<KEY>/SERVING_<KEY> wins over the
+LMI/TGI aliases (HF_MODEL_ID, MAX_BATCH_SIZE, ...). Errors are ConfigError with one
+line naming where the value came from, the key, the value and what is allowed.
+No torch at import time and no transformers at all: `python -m handler config` is cheap.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import difflib
+import glob
+import json
+import os
+import re
+import sys
+from dataclasses import dataclass
+from typing import Callable, Iterator, Mapping
+
+DEFAULT_MODEL_DIR = "/opt/ml/model"
+DEFAULT_ENTRY_POINT = "djl_python.huggingface"
+
+
+class ConfigError(Exception):
+    """A configuration problem; str(e) is the single line shown to the user."""
+
+
+class PropertiesSyntaxError(ValueError):
+    def __init__(self, line: int, message: str):
+        super().__init__(f"line {line}: {message}")
+        self.line = line
+        self.message = message
+
+
+# --------------------------------------------------------------------------------------
+# java.util.Properties.load syntax
+# --------------------------------------------------------------------------------------
+_WS = " \t\f"  # Java's whitespace here: not \v, not unicode spaces
+_NEWLINE = re.compile(r"\r\n|\r|\n")  # not str.splitlines: that also splits on \x85, \u2028...
+_HEX4 = re.compile(r"[0-9a-fA-F]{4}")
+_ESCAPES = {"t": "\t", "n": "\n", "r": "\r", "f": "\f"}
+
+
+def _logical_lines(text: str) -> Iterator[tuple[int, str]]:
+    """(first line number, logical line): comments and blank lines skipped, continuations
+    joined with the continuation line's leading whitespace dropped. As in Java, while a
+    logical line is still empty (e.g. after a lone `\\`) the next line starts afresh."""
+    buf, start, pending = "", 0, False
+    natural = _NEWLINE.split(text)
+    if natural[-1] == "":
+        natural.pop()  # the text ended with a terminator: no further line
+    for i, raw in enumerate(natural):
+        line = raw.lstrip(_WS)
+        if not buf:
+            start = i + 1
+            if not line or line[0] in "#!":  # a comment line never continues
+                pending = False
+                continue
+        pending = (len(line) - len(line.rstrip("\\"))) % 2 == 1
+        if pending:
+            buf += line[:-1]
+            continue
+        yield start, buf + line
+        buf = ""
+    if pending:  # a backslash at the end of the input is dropped
+        yield start, buf
+
+
+def _unescape(s: str, lineno: int) -> str:
+    out = []
+    i, n = 0, len(s)
+    while i < n:
+        c = s[i]
+        i += 1
+        if c != "\\":
+            out.append(c)
+        elif i < n:
+            c = s[i]
+            i += 1
+            if c == "u":
+                if not _HEX4.fullmatch(s, i, i + 4):
+                    raise PropertiesSyntaxError(lineno, f"malformed \\uXXXX escape: {s[i - 2:i + 4]!r}")
+                out.append(chr(int(s[i:i + 4], 16)))
+                i += 4
+            else:
+                out.append(_ESCAPES.get(c, c))
+    r = "".join(out)
+    if any("\ud800" <= ch <= "\udfff" for ch in r):  # join \uD83D\uDE00 pairs into one char
+        r = r.encode("utf-16-le", "surrogatepass").decode("utf-16-le", "surrogatepass")
+    return r
+
+
+def _split_key_value(line: str) -> tuple[str, str]:
+    """Raw (still escaped) key and value of one logical line, as Properties.load does."""
+    n = len(line)
+    key_end = value_start = n
+    has_sep = backslash = False
+    for i, c in enumerate(line):
+        if not backslash and c in "=:":
+            key_end, value_start, has_sep = i, i + 1, True
+            break
+        if not backslash and c in _WS:
+            key_end, value_start = i, i + 1
+            break
+        backslash = (c == "\\") and not backslash
+    while value_start < n:
+        c = line[value_start]
+        if c not in _WS:
+            if has_sep or c not in "=:":
+                break
+            has_sep = True
+        value_start += 1
+    return line[:key_end], line[value_start:]
+
+
+def parse_properties_lines(text: str) -> list[tuple[int, str, str]]:
+    """[(line number, key, value)] in file order (duplicates kept)."""
+    out = []
+    for lineno, line in _logical_lines(text):
+        k, v = _split_key_value(line)
+        out.append((lineno, _unescape(k, lineno), _unescape(v, lineno)))
+    return out
+
+
+def parse_properties(text: str) -> dict[str, str]:
+    """java.util.Properties.load semantics; a later duplicate key wins.
+    Raises PropertiesSyntaxError (a ValueError) on a malformed \\uXXXX escape."""
+    return {k: v for _, k, v in parse_properties_lines(text)}
+
+
+# --------------------------------------------------------------------------------------
+# Keys
+# --------------------------------------------------------------------------------------
+class _Bad(ValueError):
+    """What is wrong with a value, completed by the caller with source/key/value."""
+
+
+def _int(minimum: int) -> Callable[[str], int]:
+    what = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
+
+    def parse(v: str) -> int:
+        if not re.fullmatch(r"[+]?[0-9]+", v) or int(v) < minimum:
+            raise _Bad(f"is not {what}")
+        return int(v)
+
+    return parse
+
+
+def _float(lo: float, hi: float | None, lo_open: bool, what: str) -> Callable[[str], float]:
+    def parse(v: str) -> float:
+        try:
+            x = float(v)
+        except ValueError:
+            raise _Bad(f"is not {what}") from None
+        if "_" in v or x != x or x in (float("inf"), float("-inf")) \
+                or (x <= lo if lo_open else x < lo) or (hi is not None and x > hi):
+            raise _Bad(f"is not {what}")
+        return x
+
+    return parse
+
+
+def _bool(v: str) -> bool:
+    if v.lower() in ("true", "false"):
+        return v.lower() == "true"
+    raise _Bad("is not a boolean; allowed: true, false")
+
+
+def _enum(allowed: list[str], aliases: Mapping[str, str] | None = None) -> Callable[[str], str]:
+    table = {a.lower(): a for a in allowed}
+    table.update({k.lower(): v for k, v in (aliases or {}).items()})
+
+    def parse(v: str) -> str:
+        if v.lower() not in table:
+            raise _Bad(f"is not supported; allowed: {', '.join(allowed)}")
+        return table[v.lower()]
+
+    return parse
+
+
+def _block_size(v: str) -> int:
+    n = int(v) if re.fullmatch(r"[+]?[0-9]+", v) else 0
+    if not 1 <= n <= 256 or n & (n - 1):
+        raise _Bad("is not a power of two from 1 to 256")
+    return n
+
+
+def _tp_degree(v: str) -> int | str:
+    if v.lower() == "max":
+        return "max"
+    try:
+        return _int(1)(v)
+    except _Bad:
+        raise _Bad("is not a positive integer or max") from None
+
+
+def _non_empty(v: str) -> str:
+    if not v:
+        raise _Bad("is empty")
+    return v
+
+
+ROLLING_BATCH_VALUES = ["auto", "scheduler", "lmi-dist", "vllm", "disable"]
+
+# key -> value parser. Keys honoured by this server.
+TYPED_KEYS: dict[str, Callable[[str], object]] = {
+    # LMI's other engine names are accepted (with a warning) so that older files load as written.
+    "engine": _enum(["Python", "MPI", "DeepSpeed", "FasterTransformer"]),
+    "batch_size": _int(1),
+    "max_batch_delay": _int(0),
+    "job_queue_size": _int(1),
+    "max_idle_time": _int(1),
+    "request_timeout": _float(0.0, None, True, "a positive number of seconds"),
+    "graceful_timeout": _float(0.0, None, True, "a positive number of seconds"),
+    "option.model_id": _non_empty,
+    "option.s3url": _non_empty,  # LMI's older name for an s3:// model_id
+    "option.rolling_batch": _enum(ROLLING_BATCH_VALUES),
+    "option.paged_attention": _bool,
+    "option.max_rolling_batch_size": _int(1),
+    "option.max_rolling_batch_prefill_tokens": _int(1),
+    "option.block_size": _block_size,
+    "option.enable_prefix_caching": _bool,
+    "option.kv_cache_tokens": _int(1),
+    "option.gpu_memory_utilization": _float(0.0, 1.0, True, "a number in (0, 1]"),
+    "option.max_model_len": _int(1),
+    "option.dtype": _enum(["fp32", "fp16", "bf16", "auto"],
+                          {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}),
+    "option.device": _enum(["auto", "cpu", "cuda"]),
+    "option.tensor_parallel_degree": _tp_degree,
+    "option.trust_remote_code": _bool,
+    "option.entryPoint": _non_empty,
+    "option.output_formatter": _enum(["json", "jsonlines", "sse", "json_chat", "jsonlines_chat", "sse_chat"]),
+    "option.tgi_compat": _bool,        # TGI's response shapes on /invocations
+    # LMI's names for ours: used when ours are absent.
+    "option.predict_timeout": _float(0.0, None, True, "a positive number of seconds"),  # request_timeout
+    "option.max_num_batched_tokens": _int(1),   # vLLM's name for max_rolling_batch_prefill_tokens
+    "option.quantize": _non_empty,              # refused: quantization is not implemented
+    "option.log_format": _enum(["text", "json"]),
+    "option.enable_streaming": _bool,  # LMI's switch; checked against dynamic batching
+    "option.max_payload_mb": _float(0.0, None, True, "a positive number of megabytes"),
+    "option.batch_invariant": _bool,
+    # Multi-LoRA (LMI's / vLLM's names): adapters from MODEL_DIR/adapters/<name>/ and the routes.
+    "option.enable_lora": _bool,
+    "option.max_loras": _int(1),        # distinct adapters in one batch (device slots)
+    "option.max_lora_rank": _int(1),
+    "option.max_cpu_loras": _int(1),    # adapters kept read in memory (least recently used evicted)
+}
+
+# Real LMI keys that change nothing here: accepted (LMI files load as written) and reported once
+# as "accepted, has no effect here".
+IGNORED_KEYS = {
+    "minWorkers", "maxWorkers", "gpu.minWorkers", "gpu.maxWorkers", "cpu.minWorkers",
+    "cpu.maxWorkers", "load_on_devices", "required_memory_mb", "reserved_memory_mb",
+    "log_model_metric", "metrics_aggregation", "translatorFactory",
+    "option.max_input_len", "option.max_output_len", "option.task",
+    "option.revision", "option.model_loading_timeout", "option.low_cpu_mem_usage",
+    "option.device_map", "option.load_in_8bit", "option.load_in_4bit", "option.mpi_mode",
+    "option.parallel_loading", "option.enforce_eager", "option.disable_flash_attn",
+    "option.pipeline_parallel_degree", "option.rolling_batch_strategy",
+    "option.lora_dtype", "option.fully_sharded_loras", "option.lora_extra_vocab_size",
+}
+
+KNOWN_KEYS = set(TYPED_KEYS) | IGNORED_KEYS
+_BY_LOWER = {k.lower(): k for k in KNOWN_KEYS}  # file keys: case-insensitive
+
+
+def _norm(key: str) -> str:
+    return key.lower().replace("_", "")
+
+
+_BY_NORM = {_norm(k): k for k in KNOWN_KEYS}  # env keys: case- and underscore-insensitive
+assert len(_BY_NORM) == len(KNOWN_KEYS), "two known keys collide once normalised"
+
+# Environment aliases; among several for one key the first one set wins.
+ENV_ALIASES: list[tuple[str, str]] = [
+    ("HF_MODEL_ID", "option.model_id"),
+    ("HF_MODEL_TRUST_REMOTE_CODE", "option.trust_remote_code"),
+    ("TENSOR_PARALLEL_DEGREE", "option.tensor_parallel_degree"),
+    ("SM_NUM_GPUS", "option.tensor_parallel_degree"),
+    ("MAX_BATCH_SIZE", "option.max_rolling_batch_size"),
+    ("MAX_CONCURRENT_REQUESTS", "job_queue_size"),
+    ("MAX_BATCH_PREFILL_TOKENS", "option.max_rolling_batch_prefill_tokens"),
+    ("SAGEMAKER_MODEL_SERVER_TIMEOUT", "request_timeout"),
+    ("SAGEMAKER_MODEL_SERVER_TIMEOUT_SECONDS", "option.predict_timeout"),   # as LMI's SageMakerCompatibility
+    ("HF_MODEL_QUANTIZE", "option.quantize"),
+]
+
+
+# --------------------------------------------------------------------------------------
+# The resolved configuration
+# --------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ServingConfig:
+    strategy: str                 # "none" | "dynamic" | "rolling" | "paged"
+    engine: str                   # "Python" | "MPI"
+    model_id: str                 # as given (local path or s3:// URI)
+    model_dir: str                # absolute local dir to load; "" for s3:// (cache chosen later)
+    properties_file: str | None
+    batch_size: int
+    max_batch_delay_ms: int
+    job_queue_size: int
+    max_idle_time_s: int
+    request_timeout_s: float
+    graceful_timeout_s: float     # SIGTERM -> in-flight work may finish for this long
+    rolling_batch: str            # "disable" | "auto" | "scheduler" | "lmi-dist" | "vllm"
+    paged_attention: bool
+    max_rolling_batch_size: int
+    max_rolling_batch_prefill_tokens: int
+    block_size: int
+    enable_prefix_caching: bool
+    kv_cache_tokens: int | None   # None = derive at start-up
+    gpu_memory_utilization: float
+    max_model_len: int | None     # None = the model's own
+    dtype: str                    # "fp32" | "fp16" | "bf16" | "auto"
+    device: str                   # "auto" | "cpu" | "cuda"
+    tensor_parallel_degree: int
+    trust_remote_code: bool
+    entry_point: str
+    output_formatter: str         # "json" | "jsonlines" | "sse" | "json_chat" | "jsonlines_chat" | "sse_chat"
+    max_payload_mb: float         # request bodies above this are refused (413)
+    batch_invariant: bool         # numerics independent of what shares the batch
+    log_format: str               # "text" | "json" (server logs, one request line each)
+    port: int
+    warnings: tuple[str, ...]
+    properties: dict = dataclasses.field(hash=False)  # merged raw properties, key -> value
+    tgi_compat: bool = False      # TGI's shapes on /invocations (a list, logprob/special, details on, SSE)
+    enable_lora: bool = False     # multi-LoRA (handler/lora.py)
+    max_loras: int = 4            # distinct adapters running at once
+    max_lora_rank: int = 16
+    max_cpu_loras: int = 4        # adapters kept read in memory
+
+
+@dataclass
+class _Value:
+    raw: str
+    source: str  # "path:line" or "environment VAR"
+
+
+def _show(v: str) -> str:
+    """A value as it can be shown on one line."""
+    return v if v.isprintable() and v == v.strip() and v else json.dumps(v)
+
+
+def _env_properties(env: Mapping[str, str]) -> dict[str, _Value]:
+    out: dict[str, _Value] = {}
+    for var in sorted(env):
+        val = env[var]
+        if val == "":
+            continue  # `-e OPTION_X=` means unset
+        if var == "OPTION_ENGINE":
+            key = "engine"      # as LMI: the SageMaker SDK's DJLModel sets it
+        elif var.startswith("OPTION_") and len(var) > 7:
+            key = "option." + var[7:].lower()
+        elif var.startswith("SERVING_") and len(var) > 8:
+            key = var[8:].lower()
+        else:
+            continue
+        out[_BY_NORM.get(_norm(key), key)] = _Value(val, f"environment {var}")
+    for var, key in ENV_ALIASES:
+        if env.get(var) and key not in out:
+            out[key] = _Value(env[var], f"environment {var}")
+    return out
+
+
+def _read_properties(path: str) -> dict[str, _Value]:
+    try:
+        with open(path, encoding="utf-8-sig") as f:
+            text = f.read()
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read: {e.strerror}") from None
+    try:
+        lines = parse_properties_lines(text)
+    except PropertiesSyntaxError as e:
+        raise ConfigError(f"{path}:{e.line}: {e.message}") from None
+    return {_BY_LOWER.get(k.lower(), k): _Value(v, f"{path}:{n}") for n, k, v in lines}
+
+
+def cpu_cores() -> int:
+    """CPU cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:   # not Linux
+        return os.cpu_count() or 1
+
+
+def model_heads(model_dir: str) -> tuple[str, int, int] | None:
+    """(architecture, attention heads, KV heads) from config.json (plain JSON, no torch); None if
+    the file or the fields are missing."""
+    try:
+        with open(os.path.join(model_dir, "config.json")) as f:
+            c = json.load(f)
+    except (OSError, ValueError):
+        return None
+    text = c.get("text_config") or c
+    heads = text.get("num_attention_heads") or text.get("n_head")
+    if not isinstance(heads, int):
+        return None
+    kv = text.get("num_key_value_heads") or heads
+    arch = (c.get("architectures") or [c.get("model_type", "?")])[0]
+    return arch, heads, kv
+
+
+def check_tp_heads(model_dir: str, degree: int, origin: str) -> None:
+    """Each rank takes heads/degree query heads and kv_heads/degree KV heads: both must divide."""
+    found = model_heads(model_dir) if degree > 1 else None
+    if found is None:
+        return
+    arch, heads, kv = found
+    if heads % degree or kv % degree:
+        raise ConfigError(f"{origin}: option.tensor_parallel_degree={degree} does not divide the heads of "
+                          f"{arch} in {model_dir} (num_attention_heads={heads}, num_key_value_heads={kv}); "
+                          "use a degree that divides both")
+
+
+def _visible_gpus() -> int:
+    try:
+        import torch  # lazily: `config` must stay cheap when no GPU question is asked
+    except ImportError:
+        return 0
+    return torch.cuda.device_count()
+
+
+_S3_URI = re.compile(r"s3://[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9](/.*)?", re.IGNORECASE)
+
+
+def _check_model_dir(path: str) -> None:
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise ConfigError(f"model directory {path} has no config.json; "
+                          "it must hold a Hugging Face model (config.json + *.safetensors)")
+    if glob.glob(os.path.join(glob.escape(path), "*.safetensors")):
+        return
+    bins = glob.glob(os.path.join(glob.escape(path), "*.bin"))
+    if bins:
+        raise ConfigError(f"model directory {path} has {os.path.basename(sorted(bins)[0])} but no "
+                          "*.safetensors; safetensors weights are required (re-save with "
+                          "model.save_pretrained(dir, safe_serialization=True))")
+    raise ConfigError(f"model directory {path} has no *.safetensors weights")
+
+
+class _Sources:
+    """The merged raw properties with their typed values; `where` names a value's origin."""
+
+    def __init__(self, merged: dict[str, _Value], properties_path: str | None, warnings: list[str]):
+        self.merged = merged
+        self.properties_path = properties_path
+        self.warnings = warnings
+        self.values: dict[str, object] = {}
+
+    def get(self, key, default=None):
+        v = self.values.get(key)
+        return default if v is None else v
+
+    def where(self, key: str) -> str:
+        return f"{self.merged[key].source}: {key}={_show(self.merged[key].raw)}"
+
+
+def _merge_sources(properties_path: str | None, model_dir: str, env: Mapping[str, str]) -> _Sources:
+    """Environment, then the properties file over it (an override is a warning)."""
+    if properties_path is None:
+        default = os.path.join(model_dir, "serving.properties")
+        properties_path = default if os.path.isfile(default) else None
+    elif not os.path.isfile(properties_path):
+        raise ConfigError(f"properties file {properties_path} does not exist")
+    warnings: list[str] = []
+    merged = _env_properties(env)
+    if properties_path is not None:
+        for key, val in _read_properties(properties_path).items():
+            old = merged.get(key)
+            if old is not None and old.raw.strip() != val.raw.strip():
+                warnings.append(f"{old.source}={_show(old.raw)} is overridden by "
+                                f"{val.source}: {key}={_show(val.raw)}")
+            merged[key] = val
+    return _Sources(merged, properties_path, warnings)
+
+
+def _parse_values(src: _Sources) -> None:
+    """Every present typed key validated up front; unknown keys warned about (with a hint)."""
+    for key in TYPED_KEYS:
+        val = src.merged.get(key)
+        if val is None:
+            src.values[key] = None
+            continue
+        try:
+            src.values[key] = TYPED_KEYS[key](val.raw.strip())
+        except _Bad as e:
+            raise ConfigError(f"{val.source}: {key}={_show(val.raw)} {e}") from None
+    unknown = sorted(k for k in src.merged if k not in KNOWN_KEYS)
+    if unknown:
+        named = []
+        for k in unknown:
+            origin = src.merged[k].source
+            hint = difflib.get_close_matches(k, sorted(KNOWN_KEYS), n=1)
+            named.append(k + (f" ({origin.split()[1]})" if origin.startswith("environment") else "")
+                         + (f" (did you mean {hint[0]}?)" if hint else ""))
+        src.warnings.append("unknown keys ignored: " + ", ".join(named))
+    if "option.quantize" in src.merged:
+        raise ConfigError(f"{src.where('option.quantize')}: quantization is not implemented in this server; "
+                          "remove the key (the model is served in option.dtype)")
+    no_effect = sorted(k for k in src.merged if k in IGNORED_KEYS)
+    if no_effect:
+        src.warnings.append("accepted, has no effect here: " + ", ".join(no_effect))
+
+
+def _resolve_strategy(src: _Sources) -> dict:
+    """LMI semantics: batch_size / rolling_batch / paged_attention -> strategy, and the
+    settings that only make sense with some strategies. Returns ServingConfig fields."""
+    get, where, warnings = src.get, src.where, src.warnings
+    batch_size = get("batch_size", 1)
+    rolling_batch = get("option.rolling_batch", "disable")
+    paged = get("option.paged_attention")
+    max_rolling = get("option.max_rolling_batch_size", 32)
+    if rolling_batch == "disable":
+        strategy = "dynamic" if batch_size > 1 else "none"
+        if paged:
+            warnings.append(f"{where('option.paged_attention')} has no effect without "
+                            "option.rolling_batch (set option.rolling_batch=auto for paged attention)")
+        paged = False
+        unused = [k for k in ("option.max_rolling_batch_size", "option.max_rolling_batch_prefill_tokens",
+                              "option.max_num_batched_tokens")
+                  if k in src.merged]
+    else:
+        if rolling_batch == "scheduler" and paged:
+            raise ConfigError(f"{where('option.paged_attention')} is not supported with "
+                              "option.rolling_batch=scheduler; use option.rolling_batch=auto for paged attention")
+        if paged is None:
+            paged = rolling_batch != "scheduler"
+        strategy = "paged" if paged else "rolling"
+        if batch_size > 1:
+            warnings.append(f"{where('batch_size')} is ignored with option.rolling_batch="
+                            f"{rolling_batch} (option.max_rolling_batch_size={max_rolling} governs)")
+        unused = []
+    if strategy != "dynamic" and "max_batch_delay" in src.merged:
+        unused.append("max_batch_delay")
+    if unused:
+        warnings.append(f"ignored with strategy {strategy}: {', '.join(unused)}")
+
+    output_formatter = get("option.output_formatter", "json")
+    if strategy == "dynamic":
+        for key, streams in (("option.output_formatter", output_formatter in ("jsonlines", "sse", "jsonlines_chat",
+                                                                             "sse_chat")),
+                             ("option.enable_streaming", get("option.enable_streaming", False))):
+            if streams:
+                raise ConfigError(f"{where(key)} streams tokens, which dynamic batching "
+                                  f"(batch_size={batch_size}) cannot do; use option.rolling_batch=auto "
+                                  "to stream, or drop the streaming setting")
+
+    block_size = get("option.block_size", 16)
+    kv_tokens = get("option.kv_cache_tokens")
+    max_model_len = get("option.max_model_len")
+    if kv_tokens is not None and kv_tokens < block_size:
+        raise ConfigError(f"{where('option.kv_cache_tokens')} is smaller than "
+                          f"option.block_size={block_size}; it must be >= the block size")
+    if kv_tokens is not None and max_model_len is not None and kv_tokens < max_model_len:
+        raise ConfigError(f"{where('option.kv_cache_tokens')} cannot hold one sequence of "
+                          f"option.max_model_len={max_model_len}; raise it or lower max_model_len")
+
+    entry_point = get("option.entryPoint", DEFAULT_ENTRY_POINT)
+    if entry_point != DEFAULT_ENTRY_POINT:
+        warnings.append(f"{where('option.entryPoint')} is not run: this server always uses its "
+                        f"built-in Hugging Face engine ({DEFAULT_ENTRY_POINT})")
+    if get("engine", "Python") not in ("Python", "MPI"):
+        warnings.append(f"{where('engine')}: this server runs its built-in engine for every LMI "
+                        f"engine name (Python and MPI are the same here)")
+    return dict(strategy=strategy, batch_size=batch_size, rolling_batch=rolling_batch,
+                paged_attention=paged, max_rolling_batch_size=max_rolling,
+                output_formatter=output_formatter, block_size=block_size,
+                kv_cache_tokens=kv_tokens, max_model_len=max_model_len, entry_point=entry_point)
+
+
+def _resolve_devices(src: _Sources, env: Mapping[str, str], gpu_count: int | None) -> dict:
+    """Device, tensor-parallel degree and port; torch is asked only when the answer matters."""
+    get, where = src.get, src.where
+    device = get("option.device", "auto")
+    tp = get("option.tensor_parallel_degree", 1)
+    if tp == "max" or tp > 1 or device == "cuda":
+        if gpu_count is None:
+            gpu_count = _visible_gpus()
+    if device == "cuda" and gpu_count == 0:
+        raise ConfigError(f"{where('option.device')} but no CUDA GPU is visible; use option.device=auto or cpu")
+    on_gpu = device == "cuda" or (device == "auto" and bool(gpu_count))
+    if tp == "max":
+        # All GPUs; on a CPU one rank: ranks on one host share its cores and its memory, so a
+        # degree > 1 on CPU buys nothing but gloo all-reduces (it is for correctness runs).
+        tp = gpu_count if on_gpu else 1
+    if tp > 1:
+        if on_gpu and tp > gpu_count:
+            raise ConfigError(f"{where('option.tensor_parallel_degree')} needs {tp} GPUs (one rank per GPU), "
+                              f"{gpu_count} visible; set option.tensor_parallel_degree to at most {gpu_count} "
+                              "or max")
+        if device == "cpu" and gpu_count:
+            raise ConfigError(f"{where('option.tensor_parallel_degree')} with option.device=cpu on a machine "
+                              f"with {gpu_count} GPUs is not supported; use option.device=auto (one rank per GPU)")
+        cores = cpu_cores()
+        if not on_gpu and tp > cores:
+            src.warnings.append(f"{where('option.tensor_parallel_degree')} runs {tp} CPU ranks on {cores} "
+                                "cores: ranks share cores (slow; fine for correctness runs)")
+
+    port_raw = env.get("SAGEMAKER_BIND_TO_PORT", "").strip()
+    port = 8080
+    if port_raw:
+        if not re.fullmatch(r"[0-9]+", port_raw) or not 1 <= int(port_raw) <= 65535:
+            raise ConfigError(f"environment SAGEMAKER_BIND_TO_PORT={_show(port_raw)} "
+                              "is not a port number (1-65535)")
+        port = int(port_raw)
+    return dict(device=device, tensor_parallel_degree=tp, port=port)
+
+
+def _resolve_model(src: _Sources, model_dir: str, check_model: bool) -> dict:
+    """option.model_id (or option.s3url, or the model directory) -> model_id and local dir."""
+    get, where, properties_path = src.get, src.where, src.properties_path
+    mkey = "option.model_id" if "option.model_id" in src.merged else \
+        "option.s3url" if "option.s3url" in src.merged else None
+    if mkey is not None:
+        model_id = get(mkey)
+        if model_id[:5].lower() == "s3://":
+            if not _S3_URI.fullmatch(model_id):
+                raise ConfigError(f"{where(mkey)} is not a valid s3://bucket/prefix URI")
+            local = ""
+        else:
+            path = os.path.expanduser(model_id)
+            bases = [os.path.dirname(os.path.abspath(properties_path))] if properties_path else []
+            candidates = [path] if os.path.isabs(path) else \
+                [os.path.join(b, path) for b in bases + [os.getcwd()]]
+            local = next((os.path.abspath(c) for c in candidates if os.path.isdir(c)), None)
+            if local is None:
+                raise ConfigError(
+                    f"{where(mkey)} is neither a local directory nor an s3:// URI; this container "
+                    "has no model hub access: put the model (config.json + *.safetensors) in the "
+                    f"model directory (--model-dir, default {DEFAULT_MODEL_DIR}) or set "
+                    "option.model_id to a local directory or s3://bucket/prefix")
+    else:
+        model_id = local = model_dir
+        if check_model and not os.path.isdir(model_dir):
+            raise ConfigError(f"model directory {model_dir} does not exist; pass --model-dir DIR "
+                              "or set option.model_id to a local directory or s3://bucket/prefix")
+    if check_model and local:
+        _check_model_dir(local)
+    return dict(model_id=model_id, model_dir=local)
+
+
+LORA_KEYS = ("option.max_loras", "option.max_lora_rank", "option.max_cpu_loras")
+
+
+def _resolve_lora(src: _Sources, tp_degree: int) -> dict:
+    """option.enable_lora and its limits (defaults as LMI: 4 adapters, rank 16)."""
+    get, where = src.get, src.where
+    enable = get("option.enable_lora", False)
+    max_loras = get("option.max_loras", 4)
+    max_cpu = get("option.max_cpu_loras", max_loras)
+    if not enable:
+        unused = [k for k in LORA_KEYS if k in src.merged]
+        if unused:
+            src.warnings.append(f"ignored without option.enable_lora=true: {', '.join(unused)}")
+    else:
+        if max_cpu < max_loras:
+            raise ConfigError(f"{where('option.max_cpu_loras')} must be >= option.max_loras={max_loras} "
+                              "(every adapter in a batch is also kept in memory)")
+        if tp_degree > 1:
+            raise ConfigError(f"{where('option.enable_lora')} is not supported with option."
+                              f"tensor_parallel_degree={tp_degree} (adapters are not sharded across "
+                              "ranks); use tensor_parallel_degree=1 or drop option.enable_lora")
+    return dict(enable_lora=enable, max_loras=max_loras, max_lora_rank=get("option.max_lora_rank", 16),
+                max_cpu_loras=max_cpu)
+
+
+def load_config(properties_path: str | None = None, model_dir: str | None = None,
+                env: Mapping[str, str] | None = None, check_model: bool = True,
+                gpu_count: int | None = None) -> ServingConfig:
+    """Stages: merge sources -> parse typed values -> strategy -> devices -> LoRA -> model."""
+    env = os.environ if env is None else env
+    model_dir = os.path.abspath(model_dir or DEFAULT_MODEL_DIR)
+    src = _merge_sources(properties_path, model_dir, env)
+    _parse_values(src)
+    strategy = _resolve_strategy(src)
+    devices = _resolve_devices(src, env, gpu_count)
+    lora = _resolve_lora(src, devices["tensor_parallel_degree"])
+    model = _resolve_model(src, model_dir, check_model)
+    if model["model_dir"] and devices["tensor_parallel_degree"] > 1:
+        key = "option.tensor_parallel_degree"
+        check_tp_heads(model["model_dir"], devices["tensor_parallel_degree"],
+                       src.merged[key].source if key in src.merged else "option.tensor_parallel_degree=max")
+    get = src.get
+    return ServingConfig(
+        **strategy, **devices, **model, **lora,
+        engine=get("engine", "Python"),
+        properties_file=os.path.abspath(src.properties_path) if src.properties_path else None,
+        max_batch_delay_ms=get("max_batch_delay", 100),
+        job_queue_size=get("job_queue_size", 1000),
+        max_rolling_batch_prefill_tokens=get("option.max_rolling_batch_prefill_tokens",
+                                             get("option.max_num_batched_tokens", 4096)),
+        max_idle_time_s=get("max_idle_time", 60),
+        request_timeout_s=get("request_timeout", get("option.predict_timeout", 600.0)),
+        # SageMaker sends SIGKILL 30 s after SIGTERM.
+        graceful_timeout_s=get("graceful_timeout", 30.0),
+        max_payload_mb=get("option.max_payload_mb", 6.0),
+        batch_invariant=get("option.batch_invariant", False),
+        enable_prefix_caching=get("option.enable_prefix_caching", False),
+        gpu_memory_utilization=get("option.gpu_memory_utilization", 0.9),
+        dtype=get("option.dtype", "auto"),
+        trust_remote_code=get("option.trust_remote_code", False),
+        log_format=get("option.log_format", "text"),
+        warnings=tuple(src.warnings),
+        properties={k: v.raw for k, v in sorted(src.merged.items())},
+        tgi_compat=get("option.tgi_compat", False),
+    )
+
+
+def config_to_dict(cfg: ServingConfig) -> dict:
+    d = dataclasses.asdict(cfg)
+    d["warnings"] = list(cfg.warnings)
+    return {"strategy": d.pop("strategy"), **d}
+
+
+def main(argv: list[str]) -> int:
+    """`python -m handler config [--properties FILE] [--model-dir DIR]`: print the resolved config."""
+    if argv[:1] == ["config"]:
+        argv = argv[1:]
+    if "--explain" in argv:  # the KV arithmetic of the file (handler/explain.py)
+        from handler.config.explain import main as explain_main
+        return explain_main(argv)
+    p = argparse.ArgumentParser(prog="python -m handler config",
+                                description="Resolve serving.properties + environment and print it as JSON.")
+    p.add_argument("--properties", metavar="FILE",
+                   help="properties file (default: MODEL_DIR/serving.properties if it exists)")
+    p.add_argument("--model-dir", metavar="DIR", help=f"model directory (default {DEFAULT_MODEL_DIR})")
+    p.add_argument("--no-check-model", action="store_true",
+                   help="don't require config.json and *.safetensors in the model directory")
+    p.add_argument("--explain", action="store_true",
+                   help="print the KV-cache arithmetic instead (see --explain --help)")
+    args = p.parse_args(argv)
+    try:
+        cfg = load_config(args.properties, args.model_dir, check_model=not args.no_check_model)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    for w in cfg.warnings:
+        print(f"warning: {w}", file=sys.stderr)
+    try:
+        print(json.dumps(config_to_dict(cfg), indent=2), flush=True)
+    except BrokenPipeError:  # `... | head`: not an error; keep the exit-time flush quiet too
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

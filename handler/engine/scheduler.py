@@ -1,0 +1,457 @@
+"""Admission and per-step plans for the four strategies. No torch: plain ids and counts only.
+
+One rule for every strategy (as in vLLM v1): a sequence has `num_computed` tokens in the KV
+cache; each step gives it the tokens it lacks (a prompt chunk, or the last sampled token), and
+it samples when it has caught up. The strategies differ only in admission and KV reservation:
+
+  none     one sequence at a time; reserves prompt + max_new_tokens
+  dynamic  request level: a batch of up to batch_size forms when that many wait or
+           max_batch_delay passed since the first arrived; nobody joins until all finish
+  rolling  iteration level: join/leave every step; reserves prompt + max_new_tokens at admission
+  paged    iteration level: blocks on demand; preempt (recompute) the newest when they run out
+"""
+from __future__ import annotations
+
+import itertools
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+from handler.engine.blocks import BlockManager
+from handler.engine.request import SamplingParams
+
+STRATEGIES = ("none", "dynamic", "rolling", "paged")
+
+
+class QueueFull(Exception):
+    pass
+
+
+class CapacityError(ValueError):
+    """A request that can never fit in the KV cache or the model's context; `field` names the
+    part of the request to change (str(e) is "field: message")."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(f"{field}: {message}")
+        self.field = field
+        self.message = message
+
+
+class Finish(StrEnum):
+    """Why a sequence ended. The values are the protocol's finish_reason strings."""
+    LENGTH = "length"
+    EOS = "eos_token"
+    STOP = "stop_sequence"
+    ABORTED = "aborted"
+    FAILED = "failed"
+
+
+@dataclass(frozen=True)
+class SchedulerPolicy:
+    """Admission and reservation rules. `strategy` fills in the behaviour fields below; nothing
+    downstream tests the strategy's name."""
+    strategy: str
+    max_batch_size: int = 32            # batch_size (dynamic) / max_rolling_batch_size
+    max_batch_delay_s: float = 0.1      # wait_for_batch only
+    prefill_token_budget: int = 4096    # chunked_prefill: prompt tokens per step
+    max_waiting: int = 1000             # job_queue_size
+    max_model_len: int = 2048
+    eos_token_ids: frozenset = frozenset()
+    prefix_caching: bool = False        # asked for; kept only where blocks grow on demand
+    # Behaviour (None: the strategy's value, see STRATEGY_BEHAVIOUR).
+    request_level: bool | None = None   # a batch forms, then nobody joins until all finish
+    one_request: bool | None = None     # request_level with one request (a client's list) a batch
+    wait_for_batch: bool | None = None  # gather max_batch_size or wait max_batch_delay_s
+    chunked_prefill: bool | None = None   # prompt tokens per step bounded by the budget
+    reserve_full_length: bool | None = None   # reserve prompt + max_new_tokens at admission
+    # (otherwise blocks grow on demand, preempting the newest sequence when they run out)
+    fork_samples: bool | None = None    # samples of one prompt share its KV blocks
+    max_loras: int = 0                  # distinct LoRA adapters running at once (0: no LoRA)
+
+    def __post_init__(self):
+        if self.strategy not in STRATEGIES:
+            raise ValueError(f"strategy must be one of {STRATEGIES}, got {self.strategy!r}")
+        for k, v in STRATEGY_BEHAVIOUR[self.strategy].items():
+            if getattr(self, k) is None:
+                object.__setattr__(self, k, v)
+        # A shared prefix needs blocks that are not reserved per sequence up front.
+        object.__setattr__(self, "prefix_caching", self.prefix_caching and not self.reserve_full_length)
+        object.__setattr__(self, "fork_samples", self.fork_samples and not self.reserve_full_length)
+
+
+STRATEGY_BEHAVIOUR = {
+    "none": dict(request_level=True, one_request=True, wait_for_batch=False, chunked_prefill=False,
+                 reserve_full_length=True, fork_samples=False),
+    "dynamic": dict(request_level=True, one_request=False, wait_for_batch=True, chunked_prefill=False,
+                    reserve_full_length=True, fork_samples=False),
+    "rolling": dict(request_level=False, one_request=False, wait_for_batch=False, chunked_prefill=True,
+                    reserve_full_length=True, fork_samples=False),
+    "paged": dict(request_level=False, one_request=False, wait_for_batch=False, chunked_prefill=True,
+                  reserve_full_length=False, fork_samples=True),
+}
+
+
+@dataclass(eq=False)
+class Sequence:
+    seq_id: int
+    prompt_ids: list[int]
+    params: SamplingParams
+    arrival: float
+    tokens: list[int] = field(default_factory=list)   # prompt + output; grows as we decode
+    num_computed: int = 0
+    finish_reason: str | None = None
+    admitted: int = -1          # admission order, for preemption victims
+    preemptions: int = 0
+    cached_tokens: int = 0      # prompt tokens served from the prefix cache
+    group: int | None = None    # the prompts of one client-side list share a group
+    first_scheduled: float | None = None   # time of the first admission (queue time ends)
+    sample_index: int = 0       # which of its prompt's params.num_samples sequences
+    fork_of: int | None = None  # sample 0's seq_id: this sample may share its prompt blocks
+    prompt_logprobs: list[float] = field(default_factory=list)  # of prompt tokens 1.. (details)
+    cum_logprob: float = 0.0    # sum of the sampled tokens' log-probs (best_of)
+
+    def __post_init__(self):
+        if not self.tokens:
+            self.tokens = list(self.prompt_ids)
+
+    @property
+    def num_output(self) -> int:
+        return len(self.tokens) - len(self.prompt_ids)
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.tokens[len(self.prompt_ids):]
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def adapter_key(self):
+        """The LoRA adapter's key (None: the base model): its prefix-cache chain root."""
+        a = self.params.adapter
+        return None if a is None else ("lora", a.uid)
+
+
+@dataclass(frozen=True)
+class StepItem:
+    seq_id: int
+    token_ids: list[int]        # fed this step, at positions start_pos .. start_pos+len-1
+    start_pos: int
+    block_table: list[int]
+    sample: bool                # the chunk reaches the end of the known tokens
+    params: SamplingParams
+    history: list[int]          # prompt + output so far (repetition penalty); do not mutate
+    num_prompt: int = 0         # history[:num_prompt] is the prompt (penalties on the output)
+    prompt_logprobs: bool = False   # return log-probs of history[p+1] for every fed position p
+
+
+@dataclass(frozen=True)
+class SampleResult:
+    """The runner's answer for one item."""
+    token: int | None = None        # None: a prompt chunk that does not reach the end
+    logprob: float = 0.0
+    top: tuple = ()                 # top_n_tokens: ((id, logprob), ...), most likely first
+    prompt_logprobs: tuple = ()     # log-probs of history[start_pos+1 ...] when asked for
+    error: tuple[int, str] | None = None   # (HTTP status, message): this item alone failed
+
+
+@dataclass
+class StepPlan:
+    items: list[StepItem]
+    preempted: list[int] = field(default_factory=list)
+    copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) KV blocks, before the forward
+
+
+class Scheduler:
+    def __init__(self, policy: SchedulerPolicy, blocks: BlockManager):
+        self.policy = policy
+        self.blocks = blocks
+        self.reset()
+        self.stats = {"steps": 0, "prefill_tokens": 0, "decode_tokens": 0, "preemptions": 0,
+                      "cached_prompt_tokens": 0, "admitted": 0, "forked_prompt_tokens": 0}
+
+    def reset(self) -> None:
+        """Forget every sequence and block (after an engine error); the statistics stay."""
+        self.blocks.reset()
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.seqs: dict[int, Sequence] = {}
+        self._order = itertools.count()
+        self._copies: list[tuple[int, int]] = []     # copy-on-write of forked samples' blocks
+
+    # ---- intake
+    def max_len(self, seq: Sequence) -> int:
+        return min(len(seq.prompt_ids) + seq.params.max_new_tokens, self.policy.max_model_len)
+
+    def check_fits(self, prompt_len: int, params: SamplingParams) -> None:
+        cap = self.policy.max_model_len
+        # An empty prompt would be planned as a sampling item with no tokens to sample from.
+        if prompt_len < 1:
+            raise CapacityError("inputs", "the prompt has no tokens after tokenization")
+        if prompt_len >= cap:
+            raise CapacityError("inputs", f"the prompt has {prompt_len} tokens; this model allows "
+                                f"at most {cap - 1} prompt tokens (max_model_len={cap})")
+        need = prompt_len + params.max_new_tokens
+        if need > cap:
+            raise CapacityError("parameters.max_new_tokens", f"prompt ({prompt_len} tokens) + "
+                                f"max_new_tokens ({params.max_new_tokens}) exceeds this model's "
+                                f"{cap} tokens (max_model_len); ask for at most {cap - prompt_len}")
+        room = self.blocks.num_blocks * self.blocks.block_size
+        if prompt_len >= room:
+            raise CapacityError("inputs", f"the prompt has {prompt_len} tokens; the KV cache holds "
+                                f"{room} (option.kv_cache_tokens), so at most {room - 1} prompt tokens")
+        if need > room:
+            raise CapacityError("parameters.max_new_tokens", f"prompt ({prompt_len} tokens) + "
+                                f"max_new_tokens ({params.max_new_tokens}) needs {need} KV slots; "
+                                f"the KV cache holds {room} (option.kv_cache_tokens)")
+
+    def queue_room(self) -> int:
+        """Sequences that may still wait: job_queue_size, plus the running slots now free (a
+        sequence added to waiting takes one of those at the next schedule), less those waiting.
+        So a server exactly at capacity (every slot running, the queue full) still admits."""
+        free_slots = max(0, self.policy.max_batch_size - len(self.running))
+        return self.policy.max_waiting + free_slots - len(self.waiting)
+
+    def add(self, seq: Sequence) -> None:
+        if self.queue_room() < 1:
+            raise QueueFull(f"the queue is full ({self.policy.max_waiting} waiting; job_queue_size)")
+        self.check_fits(len(seq.prompt_ids), seq.params)
+        self.seqs[seq.seq_id] = seq
+        self.waiting.append(seq)
+
+    def finish(self, seq_id: int, reason: str) -> Sequence | None:
+        """End a sequence (done, cancelled or failed) and return its blocks."""
+        seq = self.seqs.pop(seq_id, None)
+        if seq is None:
+            return None
+        seq.finish_reason = seq.finish_reason or reason
+        if seq in self.running:
+            self.running.remove(seq)
+        else:
+            try:
+                self.waiting.remove(seq)
+            except ValueError:
+                pass
+        self.blocks.free(seq_id)
+        return seq
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ---- planning
+    def next_wakeup(self, now: float) -> float | None:
+        """Seconds until admission could change without new arrivals (dynamic's delay)."""
+        if self.policy.wait_for_batch and self.waiting and not self.running:
+            return max(0.0, self.waiting[0].arrival + self.policy.max_batch_delay_s - now)
+        return None
+
+    def _reserve(self, seq: Sequence) -> int:
+        return self.max_len(seq) if self.policy.reserve_full_length else len(seq.tokens)
+
+    # ---- samples of one prompt (n / best_of): prefill once, then fork
+    def _fork_source(self, seq: Sequence) -> Sequence | None:
+        """The running sample 0 whose prompt KV `seq` can share: it has computed all but the
+        last prompt token, which the fork recomputes to get its own logits (as vLLM v1's
+        parallel sampling does through prefix-cache hits)."""
+        if seq.fork_of is None or seq.num_output or not self.policy.fork_samples:
+            return None
+        parent = self.seqs.get(seq.fork_of)
+        if parent is None or parent not in self.running \
+                or parent.num_computed < len(parent.prompt_ids) - 1:
+            return None
+        return parent
+
+    def _awaits_fork(self, seq: Sequence) -> bool:
+        """A sample whose sample 0 is running but still prefilling: wait rather than prefill."""
+        if seq.fork_of is None or seq.num_output or not self.policy.fork_samples:
+            return False
+        parent = self.seqs.get(seq.fork_of)
+        return parent is not None and parent in self.running \
+            and parent.num_computed < len(parent.prompt_ids) - 1
+
+    def _fork(self, seq: Sequence, parent: Sequence) -> bool:
+        n = len(seq.prompt_ids) - 1
+        copies = self.blocks.fork(parent.seq_id, seq.seq_id, n)
+        if copies is None:
+            return False
+        self._copies += copies
+        seq.num_computed = n
+        seq.prompt_logprobs = list(parent.prompt_logprobs)
+        self.stats["forked_prompt_tokens"] += n
+        return True
+
+    def _fork_waiting(self, parent: Sequence) -> None:
+        """Right after sample 0's prefill: admit its waiting samples onto its blocks."""
+        for q in [q for q in self.waiting if q.fork_of == parent.seq_id]:
+            if len(self.running) >= self.policy.max_batch_size or not self._admit(q):
+                return
+
+    def _adapter_fits(self, seq: Sequence) -> bool:
+        """At most policy.max_loras distinct adapters run at once (one step's device slots)."""
+        key = seq.adapter_key
+        if key is None:
+            return True
+        running = {q.adapter_key for q in self.running} - {None}
+        return key in running or len(running) < self.policy.max_loras
+
+    def _admit(self, seq: Sequence) -> bool:
+        if not self._adapter_fits(seq):
+            return False
+        parent = self._fork_source(seq)
+        if parent is not None:
+            if not self._fork(seq, parent):
+                return False
+        else:
+            # Paged keeps a few blocks spare (5% of the pool, at most one per running sequence)
+            # so that an admission does not force a preemption on the very next step.
+            watermark = 0
+            if not self.policy.reserve_full_length:
+                watermark = min(len(self.running), max(1, self.blocks.num_blocks // 20))
+            # Prompt log-probs need every prompt position computed: no prefix-cache hit.
+            hit = [] if seq.params.decoder_input_details else \
+                self.blocks.match(seq.tokens, seq.adapter_key)
+            if not self.blocks.can_allocate(seq.tokens, self._reserve(seq), watermark, hit):
+                return False
+            cached = self.blocks.allocate(seq.seq_id, seq.tokens, self._reserve(seq), hit,
+                                          seq.adapter_key)
+            seq.num_computed = cached
+            seq.cached_tokens += cached
+            self.stats["cached_prompt_tokens"] += cached
+        seq.admitted = next(self._order)
+        if seq.first_scheduled is None:
+            seq.first_scheduled = time.monotonic()
+        self.stats["admitted"] += 1
+        self.waiting.remove(seq)
+        self.running.append(seq)
+        return True
+
+    def _admission(self, now: float) -> None:
+        p = self.policy
+        if p.request_level:
+            if self.running or not self.waiting:
+                return
+            if p.one_request:   # one request at a time; a client's list (or n samples) is one
+                head = self.waiting[0].group
+                cap = 1 if head is None else sum(1 for _ in itertools.takewhile(
+                    lambda q: q.group == head, self.waiting))
+            else:
+                cap = p.max_batch_size
+            if p.wait_for_batch and len(self.waiting) < cap and \
+                    now < self.waiting[0].arrival + p.max_batch_delay_s:
+                return
+            while self.waiting and len(self.running) < cap and self._admit(self.waiting[0]):
+                pass
+            return
+        budget = p.prefill_token_budget - sum(len(q.tokens) - q.num_computed for q in self.running
+                                              if len(q.tokens) - q.num_computed > 1)
+        while self.waiting and len(self.running) < p.max_batch_size and budget > 0:
+            head = self.waiting[0]
+            if self._awaits_fork(head) or not self._admit(head):
+                break
+            budget -= len(head.tokens) - head.num_computed
+
+    def _preempt(self, victim: Sequence) -> None:
+        self.running.remove(victim)
+        self.blocks.free(victim.seq_id)
+        victim.num_computed = 0
+        victim.preemptions += 1
+        self.stats["preemptions"] += 1
+        self.waiting.appendleft(victim)
+
+    def schedule(self, now: float) -> StepPlan:
+        self._admission(now)
+        preempted: list[int] = []
+        budget = self.policy.prefill_token_budget
+        unlimited = not self.policy.chunked_prefill
+        items: list[StepItem] = []
+        for seq in sorted(self.running, key=lambda q: q.admitted):
+            if seq not in self.running:          # preempted below as a victim
+                continue
+            n = len(seq.tokens) - seq.num_computed
+            if n > 1 and not unlimited:          # prefill chunk: bounded by the token budget
+                n = min(n, budget)
+                if n <= 0:
+                    continue
+                budget -= n
+            if not self.policy.reserve_full_length:
+                while not self.blocks.ensure(seq.seq_id, seq.num_computed + n):
+                    victim = max(self.running, key=lambda q: q.admitted)
+                    self._preempt(victim)
+                    preempted.append(victim.seq_id)
+                    if victim is seq:
+                        break
+                if seq not in self.running:
+                    continue
+            items.append(StepItem(
+                seq.seq_id, seq.tokens[seq.num_computed:seq.num_computed + n], seq.num_computed,
+                self.blocks.table(seq.seq_id), seq.num_computed + n == len(seq.tokens),
+                seq.params, seq.tokens, len(seq.prompt_ids),
+                seq.params.decoder_input_details
+                and len(seq.prompt_logprobs) < len(seq.prompt_ids) - 1))
+        # Items are planned oldest first and a victim is the newest running sequence, so no
+        # planned item is ever preempted after the fact.
+        plan = StepPlan(items, preempted)
+        if items:
+            plan.copies, self._copies = self._copies, []
+        return plan
+
+    def update(self, plan: StepPlan, results: list) -> list[tuple[Sequence, SampleResult]]:
+        """Apply a step's results: one SampleResult per item, or one per sampling item (a bare
+        int is a token). Returns (sequence, result) for those that got a token or failed;
+        finishes those that hit length or EOS, or whose item failed."""
+        self.stats["steps"] += 1
+        if len(results) != len(plan.items):
+            it = iter(results)
+            results = [next(it) if item.sample else None for item in plan.items]
+        got: list[tuple[Sequence, SampleResult]] = []
+        for item, res in zip(plan.items, results):
+            res = SampleResult(res) if isinstance(res, int) else res or SampleResult()
+            seq = self.seqs.get(item.seq_id)
+            if seq is None or seq not in self.running:   # aborted while the step ran
+                continue
+            if res.error is not None:
+                seq.finish_reason = Finish.FAILED
+                got.append((seq, res))
+                continue
+            n = len(item.token_ids)
+            self.stats["decode_tokens" if n == 1 and item.sample and seq.num_output else
+                       "prefill_tokens"] += n
+            seq.num_computed += n
+            self.blocks.commit(seq.seq_id, seq.tokens, seq.num_computed)
+            for k, lp in enumerate(res.prompt_logprobs):    # chunks arrive in order
+                if item.start_pos + k == len(seq.prompt_logprobs) < len(seq.prompt_ids) - 1:
+                    seq.prompt_logprobs.append(lp)
+            if res.token is None:
+                continue
+            token = res.token
+            seq.tokens.append(token)
+            seq.cum_logprob += res.logprob
+            got.append((seq, res))
+            if seq.num_output == 1 and seq.sample_index == 0 and self.policy.fork_samples:
+                self._fork_waiting(seq)
+            p = seq.params
+            if token in self.policy.eos_token_ids and not p.ignore_eos:
+                seq.finish_reason = Finish.EOS
+            elif p.eos_after is not None and seq.num_output >= p.eos_after:
+                seq.finish_reason = Finish.EOS
+            elif seq.num_output >= p.max_new_tokens or len(seq.tokens) >= self.policy.max_model_len:
+                seq.finish_reason = Finish.LENGTH
+        return got
+
+    # ---- observability
+    def kv_usage(self) -> dict:
+        # Written slots per physical block, so that a shared prefix block counts once.
+        # /metrics calls this from an HTTP thread: read snapshots (list()/dict() copy atomically).
+        bs, filled = self.blocks.block_size, {}
+        running, tables = list(self.running), dict(self.blocks.tables)
+        for s in running:
+            for i, b in enumerate(tables.get(s.seq_id, ())[:-(-s.num_computed // bs)]):
+                filled[b] = max(filled.get(b, 0), min(bs, s.num_computed - i * bs))
+        stored = sum(filled.values())
+        allocated = self.blocks.allocated_tokens(tables)
+        return {"kv_tokens_stored": stored, "kv_tokens_allocated": allocated,
+                "kv_tokens_total": self.blocks.num_blocks * self.blocks.block_size,
+                "kv_utilization": stored / allocated if allocated else 0.0}

@@ -1,0 +1,34 @@
+"""The gevent front end's side of the engine's channels (handler/worker.py's GeventWorker).
+
+Requests are greenlets of the worker's main thread (the hub's); the engine is a real thread.
+The engine calls `HubWaker` once per iteration with the channels it delivered to
+(Engine.on_delivered); the hub then sets each channel's gevent event, so one cross-thread
+wake-up per step serves every streaming request, where a thread per request costs one per token.
+"""
+from __future__ import annotations
+
+import gevent.event
+from gevent import get_hub
+
+
+class HubWaker:
+    """Made in the hub's thread (the app's state is built there)."""
+
+    def __init__(self):
+        self.loop = get_hub().loop
+
+    def attach(self, chans) -> None:
+        """Readers of these channels wait on `ch.wake` (handler.http.protocols.events) instead of the queue."""
+        for ch in chans:
+            ch.wake = gevent.event.Event()
+
+    def __call__(self, chans) -> None:
+        """Engine thread: wake these channels' readers (in the hub, once for all of them)."""
+        self.loop.run_callback_threadsafe(_set, chans)
+
+
+def _set(chans) -> None:
+    for ch in chans:
+        wake = ch.wake
+        if wake is not None:
+            wake.set()

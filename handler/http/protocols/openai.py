@@ -1,0 +1,324 @@
+"""OpenAI's Chat Completions and Completions (POST /v1/chat/completions, /v1/completions,
+GET /v1/models) and LMI's chat schema (`messages` on /invocations).
+
+Request fields -> Generation (the chat template renders `messages`); samples -> `chat.completion` /
+`text_completion` objects, or SSE chunks ending with `data: [DONE]`. On /v1 the finish reasons are
+OpenAI's (`stop`, `length`); LMI's chat on /invocations keeps LMI's (`eos_token`, `stop_sequence`).
+Sampling as OpenAI: temperature defaults to 1 (sampling); temperature 0 is greedy.
+"""
+from __future__ import annotations
+
+import json
+import time
+import uuid
+
+from handler.engine.request import (MAX_NEW_TOKENS, MAX_SAMPLES, MAX_SEED, MAX_TOP_N_TOKENS, RequestError, SamplingParams,
+                       check_bool, check_float, check_int, check_stops, check_top_k, show, warn_once)
+from handler.http.protocols import Generation, Sample, by_prompt, ranked
+
+FINISH = {"eos_token": "stop", "stop_sequence": "stop", "length": "length"}
+
+# name -> (SamplingParams field, check)
+_COMMON = {
+    "temperature": ("temperature", lambda f, v: check_float(f, v, 0.0, 2.0)),
+    "top_p": ("top_p", lambda f, v: check_float(f, v, 0.0, 1.0, lo_open=True)),
+    "n": ("n", lambda f, v: check_int(f, v, 1, MAX_SAMPLES)),
+    "stop": ("stop_sequences", check_stops),
+    "seed": ("seed", lambda f, v: check_int(f, v, 0, MAX_SEED)),
+    "presence_penalty": ("presence_penalty", lambda f, v: check_float(f, v, -2.0, 2.0)),
+    "frequency_penalty": ("frequency_penalty", lambda f, v: check_float(f, v, -2.0, 2.0)),
+    "ignore_eos": ("ignore_eos", check_bool),              # vLLM / LMI extension
+    "top_k": ("top_k", check_top_k),                        # vLLM
+    "min_p": ("min_p", lambda f, v: check_float(f, v, 0.0, 1.0)),                          # vLLM
+    "repetition_penalty": ("repetition_penalty", lambda f, v: check_float(f, v, 0.0, 100.0, lo_open=True)),
+}
+_MAX_TOKENS = lambda f, v: check_int(f, v, 1, MAX_NEW_TOKENS)   # noqa: E731
+# Fields that change nothing in the answer (or are ours to ignore), accepted quietly.
+_QUIET = {"model", "user", "stream", "stream_options", "messages", "prompt", "logprobs", "top_logprobs",
+          "max_tokens", "max_completion_tokens", "echo", "best_of", "n", "store", "metadata",
+          "service_tier", "parallel_tool_calls"}
+# Fields whose effect we do not implement: refused unless they are at their no-op value.
+_UNSUPPORTED = {
+    "tools": lambda v: v == [],
+    "tool_choice": lambda v: v == "none",
+    "functions": lambda v: v == [],
+    "function_call": lambda v: v == "none",
+    "response_format": lambda v: isinstance(v, dict) and v.get("type") == "text",
+    "logit_bias": lambda v: v == {},
+    "suffix": lambda v: v == "",
+}
+
+
+def _check_object(payload) -> dict:
+    if not isinstance(payload, dict):
+        raise RequestError("body", "must be a JSON object")
+    return payload
+
+
+def _sampling(payload: dict, defaults: SamplingParams, lmi: bool) -> tuple[dict, dict]:
+    """Common fields -> (SamplingParams values, stream options)."""
+    values: dict = {}
+    for name, v in payload.items():
+        if v is None:
+            continue
+        if name in _COMMON:
+            key, check = _COMMON[name]
+            values[key] = check(name, v)
+        elif name in _UNSUPPORTED:
+            if not _UNSUPPORTED[name](v):
+                raise RequestError(name, "is not supported by this server")
+        elif name not in _QUIET:
+            warn_once(f"openai:{name[:100]}", f"unknown request field {show(name)} dropped")
+    for name in ("max_completion_tokens", "max_tokens"):
+        if payload.get(name) is not None:
+            values["max_new_tokens"] = _MAX_TOKENS(name, payload[name])
+            break
+    temperature = values.get("temperature", 1.0)
+    values["do_sample"] = temperature > 0.0
+    if not values["do_sample"]:
+        values.pop("temperature", None)
+    stream = payload.get("stream")
+    stream = False if stream is None else check_bool("stream", stream)
+    opts = payload.get("stream_options")
+    include_usage = False
+    if opts is not None:
+        if not isinstance(opts, dict):
+            raise RequestError("stream_options", f"must be an object, got {show(opts)}")
+        if opts.get("include_usage") is not None:
+            include_usage = check_bool("stream_options.include_usage", opts["include_usage"])
+    return {**defaults.__dict__, **values}, {"stream": stream, "include_usage": include_usage}
+
+
+# ---- chat
+def _content(i: int, content) -> str:
+    where = f"messages[{i}].content"
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        texts = []
+        for j, part in enumerate(content):
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                kind = part.get("type") if isinstance(part, dict) else None
+                raise RequestError(f"{where}[{j}]", f"only text parts are supported, got type {show(kind)}")
+            texts.append(part["text"])
+        return "\n".join(texts)       # as LMI joins text parts
+    raise RequestError(where, f"must be a string or a list of text parts, got {show(content)}")
+
+
+def render_chat(tokenizer, messages) -> str:
+    if not isinstance(messages, list) or not messages:
+        raise RequestError("messages", "must be a non-empty list of {\"role\", \"content\"} objects")
+    msgs = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise RequestError(f"messages[{i}]", f"must be an object with a string role, got {show(m)}")
+        msgs.append({"role": m["role"], "content": _content(i, m.get("content"))})
+    if not getattr(tokenizer, "chat_template", None):
+        raise RequestError("messages", "this model's tokenizer has no chat template "
+                                       "(tokenizer_config.json chat_template); send {\"inputs\": ...} instead")
+    try:
+        return tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+    except Exception as e:  # a template may raise on roles it does not know (jinja2 exceptions)
+        raise RequestError("messages", f"the chat template refused these messages: {str(e)[:100]}") from None
+
+
+def parse_chat(payload, tokenizer, lmi: bool = False) -> Generation:
+    """A Chat Completions body (from /v1/chat/completions, or /invocations with `messages`)."""
+    payload = _check_object(payload)
+    prompt = render_chat(tokenizer, payload.get("messages"))
+    values, opts = _sampling(payload, SamplingParams(), lmi)
+    logprobs = payload.get("logprobs")
+    logprobs = False if logprobs is None else check_bool("logprobs", logprobs)
+    top = payload.get("top_logprobs")
+    if top is not None:
+        top = check_int("top_logprobs", top, 0, MAX_TOP_N_TOKENS)
+        if not logprobs and top:
+            raise RequestError("top_logprobs", "needs logprobs: true")
+        values["top_n_tokens"] = top if logprobs else 0
+    params = SamplingParams(**values)
+    if opts["stream"] and params.num_samples > 1 and lmi:
+        raise RequestError("n", "several choices work only without streaming on /invocations")
+    no_max = payload.get("max_tokens") is None and payload.get("max_completion_tokens") is None
+    return Generation([prompt], params, opts["stream"], add_special_tokens=False,
+                      fill_max_tokens=no_max and not lmi, fields=["messages"],
+                      extra={"kind": "chat", "logprobs": logprobs, "lmi": lmi, "model": payload.get("model"),
+                             "include_usage": opts["include_usage"],
+                             "fields": {"inputs": "messages", "parameters.max_new_tokens": "max_tokens"}})
+
+
+# ---- completions
+def parse_completion(payload) -> Generation:
+    payload = _check_object(payload)
+    prompt = payload.get("prompt")
+    is_list = isinstance(prompt, list)
+    prompts = prompt if is_list else [prompt]
+    if not prompts or not all(isinstance(p, str) and p for p in prompts):
+        raise RequestError("prompt", f"must be a non-empty string or list of non-empty strings, got {show(prompt)}")
+    values, opts = _sampling(payload, SamplingParams(max_new_tokens=16), False)
+    lp = payload.get("logprobs")
+    if lp is not None:
+        values["top_n_tokens"] = check_int("logprobs", lp, 0, 5)
+    best_of = payload.get("best_of")
+    if best_of is not None:
+        values["best_of"] = check_int("best_of", best_of, 1, MAX_SAMPLES)
+        if values["best_of"] < values["n"]:
+            raise RequestError("best_of", f"must be >= n ({values['n']}), got {best_of}")
+    params = SamplingParams(**values)
+    if opts["stream"] and params.best_of not in (None, params.n):
+        raise RequestError("best_of", "cannot be used with stream")
+    echo = payload.get("echo")
+    echo = False if echo is None else check_bool("echo", echo)
+    fields = [f"prompt[{i}]" if is_list else "prompt" for i in range(len(prompts))]
+    return Generation(list(prompts), params, opts["stream"], is_list, fields=fields,
+                      extra={"kind": "completion", "logprobs": lp is not None, "echo": echo,
+                             "model": payload.get("model"), "include_usage": opts["include_usage"],
+                             "fields": {"inputs": "prompt", "parameters.max_new_tokens": "max_tokens"}})
+
+
+# ---- responses
+def _bytes(text: str) -> list[int]:
+    return list(text.encode("utf-8"))
+
+
+def _chat_logprob(t) -> dict:
+    return {"token": t.text, "logprob": t.log_prob, "bytes": _bytes(t.text),
+            "top_logprobs": [{"token": x, "logprob": lp, "bytes": _bytes(x)} for _i, x, lp in t.top_tokens]}
+
+
+def _completion_logprobs(tokens, offset: int) -> dict:
+    out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for t in tokens:
+        out["tokens"].append(t.text)
+        out["token_logprobs"].append(t.log_prob)
+        out["top_logprobs"].append({x: lp for _i, x, lp in t.top_tokens})
+        out["text_offset"].append(offset)
+        offset += len(t.text)
+    return out
+
+
+def _finish(gen: Generation, reason: str) -> str:
+    return reason if gen.extra.get("lmi") else FINISH.get(reason, reason)
+
+
+def _usage(gen: Generation, samples: list[Sample]) -> dict:
+    # prompt tokens once per prompt, as OpenAI counts them for n > 1
+    prompt = sum(ss[0].done.prompt_tokens for ss in by_prompt(samples, len(gen.prompts)) if ss)
+    completion = sum(s.done.generated_tokens for s in samples)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def _chosen(gen: Generation, samples: list[Sample]) -> list[Sample]:
+    """Per prompt, the n answers: all samples in order, or the n most likely of best_of."""
+    out = []
+    for ss in by_prompt(samples, len(gen.prompts)):
+        if gen.params.best_of and gen.params.best_of > gen.params.n:
+            ss = sorted(ranked(ss)[:gen.params.n], key=lambda s: s.sample_index)
+        out.extend(ss)
+    return out
+
+
+class Ids:
+    def __init__(self, gen: Generation, model: str):
+        self.id = ("chatcmpl-" if gen.extra.get("kind") == "chat" else "cmpl-") + uuid.uuid4().hex[:24]
+        self.created = int(time.time())
+        self.model = gen.extra.get("model") or model
+
+    def head(self, obj: str, lmi: bool) -> dict:
+        h = {"id": self.id, "object": obj, "created": self.created}
+        if not lmi:
+            h["model"] = self.model
+        return h
+
+
+def encode(gen: Generation, samples: list[Sample], model: str) -> dict:
+    ids = Ids(gen, model)
+    chosen = _chosen(gen, samples)
+    n = gen.params.n
+    choices = []
+    if gen.extra["kind"] == "chat":
+        for i, s in enumerate(chosen):
+            choices.append({"index": i, "message": {"role": "assistant", "content": s.done.generated_text},
+                            "logprobs": {"content": [_chat_logprob(t) for t in s.tokens]}
+                            if gen.extra["logprobs"] else None,
+                            "finish_reason": _finish(gen, s.done.finish_reason)})
+        obj = "chat.completion"
+    else:
+        for s in chosen:
+            prompt = gen.prompts[s.prompt_index]
+            head = prompt if gen.extra["echo"] else ""
+            choices.append({"index": s.prompt_index * n + len([c for c in choices
+                                                               if c["_p"] == s.prompt_index]),
+                            "_p": s.prompt_index, "text": head + s.done.generated_text,
+                            "logprobs": _completion_logprobs(s.tokens, len(head)) if gen.extra["logprobs"] else None,
+                            "finish_reason": _finish(gen, s.done.finish_reason)})
+        for c in choices:
+            del c["_p"]
+        obj = "text_completion"
+    return {**ids.head(obj, gen.extra.get("lmi", False)), "choices": choices, "usage": _usage(gen, samples)}
+
+
+def stream(gen: Generation, events, model: str, sse: bool = True):
+    """SSE chunks (`data: {...}`), one per token; `data: [DONE]` last. LMI's jsonlines_chat when not sse."""
+    ids = Ids(gen, model)
+    lmi = gen.extra.get("lmi", False)
+    chat = gen.extra["kind"] == "chat"
+    obj = "chat.completion.chunk" if chat else "text_completion"
+
+    def out(d) -> str:
+        data = json.dumps(d, ensure_ascii=False)
+        return f"data: {data}\n\n" if sse else data + "\n"
+
+    first: set[tuple[int, int]] = set()
+    done: list[Sample] = []
+    usage = gen.extra.get("include_usage")
+    for p, s, ev in events:
+        if not hasattr(ev, "id"):                       # ErrorEvent mid-stream
+            yield out({"error": {"message": ev.message, "type": "server_error", "param": None,
+                                 "code": ev.status}})
+            break
+        index = p * gen.params.n + s
+        reason = _finish(gen, ev.done.finish_reason) if ev.done is not None else None
+        if chat:
+            delta = {"content": ev.text}
+            if (p, s) not in first:
+                first.add((p, s))
+                delta = {"role": "assistant", **delta}
+            choice = {"index": index, "delta": delta,
+                      "logprobs": {"content": [_chat_logprob(ev)]} if gen.extra["logprobs"] else None,
+                      "finish_reason": reason}
+        else:
+            text = ev.text
+            if (p, s) not in first:
+                first.add((p, s))
+                if gen.extra["echo"]:
+                    text = gen.prompts[p] + text
+            choice = {"index": index, "text": text,
+                      "logprobs": _completion_logprobs([ev], 0) if gen.extra["logprobs"] else None,
+                      "finish_reason": reason}
+        chunk = {**ids.head(obj, lmi), "choices": [choice]}
+        if usage:
+            chunk["usage"] = None
+        yield out(chunk)
+        if ev.done is not None:
+            done.append(Sample(p, s, [], ev.done))
+    else:
+        if usage:
+            yield out({**ids.head(obj, lmi), "choices": [], "usage": _usage(gen, done)})
+    if sse:
+        yield "data: [DONE]\n\n"
+
+
+def models(model: str, created: int, adapters: list[str] = ()) -> dict:
+    """The served model, then its LoRA adapters (as vLLM: `parent` is the base)."""
+    return {"object": "list", "data": [{"id": model, "object": "model", "created": created,
+                                        "owned_by": "lmi-serve"}] + [
+        {"id": a, "object": "model", "created": created, "owned_by": "lmi-serve", "parent": model}
+        for a in adapters]}
+
+
+def error_body(status: int, message: str, field: str | None = None) -> dict:
+    kind = {400: "invalid_request_error", 404: "not_found_error", 415: "invalid_request_error",
+            503: "service_unavailable", 504: "timeout"}.get(status, "server_error")
+    return {"error": {"message": message, "type": kind, "param": field, "code": status}}

@@ -1,0 +1,352 @@
+"""The model runner: the only tensor code. Packed forward over the paged KV pool + sampling.
+
+Every strategy runs through `step(items)`: the tokens of all scheduled sequences are packed
+into one row ([1, T], no padding), positions and KV slots come from each item, attention goes
+through `handler.model.attention` (block tables), and only the rows that sample get logits.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from handler.model import batch_invariant, sampling
+from handler.model.attention import ATTN_NAME, StepMeta  # importing it registers the attention function
+from handler.model.distributed import STEP
+from handler.model.sampling import Sampler
+from handler.engine.scheduler import SampleResult, StepItem
+
+log = logging.getLogger("lmi.runner")
+
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+class ModelLoadError(RuntimeError):
+    pass
+
+
+def pick_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ModelLoadError("option.device=cuda but no CUDA device is visible")
+    return torch.device(device)
+
+
+def pick_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    if dtype == "auto":
+        if device.type == "cuda":
+            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        return torch.float32
+    return DTYPES[dtype]
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    num_blocks: int
+    block_size: int
+
+    @property
+    def tokens(self) -> int:
+        return self.num_blocks * self.block_size
+
+
+def model_geometry(config) -> tuple[int, int, int, int]:
+    """(layers, kv heads, head dim, max positions) from a HF config of any decoder family."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    layers = getattr(text, "num_hidden_layers", None) or getattr(text, "n_layer")
+    heads = getattr(text, "num_attention_heads", None) or getattr(text, "n_head")
+    kv = getattr(text, "num_key_value_heads", None) or heads
+    hidden = getattr(text, "hidden_size", None) or getattr(text, "n_embd")
+    head_dim = getattr(text, "head_dim", None) or hidden // heads
+    max_pos = (getattr(text, "max_position_embeddings", None) or getattr(text, "n_positions", None)
+               or 2048)
+    return layers, kv, head_dim, max_pos
+
+
+def pack_step(items: list[StepItem], bs: int, copies=()) -> tuple[torch.Tensor, list[int]]:
+    """One step as one int64 tensor (what rank 0 broadcasts to the other ranks):
+    [T, S, W, R, C | ids T | positions T | KV slots T | query_start_loc S+1 | seq_lens S |
+    block tables S*W | logit rows R | block copies 2C (src..., dst...)]; T tokens, S sequences,
+    W table width, R logit rows, C copied blocks. Also each item's first logit row."""
+    ids: list[int] = []
+    pos: list[int] = []
+    slots: list[int] = []
+    qsl = [0]
+    seq_lens: list[int] = []
+    rows: list[int] = []        # logits kept: each sampling item's last position, and every
+    first_row: list[int] = []   # position of an item that wants prompt log-probs
+    for it in items:
+        n, start, table = len(it.token_ids), it.start_pos, it.block_table
+        ids.extend(it.token_ids)
+        pos.extend(range(start, start + n))
+        slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
+        qsl.append(qsl[-1] + n)
+        seq_lens.append(start + n)
+        first_row.append(len(rows))
+        if it.prompt_logprobs:
+            rows.extend(range(qsl[-2], qsl[-1]))
+        elif it.sample:
+            rows.append(qsl[-1] - 1)
+    width = max(-(-s // bs) for s in seq_lens)
+    tables: list[int] = []
+    for it in items:
+        t = it.block_table[:width]
+        tables.extend(t)
+        tables.extend([0] * (width - len(t)))
+    packed = torch.tensor([len(ids), len(items), width, len(rows), len(copies), *ids, *pos, *slots,
+                           *qsl, *seq_lens, *tables, *rows, *(a for a, _ in copies),
+                           *(b for _, b in copies)], dtype=torch.int64)
+    return packed, first_row
+
+
+class ModelRunner:
+    batch_invariant = False   # option.batch_invariant: see handler/batch_invariant.py
+
+    def __init__(self, model_dir: str, *, dtype: str = "auto", device: str = "auto",
+                 block_size: int = 16, kv_cache_tokens: int | None = None,
+                 max_running: int = 32, gpu_memory_utilization: float = 0.9,
+                 max_model_len: int | None = None, trust_remote_code: bool = False,
+                 ranks=None):
+        """`ranks` (handler.model.distributed.Ranks): this process is one of N tensor-parallel ranks;
+        the model is sharded by transformers' plan and the KV pool holds this rank's heads."""
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        self.ranks = ranks
+        self.device = ranks.device if ranks is not None else pick_device(device)
+        self.dtype = pick_dtype(dtype, self.device)
+        kw = dict(dtype=self.dtype, attn_implementation=ATTN_NAME, trust_remote_code=trust_remote_code)
+        if ranks is not None:
+            from handler.model.distributed import check_supported
+            check_supported(model_dir, ranks.world_size, trust_remote_code)
+            try:
+                from transformers.distributed import DistributedConfig
+                kw["distributed_config"] = DistributedConfig(tp_size=ranks.world_size)
+            except ImportError:   # transformers < 5.18 (the GPU machines' 5.17)
+                kw.update(tp_plan="auto", tp_size=ranks.world_size)
+        try:
+            self.tokenizer = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
+            self.model = AutoModelForCausalLM.from_pretrained(model_dir, **kw)
+            if ranks is None:
+                self.model.to(self.device)
+            self.model.eval()
+        except Exception as e:  # one clear line for the operator; details in the debug log
+            log.debug("model load failed", exc_info=True)
+            if ATTN_NAME in str(e):
+                raise ModelLoadError(
+                    f"cannot serve the model in {model_dir}: its architecture does not route attention "
+                    f"through transformers' AttentionInterface, which the paged KV cache needs (Llama, "
+                    f"Mistral, Qwen2/3, Gemma/Gemma2, Phi/Phi3, GPT-2, GPT-NeoX and OPT do)") from None
+            raise ModelLoadError(f"cannot load the model from {model_dir}: {type(e).__name__}: {e}") from None
+        layers, kv_heads, head_dim, max_pos = model_geometry(self.model.config)
+        tp = ranks.world_size if ranks is not None else 1
+        kv_heads //= tp      # this rank's KV heads (config checked that the degree divides them)
+        self.max_model_len = min(max_model_len or max_pos, max_pos)
+        self.block_size = block_size
+        if kv_cache_tokens is None:
+            # Room for every running sequence at full length (CPU: within a 4 GiB budget).
+            kv_cache_tokens = self._default_kv_tokens(layers, kv_heads, head_dim,
+                                                      max_running * self.max_model_len,
+                                                      gpu_memory_utilization)
+        num_blocks = -(-kv_cache_tokens // block_size)
+        if ranks is not None:   # every rank's pool the same size (also: every rank has loaded)
+            num_blocks = ranks.min_across(num_blocks)
+        self.kv = KVLayout(layers, kv_heads, head_dim, num_blocks, block_size)
+        self.kv_cache = [(self._kv_pool(), self._kv_pool()) for _ in range(layers)]
+        if self.device.type == "cpu":   # build (or find cached) the decode kernel now, not in a request
+            from kernels import cpu_ext
+            if cpu_ext.supports(self.kv_cache[0][0]) and cpu_ext.load() is not None:
+                log.info("CPU: decode attention by the in-place C kernel (kernels/cpu_decode.c)")
+        self.eos_token_ids = self._eos_ids()
+        self.sampler = Sampler()
+        self.lora = None        # handler.model.lora.LoraManager once enable_lora() ran
+        self.lean = None        # CPU: the model's forward as one plain loop (handler.model.cpu.lean_forward)
+        log.info("model %s on %s/%s: %d layers, %d kv heads x %d%s; KV pool %d blocks x %d = %d tokens",
+                 type(self.model).__name__, self.device, str(self.dtype).removeprefix("torch."),
+                 layers, kv_heads, head_dim,
+                 f" (rank {ranks.rank} of {tp}: 1/{tp} of the heads)" if tp > 1 else "",
+                 self.kv.num_blocks, block_size, self.kv.tokens)
+
+    def _kv_pool(self) -> torch.Tensor:
+        """One layer's keys or values, [NB, bs, Hkv, D] to every reader. On CPU that is a view of
+        a head-major [NB, Hkv, bs, D] allocation, so that the attention's gather of a batch's
+        blocks is one copy into the [B, Hkv, L, D] it multiplies (kernels/reference.py); the
+        Triton kernels read strides and take either."""
+        nb, bs, hkv, d = self.kv.num_blocks, self.kv.block_size, self.kv.num_kv_heads, self.kv.head_dim
+        from handler.model.cpu import head_major_kv
+        if self.device.type == "cpu" and head_major_kv():
+            return torch.zeros(nb, hkv, bs, d, dtype=self.dtype).transpose(1, 2)
+        return torch.zeros(nb, bs, hkv, d, dtype=self.dtype, device=self.device)
+
+    def _bytes_per_token(self, layers, kv_heads, head_dim) -> int:
+        return 2 * layers * kv_heads * head_dim * torch.tensor([], dtype=self.dtype).element_size()
+
+    def _default_kv_tokens(self, layers, kv_heads, head_dim, wanted, utilization) -> int:
+        per_token = self._bytes_per_token(layers, kv_heads, head_dim)
+        if self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            # Leave room for activations: the rest of `utilization` after the weights; no more
+            # than every running sequence at full length can use (other processes keep the rest).
+            budget = int(total * utilization) - (total - free) - (1 << 30)
+            return max(self.block_size, min(wanted, budget // per_token))
+        return max(self.block_size, min(wanted, (4 << 30) // per_token))
+
+    def _eos_ids(self) -> frozenset:
+        ids = set()
+        for src in (getattr(self.model, "generation_config", None), self.model.config, self.tokenizer):
+            v = getattr(src, "eos_token_id", None)
+            if isinstance(v, int):
+                ids.add(v)
+            elif isinstance(v, (list, tuple)):
+                ids.update(int(x) for x in v)
+        return frozenset(ids)
+
+    def enable_lora(self, max_loras: int, max_lora_rank: int, max_cpu_loras: int):
+        """Wrap the model's linear layers for per-row LoRA updates; returns the LoraManager."""
+        from handler.model.lora import LoraManager
+        if self.ranks is not None:
+            raise ModelLoadError("option.enable_lora is not supported with option.tensor_parallel_degree "
+                                 "> 1 (adapters are not sharded across ranks); use degree 1")
+        self.lora = LoraManager(self.model, max_loras, max_lora_rank, max_cpu_loras)
+        return self.lora
+
+    def prepack_cpu(self, keep_weights: bool = False) -> None:
+        """On CPU (one rank): the linear layers' weights in oneDNN's packed layout, Llama-style RMSNorms fused
+        (handler/cpu.py). keep_weights: LoRA reads the original weights."""
+        if self.device.type != "cpu" or self.ranks is not None:
+            return
+        from handler.model.cpu import (PanelLinear, bf16_gemm_in_fp32, fuse_llama_layers, fuse_rms_norms, lean_forward,
+                          prepack_linears)
+        widen = False
+        if self.dtype == torch.bfloat16:
+            widen, why = bf16_gemm_in_fp32(self.model)
+            log.info("CPU: bf16 linear layers multiply in %s (%s)", "fp32 over the same bf16 values, "
+                     "twice the weight memory" if widen else "bf16", why)
+        n = prepack_linears(self.model, keep_weights, widen_bf16=widen)
+        gemm = "kernels/cpu_gemm.c" if any(isinstance(m, PanelLinear) for m in self.model.modules()) else "oneDNN"
+        attn, mlp = fuse_llama_layers(self.model)
+        log.info("CPU: %d linear layers packed for %s, %d RMSNorms, %d attention and %d MLP modules fused",
+                 n, gemm, fuse_rms_norms(self.model), attn, mlp)
+        lean = lean_forward(self.model)
+        if lean is not None:
+            if self._same_logits(lean):
+                self.lean = lean
+                log.info("CPU: the model's forward runs as one loop over its layers")
+            else:
+                log.warning("CPU: the one-loop forward is not used: its logits differ from the model's own "
+                            "on a check step (the model's forward serves)")
+
+    @torch.inference_mode()
+    def _same_logits(self, lean) -> bool:
+        """Whether `lean` gives the model's own logits, bit for bit, on one step of two prompts
+        (written to the first blocks of the pool, which no sequence holds yet)."""
+        from handler.engine.request import SamplingParams
+        from handler.engine.scheduler import StepItem
+        g = torch.Generator().manual_seed(0)
+        a, b = (torch.randint(0, self.model.config.vocab_size, (n,), generator=g).tolist() for n in (7, 4))
+        bs, nb = self.block_size, self.kv.num_blocks
+        ta = [i % nb for i in range(-(-len(a) // bs))]
+        tb = [(len(ta) + i) % nb for i in range(-(-len(b) // bs))]
+        p = SamplingParams(max_new_tokens=1)
+        packed, _ = pack_step([StepItem(0, a, 0, ta, True, p, a), StepItem(1, b, 0, tb, True, p, b)], bs)
+        want = self._forward(packed)
+        saved, self.lean = self.lean, lean
+        try:
+            return torch.equal(self._forward(packed), want)
+        finally:
+            self.lean = saved
+
+    def release(self, seq_id: int) -> None:
+        self.sampler.release(seq_id)
+
+    def _copy_blocks(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        for k_cache, v_cache in self.kv_cache:
+            k_cache[dst] = k_cache[src]
+            v_cache[dst] = v_cache[src]
+
+    @torch.inference_mode()
+    def forward(self, packed: torch.Tensor) -> torch.Tensor:
+        """One packed step (every rank runs it): block copies, then the forward; logits [R, V]
+        (the last token's row when R = 0). In a tensor-parallel group a failure here breaks
+        the group."""
+        try:
+            return self._forward(packed)
+        except Exception as e:
+            if self.ranks is not None:
+                self.ranks.fail(f"rank {self.ranks.rank}: forward failed: {type(e).__name__}: {e}")
+            raise
+
+    def _forward(self, packed: torch.Tensor) -> torch.Tensor:
+        n_tok, n_seq, width, n_rows, n_copies = packed[:5].tolist()
+        sizes = [n_tok, n_tok, n_tok, n_seq + 1, n_seq, n_seq * width, n_rows, n_copies, n_copies]
+        host = packed[5:].split(sizes)
+        qsl_cpu, seq_lens_cpu = host[3].tolist(), host[4].tolist()
+        if not n_rows:   # no row asked for: the last token's
+            packed = torch.cat([packed, packed.new_tensor([n_tok - 1])])
+            sizes[6] = 1
+        # One host-to-device copy for the whole step (on CPU: views of `packed`).
+        dev_packed = packed.to(self.device, non_blocking=True) if self.device.type == "cuda" else packed
+        ids, pos, slots, qsl, seq_lens, tables, keep, src, dst = dev_packed[5:].split(sizes)
+        if n_copies:
+            self._copy_blocks(src, dst)
+        meta = StepMeta(
+            kv_cache=self.kv_cache,
+            slot_mapping=slots,
+            block_tables=tables.view(n_seq, width).to(torch.int32),
+            seq_lens=seq_lens.to(torch.int32),
+            query_start_loc=qsl.to(torch.int32),
+            seq_lens_cpu=seq_lens_cpu, query_start_loc_cpu=qsl_cpu)
+        if self.lean is not None:
+            return self.lean(ids[None], pos[None], keep, meta)
+        out = self.model(input_ids=ids[None], position_ids=pos[None],
+                         use_cache=False, logits_to_keep=keep, lmi_step=meta)
+        return out.logits[0]
+
+    # ---- one step
+    def step(self, items: list[StepItem], copies: list[tuple[int, int]] = ()) -> list[SampleResult]:
+        """Copy the listed KV blocks (copy-on-write of forked samples), run the items; returns
+        one SampleResult per item. One packed forward, or with option.batch_invariant one
+        forward per token of each sequence (handler/batch_invariant.py)."""
+        if self.batch_invariant:
+            return batch_invariant.step(self._packed_step, items, copies)
+        return self._packed_step(items, copies)
+
+    @torch.inference_mode()
+    def _packed_step(self, items: list[StepItem], copies: list[tuple[int, int]] = ()) -> list[SampleResult]:
+        packed, first_row = pack_step(items, self.block_size, copies)
+        if self.ranks is not None:   # the other ranks run the same copies + forward on their shards
+            self.ranks.send(STEP, packed)
+        if self.lora is not None:       # each adapter's rows get their low-rank update
+            from handler.model.lora import step_context
+            with step_context(self.lora.step(items)):
+                logits = self.forward(packed)
+        else:
+            logits = self.forward(packed)   # [len(rows), V]
+        results = [SampleResult() for _ in items]
+        sample_rows, sample_items, where = [], [], []
+        for k, it in enumerate(items):
+            r = first_row[k]
+            if it.prompt_logprobs:
+                try:
+                    results[k] = SampleResult(prompt_logprobs=sampling.prompt_logprobs(
+                        logits[r:r + len(it.token_ids)], it))
+                except Exception as e:      # this item alone fails
+                    log.warning("prompt log-probs failed for sequence %d", it.seq_id, exc_info=True)
+                    results[k] = SampleResult(error=(424, f"prompt log-probs failed: {type(e).__name__}: {e}"))
+                    continue
+                r += len(it.token_ids) - 1
+            if it.sample:
+                sample_rows.append(r)
+                sample_items.append(it)
+                where.append(k)
+        if sample_rows:
+            sampled = self.sampler.sample(logits[sample_rows].float(), sample_items)
+            for k, res in zip(where, sampled):
+                pl = results[k].prompt_logprobs
+                results[k] = dataclasses.replace(res, prompt_logprobs=pl) if pl else res
+        return results

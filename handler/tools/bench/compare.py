@@ -1,0 +1,531 @@
+"""`bench compare`: our four strategies and three peers, one model, one dtype, one KV
+capacity, one request list; repetitions interleaved (the server order rotates each
+repetition) so that machine drift hits every server alike. Writes results.json, results.md
+and results.png. Each measured repetition also records the CPU time of the server's whole
+process tree (handler/bench/cputime.py).
+"""
+from __future__ import annotations
+
+import collections
+import json
+import math
+import os
+import platform
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+
+from handler.tools.bench import vllm_cpu
+from handler.tools.bench.client import LMI, OpenAICompletions, run_load, wait_ready
+from handler.tools.bench.cputime import TreeCpu
+from handler.tools.bench.metrics import Record, expected_ideal_speedup, ideal_speedup, summarise
+from handler.tools.bench.workloads import PRESETS, Preset, Workload, output_lengths, prompt_of
+
+STRATEGIES = ("none", "dynamic", "rolling", "paged")
+PEERS = ("hf_naive", "transformers_cb", vllm_cpu.NAME)
+ALONE = (vllm_cpu.NAME,)   # started for its own run only: it owns every core while up
+DTYPES = ("fp32", "bf16")
+TORCH_DTYPE = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+SERIAL = ("none", "hf_naive")          # one request at a time (Workload.serial_requests)
+ALL = STRATEGIES + PEERS
+BLOCK = 16  # tokens per KV block for our servers (option.block_size default) and the CB peer's page
+HERE = os.path.dirname(os.path.abspath(__file__))
+CONFIGS = os.path.join(os.path.dirname(os.path.dirname(HERE)), "benchmarks", "configs")
+
+
+# ------------------------------------------------------------------ model
+def prepare_model(preset: Preset, out_dir: str, model_dir: str | None = None, dtype: str = "fp32") -> str:
+    """The model every server loads: the given dir, the tiny demo model, or a shape shipped
+    in benchmarks/configs (SmolLM-135M's, Llama-2-7B's) with random weights saved in `dtype`
+    (no download). Built once into out_dir/model and reused by later runs there (every
+    server casts to the run's dtype on load)."""
+    if model_dir:
+        if not os.path.isfile(os.path.join(model_dir, "config.json")):
+            raise ValueError(f"--model-dir {model_dir!r} has no config.json")
+        return os.path.abspath(model_dir)
+    path = os.path.abspath(os.path.join(out_dir, "model"))
+    if os.path.isfile(os.path.join(path, "config.json")):
+        return path   # built by an earlier run into the same out dir
+    if preset.model == "demo":
+        from handler.tools.demo_model import build_demo_model
+
+        return os.path.abspath(build_demo_model(path, "llama"))
+    return materialise_random(os.path.join(CONFIGS, preset.model, "config.json"), path, TORCH_DTYPE[dtype])
+
+
+def materialise_random(config_json: str, out_dir: str, dtype: str = "bfloat16") -> str:
+    """config.json -> a loadable model dir with random weights + the demo tokenizer, padded
+    with unused tokens to the config's vocab size (so every sampled id decodes)."""
+    from handler.tools import demo_model
+
+    if hasattr(demo_model, "materialise_random"):
+        return demo_model.materialise_random(config_json, out_dir, dtype)
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.from_pretrained(os.path.dirname(config_json))
+    tok = demo_model.build_tokenizer(cfg.vocab_size)
+    if len(tok) < cfg.vocab_size:
+        tok.add_tokens([f"<unused_{i}>" for i in range(cfg.vocab_size - len(tok))])
+    cfg.pad_token_id = tok.pad_token_id
+    cfg.bos_token_id, cfg.eos_token_id = tok.bos_token_id, tok.eos_token_id   # the demo tokenizer's
+    dt = getattr(torch, dtype)
+    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=dt)
+    model.generation_config.pad_token_id = tok.pad_token_id
+    os.makedirs(out_dir, exist_ok=True)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    tok.save_pretrained(out_dir)
+    del model
+    return out_dir
+
+
+def prompt_tokens(tok, workload: Workload, bodies: list[dict]) -> tuple[list[int], dict]:
+    """(per prompt length class: its tokens, or its longest draw for a workload sized in
+    tokens; min/mean/max over the drawn prompts)."""
+    drawn = [len(tok(b["inputs"])["input_ids"]) for b in bodies]
+    if workload.prompt_tokens:
+        classes = [max((n for n in drawn if t <= n < nxt), default=t) for t, nxt in
+                   zip(sorted(workload.prompt_tokens), sorted(workload.prompt_tokens)[1:] + [10**9])]
+    else:
+        classes = [len(tok(prompt_of(w))["input_ids"]) for w in workload.prompt_words]
+    return classes, {"min": min(drawn), "mean": sum(drawn) / len(drawn), "max": max(drawn)}
+
+
+def kv_cache_tokens(workload: Workload, prompt_toks: list[int]) -> int:
+    """workload.kv_cache_tokens when set; else room for `kv_reservations` (default C)
+    sequences of the longest prompt + the largest max_new_tokens, plus one block each for
+    block rounding."""
+    if workload.kv_cache_tokens:
+        return workload.kv_cache_tokens
+    per_seq = math.ceil((max(prompt_toks) + max(workload.max_new_tokens)) / BLOCK) + 1
+    return (workload.kv_reservations or workload.concurrency) * per_seq * BLOCK
+
+
+# ------------------------------------------------------------------ servers
+def properties(strategy: str, w: Workload, kv_tokens: int, dtype: str | None, tp: int = 1) -> str:
+    lines = {
+        "none": ["batch_size=1"],
+        "dynamic": [f"batch_size={w.batch_width}", f"max_batch_delay={w.max_batch_delay_ms}"],
+        "rolling": ["option.rolling_batch=auto", "option.paged_attention=false",
+                    f"option.max_rolling_batch_size={w.max_rolling_batch_size}"],
+        "paged": ["option.rolling_batch=auto", "option.paged_attention=true",
+                  f"option.max_rolling_batch_size={w.max_rolling_batch_size}"],
+    }[strategy]
+    if strategy in ("rolling", "paged"):  # none/dynamic prefill whole batches: the key is ignored there
+        lines.append(f"option.max_rolling_batch_prefill_tokens={w.prefill_tokens}")
+    lines += [f"option.kv_cache_tokens={kv_tokens}", f"option.block_size={BLOCK}"]
+    if dtype:
+        lines.append(f"option.dtype={dtype}")
+    if tp > 1:
+        lines.append(f"option.tensor_parallel_degree={tp}")
+    return "\n".join(lines) + "\n"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Server:
+    name: str
+    cmd: list[str]
+    log_path: str
+    port: int
+    proc: subprocess.Popen | None = None
+    error: str | None = None
+    api: object = LMI                    # the client's body/stream adapter (client.py)
+    env: dict | None = None              # additions to the environment (None values: removed)
+    startup_timeout: float | None = None  # at least this long (None: the run's)
+    skipped: str | None = None           # why it is not run (e.g. a peer not installed)
+    held: dict | None = None             # what it was started with, as it counts (results)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> None:
+        env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
+        for k, v in (self.env or {}).items():
+            if v is None:
+                env.pop(k, None)
+            else:
+                env[k] = v
+        log = open(self.log_path, "a")
+        # Own session: SIGTERM reaches the whole group (gunicorn master and workers).
+        self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                     start_new_session=True)
+        log.close()
+
+    def wait(self, timeout: float) -> None:
+        timeout = max(timeout, self.startup_timeout or 0)
+        try:
+            wait_ready(self.url, timeout, self.proc)
+        except (TimeoutError, RuntimeError) as e:
+            self.error = f"{e}; log: {self.log_path}: {tail(self.log_path)}"
+
+    def stop(self, grace: float = 30.0) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        for sig, wait_s in ((signal.SIGTERM, grace), (signal.SIGKILL, 10.0)):
+            try:
+                os.killpg(self.proc.pid, sig)
+            except ProcessLookupError:
+                return
+            try:
+                self.proc.wait(wait_s)
+                return
+            except subprocess.TimeoutExpired:
+                continue
+
+
+def tail(path: str, n: int = 3) -> str:
+    try:
+        with open(path, errors="replace") as f:
+            return " | ".join(line.strip() for line in f.readlines()[-n:])
+    except OSError:
+        return ""
+
+
+def make_servers(names, w: Workload, model_dir: str, kv_tokens: int, run_dir: str,
+                 dtype: str | None, tp: int = 1, vllm_dir: str | None = None) -> list[Server]:
+    servers = []
+    for name in names:
+        port = free_port()
+        log = os.path.join(run_dir, f"{name}.log")
+        if name == vllm_cpu.NAME:
+            ok, where = vllm_cpu.installed(vllm_dir)
+            if not ok:
+                servers.append(Server(name, [], log, port, skipped=where))
+                continue
+            cmd, env, held = vllm_cpu.server(where, model_dir, port, kv_tokens, w.max_rolling_batch_size,
+                                             w.prefill_tokens, dtype or "fp32")
+            servers.append(Server(name, cmd, log, port, api=OpenAICompletions(vllm_cpu.SERVED_NAME), env=env,
+                                  startup_timeout=vllm_cpu.STARTUP_TIMEOUT, held=held))
+            continue
+        if name in STRATEGIES:
+            props = os.path.join(run_dir, f"{name}.properties")
+            with open(props, "w") as f:
+                f.write(properties(name, w, kv_tokens, dtype, tp))
+            cmd = [sys.executable, "-m", "handler", "serve", "--properties", props,
+                   "--model-dir", model_dir, "--port", str(port), "--host", "127.0.0.1"]
+        else:
+            cmd = [sys.executable, "-m", "handler.tools.bench.peers", "--kind", name, "--model-dir", model_dir,
+                   "--port", str(port), "--kv-cache-tokens", str(kv_tokens),
+                   "--prefill-tokens", str(w.prefill_tokens),
+                   "--max-batch-size", str(w.max_rolling_batch_size), "--page-size", str(BLOCK)]
+            if dtype:
+                cmd += ["--dtype", TORCH_DTYPE[dtype]]
+        servers.append(Server(name, cmd, log, port))
+    return servers
+
+
+# ------------------------------------------------------------------ one workload
+def ideal_block(w: Workload, bodies: list[dict]) -> dict:
+    lengths = output_lengths(bodies)
+    mix = collections.Counter()
+    for m in w.max_new_tokens:
+        for k in (range(w.eos_after[0], w.eos_after[1] + 1) if w.eos_after else [m]):
+            mix[min(m, k)] += 1
+    return {
+        "batch_width": w.batch_width,
+        "from_draws": ideal_speedup(lengths, w.batch_width),
+        "expected": expected_ideal_speedup(list(mix), w.batch_width, list(mix.values())),
+        "mean_output_tokens": sum(lengths) / len(lengths),
+        "formula": "B * sum over complete consecutive batches of max(len) / sum(len) = E[max of B lengths] / E[len]: "
+                   "decode steps of dynamic batching (a batch lasts as long as its longest member) "
+                   "over perfect iteration-level batching at the same width B (a slot is refilled "
+                   "the step it frees); prefill and per-step cost differences ignored",
+    }
+
+
+def run_workload(w: Workload, names, model_dir: str, out_dir: str, reps: int, dtype: str | None,
+                 startup_timeout: float, progress: bool, log=print, one_at_a_time: bool = False,
+                 tp: int = 1, vllm_dir: str | None = None) -> dict:
+    """All servers up at once (cheap models), or each started for its own run and stopped
+    after it (one_at_a_time: large models that do not fit on the device together; always
+    for the ALONE peers, which would take the cores from the others while idle)."""
+    from transformers import AutoTokenizer
+
+    run_dir = os.path.join(out_dir, "runs", w.name)
+    os.makedirs(run_dir, exist_ok=True)
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    bodies = w.draw(tok)
+    ptoks, drawn = prompt_tokens(tok, w, bodies)
+    kv = kv_cache_tokens(w, [drawn["max"]] if w.prompt_tokens else ptoks)
+    servers = make_servers(names, w, model_dir, kv, run_dir, dtype, tp, vllm_dir)
+    for s in servers:
+        if s.skipped:
+            log(f"[{w.name}] {s.name} skipped: {s.skipped}")
+    servers_run = [s for s in servers if not s.skipped]
+    runs: dict[str, list[tuple[list[Record], float, float | None]]] = {s.name: [] for s in servers}
+    warm = [dict(b, parameters=dict(b["parameters"], max_new_tokens=4)) for b in bodies[: min(8, len(bodies))]]
+
+    def up(group):
+        for s in group:
+            s.start()
+        for s in group:
+            s.wait(startup_timeout)
+            if s.error:
+                log(f"[{w.name}] {s.name} failed to start: {s.error}")
+            else:   # first-call costs (allocation, kernel selection) are not part of the run
+                run_load(s.api.url(s.url), warm, min(4, len(warm)), progress=False, api=s.api)
+
+    def measure(s, rep):
+        if s.error:
+            return
+        if s.proc.poll() is not None:
+            s.error = f"exited with code {s.proc.returncode}; log: {s.log_path}: {tail(s.log_path)}"
+            return
+        mine = bodies[:w.serial_requests] if s.name in SERIAL and w.serial_requests else bodies
+        with TreeCpu(s.proc.pid) as cpu:
+            recs, dur = run_load(s.api.url(s.url), mine, w.concurrency, progress=progress,
+                                 desc=f"{w.name} rep {rep + 1}/{reps} {s.name}", api=s.api)
+        runs[s.name].append((recs, dur, cpu.seconds))
+        toks = sum(r.tokens for r in recs if r.error is None)
+        log(f"[{w.name}] rep {rep + 1}/{reps} {s.name}: {len(recs) / dur if dur else 0:.2f} req/s, "
+            f"{sum(r.error is not None for r in recs)} errors, {cpu.seconds:.1f} CPU-s in "
+            f"{cpu.processes} processes ({1e3 * cpu.seconds / toks if toks else 0:.2f} per 1k output tokens)")
+
+    try:
+        log(f"[{w.name}] servers: {', '.join(s.name for s in servers_run)}; KV capacity {kv} tokens each; "
+            f"dtype {dtype or 'the servers default'}")
+        if not one_at_a_time:
+            up([s for s in servers_run if s.name not in ALONE])
+        for rep in range(reps):   # the order rotates each repetition
+            k = rep % len(servers_run) if servers_run else 0
+            for s in servers_run[k:] + servers_run[:k]:
+                alone = one_at_a_time or s.name in ALONE
+                if alone:
+                    s.error = None
+                    up([s])
+                measure(s, rep)
+                if alone:
+                    s.stop()
+    finally:
+        for s in servers_run:
+            s.stop()
+
+    entries = {}
+    for s in servers:
+        if s.skipped:
+            entries[s.name] = {"skipped": s.skipped}
+            continue
+        if not runs[s.name]:
+            entries[s.name] = {"error": s.error or "no run completed"}
+            continue
+        recs = [r for rr, _, _ in runs[s.name] for r in rr]
+        e = summarise(recs, w.concurrency, sum(d for _, d, _ in runs[s.name]))
+        e["requests_per_s_reps"] = [len([r for r in rr if r.error is None]) / d for rr, d, _ in runs[s.name]]
+        e["finish_reasons"] = dict(collections.Counter(r.finish_reason for r in recs if r.error is None))
+        e.update(cpu_figures([c for _, _, c in runs[s.name]], e["output_tokens"]))
+        if s.held:
+            e["started_with"] = s.held
+        if s.error:
+            e["server_error"] = s.error
+        with open(os.path.join(run_dir, f"{s.name}.records.json"), "w") as f:
+            json.dump([[r.to_dict() for r in rr] for rr, _, _ in runs[s.name]], f)
+        entries[s.name] = e
+    add_ratios(entries, ideal := ideal_block(w, bodies))
+    return {
+        "strategies": {k: v for k, v in entries.items() if k in STRATEGIES},
+        "peers": {k: v for k, v in entries.items() if k in PEERS},
+        "workload": dict(w.to_dict(), prompt_tokens=ptoks, prompt_tokens_drawn=drawn, kv_cache_tokens=kv,
+                         block_size=BLOCK, repetitions=reps, dtype=dtype, ideal=ideal),
+    }
+
+
+def cpu_figures(cpu_s: list[float], output_tokens: int) -> dict:
+    """CPU seconds of the server's process tree over the measured repetitions, and per
+    1,000 output tokens (all repetitions pooled, as requests_per_s)."""
+    total = sum(cpu_s)
+    return {"cpu_s_reps": cpu_s, "cpu_s": total,
+            "cpu_s_per_1k_output_tokens": 1e3 * total / output_tokens if output_tokens else None}
+
+
+def add_ratios(entries: dict, ideal: dict) -> None:
+    """Each entry's requests/s over dynamic's and each peer's; its share of the ideal speedup."""
+    def rps(name):
+        e = entries.get(name) or {}
+        return e.get("requests_per_s")
+    for name, e in entries.items():
+        if e.get("requests_per_s") is None:
+            continue
+        for ref in ("dynamic",) + PEERS:
+            e[f"vs_{ref}"] = e["requests_per_s"] / rps(ref) if rps(ref) else None
+        e["share_of_ideal"] = e["vs_dynamic"] / ideal["from_draws"] if e["vs_dynamic"] else None
+
+
+# ------------------------------------------------------------------ whole comparison
+def machine_info() -> dict:
+    import torch
+    import transformers
+
+    info = {"platform": platform.platform(), "python": platform.python_version(),
+            "cpus": os.cpu_count(), "torch": torch.__version__, "transformers": transformers.__version__,
+            "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+            "torch_threads": torch.get_num_threads(), "date": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    try:
+        info["load_average_at_start"] = os.getloadavg()
+    except OSError:
+        pass
+    return info
+
+
+def default_names() -> list[str]:
+    """Every server; vLLM's CPU build only on a machine without CUDA (it is a CPU peer).
+    When it is not installed it stays in the list and is reported as skipped, with why."""
+    import torch
+
+    return [n for n in ALL if not (n == vllm_cpu.NAME and torch.cuda.is_available())]
+
+
+def compare(preset: str | Preset = "cpu", out_dir: str = "bench-out", only=None, workloads=None,
+            reps: int | None = None, model_dir: str | None = None, overrides: dict | None = None,
+            startup_timeout: float = 180.0, progress: bool = True, log=print,
+            one_at_a_time: bool | None = None, tensor_parallel_degree: int = 1,
+            dtype: str | None = None, vllm_dir: str | None = None) -> dict:
+    """Run the comparison; write results.{json,md,png} into out_dir; return the results dict.
+
+    only: names among none/dynamic/rolling/paged/hf_naive/transformers_cb/vllm_cpu (default:
+    default_names());
+    dtype: fp32|bf16 for every server (default: the preset's, else fp32 on CPU, bf16 on CUDA);
+    vllm_dir: the vLLM CPU peer's venv (default: vllm_cpu.peer_dir());
+    workloads: names within the preset (default: all); overrides: Workload fields applied
+    to every workload (e.g. {"requests": 20}); one_at_a_time: run servers one by one
+    (default: the preset's choice; the gpu preset's 7B servers cannot share one GPU);
+    tensor_parallel_degree: our strategies run with that many ranks (the peers with one)."""
+    from dataclasses import replace
+
+    import torch
+
+    p = PRESETS[preset] if isinstance(preset, str) else preset
+    names = list(only or default_names())
+    if dtype is not None and dtype not in DTYPES:
+        raise ValueError(f"dtype={dtype!r}: allowed: {', '.join(DTYPES)}")
+    dtype = dtype or p.dtype or ("bf16" if torch.cuda.is_available() else "fp32")
+    ws = [replace(w, **(overrides or {})) for w in p.workloads if not workloads or w.name in workloads]
+    os.makedirs(out_dir, exist_ok=True)
+    t0 = time.monotonic()
+    model = prepare_model(p, out_dir, model_dir, dtype)
+    machine = machine_info()
+    per = {}
+    for w in ws:
+        per[w.name] = run_workload(w, names, model, out_dir, reps or p.repetitions, dtype,
+                                   startup_timeout, progress, log,
+                                   p.one_at_a_time if one_at_a_time is None else one_at_a_time,
+                                   tensor_parallel_degree, vllm_dir)
+    first = per[ws[0].name]
+    results = {**first, "machine": machine, "preset": p.name, "model_dir": model, "dtype": dtype,
+               "model_saved_dtype": saved_dtype(model),
+               "tensor_parallel_degree": tensor_parallel_degree,
+               "elapsed_s": time.monotonic() - t0, "workloads": per}
+    write_results(results, out_dir)
+    log(f"wrote {out_dir}/results.json, results.md, results.png in {results['elapsed_s']:.0f} s")
+    return results
+
+
+def saved_dtype(model_dir: str) -> str | None:
+    with open(os.path.join(model_dir, "config.json")) as f:
+        c = json.load(f)
+    return c.get("dtype") or c.get("torch_dtype")
+
+
+# ------------------------------------------------------------------ reports
+def _f(x, digits=2, scale=1.0):
+    return "–" if x is None else f"{x * scale:.{digits}f}"
+
+
+COLUMNS = [  # header, key, digits, scale
+    ("req/s", "requests_per_s", 2, 1), ("out tok/s", "output_tokens_per_s", 0, 1),
+    ("LMI req/s", "lmi_requests_per_s", 2, 1), ("TTFT p50/p99 ms", ("ttft_p50", "ttft_p99"), 0, 1e3),
+    ("TPOT p50/p99 ms", ("tpot_p50", "tpot_p99"), 1, 1e3),
+    ("latency p50/p90/p99 s", ("latency_p50", "latency_p90", "latency_p99"), 2, 1),
+    ("errors", "errors", 0, 1), ("CPU-s / 1k out tok", "cpu_s_per_1k_output_tokens", 2, 1),
+    ("× dynamic", "vs_dynamic", 2, 1), ("× hf_naive", "vs_hf_naive", 2, 1),
+    ("× transformers_cb", "vs_transformers_cb", 2, 1), ("× vllm_cpu", "vs_vllm_cpu", 2, 1),
+    ("share of ideal", "share_of_ideal", 2, 1),
+]
+
+
+def markdown(results: dict) -> str:
+    m = results["machine"]
+    out = [f"# Batching benchmark: preset `{results['preset']}`", "",
+           f"Machine: {m['platform']}, {m['cpus']} CPUs, GPU {m['cuda'] or 'none'}, torch {m['torch']}, "
+           f"transformers {m['transformers']}, {m['date']}. Whole run {results['elapsed_s']:.0f} s. "
+           f"dtype {results.get('dtype') or 'the servers default'} for every server.", "",
+           "req/s and out tok/s are wall clock (completed / duration, repetitions pooled); LMI req/s "
+           "is clients / mean latency, as LMI's load client computes it. CPU-s / 1k out tok: user + "
+           "system CPU seconds of the server's whole process tree over the measured runs, per 1,000 "
+           "output tokens. × columns divide req/s. "
+           "Share of ideal = (× dynamic) / the ideal speedup of perfect iteration-level batching.", ""]
+    tp = results.get("tensor_parallel_degree", 1)
+    if tp > 1:
+        out += [f"Tensor parallel degree {tp} for our strategies (the peers run one process)"
+                + ("." if m["cuda"] else ": on CPU the gloo ranks share the host's cores, so these "
+                   "figures are a correctness run, not a speed comparison."), ""]
+    for name, r in results["workloads"].items():
+        w = r["workload"]
+        ideal = w["ideal"]
+        out += [f"## Workload `{name}`", "", w["note"] + ".", "",
+                f"{w['requests']} requests, {w['concurrency']} clients, prompts of {w['prompt_tokens']} tokens"
+                + (f" (unique; drawn {w['prompt_tokens_drawn']['min']}..{w['prompt_tokens_drawn']['max']})"
+                   if w.get("unique_prompts") and w.get("prompt_tokens_drawn") else "") + ", "
+                f"max_new_tokens from {list(w['max_new_tokens'])}"
+                + (f", EOS after K in {w['eos_after'][0]}..{w['eos_after'][1]}" if w["eos_after"] else "")
+                + f", KV capacity {w['kv_cache_tokens']} tokens for every server, {w['repetitions']} "
+                f"interleaved repetitions. Ideal speedup over dynamic at batch width {ideal['batch_width']}: "
+                f"{ideal['from_draws']:.2f} from these draws ({ideal['expected']:.2f} expected).", "",
+                "| server | " + " | ".join(c[0] for c in COLUMNS) + " |",
+                "|---|" + "---:|" * len(COLUMNS)]
+        for group in ("strategies", "peers"):
+            for sname, e in r[group].items():
+                label = sname if group == "strategies" else f"{sname} (peer)"
+                if "skipped" in e:
+                    out.append(f"| {label} | skipped: {e['skipped']} |" + " |" * (len(COLUMNS) - 1))
+                    continue
+                if "requests_per_s" not in e:
+                    out.append(f"| {label} | failed: {e.get('error', '?')[:120]} |" + " |" * (len(COLUMNS) - 1))
+                    continue
+                cells = []
+                for _, key, d, sc in COLUMNS:
+                    keys = key if isinstance(key, tuple) else (key,)
+                    cells.append(" / ".join(_f(e.get(k), d, sc) for k in keys))
+                out.append(f"| {label} | " + " | ".join(cells) + " |")
+        out.append("")
+    return "\n".join(out)
+
+
+def chart(results: dict, path: str) -> None:
+    # A bare Figure renders with Agg and leaves pyplot's backend alone (a notebook keeps inline).
+    from matplotlib.figure import Figure
+
+    wl = results["workloads"]
+    fig = Figure(figsize=(6 * len(wl), 4.2))
+    axes = fig.subplots(1, len(wl), squeeze=False)
+    for ax, (name, r) in zip(axes[0], wl.items()):
+        peers = {f"{k}*": v for k, v in r["peers"].items() if "skipped" not in v}
+        entries = {**r["strategies"], **peers}
+        labels = list(entries)
+        vals = [entries[k].get("requests_per_s") or 0 for k in labels]
+        bars = ax.bar(labels, vals, color=["#4C72B0"] * len(r["strategies"]) + ["#999999"] * len(peers))
+        for b, v in zip(bars, vals):
+            ax.annotate(f"{v:.2f}", (b.get_x() + b.get_width() / 2, v), ha="center", va="bottom", fontsize=8)
+        ax.set_title(f"{name}: requests/s (wall clock{', ' + results['dtype'] if results.get('dtype') else ''})")
+        ax.tick_params(axis="x", rotation=30)
+    fig.text(0.01, 0.01, "* peer", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def write_results(results: dict, out_dir: str) -> None:
+    with open(os.path.join(out_dir, "results.json"), "w") as f:
+        json.dump(results, f, indent=2)
+    with open(os.path.join(out_dir, "results.md"), "w") as f:
+        f.write(markdown(results))
+    chart(results, os.path.join(out_dir, "results.png"))

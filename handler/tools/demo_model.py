@@ -1,0 +1,153 @@
+"""Tiny demo models built locally (no hub): a small causal LM + a byte-level BPE tokenizer.
+
+The tokenizer is trained on the Python standard library's source, which every machine has,
+so the same command gives a working model in a container, in CI and on a laptop.
+"""
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import sysconfig
+
+FAMILIES = ("llama", "qwen2", "gpt2", "qwen3")
+VOCAB_SIZE = 8192
+SPECIAL = ["<unk>", "<s>", "</s>", "<pad>"]
+# A small ChatML-like template so that chat requests work on the demo model (`make serve`).
+CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}</s>\n{% endfor %}"
+                 "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+
+
+def _corpus(max_bytes: int = 3_000_000):
+    # Sorted so that the tokenizer is the same on every machine with the same Python.
+    stdlib = sysconfig.get_paths()["stdlib"]
+    total = 0
+    for path in sorted(glob.glob(os.path.join(stdlib, "*.py"))):
+        try:
+            with open(path, encoding="utf-8") as f:
+                text = f.read()
+        except (OSError, UnicodeDecodeError):
+            continue
+        total += len(text)
+        yield text
+        if total >= max_bytes:
+            return
+
+
+def build_tokenizer(vocab_size: int = VOCAB_SIZE):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=SPECIAL,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(_corpus(), trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>",
+        pad_token="<pad>", model_max_length=1024)
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def model_config(family: str, tokenizer, vocab_size: int = VOCAB_SIZE):
+    from transformers import GPT2Config, LlamaConfig, Qwen2Config, Qwen3Config
+
+    ids = dict(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+               pad_token_id=tokenizer.pad_token_id)
+    if family == "llama":
+        return LlamaConfig(vocab_size=vocab_size, hidden_size=256, intermediate_size=688,
+                           num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
+                           max_position_embeddings=1024, initializer_range=0.1, **ids)
+    if family == "qwen2":
+        return Qwen2Config(vocab_size=vocab_size, hidden_size=256, intermediate_size=688,
+                           num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2,
+                           max_position_embeddings=1024, initializer_range=0.1,
+                           tie_word_embeddings=False, **ids)
+    if family == "gpt2":
+        return GPT2Config(vocab_size=vocab_size, n_embd=256, n_layer=4, n_head=8, n_positions=1024,
+                          initializer_range=0.1, **ids)
+    if family == "qwen3":   # per-head q/k RMSNorm, tied embeddings
+        return Qwen3Config(vocab_size=vocab_size, hidden_size=256, intermediate_size=688,
+                           num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
+                           head_dim=32, max_position_embeddings=1024, initializer_range=0.1,
+                           tie_word_embeddings=True, **ids)
+    raise ValueError(f"unknown family {family!r}; choose one of {', '.join(FAMILIES)}")
+
+
+def build_demo_model(out_dir: str, family: str = "llama", seed: int = 0) -> str:
+    """Write a tiny random-weight `family` model + tokenizer into out_dir; returns out_dir."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    tokenizer = build_tokenizer()
+    config = model_config(family, tokenizer)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config)
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    os.makedirs(out_dir, exist_ok=True)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    tokenizer.save_pretrained(out_dir)
+    with open(os.path.join(out_dir, "DEMO_MODEL.json"), "w") as f:
+        json.dump({"family": family, "seed": seed, "built_by": "handler.tools.demo_model"}, f)
+    return out_dir
+
+
+def build_demo_adapters(model_dir: str, count: int, rank: int = 8,
+                        targets: tuple[str, ...] = ("q_proj", "v_proj", "o_proj", "down_proj"),
+                        seed: int = 0) -> list[str]:
+    """Write `count` random LoRA adapters in PEFT's format (adapter_config.json +
+    adapter_model.safetensors) to MODEL_DIR/adapters/demo-<i>/ (LMI's layout); returns the names.
+    B is random too (PEFT initialises it to zero), so each adapter changes the outputs."""
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    linears = {n: m for n, m in model.named_modules()
+               if isinstance(m, torch.nn.Linear) and n.rsplit(".", 1)[-1] in targets}
+    if not linears:
+        raise ValueError(f"the model in {model_dir} has no linear layer named {', '.join(targets)}")
+    names = []
+    for i in range(count):
+        g = torch.Generator().manual_seed(seed * 1000 + i)
+        tensors = {}
+        for n, m in linears.items():
+            tensors[f"base_model.model.{n}.lora_A.weight"] = \
+                torch.randn(rank, m.in_features, generator=g) / m.in_features ** 0.5
+            tensors[f"base_model.model.{n}.lora_B.weight"] = \
+                torch.randn(m.out_features, rank, generator=g) / rank ** 0.5
+        name = f"demo-{i + 1}"
+        out = os.path.join(model_dir, "adapters", name)
+        os.makedirs(out, exist_ok=True)
+        save_file(tensors, os.path.join(out, "adapter_model.safetensors"))
+        with open(os.path.join(out, "adapter_config.json"), "w") as f:
+            json.dump({"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": rank,
+                       "lora_dropout": 0.0, "bias": "none", "target_modules": sorted(set(targets)),
+                       "base_model_name_or_path": os.path.abspath(model_dir)}, f, indent=2)
+        names.append(name)
+    return names
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="python -m handler build-demo-model",
+                                description="Build a tiny random-weight causal LM + tokenizer locally.")
+    p.add_argument("out_dir")
+    p.add_argument("--family", choices=FAMILIES, default="llama")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--force", action="store_true", help="rebuild even if out_dir has a model")
+    p.add_argument("--adapters", type=int, default=0, metavar="N",
+                   help="also write N random LoRA adapters to OUT_DIR/adapters/demo-1..N (PEFT format)")
+    a = p.parse_args(argv)
+    if not a.force and os.path.exists(os.path.join(a.out_dir, "config.json")):
+        print(f"{a.out_dir} already holds a model (use --force to rebuild)")
+    else:
+        build_demo_model(a.out_dir, a.family, a.seed)
+        print(f"built a tiny {a.family} model in {a.out_dir}")
+    if a.adapters > 0:
+        names = build_demo_adapters(a.out_dir, a.adapters, seed=a.seed)
+        print(f"wrote LoRA adapters {', '.join(names)} in {a.out_dir}/adapters")
+    return 0

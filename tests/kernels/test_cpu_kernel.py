@@ -1,0 +1,309 @@
+"""The CPU decode-attention kernel (kernels/cpu_decode.c via kernels/cpu_ext.py) against the
+float64 naive loop, its dispatch from `kernels.paged_attention`, its build cache and its fallback."""
+from __future__ import annotations
+
+import logging
+import random
+
+import pytest
+import torch
+
+import kernels
+from kernels import cpu_ext, reference
+from kernels.selfcheck import make_case
+from tests.support.kernels import _head_major, _own_kv, naive_attention, rel_err
+
+pytestmark = pytest.mark.skipif(cpu_ext._compiler() is None,
+                                reason="no C compiler (cc/gcc) on PATH: the CPU kernel cannot be built")
+
+
+@pytest.fixture(autouse=True)
+def fresh_load(monkeypatch, tmp_path_factory):
+    """Each test sees `load()` decide afresh; builds go to one cache shared by this session."""
+    monkeypatch.setenv("LMI_CPU_EXT_CACHE", str(tmp_path_factory.getbasetemp() / "kernel-cache"))
+    monkeypatch.delenv("LMI_CPU_ATTENTION", raising=False)
+    cpu_ext.load.cache_clear()
+    yield
+    cpu_ext.load.cache_clear()
+
+
+def _decode_args(case):
+    """The kernel's arguments for a decode-only case (query row s = sequence s)."""
+    return (case["query"], case["key_cache"], case["value_cache"], case["block_tables"],
+            case["seq_lens"], case["scale"])
+
+
+def test_kernel_builds_and_loads():
+    assert cpu_ext.load() is not None, "the CPU kernel did not build (see the warning logged)"
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-5)])
+@pytest.mark.parametrize("layout", ["token", "head"])
+@pytest.mark.parametrize("options", [{}, {"sliding_window": 5}, {"sliding_window": 1}, {"soft_cap": 1.5}])
+def test_kernel_decode_matches_naive_loop(dtype, tol, layout, options):
+    rng = random.Random(f"k-{dtype}-{layout}-{options}")
+    for _ in range(3):
+        case = make_case(rng, num_seqs=rng.randint(1, 9), block_size=rng.choice([1, 4, 16]),
+                         hkv=rng.choice([1, 2, 3]), group=rng.choice([1, 3, 4]),
+                         head_dim=rng.choice([16, 64, 80, 128]), dtype=dtype, max_ctx=70, decode_only=True)
+        case["query"] = case["query"] * 3      # sharper softmax: a wrong key would show
+        if layout == "head":
+            case["key_cache"], case["value_cache"] = _head_major(case["key_cache"]), _head_major(case["value_cache"])
+        got = cpu_ext.decode_attention(*_decode_args(case), options.get("sliding_window"), options.get("soft_cap"))
+        assert got.dtype == torch.float32 and got.shape == case["query"].shape
+        # bf16 K/V are read exactly (fp32 math): the error is the fp32 one against the same bf16 inputs.
+        assert rel_err(got, naive_attention(**case, **options)) <= tol
+
+
+def test_kernel_options_change_the_answer():
+    # The window and the cap reach the kernel (a kernel ignoring them would pass the test above
+    # only if they did nothing): each moves the result away from plain attention.
+    case = make_case(random.Random(5), num_seqs=4, block_size=4, hkv=2, group=2, head_dim=16,
+                     dtype=torch.float32, max_ctx=40, decode_only=True)
+    assert int(case["seq_lens"].max()) > 3     # some context longer than the window
+    case["query"] = case["query"] * 4
+    plain = cpu_ext.decode_attention(*_decode_args(case))
+    assert rel_err(cpu_ext.decode_attention(*_decode_args(case), 3, None), plain) > 1e-3
+    assert rel_err(cpu_ext.decode_attention(*_decode_args(case), None, 0.5), plain) > 1e-3
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_dispatch_mixed_batch_uses_kernel_for_decode_rows_and_matches_naive_loop(dtype, tol, monkeypatch):
+    # Decode rows, chunks over cached prefixes and whole prefills in one packed batch: the decode
+    # rows go to the kernel (counted), the rest to the reference, and the whole answer is the loop's.
+    calls = []
+    real = cpu_ext.decode_attention
+    monkeypatch.setattr(cpu_ext, "decode_attention", lambda *a, **k: calls.append(a[0].shape[0]) or real(*a, **k))
+    rng = random.Random(f"mix-{dtype}")
+    for _ in range(4):
+        case = make_case(rng, num_seqs=rng.randint(4, 8), block_size=rng.choice([4, 16]), hkv=rng.choice([1, 3]),
+                         group=rng.choice([1, 3]), head_dim=32, dtype=dtype, max_ctx=50)
+        key, value = _own_kv(case)
+        hm = dict(case, key_cache=_head_major(case["key_cache"]), value_cache=_head_major(case["value_cache"]))
+        got = kernels.paged_attention(**hm, key=key, value=value)
+        assert got.dtype == dtype
+        assert rel_err(got, naive_attention(**case)) <= tol
+    assert calls and sum(calls) > 0
+
+
+def test_decode_rows_of_the_kernel_equal_the_reference_gather_in_fp32():
+    case = make_case(random.Random(9), num_seqs=40, block_size=16, hkv=3, group=3, head_dim=64,
+                     dtype=torch.float32, max_ctx=200, decode_only=True)
+    hm = dict(case, key_cache=_head_major(case["key_cache"]), value_cache=_head_major(case["value_cache"]))
+    want = reference.paged_attention(**hm)
+    got = reference.paged_attention(**hm, decode=cpu_ext.decode_attention)
+    assert (got - want).abs().max().item() <= 1e-5
+
+
+def test_reference_setting_turns_the_kernel_off(monkeypatch):
+    monkeypatch.setenv("LMI_CPU_ATTENTION", "reference")
+    assert cpu_ext.load() is None
+    assert kernels._cpu_decode(torch.zeros(1, 2, 8), torch.zeros(2, 4, 2, 8)) is None
+    with pytest.raises(RuntimeError, match="not available"):
+        cpu_ext.decode_attention(torch.zeros(1, 2, 8), torch.zeros(2, 4, 2, 8), torch.zeros(2, 4, 2, 8),
+                                 torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, dtype=torch.int32), 1.0)
+
+
+def test_failed_build_falls_back_to_the_reference_with_a_warning(monkeypatch, tmp_path, caplog):
+    monkeypatch.setenv("LMI_CPU_EXT_CACHE", str(tmp_path))     # nothing cached: a build is needed
+    monkeypatch.setenv("CC", "false")                          # a compiler that always fails
+    with caplog.at_level(logging.WARNING, logger="lmi.kernels"):
+        assert cpu_ext.load() is None
+    assert "CPU decode-attention kernel unavailable" in caplog.text and "false failed" in caplog.text
+    case = make_case(random.Random(4), num_seqs=5, block_size=4, hkv=2, group=2, head_dim=16,
+                     dtype=torch.float32, max_ctx=30, decode_only=True)
+    assert kernels._cpu_decode(case["query"], case["key_cache"]) is None
+    assert rel_err(kernels.paged_attention(**case), naive_attention(**case)) <= 1e-5
+    assert list(tmp_path.iterdir()) == []                      # no half-written object left behind
+
+
+def test_build_is_cached_per_cpu(monkeypatch, tmp_path):
+    first = cpu_ext.build(str(tmp_path))
+    assert cpu_ext.build(str(tmp_path)) == first               # reused, not rebuilt
+    monkeypatch.setattr(cpu_ext, "_cpu_signature", lambda: "model name: another CPU\nflags: sse2")
+    other = cpu_ext.build(str(tmp_path))
+    assert other != first and sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        [first.rsplit("/", 1)[1], other.rsplit("/", 1)[1]])
+
+
+def test_kernel_skips_pools_it_cannot_read():
+    assert not cpu_ext.supports(torch.zeros(2, 4, 2, 8, dtype=torch.float16))     # fp16: the reference
+    assert not cpu_ext.supports(torch.zeros(2, 4, 2, 8).transpose(2, 3))           # D not contiguous
+    assert cpu_ext.supports(torch.zeros(2, 2, 4, 8, dtype=torch.bfloat16).transpose(1, 2))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("layout", ["token", "head"])
+def test_kernel_write_kv_equals_reference_write(dtype, layout):
+    # Rows as the attention hands them over (a transposed view of [Hkv, T, D]), some slots -1.
+    gen = torch.Generator().manual_seed(3)
+    nb, bs, hkv, d, t = 6, 4, 3, 16, 9
+    pools = [torch.randn(nb, bs, hkv, d, generator=gen).to(dtype) for _ in range(2)]
+    if layout == "head":
+        pools = [_head_major(p) for p in pools]
+    key = torch.randn(hkv, t, d, generator=gen).to(dtype).transpose(0, 1)
+    value = torch.randn(hkv, t, d, generator=gen).to(dtype).transpose(0, 1)
+    slots = torch.randperm(nb * bs, generator=gen)[:t]
+    slots[[2, 5]] = -1
+    want = [p.clone() for p in pools]
+    reference.write_kv(*want, key, value, slots)
+    kernels.write_kv(*pools, key, value, slots)
+    assert torch.equal(pools[0], want[0]) and torch.equal(pools[1], want[1])
+    assert not torch.equal(want[0], pools[0].clone().zero_())   # rows were written at all
+    assert cpu_ext.write_kv(*pools, key, value, slots)          # the kernel, not the fallback, took it
+
+
+def test_kernel_write_kv_refuses_a_slot_past_the_pool():
+    kc, vc = torch.zeros(2, 4, 1, 8), torch.zeros(2, 4, 1, 8)
+    with pytest.raises(IndexError, match="past the pool's 8 slots"):
+        cpu_ext.write_kv(kc, vc, torch.ones(2, 1, 8), torch.ones(2, 1, 8), torch.tensor([3, 8]))
+    assert not kc.any() and not vc.any()                        # nothing written
+
+
+def test_rms_norm_bf16_kernel_matches_float64_math():
+    # Against the formula itself in float64 (then rounded as transformers rounds): within one
+    # bf16 step, and a row of zeros stays zeros (eps keeps the rsqrt finite).
+    gen = torch.Generator().manual_seed(8)
+    x = (torch.randn(37, 96, generator=gen) * 4).to(torch.bfloat16)
+    x[5] = 0
+    w = torch.randn(96, generator=gen).to(torch.bfloat16)
+    got = cpu_ext.rms_norm_bf16(x, w, 1e-6)
+    xd = x.double()
+    normed = (xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + 1e-6)).to(torch.bfloat16)
+    want = (w.double() * normed.double()).to(torch.bfloat16)
+    step = want.float().abs().clamp_min(1e-30) * 2 ** -7
+    assert got.dtype == torch.bfloat16 and got.shape == x.shape
+    assert ((got.float() - want.float()).abs() <= 2 * step).all()
+    assert torch.equal(got[5], torch.zeros(96, dtype=torch.bfloat16))
+    assert cpu_ext.rms_norm_bf16(x.float(), w, 1e-6) is None              # fp32: not this kernel's
+    assert cpu_ext.rms_norm_bf16(x.t(), w[:37], 1e-6) is None             # not contiguous
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads", [(4, 4), (6, 2), (9, 3)])
+def test_rotary_kernel_equals_transformers_bit_for_bit(dtype, heads):
+    # Oracle: transformers' own apply_rotary_pos_emb and rotary module on the same inputs.
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
+    h, hkv = heads
+    d, t = 64, 29
+    cfg = LlamaConfig(hidden_size=h * d, num_attention_heads=h, num_key_value_heads=hkv)
+    gen = torch.Generator().manual_seed(10)
+    # q/k as the projections give them: [T, heads*D] rows viewed [T, heads, D]
+    q = torch.randn(t, h * d, generator=gen).to(dtype).view(t, h, d)
+    k = torch.randn(t, hkv * d, generator=gen).to(dtype).view(t, hkv, d)
+    pos = torch.tensor([[3, 0, 17, 1000, 4095] + list(range(50, 74))])
+    cos, sin = LlamaRotaryEmbedding(cfg)(q, pos)                          # [1, T, D] in dtype
+    want_q, want_k = apply_rotary_pos_emb(q.transpose(0, 1)[None], k.transpose(0, 1)[None], cos, sin)
+    assert cpu_ext.rotary_(q, k, cos[0], sin[0])
+    assert torch.equal(q, want_q[0].transpose(0, 1)) and torch.equal(k, want_k[0].transpose(0, 1))
+    before = q.clone()
+    assert not cpu_ext.rotary_(q, k, cos[0, :5], sin[0, :5])              # cos for other tokens
+    assert not cpu_ext.rotary_(q, k.float() if dtype != torch.float32 else k.double(), cos[0], sin[0])
+    assert torch.equal(q, before)                                          # refused: untouched
+
+
+def test_loading_the_kernel_leaves_subnormal_floats_alone():
+    # A shared object linked with -ffast-math sets flush-to-zero for the whole process when it
+    # loads (gcc's crtfastmath.o): torch's and Python's float math would silently change.
+    import subprocess
+    import sys
+    code = ("import sys, torch\nfrom kernels import cpu_ext\nassert cpu_ext.load() is not None\n"
+            "x = sys.float_info.min\nassert x / 4 > 0, 'subnormals flushed to zero'\n"
+            "assert (torch.tensor([x], dtype=torch.float64) / 4).item() > 0\n"
+            "assert (torch.tensor([1e-39]) * 1.0).item() > 0\nprint('ok')\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-2000:]
+
+
+@pytest.mark.parametrize("rows,vocab", [(1, 7), (5, 384), (33, 49152)])
+def test_row_stats_give_torch_argmax_and_log_softmax(rows, vocab):
+    """The sampler's one-pass kernel: torch.argmax's index (ties: the first), and log_softmax of
+    the chosen token from (x - max) - logsum, against float64 log_softmax."""
+    g = torch.Generator().manual_seed(rows * vocab)
+    x = torch.randn(rows, vocab, generator=g) * 4
+    x[0, vocab // 2] = x[0].max() + 1.0
+    x[0, vocab - 1] = x[0, vocab // 2]            # a tie: the first index wins, as in torch
+    wide = torch.randn(rows, vocab + 5, generator=g)
+    masked = x.clone()
+    masked[:, 1::3] = float("-inf")               # some logits masked out: still the kernel's
+    for logits in (x, wide[:, 2:vocab + 2], masked):   # contiguous rows, rows at a stride, masked
+        idx, row_max, logsum = cpu_ext.row_stats(logits)
+        assert torch.equal(idx, logits.argmax(dim=-1))
+        lp = (logits.gather(1, idx[:, None])[:, 0] - row_max) - logsum
+        want = torch.log_softmax(logits.double(), dim=-1).gather(1, idx[:, None])[:, 0]
+        assert torch.allclose(lp.double(), want, atol=1e-5, rtol=0)
+
+
+def test_row_stats_hand_non_finite_rows_back_to_torch():
+    x = torch.randn(3, 64)
+    for bad in (float("nan"), float("inf")):
+        y = x.clone()
+        y[1, 5] = bad
+        assert cpu_ext.row_stats(y) is None
+    y = x.clone()
+    y[2] = float("-inf")
+    assert cpu_ext.row_stats(y) is None
+    assert cpu_ext.row_stats(x.to(torch.bfloat16)) is None      # fp32 only
+    assert cpu_ext.row_stats(x.t()) is None                     # rows must be contiguous
+
+
+gemm_needed = pytest.mark.skipif("avx512f" not in cpu_ext._cpu_signature(),
+                                 reason="kernels/cpu_gemm.c needs AVX-512F; this CPU keeps oneDNN")
+
+
+@gemm_needed
+@pytest.mark.parametrize("m", [1, 5, 12, 13, 37, 64, 300])
+@pytest.mark.parametrize("k,n", [(64, 1), (96, 17), (256, 32), (576, 192), (100, 333), (1536, 70)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_gemm_matches_float64_within_the_fp32_sum_bound(m, k, n, bias):
+    # Oracle: the float64 product. An fp32 sum of k products (each FMA rounds once) is within
+    # k * 2^-24 * sum_k |a_k w_k| of it (the standard bound, plus the bias add's rounding).
+    assert cpu_ext.gemm_available()
+    g = torch.Generator().manual_seed(m * 1000 + k + n)
+    x, w = torch.randn(m, k, generator=g), torch.randn(n, k, generator=g)
+    b = torch.randn(n, generator=g) if bias else None
+    got = cpu_ext.gemm(x, cpu_ext.pack_panels(w), n, b)
+    want = x.double() @ w.double().t() + (b.double() if bias else 0)
+    bound = (k + 1) * 2.0 ** -24 * (x.double().abs() @ w.double().abs().t() + (b.double().abs() if bias else 0))
+    assert got.dtype == torch.float32 and got.shape == (m, n)
+    assert ((got.double() - want).abs() <= bound + 1e-30).all()
+
+
+@gemm_needed
+def test_gemm_rows_do_not_depend_on_the_batch_and_inputs_may_be_views():
+    # Each output row is its own k-ordered sum: the same bits alone, in a batch of 7 or of 300,
+    # and from a 3-D input, a row-strided view or a non-contiguous one.
+    g = torch.Generator().manual_seed(1)
+    k, n = 576, 200
+    w, b = torch.randn(n, k, generator=g), torch.randn(n, generator=g)
+    p = cpu_ext.pack_panels(w)
+    x = torch.randn(300, k, generator=g)
+    full = cpu_ext.gemm(x, p, n, b)
+    for rows in (slice(0, 1), slice(3, 10), slice(40, 300)):
+        assert torch.equal(cpu_ext.gemm(x[rows], p, n, b), full[rows])
+    assert torch.equal(cpu_ext.gemm(x.view(3, 100, k), p, n, b), full.view(3, 100, n))
+    wide = torch.randn(300, k + 8, generator=g)
+    wide[:, :k] = x
+    assert torch.equal(cpu_ext.gemm(wide[:, :k], p, n, b), full)          # rows at stride k + 8
+    xt = x.t().contiguous().t()                                           # column-major: copied
+    assert torch.equal(cpu_ext.gemm(xt, p, n, b), full)
+    assert cpu_ext.gemm(x[:0], p, n, b).shape == (0, n)
+    assert torch.equal(cpu_ext.gemm(torch.randn(4, 0), cpu_ext.pack_panels(torch.randn(n, 0)), n, b),
+                       b.expand(4, n))                                  # no inputs: the bias alone
+
+
+@gemm_needed
+def test_gemm_gives_the_same_answer_on_any_number_of_threads():
+    g = torch.Generator().manual_seed(2)
+    x, w = torch.randn(37, 300, generator=g), torch.randn(130, 300, generator=g)
+    p = cpu_ext.pack_panels(w)
+    before = torch.get_num_threads()
+    try:
+        outs = []
+        for t in (1, 2, 3):
+            torch.set_num_threads(t)
+            outs.append(cpu_ext.gemm(x, p, 130, None))
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
