@@ -21,7 +21,16 @@ def main(argv: list[str] | None = None) -> int:
         for name, (_, desc) in COMMANDS.items():
             print(f"  {name:<18}{desc}")
         return 0 if not argv or argv[0] in ("-h", "--help") else 2
-    module = importlib.import_module(COMMANDS[argv[0]][0])
+    name = COMMANDS[argv[0]][0]
+    try:
+        module = importlib.import_module(name)
+    except ModuleNotFoundError as e:
+        if e.name and name.startswith(e.name) and name.startswith("handler.tools"):
+            # The serving image ships the server only; the tools are client-side.
+            print(f"error: `{argv[0]}` is a client-side tool ({name}), not installed here (the serving image "
+                  f"leaves handler/tools out); run it from a checkout: pip install -e '.[bench]'", file=sys.stderr)
+            return 2
+        raise
     return int(module.main(argv[1:]) or 0)
 
 

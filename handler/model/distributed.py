@@ -123,6 +123,13 @@ class Ranks:
         return int(t.item())
 
     # ---- the step broadcast: header [cmd, n] then n int64 values
+    def send_step(self, packed) -> None:
+        """Rank 0: the other ranks run this packed step (runner.pack_step) on their shards."""
+        self.send(STEP, packed)
+
+    def check_supported(self, model_dir: str, trust_remote_code: bool = False) -> None:
+        check_supported(model_dir, self.world_size, trust_remote_code)
+
     def send(self, cmd: int, body=None) -> None:
         import torch
         import torch.distributed as dist
@@ -256,7 +263,7 @@ class RankGroup:
 
     def spawn(self) -> "RankGroup":
         """Start ranks 1..N-1 (they import and load while rank 0 goes on)."""
-        pkg_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        pkg_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (pkg_root, env.get("PYTHONPATH")) if p)
         for r in range(1, self.degree):

@@ -14,7 +14,6 @@ import torch
 
 from handler.model import batch_invariant, sampling
 from handler.model.attention import ATTN_NAME, StepMeta  # importing it registers the attention function
-from handler.model.distributed import STEP
 from handler.model.sampling import Sampler
 from handler.engine.scheduler import SampleResult, StepItem
 
@@ -122,8 +121,7 @@ class ModelRunner:
         self.dtype = pick_dtype(dtype, self.device)
         kw = dict(dtype=self.dtype, attn_implementation=ATTN_NAME, trust_remote_code=trust_remote_code)
         if ranks is not None:
-            from handler.model.distributed import check_supported
-            check_supported(model_dir, ranks.world_size, trust_remote_code)
+            ranks.check_supported(model_dir, trust_remote_code)
             try:
                 from transformers.distributed import DistributedConfig
                 kw["distributed_config"] = DistributedConfig(tp_size=ranks.world_size)
@@ -320,7 +318,7 @@ class ModelRunner:
     def _packed_step(self, items: list[StepItem], copies: list[tuple[int, int]] = ()) -> list[SampleResult]:
         packed, first_row = pack_step(items, self.block_size, copies)
         if self.ranks is not None:   # the other ranks run the same copies + forward on their shards
-            self.ranks.send(STEP, packed)
+            self.ranks.send_step(packed)
         if self.lora is not None:       # each adapter's rows get their low-rank update
             from handler.model.lora import step_context
             with step_context(self.lora.step(items)):

@@ -33,7 +33,7 @@ SERIAL = ("none", "hf_naive")          # one request at a time (Workload.serial_
 ALL = STRATEGIES + PEERS
 BLOCK = 16  # tokens per KV block for our servers (option.block_size default) and the CB peer's page
 HERE = os.path.dirname(os.path.abspath(__file__))
-CONFIGS = os.path.join(os.path.dirname(os.path.dirname(HERE)), "benchmarks", "configs")
+CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(HERE))), "benchmarks", "configs")
 
 
 # ------------------------------------------------------------------ model

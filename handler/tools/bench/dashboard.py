@@ -13,7 +13,7 @@ import re
 import sys
 from dataclasses import dataclass
 
-DASHBOARD_PATH = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+DASHBOARD_PATH = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))),
                               "container", "grafana", "lmi-serve.json")
 SEL = 'model=~"$model",strategy=~"$strategy"'
 
@@ -209,6 +209,18 @@ def plot(series: list[tuple[float, dict]], path: str, title: str = "", window: f
     plt.close(fig)
 
 
+def from_json(rows: list) -> list[tuple[float, dict]]:
+    """A scrape series as written by `bench run --scrape-out` -> [(t, {metric: {labels: value}})]."""
+    series = []
+    for row in rows:
+        snap: dict = {}
+        for name, labels, v in row["samples"]:
+            snap.setdefault(name, {})[frozenset(labels.items())] = v
+        series.append((row["t"], snap))
+    return series
+
+
+
 def main(argv: list[str]) -> int:
     import argparse
 
@@ -220,7 +232,6 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--title", default="")
     a = ap.parse_args(argv)
     if a.plot:
-        from handler.tools.bench.scrape import from_json
         import gzip
         with (gzip.open if a.plot[0].endswith(".gz") else open)(a.plot[0], "rt") as f:
             plot(from_json(json.load(f)["series"]), a.plot[1], title=a.title, window=a.window)

@@ -8,7 +8,7 @@ import time
 import requests
 from prometheus_client.parser import text_string_to_metric_families
 
-from handler.tools.bench.dashboard import Query, evaluate
+from handler.tools.bench.dashboard import Query, evaluate, from_json  # noqa: F401 (from_json: the scrape format's reader)
 
 # (figure, histogram) the run report puts beside the client's figures.
 SERVER_FIGURES = (("ttft", "lmi_time_to_first_token_seconds"), ("tpot", "lmi_time_per_output_token_seconds"),
@@ -87,13 +87,3 @@ class Scraper:
         """The series as plain JSON: [{"t": s, "samples": [[name, {labels}, value], ...]}]."""
         return [{"t": t, "samples": [[name, dict(labels), v] for name, vals in snap.items()
                                      for labels, v in vals.items()]} for t, snap in self.series]
-
-
-def from_json(rows: list) -> list[tuple[float, dict]]:
-    series = []
-    for row in rows:
-        snap: dict = {}
-        for name, labels, v in row["samples"]:
-            snap.setdefault(name, {})[frozenset(labels.items())] = v
-        series.append((row["t"], snap))
-    return series

@@ -40,7 +40,7 @@ MARKER = "lmi-peer.json"
 ENV_DIR = "LMI_BENCH_VLLM_DIR"
 INSTALL_HINT = "python -m handler bench install-peer vllm"
 STARTUP_TIMEOUT = 900.0   # ~120 s of torch.compile when idle; far more on a loaded 2-core machine
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 TCMALLOC_PACKAGE = "libtcmalloc-minimal4"
 
 
