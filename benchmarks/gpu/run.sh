@@ -2,7 +2,9 @@
 # The GPU checks of benchmarks/results/gpu-*/, run on a lent CUDA machine from the repo root:
 #   bash benchmarks/gpu/run.sh PHASE [PHASE ...]   (phases below; logs and results go to $OUT)
 # The machine has torch + triton but not our other pins: wheels carried in .whl/ are installed
-# into /tmp/site first (pip download --python-version 3.12 ..., see benchmarks/gpu/README.md).
+# into /tmp/site first (pip download --python-version 3.12 --only-binary=:all: --platform manylinux...:
+# transformers, flask, gunicorn, gevent and its deps, gguf; tokenizers 0.23.2 there is new enough).
+# Not yet run on a GPU: no session so far was lent one (issue 36).
 # Phases: setup | smol | gputests | kernels | bench:ONLY:REQUESTS[:WORKLOADS] | suite
 set -uo pipefail
 OUT=${OUT:-/tmp/gpu-out}

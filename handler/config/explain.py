@@ -1,5 +1,6 @@
 """`python -m handler config --explain`: the KV-cache arithmetic of a serving.properties file,
-without loading the model (config.json is read as JSON; no torch, no transformers).
+without loading the model (config.json is read as JSON; no transformers; torch only where a GPU
+device node exists, to ask about it). The rules are the server's own: handler/config/sizing.py.
 
 What it answers, for the resolved configuration and an optional traffic mix
 (prompt tokens P, requests asking max_new_tokens M, actual output lengths L drawn uniformly
@@ -20,71 +21,13 @@ import glob
 import json
 import os
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 
-DTYPE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
-_HF_DTYPES = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
-CPU_KV_BUDGET = 4 << 30          # the runner's default KV budget on a CPU (handler/runner.py)
-GPU_HEADROOM = 1 << 30           # the runner leaves this for activations on a GPU
-
-
-@dataclass(frozen=True)
-class Geometry:
-    model_type: str
-    layers: int
-    kv_heads: int
-    head_dim: int
-    max_positions: int
-    stored_dtype: str | None     # config.json's torch_dtype / dtype, as fp32/fp16/bf16
-
-
-def read_geometry(model_dir: str) -> Geometry:
-    """(layers, kv heads, head dim, max positions) from config.json of any decoder family; the
-    same fields handler.model.runner.model_geometry reads from the loaded config."""
-    path = os.path.join(model_dir, "config.json")
-    try:
-        with open(path) as f:
-            cfg = json.load(f)
-    except OSError as e:
-        raise ValueError(f"{path}: cannot read: {e.strerror}") from None
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{path}: not JSON ({e.msg} at line {e.lineno})") from None
-    text = cfg.get("text_config") or cfg            # multimodal configs nest the decoder
-
-    def first(*keys):
-        for k in keys:
-            if text.get(k) is not None:
-                return text[k]
-        return None
-
-    layers = first("num_hidden_layers", "n_layer", "num_layers")
-    heads = first("num_attention_heads", "n_head")
-    hidden = first("hidden_size", "n_embd", "d_model")
-    if not (layers and heads and (hidden or text.get("head_dim"))):
-        raise ValueError(f"{path}: no num_hidden_layers/num_attention_heads/hidden_size "
-                         "(or their GPT-2 names); is this a causal LM config?")
-    kv = first("num_key_value_heads") or (1 if text.get("multi_query") else heads)
-    head_dim = text.get("head_dim") or hidden // heads
-    max_pos = first("max_position_embeddings", "n_positions") or 2048
-    stored = cfg.get("torch_dtype") or cfg.get("dtype") or text.get("torch_dtype")
-    return Geometry(str(cfg.get("model_type", "?")), int(layers), int(kv), int(head_dim), int(max_pos),
-                    _HF_DTYPES.get(stored) if isinstance(stored, str) else None)
-
-
-def kv_bytes_per_token(g: Geometry, dtype: str) -> int:
-    return 2 * g.layers * g.kv_heads * g.head_dim * DTYPE_BYTES[dtype]
-
-
-def resolve_device(device: str) -> str:
-    """auto -> cuda when an NVIDIA device node exists (no torch import), else cpu."""
-    if device != "auto":
-        return device
-    return "cuda" if glob.glob("/dev/nvidia[0-9]*") else "cpu"
-
-
-def resolve_dtype(dtype: str, device: str) -> str:
-    # The runner's rule: auto is fp32 on a CPU and bf16 on a GPU (fp16 where bf16 is unsupported).
-    return dtype if dtype != "auto" else ("bf16" if device == "cuda" else "fp32")
+from handler.config import sizing
+# The sizing rules (handler/config/sizing.py) under the names this module has always had.
+from handler.config.hardware import pick_device as resolve_device, pick_dtype as resolve_dtype  # noqa: F401
+from handler.config.sizing import (CPU_KV_BUDGET, DTYPE_BYTES, GPU_HEADROOM, Geometry,  # noqa: F401
+                                   kv_bytes_per_token, read_geometry, running_width as batch_width)
 
 
 def weights_bytes(model_dir: str, g: Geometry, dtype: str) -> int:
@@ -94,10 +37,6 @@ def weights_bytes(model_dir: str, g: Geometry, dtype: str) -> int:
     if g.stored_dtype:
         size = size * DTYPE_BYTES[dtype] // DTYPE_BYTES[g.stored_dtype]
     return size
-
-
-def batch_width(cfg) -> int:
-    return {"none": 1, "dynamic": cfg.batch_size}.get(cfg.strategy, cfg.max_rolling_batch_size)
 
 
 def blocks_for(tokens: int, block_size: int) -> int:
@@ -112,7 +51,7 @@ def explain(cfg, g: Geometry, *, device: str, prompt_tokens: int | None = None,
     """Every figure as a plain number, plus `warnings` (settings that cannot help) and `notes`."""
     dtype = resolve_dtype(cfg.dtype, device)
     tp = getattr(cfg, "tensor_parallel_degree", 1)
-    per_tok = kv_bytes_per_token(g, dtype) // tp    # per rank: each rank holds kv_heads / tp heads
+    per_tok = kv_bytes_per_token(g, dtype, tp)    # per rank: each rank holds kv_heads / tp heads
     bs = cfg.block_size
     max_len = min(cfg.max_model_len or g.max_positions, g.max_positions)
     width = batch_width(cfg)
@@ -135,16 +74,20 @@ def explain(cfg, g: Geometry, *, device: str, prompt_tokens: int | None = None,
             notes.append(f"option.kv_cache_tokens={kv_tokens} is rounded up to whole blocks of {bs}: "
                          f"{blocks_for(kv_tokens, bs) * bs} tokens")
     elif device == "cpu":
-        kv_tokens = max(bs, min(width * max_len, CPU_KV_BUDGET // per_tok))
+        kv_tokens = sizing.default_kv_tokens(per_tok, width * max_len, bs, "cpu")
         source = (f"default: {width} running sequences x {max_len} tokens"
                   + (" (capped by the 4 GiB CPU budget)" if width * max_len > CPU_KV_BUDGET // per_tok else ""))
     elif gpu_memory_gib:
         wb = (weights_bytes(model_dir, g, dtype) if model_dir else 0) // tp   # per GPU
-        budget = int(gpu_memory_gib * (1 << 30) * cfg.gpu_memory_utilization) - wb - GPU_HEADROOM
-        kv_tokens = max(bs, budget // per_tok)
+        total = int(gpu_memory_gib * (1 << 30))
+        budget = sizing.kv_budget_bytes("cuda", cfg.gpu_memory_utilization, total, used=wb)
+        kv_tokens = sizing.default_kv_tokens(per_tok, width * max_len, bs, "cuda", cfg.gpu_memory_utilization,
+                                             total, used=wb)
         source = (f"estimate: {gpu_memory_gib:g} GiB x gpu_memory_utilization "
                   f"{cfg.gpu_memory_utilization:g} - weights {wb / (1 << 30):.2f} GiB - 1 GiB headroom"
                   + ("" if wb else " (no *.safetensors in the model directory: weights not counted)"))
+        if width * max_len < budget // per_tok:   # the runner takes no more than the batch can use
+            source = f"default: {width} running sequences x {max_len} tokens (within the {source})"
     else:
         kv_tokens, source = None, "sized at start-up from free GPU memory (pass --gpu-memory-gib to estimate)"
     out["kv_cache_source"] = source
@@ -208,9 +151,8 @@ def explain(cfg, g: Geometry, *, device: str, prompt_tokens: int | None = None,
                                 f"{int(mix['paged_sequences_in_steady_state'])} run without it")
         else:
             if cfg.strategy == "dynamic":
-                from handler.tools.bench.metrics import expected_ideal_speedup
                 # a batch runs until its longest member ends: E[max of B lengths] / E[length]
-                x = expected_ideal_speedup(sorted(set(lens)), running, [lens.count(v) for v in sorted(set(lens))])
+                x = sizing.expected_ideal_speedup(sorted(set(lens)), running, [lens.count(v) for v in sorted(set(lens))])
                 mix["dynamic_steps_over_iteration_level"] = x
                 notes.append(f"dynamic: a batch of {running} runs until its longest member ends; with this "
                              f"mix it takes {x:.2f}x the decode steps iteration-level batching (rolling/paged) needs")

@@ -18,10 +18,12 @@ import os
 import re
 import sys
 from dataclasses import dataclass
-from typing import Callable, Iterator, Mapping
+from typing import Iterator, Mapping
 
-DEFAULT_MODEL_DIR = "/opt/ml/model"
-DEFAULT_ENTRY_POINT = "djl_python.huggingface"
+from handler.config import hardware
+from handler.config.schema import (ALIASES, DEFAULT_ENTRY_POINT, DEFAULT_MODEL_DIR, ENV_ALIASES, EXTRA_ENV,
+                                   IGNORED_KEYS, KNOWN_KEYS, PORT, SCHEMA, TYPED_KEYS, _Bad, default_of)
+from handler.config.sizing import read_heads as model_heads
 
 
 class ConfigError(Exception):
@@ -132,138 +134,8 @@ def parse_properties(text: str) -> dict[str, str]:
 
 
 # --------------------------------------------------------------------------------------
-# Keys
+# Keys: declared in handler/config/schema.py (parsers, defaults, aliases, docs)
 # --------------------------------------------------------------------------------------
-class _Bad(ValueError):
-    """What is wrong with a value, completed by the caller with source/key/value."""
-
-
-def _int(minimum: int) -> Callable[[str], int]:
-    what = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
-
-    def parse(v: str) -> int:
-        if not re.fullmatch(r"[+]?[0-9]+", v) or int(v) < minimum:
-            raise _Bad(f"is not {what}")
-        return int(v)
-
-    return parse
-
-
-def _float(lo: float, hi: float | None, lo_open: bool, what: str) -> Callable[[str], float]:
-    def parse(v: str) -> float:
-        try:
-            x = float(v)
-        except ValueError:
-            raise _Bad(f"is not {what}") from None
-        if "_" in v or x != x or x in (float("inf"), float("-inf")) \
-                or (x <= lo if lo_open else x < lo) or (hi is not None and x > hi):
-            raise _Bad(f"is not {what}")
-        return x
-
-    return parse
-
-
-def _bool(v: str) -> bool:
-    if v.lower() in ("true", "false"):
-        return v.lower() == "true"
-    raise _Bad("is not a boolean; allowed: true, false")
-
-
-def _enum(allowed: list[str], aliases: Mapping[str, str] | None = None) -> Callable[[str], str]:
-    table = {a.lower(): a for a in allowed}
-    table.update({k.lower(): v for k, v in (aliases or {}).items()})
-
-    def parse(v: str) -> str:
-        if v.lower() not in table:
-            raise _Bad(f"is not supported; allowed: {', '.join(allowed)}")
-        return table[v.lower()]
-
-    return parse
-
-
-def _block_size(v: str) -> int:
-    n = int(v) if re.fullmatch(r"[+]?[0-9]+", v) else 0
-    if not 1 <= n <= 256 or n & (n - 1):
-        raise _Bad("is not a power of two from 1 to 256")
-    return n
-
-
-def _tp_degree(v: str) -> int | str:
-    if v.lower() == "max":
-        return "max"
-    try:
-        return _int(1)(v)
-    except _Bad:
-        raise _Bad("is not a positive integer or max") from None
-
-
-def _non_empty(v: str) -> str:
-    if not v:
-        raise _Bad("is empty")
-    return v
-
-
-ROLLING_BATCH_VALUES = ["auto", "scheduler", "lmi-dist", "vllm", "disable"]
-
-# key -> value parser. Keys honoured by this server.
-TYPED_KEYS: dict[str, Callable[[str], object]] = {
-    # LMI's other engine names are accepted (with a warning) so that older files load as written.
-    "engine": _enum(["Python", "MPI", "DeepSpeed", "FasterTransformer"]),
-    "batch_size": _int(1),
-    "max_batch_delay": _int(0),
-    "job_queue_size": _int(1),
-    "max_idle_time": _int(1),
-    "request_timeout": _float(0.0, None, True, "a positive number of seconds"),
-    "graceful_timeout": _float(0.0, None, True, "a positive number of seconds"),
-    "option.model_id": _non_empty,
-    "option.s3url": _non_empty,  # LMI's older name for an s3:// model_id
-    "option.rolling_batch": _enum(ROLLING_BATCH_VALUES),
-    "option.paged_attention": _bool,
-    "option.max_rolling_batch_size": _int(1),
-    "option.max_rolling_batch_prefill_tokens": _int(1),
-    "option.block_size": _block_size,
-    "option.enable_prefix_caching": _bool,
-    "option.kv_cache_tokens": _int(1),
-    "option.gpu_memory_utilization": _float(0.0, 1.0, True, "a number in (0, 1]"),
-    "option.max_model_len": _int(1),
-    "option.dtype": _enum(["fp32", "fp16", "bf16", "auto"],
-                          {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}),
-    "option.device": _enum(["auto", "cpu", "cuda"]),
-    "option.tensor_parallel_degree": _tp_degree,
-    "option.trust_remote_code": _bool,
-    "option.entryPoint": _non_empty,
-    "option.output_formatter": _enum(["json", "jsonlines", "sse", "json_chat", "jsonlines_chat", "sse_chat"]),
-    "option.tgi_compat": _bool,        # TGI's response shapes on /invocations
-    # LMI's names for ours: used when ours are absent.
-    "option.predict_timeout": _float(0.0, None, True, "a positive number of seconds"),  # request_timeout
-    "option.max_num_batched_tokens": _int(1),   # vLLM's name for max_rolling_batch_prefill_tokens
-    "option.quantize": _non_empty,              # refused: quantization is not implemented
-    "option.log_format": _enum(["text", "json"]),
-    "option.enable_streaming": _bool,  # LMI's switch; checked against dynamic batching
-    "option.max_payload_mb": _float(0.0, None, True, "a positive number of megabytes"),
-    "option.batch_invariant": _bool,
-    # Multi-LoRA (LMI's / vLLM's names): adapters from MODEL_DIR/adapters/<name>/ and the routes.
-    "option.enable_lora": _bool,
-    "option.max_loras": _int(1),        # distinct adapters in one batch (device slots)
-    "option.max_lora_rank": _int(1),
-    "option.max_cpu_loras": _int(1),    # adapters kept read in memory (least recently used evicted)
-}
-
-# Real LMI keys that change nothing here: accepted (LMI files load as written) and reported once
-# as "accepted, has no effect here".
-IGNORED_KEYS = {
-    "minWorkers", "maxWorkers", "gpu.minWorkers", "gpu.maxWorkers", "cpu.minWorkers",
-    "cpu.maxWorkers", "load_on_devices", "required_memory_mb", "reserved_memory_mb",
-    "log_model_metric", "metrics_aggregation", "translatorFactory",
-    "option.max_input_len", "option.max_output_len", "option.task",
-    "option.revision", "option.model_loading_timeout", "option.low_cpu_mem_usage",
-    "option.device_map", "option.load_in_8bit", "option.load_in_4bit", "option.mpi_mode",
-    "option.parallel_loading", "option.enforce_eager", "option.disable_flash_attn",
-    "option.pipeline_parallel_degree", "option.rolling_batch_strategy",
-    "option.lora_dtype", "option.fully_sharded_loras", "option.lora_extra_vocab_size",
-}
-
-KNOWN_KEYS = set(TYPED_KEYS) | IGNORED_KEYS
 _BY_LOWER = {k.lower(): k for k in KNOWN_KEYS}  # file keys: case-insensitive
 
 
@@ -274,26 +146,14 @@ def _norm(key: str) -> str:
 _BY_NORM = {_norm(k): k for k in KNOWN_KEYS}  # env keys: case- and underscore-insensitive
 assert len(_BY_NORM) == len(KNOWN_KEYS), "two known keys collide once normalised"
 
-# Environment aliases; among several for one key the first one set wins.
-ENV_ALIASES: list[tuple[str, str]] = [
-    ("HF_MODEL_ID", "option.model_id"),
-    ("HF_MODEL_TRUST_REMOTE_CODE", "option.trust_remote_code"),
-    ("TENSOR_PARALLEL_DEGREE", "option.tensor_parallel_degree"),
-    ("SM_NUM_GPUS", "option.tensor_parallel_degree"),
-    ("MAX_BATCH_SIZE", "option.max_rolling_batch_size"),
-    ("MAX_CONCURRENT_REQUESTS", "job_queue_size"),
-    ("MAX_BATCH_PREFILL_TOKENS", "option.max_rolling_batch_prefill_tokens"),
-    ("SAGEMAKER_MODEL_SERVER_TIMEOUT", "request_timeout"),
-    ("SAGEMAKER_MODEL_SERVER_TIMEOUT_SECONDS", "option.predict_timeout"),   # as LMI's SageMakerCompatibility
-    ("HF_MODEL_QUANTIZE", "option.quantize"),
-]
-
 
 # --------------------------------------------------------------------------------------
 # The resolved configuration
 # --------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class ServingConfig:
+    """The resolved configuration. Each key's field, default and documentation are declared in
+    handler/config/schema.py (Key.field_name); the rest is derived here."""
     strategy: str                 # "none" | "dynamic" | "rolling" | "paged"
     engine: str                   # "Python" | "MPI"
     model_id: str                 # as given (local path or s3:// URI)
@@ -326,11 +186,11 @@ class ServingConfig:
     port: int
     warnings: tuple[str, ...]
     properties: dict = dataclasses.field(hash=False)  # merged raw properties, key -> value
-    tgi_compat: bool = False      # TGI's shapes on /invocations (a list, logprob/special, details on, SSE)
-    enable_lora: bool = False     # multi-LoRA (handler/lora.py)
-    max_loras: int = 4            # distinct adapters running at once
-    max_lora_rank: int = 16
-    max_cpu_loras: int = 4        # adapters kept read in memory
+    tgi_compat: bool = default_of("option.tgi_compat")     # TGI's shapes on /invocations
+    enable_lora: bool = default_of("option.enable_lora")   # multi-LoRA (handler/model/lora.py)
+    max_loras: int = default_of("option.max_loras")        # distinct adapters running at once
+    max_lora_rank: int = default_of("option.max_lora_rank")
+    max_cpu_loras: int = default_of("option.max_loras")    # adapters kept read in memory
 
 
 @dataclass
@@ -350,8 +210,8 @@ def _env_properties(env: Mapping[str, str]) -> dict[str, _Value]:
         val = env[var]
         if val == "":
             continue  # `-e OPTION_X=` means unset
-        if var == "OPTION_ENGINE":
-            key = "engine"      # as LMI: the SageMaker SDK's DJLModel sets it
+        if var in EXTRA_ENV:
+            key = EXTRA_ENV[var]    # OPTION_ENGINE, as LMI: the SageMaker SDK's DJLModel sets it
         elif var.startswith("OPTION_") and len(var) > 7:
             key = "option." + var[7:].lower()
         elif var.startswith("SERVING_") and len(var) > 8:
@@ -388,23 +248,6 @@ def cpu_cores() -> int:
         return os.cpu_count() or 1
 
 
-def model_heads(model_dir: str) -> tuple[str, int, int] | None:
-    """(architecture, attention heads, KV heads) from config.json (plain JSON, no torch); None if
-    the file or the fields are missing."""
-    try:
-        with open(os.path.join(model_dir, "config.json")) as f:
-            c = json.load(f)
-    except (OSError, ValueError):
-        return None
-    text = c.get("text_config") or c
-    heads = text.get("num_attention_heads") or text.get("n_head")
-    if not isinstance(heads, int):
-        return None
-    kv = text.get("num_key_value_heads") or heads
-    arch = (c.get("architectures") or [c.get("model_type", "?")])[0]
-    return arch, heads, kv
-
-
 def check_tp_heads(model_dir: str, degree: int, origin: str) -> None:
     """Each rank takes heads/degree query heads and kv_heads/degree KV heads: both must divide."""
     found = model_heads(model_dir) if degree > 1 else None
@@ -417,18 +260,22 @@ def check_tp_heads(model_dir: str, degree: int, origin: str) -> None:
                           "use a degree that divides both")
 
 
-def _visible_gpus() -> int:
-    try:
-        import torch  # lazily: `config` must stay cheap when no GPU question is asked
-    except ImportError:
-        return 0
-    return torch.cuda.device_count()
-
-
 _S3_URI = re.compile(r"s3://[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9](/.*)?", re.IGNORECASE)
 
 
+def _is_gguf_file(path: str) -> bool:
+    return path.endswith(".gguf") and os.path.isfile(path)
+
+
 def _check_model_dir(path: str) -> None:
+    if _is_gguf_file(path):
+        return      # a GGUF file: read (dequantized) by handler.model.gguf at load
+    ggufs = sorted(glob.glob(os.path.join(glob.escape(path), "*.gguf")))
+    if ggufs and not os.path.isfile(os.path.join(path, "config.json")):
+        if len(ggufs) > 1:
+            raise ConfigError(f"model directory {path} holds {len(ggufs)} .gguf files "
+                              f"({', '.join(os.path.basename(g) for g in ggufs)}); name one in option.model_id")
+        return
     if not os.path.isfile(os.path.join(path, "config.json")):
         raise ConfigError(f"model directory {path} has no config.json; "
                           "it must hold a Hugging Face model (config.json + *.safetensors)")
@@ -451,9 +298,19 @@ class _Sources:
         self.warnings = warnings
         self.values: dict[str, object] = {}
 
-    def get(self, key, default=None):
+    def get(self, key, default=SCHEMA):
+        """The key's typed value; when absent `default`, or the schema's default if none given."""
         v = self.values.get(key)
-        return default if v is None else v
+        if v is not None:
+            return v
+        return SCHEMA[key].default if default is SCHEMA else default
+
+    def resolved(self, key):
+        """The key's value, else its first present alias's (LMI's / vLLM's names), else the default."""
+        for k in (key, *ALIASES.get(key, ())):
+            if self.values.get(k) is not None:
+                return self.values[k]
+        return SCHEMA[key].default
 
     def where(self, key: str) -> str:
         return f"{self.merged[key].source}: {key}={_show(self.merged[key].raw)}"
@@ -510,10 +367,10 @@ def _resolve_strategy(src: _Sources) -> dict:
     """LMI semantics: batch_size / rolling_batch / paged_attention -> strategy, and the
     settings that only make sense with some strategies. Returns ServingConfig fields."""
     get, where, warnings = src.get, src.where, src.warnings
-    batch_size = get("batch_size", 1)
-    rolling_batch = get("option.rolling_batch", "disable")
+    batch_size = get("batch_size")
+    rolling_batch = get("option.rolling_batch")
     paged = get("option.paged_attention")
-    max_rolling = get("option.max_rolling_batch_size", 32)
+    max_rolling = get("option.max_rolling_batch_size")
     if rolling_batch == "disable":
         strategy = "dynamic" if batch_size > 1 else "none"
         if paged:
@@ -539,17 +396,17 @@ def _resolve_strategy(src: _Sources) -> dict:
     if unused:
         warnings.append(f"ignored with strategy {strategy}: {', '.join(unused)}")
 
-    output_formatter = get("option.output_formatter", "json")
+    output_formatter = get("option.output_formatter")
     if strategy == "dynamic":
         for key, streams in (("option.output_formatter", output_formatter in ("jsonlines", "sse", "jsonlines_chat",
                                                                              "sse_chat")),
-                             ("option.enable_streaming", get("option.enable_streaming", False))):
+                             ("option.enable_streaming", get("option.enable_streaming"))):
             if streams:
                 raise ConfigError(f"{where(key)} streams tokens, which dynamic batching "
                                   f"(batch_size={batch_size}) cannot do; use option.rolling_batch=auto "
                                   "to stream, or drop the streaming setting")
 
-    block_size = get("option.block_size", 16)
+    block_size = get("option.block_size")
     kv_tokens = get("option.kv_cache_tokens")
     max_model_len = get("option.max_model_len")
     if kv_tokens is not None and kv_tokens < block_size:
@@ -559,11 +416,11 @@ def _resolve_strategy(src: _Sources) -> dict:
         raise ConfigError(f"{where('option.kv_cache_tokens')} cannot hold one sequence of "
                           f"option.max_model_len={max_model_len}; raise it or lower max_model_len")
 
-    entry_point = get("option.entryPoint", DEFAULT_ENTRY_POINT)
+    entry_point = get("option.entryPoint")
     if entry_point != DEFAULT_ENTRY_POINT:
         warnings.append(f"{where('option.entryPoint')} is not run: this server always uses its "
                         f"built-in Hugging Face engine ({DEFAULT_ENTRY_POINT})")
-    if get("engine", "Python") not in ("Python", "MPI"):
+    if get("engine") not in ("Python", "MPI"):
         warnings.append(f"{where('engine')}: this server runs its built-in engine for every LMI "
                         f"engine name (Python and MPI are the same here)")
     return dict(strategy=strategy, batch_size=batch_size, rolling_batch=rolling_batch,
@@ -575,11 +432,11 @@ def _resolve_strategy(src: _Sources) -> dict:
 def _resolve_devices(src: _Sources, env: Mapping[str, str], gpu_count: int | None) -> dict:
     """Device, tensor-parallel degree and port; torch is asked only when the answer matters."""
     get, where = src.get, src.where
-    device = get("option.device", "auto")
-    tp = get("option.tensor_parallel_degree", 1)
+    device = get("option.device")
+    tp = get("option.tensor_parallel_degree")
     if tp == "max" or tp > 1 or device == "cuda":
         if gpu_count is None:
-            gpu_count = _visible_gpus()
+            gpu_count = hardware.visible_gpus()
     if device == "cuda" and gpu_count == 0:
         raise ConfigError(f"{where('option.device')} but no CUDA GPU is visible; use option.device=auto or cpu")
     on_gpu = device == "cuda" or (device == "auto" and bool(gpu_count))
@@ -600,11 +457,11 @@ def _resolve_devices(src: _Sources, env: Mapping[str, str], gpu_count: int | Non
             src.warnings.append(f"{where('option.tensor_parallel_degree')} runs {tp} CPU ranks on {cores} "
                                 "cores: ranks share cores (slow; fine for correctness runs)")
 
-    port_raw = env.get("SAGEMAKER_BIND_TO_PORT", "").strip()
-    port = 8080
+    port_raw = env.get(PORT.var, "").strip()
+    port = PORT.default
     if port_raw:
         if not re.fullmatch(r"[0-9]+", port_raw) or not 1 <= int(port_raw) <= 65535:
-            raise ConfigError(f"environment SAGEMAKER_BIND_TO_PORT={_show(port_raw)} "
+            raise ConfigError(f"environment {PORT.var}={_show(port_raw)} "
                               "is not a port number (1-65535)")
         port = int(port_raw)
     return dict(device=device, tensor_parallel_degree=tp, port=port)
@@ -626,7 +483,7 @@ def _resolve_model(src: _Sources, model_dir: str, check_model: bool) -> dict:
             bases = [os.path.dirname(os.path.abspath(properties_path))] if properties_path else []
             candidates = [path] if os.path.isabs(path) else \
                 [os.path.join(b, path) for b in bases + [os.getcwd()]]
-            local = next((os.path.abspath(c) for c in candidates if os.path.isdir(c)), None)
+            local = next((os.path.abspath(c) for c in candidates if os.path.isdir(c) or _is_gguf_file(c)), None)
             if local is None:
                 raise ConfigError(
                     f"{where(mkey)} is neither a local directory nor an s3:// URI; this container "
@@ -635,7 +492,7 @@ def _resolve_model(src: _Sources, model_dir: str, check_model: bool) -> dict:
                     "option.model_id to a local directory or s3://bucket/prefix")
     else:
         model_id = local = model_dir
-        if check_model and not os.path.isdir(model_dir):
+        if check_model and not (os.path.isdir(model_dir) or _is_gguf_file(model_dir)):
             raise ConfigError(f"model directory {model_dir} does not exist; pass --model-dir DIR "
                               "or set option.model_id to a local directory or s3://bucket/prefix")
     if check_model and local:
@@ -649,8 +506,8 @@ LORA_KEYS = ("option.max_loras", "option.max_lora_rank", "option.max_cpu_loras")
 def _resolve_lora(src: _Sources, tp_degree: int) -> dict:
     """option.enable_lora and its limits (defaults as LMI: 4 adapters, rank 16)."""
     get, where = src.get, src.where
-    enable = get("option.enable_lora", False)
-    max_loras = get("option.max_loras", 4)
+    enable = get("option.enable_lora")
+    max_loras = get("option.max_loras")
     max_cpu = get("option.max_cpu_loras", max_loras)
     if not enable:
         unused = [k for k in LORA_KEYS if k in src.merged]
@@ -664,7 +521,7 @@ def _resolve_lora(src: _Sources, tp_degree: int) -> dict:
             raise ConfigError(f"{where('option.enable_lora')} is not supported with option."
                               f"tensor_parallel_degree={tp_degree} (adapters are not sharded across "
                               "ranks); use tensor_parallel_degree=1 or drop option.enable_lora")
-    return dict(enable_lora=enable, max_loras=max_loras, max_lora_rank=get("option.max_lora_rank", 16),
+    return dict(enable_lora=enable, max_loras=max_loras, max_lora_rank=get("option.max_lora_rank"),
                 max_cpu_loras=max_cpu)
 
 
@@ -684,30 +541,14 @@ def load_config(properties_path: str | None = None, model_dir: str | None = None
         key = "option.tensor_parallel_degree"
         check_tp_heads(model["model_dir"], devices["tensor_parallel_degree"],
                        src.merged[key].source if key in src.merged else "option.tensor_parallel_degree=max")
-    get = src.get
-    return ServingConfig(
-        **strategy, **devices, **model, **lora,
-        engine=get("engine", "Python"),
-        properties_file=os.path.abspath(src.properties_path) if src.properties_path else None,
-        max_batch_delay_ms=get("max_batch_delay", 100),
-        job_queue_size=get("job_queue_size", 1000),
-        max_rolling_batch_prefill_tokens=get("option.max_rolling_batch_prefill_tokens",
-                                             get("option.max_num_batched_tokens", 4096)),
-        max_idle_time_s=get("max_idle_time", 60),
-        request_timeout_s=get("request_timeout", get("option.predict_timeout", 600.0)),
-        # SageMaker sends SIGKILL 30 s after SIGTERM.
-        graceful_timeout_s=get("graceful_timeout", 30.0),
-        max_payload_mb=get("option.max_payload_mb", 6.0),
-        batch_invariant=get("option.batch_invariant", False),
-        enable_prefix_caching=get("option.enable_prefix_caching", False),
-        gpu_memory_utilization=get("option.gpu_memory_utilization", 0.9),
-        dtype=get("option.dtype", "auto"),
-        trust_remote_code=get("option.trust_remote_code", False),
-        log_format=get("option.log_format", "text"),
-        warnings=tuple(src.warnings),
-        properties={k: v.raw for k, v in sorted(src.merged.items())},
-        tgi_compat=get("option.tgi_compat", False),
-    )
+    # Every key with a field: its value, an alias's, or the default; the stages' results over them.
+    direct = {k.field_name: src.resolved(k.name) for k in SCHEMA.values() if k.field_name}
+    return ServingConfig(**{
+        **direct, **strategy, **devices, **model, **lora,
+        "properties_file": os.path.abspath(src.properties_path) if src.properties_path else None,
+        "warnings": tuple(src.warnings),
+        "properties": {k: v.raw for k, v in sorted(src.merged.items())},
+    })
 
 
 def config_to_dict(cfg: ServingConfig) -> dict:

@@ -16,40 +16,11 @@ from dataclasses import dataclass, field
 from handler.engine.blocks import BlockManager
 from handler.engine.detok import IncrementalDetokenizer
 from handler.engine.request import SamplingParams
-from handler.engine.scheduler import (CapacityError, Finish, QueueFull, SampleResult, Scheduler, SchedulerPolicy,
-                        Sequence)
+from handler.engine.scheduler import CapacityError, QueueFull, Scheduler, SchedulerPolicy, Sequence
+# The events live in types.py; imported here also for `from handler.engine.loop import ...`.
+from handler.engine.types import DoneEvent, ErrorEvent, Finish, Runner, SampleResult, TokenEvent
 
 log = logging.getLogger("lmi.engine")
-
-
-@dataclass(frozen=True)
-class DoneEvent:
-    finish_reason: str          # length | eos_token | stop_sequence
-    generated_text: str
-    generated_tokens: int
-    prompt_tokens: int
-    # decoder_input_details: every prompt token as (id, text, log_prob); the first has None.
-    prefill: tuple | None = None
-    cumulative_log_prob: float = 0.0
-    queue_time_s: float = 0.0       # submit -> first scheduled
-    preemptions: int = 0
-
-
-@dataclass(frozen=True)
-class TokenEvent:
-    id: int
-    text: str
-    log_prob: float
-    done: DoneEvent | None = None   # set on a sequence's last token
-    special: bool = False           # a special token (EOS, ...): its text is "" in generated_text
-    top_tokens: tuple = ()          # top_n_tokens: ((id, text, log_prob), ...) most likely first
-    time: float = 0.0               # time.monotonic() when the engine emitted it
-
-
-@dataclass(frozen=True)
-class ErrorEvent:
-    status: int                 # HTTP status: 424 model failure, 503 shutting down, ...
-    message: str
 
 
 @dataclass(eq=False)
@@ -67,7 +38,7 @@ class Channel:
     # `events` together with the last one, so its HTTP thread wakes once per sequence, not once
     # per token to take the GIL from the engine thread. None: each event is put at once.
     held: list | None = None
-    # An event-loop front end's wake-up for the reader (handler/hub.py), set from
+    # An event-loop front end's wake-up for the reader (handler/http/hub.py), set from
     # Engine.on_delivered; None: the reader blocks on `events` itself.
     wake: object = None
 
@@ -86,7 +57,7 @@ class Channel:
 
 
 class Engine:
-    def __init__(self, runner, policy: SchedulerPolicy, block_size: int,
+    def __init__(self, runner: Runner, policy: SchedulerPolicy, block_size: int,
                  enable_prefix_caching: bool = False):
         self.runner = runner
         self.tokenizer = runner.tokenizer
@@ -111,9 +82,9 @@ class Engine:
         self._special = frozenset(getattr(self.tokenizer, "all_special_ids", ()))
         self._stop = False
         self.healthy = True
-        self.on_step = None     # metrics: called with each step's plan (handler/metrics.py)
+        self.on_step = None     # metrics: called with each step's plan (handler/http/metrics.py)
         # Called (engine thread) once per iteration with the channels that got events in it:
-        # an event-loop front end wakes its readers from here (handler/hub.py), once per step.
+        # an event-loop front end wakes its readers from here (handler/http/hub.py), once per step.
         self.on_delivered = None
         self._touched: list[Channel] = []
         self.error: str | None = None

@@ -1,5 +1,5 @@
 """The internal request model's parameters: `SamplingParams` and the parameter table every protocol
-(handler/api/) parses through. No torch.
+(handler/http/protocols/) parses through. No torch.
 
 Parameters follow LMI: unknown names are dropped with a warning (logged once per name), `null` means
 absent, LMI's/vLLM's/TGI's aliases are accepted, and a known name with a bad value is a 400 naming it.

@@ -16,10 +16,11 @@ import itertools
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from enum import StrEnum
 
 from handler.engine.blocks import BlockManager
 from handler.engine.request import SamplingParams
+# The step types live in types.py; imported here also for `from handler.engine.scheduler import ...`.
+from handler.engine.types import Finish, SampleResult, StepItem, StepPlan
 
 STRATEGIES = ("none", "dynamic", "rolling", "paged")
 
@@ -36,15 +37,6 @@ class CapacityError(ValueError):
         super().__init__(f"{field}: {message}")
         self.field = field
         self.message = message
-
-
-class Finish(StrEnum):
-    """Why a sequence ended. The values are the protocol's finish_reason strings."""
-    LENGTH = "length"
-    EOS = "eos_token"
-    STOP = "stop_sequence"
-    ABORTED = "aborted"
-    FAILED = "failed"
 
 
 @dataclass(frozen=True)
@@ -132,36 +124,6 @@ class Sequence:
         """The LoRA adapter's key (None: the base model): its prefix-cache chain root."""
         a = self.params.adapter
         return None if a is None else ("lora", a.uid)
-
-
-@dataclass(frozen=True)
-class StepItem:
-    seq_id: int
-    token_ids: list[int]        # fed this step, at positions start_pos .. start_pos+len-1
-    start_pos: int
-    block_table: list[int]
-    sample: bool                # the chunk reaches the end of the known tokens
-    params: SamplingParams
-    history: list[int]          # prompt + output so far (repetition penalty); do not mutate
-    num_prompt: int = 0         # history[:num_prompt] is the prompt (penalties on the output)
-    prompt_logprobs: bool = False   # return log-probs of history[p+1] for every fed position p
-
-
-@dataclass(frozen=True)
-class SampleResult:
-    """The runner's answer for one item."""
-    token: int | None = None        # None: a prompt chunk that does not reach the end
-    logprob: float = 0.0
-    top: tuple = ()                 # top_n_tokens: ((id, logprob), ...), most likely first
-    prompt_logprobs: tuple = ()     # log-probs of history[start_pos+1 ...] when asked for
-    error: tuple[int, str] | None = None   # (HTTP status, message): this item alone failed
-
-
-@dataclass
-class StepPlan:
-    items: list[StepItem]
-    preempted: list[int] = field(default_factory=list)
-    copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) KV blocks, before the forward
 
 
 class Scheduler:
@@ -398,17 +360,15 @@ class Scheduler:
             plan.copies, self._copies = self._copies, []
         return plan
 
-    def update(self, plan: StepPlan, results: list) -> list[tuple[Sequence, SampleResult]]:
-        """Apply a step's results: one SampleResult per item, or one per sampling item (a bare
-        int is a token). Returns (sequence, result) for those that got a token or failed;
-        finishes those that hit length or EOS, or whose item failed."""
-        self.stats["steps"] += 1
+    def update(self, plan: StepPlan, results: list[SampleResult]) -> list[tuple[Sequence, SampleResult]]:
+        """Apply a step's results: one SampleResult per item, in order (Runner.step). Returns
+        (sequence, result) for those that got a token or failed; finishes those that hit length
+        or EOS, or whose item failed."""
         if len(results) != len(plan.items):
-            it = iter(results)
-            results = [next(it) if item.sample else None for item in plan.items]
+            raise ValueError(f"the runner answered {len(results)} results for {len(plan.items)} items")
+        self.stats["steps"] += 1
         got: list[tuple[Sequence, SampleResult]] = []
         for item, res in zip(plan.items, results):
-            res = SampleResult(res) if isinstance(res, int) else res or SampleResult()
             seq = self.seqs.get(item.seq_id)
             if seq is None or seq not in self.running:   # aborted while the step ran
                 continue

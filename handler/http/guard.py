@@ -5,7 +5,7 @@ Order of the work for one /invocations request, cheapest refusal first:
      (microseconds: no body read, no parsing, no tokenizer, no engine lock);
   2. `read_body`: Content-Length over the limit -> 413 before reading; a chunked body is
      counted while read and refused as soon as it passes the limit;
-  3. parsing (handler/request.py), then `check_prompt` per prompt: text the tokenizer cannot
+  3. parsing (handler/engine/request.py), then `check_prompt` per prompt: text the tokenizer cannot
      take (lone surrogates) -> 400, text too long to fit the context even at the most
      characters a token can cover -> 400, both without tokenizing.
 No torch, no Flask: plain functions over a WSGI environ and strings.

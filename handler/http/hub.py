@@ -1,4 +1,4 @@
-"""The gevent front end's side of the engine's channels (handler/worker.py's GeventWorker).
+"""The gevent front end's side of the engine's channels (handler/http/worker.py's GeventWorker).
 
 Requests are greenlets of the worker's main thread (the hub's); the engine is a real thread.
 The engine calls `HubWaker` once per iteration with the channels it delivered to

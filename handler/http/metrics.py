@@ -8,7 +8,8 @@ Where each figure is recorded, so that the engine's loop stays free of it:
 - The engine thread, once per step: two histogram observations (tokens and sequences per step)
   through `Engine.on_step`.
 - Scrape time (`EngineCollector`): gauges (running, waiting, KV, prefix cache) and the counters
-  the engine keeps anyway (tokens, preemptions, prefix-cache hits), read from `Engine.stats()`.
+  the engine keeps anyway (tokens, preemptions, prefix-cache hits), read from `EngineClient.stats()`
+  (handler/engine/client.py: Engine.stats() and the derived KV figures).
 
 Units: sequence-level histograms (TTFT, TPOT, queue, prompt/generation tokens) count engine
 sequences (a list input of k prompts counts k); `lmi_e2e_request_latency_seconds` and
@@ -97,10 +98,11 @@ def request_id(headers) -> tuple[str, str | None]:
 
 
 class EngineCollector:
-    """Reads the engine's snapshot at scrape time; nothing is recorded between scrapes."""
+    """Reads the engine's snapshot at scrape time; nothing is recorded between scrapes.
+    get_client() -> the engine's handler.engine.client.EngineClient, or None while loading."""
 
-    def __init__(self, get_engine, labels: tuple[str, str], http_stats=None):
-        self.get_engine, self.labels, self.http_stats = get_engine, list(labels), http_stats
+    def __init__(self, get_client, labels: tuple[str, str], http_stats=None):
+        self.get_client, self.labels, self.http_stats = get_client, list(labels), http_stats
 
     def _http(self, refused_box: list):
         h = self.http_stats()
@@ -123,16 +125,12 @@ class EngineCollector:
         refused: list = []
         if self.http_stats is not None:
             yield from self._http(refused)
-        eng = self.get_engine()
-        if eng is None:
+        client = self.get_client()
+        if client is None:
             return
-        stats = eng.stats()
+        stats = client.stats()
         # Refused at the HTTP door or by the engine: one count of queue-full refusals.
         stats["rejected_queue_full"] = stats.get("rejected_queue_full", 0) + sum(refused)
-        blocks = eng.blocks
-        total = stats.get("kv_tokens_total") or 0
-        stats.setdefault("kv_cache_usage", stats["kv_tokens_allocated"] / total if total else 0.0)
-        stats.setdefault("prefix_cache_occupancy", len(blocks.cached) / max(1, blocks.num_blocks))
         extra = {"prefix_cache_blocks_cached": ("lmi_prefix_cache_blocks_cached", "gauge",
                                                 "KV blocks holding a registered prefix (in use or not)"),
                  "prefix_cache_blocks_evictable": ("lmi_prefix_cache_blocks_evictable", "gauge",
@@ -148,8 +146,8 @@ class EngineCollector:
             fam = (CounterMetricFamily if kind == "counter" else GaugeMetricFamily)(name, doc, labels=LABELS)
             fam.add_metric(self.labels, value)
             yield fam
-        # LoRA: requests and generated tokens per adapter (handler/lora.py)
-        per_adapter = dict(getattr(eng, "adapter_counters", {}))
+        # LoRA: requests and generated tokens per adapter (handler/model/lora.py)
+        per_adapter = client.adapter_counters()
         if per_adapter:
             for key, doc in (("requests", "Requests per LoRA adapter"),
                              ("generated_tokens", "Generated tokens per LoRA adapter")):
@@ -160,7 +158,7 @@ class EngineCollector:
 
 
 class Metrics:
-    def __init__(self, model: str, strategy: str, get_engine=lambda: None, http_stats=None):
+    def __init__(self, model: str, strategy: str, get_client=lambda: None, http_stats=None):
         self.registry = CollectorRegistry()
         self.labels = (model, strategy)
         self.strategy = strategy
@@ -184,7 +182,7 @@ class Metrics:
                               STEP_SEQ_BUCKETS)
         self.requests = Counter("lmi_requests", "HTTP inference requests by outcome",
                                 LABELS + ("outcome", "code"), registry=self.registry)
-        self.registry.register(EngineCollector(get_engine, self.labels, http_stats))
+        self.registry.register(EngineCollector(get_client, self.labels, http_stats))
 
     def count(self, outcome: str, code: int) -> None:
         """A request refused before Flask saw it (no trace)."""

@@ -12,7 +12,7 @@ with two behaviours gunicorn lacks.
 
 Why gevent: a streamed token costs an OS thread wake-up per token with gthread (one thread per
 request, waiting on its channel); with gevent every request is a greenlet of the worker's main
-thread, which the engine wakes once per step for all of its tokens (handler/hub.py). Nothing is
+thread, which the engine wakes once per step for all of its tokens (handler/http/hub.py). Nothing is
 monkey-patched: the listening sockets are gevent's, so every client socket is, and the app's
 waits are gevent events; the engine, the model load and the TP ranks keep real threads.
 """

@@ -1,73 +1,43 @@
 """CPU-only speed-ups, applied behind the device check (a CUDA runner never calls them).
+What each one gains, measured: docs/PERFORMANCE.md, "CPU fast paths".
 
-Weight prepacking: every `nn.Linear` of the model (the output head included) keeps its weight
-reordered once into oneDNN's blocked layout and multiplies with `mkldnn._linear_pointwise`,
-as vLLM's CPU backend (`onednn_mm`) and inductor's freezing pass do. The math is the same GEMM;
-the packed layout spares the per-call reorder. Measured on the 2-core dev machine, one thread
-(`python benchmarks/step_floor.py`'s profile, and the shapes of a 135 M Llama at batch 64):
-fp32 576x1536 projections 1.23 -> 1.03 ms, the fp32 49152x576 output head 60 -> 36 ms;
-bf16 5-45% (the head 24 -> 19.5 ms, at batch 1 8.1 -> 4.5 ms).
+Linear layers: a decode step multiplies 1-64 rows by every weight, so it streams all the weights
+from memory. Each replacement stays an `nn.Linear` (its class is swapped: LoRA's wrapping and
+`in_features` keep working); without LoRA the original weight is dropped once packed, unless
+another module shares it (a tied output head keeps the embedding's).
+  PackedLinear   oneDNN's blocked layout, packed once (`mkldnn._linear_pointwise`, as vLLM's
+                 `onednn_mm` and inductor's freezing do): the same GEMM without a per-call reorder.
+  PanelLinear    fp32 (and widened bf16) weights in 32-column panels for kernels/cpu_gemm.c where
+                 it runs (AVX-512F, a C compiler; LMI_CPU_GEMM=onednn keeps oneDNN): the next panel
+                 streams into L2 while the current one multiplies, so the weight stream hides
+                 under the multiplications instead of preceding them. A row's output is its
+                 k-ordered FMA sum, independent of the rows beside it.
+  WidenedLinear  bf16 values multiplied in fp32 where the CPU's bf16 GEMM is the slower one
+                 (AVX-512 BF16 without AMX), chosen by timing both at load (`bf16_gemm_in_fp32`):
+                 bf16 products are exact in fp32, so only the sum's order differs from a bf16 GEMM.
 
-bf16 models on a CPU whose bf16 GEMM is the slower one (AVX-512 BF16 without AMX: oneDNN's
-bf16 brgemm ran at 0.55-0.65x its fp32 speed on the dev machine, and vLLM's build alike) keep
-bf16 values but multiply them in fp32 (`WidenedLinear`, decided by timing both at load; see
-`bf16_gemm_in_fp32`): the 135 M model's closed loop 185-190 -> 229-230 output tokens/s. AMX
-hosts, where bf16 is the faster GEMM, keep it.
-
-Where kernels/cpu_gemm.c runs (AVX-512F, a C compiler; LMI_CPU_GEMM=onednn keeps oneDNN), fp32
-weights and widened bf16 ones are packed instead into 32-column panels for it (PanelLinear). A
-decode step multiplies 1-64 rows by every weight, so the weights stream from memory each step;
-oneDNN spent that streaming time and its multiplications one after the other (the 135 M model's
-210 layer GEMMs on 2 cores: 22 ms at 1 row, 50 ms at 36, 73 ms at 64 = about 20 ms + 0.67 ms per
-row). The kernel streams the next panel into L2 while it multiplies the current one: 16 / 34 /
-51 ms, 1.04x oneDNN's speed at 256 rows, 0.94-0.96x at 512-1,024 (long prefills); the output
-head 1.27-1.32x at 8-50 rows, even at 64-256 (`python benchmarks/gemm_bench.py`, interleaved). Engine alone, cpu-135m fp32:
-6.20 / 6.28 -> 6.90 / 6.88 req/s, 8.9 -> 8.0 CPU-s per 1k output tokens (interleaved). Each
-output is its row's k-ordered FMA sum, whatever the batch: a row's values do not depend on the
-rows beside it.
-
-The module keeps being an `nn.Linear` (its class is swapped), so LoRA's wrapping and any code
-reading `in_features` keep working. Without LoRA, a weight no other module shares is dropped
-after packing (the packed copy replaces it: memory stays the same); a tied output head keeps
-the embedding's weight.
+Llama-shaped modules (source-checked: the forward must be Llama's line for line, comments aside):
+  - RMSNorm -> torch's fused `F.rms_norm` then the same weight product (one kernel instead of
+    seven small ops; bit for bit in fp32; bf16 rows go to kernels/cpu_ext.py's C kernel, within
+    one bf16 step). Norms written otherwise (Gemma's 1 + weight, ...) keep their own forward.
+  - attention and MLP (`fuse_llama_layers`; Mistral's/Qwen2's `sliding_window=` line allowed):
+    on a packed engine step, rotary applied in place to q and k by a C kernel that rounds as
+    transformers' ops do, paged attention straight on the [T, H, D] views, SiLU and product in
+    place; the same logits bit for bit (tests/kernels/test_cpu_kernel.py, tests/model/test_cpu.py).
+    Outside an engine step (`model.generate`) the model's own forward runs.
+  - the whole model (`lean_forward`), when Llama's from the head down: the engine's step runs the
+    same modules' forwards in one plain loop, without transformers' module calls, decorators,
+    output capture and a causal mask our attention never reads. The runner keeps it only if its
+    logits equal the model's own, bit for bit, on a check step at load.
 
 Allocator: `python -m handler serve` on a CPU host re-executes itself once with tcmalloc in
-LD_PRELOAD when the system has it (Debian: libtcmalloc-minimal4, installed in the image), as
-vLLM's CPU recipe does: the engine allocates thousands of short-lived tensors per step.
-In process, 100 requests of the cpu-135m mix: 3.21 -> 3.63 req/s (two interleaved pairs).
+LD_PRELOAD when the system has it (as vLLM's CPU recipe): a step allocates thousands of
+short-lived tensors.
 
-RMSNorm: a norm module whose forward is, line for line, Llama's (fp32 mean of squares, rsqrt,
-weight times the result cast back: Llama, Mistral, Qwen2/3 and the other copies) gets a forward
-calling torch's fused `F.rms_norm` on the same input, then the same weight product: one kernel
-instead of seven small ops per norm, the same values (bit for bit in fp32, checked in
-tests/test_cpu.py; bf16 rows go to the C kernel of kernels/cpu_ext.py, since torch has no fused bf16
-CPU rms_norm: an element may land one bf16 step away).
-Norms written otherwise (Gemma's 1 + weight, ...) keep their own forward.
-
-Attention and MLP (`fuse_llama_layers`): a module whose forward is Llama's, line for line
-(comments aside; the attention may add Mistral's or Qwen2's `sliding_window=` line), whose
-module's rotary helpers are Llama's too, gets a forward that does the same work in fewer passes
-on a packed engine step: the projections, the rotary embedding applied in place to q and k by
-a C kernel that rounds each product and sum as transformers' torch ops do (bit for bit, checked
-in tests/test_cpu_kernel.py and tests/test_cpu.py), the paged attention straight on the [T, H, D]
-views (no transposes, no attention-interface lookup), the output projection; the MLP's SiLU and
-product run in place (the same ops and values, two fewer [T, I] buffers per layer). Outside an
-engine step (e.g. `model.generate` on the same object) the model's own forward runs. Qwen3's
-q/k norms, Gemma 2's soft-cap, partial rotary, ...: other sources, their own forward.
-
-The whole model (`lean_forward`): when the model is Llama's from the head down (its ForCausalLM
-forward Llama's, every decoder layer's forward Llama's line for line), the engine's packed step
-runs the same modules' forwards in one plain loop instead of through transformers' module calls,
-decorators and mask code (five module calls per layer, once per step the output capture and a
-causal mask our attention never reads). The runner compares its logits with the model's own on a
-check step at load and keeps it only when they are equal bit for bit. Profile: the 135 M model's
-decode step spent about 15 ms of 95 outside its GEMMs and attention; the engine alone ran
-6.13 / 6.21 -> 6.30 / 6.29 req/s (cpu-135m, fp32, interleaved), the tiny model 94-96 -> 99-101.
-
-Escape hatches (and the A/B switches of benchmarks/step_floor.py): LMI_CPU_PREPACK=0 keeps the
-plain nn.Linear; LMI_CPU_FUSED_NORM=0 keeps the models' own RMSNorm forward; LMI_CPU_FUSED_LAYERS=0 their own attention and MLP forwards; LMI_CPU_LEAN_FORWARD=0 the model's own forward around them; LMI_CPU_KV_LAYOUT=token keeps the CPU KV pool token-major like the GPU's;
-LMI_CPU_MALLOC=system keeps the C library's allocator; LMI_CPU_BF16_GEMM=bf16 | fp32 fixes the bf16
-models' GEMM instead of timing it; LMI_CPU_GEMM=onednn keeps oneDNN for the fp32 GEMMs.
+Escape hatches (also the A/B switches of benchmarks/step_floor.py): LMI_CPU_PREPACK=0,
+LMI_CPU_FUSED_NORM=0, LMI_CPU_FUSED_LAYERS=0, LMI_CPU_LEAN_FORWARD=0, LMI_CPU_KV_LAYOUT=token
+(token-major CPU KV pool, like the GPU's), LMI_CPU_MALLOC=system, LMI_CPU_BF16_GEMM=bf16 | fp32
+(instead of timing), LMI_CPU_GEMM=onednn.
 """
 from __future__ import annotations
 
@@ -86,6 +56,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from handler.config.switches import switch
 from kernels import cpu_ext
 
 log = logging.getLogger("lmi.cpu")
@@ -136,19 +107,14 @@ class PanelLinear(nn.Linear):
         return y.to(torch.bfloat16) if self.widen else y
 
 
-def _setting(name: str, default: str = "1") -> str:
-    """An environment switch, lower-cased."""
-    return os.environ.get(name, default).strip().lower()
-
-
 def _switched_off(name: str) -> bool:
-    """An on-by-default switch (LMI_CPU_PREPACK, ...) set to 0 / false / no / off."""
-    return _setting(name) in ("0", "false", "no", "off")
+    """An on-by-default switch (LMI_CPU_PREPACK, ...; handler/config/switches.py) set to 0 / false / no / off."""
+    return not switch(name)
 
 
 def head_major_kv() -> bool:
     """The CPU KV pool's layout: head-major (default) or token-major (LMI_CPU_KV_LAYOUT=token)."""
-    return _setting("LMI_CPU_KV_LAYOUT", "head") != "token"
+    return switch("LMI_CPU_KV_LAYOUT") != "token"
 
 
 TCMALLOC_DIRS = ("/usr/lib/x86_64-linux-gnu", "/usr/lib/aarch64-linux-gnu", "/usr/lib64", "/usr/lib",
@@ -167,7 +133,7 @@ def find_tcmalloc(dirs=TCMALLOC_DIRS) -> str | None:
 def preload_env(env, dirs=TCMALLOC_DIRS) -> dict | None:
     """The environment to re-execute the server with (tcmalloc first in LD_PRELOAD), or None:
     opted out (LMI_CPU_MALLOC=system), already preloaded, or no tcmalloc on this system."""
-    if env.get("LMI_CPU_MALLOC", "tcmalloc").strip().lower() == "system":
+    if switch("LMI_CPU_MALLOC", env) == "system":
         return None
     preload = env.get("LD_PRELOAD", "")
     if "tcmalloc" in preload:
@@ -250,7 +216,7 @@ def bf16_gemm_in_fp32(model: nn.Module, rows=(64, 512)) -> tuple[bool, str]:
     AVX-512 BF16 without AMX the dev machine's oneDNN bf16 GEMM ran at 0.55-0.65x fp32's speed."""
     if _switched_off("LMI_CPU_PREPACK"):
         return False, "LMI_CPU_PREPACK=0: the linear layers stay as the model built them"
-    choice = _setting("LMI_CPU_BF16_GEMM", "auto")
+    choice = switch("LMI_CPU_BF16_GEMM")
     if choice in ("bf16", "fp32"):
         return choice == "fp32", f"LMI_CPU_BF16_GEMM={choice}"
     ignored = "" if choice == "auto" else f"; LMI_CPU_BF16_GEMM={choice!r} ignored (auto, bf16 or fp32)"
@@ -278,7 +244,7 @@ def bf16_gemm_in_fp32(model: nn.Module, rows=(64, 512)) -> tuple[bool, str]:
 def panels_wanted() -> bool:
     """Whether fp32 GEMMs (and widened bf16 ones) go to kernels/cpu_gemm.c: it runs on this CPU
     and LMI_CPU_GEMM is not `onednn`."""
-    choice = _setting("LMI_CPU_GEMM", "panels")
+    choice = switch("LMI_CPU_GEMM")
     if choice == "onednn":
         return False
     if choice != "panels":

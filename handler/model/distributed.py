@@ -35,11 +35,12 @@ from dataclasses import asdict, dataclass
 from typing import Callable
 
 from handler.config import cpu_cores
+from handler.config.switches import SWITCHES, switch
 
 log = logging.getLogger("lmi.ranks")
 
 STEP, STOP, PING = 1, 2, 3
-DEFAULT_TIMEOUT_S = 600.0       # a collective (or start-up) that takes longer fails the group
+DEFAULT_TIMEOUT_S = SWITCHES["LMI_TP_TIMEOUT_S"].default  # a collective (or start-up) taking longer fails the group
 HEARTBEAT_S = 30.0              # idle ranks get a PING so their waiting broadcast never times out
 
 
@@ -48,10 +49,7 @@ class RankError(RuntimeError):
 
 
 def collective_timeout_s() -> float:
-    try:
-        return float(os.environ.get("LMI_TP_TIMEOUT_S", DEFAULT_TIMEOUT_S))
-    except ValueError:
-        return DEFAULT_TIMEOUT_S
+    return switch("LMI_TP_TIMEOUT_S")     # not a number: the default
 
 
 @dataclass(frozen=True)
@@ -238,8 +236,8 @@ class RankGroup:
                  on_failure: Callable[[str], None]):
         self.degree = degree
         self.on_failure = on_failure
-        addr = os.environ.get("LMI_TP_MASTER_ADDR", "127.0.0.1")
-        port = int(os.environ.get("LMI_TP_MASTER_PORT") or free_port())
+        addr = switch("LMI_TP_MASTER_ADDR")
+        port = int(switch("LMI_TP_MASTER_PORT") or free_port())
         self.layout = RankLayout(0, degree, 0, device_type, addr, port)
         self.ranks = Ranks(self.layout, on_failure=self._failed)
         self.procs: dict[int, subprocess.Popen] = {}
@@ -344,7 +342,7 @@ def worker_main(spec_path: str) -> int:
     with open(spec_path) as f:
         spec = json.load(f)
     layout = RankLayout(**spec["layout"])
-    logging.basicConfig(level=os.environ.get("LMI_LOG_LEVEL", "INFO"),
+    logging.basicConfig(level=switch("LMI_LOG_LEVEL"),
                         format=f"%(asctime)s %(levelname)s %(name)s [rank {layout.rank}]: %(message)s")
     # SIGTERM/SIGINT go to rank 0, which drains and then sends STOP; a signal to the whole
     # process group must not pull a rank out from under a draining rank 0.

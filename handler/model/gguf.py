@@ -6,6 +6,7 @@ from its config (every key matches) and that one is saved.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -30,6 +31,27 @@ def find_gguf(path: str) -> str | None:
         if found:
             return os.path.join(path, found[0])
     return None
+
+
+def hf_dir_for(model_dir: str, dtype: str = "auto", device: str = "auto") -> str:
+    """The Hugging Face directory to load for `model_dir`: itself, or, when it is a .gguf file (or a
+    directory holding one and no config.json), that file converted once into the model cache
+    (LMI_MODEL_CACHE/gguf/<name>-<fingerprint>-<dtype>) in the dtype it will be served in."""
+    if os.path.isfile(os.path.join(model_dir, "config.json")):
+        return model_dir
+    path = find_gguf(model_dir)
+    if path is None:
+        return model_dir
+    from handler.config import hardware
+    from handler.config.switches import switch
+
+    dtype = hardware.pick_dtype(dtype, hardware.pick_device(device))
+    st = os.stat(path)
+    fingerprint = hashlib.sha256(f"{os.path.abspath(path)}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:12]
+    name = os.path.basename(path).removesuffix(".gguf")
+    out = os.path.join(switch("LMI_MODEL_CACHE"), "gguf", f"{name}-{fingerprint}-{dtype}")
+    log.info("model %s is a GGUF file: dequantizing it to %s in %s (once)", path, dtype, out)
+    return convert_gguf(path, out, dtype)
 
 
 def convert_gguf(gguf_path: str, out_dir: str, dtype: str = "fp32") -> str:

@@ -12,10 +12,11 @@ from dataclasses import dataclass
 
 import torch
 
+from handler.config import hardware, sizing
 from handler.model import batch_invariant, sampling
 from handler.model.attention import ATTN_NAME, StepMeta  # importing it registers the attention function
 from handler.model.sampling import Sampler
-from handler.engine.scheduler import SampleResult, StepItem
+from handler.engine.types import SampleResult, StepItem
 
 log = logging.getLogger("lmi.runner")
 
@@ -27,19 +28,15 @@ class ModelLoadError(RuntimeError):
 
 
 def pick_device(device: str) -> torch.device:
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    """option.device -> torch.device (the rule: handler.config.sizing.resolve_device)."""
     if device == "cuda" and not torch.cuda.is_available():
         raise ModelLoadError("option.device=cuda but no CUDA device is visible")
-    return torch.device(device)
+    return torch.device(hardware.pick_device(device))
 
 
 def pick_dtype(dtype: str, device: torch.device) -> torch.dtype:
-    if dtype == "auto":
-        if device.type == "cuda":
-            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-        return torch.float32
-    return DTYPES[dtype]
+    """option.dtype on `device` -> torch.dtype (the rule: handler.config.sizing.resolve_dtype)."""
+    return DTYPES[hardware.pick_dtype(dtype, device.type)]
 
 
 @dataclass(frozen=True)
@@ -56,16 +53,10 @@ class KVLayout:
 
 
 def model_geometry(config) -> tuple[int, int, int, int]:
-    """(layers, kv heads, head dim, max positions) from a HF config of any decoder family."""
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    layers = getattr(text, "num_hidden_layers", None) or getattr(text, "n_layer")
-    heads = getattr(text, "num_attention_heads", None) or getattr(text, "n_head")
-    kv = getattr(text, "num_key_value_heads", None) or heads
-    hidden = getattr(text, "hidden_size", None) or getattr(text, "n_embd")
-    head_dim = getattr(text, "head_dim", None) or hidden // heads
-    max_pos = (getattr(text, "max_position_embeddings", None) or getattr(text, "n_positions", None)
-               or 2048)
-    return layers, kv, head_dim, max_pos
+    """(layers, kv heads, head dim, max positions) from a HF config of any decoder family
+    (handler.config.sizing.geometry, which `config --explain` reads too)."""
+    g = sizing.geometry(config)
+    return g.layers, g.kv_heads, g.head_dim, g.max_positions
 
 
 def pack_step(items: list[StepItem], bs: int, copies=()) -> tuple[torch.Tensor, list[int]]:
@@ -105,7 +96,7 @@ def pack_step(items: list[StepItem], bs: int, copies=()) -> tuple[torch.Tensor, 
 
 
 class ModelRunner:
-    batch_invariant = False   # option.batch_invariant: see handler/batch_invariant.py
+    batch_invariant = False   # option.batch_invariant: see handler/model/batch_invariant.py
 
     def __init__(self, model_dir: str, *, dtype: str = "auto", device: str = "auto",
                  block_size: int = 16, kv_cache_tokens: int | None = None,
@@ -182,17 +173,18 @@ class ModelRunner:
         return torch.zeros(nb, bs, hkv, d, dtype=self.dtype, device=self.device)
 
     def _bytes_per_token(self, layers, kv_heads, head_dim) -> int:
-        return 2 * layers * kv_heads * head_dim * torch.tensor([], dtype=self.dtype).element_size()
+        return sizing.bytes_per_token(layers, kv_heads, head_dim, self.dtype.itemsize)
 
     def _default_kv_tokens(self, layers, kv_heads, head_dim, wanted, utilization) -> int:
+        """handler.config.sizing.default_kv_tokens: on a GPU the rest of `utilization` after the
+        weights (and other processes), less 1 GiB for activations; on a CPU 4 GiB; no more than
+        every running sequence at full length (`wanted`) can use."""
         per_token = self._bytes_per_token(layers, kv_heads, head_dim)
         if self.device.type == "cuda":
-            free, total = torch.cuda.mem_get_info(self.device)
-            # Leave room for activations: the rest of `utilization` after the weights; no more
-            # than every running sequence at full length can use (other processes keep the rest).
-            budget = int(total * utilization) - (total - free) - (1 << 30)
-            return max(self.block_size, min(wanted, budget // per_token))
-        return max(self.block_size, min(wanted, (4 << 30) // per_token))
+            free, total = hardware.cuda_memory(self.device)
+            return sizing.default_kv_tokens(per_token, wanted, self.block_size, "cuda", utilization,
+                                            total, used=total - free)
+        return sizing.default_kv_tokens(per_token, wanted, self.block_size, "cpu")
 
     def _eos_ids(self) -> frozenset:
         ids = set()
@@ -215,7 +207,7 @@ class ModelRunner:
 
     def prepack_cpu(self, keep_weights: bool = False) -> None:
         """On CPU (one rank): the linear layers' weights in oneDNN's packed layout, Llama-style RMSNorms fused
-        (handler/cpu.py). keep_weights: LoRA reads the original weights."""
+        (handler/model/cpu.py). keep_weights: LoRA reads the original weights."""
         if self.device.type != "cpu" or self.ranks is not None:
             return
         from handler.model.cpu import (PanelLinear, bf16_gemm_in_fp32, fuse_llama_layers, fuse_rms_norms, lean_forward,
@@ -244,7 +236,7 @@ class ModelRunner:
         """Whether `lean` gives the model's own logits, bit for bit, on one step of two prompts
         (written to the first blocks of the pool, which no sequence holds yet)."""
         from handler.engine.request import SamplingParams
-        from handler.engine.scheduler import StepItem
+        from handler.engine.types import StepItem
         g = torch.Generator().manual_seed(0)
         a, b = (torch.randint(0, self.model.config.vocab_size, (n,), generator=g).tolist() for n in (7, 4))
         bs, nb = self.block_size, self.kv.num_blocks
@@ -309,7 +301,7 @@ class ModelRunner:
     def step(self, items: list[StepItem], copies: list[tuple[int, int]] = ()) -> list[SampleResult]:
         """Copy the listed KV blocks (copy-on-write of forked samples), run the items; returns
         one SampleResult per item. One packed forward, or with option.batch_invariant one
-        forward per token of each sequence (handler/batch_invariant.py)."""
+        forward per token of each sequence (handler/model/batch_invariant.py)."""
         if self.batch_invariant:
             return batch_invariant.step(self._packed_step, items, copies)
         return self._packed_step(items, copies)

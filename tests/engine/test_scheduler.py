@@ -9,6 +9,8 @@ from handler.engine.blocks import BlockManager
 from handler.engine.request import SamplingParams
 from handler.engine.scheduler import (STRATEGIES, CapacityError, QueueFull, Scheduler, SchedulerPolicy,
                                Sequence)
+from handler.engine.types import SampleResult
+from tests.support.fakes import FakeRunner, history_hash
 
 EOS = 0
 VOCAB = 16
@@ -16,49 +18,11 @@ VOCAB = 16
 
 def model(tokens) -> int:
     """A deterministic 'model': the next token is a function of the sequence's own tokens only."""
-    h = 0
-    for t in tokens:
-        h = (h * 31 + t + 7) % 1_000_003
-    return h % VOCAB                     # EOS (0) now and then
+    return history_hash(tokens) % VOCAB  # EOS (0) now and then
 
 
 def model_no_eos(tokens) -> int:
     return 1 + model(tokens) % (VOCAB - 1)
-
-
-class FakeRunner:
-    """Writes each fed token into a fake KV pool at the slot its block table gives, then, for each
-    sampling item, reads the whole context back through the block table and applies `fn`. A block
-    shared or reused wrongly shows up as a wrong token read back."""
-
-    def __init__(self, block_size: int, fn=model):
-        self.bs, self.fn = block_size, fn
-        self.kv: dict[int, tuple[int, int]] = {}       # slot -> (position, token)
-        self.calls: list[list] = []
-
-    def _slot(self, table, pos):
-        return table[pos // self.bs] * self.bs + pos % self.bs
-
-    def step(self, items, copies=()) -> list[int]:
-        self.calls.append(items)
-        for src, dst in copies:                        # copy-on-write of forked samples' blocks
-            for k in range(self.bs):
-                if src * self.bs + k in self.kv:
-                    self.kv[dst * self.bs + k] = self.kv[src * self.bs + k]
-        for it in items:                               # all writes first, as a packed forward does
-            assert list(it.token_ids) == it.history[it.start_pos:it.start_pos + len(it.token_ids)]
-            assert len(it.block_table) * self.bs >= it.start_pos + len(it.token_ids)
-            for k, tok in enumerate(it.token_ids):
-                self.kv[self._slot(it.block_table, it.start_pos + k)] = (it.start_pos + k, tok)
-        out = []
-        for it in items:
-            end = it.start_pos + len(it.token_ids)
-            assert it.sample == (end == len(it.history))
-            if it.sample:
-                ctx = [self.kv[self._slot(it.block_table, p)] for p in range(end)]
-                assert [p for p, _ in ctx] == list(range(end))
-                out.append(self.fn([t for _, t in ctx]))
-        return out
 
 
 def make(strategy, num_blocks=64, block_size=4, caching=False, **kw) -> Scheduler:
@@ -413,7 +377,7 @@ def test_update_ignores_sequence_aborted_during_step():
     sampled = r.step(plan.items)
     s.finish(1, "aborted")
     got = [q for q, _ in s.update(plan, sampled)]
-    assert got == [b] and b.output_ids == [sampled[1]]     # 1's token is not handed to 2
+    assert got == [b] and b.output_ids == [sampled[1].token]     # 1's token is not handed to 2
     assert a.output_ids == [] and a.finish_reason == "aborted"
     assert s.blocks.num_free == 64 - len(s.blocks.table(2))
 
@@ -434,7 +398,7 @@ def _run_with_tokens(params_kw, tokens):
     s.add(q)
     for t in tokens:
         plan = s.schedule(0.0)
-        s.update(plan, [t])
+        s.update(plan, [SampleResult(t)])
         if q.finished:
             break
     return q
@@ -538,7 +502,7 @@ def test_drive_each_strategy_smoke():
     for strategy in STRATEGIES:
         s = make(strategy, num_blocks=12, block_size=2, max_batch_size=3, prefill_token_budget=5)
         reqs = [seq(i, 3 + i % 4, max_new=2 + i % 5, arrival=0.005 * i) for i in range(10)]
-        finished, order = drive(s, reqs, FakeRunner(2))
+        finished, order = drive(s, reqs, FakeRunner(2, model))
         assert sorted(finished) == list(range(10))
         for q in reqs:
             assert (q.output_ids, q.finish_reason) == alone(q.prompt_ids, q.params, 2048), strategy
@@ -585,7 +549,7 @@ def workloads(draw, strategy, tight=False):
 @given(data=st.data())
 def test_any_workload_matches_running_alone(strategy, tight, data):
     s, reqs, aborts = data.draw(workloads(strategy, tight))
-    finished, order = drive(s, reqs, FakeRunner(s.blocks.block_size), aborts)
+    finished, order = drive(s, reqs, FakeRunner(s.blocks.block_size, model), aborts)
     for q in reqs:
         out, reason = alone(q.prompt_ids, q.params, s.policy.max_model_len)
         if q.seq_id in finished:

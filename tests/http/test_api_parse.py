@@ -50,7 +50,7 @@ def test_unknown_names_are_dropped_with_one_warning(caplog):
     msgs = [r.getMessage() for r in caplog.records]
     assert sum("'num_beams'" in m or '"num_beams"' in m for m in msgs) == 1, msgs
     assert sum('"max_new_tokens"' in m and "field" in m for m in msgs) == 1, msgs
-    # `adapters` is kept for the app, which refuses it when LoRA is off (tests/test_lora.py):
+    # `adapters` is kept for the app, which refuses it when LoRA is off (tests/model/test_lora.py):
     # running the base model instead would be a silent change.
     assert parse({"inputs": "x", "adapters": "a1"}).adapter == "a1"
 

@@ -15,41 +15,10 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from handler.http.app import ServerState, create_app, running_width
 from handler.config import load_config
 from handler.engine.loop import Engine
-from handler.engine.scheduler import SampleResult, SchedulerPolicy
+from handler.engine.scheduler import SchedulerPolicy
+from tests.support.fakes import FakeRunner, history_hash
 from tests.support.server import flat_metrics
 from tests.support.hostile import _body, _bounded
-
-
-class FakeRunner:
-    """The runner's interface without a model: the next token is a hash of the sequence's own
-    history (so a batch mate's result is known from running it alone); `hold` blocks steps."""
-
-    def __init__(self, tokenizer, num_blocks=512):
-        self.tokenizer = tokenizer
-        self.kv = type("KV", (), {"num_blocks": num_blocks})()
-        self.sampler = self                        # Engine.reset() resets the runner's sampler
-        self.hold = threading.Event()
-        self.hold.set()
-        self.in_step = threading.Event()
-        self.first = min(tokenizer.all_special_ids or [0]) + 300
-        self.span = len(tokenizer) - self.first - 1
-
-    def step(self, items, copies=()):
-        self.in_step.set()
-        self.hold.wait(60)
-        out = []
-        for it in items:
-            h = 0
-            for t in it.history:
-                h = (h * 31 + t + 7) % 1_000_003
-            out.append(SampleResult(self.first + h % self.span, -1.0) if it.sample else SampleResult())
-        return out
-
-    def release(self, seq_id):
-        pass
-
-    def reset(self):
-        pass
 
 
 class CountingTokenizer:
@@ -128,7 +97,12 @@ def make_app(model_dir, tmp_path, props="option.rolling_batch=auto\n", max_model
     cfg = load_config(path, model_dir, env={})
     if model_dir not in _TOKENIZERS:
         _TOKENIZERS[model_dir] = AutoTokenizer.from_pretrained(model_dir)
-    runner = FakeRunner(CountingTokenizer(_TOKENIZERS[model_dir]))
+    tok = CountingTokenizer(_TOKENIZERS[model_dir])
+    # The next token: a hash of the sequence's own history, among the tokenizer's plain tokens.
+    first = min(tok.all_special_ids or [0]) + 300
+    span = len(tok) - first - 1
+    runner = FakeRunner(cfg.block_size, lambda toks: first + history_hash(toks) % span,
+                        tokenizer=tok, logprob=-1.0)
     policy = SchedulerPolicy(cfg.strategy, max_batch_size=running_width(cfg),
                              max_batch_delay_s=cfg.max_batch_delay_ms / 1000.0,
                              prefill_token_budget=cfg.max_rolling_batch_prefill_tokens,

@@ -1,4 +1,4 @@
-"""The gevent front end (handler/hub.py, handler/worker.py): the engine wakes the hub once per
+"""The gevent front end (handler/http/hub.py, handler/http/worker.py): the engine wakes the hub once per
 iteration for every channel it delivered to; readers are greenlets waiting on gevent events."""
 from __future__ import annotations
 

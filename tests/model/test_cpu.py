@@ -1,4 +1,4 @@
-"""handler/cpu.py: oneDNN weight prepacking, the head-major CPU KV pool and the tcmalloc re-exec."""
+"""handler/model/cpu.py: oneDNN weight prepacking, the head-major CPU KV pool and the tcmalloc re-exec."""
 from __future__ import annotations
 
 import os

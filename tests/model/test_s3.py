@@ -56,7 +56,7 @@ def read_tree(root: str) -> dict[str, bytes]:
 
 def test_downloads_every_object_under_the_prefix(s3, tmp_path, caplog):
     _, bucket = s3
-    with caplog.at_level(logging.INFO, logger="handler.model.s3"):
+    with caplog.at_level(logging.INFO, logger="handler.s3"):
         local = resolve_model_dir(f"s3://{bucket}/llama/tiny")
     assert local == str(tmp_path / "cache" / bucket / "llama" / "tiny")
     tree = read_tree(local)

@@ -1,6 +1,6 @@
 """Rank 0 of a degree-2 CPU group, as a script (the test process stays out of torch.distributed):
 loads one model once, runs every strategy over it with all prompts submitted at once, prints
-{strategy: [token ids per prompt]} as JSON. Used by tests/test_tp.py.
+{strategy: [token ids per prompt]} as JSON. Used by tests/model/test_tp.py.
 
     python -m tests.support.tp_parity MODEL_DIR PROPS_DIR [cuda]
 """

@@ -96,7 +96,7 @@ def events(engine, ch, deadline: float):
 
 
 def _cooperative_get(ch, wake, deadline):
-    """The channel's next event, waiting on its front end's event (handler/hub.py) rather than
+    """The channel's next event, waiting on its front end's event (handler/http/hub.py) rather than
     the queue: cleared before the queue is read, so a wake-up set after an empty read is kept."""
     while True:
         wake.clear()

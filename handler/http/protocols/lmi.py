@@ -2,7 +2,7 @@
 {"generated_text", "details"} (a list for a list input); jsonlines/SSE token lines.
 
 As djl-serving: unknown top-level fields are dropped with a warning; `text/plain` is one prompt in
-a list; `messages` makes a Chat Completions request (handler/api/openai.py); `tgi_compat` gives
+a list; `messages` makes a Chat Completions request (handler/http/protocols/openai.py); `tgi_compat` gives
 TGI's token names (`logprob`, `special`), a one-element list and details by default.
 Sources: djl_python/output_formatter.py, input_parser.py, encode_decode.py.
 """

@@ -2,7 +2,7 @@
 capacity, one request list; repetitions interleaved (the server order rotates each
 repetition) so that machine drift hits every server alike. Writes results.json, results.md
 and results.png. Each measured repetition also records the CPU time of the server's whole
-process tree (handler/bench/cputime.py).
+process tree (handler/tools/bench/cputime.py).
 """
 from __future__ import annotations
 

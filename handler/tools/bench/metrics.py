@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
-from fractions import Fraction
+
+from handler.config.sizing import expected_ideal_speedup  # noqa: F401  (re-exported; the server sizes with it)
 
 PERCENTILES = (50, 90, 99)
 
@@ -118,20 +119,3 @@ def ideal_speedup(lengths: list[int], batch_size: int) -> float:
     used = lengths[:full]
     dynamic_steps = sum(max(used[i:i + batch_size]) for i in range(0, full, batch_size))
     return dynamic_steps * batch_size / sum(used)
-
-
-def expected_ideal_speedup(values: list[int], batch_size: int, weights: list[float] | None = None) -> float:
-    """E[max of batch_size i.i.d. draws] / E[draw], exactly, for a discrete length mix
-    (uniform unless weights are given): E[max] = sum_k v_k (F(v_k)^B - F(v_k-1)^B)."""
-    if batch_size < 1:
-        raise ValueError(f"batch_size={batch_size}: must be >= 1")
-    w = [Fraction(1)] * len(values) if weights is None else [Fraction(x) for x in weights]
-    total = sum(w)
-    pairs = sorted(zip(values, (x / total for x in w)))
-    mean = sum(v * p for v, p in pairs)
-    e_max, cdf_prev = Fraction(0), Fraction(0)
-    for v, p in pairs:
-        cdf = cdf_prev + p
-        e_max += v * (cdf ** batch_size - cdf_prev ** batch_size)
-        cdf_prev = cdf
-    return float(e_max / mean)

@@ -128,14 +128,10 @@ def install(path: str | None = None, log=print, python: str | None = None) -> st
 
 
 def kv_bytes_per_token(model_dir: str, dtype: str) -> int:
-    """2 (K and V) x layers x KV heads x head dim x element size, from config.json."""
-    with open(os.path.join(model_dir, "config.json")) as f:
-        c = json.load(f)
-    c = c.get("text_config", c)
-    heads = c["num_attention_heads"]
-    head_dim = c.get("head_dim") or c["hidden_size"] // heads
-    elem = {"fp32": 4, "bf16": 2, "fp16": 2}[dtype]
-    return 2 * c["num_hidden_layers"] * c.get("num_key_value_heads", heads) * head_dim * elem
+    """2 (K and V) x layers x KV heads x head dim x element size, from config.json (the server's
+    rule: handler.config.sizing)."""
+    from handler.config import sizing
+    return sizing.kv_bytes_per_token(sizing.read_geometry(model_dir), dtype)
 
 
 def omp_bind(cpus=None) -> str:

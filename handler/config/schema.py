@@ -1,0 +1,309 @@
+"""Every serving.properties key, declared once: its parser (the validator whose message a bad value
+gets), its default, the values it takes, LMI's other names for it (keys and environment variables),
+the ServingConfig field it resolves to, and one line of documentation.
+
+handler.config.properties derives TYPED_KEYS, ENV_ALIASES, IGNORED_KEYS and KNOWN_KEYS from here
+and takes its defaults from here; handler.config.docs renders the reference tables of
+docs/PROPERTIES.md (and README.md's compact one) from here (`python -m handler.config.docs --write`).
+Plain data: no torch, no transformers.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Callable, Mapping
+
+DEFAULT_MODEL_DIR = "/opt/ml/model"
+DEFAULT_ENTRY_POINT = "djl_python.huggingface"
+
+
+# --------------------------------------------------------------------------------------
+# Value parsers. Each raises _Bad("what is wrong"); the caller completes the message with
+# where the value came from, the key and the value. `allowed` / `doc` feed the docs.
+# --------------------------------------------------------------------------------------
+class _Bad(ValueError):
+    """What is wrong with a value, completed by the caller with source/key/value."""
+
+
+def _int(minimum: int) -> Callable[[str], int]:
+    what = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
+
+    def parse(v: str) -> int:
+        if not re.fullmatch(r"[+]?[0-9]+", v) or int(v) < minimum:
+            raise _Bad(f"is not {what}")
+        return int(v)
+
+    parse.doc = f"≥ {minimum}"
+    return parse
+
+
+def _float(lo: float, hi: float | None, lo_open: bool, what: str) -> Callable[[str], float]:
+    def parse(v: str) -> float:
+        try:
+            x = float(v)
+        except ValueError:
+            raise _Bad(f"is not {what}") from None
+        if "_" in v or x != x or x in (float("inf"), float("-inf")) \
+                or (x <= lo if lo_open else x < lo) or (hi is not None and x > hi):
+            raise _Bad(f"is not {what}")
+        return x
+
+    parse.doc = (f"{'>' if lo_open else '≥'} {lo:g}" if hi is None else
+                 f"in {'(' if lo_open else '['}{lo:g}, {hi:g}]")
+    return parse
+
+
+def _bool(v: str) -> bool:
+    if v.lower() in ("true", "false"):
+        return v.lower() == "true"
+    raise _Bad("is not a boolean; allowed: true, false")
+
+
+_bool.allowed = ("true", "false")
+
+
+def _enum(allowed: list[str], aliases: Mapping[str, str] | None = None) -> Callable[[str], str]:
+    table = {a.lower(): a for a in allowed}
+    table.update({k.lower(): v for k, v in (aliases or {}).items()})
+
+    def parse(v: str) -> str:
+        if v.lower() not in table:
+            raise _Bad(f"is not supported; allowed: {', '.join(allowed)}")
+        return table[v.lower()]
+
+    parse.allowed = tuple(allowed)
+    parse.aliases = tuple(aliases or ())
+    return parse
+
+
+def _block_size(v: str) -> int:
+    n = int(v) if re.fullmatch(r"[+]?[0-9]+", v) else 0
+    if not 1 <= n <= 256 or n & (n - 1):
+        raise _Bad("is not a power of two from 1 to 256")
+    return n
+
+
+_block_size.doc = "power of two 1-256"
+
+
+def _tp_degree(v: str) -> int | str:
+    if v.lower() == "max":
+        return "max"
+    try:
+        return _int(1)(v)
+    except _Bad:
+        raise _Bad("is not a positive integer or max") from None
+
+
+def _non_empty(v: str) -> str:
+    if not v:
+        raise _Bad("is empty")
+    return v
+
+
+# --------------------------------------------------------------------------------------
+# The declarations
+# --------------------------------------------------------------------------------------
+_FIELD = object()   # Key.field's default: the key's name without "option."
+
+
+@dataclass(frozen=True)
+class Key:
+    """One serving.properties key.
+
+    default: the resolved value when the key (and its `alias_of` names) are absent; None when
+      there is none or it is derived (then `default_doc` says what happens).
+    env: LMI / TGI / SageMaker environment aliases, in precedence order; used only when the
+      explicit `OPTION_<KEY>` / `SERVING_<KEY>` variable is unset (ENV_ALIASES).
+    extra_env: explicit variables besides `OPTION_<KEY>` / `SERVING_<KEY>` (as strong as those).
+    alias_of: this key is LMI's / vLLM's other name for that key, read when that one is absent.
+    field: the ServingConfig field the key resolves to (None: checked only, or an alias).
+    unit / values: the docs' "unit / values" column (values: else from the parser).
+    default_doc / summary_default: how the docs / README's compact table show the default,
+      when not `default` itself."""
+    name: str
+    parse: Callable[[str], object]
+    doc: str
+    default: object = None
+    unit: str = ""
+    values: str | None = None
+    env: tuple[str, ...] = ()
+    extra_env: tuple[str, ...] = ()
+    env_doc: str = ""
+    alias_of: str | None = None
+    field: object = _FIELD
+    default_doc: str | None = None
+    summary_default: str | None = None
+
+    @property
+    def field_name(self) -> str | None:
+        if self.field is _FIELD:
+            return None if self.alias_of else self.name.removeprefix("option.")
+        return self.field
+
+    @property
+    def allowed(self) -> tuple[str, ...]:
+        """The values an enumerated key takes (empty for the others)."""
+        return getattr(self.parse, "allowed", ())
+
+    @property
+    def explicit_env(self) -> tuple[str, ...]:
+        """The variables that set the key as strongly as the file's absence allows."""
+        own = ("OPTION_" + self.name[len("option."):] if self.name.startswith("option.")
+               else "SERVING_" + self.name).upper()
+        return (own, *self.extra_env)
+
+
+ROLLING_BATCH_VALUES = ["auto", "scheduler", "lmi-dist", "vllm", "disable"]
+_SECONDS = _float(0.0, None, True, "a positive number of seconds")
+
+KEYS: tuple[Key, ...] = (
+    # LMI's other engine names are accepted (with a warning) so that older files load as written.
+    Key("engine", _enum(["Python", "MPI", "DeepSpeed", "FasterTransformer"]),
+        "LMI engine name; every one runs the same built-in engine here", default="Python",
+        values="`Python`, `MPI`; also `DeepSpeed`, `FasterTransformer` (warning) (any case)",
+        extra_env=("OPTION_ENGINE",), env_doc="(as LMI; the SageMaker SDK sets it)"),
+    Key("batch_size", _int(1), "dynamic batching: largest batch; > 1 without rolling batch selects `dynamic`",
+        default=1, unit="requests"),
+    Key("max_batch_delay", _int(0), "dynamic batching: longest wait after the first request of a batch",
+        default=100, unit="ms", field="max_batch_delay_ms"),
+    Key("job_queue_size", _int(1), "requests waiting beyond this are refused with 503",
+        default=1000, unit="requests", env=("MAX_CONCURRENT_REQUESTS",)),
+    Key("max_idle_time", _int(1), "LMI worker idle time (accepted for compatibility)",
+        default=60, unit="s", field="max_idle_time_s"),
+    Key("request_timeout", _SECONDS, "longest time one request may take (504 after)",
+        default=600.0, unit="s", env=("SAGEMAKER_MODEL_SERVER_TIMEOUT",), field="request_timeout_s"),
+    Key("graceful_timeout", _SECONDS,
+        "after SIGTERM: new connections are refused at once and in-flight requests may finish for this "
+        "long (SageMaker sends SIGKILL 30 s after SIGTERM)",
+        default=30.0, unit="s", field="graceful_timeout_s"),
+    Key("option.model_id", _non_empty,
+        "where the model is; a relative path resolves against the properties file's directory, then the "
+        "working directory. No model hub: a hub id is an error",
+        values="local dir or `s3://bucket/prefix`", env=("HF_MODEL_ID",), default_doc="the model dir"),
+    Key("option.s3url", _non_empty,
+        "LMI's older name for an S3 `option.model_id` (used when `option.model_id` is absent)",
+        values="`s3://bucket/prefix`", alias_of="option.model_id"),
+    Key("option.rolling_batch", _enum(ROLLING_BATCH_VALUES),
+        "iteration-level (continuous) batching on/off; see the strategy table", default="disable"),
+    Key("option.paged_attention", _bool,
+        "paged KV cache (strategy `paged`) vs contiguous (strategy `rolling`)",
+        default_doc="`true` for `auto`/`lmi-dist`/`vllm`, `false` for `scheduler`",
+        summary_default="`true` (`false` for `scheduler`)"),
+    Key("option.max_rolling_batch_size", _int(1), "rolling/paged: most sequences decoded together",
+        default=32, unit="sequences", env=("MAX_BATCH_SIZE",)),
+    Key("option.max_rolling_batch_prefill_tokens", _int(1), "rolling/paged: prompt tokens admitted per step",
+        default=4096, unit="tokens", env=("MAX_BATCH_PREFILL_TOKENS",)),
+    Key("option.block_size", _block_size, "paged: tokens per KV block", default=16, unit="tokens"),
+    Key("option.enable_prefix_caching", _bool, "reuse KV blocks of identical prompt prefixes", default=False),
+    Key("option.kv_cache_tokens", _int(1), "KV cache capacity (same meaning for rolling and paged)",
+        values="tokens, ≥ `option.block_size` and ≥ `option.max_model_len`", default_doc="derived at start-up"),
+    Key("option.gpu_memory_utilization", _float(0.0, 1.0, True, "a number in (0, 1]"),
+        "share of GPU memory the server may use (sizes the KV cache when `option.kv_cache_tokens` is not set)",
+        default=0.9, values="fraction in (0, 1]"),
+    Key("option.max_model_len", _int(1), "cap on prompt + generated tokens per sequence",
+        unit="tokens", default_doc="the model's own"),
+    Key("option.dtype", _enum(["fp32", "fp16", "bf16", "auto"],
+                              {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}),
+        "weight and activation dtype", default="auto"),
+    Key("option.device", _enum(["auto", "cpu", "cuda"]),
+        "where the model runs (`auto`: CUDA if visible); `cuda` without a GPU is an error", default="auto"),
+    Key("option.tensor_parallel_degree", _tp_degree,
+        "N model ranks under torch.distributed, the heads split N ways: one rank per GPU (NCCL) on a GPU "
+        "host, N gloo processes sharing the cores on a CPU host (a correctness run; a degree above the core "
+        "count warns). Refused in one line: more ranks than GPUs, a degree that does not divide "
+        "`num_attention_heads` and `num_key_value_heads`, an architecture without a transformers "
+        "tensor-parallel plan (e.g. GPT-2)",
+        default=1, values="ranks, ≥ 1, or `max` (= visible GPUs; 1 on a CPU host)",
+        env=("TENSOR_PARALLEL_DEGREE", "SM_NUM_GPUS")),
+    Key("option.trust_remote_code", _bool, "allow model code shipped in the model directory", default=False,
+        env=("HF_MODEL_TRUST_REMOTE_CODE",)),
+    Key("option.entryPoint", _non_empty,
+        "LMI handler; any other value warns that the built-in engine is used anyway",
+        default=DEFAULT_ENTRY_POINT, values="module name", field="entry_point"),
+    Key("option.output_formatter", _enum(["json", "jsonlines", "sse", "json_chat", "jsonlines_chat", "sse_chat"]),
+        "default response format of `/invocations` (`jsonlines`/`sse` stream tokens; `*_chat` answer in "
+        "Chat Completions objects)", default="json"),
+    Key("option.tgi_compat", _bool,
+        "TGI's shapes on `/invocations`: a one-element list, tokens with `logprob`/`special`, `details` on by "
+        "default, SSE streaming", default=False),
+    # LMI's / vLLM's names for ours: used when ours are absent.
+    Key("option.predict_timeout", _SECONDS,
+        "LMI's name for `request_timeout` (used when `request_timeout` is absent)", unit="s",
+        env=("SAGEMAKER_MODEL_SERVER_TIMEOUT_SECONDS",),   # as LMI's SageMakerCompatibility
+        alias_of="request_timeout", summary_default="(`request_timeout`)"),
+    Key("option.max_num_batched_tokens", _int(1),
+        "vLLM's name for `option.max_rolling_batch_prefill_tokens` (used when that is absent)", unit="tokens",
+        alias_of="option.max_rolling_batch_prefill_tokens"),
+    Key("option.quantize", _non_empty, "refused at start-up with one line: quantization is not implemented",
+        values="", env=("HF_MODEL_QUANTIZE",), field=None, summary_default="(refused: not implemented)"),
+    Key("option.log_format", _enum(["text", "json"]),
+        "server log lines; `json`: one JSON object per line, the request line's fields at the top level",
+        default="text"),
+    Key("option.enable_streaming", _bool,
+        "LMI's streaming switch; only checked (streaming is per request here)", default=False, field=None),
+    Key("option.max_payload_mb", _float(0.0, None, True, "a positive number of megabytes"),
+        "request bodies above this are refused with 413 (from `Content-Length` before reading; a chunked "
+        "body as soon as it passes); `/execution-parameters` advertises it", default=6.0, unit="MB (10^6 bytes)"),
+    Key("option.batch_invariant", _bool,
+        "a seeded request gives the same tokens whatever shares its batch (each sequence's tokens run one "
+        "per forward; prompts prefill at decode speed)", default=False),
+    # Multi-LoRA (LMI's / vLLM's names): adapters from MODEL_DIR/adapters/<name>/ and the routes.
+    Key("option.enable_lora", _bool, "serve LoRA adapters (README \"LoRA adapters\")", default=False),
+    Key("option.max_loras", _int(1),
+        "most distinct adapters running at once (device slots); requests for another adapter wait",
+        default=4, unit="adapters"),
+    Key("option.max_lora_rank", _int(1), "largest adapter rank accepted (slots are this wide)", default=16),
+    Key("option.max_cpu_loras", _int(1),
+        "adapters kept read in memory; beyond it the least recently used is dropped (and re-read from its "
+        "directory when asked for)", values="≥ `option.max_loras`", default_doc="`option.max_loras`"),
+)
+
+SCHEMA: dict[str, Key] = {k.name: k for k in KEYS}
+assert len(SCHEMA) == len(KEYS), "a key is declared twice"
+
+
+@dataclass(frozen=True)
+class EnvSetting:
+    """A setting read from the environment only (not a serving.properties key)."""
+    var: str
+    default: object
+    values: str
+    doc: str
+
+
+PORT = EnvSetting("SAGEMAKER_BIND_TO_PORT", 8080, "1-65535", "HTTP port")
+
+# Real LMI keys that change nothing here: accepted (LMI files load as written) and reported once
+# as "accepted, has no effect here".
+IGNORED: tuple[str, ...] = (
+    "minWorkers", "maxWorkers", "gpu.minWorkers", "gpu.maxWorkers", "cpu.minWorkers",
+    "cpu.maxWorkers", "load_on_devices", "required_memory_mb", "reserved_memory_mb",
+    "log_model_metric", "metrics_aggregation", "translatorFactory",
+    "option.max_input_len", "option.max_output_len", "option.task",
+    "option.revision", "option.model_loading_timeout", "option.low_cpu_mem_usage",
+    "option.device_map", "option.load_in_8bit", "option.load_in_4bit", "option.mpi_mode",
+    "option.parallel_loading", "option.enforce_eager", "option.disable_flash_attn",
+    "option.pipeline_parallel_degree", "option.rolling_batch_strategy",
+    "option.lora_dtype", "option.fully_sharded_loras", "option.lora_extra_vocab_size",
+)
+
+# What handler.config.properties works from (also importable from handler.config).
+TYPED_KEYS: dict[str, Callable[[str], object]] = {k.name: k.parse for k in KEYS}
+IGNORED_KEYS: set[str] = set(IGNORED)
+KNOWN_KEYS: set[str] = set(TYPED_KEYS) | IGNORED_KEYS
+# Environment aliases; among several for one key the first one set wins.
+ENV_ALIASES: list[tuple[str, str]] = [(var, k.name) for k in KEYS for var in k.env]
+# Explicit variables other than OPTION_<KEY> / SERVING_<KEY> (OPTION_ENGINE, as LMI).
+EXTRA_ENV: dict[str, str] = {var: k.name for k in KEYS for var in k.extra_env}
+# key -> LMI's / vLLM's other names for it, read in this order when the key is absent.
+ALIASES: dict[str, tuple[str, ...]] = {}
+for _k in KEYS:
+    if _k.alias_of:
+        assert _k.alias_of in SCHEMA, _k.name
+        ALIASES[_k.alias_of] = ALIASES.get(_k.alias_of, ()) + (_k.name,)
+assert not IGNORED_KEYS & set(TYPED_KEYS), "a key is both typed and ignored"
+
+
+def default_of(key: str):
+    return SCHEMA[key].default

@@ -1,0 +1,193 @@
+"""The sizing rules, once, for the runner (handler.model.runner), `config --explain`, `serve`, the
+HTTP layer and `tune`: model geometry from a Hugging Face config, the dtype and device an `auto`
+setting resolves to, KV bytes per token, the default KV pool, and how many sequences a strategy
+runs at once.
+
+Pure arithmetic on plain values: no torch (the HTTP layer imports this and must stay free of it).
+What the machine has (a visible GPU, bf16 support, free memory) is asked by
+handler.config.hardware and passed in.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from fractions import Fraction
+from typing import Callable
+
+DTYPE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
+HF_DTYPES = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
+CPU_KV_BUDGET = 4 << 30          # the default KV pool on a CPU holds at most this many bytes
+GPU_HEADROOM = 1 << 30           # on a GPU the default KV pool leaves this for activations
+DEFAULT_MAX_POSITIONS = 2048     # a config naming no maximum length
+
+
+# ------------------------------------------------------------------ geometry
+@dataclass(frozen=True)
+class Geometry:
+    model_type: str
+    layers: int
+    kv_heads: int
+    head_dim: int
+    max_positions: int
+    stored_dtype: str | None     # config.json's torch_dtype / dtype, as fp32/fp16/bf16
+
+
+def _getter(config) -> Callable[[str], object]:
+    """name -> value (None when absent) for a config.json dict or a transformers config object."""
+    if isinstance(config, dict):
+        return config.get
+    return lambda name: getattr(config, name, None)
+
+
+def _text_config(config):
+    """The decoder's config: multimodal configs nest it (text_config)."""
+    if isinstance(config, dict):
+        return config.get("text_config") or config
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def _first(get, *names):
+    for n in names:
+        v = get(n)
+        if v is not None:
+            return v
+    return None
+
+
+def _heads(get) -> tuple[int | None, int | None]:
+    """(attention heads, KV heads) of any decoder family's config: num_key_value_heads where
+    given; Falcon's num_kv_heads (new decoder architecture) or one shared head (multi_query);
+    else one KV head per attention head."""
+    heads = _first(get, "num_attention_heads", "n_head")
+    kv = get("num_key_value_heads")
+    if kv is None and heads is not None:
+        if get("multi_query") and not get("new_decoder_architecture"):
+            kv = 1
+        else:
+            kv = get("num_kv_heads") or heads
+    return heads, kv
+
+
+def geometry(config, where: str = "config") -> Geometry:
+    """Layers, KV heads, head dim and max positions from a Hugging Face config (a transformers
+    config object or config.json as a dict) of any decoder family. ValueError naming `where`
+    when the fields are missing."""
+    get = _getter(_text_config(config))
+    top = _getter(config)
+    layers = _first(get, "num_hidden_layers", "n_layer", "num_layers")
+    heads, kv = _heads(get)
+    hidden = _first(get, "hidden_size", "n_embd", "d_model")
+    head_dim = get("head_dim")
+    if not (layers and heads and (hidden or head_dim)):
+        raise ValueError(f"{where}: no num_hidden_layers/num_attention_heads/hidden_size "
+                         "(or their GPT-2 names); is this a causal LM config?")
+    max_pos = _first(get, "max_position_embeddings", "n_positions") or DEFAULT_MAX_POSITIONS
+    # (transformers' config objects warn on torch_dtype: they carry it as dtype)
+    stored = (top("torch_dtype") or top("dtype") or get("torch_dtype")) if isinstance(config, dict) else top("dtype")
+    stored = str(stored).removeprefix("torch.") if stored is not None else None
+    return Geometry(str(top("model_type") or "?"), int(layers), int(kv), int(head_dim or hidden // heads),
+                    int(max_pos), HF_DTYPES.get(stored))
+
+
+def read_config(model_dir: str) -> dict:
+    """config.json as a dict; ValueError with one line when it is unreadable."""
+    path = os.path.join(model_dir, "config.json")
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except OSError as e:
+        raise ValueError(f"{path}: cannot read: {e.strerror}") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: not JSON ({e.msg} at line {e.lineno})") from None
+
+
+def read_geometry(model_dir: str) -> Geometry:
+    """geometry() of MODEL_DIR/config.json, read as JSON (no transformers)."""
+    return geometry(read_config(model_dir), os.path.join(model_dir, "config.json"))
+
+
+def read_heads(model_dir: str) -> tuple[str, int, int] | None:
+    """(architecture, attention heads, KV heads) from config.json; None if the file or the
+    fields are missing (the checks that need them are then skipped)."""
+    try:
+        c = read_config(model_dir)
+    except ValueError:
+        return None
+    heads, kv = _heads(_getter(c.get("text_config") or c))
+    if not isinstance(heads, int):
+        return None
+    arch = (c.get("architectures") or [c.get("model_type", "?")])[0]
+    return arch, heads, kv
+
+
+# ------------------------------------------------------------------ device and dtype
+def resolve_device(device: str, cuda_visible: bool) -> str:
+    """option.device -> "cpu" | "cuda": auto is cuda when a CUDA device is visible."""
+    if device != "auto":
+        return device
+    return "cuda" if cuda_visible else "cpu"
+
+
+def resolve_dtype(dtype: str, device: str, bf16_supported: bool = True) -> str:
+    """option.dtype -> "fp32" | "fp16" | "bf16": auto is fp32 on a CPU, bf16 on a GPU (fp16 on
+    one without bf16)."""
+    if dtype != "auto":
+        return dtype
+    if device == "cuda":
+        return "bf16" if bf16_supported else "fp16"
+    return "fp32"
+
+
+# ------------------------------------------------------------------ the KV pool
+def bytes_per_token(layers: int, kv_heads: int, head_dim: int, dtype_bytes: int) -> int:
+    """K and V of one token in every layer."""
+    return 2 * layers * kv_heads * head_dim * dtype_bytes
+
+
+def kv_bytes_per_token(g: Geometry, dtype: str, tp: int = 1) -> int:
+    """Per rank: with tensor parallelism each rank holds kv_heads / tp heads."""
+    return bytes_per_token(g.layers, g.kv_heads // tp, g.head_dim, DTYPE_BYTES[dtype])
+
+
+def kv_budget_bytes(device: str, utilization: float = 0.9, total: int = 0, used: int = 0) -> int:
+    """The bytes the default KV pool may take: on a CPU 4 GiB; on a GPU `utilization` of its
+    `total` memory, less what is `used` already (the weights, other processes) and 1 GiB for
+    activations."""
+    if device == "cuda":
+        return int(total * utilization) - used - GPU_HEADROOM
+    return CPU_KV_BUDGET
+
+
+def default_kv_tokens(per_token: int, wanted: int, block_size: int, device: str,
+                      utilization: float = 0.9, total: int = 0, used: int = 0) -> int:
+    """The pool when option.kv_cache_tokens is not set: room for `wanted` tokens (every running
+    sequence at full length) within kv_budget_bytes(), and at least one block."""
+    budget = kv_budget_bytes(device, utilization, total, used)
+    return max(block_size, min(wanted, budget // per_token))
+
+
+# ------------------------------------------------------------------ batching
+def running_width(cfg) -> int:
+    """Sequences the strategy runs at once: none 1, dynamic batch_size, rolling/paged
+    max_rolling_batch_size."""
+    return {"none": 1, "dynamic": cfg.batch_size}.get(cfg.strategy, cfg.max_rolling_batch_size)
+
+
+def expected_ideal_speedup(values: list[int], batch_size: int, weights: list[float] | None = None) -> float:
+    """E[max of batch_size i.i.d. draws] / E[draw], exactly, for a discrete length mix
+    (uniform unless weights are given): E[max] = sum_k v_k (F(v_k)^B - F(v_k-1)^B).
+    What dynamic batching (a batch runs until its longest member ends) costs in decode steps
+    over iteration-level batching."""
+    if batch_size < 1:
+        raise ValueError(f"batch_size={batch_size}: must be >= 1")
+    w = [Fraction(1)] * len(values) if weights is None else [Fraction(x) for x in weights]
+    total = sum(w)
+    pairs = sorted(zip(values, (x / total for x in w)))
+    mean = sum(v * p for v, p in pairs)
+    e_max, cdf_prev = Fraction(0), Fraction(0)
+    for v, p in pairs:
+        cdf = cdf_prev + p
+        e_max += v * (cdf ** batch_size - cdf_prev ** batch_size)
+        cdf_prev = cdf
+    return float(e_max / mean)

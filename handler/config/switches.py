@@ -1,0 +1,112 @@
+"""The LMI_* environment switches, declared once: name, kind, default, allowed values, one line of
+documentation, and who reads it. `switch(NAME)` reads one from os.environ at call time (or from
+the mapping given), so a test's monkeypatched environment is seen.
+
+Kinds, and what `switch` returns:
+  flag     on by default; False when set to 0 / false / no / off (any case, spaces ignored)
+  choice   the value stripped and lower-cased (the default when unset; an empty value stays "");
+           the reader decides what an unlisted value does (most warn and keep the default)
+  float    the value as a float; the default when unset or not a number
+  text     the value as given; the default when unset or empty
+
+docs/PROPERTIES.md's switches table is rendered from here (handler.config.docs). The switches of
+kernels/ (which stands alone and reads its own) and of handler/tools are declared here too.
+Plain data: no torch.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Mapping
+
+OFF = ("0", "false", "no", "off")
+
+
+@dataclass(frozen=True)
+class Switch:
+    name: str
+    kind: str                       # "flag" | "choice" | "float" | "text"
+    default: object
+    doc: str
+    read_by: str
+    allowed: tuple[str, ...] = ()   # choice: the values it takes
+    values: str = ""                # docs: the values column, where not derived from kind/allowed
+    default_doc: str | None = None  # docs: the default, where not `default` itself
+
+    @property
+    def default_shown(self) -> str:
+        """The docs' default column."""
+        if self.default_doc is not None:
+            return self.default_doc
+        if self.kind == "flag":
+            return "`1`"
+        return "" if self.default is None else f"`{self.default:g}`" if isinstance(self.default, float) \
+            else f"`{self.default}`"
+
+    @property
+    def values_doc(self) -> str:
+        if self.values:
+            return self.values
+        if self.kind == "flag":
+            return "`1` (on), `0` / `false` / `no` / `off`"
+        return ", ".join(f"`{a}`" for a in self.allowed)
+
+
+_CPU = "handler/model/cpu.py"
+_TP = "handler/model/distributed.py"
+
+SWITCHES: dict[str, Switch] = {s.name: s for s in (
+    Switch("LMI_CPU_PREPACK", "flag", True, "CPU: linear layers packed for oneDNN or kernels/cpu_gemm.c; "
+           "`0` keeps the plain `nn.Linear`", _CPU),
+    Switch("LMI_CPU_GEMM", "choice", "panels", "CPU: fp32 (and widened bf16) GEMMs by kernels/cpu_gemm.c where "
+           "the CPU runs it, or oneDNN's; another value warns and keeps `panels`", _CPU,
+           allowed=("panels", "onednn")),
+    Switch("LMI_CPU_BF16_GEMM", "choice", "auto", "CPU, bf16 models: the linear layers multiply in bf16 or in "
+           "fp32; `auto` times both on the model's widest linear", _CPU, allowed=("auto", "bf16", "fp32")),
+    Switch("LMI_CPU_FUSED_NORM", "flag", True, "CPU: Llama-style RMSNorms fused; `0` keeps the models' own "
+           "forward", _CPU),
+    Switch("LMI_CPU_FUSED_LAYERS", "flag", True, "CPU: attention and MLP modules fused; `0` keeps the models' "
+           "own forwards", _CPU),
+    Switch("LMI_CPU_LEAN_FORWARD", "flag", True, "CPU: the model's forward as one loop over its layers; `0` "
+           "keeps the model's own forward", _CPU),
+    Switch("LMI_CPU_KV_LAYOUT", "choice", "head", "CPU KV pool: head-major, or token-major like the GPU's",
+           _CPU, allowed=("head", "token")),
+    Switch("LMI_CPU_MALLOC", "choice", "tcmalloc", "CPU: `serve` re-executes itself with tcmalloc preloaded "
+           "(where installed); `system` keeps the C library's allocator", _CPU, allowed=("tcmalloc", "system")),
+    Switch("LMI_CPU_ATTENTION", "choice", "kernel", "CPU decode attention by the C kernel "
+           "(kernels/cpu_decode.c), or the torch reference", "kernels/cpu_ext.py", allowed=("kernel", "reference")),
+    Switch("LMI_CPU_EXT_CACHE", "text", None, "where the CPU kernels are built and cached", "kernels/cpu_ext.py",
+           values="directory", default_doc="`~/.cache/lmi-serve/kernels`"),
+    Switch("LMI_HTTP_WORKER", "choice", "gevent", "gunicorn worker: requests as gevent greenlets, or gthread "
+           "threads; another value stops `serve` with one line", "handler/server.py",
+           allowed=("gevent", "gthread")),
+    Switch("LMI_LOG_LEVEL", "text", "INFO", "log level of the server and of the tensor-parallel ranks",
+           "handler/server.py, " + _TP, values="`DEBUG`, `INFO`, `WARNING`, `ERROR`"),
+    Switch("LMI_MODEL_CACHE", "text", "/tmp/lmi-serve/models", "root of the cache an `s3://` model is "
+           "downloaded to (`<root>/<bucket>/<prefix>`)", "handler/model/s3.py", values="directory"),
+    Switch("LMI_TP_MASTER_ADDR", "text", "127.0.0.1", "tensor parallelism: the address rank 0 listens on for "
+           "the other ranks", _TP, values="host"),
+    Switch("LMI_TP_MASTER_PORT", "text", None, "tensor parallelism: the port rank 0 listens on", _TP,
+           values="port", default_doc="a free port"),
+    Switch("LMI_TP_TIMEOUT_S", "float", 600.0, "tensor parallelism: a collective (or the start-up) that takes "
+           "longer fails the rank group", _TP, values="seconds"),
+    Switch("LMI_BENCH_VLLM_DIR", "text", None, "`bench`: the vllm_cpu peer's virtual environment",
+           "handler/tools/bench/vllm_cpu.py", values="directory", default_doc="`<repo>/.cache/peers/vllm`"),
+)}
+
+
+def switch(name: str, env: Mapping[str, str] | None = None):
+    """The switch's value in `env` (default: os.environ, read now), as its kind says (module doc).
+    An undeclared name is a KeyError: declare it in SWITCHES first."""
+    s = SWITCHES[name]
+    raw = (os.environ if env is None else env).get(name)
+    if s.kind == "flag":
+        return raw is None or raw.strip().lower() not in OFF
+    if s.kind == "choice":
+        return (s.default if raw is None else raw).strip().lower()
+    if s.kind == "float":
+        try:
+            return float(raw) if raw is not None else s.default
+        except ValueError:
+            return s.default
+    return raw if raw else s.default

@@ -1,0 +1,126 @@
+"""The types the engine shares with its neighbours. No torch: plain ids, counts and strings.
+
+  scheduler -> runner   StepPlan of StepItems (what to feed, where its KV lives, whether to sample)
+  runner -> scheduler   one SampleResult per StepItem
+  engine -> readers     TokenEvent (the last carries a DoneEvent) or ErrorEvent, per Channel
+  engine -> runner      the Runner Protocol: all the engine touches of handler.model's ModelRunner
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any, Protocol, runtime_checkable
+
+from handler.engine.request import SamplingParams
+
+
+class Finish(StrEnum):
+    """Why a sequence ended. The values are the protocol's finish_reason strings."""
+    LENGTH = "length"
+    EOS = "eos_token"
+    STOP = "stop_sequence"
+    ABORTED = "aborted"
+    FAILED = "failed"
+
+
+# ---- one step: scheduler -> runner -> scheduler
+@dataclass(frozen=True)
+class StepItem:
+    seq_id: int
+    token_ids: list[int]        # fed this step, at positions start_pos .. start_pos+len-1
+    start_pos: int
+    block_table: list[int]
+    sample: bool                # the chunk reaches the end of the known tokens
+    params: SamplingParams
+    history: list[int]          # prompt + output so far (repetition penalty); do not mutate
+    num_prompt: int = 0         # history[:num_prompt] is the prompt (penalties on the output)
+    prompt_logprobs: bool = False   # return log-probs of history[p+1] for every fed position p
+
+
+@dataclass(frozen=True)
+class SampleResult:
+    """The runner's answer for one item."""
+    token: int | None = None        # None: a prompt chunk that does not reach the end
+    logprob: float = 0.0
+    top: tuple = ()                 # top_n_tokens: ((id, logprob), ...), most likely first
+    prompt_logprobs: tuple = ()     # log-probs of history[start_pos+1 ...] when asked for
+    error: tuple[int, str] | None = None   # (HTTP status, message): this item alone failed
+
+
+@dataclass
+class StepPlan:
+    items: list[StepItem]
+    preempted: list[int] = field(default_factory=list)
+    copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) KV blocks, before the forward
+
+
+# ---- what a request's reader gets
+@dataclass(frozen=True)
+class DoneEvent:
+    finish_reason: str          # length | eos_token | stop_sequence
+    generated_text: str
+    generated_tokens: int
+    prompt_tokens: int
+    # decoder_input_details: every prompt token as (id, text, log_prob); the first has None.
+    prefill: tuple | None = None
+    cumulative_log_prob: float = 0.0
+    queue_time_s: float = 0.0       # submit -> first scheduled
+    preemptions: int = 0
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    id: int
+    text: str
+    log_prob: float
+    done: DoneEvent | None = None   # set on a sequence's last token
+    special: bool = False           # a special token (EOS, ...): its text is "" in generated_text
+    top_tokens: tuple = ()          # top_n_tokens: ((id, text, log_prob), ...) most likely first
+    time: float = 0.0               # time.monotonic() when the engine emitted it
+
+
+@dataclass(frozen=True)
+class ErrorEvent:
+    status: int                 # HTTP status: 424 model failure, 503 shutting down, ...
+    message: str
+
+
+# ---- the runner, as the engine sees it
+@runtime_checkable
+class KVPool(Protocol):
+    """The runner's KV pool: the engine's BlockManager hands out its blocks."""
+
+    @property
+    def num_blocks(self) -> int: ...
+
+
+@runtime_checkable
+class SamplerState(Protocol):
+    """Per-sequence sampling state (seeded generators) that the runner keeps."""
+
+    def reset(self) -> None:
+        """Forget every sequence's state (after an engine error)."""
+
+
+@runtime_checkable
+class Runner(Protocol):
+    """Everything the Engine uses of a runner (handler.model.runner.ModelRunner; the tests'
+    tests/support/fakes.FakeRunner). Called from the engine thread only."""
+
+    # A Hugging Face tokenizer, or anything with: tok(text)["input_ids"], tok.decode(ids,
+    # skip_special_tokens=, clean_up_tokenization_spaces=) and optionally all_special_ids.
+    @property
+    def tokenizer(self) -> Any: ...
+
+    @property
+    def kv(self) -> KVPool: ...
+
+    @property
+    def sampler(self) -> SamplerState: ...
+
+    def step(self, items: list[StepItem], copies: list[tuple[int, int]]) -> list[SampleResult]:
+        """Copy the KV blocks (src, dst), then run the items: one SampleResult per item, in
+        order. Raising fails every item of the step."""
+
+    def release(self, seq_id: int) -> None:
+        """A sequence ended: drop whatever the runner keeps for it."""

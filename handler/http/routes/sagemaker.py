@@ -1,0 +1,74 @@
+"""SageMaker's contract and LMI's routes: GET /ping, GET /execution-parameters, POST /invocations
+(and DJL Serving's POST /predictions/<model>), in the shape option.output_formatter and
+option.tgi_compat choose."""
+from __future__ import annotations
+
+from flask import Blueprint
+
+from handler.engine.request import SamplingParams
+from handler.http.protocols import lmi, openai
+from handler.http.routes.common import (JSONLINES, SSE, STREAMING_FORMATTERS, body_json, current_state,
+                                        error_response, json_response, model_name, run, running_width,
+                                        streamed)
+
+bp = Blueprint("sagemaker", __name__)
+
+
+@bp.get("/ping")
+def ping():
+    state = current_state()
+    client = state.client
+    if client is not None and client.healthy:
+        return json_response({"status": "healthy", "strategy": state.cfg.strategy})
+    status = "unhealthy" if state.error else "loading"
+    return json_response({"status": status, "error": state.error}, 503)
+
+
+@bp.get("/execution-parameters")
+def execution_parameters():
+    cfg = current_state().cfg
+    mb = cfg.max_payload_mb
+    return {"MaxConcurrentTransforms": running_width(cfg), "BatchStrategy": "MULTI_RECORD"
+            if cfg.strategy != "none" else "SINGLE_RECORD",
+            "MaxPayloadInMB": int(mb) if mb == int(mb) else mb}
+
+
+# LMI (DJL Serving) also answers /predictions/<model>, which clients of LMI images use.
+@bp.post("/invocations")
+@bp.post("/predictions/<model>")
+def invocations(model=None):
+    state = current_state()
+    cfg = state.cfg
+    formatter = cfg.output_formatter
+    tgi_compat = getattr(cfg, "tgi_compat", False)
+    chat_out = formatter.endswith("_chat")
+    sse = formatter in ("sse", "sse_chat") or (tgi_compat and formatter == "json")
+    tgi_shape = tgi_compat and formatter in ("json", "sse")
+
+    def parse(tokenizer):
+        payload = body_json()
+        if isinstance(payload, dict) and payload.get("messages") is not None:
+            gen = openai.parse_chat(payload, tokenizer, lmi=True)
+            gen.adapter = lmi.adapter_name(payload.get("adapters"), 1)
+            if payload.get("stream") is None and formatter in STREAMING_FORMATTERS:
+                gen.stream = True
+            return gen
+        defaults = SamplingParams(details=True) if tgi_shape else SamplingParams()
+        gen = lmi.parse(payload, default_stream=formatter in STREAMING_FORMATTERS,
+                        max_batch_inputs=cfg.job_queue_size, defaults=defaults)
+        if chat_out:
+            gen.extra = {"kind": "chat", "logprobs": False, "lmi": True, "include_usage": False}
+        return gen
+
+    def respond(gen, samples):
+        if gen.extra.get("kind") == "chat":
+            return json_response(openai.encode(gen, samples, model_name(cfg)))
+        return json_response(lmi.encode(gen, samples, tgi=tgi_shape))
+
+    def stream(gen, events):
+        mimetype = SSE if sse else JSONLINES
+        if gen.extra.get("kind") == "chat":
+            return streamed(state, openai.stream(gen, events, model_name(cfg), sse=sse), events, mimetype)
+        return streamed(state, lmi.stream(gen, events, sse, tgi=tgi_shape), events, mimetype)
+
+    return run(parse, error_response, respond, stream)
