@@ -4,7 +4,6 @@ in the same dtype. bf16 (and, rarely, fp32 in another summation order) may flip 
 first token where the streams part must be one (tests/support/reference.near_tie_divergence)."""
 from __future__ import annotations
 
-import os
 
 import pytest
 import torch
@@ -59,19 +58,17 @@ def test_cuda_engine_runs_triton_kernels():
     assert kernels.triton_available(), "triton does not import on this CUDA machine"
 
 
-REAL_GGUF = os.environ.get("LMI_TEST_SMOLLM2_GGUF", "")
 CHAT = ["What is the capital of France?", "Name the three primary colors.",
         "Write a haiku about the sea.", "What is 12 times 12?"]
 
 
-@pytest.mark.skipif(not os.path.isfile(REAL_GGUF),
-                    reason="LMI_TEST_SMOLLM2_GGUF names no file (SmolLM2-135M-Instruct's .gguf)")
 @pytest.mark.parametrize("device,dtype", DEVICES)
 @pytest.mark.parametrize("strategy", ["paged", "rolling", "dynamic"])
-def test_real_smollm2_answers_like_generate(strategy, device, dtype, tmp_path_factory, tmp_path):
+def test_real_smollm2_answers_like_generate(strategy, device, dtype, real_gguf, tmp_path_factory, tmp_path):
+    # From the GGUF in bf16 (the dtype a GPU serves it in), on the device the parameter names.
     from handler.model.gguf import convert_gguf
     model_dir = str(tmp_path_factory.getbasetemp() / "smollm2-bf16")
-    convert_gguf(REAL_GGUF, model_dir, "bf16")
+    convert_gguf(real_gguf, model_dir, "bf16")
     tok, _ = model_on(model_dir, device, dtype)
     prompts = [tok.apply_chat_template([{"role": "user", "content": q}], tokenize=False,
                                        add_generation_prompt=True) for q in CHAT]
