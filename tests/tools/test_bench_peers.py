@@ -51,6 +51,25 @@ def test_135m_prompts_are_unique_and_have_the_token_lengths_asked(tok_135m):
     assert w.draw(tok_135m) == bodies                                   # the same list every time
 
 
+def test_chat_workload_wraps_varied_instructions_in_the_template_and_honours_eos(demo_model_dir):
+    from transformers import AutoTokenizer
+
+    from handler.tools.bench.workloads import INSTRUCTIONS, TOPICS
+
+    tok = AutoTokenizer.from_pretrained(demo_model_dir)       # the demo model has a chat template
+    w = next(w for w in PRESETS["cpu-135m"].workloads if w.name == "chat")
+    bodies = w.draw(tok)
+    assert len(bodies) == w.requests and w.draw(tok) == bodies
+    instructions = [tok.apply_chat_template([{"role": "user", "content": i.format(topic=t)}], tokenize=False,
+                                            add_generation_prompt=True) for i in INSTRUCTIONS for t in TOPICS]
+    assert all(b["inputs"] in instructions for b in bodies)
+    lengths = {len(tok(b["inputs"])["input_ids"]) for b in bodies}
+    assert max(lengths) > 3 * min(lengths)                  # short questions and long requests
+    assert not any(b["parameters"]["ignore_eos"] for b in bodies)
+    with pytest.raises(ValueError, match="chat template"):
+        w.draw()
+
+
 def test_token_sized_workload_needs_a_tokenizer():
     with pytest.raises(ValueError, match="sizes its prompts in tokens"):
         PRESETS["cpu-135m"].workloads[0].draw()

