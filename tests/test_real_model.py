@@ -97,3 +97,52 @@ def test_a_gguf_model_id_serves_the_same_model(real_gguf, tmp_path):
         assert list((cache / "gguf").glob("SmolLM2-135M-Instruct.Q4_1-*-fp32/config.json"))
     finally:
         srv.stop()
+
+
+@pytest.mark.slow
+def test_stop_sequences_and_several_samples_on_the_real_model(real_server):
+    strategy, srv = real_server
+    prompt = "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n"
+    whole = srv.post({"inputs": prompt, "parameters": {"max_new_tokens": 20}}).json()["generated_text"]
+    assert "Paris" in whole
+    # LMI: the text ends right after the first stop sequence, finish_reason stop_sequence.
+    r = srv.post({"inputs": prompt, "parameters": {"max_new_tokens": 20, "stop_sequences": ["Paris"],
+                                                   "details": True}}).json()
+    assert r["generated_text"] == whole[:whole.index("Paris") + len("Paris")], (strategy, r)
+    assert r["details"]["finish_reason"] == "stop_sequence"
+    # n samples: the answer and n - 1 others, each a real answer, all seeded (repeatable).
+    body = {"inputs": prompt, "parameters": {"max_new_tokens": 12, "n": 3, "do_sample": True, "temperature": 0.7,
+                                             "seed": 7, "details": True}}
+    first, again = srv.post(body).json(), srv.post(body).json()
+    others = first["details"]["best_of_sequences"]
+    assert len(others) == 2 and all(o["generated_text"] for o in others), first
+    assert first == again
+
+
+def test_a_lora_adapter_on_the_real_model_matches_peft_merged_generate(real_model_dir, tmp_path):
+    import os
+
+    from transformers import AutoModelForCausalLM
+
+    from tests.support.lora import build_adapter, greedy
+
+    model_dir = tmp_path / "model"          # the real model's files, plus adapters/ of our own
+    model_dir.mkdir()
+    for name in os.listdir(real_model_dir):
+        (model_dir / name).symlink_to(os.path.join(real_model_dir, name))
+    merged = build_adapter(str(model_dir), str(model_dir / "adapters" / "fr"), 3, ["q_proj", "v_proj", "down_proj"],
+                           r=8, alpha=256)   # strong enough to change a 135 M model's answer
+    base = AutoModelForCausalLM.from_pretrained(str(model_dir)).eval()
+    tok = tokenizer(real_model_dir)
+    prompts = [chat_prompt(tok, q) for q, _ in FACTS[:2]]
+    engine = make_engine(str(model_dir), tmp_path, {"option.rolling_batch": "auto", "option.enable_lora": "true",
+                                                    "option.max_loras": "1", "option.kv_cache_tokens": "1024"})
+    try:
+        lora = engine.runner.lora
+        params = [SamplingParams(max_new_tokens=10, adapter=a) for a in (lora.get("fr"), None)] * 2
+        got = run_all(engine, [prompts[0], prompts[0], prompts[1], prompts[1]], params)
+    finally:
+        engine.shutdown()
+    for (ids, _), p, model in zip(got, [prompts[0], prompts[0], prompts[1], prompts[1]], [merged, base] * 2):
+        assert ids == greedy(model, tok, p, 10)
+    assert got[0][0] != got[1][0] or got[2][0] != got[3][0]     # the adapter changes the answers
