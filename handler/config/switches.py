@@ -83,7 +83,9 @@ SWITCHES: dict[str, Switch] = {s.name: s for s in (
     Switch("LMI_LOG_LEVEL", "text", "INFO", "log level of the server and of the tensor-parallel ranks",
            "handler/server.py, " + _TP, values="`DEBUG`, `INFO`, `WARNING`, `ERROR`"),
     Switch("LMI_MODEL_CACHE", "text", "/tmp/lmi-serve/models", "root of the cache an `s3://` model is "
-           "downloaded to (`<root>/<bucket>/<prefix>`)", "handler/model/s3.py", values="directory"),
+           "downloaded to (`<root>/<bucket>/<prefix>`) and a `.gguf` model is dequantized into "
+           "(`<root>/gguf/<name>-<fingerprint>-<dtype>`)", "handler/model/s3.py, handler/model/gguf.py",
+           values="directory"),
     Switch("LMI_TP_MASTER_ADDR", "text", "127.0.0.1", "tensor parallelism: the address rank 0 listens on for "
            "the other ranks", _TP, values="host"),
     Switch("LMI_TP_MASTER_PORT", "text", None, "tensor parallelism: the port rank 0 listens on", _TP,
