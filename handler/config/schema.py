@@ -200,7 +200,8 @@ KEYS: tuple[Key, ...] = (
     Key("option.kv_cache_tokens", _int(1), "KV cache capacity (same meaning for rolling and paged)",
         values="tokens, ≥ `option.block_size` and ≥ `option.max_model_len`", default_doc="derived at start-up"),
     Key("option.gpu_memory_utilization", _float(0.0, 1.0, True, "a number in (0, 1]"),
-        "share of GPU memory the server may use (sizes the KV cache when `option.kv_cache_tokens` is not set)",
+        "share of GPU memory the server may use (sizes the KV cache when `option.kv_cache_tokens` is not set, "
+        "to no more than every running sequence at full length needs)",
         default=0.9, values="fraction in (0, 1]"),
     Key("option.max_model_len", _int(1), "cap on prompt + generated tokens per sequence",
         unit="tokens", default_doc="the model's own"),
