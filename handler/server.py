@@ -10,6 +10,7 @@ import math
 import os
 import sys
 import threading
+from dataclasses import replace
 
 from handler.config.sizing import running_width as _width  # sequences the strategy runs at once
 from handler.config.switches import switch
@@ -225,22 +226,17 @@ def main(argv: list[str]) -> int:
                 os.execve(sys.executable, [sys.executable, "-m", "handler", "serve", *argv], env)
         configure_logging(cfg.log_format)
         if cfg.model_id.startswith("s3://"):
-            from dataclasses import replace
-
             from handler.model.s3 import S3ModelError, resolve_model_dir
             try:
                 cfg = replace(cfg, model_dir=resolve_model_dir(cfg.model_id))
             except S3ModelError as e:
                 raise ConfigError(str(e)) from None
             check_tp_heads(cfg.model_dir, cfg.tensor_parallel_degree, cfg.model_id)
-        if cfg.model_dir.endswith(".gguf") or not os.path.isfile(os.path.join(cfg.model_dir, "config.json")):
-            from dataclasses import replace
-
-            from handler.model.gguf import GGUFError, hf_dir_for
-            try:    # once, here, so that a bad file is one line and exit 2, not a worker boot error
-                cfg = replace(cfg, model_dir=hf_dir_for(cfg.model_dir, cfg.dtype, cfg.device))
-            except GGUFError as e:
-                raise ConfigError(str(e)) from None
+        from handler.model.gguf import GGUFError, hf_dir_for
+        try:    # a GGUF model converted once, here: a bad file is one line and exit 2, not a worker boot error
+            cfg = replace(cfg, model_dir=hf_dir_for(cfg.model_dir, cfg.dtype, cfg.device))
+        except GGUFError as e:
+            raise ConfigError(str(e)) from None
         check_model_readable(cfg.model_dir)
         worker = http_worker(os.environ)
     except ConfigError as e:

@@ -267,11 +267,21 @@ def _is_gguf_file(path: str) -> bool:
     return path.endswith(".gguf") and os.path.isfile(path)
 
 
+def gguf_files(path: str) -> list[str]:
+    """The model's GGUF files: [path] for a .gguf file; in a directory without config.json (a
+    Hugging Face directory wins), its *.gguf files, sorted; else []."""
+    if _is_gguf_file(path):
+        return [path]
+    if not os.path.isdir(path) or os.path.isfile(os.path.join(path, "config.json")):
+        return []
+    return sorted(glob.glob(os.path.join(glob.escape(path), "*.gguf")))
+
+
 def _check_model_dir(path: str) -> None:
     if _is_gguf_file(path):
         return      # a GGUF file: read (dequantized) by handler.model.gguf at load
-    ggufs = sorted(glob.glob(os.path.join(glob.escape(path), "*.gguf")))
-    if ggufs and not os.path.isfile(os.path.join(path, "config.json")):
+    ggufs = gguf_files(path)
+    if ggufs:
         if len(ggufs) > 1:
             raise ConfigError(f"model directory {path} holds {len(ggufs)} .gguf files "
                               f"({', '.join(os.path.basename(g) for g in ggufs)}); name one in option.model_id")

@@ -11,6 +11,8 @@ import json
 import logging
 import os
 
+from handler.config.properties import gguf_files   # shared with the configuration checks
+
 log = logging.getLogger("lmi.gguf")
 
 TORCH_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
@@ -21,24 +23,18 @@ class GGUFError(ValueError):
 
 
 def find_gguf(path: str) -> str | None:
-    """`path` itself when it names a .gguf file; the one .gguf file in a directory; else None."""
-    if os.path.isfile(path) and path.endswith(".gguf"):
-        return path
-    if os.path.isdir(path):
-        found = sorted(n for n in os.listdir(path) if n.endswith(".gguf"))
-        if len(found) > 1:
-            raise GGUFError(f"{path} holds {len(found)} .gguf files ({', '.join(found)}): name one")
-        if found:
-            return os.path.join(path, found[0])
-    return None
+    """The one GGUF file `path` names or holds (handler.config.properties.gguf_files), else None."""
+    found = gguf_files(path)
+    if len(found) > 1:
+        raise GGUFError(f"{path} holds {len(found)} .gguf files "
+                        f"({', '.join(os.path.basename(f) for f in found)}): name one")
+    return found[0] if found else None
 
 
 def hf_dir_for(model_dir: str, dtype: str = "auto", device: str = "auto") -> str:
     """The Hugging Face directory to load for `model_dir`: itself, or, when it is a .gguf file (or a
     directory holding one and no config.json), that file converted once into the model cache
     (LMI_MODEL_CACHE/gguf/<name>-<fingerprint>-<dtype>) in the dtype it will be served in."""
-    if os.path.isfile(os.path.join(model_dir, "config.json")):
-        return model_dir
     path = find_gguf(model_dir)
     if path is None:
         return model_dir

@@ -83,6 +83,8 @@ def pack_step(items: list[StepItem], bs: int, copies=()) -> tuple[torch.Tensor, 
             rows.extend(range(qsl[-2], qsl[-1]))
         elif it.sample:
             rows.append(qsl[-1] - 1)
+    if not rows:    # nothing samples (prompt chunks only): the forward still returns one row
+        rows.append(len(ids) - 1)
     width = max(-(-s // bs) for s in seq_lens)
     tables: list[int] = []
     for it in items:
@@ -262,7 +264,7 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, packed: torch.Tensor) -> torch.Tensor:
         """One packed step (every rank runs it): block copies, then the forward; logits [R, V]
-        (the last token's row when R = 0). In a tensor-parallel group a failure here breaks
+        (R >= 1: pack_step keeps the last token's row when nothing samples). In a tensor-parallel group a failure here breaks
         the group."""
         try:
             return self._forward(packed)
@@ -276,12 +278,9 @@ class ModelRunner:
         sizes = [n_tok, n_tok, n_tok, n_seq + 1, n_seq, n_seq * width, n_rows, n_copies, n_copies]
         host = packed[5:].split(sizes)
         qsl_cpu, seq_lens_cpu = host[3].tolist(), host[4].tolist()
-        if not n_rows:   # no row asked for: the last token's
-            packed = torch.cat([packed, packed.new_tensor([n_tok - 1])])
-            sizes[6] = 1
-        # One host-to-device copy for the whole step (on CPU: views of `packed`).
-        dev_packed = packed.to(self.device, non_blocking=True) if self.device.type == "cuda" else packed
-        ids, pos, slots, qsl, seq_lens, tables, keep, src, dst = dev_packed[5:].split(sizes)
+        # One host-to-device copy for the whole step (on CPU `packed` itself).
+        ids, pos, slots, qsl, seq_lens, tables, keep, src, dst = \
+            packed.to(self.device, non_blocking=True)[5:].split(sizes)
         if n_copies:
             self._copy_blocks(src, dst)
         meta = StepMeta(
