@@ -10,8 +10,12 @@ paged engine (driven in this thread, no HTTP), then `--steps` decode iterations 
   runner     runner.step alone (pack + forward + sample)
   forward    the model forward inside runner.step (paged attention, no host work around it)
   floor      transformers' own decode forward of the same B x 1 tokens over a DynamicCache
-             holding the same contexts (SDPA, no padding: equal prompt lengths), i.e. what
-             `model.generate` pays per step
+             holding the same contexts (SDPA, no padding: equal prompt lengths; its linear
+             layers packed as the engine's are), i.e. what `model.generate` pays per step
+  gemm       the bare-GEMM floor: every linear layer of the engine's model (packed as it
+             serves) called once on B rows, the head included, nothing else: what a step
+             cannot go below without faster kernels; forward - gemm is attention + the Python
+             and small ops around the kernels
 
 Repetitions interleave engine and floor; the ratio engine / floor is taken per repetition and
 its median reported. Greedy tokens of the two are compared as a sanity check.
@@ -96,6 +100,33 @@ def engine_decode(engine, prompts: list[list[int]], steps: int) -> dict:
             "tokens": toks}
 
 
+def hf_model(model_dir: str, dtype: str):
+    """transformers' model of the checkpoint, its linear layers packed as the runner packs ours."""
+    from transformers import AutoModelForCausalLM
+
+    from handler.model.cpu import prepack_linears
+    from handler.model.runner import DTYPES
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=DTYPES[dtype], attn_implementation="sdpa").eval()
+    if next(model.parameters()).device.type == "cpu":
+        prepack_linears(model)
+    return model
+
+
+@torch.inference_mode()
+def gemm_floor(model, batch: int, steps: int) -> float:
+    """Per step: every nn.Linear of `model` (as packed) once on [batch, in] rows."""
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    dt = next(model.parameters()).dtype
+    xs = {m.in_features: torch.randn(batch, m.in_features).to(dt) for m in linears}
+    for m in linears:
+        m(xs[m.in_features])
+    t = time.perf_counter()
+    for _ in range(steps):
+        for m in linears:
+            m(xs[m.in_features])
+    return (time.perf_counter() - t) / steps
+
+
 @torch.inference_mode()
 def hf_floor(model, prompts: list[list[int]], steps: int) -> dict:
     """transformers' decode forward over a DynamicCache (the same model object: without the
@@ -159,18 +190,23 @@ def main(argv=None) -> int:
         # Distinct prompts (no prefix sharing), ids away from the special tokens.
         prompts = [[(7 + 31 * s + 17 * i) % (vocab - 10) + 5 for i in range(a.prompt_tokens)] for s in range(b)]
         rows = []
+        hf = hf_model(a.model_dir, a.dtype)
         for _ in range(a.reps):
             e = engine_decode(engine, prompts, a.steps)
-            f = hf_floor(engine.runner.model, prompts, a.steps)
+            f = hf_floor(hf, prompts, a.steps)
+            g = gemm_floor(engine.runner.model, b, a.steps)
             same = sum(x[:len(y)] == y[:len(x)] for x, y in zip(e["tokens"], f["tokens"]))
-            rows.append({k: v for k, v in e.items() if k != "tokens"} | {"floor": f["floor"],
-                        "ratio": e["engine"] / f["floor"], "greedy_rows_equal": same})
+            rows.append({k: v for k, v in e.items() if k != "tokens"} | {"floor": f["floor"], "gemm": g,
+                        "ratio": e["engine"] / f["floor"], "forward_over_gemm": e["forward"] / g,
+                        "greedy_rows_equal": same})
             print(f"B={b}: engine {e['engine']*1e3:.1f} ms (runner {e['runner']*1e3:.1f}, forward "
-                  f"{e['forward']*1e3:.1f}), floor {f['floor']*1e3:.1f} ms -> {rows[-1]['ratio']:.3f}x; "
+                  f"{e['forward']*1e3:.1f}, bare GEMMs {g*1e3:.1f} -> forward {e['forward']/g:.2f}x GEMMs), "
+                  f"transformers floor {f['floor']*1e3:.1f} ms -> {rows[-1]['ratio']:.3f}x; "
                   f"greedy rows equal {same}/{b}", flush=True)
         if a.profile:
             print(profile_engine(engine, prompts, a.steps), flush=True)
-        med = {k: statistics.median(r[k] for r in rows) for k in ("engine", "runner", "forward", "floor", "ratio")}
+        med = {k: statistics.median(r[k] for r in rows)
+               for k in ("engine", "runner", "forward", "floor", "gemm", "ratio", "forward_over_gemm")}
         results["batches"][b] = {"reps": rows, "median": med}
     if a.out:
         with open(a.out, "w") as f:

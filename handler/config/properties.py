@@ -178,6 +178,7 @@ class ServingConfig:
     device: str                   # "auto" | "cpu" | "cuda"
     tensor_parallel_degree: int
     trust_remote_code: bool
+    model_impl: str               # "auto" | "lmi" | "transformers" (handler/model/llama.py or transformers')
     entry_point: str
     output_formatter: str         # "json" | "jsonlines" | "sse" | "json_chat" | "jsonlines_chat" | "sse_chat"
     max_payload_mb: float         # request bodies above this are refused (413)

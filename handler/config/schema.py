@@ -220,6 +220,12 @@ KEYS: tuple[Key, ...] = (
         env=("TENSOR_PARALLEL_DEGREE", "SM_NUM_GPUS")),
     Key("option.trust_remote_code", _bool, "allow model code shipped in the model directory", default=False,
         env=("HF_MODEL_TRUST_REMOTE_CODE",)),
+    Key("option.model_impl", _enum(["auto", "lmi", "transformers"], {"vllm": "lmi"}),
+        "the model's implementation: `auto` ours (handler/model/llama.py) for the Llama family (Llama, "
+        "SmolLM, Mistral, Qwen2, Qwen3, Granite, Phi-3, OLMo-2), transformers' for every other architecture; "
+        "`lmi` ours or a start-up error naming why not (`vllm`, vLLM's name, is taken for it); `transformers` "
+        "transformers' own model through the paged attention interface", default="auto",
+        env=("VLLM_MODEL_IMPL",)),
     Key("option.entryPoint", _non_empty,
         "LMI handler; any other value warns that the built-in engine is used anyway",
         default=DEFAULT_ENTRY_POINT, values="module name", field="entry_point"),

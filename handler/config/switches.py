@@ -63,12 +63,6 @@ SWITCHES: dict[str, Switch] = {s.name: s for s in (
            allowed=("panels", "onednn")),
     Switch("LMI_CPU_BF16_GEMM", "choice", "auto", "CPU, bf16 models: the linear layers multiply in bf16 or in "
            "fp32; `auto` times both on the model's widest linear", _CPU, allowed=("auto", "bf16", "fp32")),
-    Switch("LMI_CPU_FUSED_NORM", "flag", True, "CPU: Llama-style RMSNorms fused; `0` keeps the models' own "
-           "forward", _CPU),
-    Switch("LMI_CPU_FUSED_LAYERS", "flag", True, "CPU: attention and MLP modules fused; `0` keeps the models' "
-           "own forwards", _CPU),
-    Switch("LMI_CPU_LEAN_FORWARD", "flag", True, "CPU: the model's forward as one loop over its layers; `0` "
-           "keeps the model's own forward", _CPU),
     Switch("LMI_CPU_KV_LAYOUT", "choice", "head", "CPU KV pool: head-major, or token-major like the GPU's",
            _CPU, allowed=("head", "token")),
     Switch("LMI_CPU_MALLOC", "choice", "tcmalloc", "CPU: `serve` re-executes itself with tcmalloc preloaded "

@@ -16,41 +16,25 @@ another module shares it (a tied output head keeps the embedding's).
                  (AVX-512 BF16 without AMX), chosen by timing both at load (`bf16_gemm_in_fp32`):
                  bf16 products are exact in fp32, so only the sum's order differs from a bf16 GEMM.
 
-Llama-shaped modules (source-checked: the forward must be Llama's line for line, comments aside):
-  - RMSNorm -> torch's fused `F.rms_norm` then the same weight product (one kernel instead of
-    seven small ops; bit for bit in fp32; bf16 rows go to kernels/cpu_ext.py's C kernel, within
-    one bf16 step). Norms written otherwise (Gemma's 1 + weight, ...) keep their own forward.
-  - attention and MLP (`fuse_llama_layers`; Mistral's/Qwen2's `sliding_window=` line allowed):
-    on a packed engine step, rotary applied in place to q and k by a C kernel that rounds as
-    transformers' ops do, paged attention straight on the [T, H, D] views, SiLU and product in
-    place; the same logits bit for bit (tests/kernels/test_cpu_kernel.py, tests/model/test_cpu.py).
-    Outside an engine step (`model.generate`) the model's own forward runs.
-  - the whole model (`lean_forward`), when Llama's from the head down: the engine's step runs the
-    same modules' forwards in one plain loop, without transformers' module calls, decorators,
-    output capture and a causal mask our attention never reads. The runner keeps it only if its
-    logits equal the model's own, bit for bit, on a check step at load.
+Our own models (handler/model/llama.py) run their RMSNorm and rotary through kernels/cpu_ext.py
+themselves; transformers' models (the general path) run their own forwards with these linears.
 
 Allocator: `python -m handler serve` on a CPU host re-executes itself once with tcmalloc in
 LD_PRELOAD when the system has it (as vLLM's CPU recipe): a step allocates thousands of
 short-lived tensors.
 
 Escape hatches (also the A/B switches of benchmarks/step_floor.py): LMI_CPU_PREPACK=0,
-LMI_CPU_FUSED_NORM=0, LMI_CPU_FUSED_LAYERS=0, LMI_CPU_LEAN_FORWARD=0, LMI_CPU_KV_LAYOUT=token
+LMI_CPU_KV_LAYOUT=token
 (token-major CPU KV pool, like the GPU's), LMI_CPU_MALLOC=system, LMI_CPU_BF16_GEMM=bf16 | fp32
 (instead of timing), LMI_CPU_GEMM=onednn.
 """
 from __future__ import annotations
 
-import ast
 import functools
 import glob
-import inspect
 import logging
 import os
-import sys
-import textwrap
 import time
-import types
 
 import torch
 import torch.nn.functional as F
@@ -297,214 +281,3 @@ def prepack_linears(model: nn.Module, keep_weights: bool = False, widen_bf16: bo
             m.weight = nn.Parameter(m.weight.new_empty(0), requires_grad=False)
         done += 1
     return done
-
-
-@functools.lru_cache(maxsize=None)
-def _forward_source(cls) -> str | None:
-    try:
-        return textwrap.dedent(inspect.getsource(cls.forward))
-    except (OSError, TypeError):   # defined where no source is kept
-        return None
-
-
-def _llama_rms_forward_source() -> str:
-    from transformers.models.llama.modeling_llama import LlamaRMSNorm
-    return _forward_source(LlamaRMSNorm)
-
-
-def _fused_rms_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-    """Llama's RMSNorm in one kernel: bf16 rows through the C kernel of kernels/cpu_ext.py,
-    others through torch's fused rms_norm, then the same weight product."""
-    if hidden_states.dtype == torch.bfloat16:
-        out = cpu_ext.rms_norm_bf16(hidden_states, self.weight, self.variance_epsilon)
-        if out is not None:
-            return out
-    return self.weight * F.rms_norm(hidden_states, (hidden_states.shape[-1],), eps=self.variance_epsilon)
-
-
-def fuse_rms_norms(model: nn.Module) -> int:
-    """Give every RMSNorm module whose forward is Llama's the fused forward; returns how many."""
-    if _switched_off("LMI_CPU_FUSED_NORM"):
-        return 0
-    want = _llama_rms_forward_source()
-    done = 0
-    for m in model.modules():
-        w = getattr(m, "weight", None)
-        if (isinstance(w, torch.Tensor) and w.dim() == 1 and hasattr(m, "variance_epsilon")
-                and _forward_source(type(m)) == want):
-            m.forward = types.MethodType(_fused_rms_forward, m)
-            done += 1
-    return done
-
-
-# ---- Llama-shaped attention and MLP: the same modules, fewer passes over memory.
-# A module qualifies when its forward's source is Llama's line for line (comments aside), so a
-# family that computes anything differently keeps its own forward.
-
-def _body(fn) -> list[str] | None:
-    """A forward's statements from its first line after the signature, comments dropped."""
-    try:
-        lines = textwrap.dedent(inspect.getsource(fn)).splitlines()
-    except (OSError, TypeError):
-        return None
-    start = next((i + 1 for i, ln in enumerate(lines) if ln.rstrip().endswith(":") and ")" in ln), None)
-    if start is None:
-        return None
-    return [ln.split("#", 1)[0].strip() for ln in lines[start:] if ln.split("#", 1)[0].strip()]
-
-
-# Llama's attention forward, or it with one of these lines added (Mistral, Qwen2 and their copies
-# pass a sliding window): line -> the window of a module.
-_WINDOW_LINES = {
-    "sliding_window=self.sliding_window,": lambda m: getattr(m, "sliding_window", None),
-    'sliding_window=getattr(self.config, "sliding_window", None),':
-        lambda m: getattr(m.config, "sliding_window", None),
-}
-
-
-def _llama():
-    from transformers.models.llama import modeling_llama
-    return modeling_llama
-
-
-@functools.lru_cache(maxsize=None)
-def _window_of(cls):
-    """For an attention class whose forward is Llama's: a function module -> sliding window (None:
-    none); None when the class does not qualify. Its module's rotary helpers must be Llama's too."""
-    llama = _llama()
-    mod = sys.modules.get(cls.__module__)
-    for name in ("apply_rotary_pos_emb", "rotate_half"):
-        if mod is None or _body(getattr(mod, name, None)) != _body(getattr(llama, name)):
-            return None
-    want, got = _body(llama.LlamaAttention.forward), _body(cls.forward)
-    if want is None or got is None:
-        return None
-    if got == want:
-        return lambda m: None
-    for line, window in _WINDOW_LINES.items():
-        if line in got and [ln for ln in got if ln != line] == want:
-            return window
-    return None
-
-
-def _fused_attention_forward(self, hidden_states, position_embeddings=None, attention_mask=None,
-                             past_key_values=None, **kwargs):
-    """Llama's attention on a packed step: projections, rotary in place (kernels/cpu_ext.py, the
-    same rounding as transformers'), the paged attention, the output projection; the model's own
-    forward whenever the step is not ours."""
-
-    from handler.model.attention import ATTN_NAME, paged_attention_forward
-    step = kwargs.get("lmi_step")
-    if (step is None or position_embeddings is None or hidden_states.dim() != 3 or hidden_states.shape[0] != 1
-            or self.config._attn_implementation != ATTN_NAME):
-        return type(self).forward(self, hidden_states, position_embeddings, attention_mask, past_key_values,
-                                  **kwargs)
-    t, d = hidden_states.shape[1], self.head_dim
-    q = self.q_proj(hidden_states).view(t, -1, d)   # [T, H, D]
-    k = self.k_proj(hidden_states).view(t, -1, d)
-    v = self.v_proj(hidden_states).view(t, -1, d)
-    cos, sin = position_embeddings
-    qh, kh, vh = q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None]   # [1, H, T, D]
-    if not cpu_ext.rotary_(q, k, cos[0], sin[0]):
-        qh, kh = sys.modules[type(self).__module__].apply_rotary_pos_emb(qh, kh, cos, sin)
-    out, _ = paged_attention_forward(self, qh, kh, vh, None, scaling=self.scaling, lmi_step=step,
-                                     sliding_window=self._lmi_window)
-    return self.o_proj(out.reshape(1, t, -1)), None
-
-
-def _is_silu(act) -> bool:
-    from transformers.activations import SiLUActivation
-    return type(act) is nn.SiLU or (type(act) is SiLUActivation
-                                    and _body(SiLUActivation.forward) == ["return nn.functional.silu(input)"])
-
-
-def _fused_mlp_forward(self, x):
-    """Llama's MLP with the activation and the product in place: the same ops and values, two
-    fewer [T, I] buffers per layer."""
-    return self.down_proj(F.silu(self.gate_proj(x), inplace=True).mul_(self.up_proj(x)))
-
-
-def fuse_llama_layers(model: nn.Module) -> tuple[int, int]:
-    """Give every attention and MLP module whose forward is Llama's (see above) the fused forward;
-    returns (attention modules, MLPs). LMI_CPU_FUSED_LAYERS=0 keeps the models' own."""
-    if _switched_off("LMI_CPU_FUSED_LAYERS"):
-        return 0, 0
-    llama_mlp = _body(_llama().LlamaMLP.forward)
-    attn = mlp = 0
-    for m in model.modules():
-        cls = type(m)
-        if all(hasattr(m, a) for a in ("q_proj", "k_proj", "v_proj", "o_proj", "head_dim", "scaling", "config")):
-            window = _window_of(cls)
-            if window is not None:
-                m._lmi_window = window(m)
-                m.forward = types.MethodType(_fused_attention_forward, m)
-                attn += 1
-        elif (all(hasattr(m, a) for a in ("gate_proj", "up_proj", "down_proj", "act_fn"))
-              and _is_silu(m.act_fn) and _body(cls.forward) == llama_mlp):
-            m.forward = types.MethodType(_fused_mlp_forward, m)
-            mlp += 1
-    return attn, mlp
-
-
-# ---- The whole model, Llama-shaped: one plain loop over the layers for the engine's packed step.
-
-def _statements(fn) -> list[str] | None:
-    """A function's statements, parsed (formatting, comments and its docstring dropped)."""
-    try:
-        tree = ast.parse(textwrap.dedent(inspect.getsource(fn)))
-    except (OSError, TypeError, SyntaxError):
-        return None
-    body = tree.body[0].body
-    if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
-        body = body[1:]
-    return [ast.dump(st) for st in body]
-
-
-def _hooked(m: nn.Module) -> bool:
-    return bool(m._forward_hooks or m._forward_pre_hooks)
-
-
-def lean_forward(model: nn.Module):
-    """For a model that is Llama's from the head down (its ForCausalLM forward is Llama's; its
-    decoder layers' forwards are Llama's line for line; the embedding, rotary, final norm and head
-    where Llama keeps them; no forward hooks on what it skips): a function
-    `(ids [1, T], positions [1, T], keep [R], step) -> logits [R, V]` that runs the same modules'
-    forwards in the same order as the model's own, in one plain loop. It spares, per layer, five
-    module calls and transformers' keyword plumbing (decorators, output capture, the causal mask
-    our attention never reads), and applies the final norm to the kept rows only (a row-wise op).
-    None when the model does not qualify (LMI_CPU_LEAN_FORWARD=0: never). The runner checks its
-    logits against the model's own forward once at load (ModelRunner.prepack_cpu), since the
-    models' outer forwards differ in their mask code and are not compared line for line."""
-    if _switched_off("LMI_CPU_LEAN_FORWARD"):
-        return None
-    llama = _llama()
-    inner, head = getattr(model, "model", None), getattr(model, "lm_head", None)
-    if (inner is None or not isinstance(head, nn.Module)
-            or not all(isinstance(getattr(inner, a, None), nn.Module)
-                       for a in ("embed_tokens", "rotary_emb", "layers", "norm"))
-            or _statements(type(model).forward) != _statements(llama.LlamaForCausalLM.forward)):
-        return None
-    layers = list(inner.layers[: model.config.num_hidden_layers])
-    want = _body(llama.LlamaDecoderLayer.forward)
-    parts = []
-    for layer in layers:
-        subs = [getattr(layer, a, None) for a in ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")]
-        if ("forward" in vars(layer) or _body(type(layer).forward) != want
-                or not all(isinstance(m, nn.Module) for m in subs) or any(map(_hooked, [layer, *subs]))):
-            return None
-        parts.append(tuple(m.forward for m in subs))
-    if any(map(_hooked, (model, inner, inner.embed_tokens, inner.rotary_emb, inner.norm))):
-        return None
-    embed, rotary, norm = inner.embed_tokens, inner.rotary_emb, inner.norm.forward
-
-    def forward(ids: torch.Tensor, pos: torch.Tensor, keep: torch.Tensor, step) -> torch.Tensor:
-        h = embed(ids)
-        pe = rotary(h, position_ids=pos)
-        for norm1, attn, norm2, mlp in parts:      # LlamaDecoderLayer.forward, statement by statement
-            x, _ = attn(hidden_states=norm1(h), position_embeddings=pe, attention_mask=None, past_key_values=None,
-                        position_ids=pos, use_cache=False, lmi_step=step)
-            h = h + x
-            h = h + mlp(norm2(h))
-        return head(norm(h[:, keep]))[0]
-
-    return forward

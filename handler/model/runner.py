@@ -104,35 +104,27 @@ class ModelRunner:
                  block_size: int = 16, kv_cache_tokens: int | None = None,
                  max_running: int = 32, gpu_memory_utilization: float = 0.9,
                  max_model_len: int | None = None, trust_remote_code: bool = False,
-                 ranks=None):
+                 model_impl: str = "auto", ranks=None):
         """`ranks` (handler.model.distributed.Ranks): this process is one of N tensor-parallel ranks;
-        the model is sharded by transformers' plan and the KV pool holds this rank's heads."""
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        the model is sharded (ours by its parallel layers, transformers' by its plan) and the KV
+        pool holds this rank's heads. `model_impl` (option.model_impl): auto (ours for the Llama
+        family, handler/model/llama.py; transformers' for the rest), lmi (ours or a load error),
+        transformers."""
+        from transformers import AutoConfig, AutoTokenizer
 
         self.ranks = ranks
         self.device = ranks.device if ranks is not None else pick_device(device)
         self.dtype = pick_dtype(dtype, self.device)
-        kw = dict(dtype=self.dtype, attn_implementation=ATTN_NAME, trust_remote_code=trust_remote_code)
-        if ranks is not None:
-            ranks.check_supported(model_dir, trust_remote_code)
-            try:
-                from transformers.distributed import DistributedConfig
-                kw["distributed_config"] = DistributedConfig(tp_size=ranks.world_size)
-            except ImportError:   # transformers < 5.18 (the GPU machines' 5.17)
-                kw.update(tp_plan="auto", tp_size=ranks.world_size)
         try:
             self.tokenizer = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
-            self.model = AutoModelForCausalLM.from_pretrained(model_dir, **kw)
-            if ranks is None:
-                self.model.to(self.device)
-            self.model.eval()
+            config = AutoConfig.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
+            self.model = self._own_model(model_dir, config, model_impl, max_model_len)
+            if self.model is None:
+                self.model = self._transformers_model(model_dir, trust_remote_code)
+        except ModelLoadError:
+            raise
         except Exception as e:  # one clear line for the operator; details in the debug log
             log.debug("model load failed", exc_info=True)
-            if ATTN_NAME in str(e):
-                raise ModelLoadError(
-                    f"cannot serve the model in {model_dir}: its architecture does not route attention "
-                    f"through transformers' AttentionInterface, which the paged KV cache needs (Llama, "
-                    f"Mistral, Qwen2/3, Gemma/Gemma2, Phi/Phi3, GPT-2, GPT-NeoX and OPT do)") from None
             raise ModelLoadError(f"cannot load the model from {model_dir}: {type(e).__name__}: {e}") from None
         layers, kv_heads, head_dim, max_pos = model_geometry(self.model.config)
         tp = ranks.world_size if ranks is not None else 1
@@ -156,12 +148,63 @@ class ModelRunner:
         self.eos_token_ids = self._eos_ids()
         self.sampler = Sampler()
         self.lora = None        # handler.model.lora.LoraManager once enable_lora() ran
-        self.lean = None        # CPU: the model's forward as one plain loop (handler.model.cpu.lean_forward)
         log.info("model %s on %s/%s: %d layers, %d kv heads x %d%s; KV pool %d blocks x %d = %d tokens",
                  type(self.model).__name__, self.device, str(self.dtype).removeprefix("torch."),
                  layers, kv_heads, head_dim,
                  f" (rank {ranks.rank} of {tp}: 1/{tp} of the heads)" if tp > 1 else "",
                  self.kv.num_blocks, block_size, self.kv.tokens)
+
+    def _own_model(self, model_dir: str, config, impl: str, max_model_len: int | None):
+        """Our implementation of the model's family (handler/model/llama.py), or None where
+        transformers serves it (another family, or option.model_impl=transformers)."""
+        from handler.model import llama
+        self.own = False
+        if impl == "transformers":
+            return None
+        from handler.model.layers import TensorParallel
+        tp = TensorParallel(self.ranks.rank, self.ranks.world_size) if self.ranks is not None else TensorParallel()
+        max_pos = sizing.geometry(config).max_positions
+        try:
+            model = llama.load(model_dir, config, dtype=self.dtype, device=self.device, tp=tp,
+                               max_positions=min(max_model_len or max_pos, max_pos))
+        except llama.Unsupported as e:
+            if impl == "lmi":
+                raise ModelLoadError(f"option.model_impl=lmi: {model_dir} is outside our own implementation "
+                                     f"({e}); use option.model_impl=auto or transformers") from None
+            log.info("model: transformers' implementation serves it (%s)", e)
+            return None
+        from transformers import GenerationConfig
+        try:
+            model.generation_config = GenerationConfig.from_pretrained(model_dir)
+        except OSError:     # no generation_config.json
+            model.generation_config = GenerationConfig.from_model_config(config)
+        self.own = True
+        log.info("model: our %s implementation (handler/model/llama.py)", model.arch.family)
+        return model
+
+    def _transformers_model(self, model_dir: str, trust_remote_code: bool):
+        from transformers import AutoModelForCausalLM
+
+        kw = dict(dtype=self.dtype, attn_implementation=ATTN_NAME, trust_remote_code=trust_remote_code)
+        if self.ranks is not None:
+            self.ranks.check_supported(model_dir, trust_remote_code)
+            try:
+                from transformers.distributed import DistributedConfig
+                kw["distributed_config"] = DistributedConfig(tp_size=self.ranks.world_size)
+            except ImportError:   # transformers < 5.18 (the GPU machines' 5.17)
+                kw.update(tp_plan="auto", tp_size=self.ranks.world_size)
+        try:
+            model = AutoModelForCausalLM.from_pretrained(model_dir, **kw)
+        except Exception as e:
+            if ATTN_NAME in str(e):
+                raise ModelLoadError(
+                    f"cannot serve the model in {model_dir}: its architecture does not route attention "
+                    f"through transformers' AttentionInterface, which the paged KV cache needs (Llama, "
+                    f"Mistral, Qwen2/3, Gemma/Gemma2, Phi/Phi3, GPT-2, GPT-NeoX and OPT do)") from None
+            raise
+        if self.ranks is None:
+            model.to(self.device)
+        return model.eval()
 
     def _kv_pool(self) -> torch.Tensor:
         """One layer's keys or values, [NB, bs, Hkv, D] to every reader. On CPU that is a view of
@@ -208,12 +251,12 @@ class ModelRunner:
         return self.lora
 
     def prepack_cpu(self, keep_weights: bool = False) -> None:
-        """On CPU (one rank): the linear layers' weights in oneDNN's packed layout, Llama-style RMSNorms fused
-        (handler/model/cpu.py). keep_weights: LoRA reads the original weights."""
-        if self.device.type != "cpu" or self.ranks is not None:
+        """On CPU: the linear layers' weights in the panel kernel's or oneDNN's packed layout
+        (handler/model/cpu.py). keep_weights: LoRA reads the original weights. Our model's
+        ranks each pack their own shards; transformers' tensor-parallel shards (DTensors) stay."""
+        if self.device.type != "cpu" or (self.ranks is not None and not self.own):
             return
-        from handler.model.cpu import (PanelLinear, bf16_gemm_in_fp32, fuse_llama_layers, fuse_rms_norms, lean_forward,
-                          prepack_linears)
+        from handler.model.cpu import PanelLinear, bf16_gemm_in_fp32, prepack_linears
         widen = False
         if self.dtype == torch.bfloat16:
             widen, why = bf16_gemm_in_fp32(self.model)
@@ -221,37 +264,7 @@ class ModelRunner:
                      "twice the weight memory" if widen else "bf16", why)
         n = prepack_linears(self.model, keep_weights, widen_bf16=widen)
         gemm = "kernels/cpu_gemm.c" if any(isinstance(m, PanelLinear) for m in self.model.modules()) else "oneDNN"
-        attn, mlp = fuse_llama_layers(self.model)
-        log.info("CPU: %d linear layers packed for %s, %d RMSNorms, %d attention and %d MLP modules fused",
-                 n, gemm, fuse_rms_norms(self.model), attn, mlp)
-        lean = lean_forward(self.model)
-        if lean is not None:
-            if self._same_logits(lean):
-                self.lean = lean
-                log.info("CPU: the model's forward runs as one loop over its layers")
-            else:
-                log.warning("CPU: the one-loop forward is not used: its logits differ from the model's own "
-                            "on a check step (the model's forward serves)")
-
-    @torch.inference_mode()
-    def _same_logits(self, lean) -> bool:
-        """Whether `lean` gives the model's own logits, bit for bit, on one step of two prompts
-        (written to the first blocks of the pool, which no sequence holds yet)."""
-        from handler.engine.request import SamplingParams
-        from handler.engine.types import StepItem
-        g = torch.Generator().manual_seed(0)
-        a, b = (torch.randint(0, self.model.config.vocab_size, (n,), generator=g).tolist() for n in (7, 4))
-        bs, nb = self.block_size, self.kv.num_blocks
-        ta = [i % nb for i in range(-(-len(a) // bs))]
-        tb = [(len(ta) + i) % nb for i in range(-(-len(b) // bs))]
-        p = SamplingParams(max_new_tokens=1)
-        packed, _ = pack_step([StepItem(0, a, 0, ta, True, p, a), StepItem(1, b, 0, tb, True, p, b)], bs)
-        want = self._forward(packed)
-        saved, self.lean = self.lean, lean
-        try:
-            return torch.equal(self._forward(packed), want)
-        finally:
-            self.lean = saved
+        log.info("CPU: %d linear layers packed for %s", n, gemm)
 
     def release(self, seq_id: int) -> None:
         self.sampler.release(seq_id)
@@ -290,8 +303,8 @@ class ModelRunner:
             seq_lens=seq_lens.to(torch.int32),
             query_start_loc=qsl.to(torch.int32),
             seq_lens_cpu=seq_lens_cpu, query_start_loc_cpu=qsl_cpu)
-        if self.lean is not None:
-            return self.lean(ids[None], pos[None], keep, meta)
+        if self.own:
+            return self.model.step(ids, pos, keep, meta)
         out = self.model(input_ids=ids[None], position_ids=pos[None],
                          use_cache=False, logits_to_keep=keep, lmi_step=meta)
         return out.logits[0]

@@ -210,83 +210,20 @@ def test_server_runs_with_tcmalloc_when_the_system_has_it(demo_model_factory, tm
         assert srv.stop() == 0
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "gpt2"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_fused_rms_norms_give_the_models_own_values(demo_model_factory, family, dtype):
-    # fp32 (torch's fused rms_norm): bit for bit. bf16 (the C kernel, its own fp32 sum order):
-    # an element may land one bf16 step away, and the logits stay within bf16 noise.
-    plain, fused = _load(demo_model_factory(family), dtype), _load(demo_model_factory(family), dtype)
-    n = cpu.fuse_rms_norms(fused)
-    norms = [m for m in fused.modules() if type(m).__name__.endswith("RMSNorm")]
-    assert n == len(norms)                 # every Llama-style norm of these families, gpt2 has none
-    assert (n > 0) == (family != "gpt2")
-    for m in norms:                         # random weights, so a dropped weight product would show
-        with torch.no_grad():
-            m.weight.normal_()
-    for a, b in zip(plain.modules(), fused.modules()):
-        if type(a).__name__.endswith("RMSNorm"):
-            with torch.no_grad():
-                a.weight.copy_(b.weight)
-    ids = torch.randint(5, plain.config.vocab_size, (2, 17))
-    with torch.inference_mode():
-        for a, b in zip([m for m in plain.modules() if type(m).__name__.endswith("RMSNorm")], norms):
-            x = torch.randn(3, 7, a.weight.numel()).to(dtype) * 3    # Qwen3's q/k norms: head_dim wide
-            got, want = b(x), a(x)
-            if dtype == torch.float32:
-                assert torch.equal(got, want)
-            else:
-                step = want.float().abs().clamp_min(1e-30) * 2 ** -7     # one bf16 step (8 bits of mantissa)
-                assert ((got.float() - want.float()).abs() <= step * 1.01).all()
-                assert (got != want).float().mean().item() < 0.02
-        got, want = fused(ids).logits, plain(ids).logits
-        if dtype == torch.float32:
-            assert torch.equal(got, want)
-        else:
-            assert (got.float() - want.float()).abs().max().item() <= 0.05 * max(1.0, want.float().abs().max().item())
-
-
-def test_rms_norms_written_otherwise_keep_their_forward(monkeypatch):
-    from transformers.models.gemma.modeling_gemma import GemmaRMSNorm   # (1 + weight): not Llama's
-    model = nn.Sequential(GemmaRMSNorm(16))
-    assert cpu.fuse_rms_norms(model) == 0 and "forward" not in vars(model[0])
-    monkeypatch.setenv("LMI_CPU_FUSED_NORM", "0")
-    from transformers.models.llama.modeling_llama import LlamaRMSNorm
-    assert cpu.fuse_rms_norms(nn.Sequential(LlamaRMSNorm(16))) == 0
-
-
-def _runner(model_dir, dtype, monkeypatch, fused: bool):
+def _runner(model_dir, dtype, monkeypatch, packed: bool, impl: str = "auto"):
     from handler.model.runner import ModelRunner
-    monkeypatch.setenv("LMI_CPU_FUSED_LAYERS", "1" if fused else "0")
-    r = ModelRunner(model_dir, dtype=dtype, device="cpu", block_size=4, kv_cache_tokens=256, max_running=8)
+    monkeypatch.setenv("LMI_CPU_PREPACK", "1" if packed else "0")
+    r = ModelRunner(model_dir, dtype=dtype, device="cpu", block_size=4, kv_cache_tokens=256, max_running=8,
+                    model_impl=impl)
     r.prepack_cpu()
     return r
 
 
-@pytest.mark.parametrize("family,attn_fused", [("llama", True), ("qwen2", True), ("qwen3", False), ("gpt2", False)])
-@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-def test_fused_llama_layers_give_the_same_logits(demo_model_factory, monkeypatch, family, attn_fused, dtype):
-    # Oracle: the same runner with the models' own forwards (LMI_CPU_FUSED_LAYERS=0), on a step
-    # of two prefills, then a mixed step (two decode rows and a third prompt). The fused
-    # attention's rotary rounds as transformers' does and its MLP runs the same ops in place, so
-    # the logits are equal bit for bit, in bf16 too.
-    from handler.model.cpu import fuse_llama_layers
-    path = demo_model_factory(family)
-    plain, fused = _runner(path, dtype, monkeypatch, False), _runner(path, dtype, monkeypatch, True)
-    layers = plain.model.config.num_hidden_layers
-    attn = [m for m in fused.model.modules() if "forward" in vars(m) and hasattr(m, "q_proj")]
-    mlps = [m for m in fused.model.modules() if "forward" in vars(m) and hasattr(m, "gate_proj")]
-    assert len(attn) == (layers if attn_fused else 0) and len(mlps) == (0 if family == "gpt2" else layers)
-    assert not any("forward" in vars(m) for m in plain.model.modules() if hasattr(m, "q_proj"))
-    monkeypatch.setenv("LMI_CPU_FUSED_LAYERS", "0")
-    assert fuse_llama_layers(fused.model) == (0, 0)                  # the switch
-    _assert_same_logits(plain, fused)
-
-
-def _assert_same_logits(plain, fused):
+def _step_logits(runner) -> list:
     """Two prefills, then a mixed step (two decode rows and a third prompt), then two decodes."""
     from handler.engine.request import SamplingParams
     from handler.model.runner import pack_step
-    from handler.engine.scheduler import StepItem
+    from handler.engine.types import StepItem
     g = torch.Generator().manual_seed(3)
     p = SamplingParams(max_new_tokens=4)
     a, b, c = (torch.randint(5, 200, (n,), generator=g).tolist() for n in (9, 5, 7))
@@ -294,49 +231,33 @@ def _assert_same_logits(plain, fused):
              [StepItem(1, [17], 9, [0, 1, 2], True, p, a + [17]), StepItem(2, [23], 5, [3, 4], True, p, b + [23]),
               StepItem(3, c, 0, [5, 6], True, p, c)],
              [StepItem(1, [4], 10, [0, 1, 2], True, p, a + [17, 4]), StepItem(3, [9], 7, [5, 6], True, p, c + [9])]]
-    for items in steps:
-        packed, _ = pack_step(items, 4)
-        want, got = plain.forward(packed), fused.forward(packed)
-        assert want.shape[0] == len(items) and torch.equal(got, want)
+    return [runner.forward(pack_step(items, 4)[0]) for items in steps]
 
 
-def test_fused_attention_without_the_c_kernels_uses_transformers_rotary(demo_model_factory, monkeypatch):
-    # No kernel library (LMI_CPU_ATTENTION=reference): the fused forward still serves, with the
-    # module's own apply_rotary_pos_emb, and gives the same logits.
-    from kernels import cpu_ext
-    monkeypatch.setenv("LMI_CPU_ATTENTION", "reference")
-    cpu_ext.load.cache_clear()
-    try:
-        path = demo_model_factory("llama")
-        plain, fused = _runner(path, "fp32", monkeypatch, False), _runner(path, "fp32", monkeypatch, True)
-        assert any("forward" in vars(m) for m in fused.model.modules() if hasattr(m, "q_proj"))
-        assert cpu_ext.load() is None
-        _assert_same_logits(plain, fused)
-    finally:
-        cpu_ext.load.cache_clear()
+@pytest.mark.parametrize("gemm", ["onednn", pytest.param("panels", marks=needs_panels)])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+def test_our_packed_model_equals_transformers_packed_model(demo_model_factory, monkeypatch, family, gemm):
+    # The same GEMM kernel on the same weights in both: our forward's logits are transformers'
+    # (through the paged attention interface), bit for bit, on every step.
+    monkeypatch.setenv("LMI_CPU_GEMM", gemm)
+    path = demo_model_factory(family)
+    ours, theirs = _runner(path, "fp32", monkeypatch, True), _runner(path, "fp32", monkeypatch, True, "transformers")
+    assert ours.own and not theirs.own
+    fp32_cls = _classes(gemm)[0]
+    assert all(type(m) is fp32_cls for m in ours.model.modules() if isinstance(m, nn.Linear))
+    for got, want in zip(_step_logits(ours), _step_logits(theirs)):
+        assert want.shape[0] >= 2 and torch.equal(got, want)
 
 
-def test_attention_source_check_takes_llamas_forward_and_its_sliding_window_variants():
-    # The fused forward replaces only a forward that is Llama's (plus Mistral's or Qwen2's window
-    # line, which the fused forward then passes on); anything computed differently keeps its own.
-    from types import SimpleNamespace
-
-    from transformers.models.gemma2.modeling_gemma2 import Gemma2Attention
-    from transformers.models.llama.modeling_llama import LlamaAttention
-    from transformers.models.mistral.modeling_mistral import MistralAttention
-    from transformers.models.qwen2.modeling_qwen2 import Qwen2Attention
-    from transformers.models.qwen3.modeling_qwen3 import Qwen3Attention
-    m = SimpleNamespace(sliding_window=7, config=SimpleNamespace(sliding_window=5))
-    assert cpu._window_of(LlamaAttention)(m) is None
-    assert cpu._window_of(MistralAttention)(m) == 5          # from the config
-    assert cpu._window_of(Qwen2Attention)(m) == 7            # the module's own (per layer type)
-    assert cpu._window_of(Qwen3Attention) is None            # q/k norms
-    assert cpu._window_of(Gemma2Attention) is None           # soft-cap
-
-    class Edited(LlamaAttention):                             # one changed line: not Llama's
-        def forward(self, hidden_states, position_embeddings=None, attention_mask=None, **kwargs):
-            return super().forward(hidden_states * 2, position_embeddings, attention_mask, **kwargs)
-    assert cpu._window_of(Edited) is None
+@pytest.mark.parametrize("dtype,tol", [("fp32", 1e-4), ("bf16", 0.05)])
+def test_our_packed_model_keeps_the_unpacked_models_values(demo_model_factory, monkeypatch, dtype, tol):
+    path = demo_model_factory("llama")
+    plain, packed = _runner(path, dtype, monkeypatch, False), _runner(path, dtype, monkeypatch, True)
+    assert not any(type(m) is not nn.Linear for m in plain.model.modules() if isinstance(m, nn.Linear))
+    for got, want in zip(_step_logits(packed), _step_logits(plain)):
+        got, want = got.float(), want.float()
+        assert (got - want).abs().max().item() <= tol * max(1.0, want.abs().max().item())
+        assert torch.equal(got.argmax(-1), want.argmax(-1))
 
 
 @pytest.mark.parametrize("gemm", ["onednn", pytest.param("panels", marks=needs_panels)])
@@ -354,73 +275,6 @@ def test_runner_packs_bf16_linears_as_the_gemm_choice_says(demo_model_factory, m
     linears = [m for m in r.model.modules() if isinstance(m, nn.Linear)]
     assert linears and all(type(m) is want for m in linears)
     assert all(m.widen is widened for m in linears if type(m) is PanelLinear)
-
-
-def _lean_runner(model_dir, dtype, monkeypatch, on: bool):
-    monkeypatch.setenv("LMI_CPU_LEAN_FORWARD", "1" if on else "0")
-    return _runner(model_dir, dtype, monkeypatch, True)
-
-
-@pytest.mark.parametrize("family,qualifies", [("llama", True), ("qwen2", True), ("qwen3", True), ("gpt2", False)])
-@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-def test_one_loop_forward_gives_the_models_own_logits(demo_model_factory, monkeypatch, family, qualifies, dtype):
-    # Oracle: the same runner with the model's own forward (LMI_CPU_LEAN_FORWARD=0), bit for bit
-    # on prefills, a mixed step and decodes. Qwen3's attention is its own (q/k norms): the loop
-    # calls it as the decoder layer would. GPT-2's layers are not Llama's: no loop.
-    path = demo_model_factory(family)
-    plain, fast = _lean_runner(path, dtype, monkeypatch, False), _lean_runner(path, dtype, monkeypatch, True)
-    assert plain.lean is None and (fast.lean is not None) == qualifies
-    calls = []
-    if qualifies:
-        loop = fast.lean
-        fast.lean = lambda *a: calls.append(1) or loop(*a)
-    _assert_same_logits(plain, fast)
-    assert len(calls) == (3 if qualifies else 0)      # each of its three steps ran through the loop
-
-
-def test_one_loop_forward_is_refused_where_the_models_outer_forward_differs(demo_model_factory, monkeypatch,
-                                                                              caplog):
-    # Layers and head are Llama's, but the model's own forward does more (here: doubles the
-    # embeddings), which the loop does not know: the load-time check catches it and the model's
-    # own forward serves.
-    import logging
-
-    from transformers.models.llama.modeling_llama import LlamaModel
-    own = LlamaModel.forward
-
-    def doubled(self, input_ids=None, inputs_embeds=None, **kwargs):
-        return own(self, inputs_embeds=self.embed_tokens(input_ids) * 2, **kwargs)
-    monkeypatch.setattr(LlamaModel, "forward", doubled)
-    path = demo_model_factory("llama")
-    assert cpu.lean_forward(_load(path)) is not None      # the source checks alone would take it
-    with caplog.at_level(logging.WARNING, logger="lmi.runner"):
-        r = _lean_runner(path, "fp32", monkeypatch, True)
-    assert r.lean is None
-    assert any("not used" in rec.getMessage() for rec in caplog.records)
-    monkeypatch.setattr(LlamaModel, "forward", own)
-    other = _lean_runner(path, "fp32", monkeypatch, True)
-    assert other.lean is not None
-    from handler.engine.request import SamplingParams
-    from handler.model.runner import pack_step
-    from handler.engine.scheduler import StepItem
-    items = [StepItem(1, [5, 9, 11, 30], 0, [0], True, SamplingParams(max_new_tokens=2), [5, 9, 11, 30])]
-    packed, _ = pack_step(items, 4)
-    monkeypatch.setattr(LlamaModel, "forward", doubled)
-    doubled_logits = r.forward(packed)
-    monkeypatch.setattr(LlamaModel, "forward", own)
-    assert not torch.equal(doubled_logits, other.forward(packed))   # r ran the model's (doubled) forward
-
-
-def test_one_loop_forward_needs_no_hooks_and_follows_its_switch(demo_model_factory, monkeypatch):
-    model = _load(demo_model_factory("llama"))
-    monkeypatch.setenv("LMI_CPU_LEAN_FORWARD", "1")
-    assert cpu.lean_forward(model) is not None
-    handle = model.model.layers[2].mlp.register_forward_hook(lambda m, i, o: None)
-    assert cpu.lean_forward(model) is None                # the loop would skip the hook
-    handle.remove()
-    assert cpu.lean_forward(model) is not None
-    monkeypatch.setenv("LMI_CPU_LEAN_FORWARD", "0")
-    assert cpu.lean_forward(model) is None
 
 
 def test_gemm_setting_names_its_values_when_it_is_wrong(monkeypatch, caplog):

@@ -1,0 +1,174 @@
+"""The layers our own models (handler/model/llama.py) are built from.
+
+Linear layers are plain `nn.Linear` modules: the CPU GEMM paths (handler/model/cpu.py packs them
+for kernels/cpu_gemm.c or oneDNN), LoRA's per-row wrapper (handler/model/lora.py) and quantized
+linears take any `nn.Linear`, so none of them needs to know which model it sits in. Tensor
+parallelism is a property of where a weight is cut, declared per layer as a `Shard` (nano-vllm's
+column / row / QKV-parallel linears): column-parallel layers keep 1/N of the output rows (whole
+heads), row-parallel layers 1/N of the input columns and all-reduce their partial sums
+(`TensorParallel.reduce`); a row-parallel layer's bias lives on rank 0 (zeros elsewhere), so
+the sum adds it once and every layer stays a plain `nn.Linear` call.
+
+RMSNorm has the three ways families round (Llama: normalise in fp32, round, then the weight
+product; OLMo-2: the weight product in fp32, then round; Gemma: times 1 + weight in fp32).
+Rotary keeps transformers' arithmetic per position (frequencies x position in fp32, cos/sin
+scaled, rounded to the model's dtype), read from a table for every position below the context
+length, so the values are transformers' own.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kernels import cpu_ext
+
+
+# ---------------------------------------------------------------------------- tensor parallel
+@dataclass(frozen=True)
+class TensorParallel:
+    """This process's place in the tensor-parallel group (rank 0 of 1: no parallelism)."""
+    rank: int = 0
+    size: int = 1
+
+    def reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum a row-parallel layer's partial outputs across the ranks, in place."""
+        if self.size > 1:
+            import torch.distributed as dist
+            dist.all_reduce(x)
+        return x
+
+
+@dataclass(frozen=True)
+class Shard:
+    """How one checkpoint tensor is cut for this rank.
+    kind: None (whole), "column" (output rows), "row" (input columns), "qkv" (a fused
+    q/k/v weight: each of the three parts cut by heads), "pair" (a fused gate/up weight: each
+    half cut). `parts` gives the fused parts' sizes along dim 0 (q, k, v) or (gate, up)."""
+    kind: str | None = None
+    parts: tuple[int, ...] = ()
+
+
+def shard(t: torch.Tensor, spec: Shard, tp: TensorParallel) -> torch.Tensor:
+    """This rank's piece of checkpoint tensor `t` (the whole tensor with one rank)."""
+    if tp.size == 1 or spec.kind is None:
+        return t
+    if spec.kind == "column":
+        return t.chunk(tp.size, 0)[tp.rank]
+    if spec.kind == "row":
+        # a bias: rank 0's partial sum carries it, so the all-reduce adds it once
+        return t.chunk(tp.size, -1)[tp.rank] if t.dim() > 1 else (t if tp.rank == 0 else torch.zeros_like(t))
+    if spec.kind in ("qkv", "pair"):
+        return torch.cat([p.chunk(tp.size, 0)[tp.rank] for p in t.split(list(spec.parts), 0)], 0)
+    raise ValueError(f"unknown shard kind {spec.kind!r}")
+
+
+# ---------------------------------------------------------------------------- norms
+class RMSNorm(nn.Module):
+    """RMSNorm over the last dimension; `style` is the family's rounding (see the module doc)."""
+
+    def __init__(self, size: int, eps: float, style: str = "llama", dtype=None, device=None):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size, dtype=dtype, device=device), requires_grad=False)
+        self.eps, self.style = float(eps), style
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.style == "llama":
+            if x.device.type == "cpu":
+                if x.dtype == torch.float32:     # torch's fused kernel: the same values, one pass
+                    return self.weight * F.rms_norm(x, (x.shape[-1],), eps=self.eps)
+                if x.dtype == torch.bfloat16 and x.is_contiguous():
+                    out = cpu_ext.rms_norm_bf16(x, self.weight, self.eps)
+                    if out is not None:
+                        return out
+            return self.weight * self._normed(x).to(x.dtype)
+        if self.style == "olmo2":
+            return (self.weight * self._normed(x)).to(x.dtype)
+        if self.style == "gemma":
+            return (self._normed(x) * (1.0 + self.weight.float())).to(x.dtype)
+        raise ValueError(f"unknown RMSNorm style {self.style!r}")
+
+    def _normed(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        return h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+
+
+# ---------------------------------------------------------------------------- rotary
+def rope_parameters(config) -> dict:
+    """The config's rope settings as transformers 5 names them (`rope_parameters`), also from a
+    config that still says `rope_scaling` / `rope_theta`."""
+    params = getattr(config, "rope_parameters", None)
+    if isinstance(params, dict) and "rope_theta" in params:
+        return params
+    out = dict(getattr(config, "rope_scaling", None) or {})
+    out.setdefault("rope_type", out.get("type", "default"))
+    out.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
+    return out
+
+
+class Rotary:
+    """cos/sin per position, [T, D] in the model's dtype, as transformers computes them.
+
+    default / linear / llama3 / yarn: one set of frequencies, a table over every position.
+    dynamic (NTK) and longrope change the frequencies with a sequence's length: positions of a
+    sequence whose length passes the original context are computed with the frequencies for
+    that length (transformers' `dynamic_rope_update` on one sequence)."""
+
+    GROWING = ("dynamic", "longrope")
+
+    def __init__(self, config, head_dim: int, max_positions: int, dtype, device):
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+        params = rope_parameters(config)
+        self.kind = params.get("rope_type", "default")
+        self.config, self.dtype, self.device = config, dtype, device
+        if self.kind == "default":
+            base = float(params["rope_theta"])
+            inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).to(torch.float) / head_dim))
+            self.scale = 1.0
+            self._init = None
+        else:
+            self._init = ROPE_INIT_FUNCTIONS[self.kind]
+            inv_freq, self.scale = self._init(config, torch.device("cpu"))
+        self.inv_freq = inv_freq.to(device)
+        self.original = int(params.get("original_max_position_embeddings")
+                            or getattr(config, "max_position_embeddings", max_positions))
+        rows = self.original if self.kind in self.GROWING else max_positions
+        self.cos, self.sin = self._table(torch.arange(rows, device=device), self.inv_freq, self.scale)
+
+    def _table(self, pos: torch.Tensor, inv_freq: torch.Tensor, scale: float):
+        freqs = pos[:, None].float() * inv_freq.to(device=pos.device, dtype=torch.float)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return (emb.cos() * scale).to(self.dtype), (emb.sin() * scale).to(self.dtype)
+
+    def __call__(self, pos: torch.Tensor, seq_lens: list[int], qsl: list[int]):
+        """cos, sin [T, D] for a packed step's positions (`seq_lens`/`qsl`: per sequence, on the
+        host, for the growing kinds)."""
+        if self.kind not in self.GROWING or max(seq_lens) <= self.original:
+            return self.cos[pos], self.sin[pos]
+        cos, sin = self.cos.new_empty(pos.shape[0], self.cos.shape[1]), self.sin.new_empty(pos.shape[0], self.sin.shape[1])
+        for s, n in enumerate(seq_lens):
+            a, b = qsl[s], qsl[s + 1]
+            if n <= self.original:
+                cos[a:b], sin[a:b] = self.cos[pos[a:b]], self.sin[pos[a:b]]
+            else:
+                kw = {"seq_len": n} if self.kind == "dynamic" else {"seq_len": self.original + 1}
+                inv, scale = self._init(self.config, self.device, **kw)
+                cos[a:b], sin[a:b] = self._table(pos[a:b], inv, scale)
+        return cos, sin
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rotary_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    """q [T, H, D], k [T, Hkv, D] rotated by cos/sin [T, D]: in place by the C kernel on CPU
+    (transformers' rounding), else transformers' formula; returns (q, k)."""
+    if q.device.type == "cpu" and cpu_ext.rotary_(q, k, cos, sin):
+        return q, k
+    c, s = cos[:, None], sin[:, None]
+    return q * c + rotate_half(q) * s, k * c + rotate_half(k) * s

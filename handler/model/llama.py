@@ -1,0 +1,322 @@
+"""Our own Llama family: one explicit forward over the engine's packed step.
+
+Families (config.json's `model_type`) and what a flag covers:
+  llama, smollm (SmolLM/SmolLM2 are llama), mistral   sliding window from config
+  qwen2      q/k/v bias (read from the checkpoint), sliding window per `layer_types`
+  qwen3      per-head q/k RMSNorm before rotary
+  granite    embedding / attention / residual multipliers, logits divided by `logits_scaling`
+  phi3       fused qkv_proj and gate_up_proj (cut into q/k/v and gate/up at load)
+  olmo2      no input norms: RMSNorms after attention and MLP, q/k RMSNorm over the projections
+Anything else (or these with `option.model_impl=transformers`) is served by transformers' own
+model through the attention interface (handler/model/attention.py).
+
+The step, shapes: ids/positions [T] (packed sequences, no padding) -> embeddings [T, E] ->
+per layer: norm, q/k/v [T, H|Hkv, D], rotary, paged attention over block tables (writes this
+step's K/V into the pool first), o_proj, residual; norm, MLP, residual -> final norm on the kept
+rows [R, E] -> head -> logits [R, V]. Weights come straight from the checkpoint's safetensors
+(sharded or not; a tied head reads the embedding); with tensor parallelism each rank loads its
+cut of every weight (handler.model.layers.Shard) and holds H/N query and Hkv/N KV heads.
+"""
+from __future__ import annotations
+
+import glob
+import json
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import kernels
+from handler.model.layers import RMSNorm, Rotary, Shard, TensorParallel, apply_rotary_, shard
+
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "granite", "phi3", "olmo2")
+
+
+class Unsupported(ValueError):
+    """This checkpoint is outside what our implementation covers (str: why); transformers serves it."""
+
+
+@dataclass(frozen=True)
+class Arch:
+    """What one family's forward does differently (read from its config)."""
+    family: str
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    layers: int
+    vocab: int
+    eps: float
+    max_positions: int
+    tied: bool
+    windows: tuple          # per layer: sliding window or None
+    qk_norm: str | None     # None | "head" (qwen3: per head) | "full" (olmo2: over the projection)
+    post_norms: bool        # olmo2: norms after attention and MLP instead of before
+    fused: bool             # phi3: qkv_proj / gate_up_proj in the checkpoint
+    embed_scale: float      # granite: embedding_multiplier
+    residual_scale: float   # granite: residual_multiplier
+    logits_divisor: float   # granite: logits_scaling
+    scaling: float          # attention's softmax scale
+
+
+def arch_of(config) -> Arch:
+    """The Arch of a transformers config, or Unsupported naming what is outside our family."""
+    mt = getattr(config, "model_type", None)
+    if mt not in FAMILIES:
+        raise Unsupported(f"model_type {mt!r} is not one of ours ({', '.join(FAMILIES)})")
+    act = getattr(config, "hidden_act", "silu")
+    if act != "silu":
+        raise Unsupported(f"hidden_act {act!r} (ours: silu)")
+    if float(getattr(config, "partial_rotary_factor", 1.0) or 1.0) != 1.0:
+        raise Unsupported("partial rotary embeddings")
+    if getattr(config, "mlp_bias", False):
+        raise Unsupported("mlp_bias")
+    heads = config.num_attention_heads
+    kv = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    n = config.num_hidden_layers
+    window = getattr(config, "sliding_window", None)
+    types = getattr(config, "layer_types", None)
+    if mt == "qwen2" and not types:
+        types = ["sliding_attention" if getattr(config, "use_sliding_window", False) else "full_attention"] * n
+    if mt in ("llama", "granite", "olmo2", "qwen3") and not types:
+        window = None
+    windows = tuple((window if t == "sliding_attention" else None) for t in types) if types else (window,) * n
+    g = mt == "granite"
+    scaling = float(config.attention_multiplier) if g else head_dim ** -0.5
+    return Arch(
+        family=mt, hidden=config.hidden_size, heads=heads, kv_heads=kv, head_dim=head_dim,
+        intermediate=config.intermediate_size, layers=n, vocab=config.vocab_size,
+        eps=float(config.rms_norm_eps), max_positions=config.max_position_embeddings,
+        tied=bool(getattr(config, "tie_word_embeddings", False)), windows=windows,
+        qk_norm={"qwen3": "head", "olmo2": "full"}.get(mt), post_norms=mt == "olmo2", fused=mt == "phi3",
+        embed_scale=float(config.embedding_multiplier) if g else 1.0,
+        residual_scale=float(config.residual_multiplier) if g else 1.0,
+        logits_divisor=float(config.logits_scaling) if g else 1.0, scaling=scaling)
+
+
+def _linear(n_in: int, n_out: int, bias: bool, dtype, device) -> nn.Linear:
+    return nn.Linear(n_in, n_out, bias=bias, dtype=dtype, device=device).requires_grad_(False)
+
+
+class Attention(nn.Module):
+    def __init__(self, a: Arch, i: int, biases: dict, tp: TensorParallel, dtype, device):
+        super().__init__()
+        self.layer_idx, self.tp = i, tp
+        self.heads, self.kv_heads = a.heads // tp.size, a.kv_heads // tp.size
+        self.head_dim, self.scaling, self.window = a.head_dim, a.scaling, a.windows[i]
+        d, e = a.head_dim, a.hidden
+        self.q_proj = _linear(e, self.heads * d, biases.get("q_proj", False), dtype, device)
+        self.k_proj = _linear(e, self.kv_heads * d, biases.get("k_proj", False), dtype, device)
+        self.v_proj = _linear(e, self.kv_heads * d, biases.get("v_proj", False), dtype, device)
+        self.o_proj = _linear(a.heads * d // tp.size, e, biases.get("o_proj", False), dtype, device)
+        self.qk_norm = a.qk_norm
+        if a.qk_norm == "head":
+            self.q_norm = RMSNorm(d, a.eps, dtype=dtype, device=device)
+            self.k_norm = RMSNorm(d, a.eps, dtype=dtype, device=device)
+        elif a.qk_norm == "full":   # over the whole projection (every head of every rank)
+            if tp.size > 1:
+                raise Unsupported("OLMo-2's q/k norms span every head: not split across ranks")
+            self.q_norm = RMSNorm(a.heads * d, a.eps, "olmo2", dtype=dtype, device=device)
+            self.k_norm = RMSNorm(a.kv_heads * d, a.eps, "olmo2", dtype=dtype, device=device)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, step) -> torch.Tensor:
+        t, d = x.shape[0], self.head_dim
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        if self.qk_norm == "full":
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = q.view(t, -1, d), k.view(t, -1, d), v.view(t, -1, d)
+        if self.qk_norm == "head":
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary_(q, k, cos, sin)
+        k_cache, v_cache = step.kv_cache[self.layer_idx]
+        k, v = k.to(k_cache.dtype), v.to(v_cache.dtype)
+        kernels.write_kv(k_cache, v_cache, k, v, step.slot_mapping)
+        out = kernels.paged_attention(q, k_cache, v_cache, step.block_tables, step.seq_lens, step.query_start_loc,
+                                      self.scaling, seq_lens_cpu=step.seq_lens_cpu,
+                                      query_start_loc_cpu=step.query_start_loc_cpu, sliding_window=self.window,
+                                      key=k, value=v, memo=step.memo)
+        return self.tp.reduce(self.o_proj(out.reshape(t, -1)))     # row-parallel: partial sums
+
+
+class MLP(nn.Module):
+    def __init__(self, a: Arch, tp: TensorParallel, dtype, device):
+        super().__init__()
+        self.tp = tp
+        i = a.intermediate // tp.size
+        self.gate_proj = _linear(a.hidden, i, False, dtype, device)
+        self.up_proj = _linear(a.hidden, i, False, dtype, device)
+        self.down_proj = _linear(i, a.hidden, False, dtype, device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.silu(self.gate_proj(x), inplace=True).mul_(self.up_proj(x))
+        return self.tp.reduce(self.down_proj(h))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, a: Arch, i: int, biases: dict, tp: TensorParallel, dtype, device):
+        super().__init__()
+        self.self_attn = Attention(a, i, biases, tp, dtype, device)
+        self.mlp = MLP(a, tp, dtype, device)
+        self.post_norms, self.residual_scale = a.post_norms, a.residual_scale
+        style = "olmo2" if a.post_norms else "llama"
+        if a.post_norms:
+            self.post_feedforward_layernorm = RMSNorm(a.hidden, a.eps, style, dtype=dtype, device=device)
+        else:
+            self.input_layernorm = RMSNorm(a.hidden, a.eps, style, dtype=dtype, device=device)
+        self.post_attention_layernorm = RMSNorm(a.hidden, a.eps, style, dtype=dtype, device=device)
+
+    def forward(self, h: torch.Tensor, cos, sin, step) -> torch.Tensor:
+        if self.post_norms:     # OLMo-2
+            h = h + self.post_attention_layernorm(self.self_attn(h, cos, sin, step))
+            return h + self.post_feedforward_layernorm(self.mlp(h))
+        x = self.self_attn(self.input_layernorm(h), cos, sin, step)
+        h = h + x * self.residual_scale if self.residual_scale != 1.0 else h + x
+        x = self.mlp(self.post_attention_layernorm(h))
+        return h + x * self.residual_scale if self.residual_scale != 1.0 else h + x
+
+
+class Body(nn.Module):
+    """`model.*` of the checkpoint: embeddings, layers, final norm."""
+
+    def __init__(self, a: Arch, biases: dict, tp: TensorParallel, dtype, device):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(a.vocab, a.hidden, dtype=dtype, device=device).requires_grad_(False)
+        self.layers = nn.ModuleList(DecoderLayer(a, i, biases, tp, dtype, device) for i in range(a.layers))
+        self.norm = RMSNorm(a.hidden, a.eps, "olmo2" if a.post_norms else "llama", dtype=dtype, device=device)
+
+
+class LlamaFamilyForCausalLM(nn.Module):
+    """Our model; module names follow the checkpoint's (`model.layers.3.self_attn.q_proj`), so LoRA
+    adapters and the CPU GEMM packing find their layers by the names transformers gives them."""
+
+    def __init__(self, config, arch: Arch, biases: dict, tp: TensorParallel, dtype, device, max_positions: int,
+                 rotary_device=None):
+        super().__init__()
+        self.config, self.arch, self.tp = config, arch, tp
+        self.model = Body(arch, biases, tp, dtype, device)
+        self.lm_head = _linear(arch.hidden, arch.vocab, False, dtype, device)
+        if arch.tied:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.rotary = Rotary(config, arch.head_dim, max_positions, dtype, rotary_device or device)
+        self.generation_config = None
+
+    def get_output_embeddings(self) -> nn.Module:
+        return self.lm_head
+
+    def get_input_embeddings(self) -> nn.Module:
+        return self.model.embed_tokens
+
+    @torch.inference_mode()
+    def step(self, ids: torch.Tensor, pos: torch.Tensor, keep: torch.Tensor, step) -> torch.Tensor:
+        """ids/pos [T] -> logits [R, V] of the kept rows (see the module doc)."""
+        h = self.model.embed_tokens(ids)
+        if self.arch.embed_scale != 1.0:
+            h = h * self.arch.embed_scale
+        cos, sin = self.rotary(pos, step.seq_lens_cpu, step.query_start_loc_cpu)
+        for layer in self.model.layers:
+            h = layer(h, cos, sin, step)
+        logits = self.lm_head(self.model.norm(h[keep]))
+        if self.arch.logits_divisor != 1.0:
+            logits = logits / self.arch.logits_divisor
+        return logits
+
+
+# ---------------------------------------------------------------------------- loading
+_PROJ = {"q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv", "gate_proj": "column", "up_proj": "column",
+         "o_proj": "row", "down_proj": "row"}
+
+
+def _safetensors(model_dir: str) -> list[str]:
+    index = os.path.join(model_dir, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            return sorted({os.path.join(model_dir, v) for v in json.load(f)["weight_map"].values()})
+    return sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
+
+
+def _checkpoint_names(files: list[str]) -> set[str]:
+    from safetensors import safe_open
+    names = set()
+    for path in files:
+        with safe_open(path, framework="pt") as f:
+            names.update(f.keys())
+    return names
+
+
+def _spec(name: str, a: Arch) -> Shard:
+    """How tensor `name` (ours, after fused weights are split) is cut across ranks."""
+    leaf = name.split(".")[-2] if name.endswith((".weight", ".bias")) else ""
+    kind = _PROJ.get(leaf)
+    if kind == "qkv":
+        kind = "column"
+    return Shard(kind)
+
+
+def load(model_dir: str, config, *, dtype: torch.dtype, device: torch.device,
+         tp: TensorParallel = TensorParallel(), max_positions: int | None = None) -> LlamaFamilyForCausalLM:
+    """Build our model for `config` and fill it from the checkpoint's safetensors. Raises
+    Unsupported (transformers serves the model instead) or ValueError (a bad checkpoint)."""
+    from safetensors import safe_open
+
+    a = arch_of(config)
+    if a.heads % tp.size or a.kv_heads % tp.size or a.intermediate % tp.size:
+        raise Unsupported(f"{tp.size} ranks do not divide the heads / MLP width")
+    files = _safetensors(model_dir)
+    if not files:
+        raise Unsupported("no .safetensors weights in the model directory")
+    names = _checkpoint_names(files)
+    biases = {}
+    for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
+        biases[proj] = f"model.layers.0.self_attn.{proj}.bias" in names
+    if a.fused and "model.layers.0.self_attn.qkv_proj.bias" in names:
+        biases.update(q_proj=True, k_proj=True, v_proj=True)
+    if any(".mlp." in n and n.endswith(".bias") for n in names):
+        raise Unsupported("MLP biases")
+    # Built on the meta device (no random init of weights about to be overwritten), then given memory.
+    model = LlamaFamilyForCausalLM(config, a, biases, tp, dtype, torch.device("meta"),
+                                   max_positions or a.max_positions, rotary_device=device)
+    model.to_empty(device=device)
+    if a.tied:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    params = dict(model.named_parameters(remove_duplicate=False))
+    filled: set[str] = set()
+    q, kv = a.heads * a.head_dim, a.kv_heads * a.head_dim
+
+    def put(name: str, t: torch.Tensor, spec: Shard):
+        p = params.get(name)
+        if p is None:
+            raise ValueError(f"unexpected tensor {name!r} in the checkpoint")
+        t = shard(t, spec, tp)
+        if tuple(t.shape) != tuple(p.shape):
+            raise ValueError(f"tensor {name}: checkpoint shape {list(t.shape)} does not fit {list(p.shape)} "
+                             f"(config.json and the weights disagree)")
+        with torch.no_grad():
+            p.copy_(t.to(dtype))
+        filled.add(name)
+
+    for path in files:
+        with safe_open(path, framework="pt") as f:
+            for key in f.keys():
+                if key.endswith("rotary_emb.inv_freq"):
+                    continue
+                t = f.get_tensor(key)
+                if a.fused and ".qkv_proj." in key:
+                    parts = t.split([q, kv, kv], 0)
+                    for proj, part in zip(("q_proj", "k_proj", "v_proj"), parts):
+                        put(key.replace("qkv_proj", proj), part, Shard("column"))
+                elif a.fused and ".gate_up_proj." in key:
+                    for proj, part in zip(("gate_proj", "up_proj"), t.chunk(2, 0)):
+                        put(key.replace("gate_up_proj", proj), part, Shard("column"))
+                elif key == "lm_head.weight" and a.tied:
+                    continue
+                else:
+                    put(key, t, _spec(key, a))
+    missing = sorted(n for n in params if n not in filled and not (a.tied and n == "lm_head.weight"))
+    if missing:
+        raise ValueError(f"the checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")
+    model.eval()
+    return model
