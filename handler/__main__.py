@@ -11,6 +11,7 @@ COMMANDS = {
     "bench": ("handler.tools.bench.cli", "load client and strategy comparison"),
     "deploy": ("handler.tools.deploy", "SageMaker deployment tooling"),
     "tune": ("handler.tools.tune", "measure candidate serving.properties files, recommend one"),
+    "quality": ("handler.tools.quality", "perplexity and greedy agreement of a quantized model against fp32"),
 }
 
 

@@ -43,7 +43,7 @@ FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC"]
 # Element-wise ops that must round as torch's do (rotary): no fast-math, no FMA contraction.
 EXACT_FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-fPIC"]
 SOURCES = [(os.path.join(_HERE, "cpu_decode.c"), FLAGS), (os.path.join(_HERE, "cpu_exact.c"), EXACT_FLAGS),
-           (os.path.join(_HERE, "cpu_gemm.c"), EXACT_FLAGS)]
+           (os.path.join(_HERE, "cpu_gemm.c"), EXACT_FLAGS), (os.path.join(_HERE, "cpu_gemm_i8.c"), EXACT_FLAGS)]
 HEADERS = [os.path.join(_HERE, "cpu_bf16.h")]
 # Linked without -ffast-math: given at link time, gcc adds crtfastmath.o, whose constructor sets
 # flush-to-zero for the whole process on load (every float op of torch and Python would change).
@@ -150,6 +150,13 @@ def load():
     gemm.restype = None
     fn.gemm = gemm
     fn.gemm_available = bool(lib.lmi_gemm_available())
+    for name, args in (("lmi_pack_i8", [ptr, i64, i64, ptr, ptr]),
+                       ("lmi_quant_rows", [ptr, i64, i64, i64, ptr, i64, ptr, ctypes.c_int]),
+                       ("lmi_gemm_i8", [ptr, i64, i64, ptr, ptr, ptr, ptr, i64, ptr, ptr, i64, ctypes.c_int])):
+        f = getattr(lib, name)
+        f.argtypes, f.restype = args, None
+        setattr(fn, name.removeprefix("lmi_"), f)
+    fn.gemm_i8_available = bool(lib.lmi_gemm_i8_available())
     return fn
 
 
@@ -304,3 +311,42 @@ def decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: 
     if rc != 0:
         raise MemoryError("CPU decode attention: scratch allocation failed")
     return out
+
+
+# ---------------------------------------------------------------------------- int8 (kernels/cpu_gemm_i8.c)
+def gemm_i8_available() -> bool:
+    """Whether kernels/cpu_gemm_i8.c's VNNI GEMM runs on this host (built, AVX-512 VNNI)."""
+    fn = load()
+    return fn is not None and fn.gemm_i8_available
+
+
+def pack_i8(wq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """int8 weight [N, K] -> (panels for `gemm_i8`, flat int8; per-column sums [N] int32)."""
+    fn = load()
+    n, k = wq.shape
+    w = wq.contiguous()
+    out = torch.empty(-(-n // PANEL) * PANEL * (-(-k // 4) * 4), dtype=torch.int8)
+    wsum = torch.empty(n, dtype=torch.int32)
+    fn.pack_i8(w.data_ptr(), n, k, out.data_ptr(), wsum.data_ptr())
+    return out, wsum
+
+
+def gemm_i8(x: torch.Tensor, panels: torch.Tensor, wsum: torch.Tensor, scales: torch.Tensor, n: int,
+            bias: torch.Tensor | None) -> torch.Tensor:
+    """x [..., K] fp32, each row quantized to int8 by its own scale, @ the packed int8 weight's
+    transpose, dequantized by row scale x column scale (+ bias [N] fp32) -> [..., N] fp32."""
+    fn = load()
+    k = x.shape[-1]
+    a = x.reshape(-1, k)
+    if a.stride(-1) != 1:
+        a = a.contiguous()
+    m, kp = a.shape[0], -(-k // 4) * 4
+    out = torch.empty(m, n, dtype=torch.float32)
+    if m:
+        threads = torch.get_num_threads()
+        aq = torch.empty(m, kp, dtype=torch.uint8)
+        sa = torch.empty(m, dtype=torch.float32)
+        fn.quant_rows(a.data_ptr(), m, k, a.stride(0) if m > 1 else k, aq.data_ptr(), kp, sa.data_ptr(), threads)
+        fn.gemm_i8(aq.data_ptr(), m, kp, sa.data_ptr(), panels.data_ptr(), wsum.data_ptr(), scales.data_ptr(), n,
+                   None if bias is None else bias.data_ptr(), out.data_ptr(), n, threads)
+    return out.view(*x.shape[:-1], n)

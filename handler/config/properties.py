@@ -179,6 +179,7 @@ class ServingConfig:
     tensor_parallel_degree: int
     trust_remote_code: bool
     model_impl: str               # "auto" | "lmi" | "transformers" (handler/model/llama.py or transformers')
+    quantize: str | None          # None | "int8" (handler/model/quant.py)
     entry_point: str
     output_formatter: str         # "json" | "jsonlines" | "sse" | "json_chat" | "jsonlines_chat" | "sse_chat"
     max_payload_mb: float         # request bodies above this are refused (413)
@@ -366,9 +367,6 @@ def _parse_values(src: _Sources) -> None:
             named.append(k + (f" ({origin.split()[1]})" if origin.startswith("environment") else "")
                          + (f" (did you mean {hint[0]}?)" if hint else ""))
         src.warnings.append("unknown keys ignored: " + ", ".join(named))
-    if "option.quantize" in src.merged:
-        raise ConfigError(f"{src.where('option.quantize')}: quantization is not implemented in this server; "
-                          "remove the key (the model is served in option.dtype)")
     no_effect = sorted(k for k in src.merged if k in IGNORED_KEYS)
     if no_effect:
         src.warnings.append("accepted, has no effect here: " + ", ".join(no_effect))

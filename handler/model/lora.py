@@ -219,10 +219,10 @@ class LoRALinear(nn.Module):
         if ab is None:
             self.filled[slot] = False
             return
-        w = self.base.weight
+        w = self.base.weight    # its dtype and device (a packed or quantized layer keeps an empty one)
         if self.lora_a is None:
-            self.lora_a = torch.zeros(self.slots, self.max_rank, w.shape[1], dtype=w.dtype, device=w.device)
-            self.lora_b = torch.zeros(self.slots, w.shape[0], self.max_rank, dtype=w.dtype, device=w.device)
+            self.lora_a = torch.zeros(self.slots, self.max_rank, self.in_features, dtype=w.dtype, device=w.device)
+            self.lora_b = torch.zeros(self.slots, self.out_features, self.max_rank, dtype=w.dtype, device=w.device)
         a, b = ab
         r = a.shape[0]
         self.lora_a[slot].zero_()

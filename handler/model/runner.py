@@ -104,12 +104,13 @@ class ModelRunner:
                  block_size: int = 16, kv_cache_tokens: int | None = None,
                  max_running: int = 32, gpu_memory_utilization: float = 0.9,
                  max_model_len: int | None = None, trust_remote_code: bool = False,
-                 model_impl: str = "auto", ranks=None):
+                 model_impl: str = "auto", quantize: str | None = None, ranks=None):
         """`ranks` (handler.model.distributed.Ranks): this process is one of N tensor-parallel ranks;
         the model is sharded (ours by its parallel layers, transformers' by its plan) and the KV
         pool holds this rank's heads. `model_impl` (option.model_impl): auto (ours for the Llama
         family, handler/model/llama.py; transformers' for the rest), lmi (ours or a load error),
-        transformers."""
+        transformers. `quantize` (option.quantize): the linear layers quantized at load
+        (handler/model/quant.py)."""
         from transformers import AutoConfig, AutoTokenizer
 
         self.ranks = ranks
@@ -121,6 +122,9 @@ class ModelRunner:
             self.model = self._own_model(model_dir, config, model_impl, max_model_len)
             if self.model is None:
                 self.model = self._transformers_model(model_dir, trust_remote_code)
+            if quantize:
+                from handler.model.quant import quantize_model
+                quantize_model(self.model, quantize)
         except ModelLoadError:
             raise
         except Exception as e:  # one clear line for the operator; details in the debug log

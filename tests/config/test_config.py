@@ -177,7 +177,8 @@ BAD = [
     ("option.tgi_compat", "yes", "is not a boolean; allowed: true, false"),
     ("option.predict_timeout", "-1", "is not a positive number of seconds"),
     ("option.max_num_batched_tokens", "0", "is not a positive integer"),
-    ("option.quantize", "", "is empty"),
+    ("option.quantize", "awq4", "is not supported; allowed: int8"),
+    ("option.model_impl", "vllm2", "is not supported; allowed: auto, lmi, transformers"),
     ("option.model_id", "", "is empty"),
     ("graceful_timeout", "-1", "is not a positive number of seconds"),
     ("option.max_payload_mb", "0", "is not a positive number of megabytes"),
@@ -340,11 +341,13 @@ def test_lmi_names_for_our_keys(load):
     assert load("engine=Python\n", env={"OPTION_ENGINE": "MPI"}).engine == "Python"   # the file wins
 
 
-def test_quantize_is_refused_with_one_line(load):
-    msg = error_of(load, "option.quantize=awq\n")
-    assert "option.quantize=awq" in msg and "not implemented" in msg
+def test_quantize_takes_int8_and_its_names_and_refuses_the_rest_with_one_line(load):
+    assert load("option.quantize=int8\n").quantize == "int8"
+    assert load("option.quantize=W8A8\n").quantize == "int8"
+    assert load(None, env={"HF_MODEL_QUANTIZE": "int8_dynamic"}).quantize == "int8"
+    assert load("option.dtype=bf16\n").quantize is None
     msg = error_of(load, None, env={"HF_MODEL_QUANTIZE": "bitsandbytes"})
-    assert "environment HF_MODEL_QUANTIZE" in msg and "not implemented" in msg
+    assert "environment HF_MODEL_QUANTIZE" in msg and "allowed: int8" in msg
 
 
 def test_chat_streaming_formatter_is_refused_with_dynamic_batching(load):

@@ -1,0 +1,94 @@
+"""option.quantize: quantized linear layers, each another `nn.Linear` class (as cpu.PanelLinear), so the
+model around them (ours or transformers'), LoRA's wrapper and tensor-parallel shards are unchanged.
+
+int8 (aliases w8a8, int8_dynamic): dynamic W8A8. At load each weight row (output channel) is
+rounded to int8 by its own scale max|w| / 127; at every step each activation row (token) is
+rounded to int8 by its own scale, and the int8 x int8 products are summed exactly in int32, then
+scaled back: y[m, n] = sa[m] sw[n] sum_k qa[m, k] qw[n, k] + b[n]. On a CPU with AVX-512 VNNI
+that is kernels/cpu_gemm_i8.c (a quarter of fp32's weight bytes, twice its multiply-adds per
+cycle on this host's single VNNI port); elsewhere the same arithmetic in torch ops (a reference:
+correct, not fast). The output head and the embeddings stay in the model's dtype (the head is
+sampled from: its error would move every token's log-prob; it is also only run on sampled rows).
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+from kernels import cpu_ext
+
+log = logging.getLogger("lmi.quant")
+
+METHODS = {"int8": "int8", "w8a8": "int8", "int8_dynamic": "int8"}
+
+
+class Int8Linear(nn.Linear):
+    """y = dequant(int8(x) @ int8(W)^T) + b, x rounded per row, W per output channel (see the module doc)."""
+
+    qweight: torch.Tensor       # [N, K] int8 (the reference path) or None once packed
+    wscale: torch.Tensor        # [N] fp32
+    bias32: torch.Tensor | None
+    panels: torch.Tensor | None     # kernels/cpu_gemm_i8.c's layout, with wsum
+    wsum: torch.Tensor | None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dt = x.dtype
+        xf = x.float()
+        if self.panels is not None:
+            y = cpu_ext.gemm_i8(xf, self.panels, self.wsum, self.wscale, self.out_features, self.bias32)
+        else:
+            y = int8_reference(xf, self.qweight, self.wscale, self.bias32)
+        return y.to(dt)
+
+
+def quantize_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[N, K] float -> (int8 [N, K], scales [N] fp32): each row by max|row| / 127, round to nearest even."""
+    w = w.detach().float()
+    scale = w.abs().amax(dim=1) / 127.0
+    q = torch.where(scale[:, None] > 0, w / scale.clamp_min(torch.finfo(torch.float32).tiny)[:, None], 0.0)
+    return q.round().clamp_(-127, 127).to(torch.int8), scale
+
+
+def int8_reference(x: torch.Tensor, qweight: torch.Tensor, wscale: torch.Tensor,
+                   bias: torch.Tensor | None) -> torch.Tensor:
+    """The kernel's arithmetic in torch ops: x [..., K] fp32 -> [..., N] fp32 (the integer sum in
+    fp64, exact for any K this serves)."""
+    qa, sa = quantize_rows(x.reshape(-1, x.shape[-1]))
+    acc = qa.double() @ qweight.to(qa.device).double().T
+    y = (acc * sa.double()[:, None] * wscale.double()[None]).float()
+    if bias is not None:
+        y = y + bias
+    return y.view(*x.shape[:-1], qweight.shape[0])
+
+
+def _targets(model: nn.Module) -> list[tuple[str, nn.Linear]]:
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    return [(n, m) for n, m in model.named_modules() if type(m) is nn.Linear and m is not head]
+
+
+def quantize_model(model: nn.Module, method: str) -> int:
+    """Swap every linear layer but the output head for `method`'s class, in place; returns how many."""
+    if METHODS.get(method) != "int8":
+        raise ValueError(f"unknown quantization {method!r}")
+    kernel = cpu_ext.gemm_i8_available()
+    done = 0
+    for name, m in _targets(model):
+        q, scale = quantize_rows(m.weight)
+        m.wscale = scale.to(m.weight.device)
+        m.bias32 = None if m.bias is None else m.bias.detach().float().contiguous()
+        if kernel and m.weight.device.type == "cpu":
+            m.panels, m.wsum = cpu_ext.pack_i8(q)
+            m.qweight = None
+        else:
+            m.panels = m.wsum = None
+            m.qweight = q.to(m.weight.device)
+        m.__class__ = Int8Linear
+        # The int8 copy replaces it; an empty tensor keeps dtype/device for readers (LoRA).
+        m.weight = nn.Parameter(m.weight.new_empty(0), requires_grad=False)
+        done += 1
+    log.info("int8: %d linear layers quantized (%s); the output head stays %s", done,
+             "kernels/cpu_gemm_i8.c, AVX-512 VNNI" if kernel else "reference torch ops: no VNNI kernel here",
+             str(next(model.parameters()).dtype).removeprefix("torch."))
+    return done
