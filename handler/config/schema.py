@@ -197,7 +197,11 @@ KEYS: tuple[Key, ...] = (
         default=4096, unit="tokens", env=("MAX_BATCH_PREFILL_TOKENS",)),
     Key("option.block_size", _block_size, "paged: tokens per KV block", default=16, unit="tokens"),
     Key("option.enable_prefix_caching", _bool, "reuse KV blocks of identical prompt prefixes", default=False),
-    Key("option.kv_cache_tokens", _int(1), "KV cache capacity (same meaning for rolling and paged)",
+    Key("option.kv_cache_tokens", _int(1),
+        "KV cache capacity (same meaning for rolling and paged). Unset: every running sequence at full length, "
+        "within (GPU) `option.gpu_memory_utilization`, or (CPU) 70 % of the memory left after the weights "
+        "(the cgroup's `memory.max` less `memory.current` when a limit is set, else `MemAvailable`) less 512 MiB; "
+        "a request that cannot fit is refused (400), never an OOM kill",
         values="tokens, ≥ `option.block_size` and ≥ `option.max_model_len`", default_doc="derived at start-up"),
     Key("option.gpu_memory_utilization", _float(0.0, 1.0, True, "a number in (0, 1]"),
         "share of GPU memory the server may use (sizes the KV cache when `option.kv_cache_tokens` is not set, "
