@@ -90,7 +90,8 @@ def engine_for(cfg, runner):
                              max_waiting=cfg.job_queue_size, max_model_len=runner.max_model_len,
                              eos_token_ids=runner.eos_token_ids,
                              max_loras=cfg.max_loras if getattr(cfg, "enable_lora", False) else 0)
-    return Engine(runner, policy, runner.block_size, cfg.enable_prefix_caching).start()
+    return Engine(runner, policy, runner.block_size, cfg.enable_prefix_caching,
+                  step_timeout_s=getattr(cfg, "engine_step_timeout_s", None)).start()
 
 
 def build_engine(cfg, on_rank_failure=None):
