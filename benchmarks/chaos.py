@@ -201,9 +201,10 @@ def long_prompt(srv: Server, model_dir: str, long_tokens: int, n_short: int) -> 
     from transformers import AutoTokenizer
     tok = AutoTokenizer.from_pretrained(model_dir)
     words = "the quick brown fox jumps over a lazy dog and runs far away "
-    text = words * (long_tokens // max(1, len(tok(words)["input_ids"])) + 1)
-    ids = tok(text)["input_ids"][:long_tokens]
-    text = tok.decode(ids)
+    reps = long_tokens // max(1, len(tok(words)["input_ids"])) + 1
+    while len(tok(words * reps)["input_ids"]) < long_tokens:     # tokens do not add up exactly
+        reps += max(1, reps // 50)
+    text = words * reps
     n_long = len(tok(text)["input_ids"])
     ttft(srv, 4, 0.05)          # warm
     alone = ttft(srv, n_short, 0.1)
@@ -244,7 +245,7 @@ def main(argv=None) -> int:
     p.add_argument("--requests", type=int, default=20)
     p.add_argument("--long-tokens", type=int, default=30000)
     p.add_argument("--short", type=int, default=20)
-    p.add_argument("--prefill-tokens", type=int, default=2048, help="option.max_rolling_batch_prefill_tokens")
+    p.add_argument("--prefill-tokens", type=int, default=1024, help="option.max_rolling_batch_prefill_tokens")
     p.add_argument("--parts", default="death,slow,long", help="which of death, slow, long to run")
     p.add_argument("--out")
     a = p.parse_args(argv)
@@ -253,7 +254,7 @@ def main(argv=None) -> int:
     model_dir = a.model_dir or build_model(tmp)
     props = ("option.rolling_batch=auto\noption.max_rolling_batch_size=32\noption.device=cpu\n"
              f"option.max_rolling_batch_prefill_tokens={a.prefill_tokens}\n"
-             f"option.max_model_len={a.long_tokens + 64}\n")
+             f"option.max_model_len={a.long_tokens + 1024}\n")
     result = {"model_dir": model_dir if a.model_dir else "tiny random Llama (handler.tools.demo_model), 32k positions",
               "properties": props.strip().split("\n"), "host_cpus": os.cpu_count(),
               "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}
