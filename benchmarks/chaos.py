@@ -257,6 +257,7 @@ def main(argv=None) -> int:
              f"option.max_model_len={a.long_tokens + 1024}\n")
     result = {"model_dir": model_dir if a.model_dir else "tiny random Llama (handler.tools.demo_model), 32k positions",
               "properties": props.strip().split("\n"), "host_cpus": os.cpu_count(),
+              "load_avg_at_start": [round(x, 2) for x in os.getloadavg()],
               "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}
     srv = Server(model_dir, props, tmp)
     try:
@@ -270,6 +271,7 @@ def main(argv=None) -> int:
             result["long_prompt"] = long_prompt(srv, model_dir, a.long_tokens, a.short)
     finally:
         srv.stop()
+    result["load_avg_at_end"] = [round(x, 2) for x in os.getloadavg()]   # a shared host: other work counts
     text = json.dumps(result, indent=1)
     print(text)
     if a.out:

@@ -143,7 +143,10 @@ class Engine:
                stream: bool = True) -> list[Channel]:
         """Queue prompts (all or none): params.num_samples sequences per prompt, one Channel
         each, prompt-major. stream=False: each channel's token events arrive together with its
-        last (Channel.held). Raises QueueFull or CapacityError."""
+        last (Channel.held). Raises QueueFull (503: also when the engine is unhealthy, see
+        check_health: nothing would answer) or CapacityError."""
+        if not self.check_health():
+            raise QueueFull(f"the server is unhealthy and takes no new requests: {self.error}")
         now = time.monotonic()
         k = params.num_samples
         with self._lock:

@@ -48,6 +48,8 @@ def test_a_wedged_step_turns_ping_to_503_with_the_reason(served, caplog):
     ping = client.get("/ping").get_json()
     assert ping["status"] == "unhealthy" and "engine_step_timeout=0.5" in ping["error"]
     assert any("engine_step_timeout" in r.getMessage() for r in caplog.records)
+    r = client.post("/invocations", json=BODY)    # refused at once, not left to time out
+    assert r.status_code == 503 and "unhealthy" in r.get_json()["error"]
     runner.hold.set()                        # the step ends after all: the device is not trusted again
     t.join(30)
     assert box["r"].status_code == 200
@@ -70,6 +72,8 @@ def test_an_engine_thread_that_dies_answers_its_requests_and_turns_ping_to_503(s
     assert ping.status_code == 503
     assert "the engine thread has died" in ping.get_json()["error"]
     assert any("engine thread" in r.getMessage() for r in caplog.records)
+    r = client.post("/invocations", json=BODY)    # nothing would answer it: refused at once
+    assert r.status_code == 503 and "the engine thread has died" in r.get_json()["error"]
 
 
 @pytest.mark.parametrize("fault", ["wedge", "die"])
