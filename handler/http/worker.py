@@ -128,7 +128,8 @@ class _Conn:
         self.phase, self.deadline = "answering", None
 
     def drop(self, why: str) -> None:
-        """Close for reading now: a read in progress returns, the greenlet ends the connection."""
+        """Shut the socket down now: a read in progress returns b"", and the greenlet ends the
+        connection."""
         if self.dropped is None:
             self.dropped = why
             log.info("closed the connection from %s: %s", self.addr[0] if self.addr else "?", why)
