@@ -91,7 +91,8 @@ def engine_for(cfg, runner):
                              max_waiting=cfg.job_queue_size, max_model_len=runner.max_model_len,
                              eos_token_ids=runner.eos_token_ids,
                              max_loras=cfg.max_loras if getattr(cfg, "enable_lora", False) else 0)
-    return Engine(runner, policy, runner.block_size, cfg.enable_prefix_caching).start()
+    return Engine(runner, policy, runner.block_size, cfg.enable_prefix_caching,
+                  step_timeout_s=getattr(cfg, "engine_step_timeout_s", None)).start()
 
 
 def build_engine(cfg, on_rank_failure=None):
@@ -179,7 +180,14 @@ def _gunicorn_app(cfg, host: str, port: int, threads: int, worker: str = "gevent
                   connections: int = 1000):
     from gunicorn.app.base import BaseApplication
 
+    from handler.http import worker as http_worker_mod
     from handler.http.app import create_app
+
+    # The gevent worker's slow-client limits; the worker forks after this and inherits them.
+    http_worker_mod.LIMITS = http_worker_mod.HttpLimits(
+        cfg.http_header_timeout_s, cfg.http_body_timeout_s, cfg.http_max_connections)
+    if worker == "gevent":
+        connections = max(connections, http_worker_mod.LIMITS.pool)
 
     class App(BaseApplication):
         def load_config(self):
@@ -213,7 +221,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--port", type=int, help="port (default $SAGEMAKER_BIND_TO_PORT or 8080)")
     p.add_argument("--host", default="0.0.0.0")
     p.add_argument("--threads", type=int, help="HTTP threads with LMI_HTTP_WORKER=gthread (default: enough for "
-                   "the queue); with gevent, connections beyond 1000")
+                   "the queue; gevent: option.http_max_connections bounds connections)")
     a = p.parse_args(argv)
     from handler.http.metrics import configure_logging
 
@@ -248,8 +256,12 @@ def main(argv: list[str]) -> int:
     port = a.port or cfg.port
     width = max(cfg.batch_size, cfg.max_rolling_batch_size)
     threads = a.threads or min(1024, max(64, width + cfg.job_queue_size // 4 + 8))
-    connections = max(1000, threads)       # gunicorn's default, or more when --threads asks
+    # gthread: gunicorn's default, or more when --threads asks; gevent: option.http_max_connections
+    # (+ the pool's headroom, in _gunicorn_app)
+    connections = max(1000, threads) if worker == "gthread" else cfg.http_max_connections
     log.info("strategy=%s model=%s port=%d http=%s (%s)", cfg.strategy, cfg.model_dir, port, worker,
-             f"{threads} threads" if worker == "gthread" else f"up to {connections} connections")
+             f"{threads} threads" if worker == "gthread" else
+             f"up to {connections} connections, headers within {cfg.http_header_timeout_s:g} s, "
+             f"bodies within {cfg.http_body_timeout_s:g} s")
     _gunicorn_app(cfg, a.host, port, threads, worker, connections).run()
     return 0

@@ -87,7 +87,9 @@ def test_streamed_chat_equals_the_whole_answer(real_server):
 def test_a_gguf_model_id_serves_the_same_model(real_gguf, tmp_path):
     # option.model_id names the .gguf file itself: dequantized once into the model cache, then served.
     cache = tmp_path / "cache"
-    srv = Server(f"option.model_id={real_gguf}\noption.rolling_batch=auto\n", str(tmp_path / "unused"), tmp_path,
+    # (a bounded KV pool: the default takes 70 % of the memory free, a lot on a shared test host)
+    srv = Server(f"option.model_id={real_gguf}\noption.rolling_batch=auto\noption.kv_cache_tokens=16384\n",
+                 str(tmp_path / "unused"), tmp_path,
                  env={"LMI_MODEL_CACHE": str(cache)})
     try:
         r = chat(srv, FACTS[0][0])

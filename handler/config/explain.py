@@ -26,7 +26,8 @@ from dataclasses import asdict
 from handler.config import sizing
 # The sizing rules (handler/config/sizing.py) under the names this module has always had.
 from handler.config.hardware import pick_device as resolve_device, pick_dtype as resolve_dtype  # noqa: F401
-from handler.config.sizing import (CPU_KV_BUDGET, DTYPE_BYTES, GPU_HEADROOM, Geometry,  # noqa: F401
+from handler.config import hardware
+from handler.config.sizing import (CPU_HEADROOM, CPU_KV_SHARE, DTYPE_BYTES, GPU_HEADROOM, Geometry,  # noqa: F401
                                    kv_bytes_per_token, read_geometry, running_width as batch_width)
 
 
@@ -47,7 +48,7 @@ def blocks_for(tokens: int, block_size: int) -> int:
 def explain(cfg, g: Geometry, *, device: str, prompt_tokens: int | None = None,
             output_lengths: list[int] | None = None, max_new_tokens: int | None = None,
             concurrency: int | None = None, gpu_memory_gib: float | None = None,
-            model_dir: str | None = None) -> dict:
+            model_dir: str | None = None, cpu_memory_gib: float | None = None) -> dict:
     """Every figure as a plain number, plus `warnings` (settings that cannot help) and `notes`."""
     dtype = resolve_dtype(cfg.dtype, device)
     tp = getattr(cfg, "tensor_parallel_degree", 1)
@@ -74,9 +75,18 @@ def explain(cfg, g: Geometry, *, device: str, prompt_tokens: int | None = None,
             notes.append(f"option.kv_cache_tokens={kv_tokens} is rounded up to whole blocks of {bs}: "
                          f"{blocks_for(kv_tokens, bs) * bs} tokens")
     elif device == "cpu":
-        kv_tokens = sizing.default_kv_tokens(per_tok, width * max_len, bs, "cpu")
-        source = (f"default: {width} running sequences x {max_len} tokens"
-                  + (" (capped by the 4 GiB CPU budget)" if width * max_len > CPU_KV_BUDGET // per_tok else ""))
+        # As the runner: the memory available now (cgroup room, else MemAvailable), less the
+        # weights it has yet to load here, x CPU_KV_SHARE - CPU_HEADROOM.
+        avail = int(cpu_memory_gib * (1 << 30)) if cpu_memory_gib else hardware.cpu_available_memory()
+        wb = weights_bytes(model_dir, g, dtype) if model_dir else 0
+        budget = sizing.cpu_kv_budget(avail, wb)
+        kv_tokens = sizing.default_kv_tokens(per_tok, width * max_len, bs, "cpu", available=avail, weights=wb)
+        out["cpu_kv_budget_bytes"] = budget
+        within = (f"{'given' if cpu_memory_gib else 'available'} memory {avail / (1 << 30):.2f} GiB - weights "
+                  f"{wb / (1 << 30):.2f} GiB, x {CPU_KV_SHARE:g} - {CPU_HEADROOM >> 20} MiB headroom = "
+                  f"{budget / (1 << 30):.2f} GiB")
+        source = (f"default: {width} running sequences x {max_len} tokens (within {within})"
+                  if width * max_len <= budget // per_tok else f"capped by the CPU memory: {within}")
     elif gpu_memory_gib:
         wb = (weights_bytes(model_dir, g, dtype) if model_dir else 0) // tp   # per GPU
         total = int(gpu_memory_gib * (1 << 30))
@@ -245,6 +255,9 @@ def main(argv: list[str]) -> int:
     p.add_argument("--concurrency", type=int, metavar="C", help="requests in flight (default: the batch width)")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), help="default: the file's option.device")
     p.add_argument("--gpu-memory-gib", type=float, metavar="G", help="GPU memory, to estimate the default KV size")
+    p.add_argument("--cpu-memory-gib", type=float, metavar="G",
+                   help="CPU: memory the server may take (default: this container's now: cgroup limit, else "
+                        "MemAvailable)")
     p.add_argument("--json", action="store_true", help="print the figures as JSON")
     a = p.parse_args(argv)
     try:
@@ -257,7 +270,8 @@ def main(argv: list[str]) -> int:
         e = explain(cfg, g, device=resolve_device(a.device or cfg.device), prompt_tokens=a.prompt_tokens,
                     output_lengths=_ints("--output-lengths", a.output_lengths) if a.output_lengths else None,
                     max_new_tokens=a.max_new_tokens, concurrency=a.concurrency,
-                    gpu_memory_gib=a.gpu_memory_gib, model_dir=cfg.model_dir)
+                    gpu_memory_gib=a.gpu_memory_gib, model_dir=cfg.model_dir,
+                    cpu_memory_gib=a.cpu_memory_gib)
     except (ConfigError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

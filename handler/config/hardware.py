@@ -7,9 +7,11 @@ host stay cheap. Once torch is loaded (the runner, tests) torch answers, as the 
 from __future__ import annotations
 
 import glob
+import os
 import sys
 
 from handler.config import sizing
+from handler.config.switches import switch
 
 _DEVICE_NODES = ("/dev/nvidia[0-9]*", "/dev/nvhost*", "/dev/dxg", "/dev/kfd")
 
@@ -60,3 +62,51 @@ def pick_dtype(dtype: str, device: str) -> str:
     """option.dtype on `device` -> "fp32" | "fp16" | "bf16" (auto: fp32 on a CPU; bf16 on a GPU,
     fp16 on one without bf16)."""
     return sizing.resolve_dtype(dtype, device, dtype != "auto" or device != "cuda" or bf16_supported())
+
+
+_NO_LIMIT = 1 << 60      # cgroup v1 writes "no limit" as a huge number (PAGE_COUNTER_MAX pages)
+
+
+def _read_int(path: str) -> int | None:
+    """An integer file (cgroup); None when absent, unreadable or "max"."""
+    try:
+        with open(path) as f:
+            text = f.read().strip()
+    except OSError:
+        return None
+    return int(text) if text.isdigit() else None
+
+
+def mem_available(meminfo: str) -> int | None:
+    """MemAvailable of /proc/meminfo, in bytes; None where there is none."""
+    try:
+        with open(meminfo) as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def cgroup_room(root: str) -> int | None:
+    """Bytes this container may still allocate before its cgroup's OOM killer: memory.max less
+    memory.current (cgroup v2; v1: memory.limit_in_bytes less memory.usage_in_bytes); None
+    when no limit is set."""
+    for limit_f, usage_f in (("memory.max", "memory.current"),
+                             ("memory/memory.limit_in_bytes", "memory/memory.usage_in_bytes")):
+        limit = _read_int(os.path.join(root, limit_f))
+        if limit is not None and limit < _NO_LIMIT:
+            return max(0, limit - (_read_int(os.path.join(root, usage_f)) or 0))
+    return None
+
+
+def cpu_available_memory(root: str | None = None, meminfo: str | None = None) -> int:
+    """The memory a CPU server may still take now: the cgroup's room when a limit is set (or
+    the host's MemAvailable if that is smaller), else MemAvailable; 0 when neither can be read.
+    LMI_CGROUP_ROOT / LMI_MEMINFO point elsewhere (tests)."""
+    root = root or switch("LMI_CGROUP_ROOT")
+    meminfo = meminfo or switch("LMI_MEMINFO")
+    room, avail = cgroup_room(root), mem_available(meminfo)
+    known = [x for x in (room, avail) if x is not None]
+    return min(known) if known else 0

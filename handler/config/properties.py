@@ -193,6 +193,12 @@ class ServingConfig:
     max_loras: int = default_of("option.max_loras")        # distinct adapters running at once
     max_lora_rank: int = default_of("option.max_lora_rank")
     max_cpu_loras: int = default_of("option.max_loras")    # adapters kept read in memory
+    enable_lora_management: bool = default_of("option.enable_lora_management")   # the /adapters routes
+    adapter_roots: tuple = default_of("option.adapter_roots")   # where /adapters may read from
+    http_header_timeout_s: float = default_of("option.http_header_timeout")   # slowloris bounds
+    http_body_timeout_s: float = default_of("option.http_body_timeout")
+    http_max_connections: int = default_of("option.http_max_connections")
+    engine_step_timeout_s: float = default_of("option.engine_step_timeout")   # the engine watchdog
 
 
 @dataclass

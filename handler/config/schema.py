@@ -95,6 +95,20 @@ def _tp_degree(v: str) -> int | str:
         raise _Bad("is not a positive integer or max") from None
 
 
+def _adapter_roots(v: str) -> tuple[str, ...]:
+    roots = tuple(r.strip() for r in v.split(",") if r.strip())
+    for r in roots:
+        if r[:5].lower() == "s3://":
+            if not re.fullmatch(r"s3://[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9](/[^\s]*)?", r, re.IGNORECASE):
+                raise _Bad(f"has {r!r}, not a valid s3://bucket/prefix")
+        elif not r.startswith("/") or any(part == ".." for part in r.split("/")):
+            raise _Bad(f"has {r!r}: each root is an absolute directory (no '..') or s3://bucket/prefix")
+    return roots
+
+
+_adapter_roots.doc = "comma-separated absolute directories and `s3://bucket/prefix`es"
+
+
 def _non_empty(v: str) -> str:
     if not v:
         raise _Bad("is empty")
@@ -197,7 +211,11 @@ KEYS: tuple[Key, ...] = (
         default=4096, unit="tokens", env=("MAX_BATCH_PREFILL_TOKENS",)),
     Key("option.block_size", _block_size, "paged: tokens per KV block", default=16, unit="tokens"),
     Key("option.enable_prefix_caching", _bool, "reuse KV blocks of identical prompt prefixes", default=False),
-    Key("option.kv_cache_tokens", _int(1), "KV cache capacity (same meaning for rolling and paged)",
+    Key("option.kv_cache_tokens", _int(1),
+        "KV cache capacity (same meaning for rolling and paged). Unset: every running sequence at full length, "
+        "within (GPU) `option.gpu_memory_utilization`, or (CPU) 70 % of the memory left after the weights "
+        "(the cgroup's `memory.max` less `memory.current` when a limit is set, else `MemAvailable`) less 512 MiB; "
+        "a request that cannot fit is refused (400), never an OOM kill",
         values="tokens, ≥ `option.block_size` and ≥ `option.max_model_len`", default_doc="derived at start-up"),
     Key("option.gpu_memory_utilization", _float(0.0, 1.0, True, "a number in (0, 1]"),
         "share of GPU memory the server may use (sizes the KV cache when `option.kv_cache_tokens` is not set, "
@@ -254,6 +272,21 @@ KEYS: tuple[Key, ...] = (
         default="text"),
     Key("option.enable_streaming", _bool,
         "LMI's streaming switch; only checked (streaming is per request here)", default=False, field=None),
+    Key("option.http_header_timeout", _SECONDS,
+        "a connection must deliver a request's headers within this long of their first byte, else it is "
+        "closed (slowloris); an idle keep-alive connection waits 75 s for its next request", default=10.0,
+        unit="s", field="http_header_timeout_s"),
+    Key("option.http_body_timeout", _SECONDS,
+        "a request's body must arrive within this long of its headers, else the connection is closed",
+        default=60.0, unit="s", field="http_body_timeout_s"),
+    Key("option.http_max_connections", _int(1),
+        "open client connections at most; at the limit a new connection closes the oldest idle or "
+        "still-sending (headers or body) one first, so slow clients cannot lock a normal request out",
+        default=1000, unit="connections"),
+    Key("option.engine_step_timeout", _SECONDS,
+        "watchdog: a model step running longer than this (a wedged kernel, a deadlock), or an engine thread "
+        "that died, turns `/ping` to 503 with the reason, so SageMaker replaces the instance",
+        default=300.0, unit="s", field="engine_step_timeout_s"),
     Key("option.max_payload_mb", _float(0.0, None, True, "a positive number of megabytes"),
         "request bodies above this are refused with 413 (from `Content-Length` before reading; a chunked "
         "body as soon as it passes); `/execution-parameters` advertises it", default=6.0, unit="MB (10^6 bytes)"),
@@ -269,6 +302,14 @@ KEYS: tuple[Key, ...] = (
     Key("option.max_cpu_loras", _int(1),
         "adapters kept read in memory; beyond it the least recently used is dropped (and re-read from its "
         "directory when asked for)", values="≥ `option.max_loras`", default_doc="`option.max_loras`"),
+    Key("option.enable_lora_management", _bool,
+        "the LoRA management routes (`/adapters`, `/models/<m>/adapters`): `false` answers them 404; on "
+        "SageMaker anyone allowed to invoke the endpoint can call them", default=True),
+    Key("option.adapter_roots", _adapter_roots,
+        "where the management routes may register adapters from, besides `<model dir>/adapters/`: a `src` "
+        "outside them (`..`, other absolute paths, symlinks out) is refused before anything is read; an "
+        "`s3://` `src` under one of them is downloaded into `LMI_MODEL_CACHE`", default=(),
+        default_doc="(only `<model dir>/adapters/`)"),
 )
 
 SCHEMA: dict[str, Key] = {k.name: k for k in KEYS}

@@ -17,7 +17,11 @@ from typing import Callable
 
 DTYPE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
 HF_DTYPES = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
-CPU_KV_BUDGET = 4 << 30          # the default KV pool on a CPU holds at most this many bytes
+# On a CPU the default KV pool takes this share of the memory left after the weights, less
+# CPU_HEADROOM (activations, the tokenizer, the HTTP side): the rest of the process grows under
+# load, and a container over its cgroup limit is OOM-killed rather than refused.
+CPU_KV_SHARE = 0.7
+CPU_HEADROOM = 512 << 20
 GPU_HEADROOM = 1 << 30           # on a GPU the default KV pool leaves this for activations
 DEFAULT_MAX_POSITIONS = 2048     # a config naming no maximum length
 
@@ -150,20 +154,29 @@ def kv_bytes_per_token(g: Geometry, dtype: str, tp: int = 1) -> int:
     return bytes_per_token(g.layers, g.kv_heads // tp, g.head_dim, DTYPE_BYTES[dtype])
 
 
-def kv_budget_bytes(device: str, utilization: float = 0.9, total: int = 0, used: int = 0) -> int:
-    """The bytes the default KV pool may take: on a CPU 4 GiB; on a GPU `utilization` of its
-    `total` memory, less what is `used` already (the weights, other processes) and 1 GiB for
-    activations."""
+def cpu_kv_budget(available: int, weights: int = 0) -> int:
+    """On a CPU: CPU_KV_SHARE of the `available` memory (the cgroup's room, else MemAvailable:
+    handler.config.hardware.cpu_available_memory) left after `weights` bytes still to be
+    loaded (0 once they are), less CPU_HEADROOM; never negative."""
+    return max(0, int((available - weights) * CPU_KV_SHARE) - CPU_HEADROOM)
+
+
+def kv_budget_bytes(device: str, utilization: float = 0.9, total: int = 0, used: int = 0,
+                    available: int = 0, weights: int = 0) -> int:
+    """The bytes the default KV pool may take: on a CPU cpu_kv_budget(available, weights); on a
+    GPU `utilization` of its `total` memory, less what is `used` already (the weights, other
+    processes) and 1 GiB for activations."""
     if device == "cuda":
         return int(total * utilization) - used - GPU_HEADROOM
-    return CPU_KV_BUDGET
+    return cpu_kv_budget(available, weights)
 
 
 def default_kv_tokens(per_token: int, wanted: int, block_size: int, device: str,
-                      utilization: float = 0.9, total: int = 0, used: int = 0) -> int:
+                      utilization: float = 0.9, total: int = 0, used: int = 0,
+                      available: int = 0, weights: int = 0) -> int:
     """The pool when option.kv_cache_tokens is not set: room for `wanted` tokens (every running
     sequence at full length) within kv_budget_bytes(), and at least one block."""
-    budget = kv_budget_bytes(device, utilization, total, used)
+    budget = kv_budget_bytes(device, utilization, total, used, available, weights)
     return max(block_size, min(wanted, budget // per_token))
 
 

@@ -71,6 +71,11 @@ SWITCHES: dict[str, Switch] = {s.name: s for s in (
            "(kernels/cpu_decode.c), or the torch reference", "kernels/cpu_ext.py", allowed=("kernel", "reference")),
     Switch("LMI_CPU_EXT_CACHE", "text", None, "where the CPU kernels are built and cached", "kernels/cpu_ext.py",
            values="directory", default_doc="`~/.cache/lmi-serve/kernels`"),
+    Switch("LMI_CGROUP_ROOT", "text", "/sys/fs/cgroup", "CPU: where the container's memory limit is read "
+           "(`memory.max` / `memory.current`, or cgroup v1's) to size the default KV pool",
+           "handler/config/hardware.py", values="directory"),
+    Switch("LMI_MEMINFO", "text", "/proc/meminfo", "CPU: where `MemAvailable` is read (no cgroup limit set)",
+           "handler/config/hardware.py", values="file"),
     Switch("LMI_HTTP_WORKER", "choice", "gevent", "gunicorn worker: requests as gevent greenlets, or gthread "
            "threads; another value stops `serve` with one line", "handler/server.py",
            allowed=("gevent", "gthread")),

@@ -66,7 +66,9 @@ class EngineClient:
     # ---- health
     @property
     def healthy(self) -> bool:
-        return bool(self._engine.healthy)
+        """False when the engine thread died, a step passed its watchdog bound, or a rank failed."""
+        check = getattr(self._engine, "check_health", None)
+        return bool(check() if check is not None else self._engine.healthy)
 
     def mark_unhealthy(self) -> None:
         self._engine.healthy = False

@@ -58,8 +58,11 @@ class Channel:
 
 class Engine:
     def __init__(self, runner: Runner, policy: SchedulerPolicy, block_size: int,
-                 enable_prefix_caching: bool = False):
+                 enable_prefix_caching: bool = False, step_timeout_s: float | None = None):
         self.runner = runner
+        # The watchdog's bound on one model step (option.engine_step_timeout); None: no bound.
+        self.step_timeout_s = step_timeout_s
+        self._step_started: float | None = None     # monotonic start of the step in progress
         self.tokenizer = runner.tokenizer
         policy = dataclasses.replace(policy, prefix_caching=enable_prefix_caching)
         if enable_prefix_caching and not policy.prefix_caching:
@@ -93,11 +96,45 @@ class Engine:
         # LoRA adapter name -> {"requests", "generated_tokens"} (/metrics, per adapter)
         self.adapter_counters: dict[str, dict[str, int]] = {}
         self._thread = threading.Thread(target=self._loop, name="lmi-engine", daemon=True)
+        self._watchdog = threading.Thread(target=self._watch, name="lmi-watchdog", daemon=True)
 
     # ---- called from HTTP threads
     def start(self) -> "Engine":
         self._thread.start()
+        self._watchdog.start()
         return self
+
+    def check_health(self) -> bool:
+        """False once the engine cannot serve: it was marked unhealthy (a broken rank group), its
+        thread has died, or a model step has run past step_timeout_s (wedged: a kernel that never
+        returns, a deadlock). The first time, `error` gets the reason and it is logged; it stays
+        unhealthy (a wedged device is not trusted again: /ping's 503 gets the instance replaced)."""
+        if not self.healthy:
+            return False
+        reason = None
+        if self._thread.ident is not None and not self._thread.is_alive() and not self._stop:
+            reason = "the engine thread has died" + (f" ({self.error})" if self.error else "")
+        started, bound = self._step_started, self.step_timeout_s
+        if reason is None and started is not None and bound is not None:
+            took = time.monotonic() - started
+            if took > bound:
+                reason = (f"a model step has run for {took:.1f} s, over option.engine_step_timeout="
+                          f"{bound:g} s: the engine is wedged")
+        if reason is None:
+            return True
+        with self._lock:
+            if self.healthy:
+                self.healthy = False
+                self.error = reason
+                log.error("unhealthy: %s; /ping answers 503", reason)
+        return False
+
+    def _watch(self) -> None:
+        """Checks health about once a second (or four times per step_timeout_s), so that a dead or
+        wedged engine is logged even before /ping asks; ends with the engine."""
+        period = min(1.0, (self.step_timeout_s or 4.0) / 4)
+        while not self._stop and self.check_health():
+            time.sleep(period)
 
     def tokenize(self, text: str) -> list[int]:
         return self.tokenizer(text)["input_ids"]
@@ -106,7 +143,10 @@ class Engine:
                stream: bool = True) -> list[Channel]:
         """Queue prompts (all or none): params.num_samples sequences per prompt, one Channel
         each, prompt-major. stream=False: each channel's token events arrive together with its
-        last (Channel.held). Raises QueueFull or CapacityError."""
+        last (Channel.held). Raises QueueFull (503: also when the engine is unhealthy, see
+        check_health: nothing would answer) or CapacityError."""
+        if not self.check_health():
+            raise QueueFull(f"the server is unhealthy and takes no new requests: {self.error}")
         now = time.monotonic()
         k = params.num_samples
         with self._lock:
@@ -169,6 +209,19 @@ class Engine:
 
     # ---- the engine thread
     def _loop(self) -> None:
+        try:
+            self._serve()
+        except BaseException as e:   # the thread dies (a bug in reset, MemoryError): say why, fail all
+            self.error = f"{type(e).__name__}: {e}"
+            log.critical("the engine thread died: %s", self.error, exc_info=True)
+            try:
+                self.reset(ErrorEvent(503, f"the engine stopped: {self.error}"))
+                self._wake_readers()
+            except BaseException:
+                pass
+            # The thread ends here; check_health() sees it and /ping turns 503.
+
+    def _serve(self) -> None:
         while not self._stop:
             try:
                 self._iteration()
@@ -213,14 +266,17 @@ class Engine:
             return
         if self.on_step is not None:
             self.on_step(plan)
+        self._step_started = time.monotonic()
         try:
             results = self.runner.step(plan.items, plan.copies)
         except Exception as e:  # the model failed: fail this step's requests, keep serving
+            self._step_started = None
             log.exception("model step failed")
             self.counters["failed"] += len(plan.items)
             for it in plan.items:
                 self._end(it.seq_id, Finish.FAILED, ErrorEvent(424, f"model failure: {type(e).__name__}: {e}"))
             return
+        self._step_started = None
         for seq, res in sched.update(plan, results):
             try:
                 self._emit(seq, res)

@@ -39,6 +39,11 @@ class CapacityError(ValueError):
         self.message = message
 
 
+# Chunked prefill: the oldest prompt still prefilling gets at least 1/this of the step's token
+# budget; the rest goes to the prompts with the fewest tokens left (Scheduler._prefill_shares).
+OLDEST_PREFILL_SHARE = 4
+
+
 @dataclass(frozen=True)
 class SchedulerPolicy:
     """Admission and reservation rules. `strategy` fills in the behaviour fields below; nothing
@@ -307,7 +312,10 @@ class Scheduler:
             while self.waiting and len(self.running) < cap and self._admit(self.waiting[0]):
                 pass
             return
-        budget = p.prefill_token_budget - sum(len(q.tokens) - q.num_computed for q in self.running
+        # A prompt still prefilling holds at most the oldest's floor of the budget against newcomers
+        # (_prefill_shares): a 30k-token prompt does not keep short ones out until it is done.
+        floor = max(1, p.prefill_token_budget // OLDEST_PREFILL_SHARE)
+        budget = p.prefill_token_budget - sum(min(len(q.tokens) - q.num_computed, floor) for q in self.running
                                               if len(q.tokens) - q.num_computed > 1)
         while self.waiting and len(self.running) < p.max_batch_size and budget > 0:
             head = self.waiting[0]
@@ -323,21 +331,44 @@ class Scheduler:
         self.stats["preemptions"] += 1
         self.waiting.appendleft(victim)
 
+    def _prefill_shares(self) -> dict[int, int]:
+        """Prompt tokens each running sequence still prefilling gets this step, within the budget:
+        the oldest at least 1/OLDEST_PREFILL_SHARE of it (short prompts arriving all the time
+        cannot starve a long one), then the fewest remaining first (a short prompt beside a 30k
+        one is prefilled at once, so its first token waits one step, not the long prefill)."""
+        budget = self.policy.prefill_token_budget
+        rem = {q.seq_id: len(q.tokens) - q.num_computed for q in self.running
+               if len(q.tokens) - q.num_computed > 1}
+        if not rem:
+            return {}
+        oldest = min((q for q in self.running if q.seq_id in rem), key=lambda q: q.admitted)
+        shares = {oldest.seq_id: min(rem[oldest.seq_id], max(1, budget // OLDEST_PREFILL_SHARE))}
+        left = budget - shares[oldest.seq_id]
+        order = sorted((q for q in self.running if q.seq_id in rem),
+                       key=lambda q: (rem[q.seq_id], q.admitted))
+        for q in order:
+            if left <= 0:
+                break
+            more = min(rem[q.seq_id] - shares.get(q.seq_id, 0), left)
+            if more > 0:
+                shares[q.seq_id] = shares.get(q.seq_id, 0) + more
+                left -= more
+        return shares
+
     def schedule(self, now: float) -> StepPlan:
         self._admission(now)
         preempted: list[int] = []
-        budget = self.policy.prefill_token_budget
         unlimited = not self.policy.chunked_prefill
+        shares = {} if unlimited else self._prefill_shares()
         items: list[StepItem] = []
         for seq in sorted(self.running, key=lambda q: q.admitted):
             if seq not in self.running:          # preempted below as a victim
                 continue
             n = len(seq.tokens) - seq.num_computed
-            if n > 1 and not unlimited:          # prefill chunk: bounded by the token budget
-                n = min(n, budget)
+            if n > 1 and not unlimited:          # prefill chunk: its share of the token budget
+                n = shares.get(seq.seq_id, 0)
                 if n <= 0:
                     continue
-                budget -= n
             if not self.policy.reserve_full_length:
                 while not self.blocks.ensure(seq.seq_id, seq.num_computed + n):
                     victim = max(self.running, key=lambda q: q.admitted)

@@ -25,6 +25,11 @@ class ClientDisconnected(Exception):
     """The client went away (or stopped sending) before its body was read."""
 
 
+class SlowBody(OSError):
+    """The body did not arrive within option.http_body_timeout (raised by the gevent worker's
+    connection, handler/http/worker.py); the connection is closed after the 408."""
+
+
 class MalformedBody(Exception):
     """The HTTP framing of the body is broken (e.g. an invalid chunk size)."""
 
@@ -53,8 +58,8 @@ class Admission:
 
 
 def read_body(environ: dict, limit: int) -> bytes:
-    """The request body, at most `limit` bytes. Raises PayloadTooLarge, ClientDisconnected or
-    MalformedBody; never reads more than limit + one chunk."""
+    """The request body, at most `limit` bytes. Raises PayloadTooLarge, ClientDisconnected,
+    SlowBody or MalformedBody; never reads more than limit + one chunk."""
     declared = environ.get("CONTENT_LENGTH") or ""
     if declared.strip().isdigit() and int(declared) > limit:
         raise PayloadTooLarge(f"the body is {int(declared)} bytes; at most {limit} bytes are accepted")
@@ -75,12 +80,17 @@ def read_body(environ: dict, limit: int) -> bytes:
             if size > limit:
                 raise PayloadTooLarge(f"the body is over {limit} bytes; at most {limit} bytes are accepted")
             parts.append(part)
+    except SlowBody:
+        raise
     except ParseException as e:
         raise MalformedBody(f"malformed request body: {type(e).__name__}: {str(e)[:200]}") from None
     except (NoMoreData, OSError) as e:
         raise ClientDisconnected(f"{type(e).__name__}: {e}") from None
     if declared.strip().isdigit() and size < int(declared):   # the connection closed early
         raise ClientDisconnected(f"{size} of {int(declared)} bytes received")
+    done = getattr(environ.get("gunicorn.socket"), "answering", None)
+    if done is not None:        # the gevent worker's connection: no longer a slow sender
+        done()
     return b"".join(parts)
 
 

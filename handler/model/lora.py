@@ -46,6 +46,21 @@ _KEY = re.compile(r"^(?:base_model\.model\.)?(?P<module>.+)\.lora_(?P<ab>[AB])(?
 _uids = itertools.count(1)
 
 
+def fetch_s3(name: str, uri: str) -> str:
+    """An adapter under s3://bucket/prefix, downloaded (as LMI does) into
+    $LMI_MODEL_CACHE/adapters/<bucket>/<prefix> (files already there with the same size and ETag
+    are kept); the local directory. Raises AdapterError with the one-line reason."""
+    from pathlib import Path
+
+    from handler.config.switches import switch
+    from handler.model.s3 import S3ModelError, parse_s3_uri, resolve_model_dir
+    try:
+        bucket, prefix = parse_s3_uri(uri)
+        return resolve_model_dir(uri, str(Path(switch("LMI_MODEL_CACHE"), "adapters", bucket, prefix.strip("/"))))
+    except S3ModelError as e:
+        raise AdapterError(f"adapter {name!r} ({uri}): {e}") from None
+
+
 class AdapterError(ValueError):
     """A bad adapter: one line naming the adapter, its directory and what is wrong."""
 
@@ -268,10 +283,12 @@ class LoraManager:
     # ---- registry (HTTP threads and start-up)
     def register(self, name: str, src: str) -> Adapter:
         """Read and check the adapter, then list it. Raises AdapterError (bad adapter) or
-        KeyError (the name is taken)."""
+        KeyError (the name is taken). An s3:// src is downloaded first (fetch_s3)."""
         with self._lock:
             if name in self.sources:
                 raise KeyError(name)
+        if src[:5].lower() == "s3://":
+            src = fetch_s3(name, src)
         adapter = read_adapter(name, src, self.shapes, self.max_rank, self.dtype)
         with self._lock:
             if name in self.sources:

@@ -136,7 +136,7 @@ class ModelRunner:
         self.max_model_len = min(max_model_len or max_pos, max_pos)
         self.block_size = block_size
         if kv_cache_tokens is None:
-            # Room for every running sequence at full length (CPU: within a 4 GiB budget).
+            # Room for every running sequence at full length (CPU: within the memory available).
             kv_cache_tokens = self._default_kv_tokens(layers, kv_heads, head_dim,
                                                       max_running * self.max_model_len,
                                                       gpu_memory_utilization)
@@ -226,14 +226,16 @@ class ModelRunner:
 
     def _default_kv_tokens(self, layers, kv_heads, head_dim, wanted, utilization) -> int:
         """handler.config.sizing.default_kv_tokens: on a GPU the rest of `utilization` after the
-        weights (and other processes), less 1 GiB for activations; on a CPU 4 GiB; no more than
-        every running sequence at full length (`wanted`) can use."""
+        weights (and other processes), less 1 GiB for activations; on a CPU a share of the memory
+        still available (cgroup limit, else MemAvailable) now that the weights are loaded; no
+        more than every running sequence at full length (`wanted`) can use."""
         per_token = self._bytes_per_token(layers, kv_heads, head_dim)
         if self.device.type == "cuda":
             free, total = hardware.cuda_memory(self.device)
             return sizing.default_kv_tokens(per_token, wanted, self.block_size, "cuda", utilization,
                                             total, used=total - free)
-        return sizing.default_kv_tokens(per_token, wanted, self.block_size, "cpu")
+        return sizing.default_kv_tokens(per_token, wanted, self.block_size, "cpu",
+                                        available=hardware.cpu_available_memory())
 
     def _eos_ids(self) -> frozenset:
         ids = set()

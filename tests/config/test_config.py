@@ -187,6 +187,14 @@ BAD = [
     ("option.max_loras", "0", "is not a positive integer"),
     ("option.max_lora_rank", "-8", "is not a positive integer"),
     ("option.max_cpu_loras", "many", "is not a positive integer"),
+    ("option.enable_lora_management", "off", "is not a boolean; allowed: true, false"),
+    ("option.adapter_roots", "adapters", "has 'adapters': each root is an absolute directory (no '..') or "
+                                         "s3://bucket/prefix"),
+    ("option.adapter_roots", "s3://b", "has 's3://b', not a valid s3://bucket/prefix"),
+    ("option.http_header_timeout", "0", "is not a positive number of seconds"),
+    ("option.http_body_timeout", "soon", "is not a positive number of seconds"),
+    ("option.http_max_connections", "0", "is not a positive integer"),
+    ("option.engine_step_timeout", "-3", "is not a positive number of seconds"),
 ]
 
 

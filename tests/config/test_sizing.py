@@ -10,6 +10,7 @@ from types import SimpleNamespace
 import pytest
 
 from handler.config import explain, hardware, sizing
+from handler.engine.request import SamplingParams
 
 PY = sys.executable
 
@@ -75,12 +76,13 @@ def test_the_runner_and_explain_pick_the_same_dtype_and_device():
 
 def test_kv_budget_by_hand():
     per_tok = 4096
-    # CPU: every running sequence at full length, within 4 GiB, at least one block
-    assert sizing.default_kv_tokens(per_tok, 8 * 1024, 16, "cpu") == 8 * 1024
-    assert sizing.default_kv_tokens(per_tok, 10 ** 9, 16, "cpu") == (4 << 30) // per_tok
-    assert sizing.default_kv_tokens(10 ** 12, 100, 16, "cpu") == 16
-    # CUDA: utilization x total - used - 1 GiB
+    # CPU: every running sequence at full length, within the memory's budget, at least one block
     gib = 1 << 30
+    assert sizing.default_kv_tokens(per_tok, 8 * 1024, 16, "cpu", available=8 * gib) == 8 * 1024
+    assert sizing.default_kv_tokens(per_tok, 10 ** 9, 16, "cpu", available=8 * gib) == \
+        (int(8 * gib * 0.7) - (512 << 20)) // per_tok
+    assert sizing.default_kv_tokens(10 ** 12, 100, 16, "cpu", available=8 * gib) == 16
+    # CUDA: utilization x total - used - 1 GiB
     assert sizing.kv_budget_bytes("cuda", 0.5, 8 * gib, used=gib) == 2 * gib
     assert sizing.default_kv_tokens(per_tok, 10 ** 9, 16, "cuda", 0.5, 8 * gib, used=gib) == 2 * gib // per_tok
     assert sizing.default_kv_tokens(per_tok, 100, 16, "cuda", 0.5, 8 * gib, used=gib) == 100
@@ -129,3 +131,80 @@ def test_config_sizing_imports_no_torch():
              "    assert 'torch' not in sys.modules, 'torch imported by a probe on a host without GPUs'\n")
     r = subprocess.run([PY, "-c", probe], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
+
+
+# ------------------------------------------------------------------ CPU memory (issue 35)
+def _fake_memory(tmp_path, meminfo_kb: int, cgroup: tuple[str, str] | None):
+    (tmp_path / "meminfo").write_text(f"MemTotal:       99999999 kB\nMemAvailable:   {meminfo_kb} kB\n")
+    root = tmp_path / "cg"
+    root.mkdir()
+    if cgroup is not None:
+        (root / "memory.max").write_text(cgroup[0] + "\n")
+        (root / "memory.current").write_text(cgroup[1] + "\n")
+    return str(root), str(tmp_path / "meminfo")
+
+
+def test_cpu_memory_is_the_cgroup_room_when_limited_else_memavailable(tmp_path):
+    gib = 1 << 30
+    root, mi = _fake_memory(tmp_path, 16 * gib // 1024, (str(3 * gib), str(gib)))
+    assert hardware.cpu_available_memory(root, mi) == 2 * gib          # 3 GiB limit - 1 GiB used
+    (tmp_path / "cg" / "memory.max").write_text("max\n")                # no limit: MemAvailable
+    assert hardware.cpu_available_memory(root, mi) == 16 * gib
+    (tmp_path / "cg" / "memory.max").write_text(str(64 * gib))          # a limit above the host's
+    assert hardware.cpu_available_memory(root, mi) == 16 * gib
+    v1 = tmp_path / "v1"
+    (v1 / "memory").mkdir(parents=True)
+    (v1 / "memory" / "memory.limit_in_bytes").write_text(str(2 * gib))
+    (v1 / "memory" / "memory.usage_in_bytes").write_text(str(gib // 2))
+    assert hardware.cpu_available_memory(str(v1), mi) == 3 * gib // 2
+
+
+def test_cpu_kv_budget_follows_the_memory_not_a_fixed_4_gib():
+    gib, per_tok = 1 << 30, 4096
+    # 70 % of (available - weights) - 512 MiB
+    assert sizing.cpu_kv_budget(4 * gib, gib) == int(3 * gib * 0.7) - (512 << 20)
+    assert sizing.cpu_kv_budget(gib // 2) == 0
+    assert sizing.default_kv_tokens(per_tok, 10 ** 9, 16, "cpu", available=2 * gib) == \
+        (int(2 * gib * 0.7) - (512 << 20)) // per_tok
+    assert sizing.default_kv_tokens(per_tok, 10 ** 9, 16, "cpu", available=64 * gib) > (4 << 30) // per_tok
+    assert sizing.default_kv_tokens(per_tok, 10 ** 9, 16, "cpu", available=0) == 16   # one block at least
+
+
+def test_explain_and_the_runner_size_the_cpu_pool_from_the_same_cgroup_limit(tmp_path, monkeypatch,
+                                                                               demo_model_dir):
+    """The tiny model under a fake 2 GiB cgroup: the runner's pool and `config --explain`'s agree
+    (the runner counts the weights as used, explain subtracts them), both far below what the
+    batch wants, and a request longer than the pool is refused with 400, not an OOM kill."""
+    import torch
+
+    from handler.config import load_config
+    from handler.model.runner import ModelRunner
+    gib = 1 << 30
+    root, mi = _fake_memory(tmp_path, 64 * gib // 1024, (str(2 * gib), str(300 << 20)))
+    monkeypatch.setenv("LMI_CGROUP_ROOT", root)
+    monkeypatch.setenv("LMI_MEMINFO", mi)
+    (tmp_path / "p").write_text("option.rolling_batch=auto\noption.max_rolling_batch_size=256\n"
+                                "option.max_model_len=4096\n")
+    cfg = load_config(str(tmp_path / "p"), demo_model_dir, env={}, gpu_count=0)
+    g = sizing.read_geometry(demo_model_dir)
+    e = explain.explain(cfg, g, device="cpu", model_dir=demo_model_dir)
+    per_tok = e["kv_bytes_per_token"]
+    wb = explain.weights_bytes(demo_model_dir, g, "fp32")
+    assert e["cpu_kv_budget_bytes"] == int((2 * gib - (300 << 20) - wb) * 0.7) - (512 << 20)
+    assert e["kv_cache_tokens"] < 256 * 4096 and "capped by the CPU memory" in e["kv_cache_source"]
+    # The runner, after loading the weights: memory.current now counts them.
+    (tmp_path / "cg" / "memory.current").write_text(str((300 << 20) + wb))
+    runner = ModelRunner(demo_model_dir, dtype="fp32", device="cpu", block_size=16, kv_cache_tokens=None,
+                         max_running=256, max_model_len=4096)
+    assert runner.kv.tokens == e["kv_cache_tokens"]
+    assert runner.kv.tokens * per_tok <= 2 * gib - (300 << 20) - wb
+    # A request longer than that pool: refused before it runs (the HTTP layer's 400).
+    from handler.engine.scheduler import CapacityError
+    from handler.server import engine_for
+    engine = engine_for(cfg, runner)
+    try:
+        with pytest.raises(CapacityError, match="KV|cache|tokens"):
+            engine.submit([[1] * (runner.kv.tokens + 1)], SamplingParams(max_new_tokens=1))
+    finally:
+        engine.shutdown()
+    del runner, torch

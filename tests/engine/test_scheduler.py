@@ -226,7 +226,9 @@ def test_rolling_chunked_prefill():
         assert sum(len(i.token_ids) for i in plan.items if len(i.token_ids) > 1) <= 4
     p, q = a.prompt_ids, b.prompt_ids
     assert chunks[0] == [(1, p[0:4], 0, False)]            # 2 is not admitted: no budget left
-    assert waiting[:3] == [[2], [2], []]
+    # 2 joins at the second step (1 holds only its floor, 4 // OLDEST_PREFILL_SHARE, against
+    # newcomers), but 1 has as few tokens left and is older: it takes the budget first.
+    assert waiting[:3] == [[2], [], []]
     assert chunks[1] == [(1, p[4:8], 4, False)]
     assert chunks[2] == [(1, p[8:10], 8, True), (2, q[0:2], 0, False)]
     assert chunks[3] == [(1, [a.tokens[10]], 10, True), (2, q[2:6], 2, True)]
@@ -632,3 +634,27 @@ def test_policy_behaviour_comes_from_fields_not_the_strategy_name():
     s.add(seq(1, 10, max_new=10))
     s.schedule(0.0)
     assert len(s.blocks.table(1)) == 5                                         # 20 tokens reserved
+
+
+def test_a_short_prompt_beside_a_long_one_is_prefilled_at_once_and_the_long_one_still_advances():
+    """Chunked prefill shares (issue 35): the long prompt, running first, keeps at least a quarter
+    of the budget each step; a short prompt arriving mid-way is admitted and prefilled whole in
+    its first step, so its first token does not wait for the long prefill."""
+    s, r = make("rolling", prefill_token_budget=16, num_blocks=64), FakeRunner(4, model_no_eos)
+    long_, short = seq(1, 100, max_new=2), seq(2, 6, max_new=2)
+    s.add(long_)
+    plan, _ = step(s, r)
+    assert [(i.seq_id, len(i.token_ids)) for i in plan.items] == [(1, 16)]
+    s.add(short)
+    plan, _ = step(s, r)
+    assert [(i.seq_id, len(i.token_ids), i.sample) for i in plan.items] == [(1, 10, False), (2, 6, True)]
+    assert short.num_output == 1 and long_.num_computed == 26          # its first token, now
+    # Many short prompts at once: the long one still gets its floor of 4 tokens a step.
+    for sid in range(3, 9):
+        s.add(seq(sid, 6, max_new=2))
+    plan, _ = step(s, r)
+    got = {i.seq_id: len(i.token_ids) for i in plan.items if len(i.token_ids) > 1}
+    assert got[1] == 4 and sum(got.values()) == 16
+    while s.has_work:
+        step(s, r)
+    assert long_.output_ids == alone(long_.prompt_ids, long_.params, 2048, model_no_eos)[0]

@@ -228,7 +228,7 @@ def test_server_adapters_by_field_header_and_openai_model_and_management_routes(
     merged_extra = build_adapter(model_dir, extra, 7, ["q_proj", "up_proj"])
     want["a4"] = greedy(merged_extra, tok, prompt, n)
     props = ("option.rolling_batch=auto\noption.enable_lora=true\noption.max_loras=2\n"
-             "option.device=cpu\noption.dtype=fp32\n")
+             f"option.device=cpu\noption.dtype=fp32\noption.adapter_roots={tmp_path}\n")
     srv = Server(props, model_dir, tmp_path)
     try:
         base = os.path.basename(model_dir)
@@ -284,6 +284,10 @@ def test_server_adapters_by_field_header_and_openai_model_and_management_routes(
         r = requests.post(route, params={"name": "bad", "src": str(tmp_path / "none")}, timeout=60)
         assert r.status_code == 400 and r.json()["error"].startswith("adapter 'bad' (") \
             and "no such directory" in r.json()["error"], r.text
+        # Outside <model dir>/adapters/ and option.adapter_roots: one 403, existing or not.
+        for src in ("/etc", "/no/such/dir", "../../"):
+            r = requests.post(route, params={"name": "bad", "src": src}, timeout=60)
+            assert r.status_code == 403 and "is not allowed" in r.json()["error"], r.text
         assert requests.get(f"{srv.url}/models/other/adapters", timeout=30).status_code == 404
         # The base model still answers as before.
         assert ids(lmi()) == want[None]

@@ -145,3 +145,17 @@ def test_access_denied_message():
                               service_message="Access Denied", http_status_code=403)
         with pytest.raises(S3ModelError, match=r"^access denied reading s3://locked/m/ \(AccessDenied\)"):
             resolve_model_dir("s3://locked/m", cache_dir="/tmp/unused-lmi-test", client=client)
+
+
+def test_an_s3_adapter_is_downloaded_into_the_adapter_cache(s3, tmp_path):
+    """POST .../adapters?src=s3://... (allowed by option.adapter_roots): LoraManager.register
+    downloads it as LMI does, into LMI_MODEL_CACHE/adapters/<bucket>/<prefix>."""
+    from handler.model.lora import AdapterError, fetch_s3
+    client, bucket = s3
+    client.put_object(Bucket=bucket, Key="adapters/a1/adapter_config.json", Body=b'{"r": 4}')
+    client.put_object(Bucket=bucket, Key="adapters/a1/adapter_model.safetensors", Body=b"x" * 10)
+    local = fetch_s3("a1", f"s3://{bucket}/adapters/a1")
+    assert local == str(tmp_path / "cache" / "adapters" / bucket / "adapters" / "a1")
+    assert open(os.path.join(local, "adapter_config.json")).read() == '{"r": 4}'
+    with pytest.raises(AdapterError, match=r"adapter 'a2' \(s3://.*no objects under"):
+        fetch_s3("a2", f"s3://{bucket}/adapters/a2")

@@ -1,12 +1,14 @@
 """LoRA adapters: LMI's management routes (djl-serving docs/adapters_api.md), under /adapters and
 /models/<model>/adapters: register (POST), list (GET), describe (GET .../<name>), unregister
-(DELETE .../<name>)."""
+(DELETE .../<name>). `src` is checked by handler/http/adapter_src.py before anything is read;
+option.enable_lora_management=false turns every route off (404)."""
 from __future__ import annotations
 
 from flask import Blueprint, request
 
 from handler.engine.client import AdapterExists, AdapterInvalid
 from handler.engine.request import show
+from handler.http.adapter_src import SrcRefused, resolve
 from handler.http.routes.common import current_state, error_response, json_response, model_name
 
 bp = Blueprint("adapters", __name__)
@@ -16,6 +18,9 @@ def client_or_error(model):
     """(the engine client, None), or (None, the error response): another model's name, the model
     still loading, or LoRA not enabled."""
     state = current_state()
+    if not getattr(state.cfg, "enable_lora_management", True):
+        return None, error_response(404, "the LoRA management routes are turned off on this server "
+                                         "(option.enable_lora_management=false)")
     name = model_name(state.cfg)
     if model is not None and model != name:
         return None, error_response(404, f"no model {show(model)}; this server serves {show(name)}")
@@ -26,6 +31,15 @@ def client_or_error(model):
         return None, error_response(400, "LoRA adapters are not enabled on this server "
                                          "(set option.enable_lora=true)")
     return client, None
+
+
+def blocking(fn, *args):
+    """fn(*args) in a real thread when requests are gevent greenlets (reading, or downloading
+    from S3, must not stop the worker's other requests); else here."""
+    if current_state().waker is None:
+        return fn(*args)
+    from gevent import get_hub
+    return get_hub().threadpool.apply(fn, args)
 
 
 def arg(name):
@@ -46,8 +60,13 @@ def register_adapter(model):
     for key, v in (("name", name), ("src", src)):
         if not isinstance(v, str) or not v:
             return error_response(400, f"{key} is required (POST .../adapters?name=NAME&src=DIR)", key)
+    cfg = current_state().cfg
     try:
-        client.register_adapter(name, src)
+        src = resolve(src, cfg.model_dir, getattr(cfg, "adapter_roots", ()))
+    except SrcRefused as e:
+        return error_response(403, str(e), "src")
+    try:
+        blocking(client.register_adapter, name, src)
     except AdapterExists:
         return error_response(409, f"adapter {show(name)} is already registered; DELETE it first", "name")
     except AdapterInvalid as e:

@@ -20,7 +20,7 @@ from handler.config.sizing import running_width  # noqa: F401  (re-exported: the
 from handler.engine.client import CapacityError, LoraDisabled, QueueFull
 from handler.engine.request import RequestError, show
 from handler.http import protocols as api
-from handler.http.guard import ClientDisconnected, MalformedBody, PayloadTooLarge, read_body
+from handler.http.guard import ClientDisconnected, MalformedBody, PayloadTooLarge, SlowBody, read_body
 from handler.http.metrics import RequestTrace, request_id
 from handler.http.protocols import lmi, openai, tgi
 
@@ -88,6 +88,9 @@ def body_json():
         raise RequestError("body", f"{e} (option.max_payload_mb={cfg.max_payload_mb:g})", 413) from None
     except MalformedBody as e:
         raise RequestError("body", str(e)) from None
+    except SlowBody as e:
+        state.disconnected()
+        raise RequestError("body", str(e), 408) from None
     except ClientDisconnected:
         state.disconnected()
         raise RequestError("body", "the client closed the connection before sending its body") from None

@@ -20,8 +20,10 @@ def ping():
     client = state.client
     if client is not None and client.healthy:
         return json_response({"status": "healthy", "strategy": state.cfg.strategy})
-    status = "unhealthy" if state.error else "loading"
-    return json_response({"status": status, "error": state.error}, 503)
+    # Loading; or unhealthy: the load failed, a rank died, the engine thread died or wedged.
+    error = state.error or (client.error if client is not None else None)
+    status = "unhealthy" if error or client is not None else "loading"
+    return json_response({"status": status, "error": error}, 503)
 
 
 @bp.get("/execution-parameters")
