@@ -97,6 +97,17 @@ def pack_step(items: list[StepItem], bs: int, copies=()) -> tuple[torch.Tensor, 
     return packed, first_row
 
 
+def _zero_pages(shape: tuple, dtype: torch.dtype) -> torch.Tensor:
+    """A CPU tensor of zeros backed by an anonymous mapping (pages committed on first write)."""
+    import math
+    import mmap
+    n = math.prod(shape)
+    if n == 0:
+        return torch.zeros(shape, dtype=dtype)
+    buf = mmap.mmap(-1, n * dtype.itemsize)
+    return torch.frombuffer(buf, dtype=dtype, count=n).view(shape)   # the tensor keeps `buf` alive
+
+
 class ModelRunner:
     batch_invariant = False   # option.batch_invariant: see handler/model/batch_invariant.py
 
@@ -214,11 +225,15 @@ class ModelRunner:
         """One layer's keys or values, [NB, bs, Hkv, D] to every reader. On CPU that is a view of
         a head-major [NB, Hkv, bs, D] allocation, so that the attention's gather of a batch's
         blocks is one copy into the [B, Hkv, L, D] it multiplies (kernels/reference.py); the
-        Triton kernels read strides and take either."""
+        Triton kernels read strides and take either. On CPU the memory is anonymous zero pages
+        (mmap), committed as blocks are first written: the pool is sized from the memory available
+        (handler.config.sizing), and a server that never fills it does not hold it."""
         nb, bs, hkv, d = self.kv.num_blocks, self.kv.block_size, self.kv.num_kv_heads, self.kv.head_dim
         from handler.model.cpu import head_major_kv
-        if self.device.type == "cpu" and head_major_kv():
-            return torch.zeros(nb, hkv, bs, d, dtype=self.dtype).transpose(1, 2)
+        if self.device.type == "cpu":
+            shape = (nb, hkv, bs, d) if head_major_kv() else (nb, bs, hkv, d)
+            t = _zero_pages(shape, self.dtype)
+            return t.transpose(1, 2) if head_major_kv() else t
         return torch.zeros(nb, bs, hkv, d, dtype=self.dtype, device=self.device)
 
     def _bytes_per_token(self, layers, kv_heads, head_dim) -> int:
