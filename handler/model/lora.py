@@ -239,6 +239,9 @@ class LoRALinear(nn.Module):
             self.lora_a = torch.zeros(self.slots, self.max_rank, self.in_features, dtype=w.dtype, device=w.device)
             self.lora_b = torch.zeros(self.slots, self.out_features, self.max_rank, dtype=w.dtype, device=w.device)
         a, b = ab
+        scale = getattr(self.base, "input_scale", None)   # a smoothed layer sees x / s (handler/model/quant.py)
+        if scale is not None:
+            a = a * scale.to(a.dtype)
         r = a.shape[0]
         self.lora_a[slot].zero_()
         self.lora_b[slot].zero_()

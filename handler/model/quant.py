@@ -9,6 +9,15 @@ that is kernels/cpu_gemm_i8.c (a quarter of fp32's weight bytes, twice its multi
 cycle on this host's single VNNI port); elsewhere the same arithmetic in torch ops (a reference:
 correct, not fast). The output head and the embeddings stay in the model's dtype (the head is
 sampled from: its error would move every token's log-prob; it is also only run on sampled rows).
+
+Activation outliers (a few input channels far larger than the rest) are what per-token rounding
+loses most to, so our own models are first smoothed (SmoothQuant, Xiao et al. 2023): a fixed
+calibration text runs through the fp32 model once at load, each linear layer's input channels
+get s_j = max|x_j|^a / max|w_:,j|^(1-a) (a = 0.5), the weights' columns are multiplied by s and
+the producer of their input divided by it: the RMSNorm before q/k/v and before gate/up, the
+up_proj rows before down_proj (SiLU(gate) * up is linear in up). The float model is unchanged
+(up to rounding); the int8 one rounds activations whose channels are evened out. A LoRA adapter's
+A is multiplied by the same s when loaded (`input_scale`), since its layer now sees x / s.
 """
 from __future__ import annotations
 
@@ -22,6 +31,30 @@ from kernels import cpu_ext
 log = logging.getLogger("lmi.quant")
 
 METHODS = {"int8": "int8", "w8a8": "int8", "int8_dynamic": "int8"}
+SMOOTH_ALPHA = 0.5
+# Calibration: chat-shaped English and code, not the text `handler quality` measures perplexity on.
+CALIBRATION = """\
+<|im_start|>system
+You are a helpful assistant.<|im_end|>
+<|im_start|>user
+Could you summarise how a bill becomes a law, and then write a short Python function that counts the
+words in a sentence?<|im_end|>
+<|im_start|>assistant
+A bill is drafted, introduced in one chamber, studied by a committee, debated and voted on; if it
+passes, the other chamber does the same, differences are reconciled, and the final text is signed
+into law or vetoed. Here is the function:
+
+def count_words(sentence: str) -> int:
+    \"\"\"Number of whitespace-separated words in `sentence`.\"\"\"
+    return len(sentence.split())
+
+print(count_words("The quick brown fox jumps over the lazy dog"))  # 9
+<|im_end|>
+<|im_start|>user
+Thanks! What are three things to check before a long bicycle ride? Answer as a JSON list.<|im_end|>
+<|im_start|>assistant
+["tyre pressure", "brakes", "chain lubrication"]<|im_end|>
+"""
 
 
 class Int8Linear(nn.Linear):
@@ -92,3 +125,54 @@ def quantize_model(model: nn.Module, method: str) -> int:
              "kernels/cpu_gemm_i8.c, AVX-512 VNNI" if kernel else "reference torch ops: no VNNI kernel here",
              str(next(model.parameters()).dtype).removeprefix("torch."))
     return done
+
+
+def smooth_groups(model: nn.Module) -> list[tuple[nn.Module, list[nn.Linear]]] | None:
+    """(producer, consumers) pairs whose consumers' inputs are the producer's output, for our
+    Llama family with pre-norms (handler/model/llama.py); None for any other model."""
+    arch = getattr(model, "arch", None)
+    if arch is None or arch.post_norms:
+        return None
+    groups = []
+    for layer in model.model.layers:
+        a, m = layer.self_attn, layer.mlp
+        groups.append((layer.input_layernorm, [a.q_proj, a.k_proj, a.v_proj]))
+        groups.append((layer.post_attention_layernorm, [m.gate_proj, m.up_proj]))
+        groups.append((m.up_proj, [m.down_proj]))
+    return groups
+
+
+@torch.no_grad()
+def smooth(model: nn.Module, run_calibration, alpha: float = SMOOTH_ALPHA) -> int:
+    """SmoothQuant our model in place (see the module doc); `run_calibration()` runs the
+    calibration text through it once. Returns how many layers were smoothed (0: not ours)."""
+    groups = smooth_groups(model)
+    if not groups:
+        return 0
+    consumers = {id(c): c for _, cs in groups for c in cs}
+    amax: dict[int, torch.Tensor] = {}
+
+    def hook(mod, args):
+        x = args[0].detach().reshape(-1, args[0].shape[-1]).abs().amax(0).float()
+        amax[id(mod)] = x if id(mod) not in amax else torch.maximum(amax[id(mod)], x)
+
+    handles = [c.register_forward_pre_hook(hook) for c in consumers.values()]
+    try:
+        run_calibration()
+    finally:
+        for h in handles:
+            h.remove()
+    for producer, cs in groups:
+        xmax = torch.stack([amax[id(c)] for c in cs]).amax(0).clamp_min(1e-5)
+        wmax = torch.stack([c.weight.detach().abs().amax(0).float() for c in cs]).amax(0).clamp_min(1e-5)
+        s = (xmax.pow(alpha) / wmax.pow(1 - alpha)).clamp_min(1e-5)
+        if isinstance(producer, nn.Linear):     # up_proj: its output rows
+            producer.weight.div_(s[:, None].to(producer.weight.dtype))
+            if producer.bias is not None:
+                producer.bias.div_(s.to(producer.bias.dtype))
+        else:                                   # an RMSNorm: its weight
+            producer.weight.div_(s.to(producer.weight.dtype))
+        for c in cs:
+            c.weight.mul_(s[None].to(c.weight.dtype))
+            c.input_scale = s.to(c.weight.device)
+    return len(groups)

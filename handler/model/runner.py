@@ -133,9 +133,6 @@ class ModelRunner:
             self.model = self._own_model(model_dir, config, model_impl, max_model_len)
             if self.model is None:
                 self.model = self._transformers_model(model_dir, trust_remote_code)
-            if quantize:
-                from handler.model.quant import quantize_model
-                quantize_model(self.model, quantize)
         except ModelLoadError:
             raise
         except Exception as e:  # one clear line for the operator; details in the debug log
@@ -160,6 +157,8 @@ class ModelRunner:
             from kernels import cpu_ext
             if cpu_ext.supports(self.kv_cache[0][0]) and cpu_ext.load() is not None:
                 log.info("CPU: decode attention by the in-place C kernel (kernels/cpu_decode.c)")
+        if quantize:
+            self._quantize(quantize)
         self.eos_token_ids = self._eos_ids()
         self.sampler = Sampler()
         self.lora = None        # handler.model.lora.LoraManager once enable_lora() ran
@@ -220,6 +219,25 @@ class ModelRunner:
         if self.ranks is None:
             model.to(self.device)
         return model.eval()
+
+    def _quantize(self, method: str) -> None:
+        """option.quantize (handler/model/quant.py): our models smoothed on the calibration text
+        first (one prefill through the pool's first blocks, which no sequence holds yet), then
+        every linear layer but the head quantized."""
+        from handler.model import quant
+        if self.own:
+            ids = self.tokenizer(quant.CALIBRATION, add_special_tokens=False)["input_ids"][: self.max_model_len]
+            ids = ids[: self.kv.tokens]
+
+            def calibrate():
+                from handler.engine.request import SamplingParams
+                table = list(range(-(-len(ids) // self.block_size)))
+                item = StepItem(0, ids, 0, table, True, SamplingParams(max_new_tokens=1), ids)
+                self._forward(pack_step([item], self.block_size)[0])
+            n = quant.smooth(self.model, calibrate)
+            log.info("%s: %d layer groups smoothed on %d calibration tokens (SmoothQuant, alpha %.2f)",
+                     method, n, len(ids), quant.SMOOTH_ALPHA)
+        quant.quantize_model(self.model, method)
 
     def _kv_pool(self) -> torch.Tensor:
         """One layer's keys or values, [NB, bs, Hkv, D] to every reader. On CPU that is a view of

@@ -197,7 +197,8 @@ def main(argv: list[str]) -> int:
     _workload_args(r, "gpu")
     c = sub.add_parser("compare", help="start every strategy and peer, run the preset, write results")
     c.add_argument("--out", required=True, help="directory for results.json/.md/.png, logs and the model")
-    c.add_argument("--only", help="comma-separated subset of none,dynamic,rolling,paged,hf_naive,transformers_cb,"
+    c.add_argument("--only", help="comma-separated subset of none,dynamic,rolling,paged,paged_int8,hf_naive,"
+                                  "transformers_cb,"
                                   "vllm_cpu (default: all; vllm_cpu only without CUDA, skipped with the reason "
                                   "when not installed)")
     c.add_argument("--dtype", choices=("fp32", "bf16"),

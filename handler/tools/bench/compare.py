@@ -25,12 +25,14 @@ from handler.tools.bench.metrics import Record, expected_ideal_speedup, ideal_sp
 from handler.tools.bench.workloads import PRESETS, Preset, Workload, output_lengths, prompt_of
 
 STRATEGIES = ("none", "dynamic", "rolling", "paged")
+# Quantized cells: a strategy served with option.quantize=<method> (handler/model/quant.py).
+QUANTIZED = {"paged_int8": ("paged", "int8")}
 PEERS = ("hf_naive", "transformers_cb", vllm_cpu.NAME)
 ALONE = (vllm_cpu.NAME,)   # started for its own run only: it owns every core while up
 DTYPES = ("fp32", "bf16")
 TORCH_DTYPE = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 SERIAL = ("none", "hf_naive")          # one request at a time (Workload.serial_requests)
-ALL = STRATEGIES + PEERS
+ALL = STRATEGIES + tuple(QUANTIZED) + PEERS
 BLOCK = 16  # tokens per KV block for our servers (option.block_size default) and the CB peer's page
 HERE = os.path.dirname(os.path.abspath(__file__))
 CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(HERE))), "benchmarks", "configs")
@@ -116,6 +118,9 @@ def kv_cache_tokens(workload: Workload, prompt_toks: list[int]) -> int:
 
 # ------------------------------------------------------------------ servers
 def properties(strategy: str, w: Workload, kv_tokens: int, dtype: str | None, tp: int = 1) -> str:
+    quantize = None
+    if strategy in QUANTIZED:
+        strategy, quantize = QUANTIZED[strategy]
     lines = {
         "none": ["batch_size=1"],
         "dynamic": [f"batch_size={w.batch_width}", f"max_batch_delay={w.max_batch_delay_ms}"],
@@ -131,6 +136,8 @@ def properties(strategy: str, w: Workload, kv_tokens: int, dtype: str | None, tp
         lines.append(f"option.dtype={dtype}")
     if tp > 1:
         lines.append(f"option.tensor_parallel_degree={tp}")
+    if quantize:
+        lines.append(f"option.quantize={quantize}")
     return "\n".join(lines) + "\n"
 
 
@@ -217,7 +224,7 @@ def make_servers(names, w: Workload, model_dir: str, kv_tokens: int, run_dir: st
             servers.append(Server(name, cmd, log, port, api=OpenAICompletions(vllm_cpu.SERVED_NAME), env=env,
                                   startup_timeout=vllm_cpu.STARTUP_TIMEOUT, held=held))
             continue
-        if name in STRATEGIES:
+        if name in STRATEGIES or name in QUANTIZED:
             props = os.path.join(run_dir, f"{name}.properties")
             with open(props, "w") as f:
                 f.write(properties(name, w, kv_tokens, dtype, tp))
@@ -354,7 +361,7 @@ def run_workload(w: Workload, names, model_dir: str, out_dir: str, reps: int, dt
                          if len(rr) == len(bodies) and all(r.error is None for r in rr)), None)
     add_ratios(entries, ideal := ideal_block(w, bodies, produced))
     return {
-        "strategies": {k: v for k, v in entries.items() if k in STRATEGIES},
+        "strategies": {k: v for k, v in entries.items() if k in STRATEGIES or k in QUANTIZED},
         "peers": {k: v for k, v in entries.items() if k in PEERS},
         "workload": dict(w.to_dict(), prompt_tokens=ptoks, prompt_tokens_drawn=drawn, kv_cache_tokens=kv,
                          block_size=BLOCK, repetitions=reps, dtype=dtype, ideal=ideal),

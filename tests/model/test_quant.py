@@ -1,0 +1,143 @@
+"""option.quantize=int8 (handler/model/quant.py, kernels/cpu_gemm_i8.c): the kernel's arithmetic against a
+float64 reference, the layers it swaps, SmoothQuant keeping the float model's values, batch
+independence under every strategy, and the quality on the real model."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from handler.engine.request import SamplingParams
+from handler.model import quant
+from handler.model.runner import ModelRunner
+from kernels import cpu_ext
+from tests.support.engine import NEW, PROMPTS, STRATEGIES, make_engine, run_all
+
+needs_vnni = pytest.mark.skipif(not cpu_ext.gemm_i8_available(),
+                                reason="kernels/cpu_gemm_i8.c needs AVX-512 VNNI and a C compiler")
+
+
+def _case(m: int, k: int, n: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=g) * 0.05
+    x = torch.randn(m, k, generator=g)
+    x[:, 3] *= 20           # an outlier channel, as LLM activations have
+    b = torch.randn(n, generator=g)
+    return x, w, b
+
+
+def _exact(x, qw, sw, b):
+    """float64 of the kernel's definition: per-row int8 activations x per-channel int8 weights."""
+    qa, sa = quant.quantize_rows(x)
+    return (qa.double() @ qw.double().T) * sa.double()[:, None] * sw.double()[None] + b.double()
+
+
+@needs_vnni
+@pytest.mark.parametrize("m,k,n", [(1, 576, 192), (7, 64, 33), (13, 1536, 576), (64, 130, 96), (200, 576, 1536)])
+def test_int8_kernel_is_the_exact_integer_product_rescaled(m, k, n):
+    x, w, b = _case(m, k, n)
+    qw, sw = quant.quantize_rows(w)
+    panels, wsum = cpu_ext.pack_i8(qw)
+    got = cpu_ext.gemm_i8(x, panels, wsum, sw, n, b).double()
+    want = _exact(x, qw, sw, b)
+    # integer sums are exact; only the fp32 rescale rounds
+    assert ((got - want).abs().max() / want.abs().max()).item() < 1e-6
+    # and the reference path computes the same thing
+    ref = quant.int8_reference(x, qw, sw, b).double()
+    assert ((ref - want).abs().max() / want.abs().max()).item() < 1e-6
+
+
+@pytest.mark.parametrize("m,k,n", [(5, 256, 64), (32, 576, 192)])
+def test_int8_error_against_the_float64_product_is_bounded(m, k, n):
+    x, w, b = _case(m, k, n, seed=1)
+    qw, sw = quant.quantize_rows(w)
+    got = quant.int8_reference(x, qw, sw, b).double()
+    full = x.double() @ w.double().T + b.double()
+    rel = ((got - full).norm() / full.norm()).item()
+    assert rel < 0.02, rel          # 8-bit rows and channels: about 1% on this data
+    deq = x.double() @ (qw.double() * sw.double()[:, None]).T + b.double()
+    assert ((deq - full).norm() / full.norm()).item() < 0.01      # the weights alone lose less
+
+
+def test_quantize_rows_rounds_each_row_by_its_own_scale():
+    w = torch.tensor([[0.0, 0.0], [1.0, -0.5], [127.0, 63.4]])
+    q, s = quant.quantize_rows(w)
+    assert q.dtype == torch.int8 and s.tolist() == pytest.approx([0.0, 1 / 127, 1.0])
+    assert q.tolist() == [[0, 0], [127, -64], [127, 63]]     # -63.5 rounds to even
+
+
+def _runner(model_dir, quantize=None, dtype="fp32"):
+    return ModelRunner(model_dir, dtype=dtype, device="cpu", kv_cache_tokens=512, block_size=16,
+                       quantize=quantize)
+
+
+def test_quantized_model_swaps_every_linear_but_the_head(demo_model_dir):
+    r = _runner(demo_model_dir, "int8")
+    linears = [m for m in r.model.modules() if isinstance(m, nn.Linear)]
+    head = r.model.get_output_embeddings()
+    assert type(head) is nn.Linear and head.weight.numel() > 0
+    body = [m for m in linears if m is not head]
+    assert body and all(type(m) is quant.Int8Linear for m in body)
+    assert all(m.weight.numel() == 0 for m in body)           # the float copy is gone
+    layer = r.model.model.layers[0]    # smoothed: those after a norm or up_proj; o_proj is not
+    for name in ("self_attn.q_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.down_proj"):
+        assert getattr(layer.get_submodule(name), "input_scale", None) is not None, name
+    assert getattr(layer.self_attn.o_proj, "input_scale", None) is None
+
+
+def test_smoothing_keeps_the_float_models_values(demo_model_dir):
+    from tests.model.test_llama import _step_logits
+    plain = _runner(demo_model_dir)
+    smoothed = _runner(demo_model_dir)
+    called = []
+
+    def calibrate():
+        called.append(1)
+        _step_logits(smoothed)
+    n = quant.smooth(smoothed.model, calibrate)
+    assert n == 3 * smoothed.model.arch.layers and called
+    scales = [m.input_scale for m in smoothed.model.modules() if getattr(m, "input_scale", None) is not None]
+    assert scales and any((s - 1).abs().max() > 0.1 for s in scales)   # it did move something
+    for got, want in zip(_step_logits(smoothed), _step_logits(plain)):
+        assert ((got - want).norm() / want.norm()).item() < 1e-5
+
+
+def test_int8_tokens_do_not_depend_on_the_batch_under_every_strategy(demo_model_dir, tmp_path):
+    # Each row is rounded by its own scale: a sequence's tokens are the same alone or batched.
+    want = None
+    for name, props in STRATEGIES.items():
+        engine = make_engine(demo_model_dir, tmp_path, {**props, "option.quantize": "int8"})
+        try:
+            assert type(engine.runner.model.model.layers[0].mlp.down_proj) is quant.Int8Linear
+            got = [ids for ids, _ in run_all(engine, PROMPTS, [SamplingParams(max_new_tokens=n) for n in NEW])]
+        finally:
+            engine.shutdown()
+        if want is None:
+            want = got
+        assert got == want, name
+
+
+def test_int8_with_a_lora_adapter_matches_the_adapter_on_the_smoothed_layer(demo_model_dir, tmp_path):
+    # The adapter's A is multiplied by the layer's smoothing scale, so x/s @ (A s)^T == x @ A^T.
+    from handler.model.lora import LoRALinear
+    r = _runner(demo_model_dir, "int8")
+    q = r.model.model.layers[0].self_attn.q_proj
+    s = q.input_scale
+    wrapped = LoRALinear(q, slots=1, max_rank=4)
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(2, q.in_features, generator=g), torch.randn(q.out_features, 2, generator=g)
+    wrapped.load(0, (a, b))
+    assert torch.allclose(wrapped.lora_a[0, :2], a * s)
+
+
+def test_int8_quality_on_the_real_model(real_model_dir):
+    """Perplexity of the held-aside texts within 2% of fp32's; teacher-forced greedy agreement on
+    the chat prompts at least 80% (handler/tools/quality.py measures both)."""
+    from handler.tools import quality
+    base = quality.measure(real_model_dir, "fp32", None, 32)
+    cand = quality.measure(real_model_dir, "fp32", "int8", 32, reference=base["answers"])
+    for name in quality.TEXTS:
+        assert cand["perplexity"][name] <= 1.02 * base["perplexity"][name], (name, cand["perplexity"], base["perplexity"])
+    same, total = cand["teacher_forced"]
+    assert total > 100 and same / total >= 0.8, (same, total)
+    assert cand["weight_bytes"] < 0.6 * base["weight_bytes"]
