@@ -15,6 +15,7 @@ import torch
 from handler.config import hardware, sizing
 from handler.model import batch_invariant, sampling
 from handler.model.attention import ATTN_NAME, StepMeta  # importing it registers the attention function
+from handler.model.guided import Guides
 from handler.model.sampling import Sampler
 from handler.engine.types import SampleResult, StepItem
 
@@ -155,6 +156,8 @@ class ModelRunner:
                 log.info("CPU: decode attention by the in-place C kernel (kernels/cpu_decode.c)")
         self.eos_token_ids = self._eos_ids()
         self.sampler = Sampler()
+        # Guided decoding (xgrammar; built on first use): handler.engine.types.Guides
+        self.guides = Guides(self.tokenizer, self.model.config.get_text_config().vocab_size, self.eos_token_ids)
         self.lora = None        # handler.model.lora.LoraManager once enable_lora() ran
         self.lean = None        # CPU: the model's forward as one plain loop (handler.model.cpu.lean_forward)
         log.info("model %s on %s/%s: %d layers, %d kv heads x %d%s; KV pool %d blocks x %d = %d tokens",
