@@ -7,7 +7,6 @@ Every numeric value is bounded so that nothing unbounded reaches the engine.
 """
 from __future__ import annotations
 
-import json
 import logging
 import math
 import threading

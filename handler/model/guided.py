@@ -9,15 +9,12 @@
 from __future__ import annotations
 
 import json
-import logging
 import threading
 
 import torch
 
 from handler.engine.errors import RequestError
 from handler.engine.guide import GuideSpec
-
-log = logging.getLogger("lmi.guided")
 
 
 class Matcher:
