@@ -22,7 +22,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from handler.config import load_config  # noqa: E402
 from handler.engine.request import parse_params  # noqa: E402
 from handler.server import build_engine  # noqa: E402
-from handler.tools.bench.workloads import INSTRUCTIONS, TOPICS, chat_prompt  # noqa: E402
+from handler.tools.bench.workloads import ANSWER_SCHEMA, INSTRUCTIONS, TOPICS, chat_prompt  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Long strings: the grammar never completes within the token budget, so every row runs to the end.
@@ -51,6 +51,9 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--requests", type=int, default=32)
     ap.add_argument("--tokens", type=int, default=48)
+    ap.add_argument("--schema", choices=("long", "answer"), default="long",
+                    help="long: SCHEMA here; answer: the bench workload's ANSWER_SCHEMA (bounded strings; an "
+                         "answer may end before --tokens)")
     ap.add_argument("--out")
     a = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
@@ -65,7 +68,8 @@ def main() -> int:
                for i in range(a.requests)]
     plain = [parse_params({"max_new_tokens": a.tokens, "ignore_eos": True})] * a.requests
     mixed = [parse_params({"max_new_tokens": a.tokens, "ignore_eos": True,
-                           **({"guided_json": SCHEMA} if i % 2 else {})}) for i in range(a.requests)]
+                           **({"guided_json": SCHEMA if a.schema == "long" else ANSWER_SCHEMA} if i % 2 else {})})
+             for i in range(a.requests)]
     run(engine, prompts[:4], mixed[:4])      # warm-up: kernels, the grammar's first compile
     res = {"plain": [], "mixed": []}
     for rep in range(a.reps):
@@ -76,7 +80,7 @@ def main() -> int:
                   f"per token", flush=True)
     engine.shutdown()
     ratio = {k: statistics.median(m[k] / p[k] for m, p in zip(res["mixed"], res["plain"])) for k in ("wall_s", "cpu_s")}
-    out = {"requests": a.requests, "tokens_each": a.tokens, "guided_share": 0.5, "runs": res,
+    out = {"requests": a.requests, "tokens_each": a.tokens, "schema": a.schema, "guided_share": 0.5, "runs": res,
            "median_ratio_mixed_over_plain": ratio}
     print(f"mixed / plain, median of {a.reps} pairs: wall {ratio['wall_s']:.3f}, CPU {ratio['cpu_s']:.3f}")
     if a.out:
