@@ -21,6 +21,8 @@ $(VENV)/.installed: pyproject.toml
 
 $(VENV)/.installed-dev: $(VENV)/.installed pyproject.toml
 	$(PY) -m pip install -q -e '.[dev,bench,sagemaker]'
+	# TGI's own client pins huggingface-hub<1 (unused by what the tests call): installed beside it
+	$(PY) -m pip install -q --no-deps 'text-generation==0.7.0'
 	touch $@
 
 install: $(VENV)/.installed

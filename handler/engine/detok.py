@@ -9,7 +9,8 @@ from __future__ import annotations
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer, prompt_ids: list[int], stop_sequences=(), context: int = 5):
+    def __init__(self, tokenizer, prompt_ids: list[int], stop_sequences=(), context: int = 5,
+                 include_stop: bool = True):
         self.tok = tokenizer
         self.ids = list(prompt_ids[-context:])
         self.prefix = 0                  # ids[prefix:read] is context already emitted
@@ -18,6 +19,10 @@ class IncrementalDetokenizer:
         self.stops = tuple(stop_sequences)
         self._longest_stop = max((len(s) for s in self.stops), default=0)
         self.stopped = False
+        # include_stop=False (OpenAI): the text ends before the stop sequence. Text that may be
+        # the start of one is held back (`held`) until it is known not to be.
+        self.include_stop = include_stop
+        self.held = ""
 
     def _decode(self, ids) -> str:
         return self.tok.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
@@ -40,14 +45,22 @@ class IncrementalDetokenizer:
 
     def flush(self) -> str:
         """Text still pending at the end (an incomplete character is rendered as U+FFFD)."""
-        if self.read >= len(self.ids) or self.stopped:
+        if self.stopped:
             return ""
-        before = self._decode(self.ids[self.prefix:self.read])
-        after = self._decode(self.ids[self.prefix:])
-        self.read = len(self.ids)
-        return self._append(after[len(before):]) if len(after) > len(before) else ""
+        out = ""
+        if self.read < len(self.ids):
+            before = self._decode(self.ids[self.prefix:self.read])
+            after = self._decode(self.ids[self.prefix:])
+            self.read = len(self.ids)
+            out = self._append(after[len(before):]) if len(after) > len(before) else ""
+        if self.held and not self.stopped:      # the end came before a stop sequence did
+            self.text += self.held
+            out, self.held = out + self.held, ""
+        return out
 
     def _append(self, new: str) -> str:
+        if self.stops and not self.stopped and not self.include_stop:
+            return self._append_hidden(new)
         if self.stops and not self.stopped:
             start = max(0, len(self.text) - self._longest_stop + 1)
             window = self.text[start:] + new
@@ -58,3 +71,17 @@ class IncrementalDetokenizer:
                 self.stopped = True
         self.text += new
         return new
+
+    def _append_hidden(self, new: str) -> str:
+        """_append when the stop sequence is cut off: emit up to the earliest stop sequence, or
+        all but the longest tail that some stop sequence starts with (held back)."""
+        buf = self.held + new
+        hits = [i for i in (buf.find(s) for s in self.stops) if i >= 0]
+        if hits:
+            out, self.held, self.stopped = buf[:min(hits)], "", True
+        else:
+            keep = max((k for s in self.stops for k in range(min(len(s) - 1, len(buf)), 0, -1)
+                        if buf.endswith(s[:k])), default=0)
+            out, self.held = buf[:len(buf) - keep], buf[len(buf) - keep:]
+        self.text += out
+        return out

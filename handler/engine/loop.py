@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 from handler.engine.blocks import BlockManager
 from handler.engine.detok import IncrementalDetokenizer
-from handler.engine.request import SamplingParams
+from handler.engine.request import RequestError, SamplingParams
 from handler.engine.scheduler import CapacityError, QueueFull, Scheduler, SchedulerPolicy, Sequence
 # The events live in types.py; imported here also for `from handler.engine.loop import ...`.
 from handler.engine.types import DoneEvent, ErrorEvent, Finish, Runner, SampleResult, TokenEvent
@@ -149,6 +149,10 @@ class Engine:
             raise QueueFull(f"the server is unhealthy and takes no new requests: {self.error}")
         now = time.monotonic()
         k = params.num_samples
+        # Guided decoding: one matcher per sequence, compiled (or found in the cache) here in the
+        # caller's thread; a spec that cannot compile raises RequestError before anything queues.
+        guides = [self._matcher(params) for _ in range(len(prompts_ids) * k)] \
+            if params.guide is not None else None
         with self._lock:
             for ids in prompts_ids:
                 self.scheduler.check_fits(len(ids), params)
@@ -176,7 +180,8 @@ class Engine:
                                  held=None if stream else [])
                     self._intake.append((Sequence(
                         sid, list(ids), sp, now, group=group if len(prompts_ids) * k > 1 else None,
-                        sample_index=s_i, fork_of=first if s_i else None), ch))
+                        sample_index=s_i, fork_of=first if s_i else None,
+                        guide=guides[p_i * k + s_i] if guides else None), ch))
                     chans.append(ch)
             self.counters["requests"] += len(prompts_ids)
             if params.adapter is not None:
@@ -185,6 +190,13 @@ class Engine:
                 c["requests"] += len(prompts_ids)
         self._wake.set()
         return chans
+
+    def _matcher(self, params: SamplingParams):
+        guides = getattr(self.runner, "guides", None)
+        if guides is None:
+            raise RequestError(params.guide.field or "parameters",
+                               "guided decoding is not available with this model runner")
+        return guides.matcher(params.guide)
 
     def abort(self, seq_id: int) -> None:
         with self._lock:
@@ -298,7 +310,8 @@ class Engine:
                 continue
             self._channels[seq.seq_id] = ch
             self._detok[seq.seq_id] = IncrementalDetokenizer(
-                self.tokenizer, seq.prompt_ids, seq.params.stop_sequences)
+                self.tokenizer, seq.prompt_ids, seq.params.stop_sequences,
+                include_stop=seq.params.include_stop_str_in_output)
         for sid in aborts:
             if sid in self._channels:
                 self.counters["aborted"] += 1

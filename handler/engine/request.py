@@ -7,23 +7,16 @@ Every numeric value is bounded so that nothing unbounded reaches the engine.
 """
 from __future__ import annotations
 
-import json
 import logging
 import math
 import threading
 from dataclasses import dataclass
 
+from handler.engine import guide
+# RequestError and show live in errors.py (guide.py uses them too); imported from here by most.
+from handler.engine.errors import MAX_SHOWN, RequestError, show
+
 log = logging.getLogger("lmi.request")
-
-
-class RequestError(ValueError):
-    """A bad request: `field` names the offending part of the body (HTTP 400 unless `status`)."""
-
-    def __init__(self, field: str, message: str, status: int = 400):
-        super().__init__(f"{field}: {message}")
-        self.field = field
-        self.message = message
-        self.status = status      # 415 for an unsupported content type
 
 
 @dataclass(frozen=True)
@@ -54,6 +47,13 @@ class SamplingParams:
     # A LoRA adapter (handler.model.lora.Adapter: .name, .uid, weights) chosen by the protocol layer;
     # None = the base model. Opaque here: the scheduler reads only `.uid`.
     adapter: object = None
+    # Guided decoding: the output is constrained to this (handler.engine.guide.GuideSpec).
+    guide: guide.GuideSpec | None = None
+    # Added to the logits before sampling: ((token id, bias), ...) (OpenAI logit_bias).
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    # A stop sequence that ends the text is part of it (LMI, TGI); OpenAI's routes cut it off
+    # (vLLM's include_stop_str_in_output, default false there).
+    include_stop_str_in_output: bool = True
 
     @property
     def num_samples(self) -> int:
@@ -72,16 +72,6 @@ MAX_TOP_N_TOKENS = 20               # as OpenAI's top_logprobs
 MAX_STOP_SEQUENCES = 16
 MAX_STOP_LENGTH = 512               # characters per stop sequence
 MAX_SEED = 2**63 - 1
-MAX_SHOWN = 100                     # characters of a client's value echoed in an error
-
-
-def show(v) -> str:
-    """A client's value for an error message: JSON, at most MAX_SHOWN characters."""
-    try:
-        s = json.dumps(v, ensure_ascii=False)
-    except (TypeError, ValueError):
-        s = repr(v)
-    return s if len(s) <= MAX_SHOWN else s[:MAX_SHOWN - 3] + "..."
 
 
 _warned: set[str] = set()
@@ -172,6 +162,8 @@ _CHECKS = {
     "best_of": lambda f, v: check_int(f, v, 1, MAX_SAMPLES),
     "ignore_eos": check_bool,
     "eos_after": lambda f, v: check_int(f, v, 1, MAX_NEW_TOKENS),
+    "include_stop_str_in_output": check_bool,
+    "logit_bias": lambda f, v: check_logit_bias(f, v),
 }
 # Other names for the same parameter (LMI, vLLM, TGI, OpenAI).
 ALIASES = {
@@ -197,9 +189,28 @@ REQUEST_OPTIONS = {
 # Accepted for compatibility; they change nothing here (TGI clients always send some of them).
 NO_EFFECT = {
     "watermark": "watermarking is not implemented",
-    "grammar": "constrained (grammar) decoding is not implemented",
+    **{k: "there is one guided-decoding backend (xgrammar)" for k in guide.QUIET_PARAMETERS},
 }
-ALLOWED_PARAMETERS = tuple(_CHECKS) + tuple(ALIASES) + tuple(REQUEST_OPTIONS)
+ALLOWED_PARAMETERS = tuple(_CHECKS) + tuple(ALIASES) + tuple(REQUEST_OPTIONS) + tuple(guide.PARAMETERS)
+MAX_LOGIT_BIAS = 300                # entries (OpenAI's limit)
+
+
+def check_logit_bias(field: str, v) -> tuple[tuple[int, float], ...]:
+    """{"token id": bias in [-100, 100]} -> ((id, bias), ...) sorted by id."""
+    if not isinstance(v, dict):
+        raise RequestError(field, f'must be an object {{"token id": bias}}, got {show(v)}')
+    if len(v) > MAX_LOGIT_BIAS:
+        raise RequestError(field, f"at most {MAX_LOGIT_BIAS} entries, got {len(v)}")
+    out = {}
+    for k, b in v.items():
+        try:
+            tid = int(k)
+        except (TypeError, ValueError):
+            tid = -1
+        if tid < 0 or str(k).strip() != str(tid):
+            raise RequestError(field, f"keys must be token ids (non-negative integers), got {show(k)}")
+        out[tid] = check_float(f"{field}.{k}", b, -100.0, 100.0)
+    return tuple(sorted(out.items()))
 
 
 def parse_params(raw, defaults: SamplingParams = SamplingParams(), where: str = "parameters",
@@ -221,6 +232,12 @@ def parse_params(raw, defaults: SamplingParams = SamplingParams(), where: str = 
             if canon in values and values[canon] != value:
                 raise RequestError(field, f"conflicts with {where}.{given[canon]} (the same parameter)")
             values[canon], given[canon] = value, name
+        elif name in guide.PARAMETERS:       # guided decoding: one constraint per request
+            value = guide.PARAMETERS[name](field, v)
+            if "guide" in values:
+                raise RequestError(field, f"conflicts with {where}.{given['guide']} (one output constraint "
+                                          f"per request)")
+            values["guide"], given["guide"] = value, name
         elif canon in REQUEST_OPTIONS:
             value = REQUEST_OPTIONS[canon](field, v)
             if options is not None:

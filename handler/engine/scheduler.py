@@ -107,6 +107,9 @@ class Sequence:
     fork_of: int | None = None  # sample 0's seq_id: this sample may share its prompt blocks
     prompt_logprobs: list[float] = field(default_factory=list)  # of prompt tokens 1.. (details)
     cum_logprob: float = 0.0    # sum of the sampled tokens' log-probs (best_of)
+    # Guided decoding: this sequence's GuideState (types.py), advanced by every token it accepts.
+    # Its state is that of `tokens`, which a preemption keeps: a recompute needs no rewind.
+    guide: object = None
 
     def __post_init__(self):
         if not self.tokens:
@@ -383,7 +386,7 @@ class Scheduler:
                 self.blocks.table(seq.seq_id), seq.num_computed + n == len(seq.tokens),
                 seq.params, seq.tokens, len(seq.prompt_ids),
                 seq.params.decoder_input_details
-                and len(seq.prompt_logprobs) < len(seq.prompt_ids) - 1))
+                and len(seq.prompt_logprobs) < len(seq.prompt_ids) - 1, seq.guide))
         # Items are planned oldest first and a victim is the newest running sequence, so no
         # planned item is ever preempted after the fact.
         plan = StepPlan(items, preempted)
@@ -418,6 +421,12 @@ class Scheduler:
             if res.token is None:
                 continue
             token = res.token
+            if seq.guide is not None and not seq.guide.accept(token):
+                # The sampler masks what the grammar disallows; only a bug gets here.
+                seq.finish_reason = Finish.FAILED
+                got.append((seq, SampleResult(error=(500, f"guided decoding: the grammar rejected "
+                                                          f"sampled token {token}"))))
+                continue
             seq.tokens.append(token)
             seq.cum_logprob += res.logprob
             got.append((seq, res))
@@ -430,6 +439,8 @@ class Scheduler:
                 seq.finish_reason = Finish.EOS
             elif seq.num_output >= p.max_new_tokens or len(seq.tokens) >= self.policy.max_model_len:
                 seq.finish_reason = Finish.LENGTH
+            elif seq.guide is not None and seq.guide.is_terminated():   # its stop token, under ignore_eos
+                seq.finish_reason = Finish.EOS
         return got
 
     # ---- observability

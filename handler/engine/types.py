@@ -35,6 +35,7 @@ class StepItem:
     history: list[int]          # prompt + output so far (repetition penalty); do not mutate
     num_prompt: int = 0         # history[:num_prompt] is the prompt (penalties on the output)
     prompt_logprobs: bool = False   # return log-probs of history[p+1] for every fed position p
+    guide: Any = None           # the sequence's GuideState: the sampler masks what it disallows
 
 
 @dataclass(frozen=True)
@@ -103,6 +104,27 @@ class SamplerState(Protocol):
 
 
 @runtime_checkable
+class GuideState(Protocol):
+    """One sequence's guided-decoding matcher (handler.model.guided.Matcher), opaque to the engine:
+    the scheduler advances it with every token the sequence accepts; the sampler reads it."""
+
+    def accept(self, token: int) -> bool:
+        """Advance by one generated token; False when the grammar does not allow it."""
+
+    def is_terminated(self) -> bool:
+        """The grammar is complete and its stop token accepted: nothing more may follow."""
+
+
+@runtime_checkable
+class Guides(Protocol):
+    """The runner's grammar compiler (handler.model.guided.Guides)."""
+
+    def matcher(self, spec) -> GuideState:
+        """A fresh matcher for a GuideSpec; raises RequestError (a 400 naming spec.field) when
+        the spec cannot be compiled. Thread-safe: called from HTTP threads."""
+
+
+@runtime_checkable
 class Runner(Protocol):
     """Everything the Engine uses of a runner (handler.model.runner.ModelRunner; the tests'
     tests/support/fakes.FakeRunner). Called from the engine thread only."""
@@ -124,3 +146,6 @@ class Runner(Protocol):
 
     def release(self, seq_id: int) -> None:
         """A sequence ended: drop whatever the runner keeps for it."""
+
+    # Optional: `guides` (a Guides) where the runner can do guided decoding; without it a
+    # request with SamplingParams.guide is refused.

@@ -15,6 +15,7 @@ import torch
 from handler.config import hardware, sizing
 from handler.model import batch_invariant, sampling
 from handler.model.attention import ATTN_NAME, StepMeta  # importing it registers the attention function
+from handler.model.guided import Guides
 from handler.model.sampling import Sampler
 from handler.engine.types import SampleResult, StepItem
 
@@ -161,6 +162,8 @@ class ModelRunner:
             self._quantize(quantize)
         self.eos_token_ids = self._eos_ids()
         self.sampler = Sampler()
+        # Guided decoding (xgrammar; built on first use): handler.engine.types.Guides
+        self.guides = Guides(self.tokenizer, self.model.config.get_text_config().vocab_size, self.eos_token_ids)
         self.lora = None        # handler.model.lora.LoraManager once enable_lora() ran
         log.info("model %s on %s/%s: %d layers, %d kv heads x %d%s; KV pool %d blocks x %d = %d tokens",
                  type(self.model).__name__, self.device, str(self.dtype).removeprefix("torch."),

@@ -1,7 +1,8 @@
 """Sampling and log-probs from a step's logits, vectorised across rows with per-row parameters.
 
 Order of operations (that of HF `generate`): penalties on the raw logits (repetition over
-prompt + output; presence/frequency over the output, OpenAI's formula), then the reported
+prompt + output; presence/frequency over the output, OpenAI's formula), logit_bias, the guided
+rows' grammar masks (handler/model/guided.py, one batched fill), then the reported
 log-probs (`log_softmax` of those), then for sampled rows temperature -> top_k -> top_p ->
 min_p -> typical_p (HF's warper order and definitions) and one uniform draw per row from that
 row's own generator. A row whose parameters break the vectorised pass is retried alone; if it
@@ -48,7 +49,7 @@ class Sampler:
         """logits [R, V] float32, one row per sampling item."""
         # Penalties write into the logits: keep the originals for a retry row by row.
         penalized = any(it.params.repetition_penalty != 1.0 or it.params.presence_penalty
-                        or it.params.frequency_penalty for it in items)
+                        or it.params.frequency_penalty or it.params.logit_bias for it in items)
         try:
             return self._sample(logits.clone() if penalized else logits, items)
         except Exception as e:
@@ -69,6 +70,11 @@ class Sampler:
 
     def _sample(self, logits: torch.Tensor, items: list[StepItem]) -> list[SampleResult]:
         self._penalize(logits, items)
+        if any(it.params.logit_bias for it in items):
+            _bias(logits, items)
+        if any(it.guide is not None for it in items):
+            from handler.model import guided
+            guided.apply(logits, [it.guide for it in items])
         counts = [it.params.top_n_tokens for it in items]
         # No top tokens wanted (the common case): the argmax and each row's log-sum-exp in one
         # read of the logits (a CPU kernel) instead of a full log_softmax plus an argmax.
@@ -119,6 +125,22 @@ class Sampler:
         # A temperature so small that the logits overflow leaves no distribution: take its limit.
         bad = ~torch.isfinite(cum[:, -1]) | (cum[:, -1] <= 0)
         return torch.where(bad, logits.argmax(dim=-1), pick)
+
+
+def _bias(logits: torch.Tensor, items: list[StepItem]) -> None:
+    """OpenAI's logit_bias, every row's at once (ids beyond the vocabulary are ignored)."""
+    vocab = logits.shape[1]
+    rows, ids, vals = [], [], []
+    for r, it in enumerate(items):
+        for tid, b in it.params.logit_bias:
+            if tid < vocab:
+                rows.append(r)
+                ids.append(tid)
+                vals.append(b)
+    if rows:
+        dev = logits.device
+        logits.index_put_((torch.tensor(rows, device=dev), torch.tensor(ids, device=dev)),
+                          torch.tensor(vals, device=dev, dtype=logits.dtype), accumulate=True)
 
 
 def warped_probs(logits: torch.Tensor, items: list[StepItem]) -> torch.Tensor:

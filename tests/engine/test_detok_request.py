@@ -21,8 +21,8 @@ def tok(demo_model_dir):
     return tokenizer(demo_model_dir)
 
 
-def stream(tok, prompt_ids, ids, stops=()):
-    d = IncrementalDetokenizer(tok, prompt_ids, stops)
+def stream(tok, prompt_ids, ids, stops=(), include_stop=True):
+    d = IncrementalDetokenizer(tok, prompt_ids, stops, include_stop=include_stop)
     parts = []
     for i, t in enumerate(ids):
         parts.append(d.add(t))
@@ -57,6 +57,20 @@ def test_stop_sequence_across_token_boundaries(tok):
     assert "".join(parts) == "alpha beta gam"
     parts, d = stream(tok, [], ids, stops=("zzz",))
     assert not d.stopped and "".join(parts) == text
+
+
+def test_stop_sequence_cut_off_when_not_included(tok):
+    """OpenAI: the text ends before the stop sequence, also streamed (nothing of it is emitted
+    first); text that only looked like a stop sequence's start is emitted in the end."""
+    text = "alpha beta gamma delta epsilon"
+    ids = tok(text)["input_ids"]
+    for stop, want in [("ta gam", "alpha be"), ("alpha", ""), ("epsilon", "alpha beta gamma delta ")]:
+        parts, d = stream(tok, [], ids, stops=(stop,), include_stop=False)
+        assert d.stopped and "".join(parts) == d.text == want, stop
+    # "gamma d" begins like the stop "gamma dx": held back, then emitted when the end comes.
+    parts, d = stream(tok, [], ids, stops=("gamma dx", "silon!"), include_stop=False)
+    assert not d.stopped and "".join(parts) == d.text == text
+    assert any(p == "" for p in parts[:-1]) or parts[-1]      # something was held back at some point
 
 
 def body(**kw):

