@@ -23,7 +23,6 @@ import os
 import signal
 import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -34,41 +33,16 @@ import requests
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from handler.tools.bench.client import wait_ready  # noqa: E402
-from handler.tools.bench.compare import free_port  # noqa: E402
+from benchmarks.flood import Server as FloodServer  # noqa: E402
 
 GREEDY = {"inputs": "The three primary colors are", "parameters": {"max_new_tokens": 16, "do_sample": False}}
 
 
-class Server:
-    def __init__(self, model_dir: str, props: str, log_dir: str):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        path = os.path.join(log_dir, f"chaos-{self.port}.properties")
-        with open(path, "w") as f:
-            f.write(props)
-        self.log = open(os.path.join(log_dir, f"chaos-{self.port}.log"), "w")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "handler", "serve", "--properties", path, "--model-dir", model_dir,
-             "--host", "127.0.0.1", "--port", str(self.port)],
-            cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, "HF_HUB_OFFLINE": "1"})
-        wait_ready(self.url, 300, self.proc)
-
-    def worker(self) -> int:
-        pid = self.proc.pid
-        with open(f"/proc/{pid}/task/{pid}/children") as f:
-            return int(f.read().split()[0])
+class Server(FloodServer):
+    TAG = "chaos"
 
     def post(self, body: dict, timeout: float = 300) -> requests.Response:
         return requests.post(self.url + "/invocations", json=body, timeout=timeout)
-
-    def stop(self) -> int:
-        self.proc.terminate()
-        try:
-            return self.proc.wait(60)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            return self.proc.wait()
 
 
 def pct(xs: list[float], q: float) -> float:

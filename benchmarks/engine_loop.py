@@ -2,7 +2,7 @@
 
     python benchmarks/engine_loop.py --model-dir DIR [--dtype fp32|bf16] [--requests 200]
         [--concurrency 50] [--prompt-tokens 15,60,160] [--max-new-tokens 16,32,64] [--reps 2]
-        [--preset cpu|cpu-135m] [--out engine_loop.json]
+        [--preset cpu|cpu-135m] [--quantize int8] [--out engine_loop.json]
 
 The same shape as `handler bench compare`'s `lmi` workload (50 closed-loop clients, greedy,
 ignore_eos, KV 12,800 tokens, 64 running, prefill budget 4,096, block 16), but the clients are
@@ -98,13 +98,15 @@ def main(argv=None) -> int:
     p.add_argument("--preset", choices=("cpu", "cpu-135m"),
                    help="run this `bench compare` preset's lmi request list, tokenized as served "
                         "(every repetition the same list), instead of random prompts")
+    p.add_argument("--quantize", help="option.quantize for the engine (e.g. int8)")
     p.add_argument("--out")
     a = p.parse_args(argv)
     env = preload_env(os.environ)      # tcmalloc, as `handler serve` runs with it
     if env is not None and argv is None:
         os.execve(sys.executable, [sys.executable, *sys.argv], env)
     try:
-        engine = make_engine(a.model_dir, a.dtype, a.max_running, a.kv_tokens, prefill_tokens=4096)
+        engine = make_engine(a.model_dir, a.dtype, a.max_running, a.kv_tokens, prefill_tokens=4096,
+                             quantize=a.quantize)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -122,7 +124,8 @@ def main(argv=None) -> int:
               f"{res['cpu_s_per_1k_out_tok']:.2f} CPU-s / 1k out tok", flush=True)
     prompts = ptoks if served is None else \
         {"preset": a.preset, "mean": sum(len(ids) for ids, _ in served) / len(served)}
-    out = {"model_dir": a.model_dir, "dtype": a.dtype, "requests": a.requests if served is None else len(served),
+    out = {"model_dir": a.model_dir, "dtype": a.dtype, "quantize": a.quantize,
+           "requests": a.requests if served is None else len(served),
            "concurrency": a.concurrency, "prompt_tokens": prompts, "max_new_tokens": mnew,
            "kv_tokens": a.kv_tokens, "max_running": a.max_running, "runs": runs,
            "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),

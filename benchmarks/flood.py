@@ -37,13 +37,16 @@ GOOD = {"inputs": "def handler(event, context):", "parameters": {"max_new_tokens
 
 
 class Server:
+    """`python -m handler serve` in a child process (also benchmarks/chaos.py's); TAG names its files."""
+    TAG = "flood"
+
     def __init__(self, model_dir: str, props: str, log_dir: str):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        path = os.path.join(log_dir, f"flood-{self.port}.properties")
+        path = os.path.join(log_dir, f"{self.TAG}-{self.port}.properties")
         with open(path, "w") as f:
             f.write(props)
-        self.log = open(os.path.join(log_dir, f"flood-{self.port}.log"), "w")
+        self.log = open(os.path.join(log_dir, f"{self.TAG}-{self.port}.log"), "w")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "handler", "serve", "--properties", path, "--model-dir", model_dir,
              "--host", "127.0.0.1", "--port", str(self.port)],

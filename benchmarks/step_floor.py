@@ -39,20 +39,20 @@ from handler.engine.request import SamplingParams  # noqa: E402
 from handler.server import build_engine  # noqa: E402
 
 
-def make_engine(model_dir: str, dtype: str, batch: int, kv_tokens: int, prefill_tokens: int = 8192):
+def make_engine(model_dir: str, dtype: str, batch: int, kv_tokens: int, prefill_tokens: int = 8192,
+                quantize: str | None = None):
     props = {"option.rolling_batch": "auto", "option.paged_attention": "true",
              "option.max_rolling_batch_size": batch, "option.max_rolling_batch_prefill_tokens": prefill_tokens,
              "option.kv_cache_tokens": kv_tokens, "option.dtype": dtype}
+    if quantize:
+        props["option.quantize"] = quantize
     with tempfile.TemporaryDirectory() as d:
         path = os.path.join(d, "serving.properties")
         with open(path, "w") as f:
             f.write("\n".join(f"{k}={v}" for k, v in props.items()) + "\n")
         engine = build_engine(load_config(path, model_dir, env={}))
     # Stop its thread: this script drives the iterations itself, in this thread.
-    engine.shutdown()
-    engine._thread.join()
-    engine._stop = False
-    return engine
+    return engine.run_by_hand()
 
 
 class Timed:

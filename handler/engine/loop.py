@@ -84,6 +84,7 @@ class Engine:
         self._pieces: dict[int, str] = {}
         self._special = frozenset(getattr(self.tokenizer, "all_special_ids", ()))
         self._stop = False
+        self._by_hand = False   # run_by_hand(): no thread; the caller runs the iterations
         self.healthy = True
         self.on_step = None     # metrics: called with each step's plan (handler/http/metrics.py)
         # Called (engine thread) once per iteration with the channels that got events in it:
@@ -112,7 +113,8 @@ class Engine:
         if not self.healthy:
             return False
         reason = None
-        if self._thread.ident is not None and not self._thread.is_alive() and not self._stop:
+        if (self._thread.ident is not None and not self._thread.is_alive() and not self._stop
+                and not self._by_hand):
             reason = "the engine thread has died" + (f" ({self.error})" if self.error else "")
         started, bound = self._step_started, self.step_timeout_s
         if reason is None and started is not None and bound is not None:
@@ -206,6 +208,15 @@ class Engine:
     def shutdown(self) -> None:
         self._stop = True
         self._wake.set()
+
+    def run_by_hand(self) -> "Engine":
+        """Stop the engine's thread and its watchdog: the caller runs `_iteration()` itself, in
+        its own thread (benchmarks that time iterations, tests that step the engine)."""
+        self.shutdown()
+        self._thread.join()
+        self._watchdog.join()
+        self._stop, self._by_hand = False, True
+        return self
 
     def stats(self) -> dict:
         s = self.scheduler

@@ -68,10 +68,7 @@ def assert_drained(engine):
 
 def driven_by_hand(engine):
     """Stop the engine's thread: the test runs its iterations itself."""
-    engine.shutdown()
-    engine._thread.join()
-    engine._stop = False
-    return engine
+    return engine.run_by_hand()
 
 
 def _drained(q) -> list:
