@@ -226,7 +226,7 @@ class LlamaFamilyForCausalLM(nn.Module):
 
 
 # ---------------------------------------------------------------------------- loading
-_PROJ = {"q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv", "gate_proj": "column", "up_proj": "column",
+_PROJ = {"q_proj": "column", "k_proj": "column", "v_proj": "column", "gate_proj": "column", "up_proj": "column",
          "o_proj": "row", "down_proj": "row"}
 
 
@@ -247,13 +247,10 @@ def _checkpoint_names(files: list[str]) -> set[str]:
     return names
 
 
-def _spec(name: str, a: Arch) -> Shard:
+def _spec(name: str) -> Shard:
     """How tensor `name` (ours, after fused weights are split) is cut across ranks."""
     leaf = name.split(".")[-2] if name.endswith((".weight", ".bias")) else ""
-    kind = _PROJ.get(leaf)
-    if kind == "qkv":
-        kind = "column"
-    return Shard(kind)
+    return Shard(_PROJ.get(leaf))
 
 
 def load(model_dir: str, config, *, dtype: torch.dtype, device: torch.device,
@@ -314,7 +311,7 @@ def load(model_dir: str, config, *, dtype: torch.dtype, device: torch.device,
                 elif key == "lm_head.weight" and a.tied:
                     continue
                 else:
-                    put(key, t, _spec(key, a))
+                    put(key, t, _spec(key))
     missing = sorted(n for n in params if n not in filled and not (a.tied and n == "lm_head.weight"))
     if missing:
         raise ValueError(f"the checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")

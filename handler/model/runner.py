@@ -229,8 +229,8 @@ class ModelRunner:
         every linear layer but the head quantized."""
         from handler.model import quant
         if self.own:
-            ids = self.tokenizer(quant.CALIBRATION, add_special_tokens=False)["input_ids"][: self.max_model_len]
-            ids = ids[: self.kv.tokens]
+            ids = self.tokenizer(quant.CALIBRATION, add_special_tokens=False)["input_ids"]
+            ids = ids[: min(self.max_model_len, self.kv.tokens)]
 
             def calibrate():
                 from handler.engine.request import SamplingParams

@@ -178,6 +178,15 @@ def agreement(base: list[int], cand: list[int]) -> float:
     return same / max(len(base), 1)
 
 
+def weight_bytes(model) -> int:
+    """Bytes the weights hold: parameters plus the packed / quantized copies layers keep beside them."""
+    import torch
+    held = [p for p in model.parameters()]
+    held += [t for m in model.modules() for t in (getattr(m, a, None) for a in ("panels", "qweight", "packed"))
+             if isinstance(t, torch.Tensor)]
+    return sum(t.numel() * t.element_size() for t in held)
+
+
 def measure(model_dir: str, dtype: str, quantize: str | None, max_new: int, reference=None) -> dict:
     """One arm; `reference` (the baseline's answers): also its teacher-forced agreement."""
     engine = engine_for(model_dir, dtype, quantize)
@@ -186,10 +195,7 @@ def measure(model_dir: str, dtype: str, quantize: str | None, max_new: int, refe
         ppl = {name: perplexity(engine, text) for name, text in TEXTS.items()}
         prompts = chat_ids(engine.runner.tokenizer, CHAT)
         answers = chat_answers(engine, prompts, max_new)
-        weights = sum(p.numel() * p.element_size() for p in engine.runner.model.parameters())
-        weights += sum(getattr(m, a).numel() * getattr(m, a).element_size()
-                       for m in engine.runner.model.modules() for a in ("panels", "qweight", "packed")
-                       if isinstance(getattr(m, a, None), __import__("torch").Tensor))
+        weights = weight_bytes(engine.runner.model)
     finally:
         engine.shutdown()
     if reference is not None:
