@@ -34,8 +34,8 @@ def build_runner(cfg, on_rank_failure=None):
                   max_model_len=cfg.max_model_len, trust_remote_code=cfg.trust_remote_code,
                   model_impl=cfg.model_impl, quantize=cfg.quantize)
     if cfg.tensor_parallel_degree == 1:
-        runner = ModelRunner(**kwargs)
         lora = getattr(cfg, "enable_lora", False)
+        runner = ModelRunner(**kwargs, fuse=not lora)
         if lora:
             enable_lora(cfg, runner)
         runner.prepack_cpu(keep_weights=lora)

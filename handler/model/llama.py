@@ -102,6 +102,19 @@ def _linear(n_in: int, n_out: int, bias: bool, dtype, device) -> nn.Linear:
     return nn.Linear(n_in, n_out, bias=bias, dtype=dtype, device=device).requires_grad_(False)
 
 
+def _fused(parts: list[nn.Linear]) -> nn.Linear:
+    """One linear layer whose output is the parts' outputs side by side (a part without a bias
+    contributes zeros to the fused bias)."""
+    w = parts[0].weight
+    out = _linear(w.shape[1], sum(p.out_features for p in parts), any(p.bias is not None for p in parts),
+                  w.dtype, w.device)
+    out.weight.copy_(torch.cat([p.weight.detach() for p in parts]))
+    if out.bias is not None:
+        out.bias.copy_(torch.cat([p.bias.detach() if p.bias is not None else p.weight.new_zeros(p.out_features)
+                                  for p in parts]))
+    return out
+
+
 class Attention(nn.Module):
     def __init__(self, a: Arch, i: int, biases: dict, tp: TensorParallel, dtype, device):
         super().__init__()
@@ -113,6 +126,7 @@ class Attention(nn.Module):
         self.k_proj = _linear(e, self.kv_heads * d, biases.get("k_proj", False), dtype, device)
         self.v_proj = _linear(e, self.kv_heads * d, biases.get("v_proj", False), dtype, device)
         self.o_proj = _linear(a.heads * d // tp.size, e, biases.get("o_proj", False), dtype, device)
+        self.qkv_proj = None        # fuse(): q, k and v in one layer
         self.qk_norm = a.qk_norm
         if a.qk_norm == "head":
             self.q_norm = RMSNorm(d, a.eps, dtype=dtype, device=device)
@@ -125,7 +139,10 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, step) -> torch.Tensor:
         t, d = x.shape[0], self.head_dim
-        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        if self.qkv_proj is not None:   # [T, (H + 2 Hkv) D]: three views of one product
+            q, k, v = self.qkv_proj(x).split(self.qkv_split, dim=-1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         if self.qk_norm == "full":
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = q.view(t, -1, d), k.view(t, -1, d), v.view(t, -1, d)
@@ -141,6 +158,12 @@ class Attention(nn.Module):
                                       key=k, value=v, memo=step.memo)
         return self.tp.reduce(self.o_proj(out.reshape(t, -1)))     # row-parallel: partial sums
 
+    def fuse(self) -> None:
+        parts = [self.q_proj, self.k_proj, self.v_proj]
+        self.qkv_split = [p.out_features for p in parts]
+        self.qkv_proj = _fused(parts)
+        del self.q_proj, self.k_proj, self.v_proj
+
 
 class MLP(nn.Module):
     def __init__(self, a: Arch, tp: TensorParallel, dtype, device):
@@ -150,10 +173,21 @@ class MLP(nn.Module):
         self.gate_proj = _linear(a.hidden, i, False, dtype, device)
         self.up_proj = _linear(a.hidden, i, False, dtype, device)
         self.down_proj = _linear(i, a.hidden, False, dtype, device)
+        self.gate_up_proj = None    # fuse(): gate and up in one layer
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = F.silu(self.gate_proj(x), inplace=True).mul_(self.up_proj(x))
+        if self.gate_up_proj is not None:
+            # [T, 2I]: gate's half copied out (torch's SiLU on a strided view takes another path
+            # that rounds differently from its vectorised one), activated in place, times up's.
+            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+            h = F.silu(gate.contiguous(), inplace=True).mul_(up)
+        else:
+            h = F.silu(self.gate_proj(x), inplace=True).mul_(self.up_proj(x))
         return self.tp.reduce(self.down_proj(h))
+
+    def fuse(self) -> None:
+        self.gate_up_proj = _fused([self.gate_proj, self.up_proj])
+        del self.gate_proj, self.up_proj
 
 
 class DecoderLayer(nn.Module):
@@ -206,6 +240,18 @@ class LlamaFamilyForCausalLM(nn.Module):
 
     def get_output_embeddings(self) -> nn.Module:
         return self.lm_head
+
+    @torch.no_grad()
+    def fuse_projections(self) -> None:
+        """Per layer, q/k/v as one linear layer and gate/up as another: one GEMM (and, quantized,
+        one rounding of the shared input row) instead of three and two. Each output column is
+        still its own dot product over the same input, so the per-column kernels (our panels,
+        int8) give the unfused values bit for bit. Not for LoRA, whose adapters target the
+        checkpoint's layer names; run after smoothing (handler/model/quant.py), which scales q/k/v
+        and gate/up by their producers."""
+        for layer in self.model.layers:
+            layer.self_attn.fuse()
+            layer.mlp.fuse()
 
     def get_input_embeddings(self) -> nn.Module:
         return self.model.embed_tokens

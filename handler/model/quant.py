@@ -136,6 +136,8 @@ def smooth_groups(model: nn.Module) -> list[tuple[nn.Module, list[nn.Linear]]] |
     groups = []
     for layer in model.model.layers:
         a, m = layer.self_attn, layer.mlp
+        if a.qkv_proj is not None:
+            raise ValueError("smooth before fuse_projections: smoothing scales q/k/v and up_proj apart")
         groups.append((layer.input_layernorm, [a.q_proj, a.k_proj, a.v_proj]))
         groups.append((layer.post_attention_layernorm, [m.gate_proj, m.up_proj]))
         groups.append((m.up_proj, [m.down_proj]))

@@ -116,13 +116,14 @@ class ModelRunner:
                  block_size: int = 16, kv_cache_tokens: int | None = None,
                  max_running: int = 32, gpu_memory_utilization: float = 0.9,
                  max_model_len: int | None = None, trust_remote_code: bool = False,
-                 model_impl: str = "auto", quantize: str | None = None, ranks=None):
+                 model_impl: str = "auto", quantize: str | None = None, ranks=None, fuse: bool = True):
         """`ranks` (handler.model.distributed.Ranks): this process is one of N tensor-parallel ranks;
         the model is sharded (ours by its parallel layers, transformers' by its plan) and the KV
         pool holds this rank's heads. `model_impl` (option.model_impl): auto (ours for the Llama
         family, handler/model/llama.py; transformers' for the rest), lmi (ours or a load error),
         transformers. `quantize` (option.quantize): the linear layers quantized at load
-        (handler/model/quant.py)."""
+        (handler/model/quant.py). `fuse`: our model's q/k/v and gate/up each as one layer on CPU
+        (LlamaFamilyForCausalLM.fuse_projections); False where LoRA will wrap the layers."""
         from transformers import AutoConfig, AutoTokenizer
 
         self.ranks = ranks
@@ -159,7 +160,12 @@ class ModelRunner:
             if cpu_ext.supports(self.kv_cache[0][0]) and cpu_ext.load() is not None:
                 log.info("CPU: decode attention by the in-place C kernel (kernels/cpu_decode.c)")
         if quantize:
-            self._quantize(quantize)
+            self._smooth(quantize)
+        if fuse and self._fusable(quantize):
+            self.model.fuse_projections()
+        if quantize:
+            from handler.model import quant
+            quant.quantize_model(self.model, quantize)
         self.eos_token_ids = self._eos_ids()
         self.sampler = Sampler()
         # Guided decoding (xgrammar; built on first use): handler.engine.types.Guides
@@ -223,10 +229,19 @@ class ModelRunner:
             model.to(self.device)
         return model.eval()
 
-    def _quantize(self, method: str) -> None:
-        """option.quantize (handler/model/quant.py): our models smoothed on the calibration text
-        first (one prefill through the pool's first blocks, which no sequence holds yet), then
-        every linear layer but the head quantized."""
+    def _fusable(self, quantize: str | None) -> bool:
+        """Fuse our model's projections where the GEMM computes each output column on its own
+        (int8, our fp32 panels), so that fusing changes no value; oneDNN's blocking depends on N
+        (its sums would move by an ulp) and GPUs are left as they are."""
+        if not self.own or self.device.type != "cpu":
+            return False
+        from handler.model.cpu import panels_wanted
+        return bool(quantize) or (self.dtype == torch.float32 and panels_wanted())
+
+    def _smooth(self, method: str) -> None:
+        """option.quantize (handler/model/quant.py): our models are smoothed on the calibration
+        text before their linear layers are quantized (one prefill through the pool's first
+        blocks, which no sequence holds yet)."""
         from handler.model import quant
         if self.own:
             ids = self.tokenizer(quant.CALIBRATION, add_special_tokens=False)["input_ids"]
@@ -240,7 +255,6 @@ class ModelRunner:
             n = quant.smooth(self.model, calibrate)
             log.info("%s: %d layer groups smoothed on %d calibration tokens (SmoothQuant, alpha %.2f)",
                      method, n, len(ids), quant.SMOOTH_ALPHA)
-        quant.quantize_model(self.model, method)
 
     def _kv_pool(self) -> torch.Tensor:
         """One layer's keys or values, [NB, bs, Hkv, D] to every reader. On CPU that is a view of
@@ -286,6 +300,9 @@ class ModelRunner:
     def enable_lora(self, max_loras: int, max_lora_rank: int, max_cpu_loras: int):
         """Wrap the model's linear layers for per-row LoRA updates; returns the LoraManager."""
         from handler.model.lora import LoraManager
+        if any(getattr(m, "qkv_proj", None) is not None for m in self.model.modules()):
+            raise ModelLoadError("LoRA needs the checkpoint's q/k/v and gate/up layers: build the runner with "
+                                 "fuse=False (handler/server.py does when option.enable_lora is set)")
         if self.ranks is not None:
             raise ModelLoadError("option.enable_lora is not supported with option.tensor_parallel_degree "
                                  "> 1 (adapters are not sharded across ranks); use degree 1")

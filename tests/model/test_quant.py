@@ -75,13 +75,13 @@ def test_quantize_rows_rounds_each_row_by_its_own_scale():
     assert q.tolist() == [[0, 0], [127, -64], [127, 63]]     # -63.5 rounds to even
 
 
-def _runner(model_dir, quantize=None, dtype="fp32"):
+def _runner(model_dir, quantize=None, dtype="fp32", fuse=True):
     return ModelRunner(model_dir, dtype=dtype, device="cpu", kv_cache_tokens=512, block_size=16,
-                       quantize=quantize)
+                       quantize=quantize, fuse=fuse)
 
 
 def test_quantized_model_swaps_every_linear_but_the_head(demo_model_dir):
-    r = _runner(demo_model_dir, "int8")
+    r = _runner(demo_model_dir, "int8", fuse=False)    # the checkpoint's layer names, as LoRA sees them
     linears = [m for m in r.model.modules() if isinstance(m, nn.Linear)]
     head = r.model.get_output_embeddings()
     assert type(head) is nn.Linear and head.weight.numel() > 0
@@ -97,7 +97,7 @@ def test_quantized_model_swaps_every_linear_but_the_head(demo_model_dir):
 def test_smoothing_keeps_the_float_models_values(demo_model_dir):
     from tests.model.test_llama import _step_logits
     plain = _runner(demo_model_dir)
-    smoothed = _runner(demo_model_dir)
+    smoothed = _runner(demo_model_dir, fuse=False)     # smoothing runs before fusing
     called = []
 
     def calibrate():
@@ -109,6 +109,25 @@ def test_smoothing_keeps_the_float_models_values(demo_model_dir):
     assert scales and any((s - 1).abs().max() > 0.1 for s in scales)   # it did move something
     for got, want in zip(_step_logits(smoothed), _step_logits(plain)):
         assert ((got - want).norm() / want.norm()).item() < 1e-5
+
+
+@pytest.mark.parametrize("quantize", [None, pytest.param("int8", marks=needs_vnni)])
+def test_fused_projections_change_no_value(demo_model_factory, quantize):
+    # q/k/v and gate/up as one GEMM each (one rounding of the shared input when int8): the
+    # per-column kernels give every logit of every step bit for bit as the separate layers do.
+    from tests.model.test_cpu import _step_logits
+    if not cpu_ext.gemm_available():
+        pytest.skip("kernels/cpu_gemm.c (the fp32 panels fusing is for) needs AVX-512F")
+    path = demo_model_factory("qwen2")      # q/k/v biases; intermediate size not a multiple of 32
+    fused, apart = _runner(path, quantize), _runner(path, quantize, fuse=False)
+    for r in (fused, apart):
+        r.prepack_cpu()
+    layer = fused.model.model.layers[0]
+    assert layer.self_attn.qkv_proj is not None and layer.mlp.gate_up_proj is not None
+    assert not hasattr(layer.self_attn, "q_proj") and not hasattr(layer.mlp, "up_proj")
+    assert apart.model.model.layers[0].self_attn.qkv_proj is None
+    for got, want in zip(_step_logits(fused), _step_logits(apart)):
+        assert torch.equal(got, want)
 
 
 @needs_vnni
@@ -148,7 +167,7 @@ def test_int8_serves_under_every_strategy(demo_model_dir, tmp_path):
 def test_int8_with_a_lora_adapter_matches_the_adapter_on_the_smoothed_layer(demo_model_dir, tmp_path):
     # The adapter's A is multiplied by the layer's smoothing scale, so x/s @ (A s)^T == x @ A^T.
     from handler.model.lora import LoRALinear
-    r = _runner(demo_model_dir, "int8")
+    r = _runner(demo_model_dir, "int8", fuse=False)     # LoRA wraps the checkpoint's layers
     q = r.model.model.layers[0].self_attn.q_proj
     s = q.input_scale
     wrapped = LoRALinear(q, slots=1, max_rank=4)
