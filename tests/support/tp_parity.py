@@ -2,7 +2,10 @@
 loads one model once, runs every strategy over it with all prompts submitted at once, prints
 {strategy: [token ids per prompt]} as JSON. Used by tests/model/test_tp.py.
 
-    python -m tests.support.tp_parity MODEL_DIR PROPS_DIR [cuda]
+    python -m tests.support.tp_parity MODEL_DIR PROPS_DIR [cpu|cuda] [QUANTIZE]
+
+With QUANTIZE (option.quantize, e.g. int8) only the paged strategy runs: each rank quantizes
+its own shards.
 """
 from __future__ import annotations
 
@@ -34,9 +37,11 @@ def _ids(ch) -> list[int]:
     return [e.id for e in _events(ch)]
 
 
-def main(model_dir: str, props_dir: str, device: str = "cpu") -> int:
+def main(model_dir: str, props_dir: str, device: str = "cpu", quantize: str = "") -> int:
     logging.basicConfig(level="INFO", format="%(levelname)s %(name)s: %(message)s")
     on_gpu = {"option.device": "cuda", "option.dtype": "fp32"} if device == "cuda" else {}
+    if quantize:
+        on_gpu["option.quantize"] = quantize
 
     def cfg_for(strategy: str):
         path = os.path.join(props_dir, f"{strategy}.properties")
@@ -53,7 +58,7 @@ def main(model_dir: str, props_dir: str, device: str = "cpu") -> int:
     runner = build_runner(cfg_for("paged"), failed)
     logging.info("loaded in %.1f s", time.monotonic() - t0)
     out = {"kv_heads_per_rank": runner.kv.num_kv_heads}
-    for strategy in STRATEGIES:
+    for strategy in ["paged"] if quantize else STRATEGIES:
         engine = engine_for(cfg_for(strategy), runner)
         results = run_all(engine, PROMPTS, [SamplingParams(max_new_tokens=n) for n in NEW_TP])
         out[strategy] = [ids for ids, _ in results]
