@@ -71,6 +71,8 @@ SWITCHES: dict[str, Switch] = {s.name: s for s in (
            "(kernels/cpu_decode.c), or the torch reference", "kernels/cpu_ext.py", allowed=("kernel", "reference")),
     Switch("LMI_CPU_EXT_CACHE", "text", None, "where the CPU kernels are built and cached", "kernels/cpu_ext.py",
            values="directory", default_doc="`~/.cache/lmi-serve/kernels`"),
+    Switch("LMI_QUANT_HEAD", "flag", False, "option.quantize=int8: the output head quantized (and smoothed) too, "
+           "instead of kept in the model's dtype", "handler/model/quant.py"),
     Switch("LMI_CGROUP_ROOT", "text", "/sys/fs/cgroup", "CPU: where the container's memory limit is read "
            "(`memory.max` / `memory.current`, or cgroup v1's) to size the default KV pool",
            "handler/config/hardware.py", values="directory"),

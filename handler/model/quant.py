@@ -96,18 +96,33 @@ def int8_reference(x: torch.Tensor, qweight: torch.Tensor, wscale: torch.Tensor,
     return y.view(*x.shape[:-1], qweight.shape[0])
 
 
-def _targets(model: nn.Module) -> list[tuple[str, nn.Linear]]:
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    return [(n, m) for n, m in model.named_modules() if type(m) is nn.Linear and m is not head]
+def _head(model: nn.Module) -> nn.Linear | None:
+    return model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
 
 
-def quantize_model(model: nn.Module, method: str) -> int:
-    """Swap every linear layer but the output head for `method`'s class, in place; returns how many."""
+def _targets(model: nn.Module, head: bool) -> list[tuple[str, nn.Linear]]:
+    out = _head(model)
+    return [(n, m) for n, m in model.named_modules() if type(m) is nn.Linear and (head or m is not out)]
+
+
+def _untie_head(model: nn.Module) -> None:
+    """The head its own copy of a tied embedding's weight (smoothing scales the head's columns;
+    the quantized head replaces its weight): the embedding keeps the original."""
+    out, emb = _head(model), model.get_input_embeddings()
+    if out is not None and emb is not None and out.weight is emb.weight:
+        out.weight = nn.Parameter(out.weight.detach().clone(), requires_grad=False)
+
+
+def quantize_model(model: nn.Module, method: str, head: bool = False) -> int:
+    """Swap every linear layer but the output head (with `head`, that one too) for `method`'s
+    class, in place; returns how many."""
     if METHODS.get(method) != "int8":
         raise ValueError(f"unknown quantization {method!r}")
     kernel = cpu_ext.gemm_i8_available()
+    if head:
+        _untie_head(model)
     done = 0
-    for name, m in _targets(model):
+    for name, m in _targets(model, head):
         q, scale = quantize_rows(m.weight)
         m.wscale = scale.to(m.weight.device)
         m.bias32 = None if m.bias is None else m.bias.detach().float().contiguous()
@@ -121,15 +136,17 @@ def quantize_model(model: nn.Module, method: str) -> int:
         # The int8 copy replaces it; an empty tensor keeps dtype/device for readers (LoRA).
         m.weight = nn.Parameter(m.weight.new_empty(0), requires_grad=False)
         done += 1
-    log.info("int8: %d linear layers quantized (%s); the output head stays %s", done,
+    log.info("int8: %d linear layers quantized (%s); the output head %s", done,
              "kernels/cpu_gemm_i8.c, AVX-512 VNNI" if kernel else "reference torch ops: no VNNI kernel here",
-             str(next(model.parameters()).dtype).removeprefix("torch."))
+             "too (LMI_QUANT_HEAD)" if head else
+             "stays " + str(next(model.parameters()).dtype).removeprefix("torch."))
     return done
 
 
-def smooth_groups(model: nn.Module) -> list[tuple[nn.Module, list[nn.Linear]]] | None:
+def smooth_groups(model: nn.Module, head: bool = False) -> list[tuple[nn.Module, list[nn.Linear]]] | None:
     """(producer, consumers) pairs whose consumers' inputs are the producer's output, for our
-    Llama family with pre-norms (handler/model/llama.py); None for any other model."""
+    Llama family with pre-norms (handler/model/llama.py); None for any other model. With `head`,
+    the final norm and the output head too."""
     arch = getattr(model, "arch", None)
     if arch is None or arch.post_norms:
         return None
@@ -141,14 +158,17 @@ def smooth_groups(model: nn.Module) -> list[tuple[nn.Module, list[nn.Linear]]] |
         groups.append((layer.input_layernorm, [a.q_proj, a.k_proj, a.v_proj]))
         groups.append((layer.post_attention_layernorm, [m.gate_proj, m.up_proj]))
         groups.append((m.up_proj, [m.down_proj]))
+    if head:
+        _untie_head(model)
+        groups.append((model.model.norm, [model.lm_head]))
     return groups
 
 
 @torch.no_grad()
-def smooth(model: nn.Module, run_calibration, alpha: float = SMOOTH_ALPHA) -> int:
+def smooth(model: nn.Module, run_calibration, alpha: float = SMOOTH_ALPHA, head: bool = False) -> int:
     """SmoothQuant our model in place (see the module doc); `run_calibration()` runs the
     calibration text through it once. Returns how many layers were smoothed (0: not ours)."""
-    groups = smooth_groups(model)
+    groups = smooth_groups(model, head)
     if not groups:
         return 0
     consumers = {id(c): c for _, cs in groups for c in cs}

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from handler.config import hardware, sizing
+from handler.config.switches import switch
 from handler.model import batch_invariant, sampling
 from handler.model.attention import ATTN_NAME, StepMeta  # importing it registers the attention function
 from handler.model.guided import Guides
@@ -165,7 +166,7 @@ class ModelRunner:
             self.model.fuse_projections()
         if quantize:
             from handler.model import quant
-            quant.quantize_model(self.model, quantize)
+            quant.quantize_model(self.model, quantize, head=switch("LMI_QUANT_HEAD"))
         self.eos_token_ids = self._eos_ids()
         self.sampler = Sampler()
         # Guided decoding (xgrammar; built on first use): handler.engine.types.Guides
@@ -252,7 +253,7 @@ class ModelRunner:
                 table = list(range(-(-len(ids) // self.block_size)))
                 item = StepItem(0, ids, 0, table, True, SamplingParams(max_new_tokens=1), ids)
                 self._forward(pack_step([item], self.block_size)[0])
-            n = quant.smooth(self.model, calibrate)
+            n = quant.smooth(self.model, calibrate, head=switch("LMI_QUANT_HEAD"))
             log.info("%s: %d layer groups smoothed on %d calibration tokens (SmoothQuant, alpha %.2f)",
                      method, n, len(ids), quant.SMOOTH_ALPHA)
 
