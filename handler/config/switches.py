@@ -3,7 +3,8 @@ documentation, and who reads it. `switch(NAME)` reads one from os.environ at cal
 the mapping given), so a test's monkeypatched environment is seen.
 
 Kinds, and what `switch` returns:
-  flag     on by default; False when set to 0 / false / no / off (any case, spaces ignored)
+  flag     its default (on unless declared off) when unset; False when set to 0 / false / no / off
+           (any case, spaces ignored), True when set to anything else
   choice   the value stripped and lower-cased (the default when unset; an empty value stays "");
            the reader decides what an unlisted value does (most warn and keep the default)
   float    the value as a float; the default when unset or not a number
@@ -39,7 +40,7 @@ class Switch:
         if self.default_doc is not None:
             return self.default_doc
         if self.kind == "flag":
-            return "`1`"
+            return "`1`" if self.default else "`0`"
         return "" if self.default is None else f"`{self.default:g}`" if isinstance(self.default, float) \
             else f"`{self.default}`"
 
@@ -104,7 +105,7 @@ def switch(name: str, env: Mapping[str, str] | None = None):
     s = SWITCHES[name]
     raw = (os.environ if env is None else env).get(name)
     if s.kind == "flag":
-        return raw is None or raw.strip().lower() not in OFF
+        return bool(s.default) if raw is None else raw.strip().lower() not in OFF
     if s.kind == "choice":
         return (s.default if raw is None else raw).strip().lower()
     if s.kind == "float":
