@@ -170,6 +170,7 @@ class Key:
 
 ROLLING_BATCH_VALUES = ["auto", "scheduler", "lmi-dist", "vllm", "disable"]
 _SECONDS = _float(0.0, None, True, "a positive number of seconds")
+_QUANTIZE = _enum(["int8"], {"w8a8": "int8", "int8_dynamic": "int8"})   # option.quantize and its vLLM name
 
 KEYS: tuple[Key, ...] = (
     # LMI's other engine names are accepted (with a warning) so that older files load as written.
@@ -261,12 +262,15 @@ KEYS: tuple[Key, ...] = (
     Key("option.max_num_batched_tokens", _int(1),
         "vLLM's name for `option.max_rolling_batch_prefill_tokens` (used when that is absent)", unit="tokens",
         alias_of="option.max_rolling_batch_prefill_tokens"),
-    Key("option.quantize", _enum(["int8"], {"w8a8": "int8", "int8_dynamic": "int8"}),
+    Key("option.quantize", _QUANTIZE,
         "quantized linear layers (the output head and embeddings stay in `option.dtype`): `int8` dynamic W8A8, "
         "weights rounded per output channel at load, activations per token each step (kernels/cpu_gemm_i8.c "
         "with AVX-512 VNNI; `w8a8` and `int8_dynamic` are its other names); docs/QUANTIZATION.md has "
         "memory, speed and quality. Absent: the model's dtype", values="`int8`", env=("HF_MODEL_QUANTIZE",),
         summary_default="(none)"),
+    Key("option.quantization", _QUANTIZE,
+        "vLLM's name for `option.quantize` (used when that is absent)", values="as `option.quantize`",
+        alias_of="option.quantize"),
     Key("option.log_format", _enum(["text", "json"]),
         "server log lines; `json`: one JSON object per line, the request line's fields at the top level",
         default="text"),

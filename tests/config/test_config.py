@@ -178,6 +178,7 @@ BAD = [
     ("option.predict_timeout", "-1", "is not a positive number of seconds"),
     ("option.max_num_batched_tokens", "0", "is not a positive integer"),
     ("option.quantize", "awq4", "is not supported; allowed: int8"),
+    ("option.quantization", "awq4", "is not supported; allowed: int8"),
     ("option.model_impl", "vllm2", "is not supported; allowed: auto, lmi, transformers"),
     ("option.model_id", "", "is empty"),
     ("graceful_timeout", "-1", "is not a positive number of seconds"),
@@ -356,6 +357,8 @@ def test_quantize_takes_int8_and_its_names_and_refuses_the_rest_with_one_line(lo
     assert load("option.dtype=bf16\n").quantize is None
     msg = error_of(load, None, env={"HF_MODEL_QUANTIZE": "bitsandbytes"})
     assert "environment HF_MODEL_QUANTIZE" in msg and "allowed: int8" in msg
+    assert load("option.quantization=w8a8\n").quantize == "int8"      # vLLM's name
+    assert "option.quantization=awq4" in error_of(load, "option.quantization=awq4\n")
 
 
 def test_chat_streaming_formatter_is_refused_with_dynamic_batching(load):

@@ -56,7 +56,8 @@ def test_public_tables_are_derived_from_the_schema():
     assert [v for v, k in ENV_ALIASES if k == "option.tensor_parallel_degree"] == ["TENSOR_PARALLEL_DEGREE",
                                                                                    "SM_NUM_GPUS"]
     assert ALIASES == {"option.model_id": ("option.s3url",), "request_timeout": ("option.predict_timeout",),
-                       "option.max_rolling_batch_prefill_tokens": ("option.max_num_batched_tokens",)}
+                       "option.max_rolling_batch_prefill_tokens": ("option.max_num_batched_tokens",),
+                       "option.quantize": ("option.quantization",)}
 
 
 def test_every_key_field_is_a_serving_config_field_with_the_schemas_default(tmp_path):
