@@ -261,12 +261,20 @@ KEYS: tuple[Key, ...] = (
     Key("option.max_num_batched_tokens", _int(1),
         "vLLM's name for `option.max_rolling_batch_prefill_tokens` (used when that is absent)", unit="tokens",
         alias_of="option.max_rolling_batch_prefill_tokens"),
-    Key("option.quantize", _enum(["int8"], {"w8a8": "int8", "int8_dynamic": "int8"}),
-        "quantized linear layers (the output head and embeddings stay in `option.dtype`): `int8` dynamic W8A8, "
+    Key("option.quantize", _enum(["int8", "awq", "gptq", "gguf", "fp8", "none"],
+                                 {"w8a8": "int8", "int8_dynamic": "int8", "awq_marlin": "awq", "gptq_marlin": "gptq"}),
+        "quantized linear layers (the output head and embeddings stay in `option.dtype`). `int8`: dynamic W8A8, "
         "weights rounded per output channel at load, activations per token each step (kernels/cpu_gemm_i8.c "
-        "with AVX-512 VNNI; `w8a8` and `int8_dynamic` are its other names); docs/QUANTIZATION.md has "
-        "memory, speed and quality. Absent: the model's dtype", values="`int8`", env=("HF_MODEL_QUANTIZE",),
-        summary_default="(none)"),
+        "with AVX-512 VNNI; `w8a8` and `int8_dynamic` are its other names). `awq`, `gptq`: a pre-quantized "
+        "4-bit checkpoint (AutoAWQ GEMM / GPTQ packing, group scales and zeros), served without dequantizing "
+        "(kernels/cpu_gemm_q4.c, bit for bit its dequantized fp32 model's results); detected from config.json's "
+        "`quantization_config` when the key is absent, and must agree with it. `gguf`: a `.gguf` model's "
+        "Q4_0/Q4_1/Q8_0 tensors served as they are (the default for a `.gguf` model_id; other tensor types "
+        "stay dequantized). `none`: a quantized checkpoint or `.gguf` file dequantized to `option.dtype`. "
+        "`fp8`: refused (needs an fp8 GPU; not implemented yet). docs/QUANTIZATION.md has memory, speed and "
+        "quality of each. Absent: the model's dtype, or the checkpoint's own quantization",
+        values="`int8`, `awq`, `gptq`, `gguf`, `fp8`, `none`", env=("HF_MODEL_QUANTIZE",),
+        summary_default="(none; a quantized checkpoint's own)"),
     Key("option.log_format", _enum(["text", "json"]),
         "server log lines; `json`: one JSON object per line, the request line's fields at the top level",
         default="text"),

@@ -163,7 +163,7 @@ def grouped_of(m: Q4Linear) -> Grouped:
         return m.grouped
     n, k = m.out_features, m.in_features
     npan = -(-n // PANEL)
-    g_count = m.qscales.shape[0] // npan
+    g_count = m.qscales.shape[1]      # qscales / qmins: [np, G, 32]
     codes = m.panels.view(npan, k, -1)
     if m.bits == 4:
         q = torch.cat([codes & 0xF, codes >> 4], dim=2)
