@@ -75,6 +75,16 @@ def checkpoint_quant(qc: dict | None) -> CheckpointQuant | None:
     return CheckpointQuant("gptq", 4, group, sym=bool(qc.get("sym", True)), zeros_plus_one=fmt == "gptq")
 
 
+def converted_from_gguf(model_dir: str | None) -> bool:
+    """A directory handler/model/gguf.py converted from a .gguf file that still exists."""
+    try:
+        with open(os.path.join(model_dir or "", "converted_from.json")) as f:
+            src = json.load(f).get("gguf")
+    except (OSError, ValueError, AttributeError):
+        return False
+    return bool(src) and os.path.isfile(src)
+
+
 def resolve(quantize: str | None, model_dir: str | None, on_gpu: bool, is_gguf: bool = False) -> str | None:
     """The method served: option.quantize checked against the checkpoint (see the module doc)."""
     if quantize == "fp8":
@@ -95,8 +105,9 @@ def resolve(quantize: str | None, model_dir: str | None, on_gpu: bool, is_gguf: 
         raise QuantConfigError(f"option.quantize={quantize} needs a checkpoint quantized by {quantize.upper()} "
                                f"(config.json quantization_config.quant_method={quantize}); {model_dir} has none "
                                f"(make one: python -m handler quantize-checkpoint --method {quantize} SRC DST)")
-    if quantize == "gguf" and not is_gguf:
-        raise QuantConfigError("option.quantize=gguf needs a .gguf model (option.model_id naming a .gguf file)")
+    if quantize == "gguf" and not (is_gguf or converted_from_gguf(model_dir)):
+        raise QuantConfigError("option.quantize=gguf needs a .gguf model (option.model_id naming a .gguf file, "
+                               "or a directory converted from one)")
     if quantize is None and is_gguf:
         return "gguf"
     return quantize
