@@ -193,8 +193,10 @@ KEYS: tuple[Key, ...] = (
         default=30.0, unit="s", field="graceful_timeout_s"),
     Key("option.model_id", _non_empty,
         "where the model is; a relative path resolves against the properties file's directory, then the "
-        "working directory. A `.gguf` file (or a directory holding one) is dequantized once into "
-        "`LMI_MODEL_CACHE`. No model hub: a hub id is an error",
+        "working directory. A `.gguf` file (or a directory holding one) is converted once into "
+        "`LMI_MODEL_CACHE` (config, tokenizer, dequantized tensors); a Llama-family model then serves its "
+        "Q4_0/Q4_1/Q8_0 linear weights as they are (`option.quantize=gguf`, the default; `none` keeps the "
+        "dequantized ones). No model hub: a hub id is an error",
         values="local dir, `.gguf` file or `s3://bucket/prefix`", env=("HF_MODEL_ID",), default_doc="the model dir"),
     Key("option.s3url", _non_empty,
         "LMI's older name for an S3 `option.model_id` (used when `option.model_id` is absent)",
