@@ -399,3 +399,23 @@ def test_real_gguf_q4_1_served_quantized_is_its_dequantized_model(real_model_dir
             assert torch.equal(grouped_of(m).dequantize(), f.get_tensor(name + ".weight")), name
     assert load_config(None, real_gguf, env={}).quantize == "gguf"      # a .gguf model_id: quantized by default
     assert _chat_answers(real_model_dir, "gguf") == _chat_answers(real_model_dir, None)
+
+
+def test_awq_at_tensor_parallel_degree_2_gives_the_one_rank_tokens(tiny_dir, tmp_path):
+    # Column-parallel layers cut along N, row-parallel ones along K in whole groups (11 of 22 per
+    # rank for down_proj); two CPU ranks (gloo) against one.
+    from handler.tools.quantize_checkpoint import quantize_checkpoint
+    from tests.model.test_tp import _run_parity
+    from tests.support.tp_parity import NEW_TP
+    qdir = str(tmp_path / "awq")
+    quantize_checkpoint(tiny_dir, qdir, "awq", group=32)
+    props = tmp_path / "props"
+    props.mkdir()
+    out = _run_parity(qdir, props)
+    engine = make_engine(qdir, tmp_path, {**STRATEGIES["paged"], "option.dtype": "fp32"})
+    try:
+        want = [ids for ids, _ in run_all(engine, PROMPTS, [SamplingParams(max_new_tokens=n) for n in NEW_TP])]
+    finally:
+        engine.shutdown()
+    for strategy in STRATEGIES:
+        assert out[strategy] == want, strategy
