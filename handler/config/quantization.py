@@ -75,14 +75,29 @@ def checkpoint_quant(qc: dict | None) -> CheckpointQuant | None:
     return CheckpointQuant("gptq", 4, group, sym=bool(qc.get("sym", True)), zeros_plus_one=fmt == "gptq")
 
 
-def converted_from_gguf(model_dir: str | None) -> bool:
-    """A directory handler/model/gguf.py converted from a .gguf file that still exists."""
+def gguf_source(model_dir: str | None) -> str | None:
+    """The .gguf file a directory was converted from (handler/model/gguf.py's converted_from.json):
+    the path it records, else a file of that name and size in `../downloads/` (where
+    handler/tools/real_model.py keeps it: a model cache moved or shared between checkouts); None
+    when neither exists."""
     try:
         with open(os.path.join(model_dir or "", "converted_from.json")) as f:
-            src = json.load(f).get("gguf")
+            stamp = json.load(f)
+        src = stamp.get("gguf")
     except (OSError, ValueError, AttributeError):
-        return False
-    return bool(src) and os.path.isfile(src)
+        return None
+    if not src:
+        return None
+    beside = os.path.join(os.path.dirname(os.path.abspath(model_dir)), "downloads", os.path.basename(src))
+    for path in (src, beside):
+        if os.path.isfile(path) and os.path.getsize(path) == stamp.get("size", os.path.getsize(path)):
+            return path
+    return None
+
+
+def converted_from_gguf(model_dir: str | None) -> bool:
+    """A directory handler/model/gguf.py converted from a .gguf file that can still be found."""
+    return gguf_source(model_dir) is not None
 
 
 def resolve(quantize: str | None, model_dir: str | None, on_gpu: bool, is_gguf: bool = False) -> str | None:

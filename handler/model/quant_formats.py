@@ -28,7 +28,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from handler.config.quantization import CheckpointQuant, checkpoint_quant, read_quantization_config
+from handler.config.quantization import CheckpointQuant, checkpoint_quant, gguf_source, read_quantization_config
 from handler.model.quant_int4 import Grouped, QuantLoadError, install, use_kernel
 
 log = logging.getLogger("lmi.quant")
@@ -195,16 +195,6 @@ def gguf_blocks(kind: str, raw: np.ndarray, n: int, k: int) -> Grouped:
         m = b[..., 2:4].contiguous().view(torch.float16).squeeze(-1).float()
         return Grouped(q.contiguous(), d, m, 4, 32)
     return Grouped(q.contiguous(), d, -8.0 * d, 4, 32)
-
-
-def gguf_source(model_dir: str) -> str | None:
-    """The .gguf file a directory was converted from (handler/model/gguf.py's converted_from.json)."""
-    try:
-        with open(os.path.join(model_dir, "converted_from.json")) as f:
-            path = json.load(f).get("gguf")
-    except (OSError, ValueError, AttributeError):
-        return None
-    return path if path and os.path.isfile(path) else None
 
 
 def _unpermute_rows(n: int, heads: int) -> torch.Tensor:
