@@ -386,7 +386,7 @@ def test_real_model_checkpoint_has_the_greedy_answers_of_its_dequantized_model(r
     assert _chat_answers(d, None) == _chat_answers(d, "none")
 
 
-def test_real_gguf_q4_1_served_quantized_is_its_dequantized_model(real_model_dir, real_gguf):
+def test_real_gguf_q4_1_served_quantized_is_its_dequantized_model(real_model_dir):
     # The weights: bit for bit what transformers' GGUF loader (gguf's dequantizer + its q/k
     # un-permutation) wrote into the fp32 directory; then the answers.
     from safetensors import safe_open
@@ -397,6 +397,9 @@ def test_real_gguf_q4_1_served_quantized_is_its_dequantized_model(real_model_dir
     with safe_open(os.path.join(real_model_dir, "model.safetensors"), framework="pt") as f:
         for name, m in layers.items():
             assert torch.equal(grouped_of(m).dequantize(), f.get_tensor(name + ".weight")), name
+    # (the real_gguf fixture reads provenance.json's absolute path, stale in a shared cache: found as served)
+    from handler.config.quantization import gguf_source
+    real_gguf = gguf_source(real_model_dir)
     assert load_config(None, real_gguf, env={}).quantize == "gguf"      # a .gguf model_id: quantized by default
     assert _chat_answers(real_model_dir, "gguf") == _chat_answers(real_model_dir, None)
 
