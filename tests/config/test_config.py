@@ -177,7 +177,7 @@ BAD = [
     ("option.tgi_compat", "yes", "is not a boolean; allowed: true, false"),
     ("option.predict_timeout", "-1", "is not a positive number of seconds"),
     ("option.max_num_batched_tokens", "0", "is not a positive integer"),
-    ("option.quantize", "awq4", "is not supported; allowed: int8"),
+    ("option.quantize", "awq4", "is not supported; allowed: int8, awq, gptq, gguf, fp8, none"),
     ("option.model_impl", "vllm2", "is not supported; allowed: auto, lmi, transformers"),
     ("option.model_id", "", "is empty"),
     ("graceful_timeout", "-1", "is not a positive number of seconds"),
