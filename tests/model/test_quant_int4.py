@@ -301,6 +301,26 @@ def test_lora_wraps_a_grouped_layer(tiny_dir, tmp_path):
     assert torch.allclose(m(x), x @ w.dequantize().T, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("device,dtype", [
+    ("cpu", torch.bfloat16), ("cpu", torch.float32),
+    pytest.param("cuda", torch.float16, marks=[pytest.mark.gpu, pytest.mark.skipif(
+        not torch.cuda.is_available(), reason="the torch path on CUDA needs a CUDA device")])])
+def test_grouped_layer_in_the_activation_dtype(device, dtype):
+    # bf16 on the CPU kernel: fp32 inside, one rounding of the output; elsewhere (CUDA, no kernel) the
+    # weight dequantized to the activation dtype and multiplied by torch
+    from handler.model.quant_int4 import install, use_kernel
+    w = _grouped(64, 96, 32, 4)
+    m = nn.Linear(96, 64, dtype=dtype, device=device)
+    bias = m.bias.detach().float().cpu()
+    install(m, w, "test", kernel=use_kernel(torch.device(device)))
+    x = torch.randn(5, 96, generator=torch.Generator().manual_seed(0)).to(dtype)
+    y = m(x.to(device))
+    assert y.dtype == dtype and y.device.type == device
+    want = x.double() @ w.dequantize().double().T + bias.double()
+    tol = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}[dtype]
+    assert ((y.cpu().double() - want).abs().max() / want.abs().max()).item() < tol
+
+
 # ---------------------------------------------------------------------------- configuration
 def _with_qc(src: str, dst, **qc) -> str:
     shutil.copytree(src, dst)
