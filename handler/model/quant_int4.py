@@ -14,9 +14,10 @@ Q4Linear is an `nn.Linear` whose class is swapped in (as quant.Int8Linear), so t
 LoRA's wrapper (which reads `weight` for its dtype/device: an empty tensor is kept) and tensor-
 parallel sharding are unchanged. Its forward on a CPU with AVX-512F is kernels/cpu_gemm_q4.c (W4A16:
 each panel's codes dequantized in registers, fp32 activations, the same FMA order as the fp32 panel
-GEMM, so bit for bit the dequantized model's results on that path); elsewhere (CUDA, no compiler)
-the weight is dequantized to the activation dtype per call and multiplied by torch (correct; on a
-GPU a fused Triton kernel is the missing piece).
+GEMM, so bit for bit the dequantized model's results on that path); on CUDA kernels/triton_q4.py
+(codes two per byte, dequantized per tile inside a Triton GEMM; checked under the Triton interpreter
+and compiled for sm_90 here, not yet run on a GPU); elsewhere (8-bit codes on CUDA, no compiler) the
+weight is dequantized to the activation dtype per call and multiplied by torch (correct, slow).
 
 Tensor parallelism: a column-parallel layer (q/k/v/gate/up) is cut along N, rows of q, scales and
 mins alike; a row-parallel one (o/down) along K in whole groups (refused with one line otherwise).
@@ -126,6 +127,10 @@ class Q4Linear(nn.Linear):
             y = cpu_ext.gemm_q(x.float(), self.panels, self.qscales, self.qmins, self.bits, self.group,
                                self.out_features, self.bias32)
             return y.to(dt)
+        if getattr(self, "qbytes", None) is not None:     # CUDA: kernels/triton_q4.py
+            from kernels import triton_q4
+            return triton_q4.q4_gemm(x, self.qbytes, self.qscales, self.qmins, self.group, self.out_features,
+                                     self.in_features, None if self.bias is None else self.bias.to(x.dtype))
         w = self.grouped
         dev = x.device
         wd = Grouped(w.q.to(dev), w.scales.to(dev), w.mins.to(dev), w.bits, w.group).dequantize(x.dtype)
@@ -144,11 +149,17 @@ def install(m: nn.Linear, w: Grouped, fmt: str, kernel: bool) -> Q4Linear:
                              "layer (config.json and the weights disagree)")
     m.bits, m.group, m.fmt = w.bits, w.group, fmt
     m.bias32 = None if m.bias is None else m.bias.detach().float().contiguous()
+    dev = m.weight.device
+    m.qbytes = None
     if kernel:
         m.panels, m.qscales, m.qmins = pack(w)
         m.grouped = None
+    elif dev.type == "cuda" and w.bits == 4 and _triton():
+        from kernels.triton_q4 import pack_k   # two codes per byte along K; scales / mins [N, G]
+        m.qbytes = pack_k(w.q).to(dev)
+        m.qscales, m.qmins = w.scales.to(dev).contiguous(), w.mins.to(dev).contiguous()
+        m.grouped = m.panels = None
     else:
-        dev = m.weight.device
         m.grouped = Grouped(w.q.to(dev), w.scales.to(dev), w.mins.to(dev), w.bits, w.group)
         m.panels = m.qscales = m.qmins = None
     m.__class__ = Q4Linear
@@ -157,10 +168,19 @@ def install(m: nn.Linear, w: Grouped, fmt: str, kernel: bool) -> Q4Linear:
     return m
 
 
+def _triton() -> bool:
+    import kernels
+    return kernels.triton_available()
+
+
 def grouped_of(m: Q4Linear) -> Grouped:
-    """A Q4Linear's weight back in the internal format (either path)."""
+    """A Q4Linear's weight back in the internal format (any path)."""
     if m.grouped is not None:
         return m.grouped
+    if getattr(m, "qbytes", None) is not None:
+        b = m.qbytes
+        q = torch.stack([b & 0xF, b >> 4], dim=2).reshape(b.shape[0], -1)[:, :m.in_features]
+        return Grouped(q.contiguous(), m.qscales, m.qmins, m.bits, m.group)
     n, k = m.out_features, m.in_features
     npan = -(-n // PANEL)
     g_count = m.qscales.shape[1]      # qscales / qmins: [np, G, 32]
@@ -183,7 +203,7 @@ def dequantize_model(model: nn.Module, dtype: torch.dtype) -> int:
         if isinstance(m, Q4Linear):
             w = grouped_of(m).dequantize(torch.float32)
             dev = m.weight.device
-            for a in ("grouped", "panels", "qscales", "qmins", "bits", "group", "bias32", "fmt"):
+            for a in ("grouped", "panels", "qbytes", "qscales", "qmins", "bits", "group", "bias32", "fmt"):
                 m.__dict__.pop(a, None)
             m.__class__ = nn.Linear
             m.weight = nn.Parameter(w.to(device=dev, dtype=dtype), requires_grad=False)
@@ -196,5 +216,6 @@ def describe(model: nn.Module) -> str:
     if not layers:
         return "no grouped quantized layers"
     fmts = sorted({f"{m.fmt} ({m.bits}-bit, group {m.group})" for m in layers})
-    path = "kernels/cpu_gemm_q4.c" if layers[0].panels is not None else "dequantize + torch matmul (no CPU kernel here)"
+    path = ("kernels/cpu_gemm_q4.c" if layers[0].panels is not None else "kernels/triton_q4.py"
+            if getattr(layers[0], "qbytes", None) is not None else "dequantize + torch matmul (no kernel here)")
     return f"{len(layers)} linear layers served grouped: {', '.join(fmts)}, by {path}"
