@@ -12,6 +12,7 @@ COMMANDS = {
     "deploy": ("handler.tools.deploy", "SageMaker deployment tooling"),
     "tune": ("handler.tools.tune", "measure candidate serving.properties files, recommend one"),
     "quality": ("handler.tools.quality", "perplexity and greedy agreement of a quantized model against fp32"),
+    "quantize-checkpoint": ("handler.tools.quantize_checkpoint", "make an AWQ / GPTQ checkpoint from a float one (RTN)"),
 }
 
 

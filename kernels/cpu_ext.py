@@ -43,7 +43,8 @@ FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC"]
 # Element-wise ops that must round as torch's do (rotary): no fast-math, no FMA contraction.
 EXACT_FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-fPIC"]
 SOURCES = [(os.path.join(_HERE, "cpu_decode.c"), FLAGS), (os.path.join(_HERE, "cpu_exact.c"), EXACT_FLAGS),
-           (os.path.join(_HERE, "cpu_gemm.c"), EXACT_FLAGS), (os.path.join(_HERE, "cpu_gemm_i8.c"), EXACT_FLAGS)]
+           (os.path.join(_HERE, "cpu_gemm.c"), EXACT_FLAGS), (os.path.join(_HERE, "cpu_gemm_i8.c"), EXACT_FLAGS),
+           (os.path.join(_HERE, "cpu_gemm_q4.c"), EXACT_FLAGS)]
 HEADERS = [os.path.join(_HERE, "cpu_bf16.h")]
 # Linked without -ffast-math: given at link time, gcc adds crtfastmath.o, whose constructor sets
 # flush-to-zero for the whole process on load (every float op of torch and Python would change).
@@ -157,6 +158,11 @@ def load():
         f.argtypes, f.restype = args, None
         setattr(fn, name.removeprefix("lmi_"), f)
     fn.gemm_i8_available = bool(lib.lmi_gemm_i8_available())
+    gq = lib.lmi_gemm_q     # grouped 4/8-bit weights (kernels/cpu_gemm_q4.c)
+    gq.argtypes = [ptr, i64, i64, i64, ptr, ptr, ptr, ctypes.c_int, i64, i64, ptr, ptr, i64, ctypes.c_int]
+    gq.restype = None
+    fn.gemm_q = gq
+    fn.gemm_q_available = bool(lib.lmi_gemm_q_available())
     return fn
 
 
@@ -349,4 +355,32 @@ def gemm_i8(x: torch.Tensor, panels: torch.Tensor, wsum: torch.Tensor, scales: t
         fn.quant_rows(a.data_ptr(), m, k, a.stride(0) if m > 1 else k, aq.data_ptr(), kp, sa.data_ptr(), threads)
         fn.gemm_i8(aq.data_ptr(), m, kp, sa.data_ptr(), panels.data_ptr(), wsum.data_ptr(), scales.data_ptr(), n,
                    None if bias is None else bias.data_ptr(), out.data_ptr(), n, threads)
+    return out.view(*x.shape[:-1], n)
+
+
+# ---------------------------------------------------------------------------- grouped 4/8-bit (kernels/cpu_gemm_q4.c)
+def gemm_q_available() -> bool:
+    """Whether kernels/cpu_gemm_q4.c's grouped-weight GEMM runs on this host (built, AVX-512F)."""
+    fn = load()
+    return fn is not None and fn.gemm_q_available
+
+
+def gemm_q(x: torch.Tensor, panels: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, bits: int,
+           group: int, n: int, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [..., K] fp32 @ the grouped quantized weight's transpose (+ bias [N] fp32) -> [..., N] fp32;
+    panels / scales / mins as handler/model/quant_int4.py packs them."""
+    k = x.shape[-1]
+    a = x.reshape(-1, k)
+    m = a.shape[0]
+    if a.stride(-1) != 1 or (m > 1 and a.stride(0) < k):
+        a = a.contiguous()
+    out = torch.empty(m, n, dtype=torch.float32)
+    if m and k:
+        load().gemm_q(a.data_ptr(), m, k, a.stride(0) if m > 1 else k, panels.data_ptr(), scales.data_ptr(),
+                      mins.data_ptr(), bits, group, n, None if bias is None else bias.data_ptr(), out.data_ptr(),
+                      n, torch.get_num_threads())
+    elif m:
+        out.zero_()
+        if bias is not None:
+            out += bias
     return out.view(*x.shape[:-1], n)

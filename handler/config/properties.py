@@ -179,7 +179,7 @@ class ServingConfig:
     tensor_parallel_degree: int
     trust_remote_code: bool
     model_impl: str               # "auto" | "lmi" | "transformers" (handler/model/llama.py or transformers')
-    quantize: str | None          # None | "int8" (handler/model/quant.py)
+    quantize: str | None          # None | "int8" (handler/model/quant.py) | awq | gptq | gguf | none (quant_int4.py)
     entry_point: str
     output_formatter: str         # "json" | "jsonlines" | "sse" | "json_chat" | "jsonlines_chat" | "sse_chat"
     max_payload_mb: float         # request bodies above this are refused (413)
@@ -515,6 +515,19 @@ def _resolve_model(src: _Sources, model_dir: str, check_model: bool) -> dict:
     return dict(model_id=model_id, model_dir=local)
 
 
+def _resolve_quantize(quantize: str | None, model_dir: str, device: str, gpu_count: int | None) -> dict:
+    """option.quantize checked against the checkpoint (handler/config/quantization.py): a checkpoint's
+    own quantization_config or a .gguf file decides when the key is absent."""
+    from handler.config import quantization
+    on_gpu = device == "cuda" or (device == "auto" and quantize == "fp8" and
+                                  bool(gpu_count if gpu_count is not None else hardware.visible_gpus()))
+    try:
+        return dict(quantize=quantization.resolve(quantize, model_dir, on_gpu, is_gguf=bool(gguf_files(model_dir))
+                                                  if model_dir else False))
+    except quantization.QuantConfigError as e:
+        raise ConfigError(str(e)) from None
+
+
 LORA_KEYS = ("option.max_loras", "option.max_lora_rank", "option.max_cpu_loras")
 
 
@@ -558,8 +571,9 @@ def load_config(properties_path: str | None = None, model_dir: str | None = None
                        src.merged[key].source if key in src.merged else "option.tensor_parallel_degree=max")
     # Every key with a field: its value, an alias's, or the default; the stages' results over them.
     direct = {k.field_name: src.resolved(k.name) for k in SCHEMA.values() if k.field_name}
+    quant = _resolve_quantize(direct["quantize"], model["model_dir"], devices["device"], gpu_count)
     return ServingConfig(**{
-        **direct, **strategy, **devices, **model, **lora,
+        **direct, **strategy, **devices, **model, **lora, **quant,
         "properties_file": os.path.abspath(src.properties_path) if src.properties_path else None,
         "warnings": tuple(src.warnings),
         "properties": {k: v.raw for k, v in sorted(src.merged.items())},

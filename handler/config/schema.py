@@ -170,7 +170,8 @@ class Key:
 
 ROLLING_BATCH_VALUES = ["auto", "scheduler", "lmi-dist", "vllm", "disable"]
 _SECONDS = _float(0.0, None, True, "a positive number of seconds")
-_QUANTIZE = _enum(["int8"], {"w8a8": "int8", "int8_dynamic": "int8"})   # option.quantize and its vLLM name
+_QUANTIZE = _enum(["int8", "awq", "gptq", "gguf", "fp8", "none"],   # option.quantize and its vLLM name
+                  {"w8a8": "int8", "int8_dynamic": "int8", "awq_marlin": "awq", "gptq_marlin": "gptq"})
 
 KEYS: tuple[Key, ...] = (
     # LMI's other engine names are accepted (with a warning) so that older files load as written.
@@ -194,8 +195,10 @@ KEYS: tuple[Key, ...] = (
         default=30.0, unit="s", field="graceful_timeout_s"),
     Key("option.model_id", _non_empty,
         "where the model is; a relative path resolves against the properties file's directory, then the "
-        "working directory. A `.gguf` file (or a directory holding one) is dequantized once into "
-        "`LMI_MODEL_CACHE`. No model hub: a hub id is an error",
+        "working directory. A `.gguf` file (or a directory holding one) is converted once into "
+        "`LMI_MODEL_CACHE` (config, tokenizer, dequantized tensors); a Llama-family model then serves its "
+        "Q4_0/Q4_1/Q8_0 linear weights as they are (`option.quantize=gguf`, the default; `none` keeps the "
+        "dequantized ones). No model hub: a hub id is an error",
         values="local dir, `.gguf` file or `s3://bucket/prefix`", env=("HF_MODEL_ID",), default_doc="the model dir"),
     Key("option.s3url", _non_empty,
         "LMI's older name for an S3 `option.model_id` (used when `option.model_id` is absent)",
@@ -263,11 +266,20 @@ KEYS: tuple[Key, ...] = (
         "vLLM's name for `option.max_rolling_batch_prefill_tokens` (used when that is absent)", unit="tokens",
         alias_of="option.max_rolling_batch_prefill_tokens"),
     Key("option.quantize", _QUANTIZE,
-        "quantized linear layers (the output head and embeddings stay in `option.dtype`): `int8` dynamic W8A8, "
+        "quantized linear layers (the output head and embeddings stay in `option.dtype`). `int8`: dynamic W8A8, "
         "weights rounded per output channel at load, activations per token each step (kernels/cpu_gemm_i8.c "
-        "with AVX-512 VNNI; `w8a8` and `int8_dynamic` are its other names); docs/QUANTIZATION.md has "
-        "memory, speed and quality. Absent: the model's dtype", values="`int8`", env=("HF_MODEL_QUANTIZE",),
-        summary_default="(none)"),
+        "with AVX-512 VNNI; `w8a8` and `int8_dynamic` are its other names). `awq`, `gptq`: a pre-quantized "
+        "4-bit checkpoint (AutoAWQ GEMM / GPTQ packing, group scales and zeros), served without dequantizing "
+        "(kernels/cpu_gemm_q4.c, bit for bit its dequantized fp32 model's results); detected from config.json's "
+        "`quantization_config` when the key is absent, and must agree with it; linear layers at 0.16x their "
+        "fp32 bytes (group 64), decode-sized GEMMs 2-3x faster than fp32's, prefill-sized ones at fp32's speed. "
+        "`gguf`: a `.gguf` model's Q4_0/Q4_1/Q8_0 tensors served as they are (the default for a `.gguf` "
+        "model_id; other tensor types stay dequantized; SmolLM2's Q4_1: the same perplexity and answers as its "
+        "dequantized weights). `none`: a quantized checkpoint or `.gguf` file dequantized to `option.dtype`. "
+        "`fp8`: refused (needs an fp8 GPU; not implemented yet). docs/QUANTIZATION.md has memory, speed and "
+        "quality of each. Absent: the model's dtype, or the checkpoint's own quantization",
+        values="`int8`, `awq`, `gptq`, `gguf`, `fp8`, `none`", env=("HF_MODEL_QUANTIZE",),
+        summary_default="(none; a quantized checkpoint's own)"),
     Key("option.quantization", _QUANTIZE,
         "vLLM's name for `option.quantize` (used when that is absent)", values="as `option.quantize`",
         alias_of="option.quantize"),

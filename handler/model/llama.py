@@ -248,10 +248,14 @@ class LlamaFamilyForCausalLM(nn.Module):
         still its own dot product over the same input, so the per-column kernels (our panels,
         int8) give the unfused values bit for bit. Not for LoRA, whose adapters target the
         checkpoint's layer names; run after smoothing (handler/model/quant.py), which scales q/k/v
-        and gate/up by their producers."""
+        and gate/up by their producers. Layers a loader already quantized (awq, gptq, gguf) stay
+        as they are."""
         for layer in self.model.layers:
-            layer.self_attn.fuse()
-            layer.mlp.fuse()
+            a, m = layer.self_attn, layer.mlp
+            if all(type(p) is nn.Linear for p in (a.q_proj, a.k_proj, a.v_proj)):
+                a.fuse()
+            if type(m.gate_proj) is nn.Linear and type(m.up_proj) is nn.Linear:
+                m.fuse()
 
     def get_input_embeddings(self) -> nn.Module:
         return self.model.embed_tokens
@@ -300,10 +304,14 @@ def _spec(name: str) -> Shard:
 
 
 def load(model_dir: str, config, *, dtype: torch.dtype, device: torch.device,
-         tp: TensorParallel = TensorParallel(), max_positions: int | None = None) -> LlamaFamilyForCausalLM:
+         tp: TensorParallel = TensorParallel(), max_positions: int | None = None,
+         quantize: str | None = None) -> LlamaFamilyForCausalLM:
     """Build our model for `config` and fill it from the checkpoint's safetensors. Raises
-    Unsupported (transformers serves the model instead) or ValueError (a bad checkpoint)."""
+    Unsupported (transformers serves the model instead) or ValueError (a bad checkpoint).
+    `quantize` (option.quantize): AWQ/GPTQ checkpoints and GGUF files are read into grouped
+    layers (handler/model/quant_formats.py); `none` dequantizes them."""
     from safetensors import safe_open
+    from handler.model import quant_formats, quant_int4
 
     a = arch_of(config)
     if a.heads % tp.size or a.kv_heads % tp.size or a.intermediate % tp.size:
@@ -327,6 +335,7 @@ def load(model_dir: str, config, *, dtype: torch.dtype, device: torch.device,
         model.lm_head.weight = model.model.embed_tokens.weight
     params = dict(model.named_parameters(remove_duplicate=False))
     filled: set[str] = set()
+    qload = quant_formats.CheckpointLoader.for_dir(model_dir, quantize)    # AWQ / GPTQ, else None
     q, kv = a.heads * a.head_dim, a.kv_heads * a.head_dim
 
     def put(name: str, t: torch.Tensor, spec: Shard):
@@ -344,7 +353,7 @@ def load(model_dir: str, config, *, dtype: torch.dtype, device: torch.device,
     for path in files:
         with safe_open(path, framework="pt") as f:
             for key in f.keys():
-                if key.endswith("rotary_emb.inv_freq"):
+                if key.endswith("rotary_emb.inv_freq") or (qload is not None and qload.take(key, f)):
                     continue
                 t = f.get_tensor(key)
                 if a.fused and ".qkv_proj." in key:
@@ -358,8 +367,14 @@ def load(model_dir: str, config, *, dtype: torch.dtype, device: torch.device,
                     continue
                 else:
                     put(key, t, _spec(key))
+    if qload is not None:
+        filled |= qload.install(model, tp, a, _spec)
     missing = sorted(n for n in params if n not in filled and not (a.tied and n == "lm_head.weight"))
     if missing:
         raise ValueError(f"the checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")
+    if quantize == "gguf":
+        quant_formats.install_gguf(model, model_dir, tp, a, _spec)
+    elif quantize == "none":
+        quant_int4.dequantize_model(model, dtype)
     model.eval()
     return model

@@ -17,6 +17,8 @@ from handler.config.switches import switch
 from handler.model import batch_invariant, sampling
 from handler.model.attention import ATTN_NAME, StepMeta  # importing it registers the attention function
 from handler.model.guided import Guides
+from handler.model.quant_formats import AT_LOAD           # option.quantize values the loader handles
+from handler.model.quant_int4 import QuantLoadError
 from handler.model.sampling import Sampler
 from handler.engine.types import SampleResult, StepItem
 
@@ -128,6 +130,7 @@ class ModelRunner:
         from transformers import AutoConfig, AutoTokenizer
 
         self.ranks = ranks
+        self.quantize = quantize
         self.device = ranks.device if ranks is not None else pick_device(device)
         self.dtype = pick_dtype(dtype, self.device)
         try:
@@ -138,6 +141,8 @@ class ModelRunner:
                 self.model = self._transformers_model(model_dir, trust_remote_code)
         except ModelLoadError:
             raise
+        except QuantLoadError as e:     # a quantized checkpoint we cannot serve: its own line
+            raise ModelLoadError(str(e)) from None
         except Exception as e:  # one clear line for the operator; details in the debug log
             log.debug("model load failed", exc_info=True)
             raise ModelLoadError(f"cannot load the model from {model_dir}: {type(e).__name__}: {e}") from None
@@ -160,13 +165,14 @@ class ModelRunner:
             from kernels import cpu_ext
             if cpu_ext.supports(self.kv_cache[0][0]) and cpu_ext.load() is not None:
                 log.info("CPU: decode attention by the in-place C kernel (kernels/cpu_decode.c)")
-        if quantize:
-            self._smooth(quantize)
-        if fuse and self._fusable(quantize):
+        on_the_fly = quantize if quantize and quantize not in AT_LOAD else None  # awq/gptq/gguf: the loader's
+        if on_the_fly:
+            self._smooth(on_the_fly)
+        if fuse and self._fusable(on_the_fly):
             self.model.fuse_projections()
-        if quantize:
+        if on_the_fly:
             from handler.model import quant
-            quant.quantize_model(self.model, quantize, head=switch("LMI_QUANT_HEAD"))
+            quant.quantize_model(self.model, on_the_fly, head=switch("LMI_QUANT_HEAD"))
         self.eos_token_ids = self._eos_ids()
         self.sampler = Sampler()
         # Guided decoding (xgrammar; built on first use): handler.engine.types.Guides
@@ -184,19 +190,22 @@ class ModelRunner:
         from handler.model import llama
         self.own = False
         if impl == "transformers":
-            return None
+            return self._not_ours(model_dir, "option.model_impl=transformers")
         from handler.model.layers import TensorParallel
         tp = TensorParallel(self.ranks.rank, self.ranks.world_size) if self.ranks is not None else TensorParallel()
         max_pos = sizing.geometry(config).max_positions
         try:
             model = llama.load(model_dir, config, dtype=self.dtype, device=self.device, tp=tp,
-                               max_positions=min(max_model_len or max_pos, max_pos))
+                               max_positions=min(max_model_len or max_pos, max_pos), quantize=self.quantize)
         except llama.Unsupported as e:
             if impl == "lmi":
                 raise ModelLoadError(f"option.model_impl=lmi: {model_dir} is outside our own implementation "
                                      f"({e}); use option.model_impl=auto or transformers") from None
             log.info("model: transformers' implementation serves it (%s)", e)
-            return None
+            return self._not_ours(model_dir, str(e))
+        from handler.model.quant_int4 import describe
+        if self.quantize in AT_LOAD:
+            log.info("option.quantize=%s: %s", self.quantize, describe(model))
         from transformers import GenerationConfig
         try:
             model.generation_config = GenerationConfig.from_pretrained(model_dir)
@@ -205,6 +214,20 @@ class ModelRunner:
         self.own = True
         log.info("model: our %s implementation (handler/model/llama.py)", model.arch.family)
         return model
+
+    def _not_ours(self, model_dir: str, why: str) -> None:
+        """transformers serves the model: a pre-quantized checkpoint is refused there (one line);
+        a GGUF file is served dequantized, as before (one log line)."""
+        from handler.config.quantization import checkpoint_quant, read_quantization_config
+        cq = checkpoint_quant(read_quantization_config(model_dir))
+        if cq is not None:
+            raise ModelLoadError(f"{cq.method.upper()} checkpoints are served by our Llama-family implementation "
+                                 f"only, and this model is outside it ({why}); allowed: a Llama-family model "
+                                 "with option.model_impl=auto or lmi")
+        if self.quantize == "gguf":
+            log.info("gguf: transformers' implementation serves this model, so its GGUF weights are served "
+                     "dequantized (%s)", why)
+        return None
 
     def _transformers_model(self, model_dir: str, trust_remote_code: bool):
         from transformers import AutoModelForCausalLM

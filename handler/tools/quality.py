@@ -1,7 +1,7 @@
 """Quality of a served precision against another: perplexity of fixed held-aside text and greedy agreement.
 
-    python -m handler quality --model-dir DIR [--quantize int8] [--dtype fp32]
-        [--baseline-dtype fp32] [--max-new-tokens 48] [--out quality.json]
+    python -m handler quality --model-dir DIR [--quantize int8|awq|gptq|gguf] [--dtype fp32]
+        [--baseline-dtype fp32] [--baseline-dir DIR] [--max-new-tokens 48] [--out quality.json]
 
 Both arms are the server's own engine (paged strategy, in this process, one after the other):
   perplexity   exp(-mean log-prob) of every token of each text but the first, read from the
@@ -182,8 +182,13 @@ def weight_bytes(model) -> int:
     """Bytes the weights hold: parameters plus the packed / quantized copies layers keep beside them."""
     import torch
     held = [p for p in model.parameters()]
-    held += [t for m in model.modules() for t in (getattr(m, a, None) for a in ("panels", "qweight", "packed"))
+    held += [t for m in model.modules()
+             for t in (getattr(m, a, None) for a in ("panels", "qweight", "packed", "qscales", "qmins"))
              if isinstance(t, torch.Tensor)]
+    for m in model.modules():   # grouped layers on the torch path (quant_int4.Q4Linear without the kernel)
+        g = getattr(m, "grouped", None)
+        if g is not None:
+            held += [g.q, g.scales, g.mins]
     return sum(t.numel() * t.element_size() for t in held)
 
 
@@ -211,15 +216,17 @@ def main(argv=None) -> int:
     p.add_argument("--quantize", default="int8")
     p.add_argument("--dtype", default="fp32")
     p.add_argument("--baseline-dtype", default="fp32")
+    p.add_argument("--baseline-dir", help="the baseline's model (default --model-dir): e.g. the float model an "
+                                          "AWQ/GPTQ checkpoint was made from")
     p.add_argument("--max-new-tokens", type=int, default=48)
     p.add_argument("--out")
     a = p.parse_args(argv)
-    base = measure(a.model_dir, a.baseline_dtype, None, a.max_new_tokens)
+    base = measure(a.baseline_dir or a.model_dir, a.baseline_dtype, None, a.max_new_tokens)
     cand = measure(a.model_dir, a.dtype, a.quantize or None, a.max_new_tokens, reference=base["answers"])
     agree = [agreement(b, c) for b, c in zip(base["answers"], cand["answers"])]
     total = sum(len(b) for b in base["answers"])
     result = {
-        "model_dir": a.model_dir, "baseline": base, "candidate": cand,
+        "model_dir": a.model_dir, "baseline_dir": a.baseline_dir or a.model_dir, "baseline": base, "candidate": cand,
         "perplexity_ratio": {k: round(cand["perplexity"][k] / base["perplexity"][k], 4) for k in TEXTS},
         "teacher_forced_agreement": round(cand["teacher_forced"][0] / max(cand["teacher_forced"][1], 1), 4),
         "greedy_agreement": round(sum(x * len(b) for x, b in zip(agree, base["answers"])) / max(total, 1), 4),

@@ -1,0 +1,240 @@
+"""Pre-quantized checkpoints -> the grouped format of handler/model/quant_int4.py, and back (for the
+`quantize-checkpoint` tool and the tests).
+
+AutoAWQ, GEMM version (what vLLM's awq.py and transformers' AWQ integration read), per linear layer
+`<prefix>.qweight` int32 [K, N/8], `.qzeros` int32 [K/g, N/8], `.scales` fp16 [K/g, N]. Eight 4-bit
+codes per int32 along N, nibble i (bits 4i..4i+3) holding column 8c + AWQ_ORDER[i] (AWQ's
+interleaving for its CUDA dequantizer). w[n, k] = (q[k, n] - z[k // g, n]) * s[k // g, n].
+
+GPTQ (AutoGPTQ / GPTQModel, vLLM's gptq.py): `.qweight` int32 [K/8, N] packed along K (nibble i of
+row r is k = 8r + i), `.qzeros` int32 [G, N/8] packed along N in order, `.scales` fp16 [G, N],
+`.g_idx` int32 [K] (the group of each input k). checkpoint_format "gptq" (v1) stores each zero
+minus one (a zero of 8, symmetric, is stored as 7); "gptq_v2" stores it as is. w = (q - z) * s.
+desc_act (act-order) permutes g_idx; only the identity grouping (g_idx[k] = k // g) is served.
+
+GGUF (llama.cpp): per 32-element block along K, Q4_0: fp16 d + 16 bytes (element j in the low
+nibble of byte j, element j + 16 in its high nibble), w = d (q - 8); Q4_1: fp16 d, fp16 m + 16
+bytes, w = d q + m; Q8_0: fp16 d + 32 int8, w = d q. llama.cpp's converter permutes the rows of
+llama's q and k projections (rotary pairs interleaved); that is undone here as transformers'
+GGUF loader undoes it.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+
+import numpy as np
+import torch
+from torch import nn
+
+from handler.config.quantization import CheckpointQuant, checkpoint_quant, gguf_source, read_quantization_config
+from handler.model.quant_int4 import Grouped, QuantLoadError, install, use_kernel
+
+log = logging.getLogger("lmi.quant")
+
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)          # nibble i of a packed int32 holds column 8c + AWQ_ORDER[i]
+SHIFTS = torch.arange(0, 32, 4, dtype=torch.int32)
+PARTS = ("qweight", "qzeros", "scales", "g_idx")
+AT_LOAD = ("awq", "gptq", "gguf", "none")     # option.quantize values handled while loading
+
+
+def _nibbles(t: torch.Tensor) -> torch.Tensor:
+    """int32 [..., C] -> uint8 [..., C, 8]: nibble i of each int32 at index i."""
+    return ((t.to(torch.int32)[..., None] >> SHIFTS) & 0xF).to(torch.uint8)
+
+
+def _pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
+    """uint8 [..., C, 8] (values 0..15) -> int32 [..., C], code i in bits 4i..4i+3."""
+    v = (codes.to(torch.int64) << SHIFTS.to(torch.int64)).sum(-1)
+    return torch.where(v >= 2 ** 31, v - 2 ** 32, v).to(torch.int32)
+
+
+# ---------------------------------------------------------------------------- AWQ
+def awq_unpack(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, group: int) -> Grouped:
+    k, n8 = qweight.shape
+    order = torch.tensor(AWQ_ORDER).argsort()     # column j of a pack sits at nibble order[j]
+    q = _nibbles(qweight)[..., order].reshape(k, n8 * 8)
+    z = _nibbles(qzeros)[..., order].reshape(qzeros.shape[0], n8 * 8)
+    s = scales.float()
+    if group == -1:
+        group = k
+    return _from_zeros(q.T, z.T, s.T, group)
+
+
+def awq_pack(q: torch.Tensor, z: torch.Tensor, s: torch.Tensor) -> dict:
+    """Codes q [N, K], zeros z [N, G], scales s [N, G] -> AWQ GEMM tensors."""
+    n, k = q.shape
+    order = list(AWQ_ORDER)
+    qt = q.T.reshape(k, n // 8, 8)[..., order]
+    zt = z.T.reshape(z.shape[1], n // 8, 8)[..., order]
+    return {"qweight": _pack_nibbles(qt), "qzeros": _pack_nibbles(zt), "scales": s.T.contiguous().half()}
+
+
+# ---------------------------------------------------------------------------- GPTQ
+def gptq_unpack(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, g_idx: torch.Tensor | None,
+                group: int, zeros_plus_one: bool, name: str = "") -> Grouped:
+    k8, n = qweight.shape
+    k = k8 * 8
+    if group == -1:
+        group = k
+    if g_idx is not None:
+        expect = torch.arange(k, dtype=torch.int64) // group
+        if g_idx.shape != (k,) or not torch.equal(g_idx.to(torch.int64), expect):
+            raise QuantLoadError(f"{name}.g_idx is not k // group_size (act-order / desc_act=true GPTQ); "
+                                 "not supported: re-quantize with desc_act=false")
+    q = _nibbles(qweight).permute(0, 2, 1).reshape(k, n)            # [K, N]: row 8r + i from nibble i
+    z = _nibbles(qzeros).reshape(qzeros.shape[0], -1)[:, :n].to(torch.int16)
+    if zeros_plus_one:
+        z = z + 1
+    return _from_zeros(q.T, z.T, scales.float().T, group)
+
+
+def gptq_pack(q: torch.Tensor, z: torch.Tensor, s: torch.Tensor, group: int, v1: bool = True) -> dict:
+    """Codes q [N, K], zeros z [N, G], scales s [N, G] -> GPTQ tensors (v1: zeros stored minus one)."""
+    n, k = q.shape
+    qk = q.T.reshape(k // 8, 8, n).permute(0, 2, 1)                  # [K/8, N, 8]
+    zs = (z.to(torch.int16) - (1 if v1 else 0)).clamp(0, 15).to(torch.uint8)   # AutoGPTQ's v1 stores z - 1 (& 0xF)
+    zt = zs.T.reshape(z.shape[1], n // 8, 8)
+    return {"qweight": _pack_nibbles(qk), "qzeros": _pack_nibbles(zt), "scales": s.T.contiguous().half(),
+            "g_idx": (torch.arange(k, dtype=torch.int32) // group)}
+
+
+def _from_zeros(q: torch.Tensor, z: torch.Tensor, s: torch.Tensor, group: int) -> Grouped:
+    """w = (q - z) * s -> the internal q * s + m, m = -z * s (exact: z * s has <= 16 significant bits)."""
+    return Grouped(q.contiguous(), s.contiguous(), (-z.float() * s).contiguous(), 4, group)
+
+
+# ---------------------------------------------------------------------------- loading AWQ / GPTQ into our model
+class CheckpointLoader:
+    """Collects `<prefix>.qweight/.qzeros/.scales/.g_idx` while llama.load reads the safetensors,
+    then installs each layer as a Q4Linear (sharded for this rank)."""
+
+    def __init__(self, cq: CheckpointQuant):
+        self.cq = cq
+        self.parts: dict[str, dict[str, torch.Tensor]] = {}
+
+    @classmethod
+    def for_dir(cls, model_dir: str, quantize: str | None) -> "CheckpointLoader | None":
+        cq = checkpoint_quant(read_quantization_config(model_dir))
+        if cq is None:
+            return None
+        if quantize not in (None, cq.method, "none"):
+            raise QuantLoadError(f"option.quantize={quantize} but the checkpoint is {cq.method.upper()}-quantized "
+                                 f"(config.json quantization_config.quant_method={cq.method})")
+        return cls(cq)
+
+    def take(self, key: str, f) -> bool:
+        prefix, _, part = key.rpartition(".")
+        if part not in PARTS:
+            return False
+        self.parts.setdefault(prefix, {})[part] = f.get_tensor(key)
+        return True
+
+    def grouped(self, prefix: str) -> Grouped:
+        p, cq = self.parts[prefix], self.cq
+        missing = [x for x in ("qweight", "qzeros", "scales") if x not in p]
+        if missing:
+            raise QuantLoadError(f"{prefix}: the {cq.method} checkpoint lacks {', '.join(missing)} "
+                                 "(a symmetric checkpoint without zeros is not supported)")
+        if cq.method == "awq":
+            return awq_unpack(p["qweight"], p["qzeros"], p["scales"], cq.group_size)
+        return gptq_unpack(p["qweight"], p["qzeros"], p["scales"], p.get("g_idx"), cq.group_size,
+                           cq.zeros_plus_one, prefix)
+
+    def install(self, model: nn.Module, tp, arch, spec_of) -> set[str]:
+        """Every collected layer into `model` (fused phi3 q/k/v and gate/up split along N first);
+        returns the parameter names now filled (each layer's `.weight`)."""
+        kernel = use_kernel(next(model.parameters()).device)
+        modules = dict(model.named_modules())
+        q, kv = arch.heads * arch.head_dim, arch.kv_heads * arch.head_dim
+        filled = set()
+        for prefix in sorted(self.parts):
+            w = self.grouped(prefix)
+            if prefix.endswith(".qkv_proj"):
+                sizes, names = [q, kv, kv], ["q_proj", "k_proj", "v_proj"]
+            elif prefix.endswith(".gate_up_proj"):
+                sizes, names = [w.shape[0] // 2] * 2, ["gate_proj", "up_proj"]
+            else:
+                sizes, names = [w.shape[0]], [prefix.rpartition(".")[2]]
+            start = 0
+            for size, leaf in zip(sizes, names):
+                part = Grouped(w.q[start:start + size], w.scales[start:start + size], w.mins[start:start + size],
+                               w.bits, w.group)
+                start += size
+                name = prefix.rpartition(".")[0] + "." + leaf
+                m = modules.get(name)
+                if not isinstance(m, nn.Linear):
+                    raise QuantLoadError(f"unexpected quantized layer {name!r} in the checkpoint")
+                part = part.cut(spec_of(name + ".weight").kind, tp.rank, tp.size, name)
+                install(m, part, self.cq.method, kernel)
+                filled.add(name + ".weight")
+        log.info("%s checkpoint: %d quantized tensors (4-bit, group %d) loaded without dequantizing",
+                 self.cq.method, len(self.parts), self.cq.group_size)
+        return filled
+
+
+# ---------------------------------------------------------------------------- GGUF
+GGUF_LINEARS = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+                "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+                "ffn_down": "mlp.down_proj"}
+
+
+def gguf_blocks(kind: str, raw: np.ndarray, n: int, k: int) -> Grouped:
+    """Raw GGUF rows [N, bytes] of type `kind` (Q4_0 | Q4_1 | Q8_0) -> Grouped (group 32)."""
+    nb = k // 32
+    b = torch.from_numpy(np.ascontiguousarray(raw).reshape(n, nb, -1).copy())
+    d = b[..., 0:2].contiguous().view(torch.float16).squeeze(-1).float()        # [N, nb]
+    if kind == "Q8_0":
+        qs = b[..., 2:34].contiguous().view(torch.int8).to(torch.int16) + 128    # [N, nb, 32]
+        return Grouped(qs.to(torch.uint8).reshape(n, k), d, -128.0 * d, 8, 32)
+    off = 4 if kind == "Q4_1" else 2
+    qs = b[..., off:off + 16]
+    q = torch.cat([qs & 0xF, qs >> 4], dim=-1).reshape(n, k)                    # j < 16 low nibbles, then high
+    if kind == "Q4_1":
+        m = b[..., 2:4].contiguous().view(torch.float16).squeeze(-1).float()
+        return Grouped(q.contiguous(), d, m, 4, 32)
+    return Grouped(q.contiguous(), d, -8.0 * d, 4, 32)
+
+
+def _unpermute_rows(n: int, heads: int) -> torch.Tensor:
+    """Row order undoing llama.cpp's q/k permutation: out[h, i, j] = in[h, j, i] over [heads, 2, n/heads/2]."""
+    return torch.arange(n).reshape(heads, n // heads // 2, 2).transpose(1, 2).reshape(-1)
+
+
+def install_gguf(model: nn.Module, model_dir: str, tp, arch, spec_of) -> int:
+    """Serve the GGUF file's Q4_0 / Q4_1 / Q8_0 linear weights grouped (replacing the dequantized
+    ones llama.load read); tensors of other types stay dequantized (one log line). Returns how many."""
+    from gguf import GGUFReader
+
+    path = gguf_source(model_dir)
+    if path is None:
+        raise QuantLoadError(f"option.quantize=gguf: {model_dir} was not converted from a .gguf file "
+                             "(no converted_from.json naming one)")
+    kernel = use_kernel(next(model.parameters()).device)
+    modules = dict(model.named_modules())
+    done, other = 0, {}
+    for t in GGUFReader(path).tensors:
+        parts = t.name.split(".")
+        if len(parts) != 4 or parts[0] != "blk" or parts[2] not in GGUF_LINEARS or parts[3] != "weight":
+            continue
+        kind = t.tensor_type.name
+        if kind not in ("Q4_0", "Q4_1", "Q8_0"):
+            other[kind] = other.get(kind, 0) + 1
+            continue
+        name = f"model.layers.{parts[1]}.{GGUF_LINEARS[parts[2]]}"
+        k, n = (int(x) for x in t.shape)
+        w = gguf_blocks(kind, t.data, n, k)
+        if parts[2] == "attn_q":
+            w = w.rows(_unpermute_rows(n, arch.heads))
+        elif parts[2] == "attn_k":
+            w = w.rows(_unpermute_rows(n, arch.kv_heads))
+        m = modules.get(name)
+        if not isinstance(m, nn.Linear):
+            raise QuantLoadError(f"GGUF tensor {t.name} has no layer {name} in the model")
+        install(m, w.cut(spec_of(name + ".weight").kind, tp.rank, tp.size, name), f"gguf {kind}", kernel)
+        done += 1
+    if other:
+        log.info("gguf: %s linear tensors of types our kernel does not take stay dequantized (%s)",
+                 sum(other.values()), ", ".join(f"{v} {k}" for k, v in sorted(other.items())))
+    return done
