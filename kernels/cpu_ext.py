@@ -400,6 +400,8 @@ def gemm_bf16(x: torch.Tensor, panels: torch.Tensor, n: int, bias: torch.Tensor 
     even; or fp32)."""
     if x.dtype not in (torch.bfloat16, torch.float32) or out_dtype not in (torch.bfloat16, torch.float32):
         raise ValueError(f"gemm_bf16: input {x.dtype} -> {out_dtype}; takes bf16/fp32 to bf16/fp32")
+    if bias is not None and (bias.dtype != torch.float32 or bias.shape != (n,) or not bias.is_contiguous()):
+        raise ValueError(f"gemm_bf16: the bias must be a contiguous fp32 [{n}], not {bias.dtype} {tuple(bias.shape)}")
     fn = load()
     k = x.shape[-1]
     if k == 0:      # an empty sum: the bias alone
