@@ -281,7 +281,7 @@ def bf16_gemm_mode(model: nn.Module, rows=(64, 512)) -> tuple[str, str]:
 
 def panels_wanted() -> bool:
     """Whether fp32 GEMMs (and widened bf16 ones) go to kernels/cpu_gemm.c: it runs on this CPU
-    and LMI_CPU_GEMM is not `onednn`."""
+    and LMI_CPU_GEMM is not `onednn` (which keeps bf16 ones off kernels/cpu_gemm_bf16.c too)."""
     choice = switch("LMI_CPU_GEMM")
     if choice == "onednn":
         return False
