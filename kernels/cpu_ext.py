@@ -172,11 +172,14 @@ def load():
     fn.gemm_i8_available = bool(lib.lmi_gemm_i8_available())
     for name, args in (("lmi_pack_bf16", [ptr, i64, i64, ptr]),
                        ("lmi_bf16_rows", [ptr, i64, i64, i64, ptr, i64, ctypes.c_int]),
-                       ("lmi_gemm_bf16", [ptr, i64, i64, i64, ptr, i64, ptr, ptr, i64, ctypes.c_int, ctypes.c_int])):
+                       ("lmi_gemm_bf16", [ptr, i64, i64, i64, ptr, i64, ptr, ptr, i64, ctypes.c_int, ctypes.c_int]),
+                       ("lmi_gemm_bf16w", [ptr, i64, i64, i64, ptr, i64, ptr, ptr, i64, ctypes.c_int, ctypes.c_int])):
         f = getattr(lib, name)
         f.argtypes, f.restype = args, None
         setattr(fn, name.removeprefix("lmi_"), f)
-    fn.gemm_bf16_available = bool(lib.lmi_gemm_bf16_available()) and "avx512_bf16" in _cpu_flags()
+    flags = _cpu_flags()
+    fn.gemm_bf16_available = bool(lib.lmi_gemm_bf16_available()) and "avx512_bf16" in flags
+    fn.gemm_bf16w_available = bool(lib.lmi_gemm_bf16w_available()) and {"avx512f", "avx512bw"} <= flags
     return fn
 
 
@@ -380,6 +383,13 @@ def gemm_bf16_available() -> bool:
     return fn is not None and fn.gemm_bf16_available
 
 
+def gemm_bf16w_available() -> bool:
+    """Whether `gemm_bf16(..., widen=True)` runs here: the same bf16 panels widened to fp32 in
+    registers and multiplied by fp32 FMAs (AVX-512F/BW; no AVX512-BF16 needed)."""
+    fn = load()
+    return fn is not None and fn.gemm_bf16w_available
+
+
 def pack_bf16(weight: torch.Tensor) -> torch.Tensor:
     """nn.Linear's bf16 weight [N, K] -> its pair-interleaved panels for `gemm_bf16` (a flat bf16
     tensor [ceil(N/32)][ceil(K/2)][32][2], zero padded)."""
@@ -394,10 +404,13 @@ def pack_bf16(weight: torch.Tensor) -> torch.Tensor:
 
 
 def gemm_bf16(x: torch.Tensor, panels: torch.Tensor, n: int, bias: torch.Tensor | None,
-              out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """x [..., K] (bf16, or fp32 rounded to bf16 first) @ the packed bf16 weight's transpose
-    (+ bias [N] fp32), summed in fp32 -> [..., N] in out_dtype (bf16: rounded once, to nearest
-    even; or fp32)."""
+              out_dtype: torch.dtype = torch.bfloat16, widen: bool = False) -> torch.Tensor:
+    """x [..., K] @ the packed bf16 weight's transpose (+ bias [N] fp32), summed in fp32 ->
+    [..., N] in out_dtype (bf16: rounded once, to nearest even; or fp32).
+
+    widen=False: vdpbf16ps, x in bf16 (an fp32 x rounded to bf16 first), pairs of products added
+    per instruction. widen=True: the weight widened in registers, x in fp32 (a bf16 x widened,
+    exact), fp32 FMAs in k order: kernels/cpu_gemm.c's values over the widened weight, bit for bit."""
     if x.dtype not in (torch.bfloat16, torch.float32) or out_dtype not in (torch.bfloat16, torch.float32):
         raise ValueError(f"gemm_bf16: input {x.dtype} -> {out_dtype}; takes bf16/fp32 to bf16/fp32")
     if bias is not None and (bias.dtype != torch.float32 or bias.shape != (n,) or not bias.is_contiguous()):
@@ -410,6 +423,16 @@ def gemm_bf16(x: torch.Tensor, panels: torch.Tensor, n: int, bias: torch.Tensor 
     a = x.reshape(-1, k)
     m = a.shape[0]
     threads = torch.get_num_threads()
+    if widen:
+        a = a.float()
+        if a.stride(-1) != 1 or (m > 1 and a.stride(0) < k):
+            a = a.contiguous()
+        out = torch.empty(m, n, dtype=out_dtype)
+        if m:
+            fn.gemm_bf16w(a.data_ptr(), m, k, a.stride(0) if m > 1 else k, panels.data_ptr(), n,
+                          None if bias is None else bias.data_ptr(), out.data_ptr(), n,
+                          int(out_dtype == torch.bfloat16), threads)
+        return out.view(*x.shape[:-1], n)
     if a.dtype == torch.float32:
         if a.stride(-1) != 1:
             a = a.contiguous()

@@ -15,9 +15,11 @@ another module shares it (a tied output head keeps the embedding's).
   WidenedLinear  bf16 values multiplied in fp32 where the CPU's bf16 GEMM is the slower one
                  (AVX-512 BF16 without AMX), chosen by timing both at load (`bf16_gemm_mode`):
                  bf16 products are exact in fp32, so only the sum's order differs from a bf16 GEMM.
-  Bf16PanelLinear  bf16 weights in pair-interleaved 32-column panels for kernels/cpu_gemm_bf16.c
-                 (AVX512-BF16 vdpbf16ps, fp32 sums): the panels' prefetching at half the widened
-                 panels' bytes; a third candidate of the same timing, where the CPU runs it.
+  Bf16PanelLinear  bf16 weights in pair-interleaved 32-column panels for kernels/cpu_gemm_bf16.c,
+                 at half the widened panels' bytes: `widen` (the widened GEMM's values bit for bit,
+                 the weight widened in registers, fp32 FMAs; AVX-512F/BW) replaces PanelLinear's fp32
+                 copy of a bf16 weight; without it AVX512-BF16 vdpbf16ps (another summation order),
+                 a third candidate of the same timing where the CPU runs it.
 
 Our own models (handler/model/llama.py) run their RMSNorm and rotary through kernels/cpu_ext.py
 themselves; transformers' models (the general path) run their own forwards with these linears.
@@ -98,15 +100,17 @@ class PanelLinear(nn.Linear):
 class Bf16PanelLinear(nn.Linear):
     """A bf16 nn.Linear multiplied by kernels/cpu_gemm_bf16.c from `panels` (the bf16 weight in
     pair-interleaved 32-column panels): the products of the same bf16 values summed in fp32 (+ the
-    bias, fp32), rounded to bf16 once, as WidenedLinear, in another summation order."""
+    bias, fp32), rounded to bf16 once. `widen`: fp32 FMAs in k order, PanelLinear's widened values
+    bit for bit at half its weight memory; else vdpbf16ps (pairs of products per instruction)."""
 
     panels: torch.Tensor
     bias32: torch.Tensor | None
+    widen: bool
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype != torch.bfloat16:
             raise RuntimeError(f"Bf16PanelLinear: input dtype {x.dtype} != weight dtype torch.bfloat16")
-        return cpu_ext.gemm_bf16(x, self.panels, self.out_features, self.bias32)
+        return cpu_ext.gemm_bf16(x, self.panels, self.out_features, self.bias32, widen=self.widen)
 
 
 def _switched_off(name: str) -> bool:
@@ -218,20 +222,27 @@ def bf16_panels_available() -> bool:
     return panels_wanted() and cpu_ext.gemm_bf16_available()
 
 
+def widen_in_registers() -> bool:
+    """Whether widened bf16 GEMMs keep the bf16 weights (kernels/cpu_gemm_bf16.c widens them in
+    registers, AVX-512F/BW) instead of an fp32 copy: panels are wanted and the kernel runs here."""
+    return panels_wanted() and cpu_ext.gemm_bf16w_available()
+
+
 def bf16_gemm_mode(model: nn.Module, rows=(64, 512)) -> tuple[str, str]:
     """How this bf16 model's linears multiply (one of BF16_MODES), and why: "panels"
-    (Bf16PanelLinear), "bf16" (oneDNN's bf16 GEMM, PackedLinear) or "fp32" (widened: PanelLinear
-    or WidenedLinear, twice the weight memory).
+    (Bf16PanelLinear by vdpbf16ps), "bf16" (oneDNN's bf16 GEMM, PackedLinear) or "fp32" (widened:
+    Bf16PanelLinear with widen where widen_in_registers(), else PanelLinear or WidenedLinear on an
+    fp32 copy, twice the weight memory).
 
     LMI_CPU_BF16_GEMM=panels | bf16 | fp32 decides (panels where the CPU lacks the kernel: bf16);
     auto (the default) times the model's widest linear shape (the output head aside) every
-    eligible way at a decode-sized and a prefill-sized row count. Of the two that keep bf16
-    weights, panels (where the kernel runs) and oneDNN's, the one with the smaller product of
-    the two times; then fp32 only when it beats that one at both row counts by BF16_GEMM_MARGIN
-    and the fp32 copies fit in a quarter of the memory available. CPUs with AMX multiply bf16
-    ~2x faster than fp32 in oneDNN; on AVX-512 BF16 without AMX the dev machine's oneDNN bf16
-    GEMM ran at 0.55-0.65x fp32's speed and the panels' vdpbf16ps at about fp32's (one
-    instruction, twice an FMA's products, about twice its time), with half the weight stream."""
+    eligible way at a decode-sized and a prefill-sized row count. Where fp32 keeps the bf16
+    weights, the way with the smallest product of the two times. Else, of the two that keep bf16
+    weights (panels where the kernel runs, oneDNN's) the faster that way, then fp32 only when it
+    beats that one at both row counts by BF16_GEMM_MARGIN and the fp32 copies fit in a quarter
+    of the memory available. CPUs with AMX multiply bf16 ~2x faster than fp32 in oneDNN; on
+    AVX-512 BF16 without AMX the dev machine's oneDNN bf16 GEMM ran at 0.55-0.65x fp32's speed,
+    vdpbf16ps at about 0.8x the fp32 FMAs' products per second (docs/PERFORMANCE.md)."""
     if _switched_off("LMI_CPU_PREPACK"):
         return "bf16", "LMI_CPU_PREPACK=0: the linear layers stay as the model built them"
     choice = switch("LMI_CPU_BF16_GEMM")
@@ -250,7 +261,10 @@ def bf16_gemm_mode(model: nn.Module, rows=(64, 512)) -> tuple[str, str]:
     notes = []
     extra = 4 * sum(m.weight.numel() for m in lin)
     avail = _mem_available()
-    if not can_prepack(torch.float32):
+    free_widen = widen_in_registers()
+    if free_widen:
+        modes.append("fp32")
+    elif not can_prepack(torch.float32):
         notes.append("oneDNN cannot take fp32 here: not widened")
     elif avail is not None and extra > avail // 4:
         notes.append(f"fp32 copies of the linear weights ({extra / 2**30:.1f} GiB) would take more "
@@ -271,7 +285,9 @@ def bf16_gemm_mode(model: nn.Module, rows=(64, 512)) -> tuple[str, str]:
     if "panels" in times and math.prod(times["panels"]) <= math.prod(times["bf16"]):
         narrow = "panels"
     pick = narrow
-    if "fp32" in times and all(t >= BF16_GEMM_MARGIN * f for t, f in zip(times[narrow], times["fp32"])):
+    if free_widen:      # the same weight memory every way: the fastest
+        pick = min(modes, key=lambda mode: math.prod(times[mode]))
+    elif "fp32" in times and all(t >= BF16_GEMM_MARGIN * f for t, f in zip(times[narrow], times["fp32"])):
         pick = "fp32"
     shown = "; ".join(f"{r} rows " + ", ".join(f"{mode} {1e3 * times[mode][i]:.2f} ms" for mode in modes)
                       for i, r in enumerate(rows))
@@ -308,23 +324,25 @@ def _onednn_pack(name: str, weight: torch.Tensor, widen: bool) -> torch.Tensor |
 def prepack_linears(model: nn.Module, keep_weights: bool = False, widen_bf16: bool = False,
                     bf16_panels: bool = False) -> int:
     """Swap every plain nn.Linear on CPU for a PanelLinear where kernels/cpu_gemm.c serves (fp32
-    weights, and bf16 ones when widen_bf16), a Bf16PanelLinear for bf16 weights when bf16_panels
-    and kernels/cpu_gemm_bf16.c serves, else a PackedLinear (WidenedLinear for bf16 weights when
-    widen_bf16); returns how many were packed. keep_weights: leave the original weights in place
+    weights, and bf16 ones when widen_bf16 where the bf16 panels cannot widen them), a
+    Bf16PanelLinear for bf16 weights where kernels/cpu_gemm_bf16.c serves (widened in registers
+    when widen_bf16, by vdpbf16ps when bf16_panels), else a PackedLinear (WidenedLinear for bf16
+    weights when widen_bf16); returns how many were packed. keep_weights: leave the original weights in place
     (LoRA reads their shape and dtype)."""
     tied = {id(p) for name, m in model.named_modules() if not isinstance(m, nn.Linear)
             for p in m.parameters(recurse=False)}
     if _switched_off("LMI_CPU_PREPACK"):
         return 0
     panels = panels_wanted()
-    bf16_panels = bf16_panels and not widen_bf16 and panels and cpu_ext.gemm_bf16_available()
+    dot = bf16_panels and not widen_bf16 and panels and cpu_ext.gemm_bf16_available()
+    in_registers = widen_bf16 and panels and cpu_ext.gemm_bf16w_available()
     done = 0
     for name, m in _linears(model):
         widen = widen_bf16 and m.weight.dtype == torch.bfloat16
-        if bf16_panels and m.weight.dtype == torch.bfloat16:
+        if m.weight.dtype == torch.bfloat16 and (dot or (widen and in_registers)):
             with torch.no_grad():
                 m.panels = cpu_ext.pack_bf16(m.weight.detach())
-            cls = Bf16PanelLinear
+            m.widen, cls = widen, Bf16PanelLinear
         elif panels and (widen or m.weight.dtype == torch.float32):
             with torch.no_grad():
                 m.panels = cpu_ext.pack_panels(m.weight.detach().float())

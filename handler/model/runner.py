@@ -303,7 +303,7 @@ class ModelRunner:
         if self.dtype == torch.bfloat16:
             mode, why = bf16_gemm_mode(self.model)
             log.info("CPU: bf16 linear layers multiply in %s (%s)", {
-                "fp32": "fp32 over the same bf16 values, twice the weight memory",
+                "fp32": "fp32 over the same bf16 values",
                 "panels": "bf16 by kernels/cpu_gemm_bf16.c (vdpbf16ps panels)",
                 "bf16": "bf16"}[mode], why)
         n = prepack_linears(self.model, keep_weights, widen_bf16=mode == "fp32", bf16_panels=mode == "panels")

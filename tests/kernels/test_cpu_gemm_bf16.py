@@ -1,5 +1,5 @@
 """kernels/cpu_gemm_bf16.c through kernels/cpu_ext.py: the vdpbf16ps panel GEMM against float64 math
-on the same bf16 values."""
+on the same bf16 values; the same panels widened in registers against kernels/cpu_gemm.c."""
 from __future__ import annotations
 
 import pytest
@@ -45,6 +45,23 @@ def test_gemm_bf16_matches_float64_within_the_fp32_sum_bound(m, k, n, bias):
     assert ((lost - want).abs() > bound).any()
     # bf16 out: the same fp32 sums rounded once, to nearest even, as torch rounds.
     assert torch.equal(cpu_ext.gemm_bf16(x, panels, n, b), got.to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("m", [1, 13, 64, 300])
+@pytest.mark.parametrize("k,n", [(577, 70), (576, 192), (31, 33), (2, 32)])
+@pytest.mark.parametrize("bias", [True, False])
+def test_widened_in_registers_equals_the_fp32_panels_bit_for_bit(m, k, n, bias):
+    # kernels/cpu_gemm.c over the widened weight is the reference: the same FMAs in the same order.
+    assert cpu_ext.gemm_bf16w_available() and cpu_ext.gemm_available()
+    x, w, b = _data(m, k, n, seed=6)
+    b = b if bias else None
+    want = cpu_ext.gemm(x.float(), cpu_ext.pack_panels(w.float()), n, b)
+    p = cpu_ext.pack_bf16(w)
+    assert torch.equal(cpu_ext.gemm_bf16(x, p, n, b, torch.float32, widen=True), want)
+    assert torch.equal(cpu_ext.gemm_bf16(x, p, n, b, widen=True), want.to(torch.bfloat16))
+    xf = x.float() + 1e-3                       # fp32 input taken as it is (not rounded to bf16)
+    assert torch.equal(cpu_ext.gemm_bf16(xf, p, n, b, torch.float32, widen=True),
+                       cpu_ext.gemm(xf, cpu_ext.pack_panels(w.float()), n, b))
 
 
 def test_swapped_pairs_or_columns_break_the_bound():
@@ -112,15 +129,17 @@ def test_bad_inputs_get_one_clear_error():
         cpu_ext.gemm_bf16(x, p, 8, b, torch.float16)
     with pytest.raises(ValueError, match="bias"):
         cpu_ext.gemm_bf16(x, p, 8, b.to(torch.bfloat16))
+    with pytest.raises(ValueError, match="bias"):
+        cpu_ext.gemm_bf16(x, p, 8, b[:4], widen=True)
 
 
 def test_a_cpu_without_avx512_bf16_reports_the_kernel_unavailable(monkeypatch):
     # The build has the instructions (-march=native here); the load-time check reads the CPU's flags.
-    monkeypatch.setattr(cpu_ext, "_cpu_flags", lambda: {"avx512f"})
+    monkeypatch.setattr(cpu_ext, "_cpu_flags", lambda: {"avx512f", "avx512bw"})
     cpu_ext.load.cache_clear()
     try:
         assert cpu_ext.load() is not None and cpu_ext.gemm_bf16_available() is False
-        assert cpu_ext.gemm_available()             # the fp32 panels do not depend on it
+        assert cpu_ext.gemm_available() and cpu_ext.gemm_bf16w_available()   # AVX-512F/BW suffice
     finally:
         monkeypatch.undo()
         cpu_ext.load.cache_clear()

@@ -18,8 +18,11 @@ needs_bf16_panels = pytest.mark.skipif(not cpu_ext.gemm_bf16_available(),
 
 
 def _classes(gemm: str):
-    """(the fp32 class, the widened bf16 class) prepack_linears picks under LMI_CPU_GEMM=gemm."""
-    return (PanelLinear, PanelLinear) if gemm == "panels" else (PackedLinear, WidenedLinear)
+    """(the fp32 class, the widened bf16 class) prepack_linears picks under LMI_CPU_GEMM=gemm: a
+    widened bf16 weight stays bf16 where kernels/cpu_gemm_bf16.c widens it in registers."""
+    if gemm != "panels":
+        return PackedLinear, WidenedLinear
+    return PanelLinear, Bf16PanelLinear if cpu_ext.gemm_bf16w_available() else PanelLinear
 
 
 def _load(model_dir, dtype=torch.float32):
@@ -64,7 +67,8 @@ def test_widened_bf16_linear_is_the_exact_products_summed_and_rounded_once(monke
     model = nn.Sequential(lin)
     assert prepack_linears(model, widen_bf16=True) == 1 and type(lin) is _classes(gemm)[1]
     packed = lin.panels if gemm == "panels" else lin.packed
-    assert packed.dtype == torch.float32 and lin.weight.numel() == 0
+    assert packed.dtype == (torch.bfloat16 if type(lin) is Bf16PanelLinear else torch.float32)
+    assert lin.weight.numel() == 0
     with torch.inference_mode():
         got = lin(x)
     assert got.dtype == torch.bfloat16 and got.shape == want.shape
@@ -196,10 +200,30 @@ def test_real_model_on_bf16_panels_answers_like_onednn_bf16(real_model_dir, monk
     assert (got - want).abs().max().item() <= 0.1 * max(1.0, want.abs().max().item())
 
 
+@pytest.mark.skipif(not cpu_ext.gemm_bf16w_available(), reason="kernels/cpu_gemm_bf16.c needs AVX-512F/BW")
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_widening_in_registers_gives_the_fp32_copys_logits_bit_for_bit(demo_model_factory, monkeypatch, family):
+    # Same products, same k order, same FMAs: only where the widened weight lives differs.
+    path = demo_model_factory(family)
+    copy, ours = _load(path, torch.bfloat16), _load(path, torch.bfloat16)
+    monkeypatch.setattr(cpu_ext, "gemm_bf16w_available", lambda: False)
+    prepack_linears(copy, widen_bf16=True)
+    monkeypatch.undo()
+    prepack_linears(ours, widen_bf16=True)
+    lin = [m for m in ours.modules() if isinstance(m, nn.Linear)]
+    assert lin and all(type(m) is Bf16PanelLinear and m.widen and m.panels.dtype == torch.bfloat16 for m in lin)
+    assert all(type(m) is PanelLinear and m.panels.dtype == torch.float32
+               for m in copy.modules() if isinstance(m, nn.Linear))
+    ids = torch.randint(5, copy.config.vocab_size, (3, 11), generator=torch.Generator().manual_seed(2))
+    with torch.inference_mode():
+        assert torch.equal(ours(ids).logits, copy(ids).logits)
+
+
 def test_bf16_gemm_choice_follows_the_switch_the_timing_and_the_memory(monkeypatch):
     model = nn.Sequential(nn.Linear(64, 96), nn.Linear(96, 64)).to(torch.bfloat16)
     panels_here = [True]
     monkeypatch.setattr(cpu, "bf16_panels_available", lambda: panels_here[0])   # the rule alone, any CPU
+    monkeypatch.setattr(cpu, "widen_in_registers", lambda: False)      # widening costs an fp32 copy
     for setting in ("fp32", "bf16", "panels"):
         monkeypatch.setenv("LMI_CPU_BF16_GEMM", setting)
         assert cpu.bf16_gemm_mode(model) == (setting, f"LMI_CPU_BF16_GEMM={setting}")
@@ -231,6 +255,18 @@ def test_bf16_gemm_choice_follows_the_switch_the_timing_and_the_memory(monkeypat
             modes = {"bf16", "fp32"} | ({"panels"} if available else set())
             assert {t for t in timed} >= {(r, 64, 96, m) for r in (64, 512) for m in modes}
             assert {m for *_, m in timed} == modes
+    # Widening in registers keeps the bf16 weights: no margin, no memory test, the fastest way.
+    monkeypatch.setattr(cpu, "widen_in_registers", lambda: True)
+    monkeypatch.setattr(cpu, "_mem_available", lambda: 1)
+    panels_here[0] = True
+    for bf16_s, panels_s, pick in (({64: 1.05, 512: 1.05}, {64: 1.1, 512: 1.1}, "fp32"),
+                                   ({64: 0.9, 512: 1.05}, {64: 1.1, 512: 1.1}, "bf16"),
+                                   ({64: 1.2, 512: 1.2}, {64: 0.8, 512: 1.2}, "panels")):
+        table = {"bf16": bf16_s, "panels": panels_s}
+        cpu._bf16_gemm_times.cache_clear()
+        got, why = cpu.bf16_gemm_mode(model)
+        assert got == pick and "quarter" not in why
+    monkeypatch.setattr(cpu, "widen_in_registers", lambda: False)
     panels_here[0] = True
     table = {"bf16": {64: 1.7, 512: 1.6}, "panels": {64: 1.3, 512: 1.3}}
     monkeypatch.setattr(cpu, "_mem_available", lambda: 4 * 4 * (64 * 96 * 2) - 1)
@@ -266,7 +302,7 @@ def test_bf16_gemm_timing_measures_both_paths(monkeypatch, onednn_bf16):
         s = cpu._gemm_seconds(8, 32, 48, mode, reps=2)
         assert 0 < s < 1
     model = nn.Sequential(nn.Linear(32, 48)).to(torch.bfloat16)
-    widened = PanelLinear if cpu.panels_wanted() else WidenedLinear
+    widened = _classes("panels" if cpu.panels_wanted() else "onednn")[1]
     assert prepack_linears(model, widen_bf16=True) == 1 and type(model[0]) is widened
     plain = nn.Sequential(nn.Linear(32, 48)).to(torch.bfloat16)
     assert prepack_linears(plain) == (1 if onednn_bf16 else 0)
@@ -399,7 +435,7 @@ def test_runner_packs_bf16_linears_as_the_gemm_choice_says(demo_model_factory, m
     want = widened_cls if widened else PackedLinear if dtype == "bf16" else fp32_cls
     linears = [m for m in r.model.modules() if isinstance(m, nn.Linear)]
     assert linears and all(type(m) is want for m in linears)
-    assert all(m.widen is widened for m in linears if type(m) is PanelLinear)
+    assert all(m.widen is widened for m in linears if type(m) in (PanelLinear, Bf16PanelLinear))
 
 
 def test_gemm_setting_names_its_values_when_it_is_wrong(monkeypatch, caplog):
