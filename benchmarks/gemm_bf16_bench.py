@@ -1,7 +1,8 @@
-"""bf16 GEMMs of the CPU linear layers, interleaved, on a 135 M Llama's weight shapes: our
-vdpbf16ps panels (kernels/cpu_gemm_bf16.c, Bf16PanelLinear's), oneDNN's bf16 GEMM (prepacked, as
-PackedLinear) and the widened fp32 panels (kernels/cpu_gemm.c over the bf16 values, PanelLinear
-with widen: what a bf16 model used on an AVX-512 BF16 host without AMX before this kernel).
+"""bf16 GEMMs of the CPU linear layers, interleaved, on a 135 M Llama's weight shapes: our bf16
+panels by vdpbf16ps and widened in registers (kernels/cpu_gemm_bf16.c, Bf16PanelLinear's two
+modes), oneDNN's bf16 GEMM (prepacked, as PackedLinear) and the fp32 panels over an fp32 copy
+(kernels/cpu_gemm.c, PanelLinear with widen: what a bf16 model used on an AVX-512 BF16 host
+without AMX before kernels/cpu_gemm_bf16.c).
 
     python benchmarks/gemm_bf16_bench.py [--rows 1,16,64,256,1024] [--rounds 5] [--copies 8]
         [--out benchmarks/results/bf16-panels/gemm.json]
@@ -10,8 +11,9 @@ Per (K, N) weight shape (576x576 q/o, 576x192 k/v, 576x1536 gate/up, 1536x576 do
 output head) and row count: `copies` distinct weights of the shape run back to back (the head:
 one), so the weights stream from memory as a model's do instead of sitting in L2; each side's
 best of `rounds` rounds, the sides alternating within a round so a burst of other load falls on
-all. Input and output bf16 (the widened side widens the input and rounds its output, as
-PanelLinear does). GFLOP/s = 2 * rows * K * N / seconds per weight.
+all. Input and output bf16 (the fp32-copy side widens the input and rounds its output, as
+PanelLinear does). GFLOP/s = 2 * rows * K * N / seconds per weight; ratios: the other side's
+time over the bf16 panels'.
 """
 from __future__ import annotations
 
@@ -55,6 +57,7 @@ def main(argv=None) -> int:
             x = torch.randn(rows, k, generator=g).to(torch.bfloat16)
             sides = {
                 "bf16_panels": lambda: [cpu_ext.gemm_bf16(x, pk, n, None) for pk in ours],
+                "bf16_in_registers": lambda: [cpu_ext.gemm_bf16(x, pk, n, None, widen=True) for pk in ours],
                 "onednn_bf16": lambda: [lin(x, d, None, "none", [], "") for d in onednn],
                 "widened_panels": lambda: [cpu_ext.gemm(x.float(), pk, n, None).to(torch.bfloat16)
                                            for pk in widened],
@@ -71,13 +74,10 @@ def main(argv=None) -> int:
             flops = 2 * rows * k * n
             row = {"K": k, "N": n, "rows": rows, **{f"{s}_us": 1e6 * v for s, v in best.items()},
                    **{f"{s}_gflops": flops / v / 1e9 for s, v in best.items()},
-                   "onednn_over_panels": best["onednn_bf16"] / best["bf16_panels"],
-                   "widened_over_panels": best["widened_panels"] / best["bf16_panels"]}
+                   **{f"{s}_over_bf16_panels": best[s] / best["bf16_panels"] for s in sides}}
             results.append(row)
-            print(f"K {k:5d} N {n:6d} rows {rows:5d}: GFLOP/s bf16 panels {row['bf16_panels_gflops']:6.1f}, "
-                  f"oneDNN bf16 {row['onednn_bf16_gflops']:6.1f} ({row['onednn_over_panels']:.2f}x), "
-                  f"widened fp32 panels {row['widened_panels_gflops']:6.1f} ({row['widened_over_panels']:.2f}x)",
-                  flush=True)
+            print(f"K {k:5d} N {n:6d} rows {rows:5d}: GFLOP/s " + ", ".join(
+                f"{s} {row[f'{s}_gflops']:6.1f}" for s in sides), flush=True)
     if a.out:
         os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
         with open(a.out, "w") as f:

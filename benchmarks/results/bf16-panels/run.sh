@@ -7,12 +7,20 @@ uptime > $R/load.txt
 flock /tmp/bench.lock .venv/bin/python benchmarks/gemm_bf16_bench.py --rows 1,16,64,256,1024 --rounds 10 \
     --copies 8 --out $R/gemm.json | tee $R/gemm.txt
 uptime >> $R/load.txt
-# Engine alone, 135 M bf16: the three ways a bf16 model's linears can multiply, alternating.
+# Engine alone, 135 M bf16, the ways a bf16 model's linears can multiply, alternating:
+#   copy: fp32 panels over an fp32 copy (the previous default here), regs: the bf16 panels widened
+#   in registers (LMI_CPU_BF16_GEMM=fp32 now), panels: vdpbf16ps, bf16: oneDNN's bf16.
+export LD_PRELOAD=$(.venv/bin/python -c "from handler.model.cpu import find_tcmalloc; print(find_tcmalloc() or '')")
 for i in 1 2; do
-  for mode in panels fp32 bf16; do
-    LMI_CPU_BF16_GEMM=$mode flock /tmp/bench.lock .venv/bin/python benchmarks/engine_loop.py \
+  for arm in copy regs panels bf16; do
+    case $arm in
+      copy) mode=fp32; extra=--fp32-copy ;;
+      regs) mode=fp32; extra= ;;
+      *) mode=$arm; extra= ;;
+    esac
+    LMI_CPU_BF16_GEMM=$mode flock /tmp/bench.lock .venv/bin/python $R/arm.py $extra \
         --model-dir .cache/models/smollm2 --dtype bf16 --preset cpu-135m --reps 2 \
-        --out $R/engine_loop-$mode-$i.json | sed "s/^/$mode $i: /" | tee -a $R/engine_loop.txt
+        --out $R/engine_loop-$arm-$i.json | sed "s/^/$arm $i: /" | tee -a $R/engine_loop.txt
     uptime >> $R/load.txt
   done
 done
