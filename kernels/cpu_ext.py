@@ -44,7 +44,8 @@ FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC"]
 EXACT_FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-fPIC"]
 SOURCES = [(os.path.join(_HERE, "cpu_decode.c"), FLAGS), (os.path.join(_HERE, "cpu_exact.c"), EXACT_FLAGS),
            (os.path.join(_HERE, "cpu_gemm.c"), EXACT_FLAGS), (os.path.join(_HERE, "cpu_gemm_i8.c"), EXACT_FLAGS),
-           (os.path.join(_HERE, "cpu_gemm_q4.c"), EXACT_FLAGS)]
+           (os.path.join(_HERE, "cpu_gemm_q4.c"), EXACT_FLAGS),
+           (os.path.join(_HERE, "cpu_gemm_bf16.c"), EXACT_FLAGS)]
 HEADERS = [os.path.join(_HERE, "cpu_bf16.h")]
 # Linked without -ffast-math: given at link time, gcc adds crtfastmath.o, whose constructor sets
 # flush-to-zero for the whole process on load (every float op of torch and Python would change).
@@ -69,6 +70,18 @@ def _cpu_signature() -> str:
     except OSError:
         import platform
         return platform.processor() or platform.machine()
+
+
+def _cpu_flags() -> set[str]:
+    """The CPU's flags as /proc/cpuinfo lists them (empty where it cannot be read)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for ln in f:
+                if ln.startswith("flags"):
+                    return set(ln.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
 
 
 def _compiler() -> str | None:
@@ -163,6 +176,16 @@ def load():
     gq.restype = None
     fn.gemm_q = gq
     fn.gemm_q_available = bool(lib.lmi_gemm_q_available())
+    for name, args in (("lmi_pack_bf16", [ptr, i64, i64, ptr]),
+                       ("lmi_bf16_rows", [ptr, i64, i64, i64, ptr, i64, ctypes.c_int]),
+                       ("lmi_gemm_bf16", [ptr, i64, i64, i64, ptr, i64, ptr, ptr, i64, ctypes.c_int, ctypes.c_int]),
+                       ("lmi_gemm_bf16w", [ptr, i64, i64, i64, ptr, i64, ptr, ptr, i64, ctypes.c_int, ctypes.c_int])):
+        f = getattr(lib, name)
+        f.argtypes, f.restype = args, None
+        setattr(fn, name.removeprefix("lmi_"), f)
+    flags = _cpu_flags()
+    fn.gemm_bf16_available = bool(lib.lmi_gemm_bf16_available()) and "avx512_bf16" in flags
+    fn.gemm_bf16w_available = bool(lib.lmi_gemm_bf16w_available()) and {"avx512f", "avx512bw"} <= flags
     return fn
 
 
@@ -383,4 +406,77 @@ def gemm_q(x: torch.Tensor, panels: torch.Tensor, scales: torch.Tensor, mins: to
         out.zero_()
         if bias is not None:
             out += bias
+
+# ---------------------------------------------------------------------------- bf16 (kernels/cpu_gemm_bf16.c)
+def gemm_bf16_available() -> bool:
+    """Whether kernels/cpu_gemm_bf16.c's vdpbf16ps GEMM runs on this host: built with AVX512-BF16
+    and the CPU lists avx512_bf16 (checked at load, not only at compile time)."""
+    fn = load()
+    return fn is not None and fn.gemm_bf16_available
+
+
+def gemm_bf16w_available() -> bool:
+    """Whether `gemm_bf16(..., widen=True)` runs here: the same bf16 panels widened to fp32 in
+    registers and multiplied by fp32 FMAs (AVX-512F/BW; no AVX512-BF16 needed)."""
+    fn = load()
+    return fn is not None and fn.gemm_bf16w_available
+
+
+def pack_bf16(weight: torch.Tensor) -> torch.Tensor:
+    """nn.Linear's bf16 weight [N, K] -> its pair-interleaved panels for `gemm_bf16` (a flat bf16
+    tensor [ceil(N/32)][ceil(K/2)][32][2], zero padded)."""
+    if weight.dtype != torch.bfloat16 or weight.dim() != 2:
+        raise ValueError(f"pack_bf16: a 2-D bf16 weight, not {weight.dtype} {tuple(weight.shape)}")
+    fn = load()
+    n, k = weight.shape
+    w = weight.detach().contiguous()
+    out = torch.empty(-(-n // PANEL) * PANEL * (-(-k // 2) * 2), dtype=torch.bfloat16)
+    fn.pack_bf16(w.data_ptr(), n, k, out.data_ptr())
+    return out
+
+
+def gemm_bf16(x: torch.Tensor, panels: torch.Tensor, n: int, bias: torch.Tensor | None,
+              out_dtype: torch.dtype = torch.bfloat16, widen: bool = False) -> torch.Tensor:
+    """x [..., K] @ the packed bf16 weight's transpose (+ bias [N] fp32), summed in fp32 ->
+    [..., N] in out_dtype (bf16: rounded once, to nearest even; or fp32).
+
+    widen=False: vdpbf16ps, x in bf16 (an fp32 x rounded to bf16 first), pairs of products added
+    per instruction. widen=True: the weight widened in registers, x in fp32 (a bf16 x widened,
+    exact), fp32 FMAs in k order: kernels/cpu_gemm.c's values over the widened weight, bit for bit."""
+    if x.dtype not in (torch.bfloat16, torch.float32) or out_dtype not in (torch.bfloat16, torch.float32):
+        raise ValueError(f"gemm_bf16: input {x.dtype} -> {out_dtype}; takes bf16/fp32 to bf16/fp32")
+    if bias is not None and (bias.dtype != torch.float32 or bias.shape != (n,) or not bias.is_contiguous()):
+        raise ValueError(f"gemm_bf16: the bias must be a contiguous fp32 [{n}], not {bias.dtype} {tuple(bias.shape)}")
+    fn = load()
+    k = x.shape[-1]
+    if k == 0:      # an empty sum: the bias alone
+        y = torch.zeros(*x.shape[:-1], n, dtype=torch.float32) + (0 if bias is None else bias)
+        return y.to(out_dtype)
+    a = x.reshape(-1, k)
+    m = a.shape[0]
+    threads = torch.get_num_threads()
+    if widen:
+        a = a.float()
+        if a.stride(-1) != 1 or (m > 1 and a.stride(0) < k):
+            a = a.contiguous()
+        out = torch.empty(m, n, dtype=out_dtype)
+        if m:
+            fn.gemm_bf16w(a.data_ptr(), m, k, a.stride(0) if m > 1 else k, panels.data_ptr(), n,
+                          None if bias is None else bias.data_ptr(), out.data_ptr(), n,
+                          int(out_dtype == torch.bfloat16), threads)
+        return out.view(*x.shape[:-1], n)
+    if a.dtype == torch.float32:
+        if a.stride(-1) != 1:
+            a = a.contiguous()
+        rows = torch.empty(m, k, dtype=torch.bfloat16)
+        if m:
+            fn.bf16_rows(a.data_ptr(), m, k, a.stride(0) if m > 1 else k, rows.data_ptr(), k, threads)
+        a = rows
+    elif a.stride(-1) != 1 or (m > 1 and a.stride(0) < k):
+        a = a.contiguous()
+    out = torch.empty(m, n, dtype=out_dtype)
+    if m:
+        fn.gemm_bf16(a.data_ptr(), m, k, a.stride(0) if m > 1 else k, panels.data_ptr(), n,
+                     None if bias is None else bias.data_ptr(), out.data_ptr(), n,
+                     int(out_dtype == torch.bfloat16), threads)
     return out.view(*x.shape[:-1], n)

@@ -59,11 +59,14 @@ _TP = "handler/model/distributed.py"
 SWITCHES: dict[str, Switch] = {s.name: s for s in (
     Switch("LMI_CPU_PREPACK", "flag", True, "CPU: linear layers packed for oneDNN or kernels/cpu_gemm.c; "
            "`0` keeps the plain `nn.Linear`", _CPU),
-    Switch("LMI_CPU_GEMM", "choice", "panels", "CPU: fp32 (and widened bf16) GEMMs by kernels/cpu_gemm.c where "
-           "the CPU runs it, or oneDNN's; another value warns and keeps `panels`", _CPU,
+    Switch("LMI_CPU_GEMM", "choice", "panels", "CPU: fp32 and bf16 GEMMs by the panel kernels "
+           "(kernels/cpu_gemm.c, kernels/cpu_gemm_bf16.c) where the CPU runs them, or oneDNN's; another value "
+           "warns and keeps `panels`", _CPU,
            allowed=("panels", "onednn")),
-    Switch("LMI_CPU_BF16_GEMM", "choice", "auto", "CPU, bf16 models: the linear layers multiply in bf16 or in "
-           "fp32; `auto` times both on the model's widest linear", _CPU, allowed=("auto", "bf16", "fp32")),
+    Switch("LMI_CPU_BF16_GEMM", "choice", "auto", "CPU, bf16 models: the linear layers multiply in bf16 by "
+           "kernels/cpu_gemm_bf16.c's vdpbf16ps panels (`panels`, where the CPU has AVX512-BF16), in bf16 by "
+           "oneDNN (`bf16`: turns the panels off) or in fp32 over the same values (`fp32`); `auto` times "
+           "each on the model's widest linear", _CPU, allowed=("auto", "panels", "bf16", "fp32")),
     Switch("LMI_CPU_KV_LAYOUT", "choice", "head", "CPU KV pool: head-major, or token-major like the GPU's",
            _CPU, allowed=("head", "token")),
     Switch("LMI_CPU_MALLOC", "choice", "tcmalloc", "CPU: `serve` re-executes itself with tcmalloc preloaded "

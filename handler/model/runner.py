@@ -339,14 +339,18 @@ class ModelRunner:
         ranks each pack their own shards; transformers' tensor-parallel shards (DTensors) stay."""
         if self.device.type != "cpu" or (self.ranks is not None and not self.own):
             return
-        from handler.model.cpu import PanelLinear, bf16_gemm_in_fp32, prepack_linears
-        widen = False
+        from handler.model.cpu import Bf16PanelLinear, PanelLinear, bf16_gemm_mode, prepack_linears
+        mode = "bf16"
         if self.dtype == torch.bfloat16:
-            widen, why = bf16_gemm_in_fp32(self.model)
-            log.info("CPU: bf16 linear layers multiply in %s (%s)", "fp32 over the same bf16 values, "
-                     "twice the weight memory" if widen else "bf16", why)
-        n = prepack_linears(self.model, keep_weights, widen_bf16=widen)
-        gemm = "kernels/cpu_gemm.c" if any(isinstance(m, PanelLinear) for m in self.model.modules()) else "oneDNN"
+            mode, why = bf16_gemm_mode(self.model)
+            log.info("CPU: bf16 linear layers multiply in %s (%s)", {
+                "fp32": "fp32 over the same bf16 values",
+                "panels": "bf16 by kernels/cpu_gemm_bf16.c (vdpbf16ps panels)",
+                "bf16": "bf16"}[mode], why)
+        n = prepack_linears(self.model, keep_weights, widen_bf16=mode == "fp32", bf16_panels=mode == "panels")
+        kinds = {type(m) for m in self.model.modules()}
+        gemm = ("kernels/cpu_gemm_bf16.c" if Bf16PanelLinear in kinds else
+                "kernels/cpu_gemm.c" if PanelLinear in kinds else "oneDNN")
         log.info("CPU: %d linear layers packed for %s", n, gemm)
 
     def release(self, seq_id: int) -> None:

@@ -7,16 +7,22 @@ import torch
 from torch import nn
 
 from handler.model import cpu
-from handler.model.cpu import PackedLinear, PanelLinear, WidenedLinear, find_tcmalloc, preload_env, prepack_linears
+from handler.model.cpu import (Bf16PanelLinear, PackedLinear, PanelLinear, WidenedLinear, find_tcmalloc, preload_env,
+                               prepack_linears)
 from kernels import cpu_ext
 
 needs_panels = pytest.mark.skipif(not cpu_ext.gemm_available(),
                                   reason="kernels/cpu_gemm.c needs AVX-512F and a C compiler")
+needs_bf16_panels = pytest.mark.skipif(not cpu_ext.gemm_bf16_available(),
+                                       reason="kernels/cpu_gemm_bf16.c needs AVX512-BF16 and a C compiler")
 
 
 def _classes(gemm: str):
-    """(the fp32 class, the widened bf16 class) prepack_linears picks under LMI_CPU_GEMM=gemm."""
-    return (PanelLinear, PanelLinear) if gemm == "panels" else (PackedLinear, WidenedLinear)
+    """(the fp32 class, the widened bf16 class) prepack_linears picks under LMI_CPU_GEMM=gemm: a
+    widened bf16 weight stays bf16 where kernels/cpu_gemm_bf16.c widens it in registers."""
+    if gemm != "panels":
+        return PackedLinear, WidenedLinear
+    return PanelLinear, Bf16PanelLinear if cpu_ext.gemm_bf16w_available() else PanelLinear
 
 
 def _load(model_dir, dtype=torch.float32):
@@ -61,7 +67,8 @@ def test_widened_bf16_linear_is_the_exact_products_summed_and_rounded_once(monke
     model = nn.Sequential(lin)
     assert prepack_linears(model, widen_bf16=True) == 1 and type(lin) is _classes(gemm)[1]
     packed = lin.panels if gemm == "panels" else lin.packed
-    assert packed.dtype == torch.float32 and lin.weight.numel() == 0
+    assert packed.dtype == (torch.bfloat16 if type(lin) is Bf16PanelLinear else torch.float32)
+    assert lin.weight.numel() == 0
     with torch.inference_mode():
         got = lin(x)
     assert got.dtype == torch.bfloat16 and got.shape == want.shape
@@ -95,38 +102,192 @@ def test_widened_model_gives_the_bf16_models_greedy_tokens(demo_model_factory, m
     assert differ.float().mean().item() <= 0.05
 
 
+@needs_bf16_panels
+def test_bf16_panel_linear_is_the_exact_products_summed_and_rounded_once():
+    # Oracle as for the widened layer: float64 math on the same bf16 values, rounded to bf16 once;
+    # the panels' fp32 sum (in pairs, another order) lands on it or one bf16 step away.
+    g = torch.Generator().manual_seed(5)
+    lin = nn.Linear(301, 70, bias=True).to(torch.bfloat16)     # odd K, N not a multiple of 32
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(70, 301, generator=g))
+        lin.bias.copy_(torch.randn(70, generator=g))
+    x = torch.randn(33, 301, generator=g).to(torch.bfloat16)
+    want = (x.double() @ lin.weight.double().t() + lin.bias.double()).to(torch.bfloat16)
+    model = nn.Sequential(lin)
+    assert prepack_linears(model, bf16_panels=True) == 1 and type(lin) is Bf16PanelLinear
+    assert lin.panels.dtype == torch.bfloat16 and lin.weight.numel() == 0 and lin.bias32.dtype == torch.float32
+    with torch.inference_mode():
+        got = lin(x)
+    assert got.dtype == torch.bfloat16 and got.shape == want.shape
+    step = want.float().abs().clamp_min(1e-30) * 2 ** -7
+    assert ((got.float() - want.float()).abs() <= step * 1.01).all()
+    assert (got == want).float().mean().item() > 0.98
+    with pytest.raises(RuntimeError, match="input dtype"):
+        lin(x.float())
+
+
+@needs_bf16_panels
+def test_bf16_panels_leave_fp32_layers_and_yield_to_the_switches(monkeypatch):
+    mixed = nn.Sequential(nn.Linear(32, 48), nn.Linear(48, 32).to(torch.bfloat16))
+    assert prepack_linears(mixed, bf16_panels=True) == 2
+    assert type(mixed[0]) is _classes("panels" if cpu.panels_wanted() else "onednn")[0]   # fp32 as before
+    assert type(mixed[1]) is Bf16PanelLinear
+    monkeypatch.setenv("LMI_CPU_GEMM", "onednn")              # no panel kernels at all
+    model = nn.Sequential(nn.Linear(32, 48).to(torch.bfloat16))
+    prepack_linears(model, bf16_panels=True)
+    assert type(model[0]) is not Bf16PanelLinear
+    assert cpu.bf16_panels_available() is False
+
+
+@needs_bf16_panels
+@pytest.mark.parametrize("family", ["llama", "qwen2"])     # qwen2: q/k/v with a bias
+def test_bf16_panel_model_gives_the_bf16_models_greedy_tokens(demo_model_factory, family):
+    # As the widened model: another summation order moves an activation by a bf16 step at most
+    # now and then; logits within bf16 noise, the greedy token different only at near-ties.
+    path = demo_model_factory(family)
+    plain, ours = _load(path, torch.bfloat16), _load(path, torch.bfloat16)
+    n = prepack_linears(ours, bf16_panels=True)
+    linears = [m for m in ours.modules() if isinstance(m, nn.Linear)]
+    assert n == len(linears) > 0 and all(type(m) is Bf16PanelLinear for m in linears)
+    ids = torch.randint(5, plain.config.vocab_size, (4, 13), generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode():
+        want, got = plain(ids).logits.float(), ours(ids).logits.float()
+    noise = 0.1 * max(1.0, want.abs().max().item())
+    assert (got - want).abs().max().item() <= noise
+    differ = got.argmax(-1) != want.argmax(-1)
+    top2 = want.topk(2, dim=-1).values
+    assert ((top2[..., 0] - top2[..., 1])[differ] <= 2 * noise).all()
+    assert differ.float().mean().item() <= 0.05
+
+
+@needs_bf16_panels
+def test_real_model_on_bf16_panels_answers_like_onednn_bf16(real_model_dir, monkeypatch, tmp_path):
+    # SmolLM2-135M in bf16, our engine on the panels against transformers' generate on the
+    # unpacked model (torch's bf16 GEMMs): the same greedy tokens, or a first difference at a
+    # near-tie (tests/support/reference.near_tie_divergence); and the first step's logits close.
+    from handler.engine.request import SamplingParams
+    from tests.support.engine import make_engine, run_all
+    from tests.support.reference import greedy_ids, model_on, near_tie_divergence
+    monkeypatch.setenv("LMI_CPU_BF16_GEMM", "panels")
+    prompts = ["The capital of France is", "def fibonacci(n):\n", "Write a haiku about the sea.",
+               "List three prime numbers:"]
+    engine = make_engine(real_model_dir, tmp_path, {"option.rolling_batch": "auto", "option.paged_attention": "true",
+                                                    "option.dtype": "bf16", "option.max_rolling_batch_size": "4"})
+    try:
+        linears = [m for m in engine.runner.model.modules() if isinstance(m, nn.Linear)]
+        assert linears and all(type(m) is Bf16PanelLinear for m in linears)
+        results = run_all(engine, prompts, [SamplingParams(max_new_tokens=16)] * len(prompts))
+        runner = engine.runner
+    finally:
+        engine.shutdown()
+    tok, model = model_on(real_model_dir, "cpu", torch.bfloat16)
+    exact = 0
+    for p, (got, _) in zip(prompts, results):
+        ids = tok(p)["input_ids"]
+        want = greedy_ids(model, tok, ids, 16)
+        why = near_tie_divergence(model, ids, want, got, 0.1)
+        assert why is None, (p, why)
+        exact += got == want
+    assert exact >= len(prompts) // 2, f"only {exact} of {len(prompts)} streams equal generate's"
+    # One prompt's logits at every position: transformers' model on the panels against unpacked.
+    ids = torch.tensor([tok(prompts[0])["input_ids"]])
+    with torch.inference_mode():
+        want = model(ids).logits[0].float()
+        ours = _load(real_model_dir, torch.bfloat16)
+        prepack_linears(ours, bf16_panels=True)
+        got = ours(ids).logits[0].float()
+    assert runner.dtype == torch.bfloat16
+    assert (got - want).abs().max().item() <= 0.1 * max(1.0, want.abs().max().item())
+
+
+@pytest.mark.skipif(not cpu_ext.gemm_bf16w_available(), reason="kernels/cpu_gemm_bf16.c needs AVX-512F/BW")
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_widening_in_registers_gives_the_fp32_copys_logits_bit_for_bit(demo_model_factory, monkeypatch, family):
+    # Same products, same k order, same FMAs: only where the widened weight lives differs.
+    path = demo_model_factory(family)
+    copy, ours = _load(path, torch.bfloat16), _load(path, torch.bfloat16)
+    monkeypatch.setattr(cpu_ext, "gemm_bf16w_available", lambda: False)
+    prepack_linears(copy, widen_bf16=True)
+    monkeypatch.undo()
+    prepack_linears(ours, widen_bf16=True)
+    lin = [m for m in ours.modules() if isinstance(m, nn.Linear)]
+    assert lin and all(type(m) is Bf16PanelLinear and m.widen and m.panels.dtype == torch.bfloat16 for m in lin)
+    assert all(type(m) is PanelLinear and m.panels.dtype == torch.float32
+               for m in copy.modules() if isinstance(m, nn.Linear))
+    ids = torch.randint(5, copy.config.vocab_size, (3, 11), generator=torch.Generator().manual_seed(2))
+    with torch.inference_mode():
+        assert torch.equal(ours(ids).logits, copy(ids).logits)
+
+
 def test_bf16_gemm_choice_follows_the_switch_the_timing_and_the_memory(monkeypatch):
     model = nn.Sequential(nn.Linear(64, 96), nn.Linear(96, 64)).to(torch.bfloat16)
-    monkeypatch.setenv("LMI_CPU_BF16_GEMM", "fp32")
-    assert cpu.bf16_gemm_in_fp32(model) == (True, "LMI_CPU_BF16_GEMM=fp32")
-    monkeypatch.setenv("LMI_CPU_BF16_GEMM", "bf16")
-    assert cpu.bf16_gemm_in_fp32(model)[0] is False
+    panels_here = [True]
+    monkeypatch.setattr(cpu, "bf16_panels_available", lambda: panels_here[0])   # the rule alone, any CPU
+    monkeypatch.setattr(cpu, "widen_in_registers", lambda: False)      # widening costs an fp32 copy
+    for setting in ("fp32", "bf16", "panels"):
+        monkeypatch.setenv("LMI_CPU_BF16_GEMM", setting)
+        assert cpu.bf16_gemm_mode(model) == (setting, f"LMI_CPU_BF16_GEMM={setting}")
+    panels_here[0] = False
+    got, why = cpu.bf16_gemm_mode(model)
+    assert got == "bf16" and "does not run here" in why
     monkeypatch.setenv("LMI_CPU_BF16_GEMM", "auto")
     timed = []
 
-    def fake(rows, k, n, dtype, reps=5):
-        timed.append((rows, k, n))
-        return {torch.bfloat16: bf16_s[rows], torch.float32: 1.0}[dtype]
+    def fake(rows, k, n, mode, reps=5):
+        timed.append((rows, k, n, mode))
+        return 1.0 if mode == "fp32" else table[mode][rows]
     monkeypatch.setattr(cpu, "_gemm_seconds", fake)
-    for bf16_s, widen in (({64: 1.7, 512: 1.6}, True), ({64: 1.7, 512: 1.1}, False),
-                          ({64: 0.5, 512: 0.5}, False)):
-        cpu._bf16_over_fp32.cache_clear()
-        got, why = cpu.bf16_gemm_in_fp32(model)
-        assert got is widen and "64x96" in why     # the widest weight, [96, 64]: k=64, n=96
-    assert {(r, k, n) for r, k, n in timed} == {(64, 64, 96), (512, 64, 96)}
+    # (oneDNN bf16 times, panels times) at 64 and 512 rows against fp32's 1.0, and the pick with
+    # the kernel and without it (the choice before it: oneDNN's bf16 unless fp32 wins by the margin).
+    cases = [({64: 1.7, 512: 1.6}, {64: 2.0, 512: 2.0}, "fp32", "fp32"),   # fp32 beats the better bf16 way
+             ({64: 1.7, 512: 1.1}, {64: 1.8, 512: 1.8}, "bf16", "bf16"),   # 1.1 < margin: keep bf16 weights
+             ({64: 1.7, 512: 1.6}, {64: 1.0, 512: 1.1}, "panels", "fp32"),  # panels fastest of the bf16 ways
+             ({64: 1.0, 512: 1.0}, {64: 0.5, 512: 1.3}, "panels", "bf16"),  # faster overall (product of times)
+             ({64: 0.5, 512: 0.5}, {64: 1.0, 512: 1.0}, "bf16", "bf16")]   # an AMX host: oneDNN's bf16
+    for available in (True, False):
+        panels_here[0] = available
+        for bf16_s, panels_s, with_kernel, without in cases:
+            table = {"bf16": bf16_s, "panels": panels_s}
+            cpu._bf16_gemm_times.cache_clear()
+            timed.clear()
+            got, why = cpu.bf16_gemm_mode(model)
+            assert got == (with_kernel if available else without) and "64x96" in why   # widest: [96, 64]
+            modes = {"bf16", "fp32"} | ({"panels"} if available else set())
+            assert {t for t in timed} >= {(r, 64, 96, m) for r in (64, 512) for m in modes}
+            assert {m for *_, m in timed} == modes
+    # Widening in registers keeps the bf16 weights: no margin, no memory test, the fastest way.
+    monkeypatch.setattr(cpu, "widen_in_registers", lambda: True)
+    monkeypatch.setattr(cpu, "_mem_available", lambda: 1)
+    panels_here[0] = True
+    for bf16_s, panels_s, pick in (({64: 1.05, 512: 1.05}, {64: 1.1, 512: 1.1}, "fp32"),
+                                   ({64: 0.9, 512: 1.05}, {64: 1.1, 512: 1.1}, "bf16"),
+                                   ({64: 1.2, 512: 1.2}, {64: 0.8, 512: 1.2}, "panels")):
+        table = {"bf16": bf16_s, "panels": panels_s}
+        cpu._bf16_gemm_times.cache_clear()
+        got, why = cpu.bf16_gemm_mode(model)
+        assert got == pick and "quarter" not in why
+    monkeypatch.setattr(cpu, "widen_in_registers", lambda: False)
+    panels_here[0] = True
+    table = {"bf16": {64: 1.7, 512: 1.6}, "panels": {64: 1.3, 512: 1.3}}
     monkeypatch.setattr(cpu, "_mem_available", lambda: 4 * 4 * (64 * 96 * 2) - 1)
-    got, why = cpu.bf16_gemm_in_fp32(model)
-    assert got is False and "quarter of the memory" in why
-    assert cpu.bf16_gemm_in_fp32(nn.Sequential(nn.Linear(4, 4)))[0] is False   # fp32 model
+    cpu._bf16_gemm_times.cache_clear()
+    got, why = cpu.bf16_gemm_mode(model)      # fp32 would win, but its copies do not fit
+    assert got == "panels" and "quarter of the memory" in why
+    panels_here[0] = False
+    got, why = cpu.bf16_gemm_mode(model)
+    assert got == "bf16" and "quarter of the memory" in why
+    assert cpu.bf16_gemm_mode(nn.Sequential(nn.Linear(4, 4)))[0] == "bf16"   # fp32 model: nothing to decide
     monkeypatch.setattr(cpu, "_mem_available", lambda: None)
     monkeypatch.setenv("LMI_CPU_BF16_GEMM", "fp16")          # not a choice: said, then timed
-    got, why = cpu.bf16_gemm_in_fp32(model)
-    assert got is False and "'fp16' ignored (auto, bf16 or fp32)" in why and "64x96" in why
+    table = {"bf16": {64: 0.5, 512: 0.5}, "panels": {64: 1.0, 512: 1.0}}
+    cpu._bf16_gemm_times.cache_clear()
+    got, why = cpu.bf16_gemm_mode(model)
+    assert got == "bf16" and "'fp16' ignored (auto, panels, bf16 or fp32)" in why and "64x96" in why
     monkeypatch.setenv("LMI_CPU_BF16_GEMM", "fp32")
     monkeypatch.setenv("LMI_CPU_PREPACK", "0")                # nothing is packed: nothing widens
-    got, why = cpu.bf16_gemm_in_fp32(model)
-    assert got is False and "LMI_CPU_PREPACK=0" in why
-    cpu._bf16_over_fp32.cache_clear()
+    got, why = cpu.bf16_gemm_mode(model)
+    assert got == "bf16" and "LMI_CPU_PREPACK=0" in why
+    cpu._bf16_gemm_times.cache_clear()
 
 
 @pytest.mark.parametrize("onednn_bf16", [True, False])
@@ -137,11 +298,11 @@ def test_bf16_gemm_timing_measures_both_paths(monkeypatch, onednn_bf16):
         pytest.skip("oneDNN cannot prepack on this CPU")
     real = cpu.can_prepack
     monkeypatch.setattr(cpu, "can_prepack", lambda dt: real(dt) and (onednn_bf16 or dt != torch.bfloat16))
-    for dtype in (torch.bfloat16, torch.float32):
-        s = cpu._gemm_seconds(8, 32, 48, dtype, reps=2)
+    for mode in ("bf16", "fp32") + (("panels",) if cpu.bf16_panels_available() else ()):
+        s = cpu._gemm_seconds(8, 32, 48, mode, reps=2)
         assert 0 < s < 1
     model = nn.Sequential(nn.Linear(32, 48)).to(torch.bfloat16)
-    widened = PanelLinear if cpu.panels_wanted() else WidenedLinear
+    widened = _classes("panels" if cpu.panels_wanted() else "onednn")[1]
     assert prepack_linears(model, widen_bf16=True) == 1 and type(model[0]) is widened
     plain = nn.Sequential(nn.Linear(32, 48)).to(torch.bfloat16)
     assert prepack_linears(plain) == (1 if onednn_bf16 else 0)
@@ -274,7 +435,7 @@ def test_runner_packs_bf16_linears_as_the_gemm_choice_says(demo_model_factory, m
     want = widened_cls if widened else PackedLinear if dtype == "bf16" else fp32_cls
     linears = [m for m in r.model.modules() if isinstance(m, nn.Linear)]
     assert linears and all(type(m) is want for m in linears)
-    assert all(m.widen is widened for m in linears if type(m) is PanelLinear)
+    assert all(m.widen is widened for m in linears if type(m) in (PanelLinear, Bf16PanelLinear))
 
 
 def test_gemm_setting_names_its_values_when_it_is_wrong(monkeypatch, caplog):

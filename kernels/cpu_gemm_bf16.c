@@ -1,0 +1,298 @@
+/* bf16 GEMM for CPU linear layers of bf16 models: C[M, N] = A[M, K] @ W^T (+ bias), A and W bf16,
+ * the sum in fp32, C fp32 or bf16 (rounded to nearest even once, as torch rounds).
+ *
+ * Weights: W [N, K] (nn.Linear's bf16 weight) packed once into panels of 32 output columns whose
+ * k run in pairs: [ceil(N/32)][ceil(K/2)][32][2] bf16, zero padded (odd K: the last pair's second
+ * value is 0). AVX512-BF16's vdpbf16ps takes, per fp32 lane j, one pair of A (A[m, 2q], A[m, 2q+1],
+ * broadcast to every lane) and lane j's pair of the panel, and adds both exact products to the
+ * lane's fp32 accumulator: 32 multiply-adds per instruction against 16 fp32 FMAs, and half the
+ * bytes of the widened fp32 panels (kernels/cpu_gemm.c) to stream per step.
+ *
+ *   C[m, n] = round(sum over pairs q of (A[m, 2q] W[n, 2q] + A[m, 2q+1] W[n, 2q+1]) + bias[n])
+ *
+ * (each pair added in the instruction's own order; the hardware treats bf16 denormals as zero.)
+ * A bf16 row is already pairs along k: no copy; an odd K's last value is loaded alone (the pair's
+ * other half zero, never the next row's value). An fp32 A is first rounded to bf16 rows by
+ * vcvtne2ps2bf16 (lmi_bf16_rows; round to nearest even, denormals to zero).
+ *
+ * Same shape as kernels/cpu_gemm.c: up to 12 rows x 32 columns of fp32 accumulators in 24 zmm
+ * registers, each thread a contiguous range of panels, the next panel prefetched into L2 while
+ * the current one multiplies, rows in chunks whose A slice stays in L2. A row's result depends
+ * only on that row.
+ *
+ * Needs AVX512-BF16 (built with -march=native); elsewhere lmi_gemm_bf16_available() returns 0
+ * and the caller keeps oneDNN or the widened fp32 panels (handler/model/cpu.py).
+ */
+#include <stdint.h>
+
+#define NR 32
+#define MRMAX 12
+
+/* W [N, K] bf16 row-major -> panels [ceil(N/32)][ceil(K/2)][32][2], zero padded. */
+void lmi_pack_bf16(const uint16_t *W, int64_t N, int64_t K, uint16_t *out) {
+    const int64_t np = (N + NR - 1) / NR, kq = (K + 1) / 2;
+#pragma omp parallel for schedule(static)
+    for (int64_t p = 0; p < np; ++p)
+        for (int64_t q = 0; q < kq; ++q)
+            for (int64_t j = 0; j < NR; ++j)
+                for (int64_t i = 0; i < 2; ++i) {
+                    const int64_t n = p * NR + j, k = 2 * q + i;
+                    out[((p * kq + q) * NR + j) * 2 + i] = (n < N && k < K) ? W[n * K + k] : 0;
+                }
+}
+
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#include <immintrin.h>
+#include <omp.h>
+
+int lmi_gemm_bf16w_available(void) { return 1; }
+
+/* fp32 -> bf16 bits, round to nearest even as cpu_bf16.h's f32_to_bf16 (NaN stays NaN), 16 lanes. */
+static inline __m256i round_bf16(__m512 v) {
+    const __m512i u = _mm512_castps_si512(v);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), lsb), 16);
+    const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    r = _mm512_mask_or_epi32(r, nan, _mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
+    return _mm512_cvtepi32_epi16(r);
+}
+
+/* The epilogue of a row block: + bias, stored as fp32 or rounded to bf16. */
+#define STORE(MR) \
+        const __mmask16 m0 = ncols >= 16 ? 0xFFFF : (__mmask16)((1u << ncols) - 1);                 \
+        const __mmask16 m1 = ncols >= 32 ? 0xFFFF : ncols <= 16 ? 0                                 \
+                                                  : (__mmask16)((1u << (ncols - 16)) - 1);          \
+        if (bias) {                                                                                 \
+            const __m512 bb0 = _mm512_maskz_loadu_ps(m0, bias), bb1 = _mm512_maskz_loadu_ps(m1, bias + 16); \
+            for (int r = 0; r < MR; ++r) {                                                          \
+                c0[r] = _mm512_add_ps(c0[r], bb0);                                                  \
+                c1[r] = _mm512_add_ps(c1[r], bb1);                                                  \
+            }                                                                                       \
+        }                                                                                           \
+        if (out_bf16) {                                                                             \
+            uint16_t *o = (uint16_t *)C;                                                            \
+            for (int r = 0; r < MR; ++r) {                                                          \
+                _mm256_mask_storeu_epi16(o + r * ldc, m0, round_bf16(c0[r]));                       \
+                _mm256_mask_storeu_epi16(o + r * ldc + 16, m1, round_bf16(c1[r]));                  \
+            }                                                                                       \
+        } else {                                                                                    \
+            float *o = (float *)C;                                                                  \
+            for (int r = 0; r < MR; ++r) {                                                          \
+                _mm512_mask_storeu_ps(o + r * ldc, m0, c0[r]);                                      \
+                _mm512_mask_storeu_ps(o + r * ldc + 16, m1, c1[r]);                                 \
+            }                                                                                       \
+        }
+
+
+/* The same panels widened in registers: A fp32 (row stride lda); each 32-bit lane of a panel load
+ * holds one column's pair, whose k = 2q value is the lane shifted left 16 bits and whose k = 2q+1
+ * value is the lane's high half, both exact in fp32; two fp32 FMAs per pair and column, in k
+ * order from 0: every output is kernels/cpu_gemm.c's over the widened weight, bit for bit, at half
+ * its weight bytes (two integer ops per 16 columns and pair ride along). */
+#define KERNELW(MR)                                                                                 \
+    static void kfw_##MR(const float *A, int64_t lda, const uint16_t *B, int64_t K, void *C,        \
+                         int64_t ldc, int out_bf16, const float *bias, int64_t ncols,               \
+                         const uint16_t *Bn, int64_t pf0, int64_t pfs) {                            \
+        __m512 c0[MR], c1[MR];                                                                      \
+        for (int r = 0; r < MR; ++r) {                                                              \
+            c0[r] = _mm512_setzero_ps();                                                            \
+            c1[r] = _mm512_setzero_ps();                                                            \
+        }                                                                                           \
+        const __m512i hi = _mm512_set1_epi32((int)0xFFFF0000u);                                     \
+        const int64_t kq = (K + 1) / 2, kfull = K / 2;                                              \
+        int64_t pfq = Bn ? pf0 : kq;                                                                \
+        for (int64_t q = 0; q < kfull; ++q) {                                                       \
+            if (q == pfq) {                                                                         \
+                _mm_prefetch((const char *)(Bn + q * NR * 2), _MM_HINT_T1);                         \
+                _mm_prefetch((const char *)(Bn + q * NR * 2 + 32), _MM_HINT_T1);                    \
+                pfq += pfs;                                                                         \
+            }                                                                                       \
+            const __m512i w0 = _mm512_loadu_si512((const void *)(B + q * NR * 2));                  \
+            const __m512i w1 = _mm512_loadu_si512((const void *)(B + q * NR * 2 + 32));             \
+            _mm_prefetch((const char *)(B + (q + 8) * NR * 2), _MM_HINT_T0);                        \
+            _mm_prefetch((const char *)(B + (q + 8) * NR * 2 + 32), _MM_HINT_T0);                   \
+            const __m512 e0 = _mm512_castsi512_ps(_mm512_slli_epi32(w0, 16));                       \
+            const __m512 e1 = _mm512_castsi512_ps(_mm512_slli_epi32(w1, 16));                       \
+            const __m512 o0 = _mm512_castsi512_ps(_mm512_and_si512(w0, hi));                        \
+            const __m512 o1 = _mm512_castsi512_ps(_mm512_and_si512(w1, hi));                        \
+            for (int r = 0; r < MR; ++r) {                                                          \
+                const __m512 a = _mm512_set1_ps(A[r * lda + 2 * q]);                                \
+                c0[r] = _mm512_fmadd_ps(a, e0, c0[r]);                                              \
+                c1[r] = _mm512_fmadd_ps(a, e1, c1[r]);                                              \
+            }                                                                                       \
+            for (int r = 0; r < MR; ++r) {                                                          \
+                const __m512 a = _mm512_set1_ps(A[r * lda + 2 * q + 1]);                            \
+                c0[r] = _mm512_fmadd_ps(a, o0, c0[r]);                                              \
+                c1[r] = _mm512_fmadd_ps(a, o1, c1[r]);                                              \
+            }                                                                                       \
+        }                                                                                           \
+        if (kfull < kq) {                                                                           \
+            const __m512 e0 = _mm512_castsi512_ps(_mm512_slli_epi32(                                \
+                _mm512_loadu_si512((const void *)(B + kfull * NR * 2)), 16));                       \
+            const __m512 e1 = _mm512_castsi512_ps(_mm512_slli_epi32(                                \
+                _mm512_loadu_si512((const void *)(B + kfull * NR * 2 + 32)), 16));                  \
+            for (int r = 0; r < MR; ++r) {                                                          \
+                const __m512 a = _mm512_set1_ps(A[r * lda + K - 1]);                                \
+                c0[r] = _mm512_fmadd_ps(a, e0, c0[r]);                                              \
+                c1[r] = _mm512_fmadd_ps(a, e1, c1[r]);                                              \
+            }                                                                                       \
+        }                                                                                           \
+        STORE(MR)                                                                                   \
+    }
+KERNELW(1) KERNELW(2) KERNELW(3) KERNELW(4) KERNELW(5) KERNELW(6)
+KERNELW(7) KERNELW(8) KERNELW(9) KERNELW(10) KERNELW(11) KERNELW(12)
+
+typedef void (*kfw_t)(const float *, int64_t, const uint16_t *, int64_t, void *, int64_t, int,
+                      const float *, int64_t, const uint16_t *, int64_t, int64_t);
+static const kfw_t KFW[MRMAX + 1] = {0, kfw_1, kfw_2, kfw_3, kfw_4, kfw_5, kfw_6,
+                                     kfw_7, kfw_8, kfw_9, kfw_10, kfw_11, kfw_12};
+
+/* Rows in chunks whose A slice stays in L2 (about 1 MiB), each thread a contiguous range of
+ * panels, the row blocks of a chunk near-equal in size (as kernels/cpu_gemm.c). */
+#define DRIVE(TABLE, ATYPE)                                                                         \
+    const int64_t np = (N + NR - 1) / NR, kq = (K + 1) / 2;                                         \
+    const int64_t esz = out_bf16 ? 2 : 4;                                                           \
+    int64_t chunk = ((1 << 20) / (K * (int64_t)sizeof(ATYPE))) / MRMAX * MRMAX;                     \
+    if (chunk < MRMAX) chunk = MRMAX;                                                               \
+    if (nthreads > np) nthreads = (int)np;                                                          \
+    if (nthreads < 1) nthreads = 1;                                                                 \
+    _Pragma("omp parallel num_threads(nthreads)")                                                   \
+    {                                                                                               \
+        const int t = omp_get_thread_num(), nt = omp_get_num_threads();                             \
+        const int64_t p0 = np * t / nt, p1 = np * (t + 1) / nt;                                     \
+        for (int64_t m0 = 0; m0 < M; m0 += chunk) {                                                 \
+            const int64_t Mc = M - m0 < chunk ? M - m0 : chunk;                                     \
+            const int64_t nb = (Mc + MRMAX - 1) / MRMAX;                                            \
+            for (int64_t p = p0; p < p1; ++p) {                                                     \
+                const uint16_t *B = Bp + p * kq * NR * 2;                                           \
+                const uint16_t *Bn = p + 1 < p1 ? B + kq * NR * 2 : 0;                              \
+                const int64_t ncols = N - p * NR < NR ? N - p * NR : NR;                            \
+                for (int64_t i = 0; i < nb; ++i) {                                                  \
+                    const int64_t lo = Mc * i / nb, hi = Mc * (i + 1) / nb;                         \
+                    TABLE[hi - lo](A + (m0 + lo) * lda, lda, B, K,                                  \
+                                   (char *)C + ((m0 + lo) * ldc + p * NR) * esz, ldc, out_bf16,     \
+                                   bias ? bias + p * NR : 0, ncols, Bn, i, nb);                     \
+                }                                                                                   \
+            }                                                                                       \
+        }                                                                                           \
+    }
+
+/* A [M, K] fp32 at row stride lda (K contiguous), Bp from lmi_pack_bf16, bias [N] fp32 or NULL,
+ * C [M, N] at row stride ldc: fp32, or bf16 when out_bf16. Products and sums in fp32 FMAs. */
+void lmi_gemm_bf16w(const float *A, int64_t M, int64_t K, int64_t lda, const uint16_t *Bp, int64_t N,
+                    const float *bias, void *C, int64_t ldc, int out_bf16, int nthreads) {
+    DRIVE(KFW, float)
+}
+
+#if defined(__AVX512BF16__)
+int lmi_gemm_bf16_available(void) { return 1; }
+
+/* A [M, K] fp32 at row stride lda -> out [M, K] bf16 at row stride ldo. */
+void lmi_bf16_rows(const float *A, int64_t M, int64_t K, int64_t lda, uint16_t *out, int64_t ldo,
+                   int nthreads) {
+#pragma omp parallel for schedule(static) num_threads(nthreads)
+    for (int64_t m = 0; m < M; ++m) {
+        const float *a = A + m * lda;
+        uint16_t *o = out + m * ldo;
+        int64_t k = 0;
+        for (; k + 32 <= K; k += 32) {
+            const __m512bh v = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(a + k + 16), _mm512_loadu_ps(a + k));
+            _mm512_storeu_si512((void *)(o + k), (__m512i)v);
+        }
+        if (k < K) {
+            const int64_t r = K - k;
+            const __mmask16 lo = r >= 16 ? 0xFFFF : (__mmask16)((1u << r) - 1);
+            const __mmask16 hi = r <= 16 ? 0 : (__mmask16)((1u << (r - 16)) - 1);
+            const __m512bh v = _mm512_cvtne2ps_pbh(_mm512_maskz_loadu_ps(hi, a + k + 16),
+                                                   _mm512_maskz_loadu_ps(lo, a + k));
+            const __mmask32 all = r >= 32 ? 0xFFFFFFFFu : (__mmask32)((1ull << r) - 1);
+            _mm512_mask_storeu_epi16((void *)(o + k), all, (__m512i)v);
+        }
+    }
+}
+
+/* MR rows of A (bf16, row stride lda) x one panel B [kq][32][2] -> C (row stride ldc, fp32 or
+ * bf16 by out_bf16), ncols <= 32 of them stored. Bn (or NULL): the next panel; this row block
+ * prefetches its pairs pf0, pf0 + pfs, ... into L2, so the panel's row blocks share the prefetching. */
+#define KERNEL(MR)                                                                                  \
+    static void kbf_##MR(const uint16_t *A, int64_t lda, const uint16_t *B, int64_t K, void *C,     \
+                         int64_t ldc, int out_bf16, const float *bias, int64_t ncols,               \
+                         const uint16_t *Bn, int64_t pf0, int64_t pfs) {                            \
+        __m512 c0[MR], c1[MR];                                                                      \
+        for (int r = 0; r < MR; ++r) {                                                              \
+            c0[r] = _mm512_setzero_ps();                                                            \
+            c1[r] = _mm512_setzero_ps();                                                            \
+        }                                                                                           \
+        const int64_t kq = (K + 1) / 2, kfull = K / 2;                                              \
+        int64_t pfq = Bn ? pf0 : kq;                                                                \
+        for (int64_t q = 0; q < kfull; ++q) {                                                       \
+            if (q == pfq) {                                                                         \
+                _mm_prefetch((const char *)(Bn + q * NR * 2), _MM_HINT_T1);                         \
+                _mm_prefetch((const char *)(Bn + q * NR * 2 + 32), _MM_HINT_T1);                    \
+                pfq += pfs;                                                                         \
+            }                                                                                       \
+            const __m512bh b0 = (__m512bh)_mm512_loadu_si512((const void *)(B + q * NR * 2));       \
+            const __m512bh b1 = (__m512bh)_mm512_loadu_si512((const void *)(B + q * NR * 2 + 32));  \
+            _mm_prefetch((const char *)(B + (q + 8) * NR * 2), _MM_HINT_T0);                        \
+            _mm_prefetch((const char *)(B + (q + 8) * NR * 2 + 32), _MM_HINT_T0);                   \
+            for (int r = 0; r < MR; ++r) {                                                          \
+                const __m512bh a = (__m512bh)_mm512_set1_epi32(*(const int32_t *)(A + r * lda + 2 * q)); \
+                c0[r] = _mm512_dpbf16_ps(c0[r], a, b0);                                             \
+                c1[r] = _mm512_dpbf16_ps(c1[r], a, b1);                                             \
+            }                                                                                       \
+        }                                                                                           \
+        if (kfull < kq) { /* odd K: the last value alone, its pair's other half 0 */                \
+            if (Bn) {                                                                               \
+                _mm_prefetch((const char *)(Bn + kfull * NR * 2), _MM_HINT_T1);                     \
+                _mm_prefetch((const char *)(Bn + kfull * NR * 2 + 32), _MM_HINT_T1);                \
+            }                                                                                       \
+            const __m512bh b0 = (__m512bh)_mm512_loadu_si512((const void *)(B + kfull * NR * 2));   \
+            const __m512bh b1 = (__m512bh)_mm512_loadu_si512((const void *)(B + kfull * NR * 2 + 32)); \
+            for (int r = 0; r < MR; ++r) {                                                          \
+                const __m512bh a = (__m512bh)_mm512_set1_epi32((int32_t)A[r * lda + K - 1]);        \
+                c0[r] = _mm512_dpbf16_ps(c0[r], a, b0);                                             \
+                c1[r] = _mm512_dpbf16_ps(c1[r], a, b1);                                             \
+            }                                                                                       \
+        }                                                                                           \
+        STORE(MR)                                                                                   \
+    }
+KERNEL(1) KERNEL(2) KERNEL(3) KERNEL(4) KERNEL(5) KERNEL(6)
+KERNEL(7) KERNEL(8) KERNEL(9) KERNEL(10) KERNEL(11) KERNEL(12)
+
+typedef void (*kbf_t)(const uint16_t *, int64_t, const uint16_t *, int64_t, void *, int64_t, int,
+                      const float *, int64_t, const uint16_t *, int64_t, int64_t);
+static const kbf_t KBF[MRMAX + 1] = {0, kbf_1, kbf_2, kbf_3, kbf_4, kbf_5, kbf_6,
+                                     kbf_7, kbf_8, kbf_9, kbf_10, kbf_11, kbf_12};
+
+/* A [M, K] bf16 at row stride lda (K contiguous), Bp from lmi_pack_bf16, bias [N] fp32 or NULL,
+ * C [M, N] at row stride ldc: fp32, or bf16 when out_bf16. Products by vdpbf16ps. */
+void lmi_gemm_bf16(const uint16_t *A, int64_t M, int64_t K, int64_t lda, const uint16_t *Bp, int64_t N,
+                   const float *bias, void *C, int64_t ldc, int out_bf16, int nthreads) {
+    DRIVE(KBF, uint16_t)
+}
+#endif
+#else
+int lmi_gemm_bf16w_available(void) { return 0; }
+
+void lmi_gemm_bf16w(const float *A, int64_t M, int64_t K, int64_t lda, const uint16_t *Bp, int64_t N,
+                    const float *bias, void *C, int64_t ldc, int out_bf16, int nthreads) {
+    (void)A; (void)M; (void)K; (void)lda; (void)Bp; (void)N; (void)bias; (void)C; (void)ldc; (void)out_bf16;
+    (void)nthreads;
+}
+#endif
+
+#if !(defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__))
+int lmi_gemm_bf16_available(void) { return 0; }
+
+void lmi_bf16_rows(const float *A, int64_t M, int64_t K, int64_t lda, uint16_t *out, int64_t ldo,
+                   int nthreads) {
+    (void)A; (void)M; (void)K; (void)lda; (void)out; (void)ldo; (void)nthreads;
+}
+
+void lmi_gemm_bf16(const uint16_t *A, int64_t M, int64_t K, int64_t lda, const uint16_t *Bp, int64_t N,
+                   const float *bias, void *C, int64_t ldc, int out_bf16, int nthreads) {
+    (void)A; (void)M; (void)K; (void)lda; (void)Bp; (void)N; (void)bias; (void)C; (void)ldc; (void)out_bf16;
+    (void)nthreads;
+}
+#endif
