@@ -212,6 +212,32 @@ void lmi_bf16_rows(const float *A, int64_t M, int64_t K, int64_t lda, uint16_t *
     }
 }
 
+/* Named accumulators (c0_r, c1_r for rows r < MR, `mr` the kernel's MR as a constant) and
+ * vdpbf16ps by inline asm on the accumulator's own register: written as arrays of
+ * _mm512_dpbf16_ps, gcc 12 copied every accumulator through the stack around each instruction
+ * (the builtin has one form, and the allocator gives acc another register), as it did for the
+ * int8 kernel's vpdpbusd (kernels/cpu_gemm_i8.c). */
+#define FOR_ROWS(X) X(0) X(1) X(2) X(3) X(4) X(5) X(6) X(7) X(8) X(9) X(10) X(11)
+#define DPBF16(acc, a, b) __asm__("vdpbf16ps %2, %1, %0" : "+v"(acc) : "v"(a), "v"(b))
+#define BF_DECL(r) __m512 c0_##r = _mm512_setzero_ps(), c1_##r = _mm512_setzero_ps();
+#define BF_STEP(r)                                                                                  \
+    if (mr > r) {                                                                                   \
+        const __m512i a = _mm512_set1_epi32(*(const int32_t *)(A + r * lda + 2 * q));               \
+        DPBF16(c0_##r, a, b0);                                                                      \
+        DPBF16(c1_##r, a, b1);                                                                      \
+    }
+#define BF_LAST(r)                                                                                  \
+    if (mr > r) {                                                                                   \
+        const __m512i a = _mm512_set1_epi32((int32_t)A[r * lda + K - 1]);                           \
+        DPBF16(c0_##r, a, b0);                                                                      \
+        DPBF16(c1_##r, a, b1);                                                                      \
+    }
+#define BF_PUT(r)                                                                                   \
+    if (mr > r) {                                                                                   \
+        c0[r] = c0_##r;                                                                             \
+        c1[r] = c1_##r;                                                                             \
+    }
+
 /* MR rows of A (bf16, row stride lda) x one panel B [kq][32][2] -> C (row stride ldc, fp32 or
  * bf16 by out_bf16), ncols <= 32 of them stored. Bn (or NULL): the next panel; this row block
  * prefetches its pairs pf0, pf0 + pfs, ... into L2, so the panel's row blocks share the prefetching. */
@@ -219,11 +245,8 @@ void lmi_bf16_rows(const float *A, int64_t M, int64_t K, int64_t lda, uint16_t *
     static void kbf_##MR(const uint16_t *A, int64_t lda, const uint16_t *B, int64_t K, void *C,     \
                          int64_t ldc, int out_bf16, const float *bias, int64_t ncols,               \
                          const uint16_t *Bn, int64_t pf0, int64_t pfs) {                            \
-        __m512 c0[MR], c1[MR];                                                                      \
-        for (int r = 0; r < MR; ++r) {                                                              \
-            c0[r] = _mm512_setzero_ps();                                                            \
-            c1[r] = _mm512_setzero_ps();                                                            \
-        }                                                                                           \
+        enum { mr = MR };                                                                           \
+        FOR_ROWS(BF_DECL)                                                                           \
         const int64_t kq = (K + 1) / 2, kfull = K / 2;                                              \
         int64_t pfq = Bn ? pf0 : kq;                                                                \
         for (int64_t q = 0; q < kfull; ++q) {                                                       \
@@ -232,29 +255,23 @@ void lmi_bf16_rows(const float *A, int64_t M, int64_t K, int64_t lda, uint16_t *
                 _mm_prefetch((const char *)(Bn + q * NR * 2 + 32), _MM_HINT_T1);                    \
                 pfq += pfs;                                                                         \
             }                                                                                       \
-            const __m512bh b0 = (__m512bh)_mm512_loadu_si512((const void *)(B + q * NR * 2));       \
-            const __m512bh b1 = (__m512bh)_mm512_loadu_si512((const void *)(B + q * NR * 2 + 32));  \
+            const __m512i b0 = _mm512_loadu_si512((const void *)(B + q * NR * 2));                  \
+            const __m512i b1 = _mm512_loadu_si512((const void *)(B + q * NR * 2 + 32));             \
             _mm_prefetch((const char *)(B + (q + 8) * NR * 2), _MM_HINT_T0);                        \
             _mm_prefetch((const char *)(B + (q + 8) * NR * 2 + 32), _MM_HINT_T0);                   \
-            for (int r = 0; r < MR; ++r) {                                                          \
-                const __m512bh a = (__m512bh)_mm512_set1_epi32(*(const int32_t *)(A + r * lda + 2 * q)); \
-                c0[r] = _mm512_dpbf16_ps(c0[r], a, b0);                                             \
-                c1[r] = _mm512_dpbf16_ps(c1[r], a, b1);                                             \
-            }                                                                                       \
+            FOR_ROWS(BF_STEP)                                                                       \
         }                                                                                           \
         if (kfull < kq) { /* odd K: the last value alone, its pair's other half 0 */                \
             if (Bn) {                                                                               \
                 _mm_prefetch((const char *)(Bn + kfull * NR * 2), _MM_HINT_T1);                     \
                 _mm_prefetch((const char *)(Bn + kfull * NR * 2 + 32), _MM_HINT_T1);                \
             }                                                                                       \
-            const __m512bh b0 = (__m512bh)_mm512_loadu_si512((const void *)(B + kfull * NR * 2));   \
-            const __m512bh b1 = (__m512bh)_mm512_loadu_si512((const void *)(B + kfull * NR * 2 + 32)); \
-            for (int r = 0; r < MR; ++r) {                                                          \
-                const __m512bh a = (__m512bh)_mm512_set1_epi32((int32_t)A[r * lda + K - 1]);        \
-                c0[r] = _mm512_dpbf16_ps(c0[r], a, b0);                                             \
-                c1[r] = _mm512_dpbf16_ps(c1[r], a, b1);                                             \
-            }                                                                                       \
+            const __m512i b0 = _mm512_loadu_si512((const void *)(B + kfull * NR * 2));              \
+            const __m512i b1 = _mm512_loadu_si512((const void *)(B + kfull * NR * 2 + 32));         \
+            FOR_ROWS(BF_LAST)                                                                       \
         }                                                                                           \
+        __m512 c0[MRMAX], c1[MRMAX];                                                                \
+        FOR_ROWS(BF_PUT)                                                                            \
         STORE(MR)                                                                                   \
     }
 KERNEL(1) KERNEL(2) KERNEL(3) KERNEL(4) KERNEL(5) KERNEL(6)
