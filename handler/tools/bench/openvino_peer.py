@@ -8,7 +8,8 @@ Location: DIR, else $LMI_BENCH_OPENVINO_DIR, else <repo>/.cache/peers/openvino.
 Why a front of our own: OpenVINO's server (OVMS) is a container image, not on PyPI. The front
 (`python -m handler.tools.bench.openvino_peer serve ...`, run by the peer venv's Python) does
 what OVMS does: one engine thread loops `pipe.step()` while requests wait; each request handler
-calls `pipe.add_request(id, ids, GenerationConfig)` and reads its handle. It speaks the same
+calls `pipe.add_request(id, ids, GenerationConfig)`; the engine thread reads every handle after
+each step into that request's queue. It speaks the same
 /invocations subset as peers.py (streaming included) and tokenizes with the model dir's HF
 tokenizer, so every cell sees the same prompt ids.
 
@@ -144,8 +145,9 @@ def server(path: str, ir: str, model_dir: str, port: int, kv_tokens: int, max_nu
 
 # ------------------------------------------------------------------ the front (peer venv)
 class Engine:
-    """One thread loops pipe.step() while any request is unfinished; handlers add requests and
-    read their GenerationHandle (the pattern OVMS uses)."""
+    """One thread loops pipe.step() while any request is unfinished and, after each step, hands
+    every request's new ids to its queue (the pattern OVMS uses: handlers add requests and
+    wait on their own output; nobody polls)."""
 
     def __init__(self, ir: str, kv_blocks: int, max_num_seqs: int, max_batched_tokens: int, dtype: str,
                  threads: int):
@@ -164,65 +166,70 @@ class Engine:
         self.pipe = ov_genai.ContinuousBatchingPipeline(ir, sc, "CPU", props)
         self.cv = threading.Condition()
         self.next_id = 0
-        self.active = 0
+        self.live: dict[int, tuple] = {}      # request id -> (handle, its queue)
         threading.Thread(target=self._loop, daemon=True).start()
 
     def _loop(self):
+        running = self.ov.GenerationStatus.RUNNING
         while True:
             with self.cv:
-                while self.active == 0 and not self.pipe.has_non_finished_requests():
+                while not self.live:
                     self.cv.wait()
-            self.pipe.step()
+                live = list(self.live.items())
+            try:
+                self.pipe.step()
+            except Exception as e:  # noqa: BLE001 - every waiting request learns why
+                for rid, (_, q) in live:
+                    q.put(RuntimeError(f"step failed: {type(e).__name__}: {e}"))
+                with self.cv:
+                    for rid, _ in live:
+                        self.live.pop(rid, None)
+                continue
+            for rid, (h, q) in live:
+                new = []
+                while h.can_read():     # {sequence id: output}: the ids produced since the last read
+                    new += [i for o in h.read().values() for i in o.generated_ids]
+                if new:
+                    q.put(new)
+                status = h.get_status()
+                if status != running:
+                    q.put(None if status == self.ov.GenerationStatus.FINISHED
+                          else RuntimeError(f"generation ended with status {status}"))
+                    with self.cv:
+                        self.live.pop(rid, None)
 
     def submit(self, ids: list[int], max_new_tokens: int, ignore_eos: bool, eos: int | None):
+        """-> a queue of lists of new ids, then None (finished) or an exception."""
+        import queue
+
+        import numpy as np
+        import openvino as ov
+
         cfg = self.ov.GenerationConfig()
         cfg.max_new_tokens = max_new_tokens
         cfg.ignore_eos = ignore_eos
         if eos is not None:
             cfg.eos_token_id = eos
+        q: queue.Queue = queue.Queue()
         with self.cv:
             rid = self.next_id
             self.next_id += 1
-            handle = self.pipe.add_request(rid, self._tensor(ids), cfg)
-            self.active += 1
+            h = self.pipe.add_request(rid, ov.Tensor(np.asarray([ids], dtype=np.int64)), cfg)
+            self.live[rid] = (h, q)
             self.cv.notify()
-        return handle
+        return q
 
     @staticmethod
-    def _tensor(ids):
-        import numpy as np
-        import openvino as ov
-
-        return ov.Tensor(np.asarray([ids], dtype=np.int64))
-
-    def done(self):
-        with self.cv:
-            self.active -= 1
-
-    def tokens(self, handle):
-        """Yields (new ids, finished) as the handle produces them."""
-        import time as _t
-
-        sent: list[int] = []
-        try:
-            while True:
-                status = handle.get_status()
-                finished = status != self.ov.GenerationStatus.RUNNING
-                if handle.can_read():
-                    outs = handle.read()   # {seq id: GenerationOutput}: the new ids since the last read
-                    new = [i for o in outs.values() for i in o.generated_ids]
-                    sent += new
-                    if new:
-                        yield new, False
-                    continue
-                if finished:
-                    if status not in (self.ov.GenerationStatus.FINISHED,):
-                        raise RuntimeError(f"generation ended with status {status}")
-                    yield [], True
-                    return
-                _t.sleep(0.0005)
-        finally:
-            self.done()
+    def tokens(q):
+        """Yields (new ids, finished) from a submitted request's queue."""
+        while True:
+            item = q.get()
+            if isinstance(item, Exception):
+                raise item
+            if item is None:
+                yield [], True
+                return
+            yield item, False
 
 
 def serve(argv: list[str]) -> int:
@@ -260,11 +267,11 @@ def serve(argv: list[str]) -> int:
             return jsonify({"code": 400, "message": str(e)}), 400
         want = min(n, k) if k else n
         ids = tok(prompt)["input_ids"]
-        handle = eng.submit(ids, want, ignore_eos or k is not None, tok.eos_token_id)
+        q = eng.submit(ids, want, ignore_eos, tok.eos_token_id)
         if not stream:
             out: list[int] = []
             try:
-                for new, _ in eng.tokens(handle):
+                for new, _ in eng.tokens(q):
                     out += new
             except Exception as e:  # noqa: BLE001 - the client records the message
                 return jsonify({"code": 424, "message": f"{type(e).__name__}: {e}"}), 424
@@ -275,7 +282,7 @@ def serve(argv: list[str]) -> int:
             out: list[int] = []
             pending = None     # the last token is held back to carry the final body
             try:
-                for new, finished in eng.tokens(handle):
+                for new, finished in eng.tokens(q):
                     for t in new:
                         if pending is not None:
                             yield json.dumps({"token": {"id": pending, "text": tok.decode([pending]),
