@@ -172,8 +172,7 @@ def server(path: str, gguf: str, port: int, kv_tokens: int, slots: int, prefill_
     kv = KV_TYPE[dtype]
     cmd = [binary(path), "-m", gguf, "--host", "127.0.0.1", "--port", str(port), "-np", str(slots),
            "--kv-unified", "-c", str(kv_tokens), "-t", str(threads), "-tb", str(threads),
-           "-b", str(prefill_tokens), "-ctk", kv, "-ctv", kv, "--cache-ram", "0", "--no-warmup",
-           "--log-disable"]
+           "-b", str(prefill_tokens), "-ctk", kv, "-ctv", kv, "--cache-ram", "0", "--no-warmup"]
     held = {"kv_cache_tokens": kv_tokens, "kv_unified": True, "slots": slots, "batch_tokens": prefill_tokens,
             "threads": threads, "kv_cache_type": kv, "gguf": os.path.basename(gguf),
             "prefix_caching": "off per request (cache_prompt false) and --cache-ram 0"}
