@@ -92,6 +92,28 @@ def test_llamacpp_server_flags_hold_the_kv_slots_budget_threads_and_kv_type():
         ["f32", "bf16", "q8_0", "q8_0"]
     with pytest.raises(ValueError, match="dtype='fp16': allowed fp32, bf16"):
         llamacpp_peer.outtype_of("llamacpp", "fp16")
+    # split: each slot owns its share of the cells (attention over its own cells only)
+    cmd, _, held = llamacpp_peer.server("/p", "/m/x.gguf", 1, 12800, 50, 4096, "fp32", kv_layout="split")
+    assert "--no-kv-unified" in cmd and "--kv-unified" not in cmd and held["kv_tokens_per_slot"] == 256
+    with pytest.raises(ValueError, match="kv_layout='paged': allowed unified, split"):
+        llamacpp_peer.server("/p", "/m/x.gguf", 1, 12800, 50, 4096, "fp32", kv_layout="paged")
+
+
+def test_split_llamacpp_kv_that_cannot_hold_the_longest_sequence_is_a_clear_error(tmp_path, demo_model_dir,
+                                                                                   monkeypatch):
+    # an installed-looking peer dir: the check comes before any conversion or start
+    (tmp_path / "peer" / "build" / "bin").mkdir(parents=True)
+    exe = tmp_path / "peer" / "build" / "bin" / "llama-server"
+    exe.write_text("#!/bin/sh\n")
+    exe.chmod(0o755)
+    (tmp_path / "peer" / llamacpp_peer.MARKER).write_text("{}")
+    w = Workload(name="tiny", requests=4, concurrency=2, prompt_words=(40,), max_new_tokens=(30,),
+                 kv_cache_tokens=64)
+    res = compare(Preset("tiny", (w,), repetitions=1, model="demo"), str(tmp_path / "out"), only=["llamacpp"],
+                  model_dir=demo_model_dir, progress=False, log=lambda m: None, measure_peak=False,
+                  peer_dirs={"llamacpp": str(tmp_path / "peer"), "llamacpp_kv": "split"})
+    err = res["peers"]["llamacpp"]["error"]
+    assert err.startswith("preparing") is False and "--llamacpp-kv split: 64 KV tokens / 2 slots = 32 per slot" in err
 
 
 def test_llamacpp_converter_copy_renames_only_the_tokenizer_class(tmp_path):

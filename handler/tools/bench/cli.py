@@ -170,7 +170,8 @@ def cmd_compare(a) -> int:
     if a.tensor_parallel_degree < 1:
         raise UsageError(f"--tensor-parallel-degree={a.tensor_parallel_degree}: must be >= 1")
     clients = list(_ints("--clients", a.clients)) if a.clients else None
-    peer_dirs = {k: v for k, v in (("openvino", a.openvino_dir), ("llamacpp", a.llamacpp_dir)) if v}
+    peer_dirs = {k: v for k, v in (("openvino", a.openvino_dir), ("llamacpp", a.llamacpp_dir),
+                                   ("llamacpp_kv", a.llamacpp_kv)) if v}
     compare(a.preset, a.out, only=only, workloads=workloads, reps=a.reps, model_dir=a.model_dir,
             clients=clients, peer_dirs=peer_dirs, measure_peak=not a.no_peak,
             overrides=_overrides(a), startup_timeout=a.startup_timeout, progress=not a.no_progress,
@@ -246,6 +247,10 @@ def main(argv: list[str]) -> int:
     c.add_argument("--llamacpp-dir", help="the llamacpp peer's directory (default $LMI_BENCH_LLAMACPP_DIR or "
                                           ".cache/peers/llamacpp; install: python -m handler bench install-peer "
                                           "llamacpp)")
+    c.add_argument("--llamacpp-kv", choices=("unified", "split"),
+                   help="llama-server's KV layout: unified (default: --kv-unified, one buffer, -np = the "
+                        "running limit) or split (--no-kv-unified, -np = the client count, each slot its "
+                        "share of the KV tokens)")
     c.add_argument("--no-peak", action="store_true",
                    help="skip the fp32 FMA peak microbenchmark (the %% of peak column stays empty)")
     c.add_argument("--dtype", choices=("fp32", "bf16"),

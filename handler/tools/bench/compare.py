@@ -278,13 +278,26 @@ def installed_peer(name: str, w: Workload, model_dir: str, kv_tokens: int, log: 
             cmd, env, held = openvino_peer.server(where, ir, model_dir, port, kv_tokens, w.max_rolling_batch_size,
                                                   w.prefill_tokens, dtype, THREADS)
             return Server(name, cmd, log, port, env=env, startup_timeout=openvino_peer.STARTUP_TIMEOUT, held=held)
+        layout = peer_dirs.get("llamacpp_kv", "unified")
+        slots = w.max_rolling_batch_size
+        if layout == "split":    # a slot per client (the running limit never binds beyond that)
+            slots = min(slots, w.concurrency)
+            if kv_tokens // slots < w_longest(w, tok):
+                return Server(name, [], log, port, prep_error=(
+                    f"--llamacpp-kv split: {kv_tokens} KV tokens / {slots} slots = {kv_tokens // slots} per slot, "
+                    f"less than the longest sequence ({w_longest(w, tok)} tokens)"))
         gguf = llamacpp_peer.convert(where, model_dir, llamacpp_peer.outtype_of(name, dtype), log=log_fn)
-        cmd, env, held = llamacpp_peer.server(where, gguf, port, kv_tokens, w.max_rolling_batch_size,
-                                              w.prefill_tokens, dtype, THREADS)
+        cmd, env, held = llamacpp_peer.server(where, gguf, port, kv_tokens, slots, w.prefill_tokens, dtype,
+                                              THREADS, layout)
         return Server(name, cmd, log, port, api=LlamaCppCompletions(tok), env=env, health=llamacpp_peer.HEALTH,
                       startup_timeout=llamacpp_peer.STARTUP_TIMEOUT, held=held)
     except (subprocess.CalledProcessError, OSError, ValueError) as e:
         return Server(name, [], log, port, prep_error=f"preparing its model failed: {e}")
+
+
+def w_longest(w: Workload, tok) -> int:
+    """The longest prompt + its max_new_tokens over the workload's request list, in tokens."""
+    return max(len(tok(b["inputs"])["input_ids"]) + b["parameters"]["max_new_tokens"] for b in w.draw(tok))
 
 
 # ------------------------------------------------------------------ one workload
@@ -523,7 +536,8 @@ def compare(preset: str | Preset = "cpu", out_dir: str = "bench-out", only=None,
     default_names());
     dtype: fp32|bf16 for every server (default: the preset's, else fp32 on CPU, bf16 on CUDA);
     vllm_dir: the vLLM CPU peer's venv (default: vllm_cpu.peer_dir());
-    peer_dirs: {"openvino": dir, "llamacpp": dir} (default: each module's peer_dir());
+    peer_dirs: {"openvino": dir, "llamacpp": dir} (default: each module's peer_dir()), and
+    "llamacpp_kv": unified (default) | split, llama-server's KV layout (llamacpp_peer.server);
     clients: client counts of a load curve (each server runs them all, in every repetition);
     measure_peak: time the machine's fp32 FMA peak (peak.py) before the servers, for the
     GFLOP/s column's % of peak;

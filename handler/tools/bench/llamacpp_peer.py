@@ -165,15 +165,28 @@ def outtype_of(cell: str, dtype: str) -> str:
     return OUTTYPE[dtype]
 
 
+KV_LAYOUTS = ("unified", "split")
+
+
 def server(path: str, gguf: str, port: int, kv_tokens: int, slots: int, prefill_tokens: int, dtype: str,
-           threads: int = 2) -> tuple[list[str], dict, dict]:
-    """(command, environment additions, what was held equal). -c is the whole unified KV in
-    tokens (llama.cpp cells hold one token each: no block rounding); -b the prefill budget."""
+           threads: int = 2, kv_layout: str = "unified") -> tuple[list[str], dict, dict]:
+    """(command, environment additions, what was held equal). -c is the whole KV in tokens
+    (llama.cpp cells hold one token each: no block rounding); -b the prefill budget.
+
+    kv_layout "unified" (--kv-unified): one buffer every slot may fill; each sequence's attention
+    then runs over every used cell of the buffer, masked. "split" (--no-kv-unified): each of the
+    -np slots owns kv_tokens / slots cells, its attention runs over its own cells only (pass fewer
+    slots, e.g. the client count, so that a slot holds the longest sequence)."""
+    if kv_layout not in KV_LAYOUTS:
+        raise ValueError(f"kv_layout={kv_layout!r}: allowed {', '.join(KV_LAYOUTS)}")
     kv = KV_TYPE[dtype]
     cmd = [binary(path), "-m", gguf, "--host", "127.0.0.1", "--port", str(port), "-np", str(slots),
-           "--kv-unified", "-c", str(kv_tokens), "-t", str(threads), "-tb", str(threads),
-           "-b", str(prefill_tokens), "-ctk", kv, "-ctv", kv, "--cache-ram", "0", "--no-warmup"]
-    held = {"kv_cache_tokens": kv_tokens, "kv_unified": True, "slots": slots, "batch_tokens": prefill_tokens,
+           "--kv-unified" if kv_layout == "unified" else "--no-kv-unified", "-c", str(kv_tokens),
+           "-t", str(threads), "-tb", str(threads), "-b", str(prefill_tokens), "-ctk", kv, "-ctv", kv,
+           "--cache-ram", "0", "--no-warmup"]
+    held = {"kv_cache_tokens": kv_tokens, "kv_layout": kv_layout, "slots": slots, "batch_tokens": prefill_tokens,
             "threads": threads, "kv_cache_type": kv, "gguf": os.path.basename(gguf),
             "prefix_caching": "off per request (cache_prompt false) and --cache-ram 0"}
+    if kv_layout == "split":
+        held["kv_tokens_per_slot"] = kv_tokens // slots
     return cmd, {}, held
