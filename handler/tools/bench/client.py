@@ -115,6 +115,26 @@ class OpenAICompletions:
         rec.finish_reason = self._reason(reason, body)
 
 
+class LlamaCppCompletions(OpenAICompletions):
+    """llama.cpp's llama-server on /v1/completions: OpenAI's body with the prompt sent as the
+    token ids our tokenizer gives (every cell then prefills the very same ids; llama.cpp would
+    otherwise tokenize with the GGUF's copy of the vocabulary) and `"cache_prompt": false` (its
+    prompt cache off per request). Its last streamed chunk carries `usage` (no stream_options
+    needed; sent anyway, it is accepted)."""
+    name = "llamacpp"
+
+    def __init__(self, tokenizer, model: str = "bench"):
+        super().__init__(model)
+        self.tok = tokenizer
+
+    def body(self, b: dict) -> dict:
+        out = super().body(b)
+        out["prompt"] = list(self.tok(b["inputs"])["input_ids"])
+        out["cache_prompt"] = False
+        out.pop("structured_outputs", None)   # vLLM's name; llama.cpp's differs (json_schema)
+        return out
+
+
 def send_one(session: requests.Session, url: str, body: dict, t0: float, timeout: float,
              api=LMI, wire: dict | None = None) -> Record:
     """POST one request; times are relative to t0 (time.perf_counter()). `body` is LMI's;
@@ -240,17 +260,18 @@ def invocations_url(url: str) -> str:
     return url if url.endswith("/invocations") else url + "/invocations"
 
 
-def wait_ready(base_url: str, timeout: float = 120.0, proc=None) -> None:
-    """Poll GET /ping until 200; raise TimeoutError (or RuntimeError if proc died)."""
+def wait_ready(base_url: str, timeout: float = 120.0, proc=None, path: str = "/ping") -> None:
+    """Poll GET `path` (/ping; llama-server: /health) until 200; raise TimeoutError (or
+    RuntimeError if proc died)."""
     base = base_url.rstrip("/").removesuffix("/invocations")
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc is not None and proc.poll() is not None:
             raise RuntimeError(f"server exited with code {proc.returncode} before /ping answered")
         try:
-            if requests.get(base + "/ping", timeout=2).status_code == 200:
+            if requests.get(base + path, timeout=2).status_code == 200:
                 return
         except requests.RequestException:
             pass
         time.sleep(0.3)
-    raise TimeoutError(f"{base}/ping did not answer 200 within {timeout:.0f} s")
+    raise TimeoutError(f"{base}{path} did not answer 200 within {timeout:.0f} s")

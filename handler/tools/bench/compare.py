@@ -18,8 +18,8 @@ import sys
 import time
 from dataclasses import dataclass
 
-from handler.tools.bench import vllm_cpu
-from handler.tools.bench.client import LMI, OpenAICompletions, run_load, wait_ready
+from handler.tools.bench import llamacpp_peer, openvino_peer, peak, vllm_cpu
+from handler.tools.bench.client import LMI, LlamaCppCompletions, OpenAICompletions, run_load, wait_ready
 from handler.tools.bench.cputime import TreeCpu
 from handler.tools.bench.metrics import Record, expected_ideal_speedup, ideal_speedup, summarise
 from handler.tools.bench.workloads import PRESETS, Preset, Workload, output_lengths, prompt_of
@@ -27,8 +27,17 @@ from handler.tools.bench.workloads import PRESETS, Preset, Workload, output_leng
 STRATEGIES = ("none", "dynamic", "rolling", "paged")
 # Quantized cells: a strategy served with option.quantize=<method> (handler/model/quant.py).
 QUANTIZED = {"paged_int8": ("paged", "int8")}
-PEERS = ("hf_naive", "transformers_cb", vllm_cpu.NAME)
-ALONE = (vllm_cpu.NAME,)   # started for its own run only: it owns every core while up
+# The CPU peers installed in their own directories (install-peer), each a cell in the run's dtype
+# and a cell with int8 weights: OpenVINO GenAI (int8 weight-compressed IR) and llama.cpp (q8_0).
+OPENVINO = (openvino_peer.NAME, *openvino_peer.QUANTIZED)
+LLAMACPP = (llamacpp_peer.NAME, *llamacpp_peer.QUANTIZED)
+PEERS = ("hf_naive", "transformers_cb", vllm_cpu.NAME, *OPENVINO, *LLAMACPP)
+ALONE = (vllm_cpu.NAME, *OPENVINO, *LLAMACPP)   # started for their own run only: they own the cores while up
+INSTALL_HINTS = {vllm_cpu.NAME: vllm_cpu.INSTALL_HINT, **{c: openvino_peer.INSTALL_HINT for c in OPENVINO},
+                 **{c: llamacpp_peer.INSTALL_HINT for c in LLAMACPP}}
+# The installed peers' thread count: every core this process may use (2 on the project's machine),
+# as ours and the torch peers take by default.
+THREADS = len(os.sched_getaffinity(0))
 DTYPES = ("fp32", "bf16")
 TORCH_DTYPE = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 SERIAL = ("none", "hf_naive")          # one request at a time (Workload.serial_requests)
@@ -160,12 +169,17 @@ class Server:
     startup_timeout: float | None = None  # at least this long (None: the run's)
     skipped: str | None = None           # why it is not run (e.g. a peer not installed)
     held: dict | None = None             # what it was started with, as it counts (results)
+    health: str = "/ping"                # the readiness route (llama-server: /health)
+    prep_error: str | None = None        # its model could not be prepared: every run reports this
 
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
     def start(self) -> None:
+        if self.prep_error:
+            self.error = self.prep_error
+            return
         env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
         for k, v in (self.env or {}).items():
             if v is None:
@@ -179,9 +193,11 @@ class Server:
         log.close()
 
     def wait(self, timeout: float) -> None:
+        if self.proc is None:
+            return
         timeout = max(timeout, self.startup_timeout or 0)
         try:
-            wait_ready(self.url, timeout, self.proc)
+            wait_ready(self.url, timeout, self.proc, self.health)
         except (TimeoutError, RuntimeError) as e:
             self.error = f"{e}; log: {self.log_path}: {tail(self.log_path)}"
 
@@ -209,11 +225,18 @@ def tail(path: str, n: int = 3) -> str:
 
 
 def make_servers(names, w: Workload, model_dir: str, kv_tokens: int, run_dir: str,
-                 dtype: str | None, tp: int = 1, vllm_dir: str | None = None) -> list[Server]:
+                 dtype: str | None, tp: int = 1, vllm_dir: str | None = None, tok=None,
+                 peer_dirs: dict | None = None, log_fn=print) -> list[Server]:
+    """peer_dirs: {"openvino": dir, "llamacpp": dir} overriding the installed peers' defaults."""
     servers = []
+    peer_dirs = peer_dirs or {}
     for name in names:
         port = free_port()
         log = os.path.join(run_dir, f"{name}.log")
+        if name in OPENVINO or name in LLAMACPP:
+            servers.append(installed_peer(name, w, model_dir, kv_tokens, log, port, dtype or "fp32", tok,
+                                          peer_dirs, log_fn))
+            continue
         if name == vllm_cpu.NAME:
             ok, where = vllm_cpu.installed(vllm_dir)
             if not ok:
@@ -239,6 +262,42 @@ def make_servers(names, w: Workload, model_dir: str, kv_tokens: int, run_dir: st
                 cmd += ["--dtype", TORCH_DTYPE[dtype]]
         servers.append(Server(name, cmd, log, port))
     return servers
+
+
+def installed_peer(name: str, w: Workload, model_dir: str, kv_tokens: int, log: str, port: int, dtype: str,
+                   tok, peer_dirs: dict, log_fn=print) -> Server:
+    """An OpenVINO or llama.cpp cell: skipped with the install command when the peer is absent;
+    its model exported/converted once (cached in the peer's directory) before any clock starts."""
+    mod = openvino_peer if name in OPENVINO else llamacpp_peer
+    ok, where = mod.installed(peer_dirs.get(mod.NAME))
+    if not ok:
+        return Server(name, [], log, port, skipped=where)
+    try:
+        if mod is openvino_peer:
+            ir = openvino_peer.export(where, model_dir, openvino_peer.QUANTIZED.get(name, "fp32"), log=log_fn)
+            cmd, env, held = openvino_peer.server(where, ir, model_dir, port, kv_tokens, w.max_rolling_batch_size,
+                                                  w.prefill_tokens, dtype, THREADS)
+            return Server(name, cmd, log, port, env=env, startup_timeout=openvino_peer.STARTUP_TIMEOUT, held=held)
+        layout = peer_dirs.get("llamacpp_kv", "unified")
+        slots = w.max_rolling_batch_size
+        if layout == "split":    # a slot per client (the running limit never binds beyond that)
+            slots = min(slots, w.concurrency)
+            if kv_tokens // slots < w_longest(w, tok):
+                return Server(name, [], log, port, prep_error=(
+                    f"--llamacpp-kv split: {kv_tokens} KV tokens / {slots} slots = {kv_tokens // slots} per slot, "
+                    f"less than the longest sequence ({w_longest(w, tok)} tokens)"))
+        gguf = llamacpp_peer.convert(where, model_dir, llamacpp_peer.outtype_of(name, dtype), log=log_fn)
+        cmd, env, held = llamacpp_peer.server(where, gguf, port, kv_tokens, slots, w.prefill_tokens, dtype,
+                                              THREADS, layout)
+        return Server(name, cmd, log, port, api=LlamaCppCompletions(tok), env=env, health=llamacpp_peer.HEALTH,
+                      startup_timeout=llamacpp_peer.STARTUP_TIMEOUT, held=held)
+    except (subprocess.CalledProcessError, OSError, ValueError) as e:
+        return Server(name, [], log, port, prep_error=f"preparing its model failed: {e}")
+
+
+def w_longest(w: Workload, tok) -> int:
+    """The longest prompt + its max_new_tokens over the workload's request list, in tokens."""
+    return max(len(tok(b["inputs"])["input_ids"]) + b["parameters"]["max_new_tokens"] for b in w.draw(tok))
 
 
 # ------------------------------------------------------------------ one workload
@@ -268,12 +327,27 @@ def ideal_block(w: Workload, bodies: list[dict], produced: list[int] | None = No
     }
 
 
+def curve_requests(w: Workload, clients: int) -> int:
+    """Requests at one point of the load curve: the workload's own N at its own client count,
+    else 4 per client (at least 16, at most N): every client sends a few requests, and the
+    light points do not take as long as the heavy ones. Always a prefix of the same list."""
+    if clients == w.concurrency:
+        return w.requests
+    return min(w.requests, max(16, 4 * clients))
+
+
 def run_workload(w: Workload, names, model_dir: str, out_dir: str, reps: int, dtype: str | None,
                  startup_timeout: float, progress: bool, log=print, one_at_a_time: bool = False,
-                 tp: int = 1, vllm_dir: str | None = None) -> dict:
+                 tp: int = 1, vllm_dir: str | None = None, clients: list[int] | None = None,
+                 params: int | None = None, peak_gflops: float | None = None,
+                 peer_dirs: dict | None = None) -> dict:
     """All servers up at once (cheap models), or each started for its own run and stopped
     after it (one_at_a_time: large models that do not fit on the device together; always
-    for the ALONE peers, which would take the cores from the others while idle)."""
+    for the ALONE peers, which would take the cores from the others while idle).
+
+    clients: a load curve: each server, once up, runs every client count in turn (the
+    requests of curve_requests, a prefix of the same list) in each repetition; the headline
+    entry is the workload's own client count (else the largest)."""
     from transformers import AutoTokenizer
 
     run_dir = os.path.join(out_dir, "runs", w.name)
@@ -281,13 +355,18 @@ def run_workload(w: Workload, names, model_dir: str, out_dir: str, reps: int, dt
     tok = AutoTokenizer.from_pretrained(model_dir)
     bodies = w.draw(tok)
     ptoks, drawn = prompt_tokens(tok, w, bodies)
+    prompt_lens = [len(tok(b["inputs"])["input_ids"]) for b in bodies]
     kv = kv_cache_tokens(w, [drawn["max"]] if w.prompt_tokens else ptoks)
-    servers = make_servers(names, w, model_dir, kv, run_dir, dtype, tp, vllm_dir)
+    servers = make_servers(names, w, model_dir, kv, run_dir, dtype, tp, vllm_dir, tok, peer_dirs, log)
     for s in servers:
         if s.skipped:
             log(f"[{w.name}] {s.name} skipped: {s.skipped}")
     servers_run = [s for s in servers if not s.skipped]
-    runs: dict[str, list[tuple[list[Record], float, float | None]]] = {s.name: [] for s in servers}
+    points = sorted(set(clients)) if clients else [w.concurrency]
+    head = w.concurrency if w.concurrency in points else points[-1]
+    # (records, duration, cpu seconds, prompt tokens of the completed requests) per (server, clients)
+    runs: dict[tuple[str, int], list[tuple[list[Record], float, float | None, int]]] = {
+        (s.name, c): [] for s in servers for c in points}
     warm = [dict(b, parameters=dict(b["parameters"], max_new_tokens=4)) for b in bodies[: min(8, len(bodies))]]
 
     def up(group):
@@ -300,25 +379,27 @@ def run_workload(w: Workload, names, model_dir: str, out_dir: str, reps: int, dt
             else:   # first-call costs (allocation, kernel selection) are not part of the run
                 run_load(s.api.url(s.url), warm, min(4, len(warm)), progress=False, api=s.api)
 
-    def measure(s, rep):
+    def measure(s, rep, c):
         if s.error:
             return
         if s.proc.poll() is not None:
             s.error = f"exited with code {s.proc.returncode}; log: {s.log_path}: {tail(s.log_path)}"
             return
-        mine = bodies[:w.serial_requests] if s.name in SERIAL and w.serial_requests else bodies
+        n = curve_requests(w, c)
+        mine = bodies[:min(n, w.serial_requests)] if s.name in SERIAL and w.serial_requests else bodies[:n]
         with TreeCpu(s.proc.pid) as cpu:
-            recs, dur = run_load(s.api.url(s.url), mine, w.concurrency, progress=progress,
-                                 desc=f"{w.name} rep {rep + 1}/{reps} {s.name}", api=s.api)
-        runs[s.name].append((recs, dur, cpu.seconds))
+            recs, dur = run_load(s.api.url(s.url), mine, c, progress=progress,
+                                 desc=f"{w.name} rep {rep + 1}/{reps} {s.name} @{c}", api=s.api)
+        ptok = sum(n for n, r in zip(prompt_lens, recs) if r.error is None) if len(recs) == len(mine) else 0
+        runs[(s.name, c)].append((recs, dur, cpu.seconds, ptok))
         toks = sum(r.tokens for r in recs if r.error is None)
-        log(f"[{w.name}] rep {rep + 1}/{reps} {s.name}: {len(recs) / dur if dur else 0:.2f} req/s, "
+        log(f"[{w.name}] rep {rep + 1}/{reps} {s.name} @{c} clients: {len(recs) / dur if dur else 0:.2f} req/s, "
             f"{sum(r.error is not None for r in recs)} errors, {cpu.seconds:.1f} CPU-s in "
             f"{cpu.processes} processes ({1e3 * cpu.seconds / toks if toks else 0:.2f} per 1k output tokens)")
 
     try:
         log(f"[{w.name}] servers: {', '.join(s.name for s in servers_run)}; KV capacity {kv} tokens each; "
-            f"dtype {dtype or 'the servers default'}")
+            f"dtype {dtype or 'the servers default'}; clients {points}")
         if not one_at_a_time:
             up([s for s in servers_run if s.name not in ALONE])
         for rep in range(reps):   # the order rotates each repetition
@@ -328,44 +409,74 @@ def run_workload(w: Workload, names, model_dir: str, out_dir: str, reps: int, dt
                 if alone:
                     s.error = None
                     up([s])
-                measure(s, rep)
+                for c in points:
+                    measure(s, rep, c)
                 if alone:
                     s.stop()
     finally:
         for s in servers_run:
             s.stop()
 
-    entries = {}
+    def entry(s, c):
+        rr = runs[(s.name, c)]
+        if not rr:
+            return {"error": s.error or "no run completed"}
+        recs = [r for x in rr for r in x[0]]
+        dur = sum(x[1] for x in rr)
+        e = summarise(recs, c, dur)
+        e["clients"] = c
+        e["requests_per_s_reps"] = [len([r for r in x[0] if r.error is None]) / x[1] for x in rr]
+        e["finish_reasons"] = dict(collections.Counter(r.finish_reason for r in recs if r.error is None))
+        e.update(cpu_figures([x[2] for x in rr], e["output_tokens"]))
+        e["prompt_tokens"] = sum(x[3] for x in rr)
+        e["prompt_tokens_per_s"] = e["prompt_tokens"] / dur if dur > 0 else None
+        if params:
+            e.update(peak.achieved(params, e["prompt_tokens"], e["output_tokens"], dur, peak_gflops))
+        return e
+
+    entries, curve = {}, {}
     for s in servers:
         if s.skipped:
             entries[s.name] = {"skipped": s.skipped}
             continue
-        if not runs[s.name]:
-            entries[s.name] = {"error": s.error or "no run completed"}
-            continue
-        recs = [r for rr, _, _ in runs[s.name] for r in rr]
-        e = summarise(recs, w.concurrency, sum(d for _, d, _ in runs[s.name]))
-        e["requests_per_s_reps"] = [len([r for r in rr if r.error is None]) / d for rr, d, _ in runs[s.name]]
-        e["finish_reasons"] = dict(collections.Counter(r.finish_reason for r in recs if r.error is None))
-        e.update(cpu_figures([c for _, _, c in runs[s.name]], e["output_tokens"]))
+        e = entry(s, head)
         if s.held:
             e["started_with"] = s.held
-        if s.error:
+        if s.error and "error" not in e:
             e["server_error"] = s.error
         with open(os.path.join(run_dir, f"{s.name}.records.json"), "w") as f:
-            json.dump([[r.to_dict() for r in rr] for rr, _, _ in runs[s.name]], f)
+            json.dump({str(c): [[r.to_dict() for r in x[0]] for x in runs[(s.name, c)]] for c in points}
+                      if clients else [[r.to_dict() for r in x[0]] for x in runs[(s.name, head)]], f)
         entries[s.name] = e
+        if clients:
+            curve[s.name] = [curve_point(entry(s, c)) for c in points]
     produced = None
     if w.chat:   # output lengths are the model's: take them from a run that answered every request
-        produced = next(([r.tokens for r in rr] for s in servers_run for rr, _, _ in runs[s.name]
-                         if len(rr) == len(bodies) and all(r.error is None for r in rr)), None)
+        produced = next(([r.tokens for r in x[0]] for s in servers_run for x in runs[(s.name, head)]
+                         if len(x[0]) == len(bodies) and all(r.error is None for r in x[0])), None)
     add_ratios(entries, ideal := ideal_block(w, bodies, produced))
-    return {
+    out = {
         "strategies": {k: v for k, v in entries.items() if k in STRATEGIES or k in QUANTIZED},
         "peers": {k: v for k, v in entries.items() if k in PEERS},
         "workload": dict(w.to_dict(), prompt_tokens=ptoks, prompt_tokens_drawn=drawn, kv_cache_tokens=kv,
                          block_size=BLOCK, repetitions=reps, dtype=dtype, ideal=ideal),
     }
+    if clients:
+        out["curve"] = curve
+        out["workload"]["curve_clients"] = points
+        out["workload"]["curve_requests"] = {c: curve_requests(w, c) for c in points}
+    return out
+
+
+CURVE_KEYS = ("clients", "completed", "errors", "requests_per_s", "output_tokens_per_s", "ttft_p50", "ttft_p90",
+              "tpot_p50", "tpot_p90", "cpu_s_per_1k_output_tokens", "gflops", "pct_of_peak")
+
+
+def curve_point(e: dict) -> dict:
+    """The load curve's figures of one (server, client count) entry."""
+    if "requests_per_s" not in e:
+        return {"error": e.get("error", "no run completed")}
+    return {k: e.get(k) for k in CURVE_KEYS}
 
 
 def cpu_figures(cpu_s: list[float], output_tokens: int) -> dict:
@@ -417,13 +528,19 @@ def compare(preset: str | Preset = "cpu", out_dir: str = "bench-out", only=None,
             reps: int | None = None, model_dir: str | None = None, overrides: dict | None = None,
             startup_timeout: float = 180.0, progress: bool = True, log=print,
             one_at_a_time: bool | None = None, tensor_parallel_degree: int = 1,
-            dtype: str | None = None, vllm_dir: str | None = None) -> dict:
+            dtype: str | None = None, vllm_dir: str | None = None, clients: list[int] | None = None,
+            peer_dirs: dict | None = None, measure_peak: bool = True) -> dict:
     """Run the comparison; write results.{json,md,png} into out_dir; return the results dict.
 
     only: names among none/dynamic/rolling/paged/hf_naive/transformers_cb/vllm_cpu (default:
     default_names());
     dtype: fp32|bf16 for every server (default: the preset's, else fp32 on CPU, bf16 on CUDA);
     vllm_dir: the vLLM CPU peer's venv (default: vllm_cpu.peer_dir());
+    peer_dirs: {"openvino": dir, "llamacpp": dir} (default: each module's peer_dir()), and
+    "llamacpp_kv": unified (default) | split, llama-server's KV layout (llamacpp_peer.server);
+    clients: client counts of a load curve (each server runs them all, in every repetition);
+    measure_peak: time the machine's fp32 FMA peak (peak.py) before the servers, for the
+    GFLOP/s column's % of peak;
     workloads: names within the preset (default: all); overrides: Workload fields applied
     to every workload (e.g. {"requests": 20}); one_at_a_time: run servers one by one
     (default: the preset's choice; the gpu preset's 7B servers cannot share one GPU);
@@ -440,16 +557,28 @@ def compare(preset: str | Preset = "cpu", out_dir: str = "bench-out", only=None,
     ws = [replace(w, **(overrides or {})) for w in p.workloads if not workloads or w.name in workloads]
     os.makedirs(out_dir, exist_ok=True)
     t0 = time.monotonic()
+    if clients is not None and (not clients or min(clients) < 1):
+        raise ValueError(f"clients={clients!r}: client counts must be integers >= 1")
     model = prepare_model(p, out_dir, model_dir, dtype)
     machine = machine_info()
+    try:
+        params = peak.count_params(model)
+    except (OSError, ValueError):
+        params = None
+    ceiling = peak.measure(THREADS) if measure_peak else None
+    if ceiling:
+        log(f"fp32 FMA peak on {THREADS} threads: C loop {_f((ceiling['c_fma'] or {}).get('gflops'), 1)} GFLOP/s, "
+            f"torch.mm {_f((ceiling['torch_mm'] or {}).get('gflops'), 1)} GFLOP/s")
     per = {}
     for w in ws:
         per[w.name] = run_workload(w, names, model, out_dir, reps or p.repetitions, dtype,
                                    startup_timeout, progress, log,
                                    p.one_at_a_time if one_at_a_time is None else one_at_a_time,
-                                   tensor_parallel_degree, vllm_dir)
+                                   tensor_parallel_degree, vllm_dir, clients, params,
+                                   (ceiling or {}).get("peak_gflops"), peer_dirs)
     first = per[ws[0].name]
     results = {**first, "machine": machine, "preset": p.name, "model_dir": model, "dtype": dtype,
+               "parameters": params, "peak": ceiling,
                "model_saved_dtype": saved_dtype(model),
                "tensor_parallel_degree": tensor_parallel_degree,
                "elapsed_s": time.monotonic() - t0, "workloads": per}
@@ -477,7 +606,8 @@ COLUMNS = [  # header, key, digits, scale
     ("errors", "errors", 0, 1), ("CPU-s / 1k out tok", "cpu_s_per_1k_output_tokens", 2, 1),
     ("× dynamic", "vs_dynamic", 2, 1), ("× hf_naive", "vs_hf_naive", 2, 1),
     ("× transformers_cb", "vs_transformers_cb", 2, 1), ("× vllm_cpu", "vs_vllm_cpu", 2, 1),
-    ("share of ideal", "share_of_ideal", 2, 1),
+    ("× openvino", "vs_openvino", 2, 1), ("× llamacpp", "vs_llamacpp", 2, 1),
+    ("share of ideal", "share_of_ideal", 2, 1), ("GFLOP/s", "gflops", 1, 1), ("% of peak", "pct_of_peak", 0, 1),
 ]
 
 
@@ -492,6 +622,14 @@ def markdown(results: dict) -> str:
            "system CPU seconds of the server's whole process tree over the measured runs, per 1,000 "
            "output tokens. × columns divide req/s. "
            "Share of ideal = (× dynamic) / the ideal speedup of perfect iteration-level batching.", ""]
+    pk = results.get("peak")
+    if results.get("parameters"):
+        out += [f"GFLOP/s = 2 x {results['parameters']:,} parameters x (prompt + output tokens) / wall second "
+                "(dense multiply-adds only; attention's score/value products left out). % of peak: of the "
+                + (f"fp32 FMA peak measured before the servers on {pk['threads']} threads: C FMA loop "
+                   f"{_f((pk['c_fma'] or {}).get('gflops'), 1)} GFLOP/s (the ceiling used), torch.mm "
+                   f"{_f((pk['torch_mm'] or {}).get('gflops'), 1)} GFLOP/s (load average "
+                   f"{', '.join(f'{x:.2f}' for x in pk['load_average'])})." if pk else "peak (not measured)."), ""]
     tp = results.get("tensor_parallel_degree", 1)
     if tp > 1:
         out += [f"Tensor parallel degree {tp} for our strategies (the peers run one process)"
@@ -526,7 +664,30 @@ def markdown(results: dict) -> str:
                     cells.append(" / ".join(_f(e.get(k), d, sc) for k in keys))
                 out.append(f"| {label} | " + " | ".join(cells) + " |")
         out.append("")
+        if r.get("curve"):
+            out += curve_markdown(r)
     return "\n".join(out)
+
+
+def curve_markdown(r: dict) -> list[str]:
+    """One row per (server, client count): the load curve of one workload."""
+    w = r["workload"]
+    out = [f"### Load curve: clients {w['curve_clients']}", "",
+           "Requests per point: " + ", ".join(f"{c} clients: {n}" for c, n in w["curve_requests"].items())
+           + " (a prefix of the same list; every repetition runs every point on the same server start).", "",
+           "| server | clients | req/s | out tok/s | TTFT p50/p90 ms | TPOT p50/p90 ms | CPU-s / 1k out tok | "
+           "GFLOP/s | % of peak | errors |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for name, pts in r["curve"].items():
+        for pt in pts:
+            if "error" in pt:
+                out.append(f"| {name} | – | failed: {pt['error'][:100]} | | | | | | | |")
+                continue
+            out.append(f"| {name} | {pt['clients']} | {_f(pt['requests_per_s'])} | {_f(pt['output_tokens_per_s'], 0)} | "
+                       f"{_f(pt['ttft_p50'], 0, 1e3)} / {_f(pt['ttft_p90'], 0, 1e3)} | "
+                       f"{_f(pt['tpot_p50'], 1, 1e3)} / {_f(pt['tpot_p90'], 1, 1e3)} | "
+                       f"{_f(pt['cpu_s_per_1k_output_tokens'])} | {_f(pt['gflops'], 1)} | {_f(pt['pct_of_peak'], 0)} | "
+                       f"{pt['errors']} |")
+    return out + [""]
 
 
 def chart(results: dict, path: str) -> None:
@@ -551,9 +712,37 @@ def chart(results: dict, path: str) -> None:
     fig.savefig(path, dpi=110)
 
 
+def curve_chart(results: dict, path: str) -> bool:
+    """req/s, TTFT p50 and TPOT p50 against clients, one line per server, per workload with a
+    curve; False when no workload has one."""
+    from matplotlib.figure import Figure
+
+    wl = {n: r for n, r in results["workloads"].items() if r.get("curve")}
+    if not wl:
+        return False
+    fig = Figure(figsize=(15, 4.2 * len(wl)))
+    axes = fig.subplots(len(wl), 3, squeeze=False)
+    for row, (name, r) in zip(axes, wl.items()):
+        for ax, (key, label, scale) in zip(row, (("requests_per_s", "requests/s", 1), ("ttft_p50", "TTFT p50 ms", 1e3),
+                                                 ("tpot_p50", "TPOT p50 ms", 1e3))):
+            for server, pts in r["curve"].items():
+                ok = [p for p in pts if "error" not in p and p.get(key) is not None]
+                if ok:
+                    ax.plot([p["clients"] for p in ok], [p[key] * scale for p in ok], marker="o", label=server)
+            ax.set_xscale("log")
+            ax.set_xticks(r["workload"]["curve_clients"], [str(c) for c in r["workload"]["curve_clients"]])
+            ax.set_xlabel("clients")
+            ax.set_title(f"{name}: {label} ({results.get('dtype')})")
+        row[0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    return True
+
+
 def write_results(results: dict, out_dir: str) -> None:
     with open(os.path.join(out_dir, "results.json"), "w") as f:
         json.dump(results, f, indent=2)
     with open(os.path.join(out_dir, "results.md"), "w") as f:
         f.write(markdown(results))
     chart(results, os.path.join(out_dir, "results.png"))
+    curve_chart(results, os.path.join(out_dir, "curve.png"))
