@@ -21,11 +21,13 @@ if [ "${1:-all}" = all ] || [ "$1" = fp32 ]; then
       --out $OUT/fp32 > $OUT/fp32.log 2>&1; note 'fp32 end'"
 fi
 if [ "${1:-all}" = all ] || [ "$1" = more ]; then
-  # one lock hold: bf16 (every cell with a bf16 path; llama-server with split KV, -np 50), then
-  # fp32 llama.cpp with split KV against paged (the unified layout's attention cost, isolated)
-  flock /tmp/bench.lock bash -c "note 'bf16 start'; $CMP --dtype bf16 --llamacpp-kv split \
+  # one lock hold: fp32 llama.cpp with split KV (-np 50 --no-kv-unified, 256 cells per slot) against
+  # paged at 50 clients (the unified layout's attention cost, isolated; also a paged re-take), then
+  # bf16 (every cell with a bf16 path; llama-server with split KV)
+  flock /tmp/bench.lock bash -c "note 'fp32-split start'; $CMP --dtype fp32 --llamacpp-kv split \
+      --only paged,llamacpp,llamacpp_q8 \
+      --out $OUT/fp32-llamacpp-split > $OUT/fp32-llamacpp-split.log 2>&1; note 'fp32-split end'; \
+    note 'bf16 start'; $CMP --dtype bf16 --llamacpp-kv split \
       --only paged,vllm_cpu,openvino,openvino_int8,llamacpp,llamacpp_q8 \
-      --out $OUT/bf16 > $OUT/bf16.log 2>&1; note 'bf16 end'; \
-    note 'fp32-split start'; $CMP --dtype fp32 --llamacpp-kv split --only paged,llamacpp,llamacpp_q8 \
-      --out $OUT/fp32-llamacpp-split > $OUT/fp32-llamacpp-split.log 2>&1; note 'fp32-split end'"
+      --out $OUT/bf16 > $OUT/bf16.log 2>&1; note 'bf16 end'"
 fi
