@@ -406,6 +406,8 @@ def gemm_q(x: torch.Tensor, panels: torch.Tensor, scales: torch.Tensor, mins: to
         out.zero_()
         if bias is not None:
             out += bias
+    return out.view(*x.shape[:-1], n)
+
 
 # ---------------------------------------------------------------------------- bf16 (kernels/cpu_gemm_bf16.c)
 def gemm_bf16_available() -> bool:
