@@ -272,7 +272,7 @@ KEYS: tuple[Key, ...] = (
         "4-bit checkpoint (AutoAWQ GEMM / GPTQ packing, group scales and zeros), served without dequantizing "
         "(kernels/cpu_gemm_q4.c, bit for bit its dequantized fp32 model's results); detected from config.json's "
         "`quantization_config` when the key is absent, and must agree with it; linear layers at 0.16x their "
-        "fp32 bytes (group 64), decode-sized GEMMs 2-3x faster than fp32's, prefill-sized ones at fp32's speed. "
+        "fp32 bytes (group 64), a served batch of 50 at fp32's speed (the same fp32 FMAs), single rows faster. "
         "`gguf`: a `.gguf` model's Q4_0/Q4_1/Q8_0 tensors served as they are (the default for a `.gguf` "
         "model_id; other tensor types stay dequantized; SmolLM2's Q4_1: the same perplexity and answers as its "
         "dequantized weights). `none`: a quantized checkpoint or `.gguf` file dequantized to `option.dtype`. "
