@@ -31,6 +31,7 @@ import subprocess
 import sys
 import tarfile
 import time
+from handler.tools.bench.vllm_cpu import REPO, resolve_peer_dir   # the peers' shared layout
 
 NAME = "llamacpp"
 QUANTIZED = {"llamacpp_q8": "q8_0"}       # cell -> GGUF outtype
@@ -45,13 +46,12 @@ ENV_DIR = "LMI_BENCH_LLAMACPP_DIR"
 INSTALL_HINT = "python -m handler bench install-peer llamacpp"
 STARTUP_TIMEOUT = 300.0
 HEALTH = "/health"
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 OUTTYPE = {"fp32": "f32", "bf16": "bf16"}     # run dtype -> GGUF outtype of the unquantized cell
 KV_TYPE = {"fp32": "f32", "bf16": "bf16"}     # run dtype -> -ctk/-ctv (q8_0 weights too)
 
 
 def peer_dir(path: str | None = None) -> str:
-    return os.path.abspath(path or os.environ.get(ENV_DIR) or os.path.join(REPO, ".cache", "peers", "llamacpp"))
+    return resolve_peer_dir(path, ENV_DIR, "llamacpp")
 
 
 def binary(path: str) -> str:

@@ -31,6 +31,7 @@ import shutil
 import subprocess
 import sys
 import time
+from handler.tools.bench.vllm_cpu import REPO, python_of, resolve_peer_dir   # the peers' shared layout
 
 NAME = "openvino"
 QUANTIZED = {"openvino_int8": "int8"}     # cell -> IR weight format
@@ -43,18 +44,13 @@ MARKER = "lmi-peer.json"
 ENV_DIR = "LMI_BENCH_OPENVINO_DIR"
 INSTALL_HINT = "python -m handler bench install-peer openvino"
 STARTUP_TIMEOUT = 600.0                  # compiling the IR; the export itself runs before start
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 # run dtype -> the CPU plugin's properties; int8 IRs take the run dtype's compute and KV too
 PRECISION = {"fp32": {"INFERENCE_PRECISION_HINT": "f32", "KV_CACHE_PRECISION": "f32"},
              "bf16": {"INFERENCE_PRECISION_HINT": "bf16", "KV_CACHE_PRECISION": "bf16"}}
 
 
 def peer_dir(path: str | None = None) -> str:
-    return os.path.abspath(path or os.environ.get(ENV_DIR) or os.path.join(REPO, ".cache", "peers", "openvino"))
-
-
-def python_of(path: str) -> str:
-    return os.path.join(path, "bin", "python")
+    return resolve_peer_dir(path, ENV_DIR, "openvino")
 
 
 def installed(path: str | None = None) -> tuple[bool, str]:

@@ -44,8 +44,13 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.a
 TCMALLOC_PACKAGE = "libtcmalloc-minimal4"
 
 
+def resolve_peer_dir(path: str | None, env_dir: str, name: str) -> str:
+    """A peer's directory: `path`, else $env_dir, else <repo>/.cache/peers/<name> (every peer's rule)."""
+    return os.path.abspath(path or os.environ.get(env_dir) or os.path.join(REPO, ".cache", "peers", name))
+
+
 def peer_dir(path: str | None = None) -> str:
-    return os.path.abspath(path or os.environ.get(ENV_DIR) or os.path.join(REPO, ".cache", "peers", "vllm"))
+    return resolve_peer_dir(path, ENV_DIR, "vllm")
 
 
 def python_of(path: str) -> str:
