@@ -60,6 +60,19 @@ cleanup() {
 }
 trap cleanup EXIT
 
+store_root() { "${PODMAN[@]}" info --format '{{.Store.GraphRoot}}' 2>/dev/null || echo /var/lib/containers/storage; }
+store_free() {
+    local root; root=$(store_root); mkdir -p "$root"
+    df -h --output=avail "$root" | tail -n 1 | tr -d ' '
+}
+prune_stale() {
+    local before after
+    before=$("${PODMAN[@]}" images -a -q | wc -l)
+    "${PODMAN[@]}" image prune -f >/dev/null 2>&1 || true
+    after=$("${PODMAN[@]}" images -a -q | wc -l)
+    if (( before > after )); then log "pruned $(( before - after )) stale image layer(s) of earlier builds"; fi
+}
+
 if [[ $NO_BUILD == 1 ]]; then
     "${PODMAN[@]}" image exists "$IMAGE" || die "--no-build: image $IMAGE not found (build it first)"
     log "testing the existing image $IMAGE"
@@ -105,15 +118,25 @@ else
         CA_ARGS=(-v "$HOST_CA:/etc/ssl/build-ca.crt:ro" --build-arg PIP_CERT=/etc/ssl/build-ca.crt)
         log "pip in the build trusts $HOST_CA"
     fi
-    log "building $IMAGE from $BASE_IMAGE"
+    # The vfs driver stores every layer as a full copy of the image's tree (~1.5 GB), so
+    # each source change leaves three stale copies behind; a host that builds on every
+    # run (CI keeps its store) fills its disk unless they go. Dangling images are the
+    # earlier builds' layers that no tag uses: this tag's cache chain stays.
+    prune_stale
+    log "building $IMAGE from $BASE_IMAGE ($(store_free) free in podman's store)"
     start=$(date +%s)
-    "${BUILDAH[@]}" bud --isolation chroot --layers --format docker \
+    "${BUILDAH[@]}" bud --isolation chroot --layers --force-rm --format docker \
         --ignorefile container/Dockerfile.dockerignore -f container/Dockerfile \
         --build-arg BASE_IMAGE="$BASE_IMAGE" --build-arg EXTRAS= \
         --build-arg TORCH_INDEX_URL="$TORCH_INDEX_URL" "${CA_ARGS[@]}" \
         -t "$IMAGE" . >"$WORK/build.log" 2>&1 \
-        || { tail -40 "$WORK/build.log"; die "image build failed"; }
-    log "built $IMAGE in $(( $(date +%s) - start )) s ($("${PODMAN[@]}" image inspect --format '{{.Size}}' "$IMAGE" | awk '{printf "%.0f MB", $1/1e6}'))"
+        || { tail -40 "$WORK/build.log"
+             if grep -q "no space left on device" "$WORK/build.log"; then
+                 die "image build failed: no space left in podman's store $(store_root) ($(store_free) free after pruning stale layers); free disk there or remove unused images (podman --storage-driver vfs images)"
+             fi
+             die "image build failed"; }
+    prune_stale
+    log "built $IMAGE in $(( $(date +%s) - start )) s ($("${PODMAN[@]}" image inspect --format '{{.Size}}' "$IMAGE" | awk '{printf "%.0f MB", $1/1e6}'); $(store_free) free in podman's store)"
 fi
 [[ $BUILD_ONLY == 1 ]] && exit 0
 
