@@ -4,6 +4,8 @@
 #
 #   container/local_test.sh [--build-only | --no-build] [--remove-image]   (the image is kept by default)
 #   --no-build: test the image already built (IMAGE) as it is
+#   A build prunes the store's untagged images before and after (`podman image prune`: earlier
+#   builds' layers that no tag uses; with the vfs driver each is a full copy of the image).
 #
 # Needs root, podman, buildah, runc (and debootstrap if the base image is missing).
 # Environment knobs:
