@@ -63,10 +63,7 @@ cleanup() {
 trap cleanup EXIT
 
 store_root() { "${PODMAN[@]}" info --format '{{.Store.GraphRoot}}' 2>/dev/null || echo /var/lib/containers/storage; }
-store_free() {
-    local root; root=$(store_root); mkdir -p "$root"
-    df -h --output=avail "$root" | tail -n 1 | tr -d ' '
-}
+store_free() { df -h --output=avail "$(store_root)" 2>/dev/null | tail -n 1 | tr -d ' ' || echo "?"; }
 prune_stale() {
     local before after
     before=$("${PODMAN[@]}" images -a -q | wc -l)
@@ -120,7 +117,7 @@ else
         CA_ARGS=(-v "$HOST_CA:/etc/ssl/build-ca.crt:ro" --build-arg PIP_CERT=/etc/ssl/build-ca.crt)
         log "pip in the build trusts $HOST_CA"
     fi
-    # The vfs driver stores every layer as a full copy of the image's tree (~1.5 GB), so
+    # The vfs driver stores every layer as a full copy of the image's tree (~3 GB), so
     # each source change leaves three stale copies behind; a host that builds on every
     # run (CI keeps its store) fills its disk unless they go. Dangling images are the
     # earlier builds' layers that no tag uses: this tag's cache chain stays.
