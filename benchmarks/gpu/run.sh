@@ -1,15 +1,20 @@
 #!/usr/bin/env bash
 # The GPU checks of benchmarks/results/gpu-*/, run on a lent CUDA machine from the repo root:
 #   bash benchmarks/gpu/run.sh PHASE [PHASE ...]   (phases below; logs and results go to $OUT)
-# The machine has torch + triton but not our other pins: wheels carried in .whl/ are installed
-# into /tmp/site first (pip download --python-version 3.12 --only-binary=:all: --platform manylinux...:
-# transformers, flask, gunicorn, gevent and its deps, gguf; tokenizers 0.23.2 there is new enough).
-# Not yet run on a GPU: no session so far was lent one (issue 36).
-# Phases: setup | smol | gputests | kernels | bench:ONLY:REQUESTS[:WORKLOADS] | suite
+# The lent machine has python 3.12 with torch + triton + pytest but not our other pins: the wheels
+# carried in .whl/ (gitignored via .git/info/exclude) go into /tmp/site first. Fetch them here with
+#   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#     --platform manylinux_2_28_x86_64 ... -d .whl transformers==5.23.0 flask==3.1.3 blinker itsdangerous \
+#     gunicorn==27.0.1 gevent==25.9.1 greenlet zope.event zope.interface xgrammar==0.2.8 apache-tvm-ffi \
+#     pydantic pydantic-core annotated-types typing-inspection typing_extensions regex jsonschema==4.26.0 \
+#     jsonschema-specifications referencing rpds-py gguf==0.19.0
+# (25 MB; a call carries at most 64 MiB, so the real model's 98 MB GGUF cannot travel with them).
+# Phases (each under its own timeout, so one that hangs leaves the others their time):
+#   setup | gputests | kernels | model | bench:ONLY:REQUESTS[:WORKLOAD[:TIMEOUT_S]]
 set -uo pipefail
 OUT=${OUT:-/tmp/gpu-out}
 ROOT=$(pwd)
-WORK=${GPU_WORK:-/tmp/lmi-gpu}     # kept while the machine stays warm between calls
+WORK=${GPU_WORK:-/tmp/lmi-gpu}     # kept while the machine stays warm between calls (the 7B model)
 mkdir -p "$OUT" "$WORK"
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 export PYTHONPATH=/tmp/site:$ROOT
@@ -24,68 +29,58 @@ setup() {
     else
         say "setup: /tmp/site already there (warm machine)"
     fi
-    nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.max.sm --format=csv | tee -a "$OUT/env.txt"
+    nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.max.sm --format=csv 2>&1 | tee -a "$OUT/env.txt"
     $py - <<'PY' 2>&1 | tee -a "$OUT/env.txt"
-import platform, torch, transformers, triton, os
+import platform, os, torch, transformers, triton, flask, gunicorn, xgrammar
 print("python", platform.python_version(), "torch", torch.__version__, "transformers", transformers.__version__,
       "triton", triton.__version__, "cuda", torch.version.cuda, "device", torch.cuda.get_device_name(0),
-      "cpus", os.cpu_count())
+      "cpus", os.cpu_count(), "xgrammar", xgrammar.__version__)
 PY
+    say "setup: done"
 }
 
-smol() {   # SmolLM2-135M-Instruct's GGUF travels xz-compressed in two halves, one per call
-    mkdir -p "$WORK/smol"
-    cp -n .smol/smol.xz.part* "$WORK/smol/" 2>/dev/null
-    ls "$WORK/smol" | tee -a "$OUT/env.txt"
-    if [[ -f $WORK/smol/smol.xz.part00 && -f $WORK/smol/smol.xz.part01 && ! -f $WORK/smol/model.gguf ]]; then
-        cat "$WORK"/smol/smol.xz.part0{0,1} | xz -d > "$WORK/smol/model.gguf.tmp" && mv "$WORK/smol/model.gguf.tmp" "$WORK/smol/model.gguf"
-        sha256sum "$WORK/smol/model.gguf" | tee -a "$OUT/env.txt"
-    fi
-    # where tests/conftest.py's real_model_dir finds it without the package index
-    if [[ -f $WORK/smol/model.gguf ]]; then
-        mkdir -p .cache/models/downloads
-        cp -n "$WORK/smol/model.gguf" .cache/models/downloads/SmolLM2-135M-Instruct.Q4_1.gguf
-    fi
-}
-
-gputests() {
-    local extra=()
+gputests() {   # the tests marked gpu (CUDA parity of every strategy, Triton kernels vs references, 4-bit)
     say "gputests: start"
-    timeout 420 $py -m pytest -p no:cacheprovider -q -ra -m gpu --timeout 300 tests/ 2>&1 | tee "$OUT/gpu-tests.log" | tail -25
-    say "gputests: done"
+    timeout ${GPUTESTS_TIMEOUT:-170} $py -m pytest -p no:cacheprovider -q -ra -m gpu -n ${GPUTESTS_N:-8} \
+        --timeout 150 -k "not real_smollm2" \
+        tests/model/test_gpu.py tests/kernels/test_kernels.py tests/model/test_quant_int4.py 2>&1 \
+        | tee "$OUT/gpu-tests.log" | tail -40
+    say "gputests: done (rc ${PIPESTATUS[0]})"
 }
 
-kernels() {
+kernels() {    # Triton paged attention against torch SDPA, bf16
     say "kernels: start"
-    timeout 180 $py benchmarks/kernel_bench.py --out "$OUT/kernel_bench.json" 2>&1 | tee "$OUT/kernel_bench.md" | tail -15
+    timeout ${KERNELS_TIMEOUT:-70} $py benchmarks/kernel_bench.py --out "$OUT/kernel_bench.json" 2>&1 \
+        | tee "$OUT/kernel_bench.md" | tail -12
     say "kernels: done"
 }
 
-bench() {  # bench:none,dynamic:500[:lmi]
-    IFS=: read -r _ only n wl <<<"$1"
-    say "bench $only n=$n: start"
-    timeout ${BENCH_TIMEOUT:-420} $py -m handler bench compare --preset gpu --out "$WORK/bench" --only "$only" \
-        --workloads "${wl:-lmi}" --reps 1 --requests "$n" --serial-requests "${SERIAL:-16}" --no-progress \
-        --startup-timeout 300 2>&1 | tee -a "$OUT/bench.log" | grep -v "^\s*$" | tail -30
-    cp "$WORK/bench/results.json" "$OUT/results-$only.json" 2>/dev/null
-    (cd "$WORK/bench" && tar czf "$OUT/runs-logs.tgz" runs/*/*.log runs/*/*.properties 2>/dev/null)
-    say "bench $only: done"
+model() {      # Llama-2-7B's shape (benchmarks/configs) with random bf16 weights, built on the GPU
+    say "model: start"
+    [[ -f $WORK/model/config.json ]] || timeout ${MODEL_TIMEOUT:-150} $py -c "
+from handler.tools.bench.compare import CONFIGS, materialise_random
+import os; materialise_random(os.path.join(CONFIGS, 'llama-2-7b', 'config.json'), '$WORK/model', 'bfloat16')" 2>&1 | tail -3
+    du -sh "$WORK/model" | tee -a "$OUT/env.txt"
+    say "model: done"
 }
 
-suite() {
-    say "suite: start"
-    timeout ${SUITE_TIMEOUT:-300} $py -m pytest -p no:cacheprovider -q -ra --timeout 240 -n 6 \
-        --ignore=tests/test_container.py --ignore=tests/tools/test_deploy.py --ignore=tests/model/test_s3.py \
-        --ignore=tests/tools/test_notebooks.py --ignore=tests/model/test_lora.py --ignore=tests/http/test_api_clients.py \
-        tests/ 2>&1 | tee "$OUT/suite.log" | tail -40
-    say "suite: done"
+bench() {      # bench:paged:200[:lmi[:150]] -- one server per call, so a timeout loses only that one
+    IFS=: read -r _ only n wl tmo <<<"$1"
+    say "bench $only n=$n: start"
+    timeout "${tmo:-150}" $py -m handler bench compare --preset gpu --model-dir "$WORK/model" --out "$WORK/bench-$only" --only "$only" \
+        --workloads "${wl:-lmi}" --reps 1 --requests "$n" --serial-requests "${SERIAL:-12}" --no-progress \
+        --no-peak --startup-timeout 240 2>&1 | tee -a "$OUT/bench.log" | grep -E "rep [0-9]|wrote|rror|Traceback|refused|failed|Killed" | tail -8
+    cp "$WORK/bench-$only/results.json" "$OUT/results-$only.json" 2>/dev/null
+    cp "$WORK/bench-$only/results.md" "$OUT/results-$only.md" 2>/dev/null
+    say "bench $only: done"
 }
 
 for phase in "$@"; do
     case $phase in
-        setup|smol|gputests|kernels|suite) $phase ;;
+        setup|gputests|kernels|model) $phase ;;
         bench:*) bench "$phase" ;;
         *) echo "unknown phase $phase"; exit 2 ;;
     esac
 done
+(cd "$WORK" && tar czf "$OUT/bench-logs.tgz" bench-*/runs 2>/dev/null)
 say "all phases done"
