@@ -39,6 +39,8 @@ def build_runner(cfg, on_rank_failure=None):
         if lora:
             enable_lora(cfg, runner)
         runner.prepack_cpu(keep_weights=lora)
+        if not cfg.enforce_eager:
+            runner.capture_cuda_graphs(_width(cfg))
         return runner
     from handler.model.distributed import RankGroup, check_supported
     from handler.model.runner import ModelLoadError, pick_device

@@ -43,7 +43,7 @@ gputests() {   # the tests marked gpu (CUDA parity of every strategy, Triton ker
     say "gputests: start"
     timeout ${GPUTESTS_TIMEOUT:-170} $py -m pytest -p no:cacheprovider -q -ra -m gpu -n ${GPUTESTS_N:-8} \
         --timeout 150 -k "not real_smollm2" \
-        tests/model/test_gpu.py tests/kernels/test_kernels.py tests/model/test_quant_int4.py 2>&1 \
+        ${GPUTESTS_FILES:-tests/model/test_gpu.py tests/model/test_cuda_graphs.py tests/kernels/test_kernels.py tests/model/test_quant_int4.py} 2>&1 \
         | tee "$OUT/gpu-tests.log" | tail -40
     say "gputests: done (rc ${PIPESTATUS[0]})"
 }
@@ -70,6 +70,7 @@ bench() {      # bench:paged:200[:lmi[:150]] -- one server per call, so a timeou
     timeout "${tmo:-150}" $py -m handler bench compare --preset gpu --model-dir "$WORK/model" --out "$WORK/bench-$only" --only "$only" \
         --workloads "${wl:-lmi}" --reps 1 --requests "$n" --serial-requests "${SERIAL:-12}" --no-progress \
         --no-peak --startup-timeout 240 2>&1 | tee -a "$OUT/bench.log" | grep -E "rep [0-9]|wrote|rror|Traceback|refused|failed|Killed" | tail -8
+    grep -h "CUDA graphs" "$WORK/bench-$only"/runs/*/*.log 2>/dev/null | tail -2 | cut -c1-300
     cp "$WORK/bench-$only/results.json" "$OUT/results-$only.json" 2>/dev/null
     cp "$WORK/bench-$only/results.md" "$OUT/results-$only.md" 2>/dev/null
     say "bench $only: done"

@@ -198,6 +198,7 @@ class ServingConfig:
     http_header_timeout_s: float = default_of("option.http_header_timeout")   # slowloris bounds
     http_body_timeout_s: float = default_of("option.http_body_timeout")
     http_max_connections: int = default_of("option.http_max_connections")
+    enforce_eager: bool = default_of("option.enforce_eager")   # no CUDA graphs (handler/model/cuda_graphs.py)
     engine_step_timeout_s: float = default_of("option.engine_step_timeout")   # the engine watchdog
 
 

@@ -306,6 +306,10 @@ KEYS: tuple[Key, ...] = (
     Key("option.max_payload_mb", _float(0.0, None, True, "a positive number of megabytes"),
         "request bodies above this are refused with 413 (from `Content-Length` before reading; a chunked "
         "body as soon as it passes); `/execution-parameters` advertises it", default=6.0, unit="MB (10^6 bytes)"),
+    Key("option.enforce_eager", _bool,
+        "run every step eagerly; `false` (the default) replays CUDA graphs of the decode step on CUDA, captured "
+        "at start-up for each batch size up to the running limit (handler/model/cuda_graphs.py); no effect on CPU",
+        default=False),
     Key("option.batch_invariant", _bool,
         "a seeded request gives the same tokens whatever shares its batch (each sequence's tokens run one "
         "per forward; prompts prefill at decode speed)", default=False),
@@ -352,7 +356,7 @@ IGNORED: tuple[str, ...] = (
     "option.max_input_len", "option.max_output_len", "option.task",
     "option.revision", "option.model_loading_timeout", "option.low_cpu_mem_usage",
     "option.device_map", "option.load_in_8bit", "option.load_in_4bit", "option.mpi_mode",
-    "option.parallel_loading", "option.enforce_eager", "option.disable_flash_attn",
+    "option.parallel_loading", "option.disable_flash_attn",
     "option.pipeline_parallel_degree", "option.rolling_batch_strategy",
     "option.lora_dtype", "option.fully_sharded_loras", "option.lora_extra_vocab_size",
 )

@@ -114,6 +114,7 @@ def _zero_pages(shape: tuple, dtype: torch.dtype) -> torch.Tensor:
 
 class ModelRunner:
     batch_invariant = False   # option.batch_invariant: see handler/model/batch_invariant.py
+    graphs = None             # handler.model.cuda_graphs.DecodeGraphs once capture_cuda_graphs() ran
 
     def __init__(self, model_dir: str, *, dtype: str = "auto", device: str = "auto",
                  block_size: int = 16, kv_cache_tokens: int | None = None,
@@ -353,6 +354,32 @@ class ModelRunner:
                 "kernels/cpu_gemm.c" if PanelLinear in kinds else "oneDNN")
         log.info("CPU: %d linear layers packed for %s", n, gemm)
 
+    def capture_cuda_graphs(self, max_batch: int) -> None:
+        """option.enforce_eager=false: capture the decode step for every batch size up to
+        `max_batch` (handler/model/cuda_graphs.py). Call after LoRA is set up. Where the model
+        cannot be captured (CPU, transformers' model, LoRA, ...) it says why on CUDA and decode
+        stays eager; a failed capture does too."""
+        import time
+        from handler.model import cuda_graphs
+        why = cuda_graphs.eligible(self.model, self.device, own=self.own, tp=self.ranks is not None,
+                                   lora=self.lora is not None)
+        if why is not None:
+            if self.device.type == "cuda":
+                log.info("CUDA graphs off: %s; decode steps run eagerly", why)
+            return
+        t0 = time.perf_counter()
+        graphs = cuda_graphs.DecodeGraphs(self.model, self.kv_cache, max_batch,
+                                          cuda_graphs.table_width(self.max_model_len, self.block_size),
+                                          self.device, self.model.lm_head.out_features)
+        try:
+            graphs.capture()
+        except Exception as e:   # eager decode still serves; the operator sees why
+            log.warning("CUDA graphs: capture failed (%s: %s); decode steps run eagerly", type(e).__name__, e)
+            return
+        self.graphs = graphs
+        log.info("CUDA graphs: decode captured for %d batch sizes up to %d (contexts up to %d tokens) in %.1f s",
+                 len(graphs.sizes), graphs.B, graphs.W * self.block_size, time.perf_counter() - t0)
+
     def release(self, seq_id: int) -> None:
         self.sampler.release(seq_id)
 
@@ -377,6 +404,12 @@ class ModelRunner:
         n_tok, n_seq, width, n_rows, n_copies = packed[:5].tolist()
         sizes = [n_tok, n_tok, n_tok, n_seq + 1, n_seq, n_seq * width, n_rows, n_copies, n_copies]
         host = packed[5:].split(sizes)
+        if (self.graphs is not None and n_tok == n_seq == n_rows and not self.batch_invariant
+                and self.graphs.fits(n_seq, width)):
+            # Decode only (one token and one logit row per sequence): replay a captured graph.
+            if n_copies:
+                self._copy_blocks(host[7].to(self.device), host[8].to(self.device))
+            return self.graphs.run(host[0], host[1], host[2], host[4], host[5].view(n_seq, width))
         qsl_cpu, seq_lens_cpu = host[3].tolist(), host[4].tolist()
         # One host-to-device copy for the whole step (on CPU `packed` itself).
         ids, pos, slots, qsl, seq_lens, tables, keep, src, dst = \

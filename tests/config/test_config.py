@@ -127,6 +127,7 @@ GOOD = [
     ("graceful_timeout", "25", "graceful_timeout_s", 25.0),
     ("option.max_payload_mb", "0.5", "max_payload_mb", 0.5),
     ("option.batch_invariant", "TRUE", "batch_invariant", True),
+    ("option.enforce_eager", "True", "enforce_eager", True),
 ]
 
 
@@ -184,6 +185,7 @@ BAD = [
     ("graceful_timeout", "-1", "is not a positive number of seconds"),
     ("option.max_payload_mb", "0", "is not a positive number of megabytes"),
     ("option.batch_invariant", "sometimes", "is not a boolean; allowed: true, false"),
+    ("option.enforce_eager", "eager", "is not a boolean; allowed: true, false"),
     ("option.enable_lora", "yes", "is not a boolean; allowed: true, false"),
     ("option.max_loras", "0", "is not a positive integer"),
     ("option.max_lora_rank", "-8", "is not a positive integer"),
