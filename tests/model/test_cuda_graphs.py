@@ -88,10 +88,50 @@ def test_enforce_eager_property(demo_model_dir, tmp_path):
         load_config(str(path), demo_model_dir, env={})
 
 
+class _Recorder:
+    """Stands in for DecodeGraphs on CPU: records what the runner hands a replay."""
+    def __init__(self, max_batch=16, width=8):
+        self.max_batch, self.width, self.calls = max_batch, width, []
+
+    def fits(self, n_seq, width):
+        return n_seq <= self.max_batch and width <= self.width
+
+    def run(self, ids, pos, slots, seq_lens, tables):
+        self.calls.append((ids.tolist(), pos.tolist(), slots.tolist(), seq_lens.tolist(), tables.tolist()))
+        return torch.zeros(len(ids), 7)
+
+
+def test_only_decode_steps_that_fit_go_to_the_graphs(demo_model_dir):
+    from handler.model.runner import ModelRunner
+    runner = ModelRunner(demo_model_dir, device="cpu", dtype="fp32", kv_cache_tokens=2048)
+    rec = runner.graphs = _Recorder()
+    bs, lens = runner.block_size, [5, 37, 18]
+    prefill, _ = pack_step(_items(lens, bs, decode=False), bs)
+    assert runner.forward(prefill).shape[0] == 3 and rec.calls == []       # prompts: eager
+    items = _items(lens, bs, decode=True)
+    decode, _ = pack_step(items, bs)
+    assert tuple(runner.forward(decode).shape) == (3, 7)
+    ids, pos, slots, seq_lens, tables = rec.calls[-1]
+    assert ids == [it.token_ids[0] for it in items] and pos == lens and seq_lens == [n + 1 for n in lens]
+    assert slots == [it.block_table[n // bs] * bs + n % bs for it, n in zip(items, lens)]
+    assert [row[:len(it.block_table)] for row, it in zip(tables, items)] == [it.block_table for it in items]
+    # A mixed step (a prompt chunk beside decode rows), a table wider than captured, and
+    # batch-invariant mode all run eagerly.
+    mixed, _ = pack_step(items[:2] + _items([9], bs, decode=False, seed=1), bs)
+    wide, _ = pack_step(_items([5, 200], bs, decode=True), bs)
+    for packed in (mixed, wide):
+        runner.forward(packed)
+    runner.batch_invariant = True
+    runner.forward(decode)
+    assert len(rec.calls) == 1
+
+
 # ---------------------------------------------------------------------------- CUDA
 def _cuda_runner(model_dir, tmp_path, dtype, eager=False):
     path = tmp_path / f"{dtype}-{eager}.properties"
-    path.write_text(f"option.device=cuda\noption.dtype={dtype}\noption.max_rolling_batch_size=16\n"
+    # rolling: the running limit (16) is the largest graph (without a strategy the limit is 1)
+    path.write_text(f"option.rolling_batch=lmi-dist\noption.device=cuda\noption.dtype={dtype}\n"
+                    f"option.max_rolling_batch_size=16\n"
                     f"option.kv_cache_tokens=2048\noption.enforce_eager={str(eager).lower()}\n")
     from handler.config import load_config
     from handler.server import build_runner
