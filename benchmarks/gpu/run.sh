@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU checks of benchmarks/results/gpu-*/, run on a lent CUDA machine from the repo root:
+# The GPU checks of benchmarks/results/gpu-*/ (first run: gpu-h100-2026-11-26/), on a lent CUDA machine, repo root:
 #   bash benchmarks/gpu/run.sh PHASE [PHASE ...]   (phases below; logs and results go to $OUT)
 # The lent machine has python 3.12 with torch + triton + pytest but not our other pins: the wheels
 # carried in .whl/ (gitignored via .git/info/exclude) go into /tmp/site first. Fetch them here with
