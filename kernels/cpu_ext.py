@@ -147,6 +147,10 @@ def load():
     rms.argtypes = [ptr, ptr, ptr, i64, i64, ctypes.c_float, ctypes.c_int]
     rms.restype = None
     fn.rms_norm_bf16 = rms
+    rms32 = lib.lmi_rms_norm_f32
+    rms32.argtypes = [ptr, ptr, ptr, i64, i64, ctypes.c_float, ctypes.c_int, ptr]
+    rms32.restype = None
+    fn.rms_norm_f32 = rms32
     rope = lib.lmi_rotary
     rope.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, ctypes.c_int, ctypes.c_int]
     rope.restype = None
@@ -252,6 +256,55 @@ def rms_norm_bf16(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Te
     fn.rms_norm_bf16(x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.numel() // h, h, float(eps),
                      torch.get_num_threads())
     return out
+
+
+TORCH_GRAIN = 32768   # at::internal::GRAIN_SIZE: torch reduces smaller inputs serially
+_RMS_F32_LANES: dict[int, int] = {}   # hidden size -> the vector width whose sum order is torch's (0: none)
+
+
+def rms_norm_f32(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
+    """`weight * F.rms_norm(x, (H,), eps=eps)` for fp32 x [..., H] in one call, bit for bit
+    torch's values (kernels/cpu_exact.c sums in torch's order); None when it does not apply
+    (then the caller's torch ops serve): not fp32 / not contiguous, rows x H at or over torch's
+    parallel grain (where torch's own order may split), or no vector width reproduced torch's
+    sums at the first-use check for this H. torch's summing width is found by trying: on this
+    build's AVX-512 hosts its sum kernel runs 8-lane vectors. The point is the call count: torch's
+    CPU rms_norm runs ~7 ops, ~25 us a call at a decode step's few rows."""
+    fn = load()
+    h = x.shape[-1]
+    if (fn is None or not _plain(x, torch.float32) or not x.is_contiguous() or x.numel() == 0
+            or x.numel() >= TORCH_GRAIN or weight.dtype != torch.float32 or weight.device.type != "cpu"
+            or weight.shape != (h,) or not weight.is_contiguous()):
+        return None
+    lanes = _RMS_F32_LANES.get(h)
+    if lanes is None:
+        lanes = _RMS_F32_LANES[h] = _torch_sum_lanes(fn, h)
+    return _rms_f32(fn, x, weight, eps, lanes) if lanes else None
+
+
+def _rms_f32(fn, x, weight, eps, lanes):
+    h = x.shape[-1]
+    out = torch.empty_like(x)
+    scratch = torch.empty(h, dtype=torch.float32)
+    fn.rms_norm_f32(x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.numel() // h, h, float(eps), lanes,
+                    scratch.data_ptr())
+    return out
+
+
+def _torch_sum_lanes(fn, h: int) -> int:
+    """The vector width (8 or 16) with which the C kernel equals torch on random rows of H, or 0."""
+    import torch.nn.functional as F
+    g = torch.Generator().manual_seed(h)
+    cases = []
+    for rows in sorted({1, 3, max(1, (TORCH_GRAIN - 1) // h)}):
+        for scale in (1e-3, 1.0, 30.0):
+            cases.append((torch.randn(rows, h, generator=g) * scale, torch.randn(h, generator=g)))
+    for lanes in (8, 16):
+        if all(torch.equal(_rms_f32(fn, x, w, eps, lanes), w * F.rms_norm(x, (h,), eps=eps))
+               for x, w in cases for eps in (1e-5, 1e-6)):
+            return lanes
+    log.info("fp32 RMSNorm over %d: no vector width reproduced torch's sums; torch's ops serve it", h)
+    return 0
 
 
 def rotary_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:

@@ -77,8 +77,9 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.style == "llama":
             if x.device.type == "cpu":
-                if x.dtype == torch.float32:     # torch's fused kernel: the same values, one pass
-                    return self.weight * F.rms_norm(x, (x.shape[-1],), eps=self.eps)
+                if x.dtype == torch.float32:     # torch's values (a decode step's rows: one C call)
+                    out = cpu_ext.rms_norm_f32(x, self.weight, self.eps)
+                    return out if out is not None else self.weight * F.rms_norm(x, (x.shape[-1],), eps=self.eps)
                 if x.dtype == torch.bfloat16 and x.is_contiguous():
                     out = cpu_ext.rms_norm_bf16(x, self.weight, self.eps)
                     if out is not None:

@@ -179,6 +179,32 @@ def test_rms_norm_bf16_kernel_matches_float64_math():
     assert cpu_ext.rms_norm_bf16(x.t(), w[:37], 1e-6) is None             # not contiguous
 
 
+@pytest.mark.parametrize("hidden", [8, 13, 64, 576, 2048, 4096])
+def test_rms_norm_f32_kernel_equals_transformers_bit_for_bit(hidden):
+    # Oracle: transformers' LlamaRMSNorm (pow, mean, rsqrt, two products), on fresh inputs of
+    # several magnitudes, decode-sized row counts and a zero row; the kernel must give every bit.
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+    gen = torch.Generator().manual_seed(hidden)
+    norm = LlamaRMSNorm(hidden, eps=1e-5)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(hidden, generator=gen))
+    for rows in (1, 2, 5, cpu_ext.TORCH_GRAIN // hidden - 1):
+        if rows < 1:
+            continue
+        x = torch.randn(rows, hidden, generator=gen) * torch.logspace(-3, 2, rows)[:, None]
+        x[rows // 2] = 0
+        got = cpu_ext.rms_norm_f32(x, norm.weight.detach(), 1e-5)
+        assert got is not None, "the kernel declined a contiguous fp32 input under torch's grain"
+        with torch.no_grad():
+            want = norm(x)
+        assert torch.equal(got, want), (rows, (got - want).abs().max().item())
+    # Not this kernel's: bf16, a strided view, a batch at torch's parallel grain.
+    w = norm.weight.detach()
+    assert cpu_ext.rms_norm_f32(torch.randn(2, hidden).bfloat16(), w, 1e-5) is None
+    assert cpu_ext.rms_norm_f32(torch.randn(hidden, 4).t(), w, 1e-5) is None
+    assert cpu_ext.rms_norm_f32(torch.randn(cpu_ext.TORCH_GRAIN // hidden + 1, hidden), w, 1e-5) is None
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("heads", [(4, 4), (6, 2), (9, 3)])
 def test_rotary_kernel_equals_transformers_bit_for_bit(dtype, heads):
