@@ -55,17 +55,26 @@ def make_engine(model_dir: str, dtype: str, batch: int, kv_tokens: int, prefill_
     return engine.run_by_hand()
 
 
+def _sync() -> None:
+    """Wait for the GPU's queued work (CUDA runs asynchronously: a host clock alone times the
+    launches); nothing on CPU."""
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
 class Timed:
-    """Wraps a callable; accumulates its wall time."""
+    """Wraps a callable; accumulates its wall time (its GPU work included)."""
 
     def __init__(self, fn):
         self.fn, self.total, self.calls = fn, 0.0, 0
 
     def __call__(self, *a, **kw):
+        _sync()
         t = time.perf_counter()
         try:
             return self.fn(*a, **kw)
         finally:
+            _sync()
             self.total += time.perf_counter() - t
             self.calls += 1
 
@@ -100,13 +109,15 @@ def engine_decode(engine, prompts: list[list[int]], steps: int) -> dict:
             "tokens": toks}
 
 
-def hf_model(model_dir: str, dtype: str):
-    """transformers' model of the checkpoint, its linear layers packed as the runner packs ours."""
+def hf_model(model_dir: str, dtype: str, device: torch.device):
+    """transformers' model of the checkpoint on the engine's device, its linear layers packed as
+    the runner packs ours on CPU."""
     from transformers import AutoModelForCausalLM
 
     from handler.model.cpu import prepack_linears
     from handler.model.runner import DTYPES
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=DTYPES[dtype], attn_implementation="sdpa").eval()
+    model.to(device)
     if next(model.parameters()).device.type == "cpu":
         prepack_linears(model)
     return model
@@ -117,13 +128,16 @@ def gemm_floor(model, batch: int, steps: int) -> float:
     """Per step: every nn.Linear of `model` (as packed) once on [batch, in] rows."""
     linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
     dt = next(model.parameters()).dtype
-    xs = {m.in_features: torch.randn(batch, m.in_features).to(dt) for m in linears}
+    dev = next(model.parameters()).device
+    xs = {m.in_features: torch.randn(batch, m.in_features).to(device=dev, dtype=dt) for m in linears}
     for m in linears:
         m(xs[m.in_features])
+    _sync()
     t = time.perf_counter()
     for _ in range(steps):
         for m in linears:
             m(xs[m.in_features])
+    _sync()
     return (time.perf_counter() - t) / steps
 
 
@@ -140,12 +154,14 @@ def hf_floor(model, prompts: list[list[int]], steps: int) -> dict:
     nxt = out.logits[:, -1].argmax(-1, keepdim=True)
     toks = [nxt]
     pos = ids.shape[1]
+    _sync()
     t = time.perf_counter()
     for i in range(steps):
         out = model(input_ids=nxt, past_key_values=cache, use_cache=True,
                     position_ids=torch.full_like(nxt, pos + i), logits_to_keep=1)
         nxt = out.logits[:, -1].argmax(-1, keepdim=True)
         toks.append(nxt)
+    _sync()
     total = time.perf_counter() - t
     return {"floor": total / steps, "tokens": torch.cat(toks, 1).tolist()}
 
@@ -157,13 +173,15 @@ def profile_engine(engine, prompts: list[list[int]], steps: int, rows: int = 20)
     sched = engine.scheduler
     while any(s.num_output == 0 for s in sched.running) or sched.waiting or engine._intake:
         engine._iteration()
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=acts) as prof:
         for _ in range(steps):
             engine._iteration()
     while sched.has_work:
         engine._iteration()
     del chans
-    return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=rows)
+    key = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
+    return prof.key_averages().table(sort_by=key, row_limit=rows)
 
 
 def main(argv=None) -> int:
@@ -190,7 +208,7 @@ def main(argv=None) -> int:
         # Distinct prompts (no prefix sharing), ids away from the special tokens.
         prompts = [[(7 + 31 * s + 17 * i) % (vocab - 10) + 5 for i in range(a.prompt_tokens)] for s in range(b)]
         rows = []
-        hf = hf_model(a.model_dir, a.dtype)
+        hf = hf_model(a.model_dir, a.dtype, engine.runner.device)
         for _ in range(a.reps):
             e = engine_decode(engine, prompts, a.steps)
             f = hf_floor(hf, prompts, a.steps)

@@ -10,7 +10,7 @@
 #     jsonschema-specifications referencing rpds-py gguf==0.19.0
 # (25 MB; a call carries at most 64 MiB, so the real model's 98 MB GGUF cannot travel with them).
 # Phases (each under its own timeout, so one that hangs leaves the others their time):
-#   setup | gputests | kernels | model | bench:ONLY:REQUESTS[:WORKLOAD[:TIMEOUT_S]]
+#   setup | gputests | kernels | model | floor | bench:ONLY:REQUESTS[:WORKLOAD[:TIMEOUT_S]]
 set -uo pipefail
 OUT=${OUT:-/tmp/gpu-out}
 ROOT=$(pwd)
@@ -64,6 +64,15 @@ import os; materialise_random(os.path.join(CONFIGS, 'llama-2-7b', 'config.json')
     say "model: done"
 }
 
+floor() {      # the decode step of the 7B against transformers' decode and the bare GEMMs, then its profile
+    say "floor: start"
+    timeout ${FLOOR_TIMEOUT:-150} $py benchmarks/step_floor.py --model-dir "$WORK/model" --dtype bf16 \
+        --batch ${FLOOR_BATCH:-1,16,50} --steps 16 --reps 2 --out "$OUT/step_floor.json" 2>&1 | tail -8
+    timeout ${FLOOR_TIMEOUT:-150} $py benchmarks/step_floor.py --model-dir "$WORK/model" --dtype bf16 --batch 50 \
+        --steps 8 --reps 1 --profile > "$OUT/step_profile.txt" 2>&1
+    say "floor: done"
+}
+
 bench() {      # bench:paged:200[:lmi[:150]] -- one server per call, so a timeout loses only that one
     IFS=: read -r _ only n wl tmo <<<"$1"
     say "bench $only n=$n: start"
@@ -78,7 +87,7 @@ bench() {      # bench:paged:200[:lmi[:150]] -- one server per call, so a timeou
 
 for phase in "$@"; do
     case $phase in
-        setup|gputests|kernels|model) $phase ;;
+        setup|gputests|kernels|model|floor) $phase ;;
         bench:*) bench "$phase" ;;
         *) echo "unknown phase $phase"; exit 2 ;;
     esac
