@@ -125,7 +125,7 @@ static float torch_sum(const float *x, int64_t H, int W) {
     float part[4][16];
     if (H < W) {               /* scalar_inner_sum: row_sum over scalars */
         row_sum4(x, H, 1, part);
-        return 0.0f + part[0][0];
+        return 0.0f + part[0][0];   /* torch adds the sum into a zero-filled output */
     }
     const int64_t nv = H / W;   /* vectorized_inner_sum */
     row_sum4(x, nv, W, part);

@@ -244,8 +244,8 @@ def gemm(x: torch.Tensor, panels: torch.Tensor, n: int, bias: torch.Tensor | Non
 def rms_norm_bf16(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
     """Llama's RMSNorm of bf16 x [..., H] by weight [H] (bf16), or None when the kernel cannot
     take them (then the caller's own path serves). torch's rms_norm has no fused bf16 CPU kernel
-    (it decomposes into ~7 ops with fp32 copies). (fp32 keeps torch's fused kernel: bit for bit
-    transformers' values, where a C sum in another order would move elements by an ulp.)"""
+    (it decomposes into ~7 ops with fp32 copies). fp32 has its own kernel, `rms_norm_f32`, which
+    sums in torch's order so that its values stay transformers' bit for bit."""
     fn = load()
     h = x.shape[-1]
     if (fn is None or not _plain(x, torch.bfloat16) or weight.dtype != torch.bfloat16

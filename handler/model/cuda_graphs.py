@@ -57,7 +57,7 @@ def eligible(model, device: torch.device, *, own: bool, tp: bool, lora: bool) ->
         return "tensor parallel"
     if lora:
         return "LoRA adapters"
-    if getattr(model.rotary, "kind", None) in getattr(model.rotary, "GROWING", ()):
+    if model.rotary.kind in model.rotary.GROWING:
         return f"rotary scaling {model.rotary.kind!r} grows with the sequence"
     for layer in model.model.layers:
         if layer.self_attn.window is not None:
@@ -79,9 +79,7 @@ class DecodeGraphs:
         n = 4 * self.B + self.B * self.W
         self.host = torch.zeros(n, dtype=torch.int64, pin_memory=True)
         self.dev = torch.zeros(n, dtype=torch.int64, device=device)
-        B = self.B
-        self.h_ids, self.h_pos, self.h_slots, self.h_lens = (self.host[i * B:(i + 1) * B] for i in range(4))
-        self.h_tables = self.host[4 * B:].view(B, self.W)
+        self.h_ids, self.h_pos, self.h_slots, self.h_lens, self.h_tables = self._views(self.host)
         self.h_slots.fill_(-1)      # padding rows write nothing
         self.h_lens.fill_(1)
         self.dev.copy_(self.host)
@@ -91,13 +89,17 @@ class DecodeGraphs:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.replays = 0
 
+    def _views(self, buf: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """(ids, positions, slots, seq_lens [B] each, tables [B, W]) over the input buffer's layout."""
+        B = self.B
+        return (*(buf[i * B:(i + 1) * B] for i in range(4)), buf[4 * B:].view(B, self.W))
+
     def _body(self, b: int) -> None:
-        B, d = self.B, self.dev
-        meta = StepMeta(kv_cache=self.kv_cache, slot_mapping=d[2 * B:2 * B + b],
-                        block_tables=d[4 * B:].view(B, self.W)[:b].to(torch.int32),
-                        seq_lens=d[3 * B:3 * B + b].to(torch.int32), query_start_loc=self.qsl[:b + 1],
+        ids, pos, slots, lens, tables = (v[:b] for v in self._views(self.dev))
+        meta = StepMeta(kv_cache=self.kv_cache, slot_mapping=slots, block_tables=tables.to(torch.int32),
+                        seq_lens=lens.to(torch.int32), query_start_loc=self.qsl[:b + 1],
                         seq_lens_cpu=None, query_start_loc_cpu=None)
-        self.logits[:b].copy_(self.model.step(d[:b], d[B:B + b], self.keep[:b], meta))
+        self.logits[:b].copy_(self.model.step(ids, pos, self.keep[:b], meta))
 
     @torch.inference_mode()
     def capture(self) -> None:
