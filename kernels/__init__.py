@@ -10,7 +10,7 @@ import torch
 
 from . import reference
 
-__all__ = ["write_kv", "paged_attention", "triton_available"]
+__all__ = ["write_kv", "paged_attention", "decode_step", "triton_available"]
 
 
 @functools.lru_cache(maxsize=None)
@@ -76,3 +76,33 @@ def _cpu_decode(query: torch.Tensor, key_cache: torch.Tensor):
     if not cpu_ext.supports(key_cache) or cpu_ext.load() is None:
         return None
     return cpu_ext.decode_attention
+
+
+def decode_step(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cos: torch.Tensor,
+                sin: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                slot_mapping: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                query_start_loc: torch.Tensor, scale: float, *, seq_lens_cpu: list[int] | None,
+                query_start_loc_cpu: list[int] | None, sliding_window: int | None = None,
+                memo: dict | None = None) -> torch.Tensor | None:
+    """A CPU decode step's attention in one C call (kernels/cpu_ext.decode_fused): q/k rotated by
+    cos/sin in place, k/v stored at slot_mapping, attention over the pools -> [T, H, D]; the same
+    values as apply_rotary_ + write_kv + paged_attention. None (nothing changed) unless every
+    sequence feeds one row and the kernel takes these tensors: the caller goes that way instead."""
+    t = query.shape[0]
+    if (query.device.type != "cpu" or seq_lens_cpu is None or query_start_loc_cpu is None or len(seq_lens_cpu) != t or query_start_loc_cpu[-1] != t
+            or query_start_loc_cpu[0] != 0):
+        return None
+    from . import cpu_ext
+    if cpu_ext.load() is None or not cpu_ext.supports(key_cache):
+        return None
+    p = reference.step_plan(memo, block_tables, seq_lens, query_start_loc, seq_lens_cpu, query_start_loc_cpu,
+                            key_cache.shape[1], t, query.device)
+    if not p["all_decode"]:
+        return None
+    slots = memo.get("slots") if memo is not None else None
+    if slots is None:
+        slots = slot_mapping.to(torch.int64).contiguous()
+        if memo is not None:
+            memo["slots"] = slots
+    return cpu_ext.decode_fused(query, key, value, cos, sin, key_cache, value_cache, slots, p["dec_tables"],
+                                p["dec_lens"], scale, sliding_window)

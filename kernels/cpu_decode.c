@@ -218,11 +218,12 @@ int lmi_decode_avx512(void) {
 #endif
 }
 
-int lmi_decode_attention(const float *q, const void *kc, const void *vc, int kv_bf16,
-                         int64_t s_blk, int64_t s_tok, int64_t s_head,
-                         const int32_t *tables, int64_t tw, const int32_t *lens,
-                         int64_t B, int64_t H, int64_t Hkv, int64_t D, int64_t bs,
-                         float scale, int64_t window, float softcap, float *out, int nthreads, int generic) {
+/* q: row b at q + b * q_tok (its H heads contiguous); the rest as lmi_decode_attention. */
+static int decode_attention(const float *q, int64_t q_tok, const void *kc, const void *vc, int kv_bf16,
+                            int64_t s_blk, int64_t s_tok, int64_t s_head,
+                            const int32_t *tables, int64_t tw, const int32_t *lens,
+                            int64_t B, int64_t H, int64_t Hkv, int64_t D, int64_t bs,
+                            float scale, int64_t window, float softcap, float *out, int nthreads, int generic) {
     const int64_t g = H / Hkv;
     const int64_t esz = kv_bf16 ? 2 : 4;
     int64_t maxlen = 0;
@@ -259,7 +260,7 @@ int lmi_decode_attention(const float *q, const void *kc, const void *vc, int kv_
                 const int64_t L = lens[b];
                 const int64_t t0 = (window > 0 && L - window > 0) ? L - window : 0;
                 const int32_t *tbl = tables + b * tw;
-                const float *qb = q + (b * H + kh * g) * D;
+                const float *qb = q + b * q_tok + kh * g * D;
                 float *ob = out + (b * H + kh * g) * D;
                 if (L <= 0) {
                     memset(ob, 0, sizeof(float) * (size_t)((kh1 - kh0) * g * D));
@@ -272,12 +273,12 @@ int lmi_decode_attention(const float *q, const void *kc, const void *vc, int kv_
                 }
 #ifdef LMI_HAVE_ITEM512
                 if (fast && D == 64) {
-                    item512_64(q + b * H * D, kc, vc, kv_bf16, s_head, offs, t0, L, kh0, kh1, g, scale, softcap, s,
+                    item512_64(q + b * q_tok, kc, vc, kv_bf16, s_head, offs, t0, L, kh0, kh1, g, scale, softcap, s,
                                maxlen, row, out + b * H * D);
                     continue;
                 }
                 if (fast) {
-                    item512_128(q + b * H * D, kc, vc, kv_bf16, s_head, offs, t0, L, kh0, kh1, g, scale, softcap, s,
+                    item512_128(q + b * q_tok, kc, vc, kv_bf16, s_head, offs, t0, L, kh0, kh1, g, scale, softcap, s,
                                 maxlen, row, out + b * H * D);
                     continue;
                 }
@@ -345,6 +346,15 @@ int lmi_decode_attention(const float *q, const void *kc, const void *vc, int kv_
     return failed ? -1 : 0;
 }
 
+int lmi_decode_attention(const float *q, const void *kc, const void *vc, int kv_bf16,
+                         int64_t s_blk, int64_t s_tok, int64_t s_head,
+                         const int32_t *tables, int64_t tw, const int32_t *lens,
+                         int64_t B, int64_t H, int64_t Hkv, int64_t D, int64_t bs,
+                         float scale, int64_t window, float softcap, float *out, int nthreads, int generic) {
+    return decode_attention(q, H * D, kc, vc, kv_bf16, s_blk, s_tok, s_head, tables, tw, lens, B, H, Hkv, D, bs,
+                            scale, window, softcap, out, nthreads, generic);
+}
+
 /* Store key/value rows [T, Hkv, D] (element strides: token, head; D contiguous) at flat slots
  * slots[T] of the pools (slot = block * bs + offset; a negative slot is skipped; -1 returned,
  * nothing written, when a slot is >= nslots). elem: bytes
@@ -366,6 +376,46 @@ int lmi_write_kv(void *kc, void *vc, const void *key, const void *value, int64_t
         }
     }
     return 0;
+}
+
+void lmi_rotary(void *q, void *k, const void *cos, const void *sin, int64_t T, int64_t H, int64_t Hkv,
+                int64_t D, int64_t qs, int64_t ks, int64_t cs, int bf16, int nthreads);   /* cpu_exact.c */
+
+/* A decode step's attention for one layer in one call (every sequence one row): the rotary
+ * embedding of q [B, H, D] and k [B, Hkv, D] in place (lmi_rotary: transformers' rounding), k and
+ * v [B, Hkv, D] stored at slots [B] of the pools (lmi_write_kv; a negative slot is skipped), then
+ * decode attention over the pools into out [B, H, D]. q/k/v: row b at + b * qs / ks / vs
+ * elements, heads contiguous (views of one fused q/k/v product); activations, pools and out all
+ * fp32 (bf16 = 0) or all bf16 (q widened exactly, out rounded to nearest even as torch's
+ * .to(bfloat16)). cos/sin [B, D] rows cs apart. Returns 0; -1 (nothing changed) when a slot is
+ * past the pool; -2 when scratch could not be allocated. */
+int lmi_decode_fused(void *q, void *k, void *v, int64_t qs, int64_t ks, int64_t vs,
+                     const void *cos, const void *sin, int64_t cs, int bf16,
+                     void *kc, void *vc, int64_t s_blk, int64_t s_tok, int64_t s_head,
+                     const int64_t *slots, int64_t nslots, const int32_t *tables, int64_t tw, const int32_t *lens,
+                     int64_t B, int64_t H, int64_t Hkv, int64_t D, int64_t bs,
+                     float scale, int64_t window, float softcap, void *out, int nthreads) {
+    for (int64_t t = 0; t < B; ++t)
+        if (slots[t] >= nslots) return -1;
+    lmi_rotary(q, k, cos, sin, B, H, Hkv, D, qs, ks, cs, bf16, nthreads);
+    lmi_write_kv(kc, vc, k, v, bf16 ? 2 : 4, s_blk, s_tok, s_head, ks, D, vs, D, slots, B, Hkv, D, bs, nslots);
+    if (!bf16)
+        return decode_attention((const float *)q, qs, kc, vc, 0, s_blk, s_tok, s_head, tables, tw, lens, B, H, Hkv,
+                                D, bs, scale, window, softcap, (float *)out, nthreads, 0) ? -2 : 0;
+    float *qf = malloc(sizeof(float) * (size_t)(2 * B * H * D));
+    if (!qf) return -2;
+    float *of = qf + B * H * D;
+    for (int64_t b = 0; b < B; ++b) {
+        const uint16_t *src = (const uint16_t *)q + b * qs;
+#pragma omp simd
+        for (int64_t i = 0; i < H * D; ++i) qf[b * H * D + i] = bf16_to_f32(src[i]);
+    }
+    const int rc = decode_attention(qf, H * D, kc, vc, 1, s_blk, s_tok, s_head, tables, tw, lens, B, H, Hkv, D, bs,
+                                    scale, window, softcap, of, nthreads, 0);
+    uint16_t *o = (uint16_t *)out;
+    for (int64_t i = 0; i < B * H * D; ++i) o[i] = f32_to_bf16(of[i]);
+    free(qf);
+    return rc ? -2 : 0;
 }
 
 /* Llama's RMSNorm of bf16 rows x [rows, H] (contiguous) with weight w [H]:

@@ -141,6 +141,12 @@ def load():
     fn.restype = ctypes.c_int
     fn.avx512 = bool(lib.lmi_decode_avx512())
     fn.generic = os.environ.get("LMI_CPU_DECODE", "").strip().lower() == "generic"   # A/B: the portable loop
+    fused = lib.lmi_decode_fused
+    fused.argtypes = [ptr, ptr, ptr, i64, i64, i64, ptr, ptr, i64, ctypes.c_int, ptr, ptr, i64, i64, i64,
+                      ptr, i64, ptr, i64, ptr, i64, i64, i64, i64, i64, ctypes.c_float, i64, ctypes.c_float, ptr,
+                      ctypes.c_int]
+    fused.restype = ctypes.c_int
+    fn.decode_fused = fused
     wr = lib.lmi_write_kv
     wr.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, ptr, i64, i64, i64, i64, i64]
     wr.restype = ctypes.c_int
@@ -395,6 +401,44 @@ def decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: 
             tbl.data_ptr(), tbl.shape[1], ln.data_ptr(), b, h, hkv, d, bs, float(scale),
             int(sliding_window or 0), float(soft_cap or 0.0), out.data_ptr(), torch.get_num_threads(),
             int(generic or fn.generic))
+    if rc != 0:
+        raise MemoryError("CPU decode attention: scratch allocation failed")
+    return out
+
+
+def decode_fused(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cos: torch.Tensor,
+                 sin: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, slots: torch.Tensor,
+                 tables: torch.Tensor, lens: torch.Tensor, scale: float,
+                 sliding_window: int | None = None) -> torch.Tensor | None:
+    """One decode step's attention for one layer, in one call: rotary_(query, key, cos, sin) in
+    place, write_kv(key, value at slots), decode_attention over the pools -> [B, H, D] in the
+    activations' dtype (the values of those three calls). query [B, H, D], key/value [B, Hkv, D]
+    (each row's heads contiguous: views of one q/k/v product will do), cos/sin [B, D], everything
+    fp32 or everything bf16 (the pools too); slots int64 [B], tables int32 [B, W], lens int32 [B].
+    None (nothing changed) where the kernel cannot take these tensors."""
+    fn = load()
+    dt = query.dtype
+    if fn is None or dt not in KV_DTYPES or key_cache.dtype != dt or value_cache.dtype != dt:
+        return None
+    b, h, d = query.shape
+    nb, bs, hkv, _ = key_cache.shape
+    if (not all(_plain(x, dt) for x in (query, key, value, cos, sin)) or key_cache.stride() != value_cache.stride()
+            or key.shape != (b, hkv, d) or value.shape != key.shape or cos.shape != (b, d) or sin.shape != (b, d)
+            or cos.stride() != sin.stride() or cos.stride(1) != 1 or d % 2 or h % hkv
+            or any(x.stride()[1:] != (d, 1) for x in (query, key, value))
+            or slots.dtype != torch.int64 or slots.shape != (b,) or not slots.is_contiguous()
+            or tables.dtype != torch.int32 or tables.dim() != 2 or tables.shape[0] != b or not tables.is_contiguous()
+            or lens.dtype != torch.int32 or lens.shape != (b,) or not lens.is_contiguous()):
+        return None
+    out = torch.empty(b, h, d, dtype=dt)
+    rc = fn.decode_fused(query.data_ptr(), key.data_ptr(), value.data_ptr(), query.stride(0), key.stride(0),
+                         value.stride(0), cos.data_ptr(), sin.data_ptr(), cos.stride(0), KV_DTYPES[dt],
+                         key_cache.data_ptr(), value_cache.data_ptr(), key_cache.stride(0), key_cache.stride(1),
+                         key_cache.stride(2), slots.data_ptr(), nb * bs, tables.data_ptr(), tables.shape[1],
+                         lens.data_ptr(), b, h, hkv, d, bs, float(scale), int(sliding_window or 0), 0.0,
+                         out.data_ptr(), torch.get_num_threads())
+    if rc == -1:
+        raise IndexError(f"decode_fused: a slot is past the pool's {nb * bs} slots")
     if rc != 0:
         raise MemoryError("CPU decode attention: scratch allocation failed")
     return out

@@ -113,6 +113,17 @@ def _plan(block_tables, seq_lens, query_start_loc, seq_lens_cpu, query_start_loc
     return p
 
 
+def step_plan(memo: dict | None, block_tables, seq_lens, query_start_loc, seq_lens_cpu, query_start_loc_cpu,
+              bs: int, t: int, dev) -> dict:
+    """`_plan`, kept in `memo` (a dict per step shared by its layers) after the first layer made it."""
+    p = memo.get(("plan", bs)) if memo is not None else None
+    if p is None:
+        p = _plan(block_tables, seq_lens, query_start_loc, seq_lens_cpu, query_start_loc_cpu, bs, t, dev)
+        if memo is not None:
+            memo[("plan", bs)] = p
+    return p
+
+
 def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                     block_tables: torch.Tensor, seq_lens, query_start_loc, scale: float, *,
                     seq_lens_cpu: list[int] | None = None,
@@ -145,11 +156,7 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
         raise ValueError(f"num query heads {h} is not a multiple of num kv heads {hkv}")
     g = h // hkv
     dev = query.device
-    p = memo.get(("plan", bs)) if memo is not None else None
-    if p is None:
-        p = _plan(block_tables, seq_lens, query_start_loc, seq_lens_cpu, query_start_loc_cpu, bs, t, dev)
-        if memo is not None:
-            memo[("plan", bs)] = p
+    p = step_plan(memo, block_tables, seq_lens, query_start_loc, seq_lens_cpu, query_start_loc_cpu, bs, t, dev)
     lens, qsl, tables, dec = p["lens"], p["qsl"], p["tables"], p["dec"]
     o = None
     if decode is not None and dec:

@@ -148,8 +148,15 @@ class Attention(nn.Module):
         q, k, v = q.view(t, -1, d), k.view(t, -1, d), v.view(t, -1, d)
         if self.qk_norm == "head":
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary_(q, k, cos, sin)
         k_cache, v_cache = step.kv_cache[self.layer_idx]
+        # A CPU decode step: rotary, the KV write and attention in one C call (else None).
+        out = kernels.decode_step(q, k, v, cos, sin, k_cache, v_cache, step.slot_mapping, step.block_tables,
+                                  step.seq_lens, step.query_start_loc, self.scaling,
+                                  seq_lens_cpu=step.seq_lens_cpu, query_start_loc_cpu=step.query_start_loc_cpu,
+                                  sliding_window=self.window, memo=step.memo)
+        if out is not None:
+            return self.tp.reduce(self.o_proj(out.view(t, -1)))
+        q, k = apply_rotary_(q, k, cos, sin)
         k, v = k.to(k_cache.dtype), v.to(v_cache.dtype)
         kernels.write_kv(k_cache, v_cache, k, v, step.slot_mapping)
         out = kernels.paged_attention(q, k_cache, v_cache, step.block_tables, step.seq_lens, step.query_start_loc,

@@ -355,3 +355,73 @@ def test_gemm_gives_the_same_answer_on_any_number_of_threads():
     finally:
         torch.set_num_threads(before)
     assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+
+
+def _fused_inputs(case, rng):
+    """A decode step's q/k/v as views of one fused projection [B, (H + 2 Hkv) D], fresh K/V rows
+    for each sequence's last position (slot), and cos/sin rows, in the case's dtype."""
+    q = case["query"]
+    b, h, d = q.shape
+    hkv = case["key_cache"].shape[2]
+    gen = torch.Generator().manual_seed(rng.randrange(2**31))
+    qkv = torch.randn(b, (h + 2 * hkv) * d, generator=gen).to(q.dtype)
+    qv, kv, vv = qkv.split([h * d, hkv * d, hkv * d], dim=-1)
+    ang = torch.rand(b, d // 2, generator=gen) * 6.0
+    emb = torch.cat([ang, ang], dim=-1)
+    bs = case["key_cache"].shape[1]
+    tables, lens = case["block_tables"].tolist(), case["seq_lens"].tolist()
+    slots = torch.tensor([tables[s][(n - 1) // bs] * bs + (n - 1) % bs for s, n in enumerate(lens)])
+    return (qkv, qv.view(b, h, d), kv.view(b, hkv, d), vv.view(b, hkv, d),
+            emb.cos().to(q.dtype), emb.sin().to(q.dtype), slots)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [64, 80])
+def test_fused_decode_step_equals_rotary_write_and_attention(dtype, head_dim):
+    # kernels.decode_step (one C call) against the three calls it replaces, on copies of the same
+    # inputs: the same output bit for bit in fp32 and bf16, the same pools afterwards, q/k rotated alike.
+    rng = random.Random(f"fused-{dtype}-{head_dim}")
+    for num_seqs in (1, 6):
+        case = make_case(rng, num_seqs=num_seqs, block_size=rng.choice([4, 16]), hkv=3, group=3,
+                         head_dim=head_dim, dtype=dtype, max_ctx=60, decode_only=True)
+        case["key_cache"], case["value_cache"] = _head_major(case["key_cache"]), _head_major(case["value_cache"])
+        qkv, q, k, v, cos, sin, slots = _fused_inputs(case, rng)
+        pools = (case["key_cache"].clone(), case["value_cache"].clone())
+        qkv2 = qkv.clone()
+        common = dict(block_tables=case["block_tables"], seq_lens=case["seq_lens"],
+                      query_start_loc=case["query_start_loc"], seq_lens_cpu=case["seq_lens"].tolist(),
+                      query_start_loc_cpu=case["query_start_loc"].tolist())
+        got = kernels.decode_step(q, k, v, cos, sin, *pools, slots, scale=case["scale"], memo={}, **common)
+        assert got is not None and got.dtype == dtype
+        q2, k2, v2 = (t.view(t.shape[0], -1, head_dim) for t in qkv2.split([q[0].numel(), k[0].numel(), v[0].numel()], -1))
+        assert cpu_ext.rotary_(q2, k2, cos, sin)
+        kernels.write_kv(case["key_cache"], case["value_cache"], k2, v2, slots)
+        want = kernels.paged_attention(q2, case["key_cache"], case["value_cache"], scale=case["scale"], **common)
+        assert torch.equal(qkv, qkv2)                       # q and k rotated in place alike, v untouched
+        assert torch.equal(pools[0], case["key_cache"]) and torch.equal(pools[1], case["value_cache"])
+        assert torch.equal(got, want)
+
+
+def test_fused_decode_step_declines_what_it_does_not_serve():
+    rng = random.Random("fused-declines")
+    case = make_case(rng, num_seqs=3, block_size=4, hkv=1, group=2, head_dim=16, dtype=torch.float32,
+                     max_ctx=20, decode_only=True)
+    qkv, q, k, v, cos, sin, slots = _fused_inputs(case, rng)
+    common = dict(block_tables=case["block_tables"], seq_lens=case["seq_lens"],
+                  query_start_loc=case["query_start_loc"], seq_lens_cpu=case["seq_lens"].tolist(),
+                  query_start_loc_cpu=case["query_start_loc"].tolist(), scale=case["scale"])
+    before = (qkv.clone(), case["key_cache"].clone())
+    pools = (case["key_cache"], case["value_cache"])
+    # a step where a sequence feeds more than one row (here: two rows counted for the first)
+    mixed = dict(common, query_start_loc_cpu=[0, 2, 3, 4], seq_lens_cpu=case["seq_lens"].tolist())
+    assert kernels.decode_step(torch.cat([q, q[:1]]), torch.cat([k, k[:1]]), torch.cat([v, v[:1]]),
+                               torch.cat([cos, cos[:1]]), torch.cat([sin, sin[:1]]), *pools,
+                               torch.cat([slots, slots[:1]]), **mixed) is None
+    # K/V in another dtype than the pools: the general path converts, this one declines
+    assert kernels.decode_step(q, k.double(), v.double(), cos, sin, *pools, slots, **common) is None
+    assert torch.equal(qkv, before[0]) and torch.equal(case["key_cache"], before[1])
+    # a slot past the pool: an error naming it, nothing written
+    nslots = case["key_cache"].shape[0] * case["key_cache"].shape[1]
+    with pytest.raises(IndexError, match=f"{nslots} slots"):
+        kernels.decode_step(q, k, v, cos, sin, *pools, torch.full_like(slots, nslots), **common)
+    assert torch.equal(qkv, before[0]) and torch.equal(case["key_cache"], before[1])
