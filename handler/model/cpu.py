@@ -228,7 +228,15 @@ def widen_in_registers() -> bool:
     return panels_wanted() and cpu_ext.gemm_bf16w_available()
 
 
-def bf16_gemm_mode(model: nn.Module, rows=(64, 512)) -> tuple[str, str]:
+# The row counts a bf16 model's GEMMs are timed at: one sequence decoding, a busy decode step (a
+# count that is no multiple of a library's blocking, as the engine's steps mostly are) and a
+# prompt chunk. On the EPYC host oneDNN's bf16 GEMM was level with the panels at 64 and 512 rows
+# but 1.5x slower at 1 row and 1.06x at 50 (hot in cache; from memory, as serving reads the
+# weights, 1.8x and 1.2x): timed at 64 and 512 alone it was chosen, and decoding ran 1.5x slower.
+BF16_TIMING_ROWS = (1, 50, 512)
+
+
+def bf16_gemm_mode(model: nn.Module, rows=BF16_TIMING_ROWS) -> tuple[str, str]:
     """How this bf16 model's linears multiply (one of BF16_MODES), and why: "panels"
     (Bf16PanelLinear by vdpbf16ps), "bf16" (oneDNN's bf16 GEMM, PackedLinear) or "fp32" (widened:
     Bf16PanelLinear with widen where widen_in_registers(), else PanelLinear or WidenedLinear on an
@@ -236,7 +244,7 @@ def bf16_gemm_mode(model: nn.Module, rows=(64, 512)) -> tuple[str, str]:
 
     LMI_CPU_BF16_GEMM=panels | bf16 | fp32 decides (panels where the CPU lacks the kernel: bf16);
     auto (the default) times the model's widest linear shape (the output head aside) every
-    eligible way at a decode-sized and a prefill-sized row count. Where fp32 keeps the bf16
+    eligible way at BF16_TIMING_ROWS (decode-sized and prefill-sized row counts). Where fp32 keeps the bf16
     weights, the way with the smallest product of the two times. Else, of the two that keep bf16
     weights (panels where the kernel runs, oneDNN's) the faster that way, then fp32 only when it
     beats that one at both row counts by BF16_GEMM_MARGIN and the fp32 copies fit in a quarter

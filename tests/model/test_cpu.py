@@ -233,17 +233,23 @@ def test_bf16_gemm_choice_follows_the_switch_the_timing_and_the_memory(monkeypat
     monkeypatch.setenv("LMI_CPU_BF16_GEMM", "auto")
     timed = []
 
+    def at(times):     # {64: decode-sized rows, 512: prompt-sized} -> the timed row counts
+        return {r: times[64 if r < 512 else 512] for r in cpu.BF16_TIMING_ROWS}
+
     def fake(rows, k, n, mode, reps=5):
         timed.append((rows, k, n, mode))
         return 1.0 if mode == "fp32" else table[mode][rows]
     monkeypatch.setattr(cpu, "_gemm_seconds", fake)
-    # (oneDNN bf16 times, panels times) at 64 and 512 rows against fp32's 1.0, and the pick with
-    # the kernel and without it (the choice before it: oneDNN's bf16 unless fp32 wins by the margin).
-    cases = [({64: 1.7, 512: 1.6}, {64: 2.0, 512: 2.0}, "fp32", "fp32"),   # fp32 beats the better bf16 way
-             ({64: 1.7, 512: 1.1}, {64: 1.8, 512: 1.8}, "bf16", "bf16"),   # 1.1 < margin: keep bf16 weights
-             ({64: 1.7, 512: 1.6}, {64: 1.0, 512: 1.1}, "panels", "fp32"),  # panels fastest of the bf16 ways
-             ({64: 1.0, 512: 1.0}, {64: 0.5, 512: 1.3}, "panels", "bf16"),  # faster overall (product of times)
-             ({64: 0.5, 512: 0.5}, {64: 1.0, 512: 1.0}, "bf16", "bf16")]   # an AMX host: oneDNN's bf16
+    # (oneDNN bf16 times, panels times) at decode-sized rows (64: every count under 512) and 512
+    # rows against fp32's 1.0, and the pick with the kernel and without it (the choice before it:
+    # oneDNN's bf16 unless fp32 wins by the margin).
+    cases = [(at({64: 1.7, 512: 1.6}), at({64: 2.0, 512: 2.0}), "fp32", "fp32"),   # fp32 beats the better bf16 way
+             (at({64: 1.7, 512: 1.1}), at({64: 1.8, 512: 1.8}), "bf16", "bf16"),   # 1.1 < margin: keep bf16 weights
+             (at({64: 1.7, 512: 1.6}), at({64: 1.0, 512: 1.1}), "panels", "fp32"),  # panels fastest of the bf16 ways
+             (at({64: 1.0, 512: 1.0}), at({64: 0.5, 512: 1.3}), "panels", "bf16"),  # faster overall (product of times)
+             (at({64: 0.5, 512: 0.5}), at({64: 1.0, 512: 1.0}), "bf16", "bf16"),   # an AMX host: oneDNN's bf16
+             # level but for one sequence's decode (1 row), as oneDNN's bf16 on the EPYC host
+             ({1: 1.5, 50: 1.05, 512: 0.97}, {1: 1.0, 50: 1.0, 512: 1.0}, "panels", "bf16")]
     for available in (True, False):
         panels_here[0] = available
         for bf16_s, panels_s, with_kernel, without in cases:
@@ -253,22 +259,22 @@ def test_bf16_gemm_choice_follows_the_switch_the_timing_and_the_memory(monkeypat
             got, why = cpu.bf16_gemm_mode(model)
             assert got == (with_kernel if available else without) and "64x96" in why   # widest: [96, 64]
             modes = {"bf16", "fp32"} | ({"panels"} if available else set())
-            assert {t for t in timed} >= {(r, 64, 96, m) for r in (64, 512) for m in modes}
+            assert {t for t in timed} >= {(r, 64, 96, m) for r in cpu.BF16_TIMING_ROWS for m in modes}
             assert {m for *_, m in timed} == modes
     # Widening in registers keeps the bf16 weights: no margin, no memory test, the fastest way.
     monkeypatch.setattr(cpu, "widen_in_registers", lambda: True)
     monkeypatch.setattr(cpu, "_mem_available", lambda: 1)
     panels_here[0] = True
-    for bf16_s, panels_s, pick in (({64: 1.05, 512: 1.05}, {64: 1.1, 512: 1.1}, "fp32"),
-                                   ({64: 0.9, 512: 1.05}, {64: 1.1, 512: 1.1}, "bf16"),
-                                   ({64: 1.2, 512: 1.2}, {64: 0.8, 512: 1.2}, "panels")):
+    for bf16_s, panels_s, pick in ((at({64: 1.05, 512: 1.05}), at({64: 1.1, 512: 1.1}), "fp32"),
+                                   (at({64: 0.9, 512: 1.05}), at({64: 1.1, 512: 1.1}), "bf16"),
+                                   (at({64: 1.2, 512: 1.2}), at({64: 0.8, 512: 1.2}), "panels")):
         table = {"bf16": bf16_s, "panels": panels_s}
         cpu._bf16_gemm_times.cache_clear()
         got, why = cpu.bf16_gemm_mode(model)
         assert got == pick and "quarter" not in why
     monkeypatch.setattr(cpu, "widen_in_registers", lambda: False)
     panels_here[0] = True
-    table = {"bf16": {64: 1.7, 512: 1.6}, "panels": {64: 1.3, 512: 1.3}}
+    table = {"bf16": at({64: 1.7, 512: 1.6}), "panels": at({64: 1.3, 512: 1.3})}
     monkeypatch.setattr(cpu, "_mem_available", lambda: 4 * 4 * (64 * 96 * 2) - 1)
     cpu._bf16_gemm_times.cache_clear()
     got, why = cpu.bf16_gemm_mode(model)      # fp32 would win, but its copies do not fit
@@ -279,7 +285,7 @@ def test_bf16_gemm_choice_follows_the_switch_the_timing_and_the_memory(monkeypat
     assert cpu.bf16_gemm_mode(nn.Sequential(nn.Linear(4, 4)))[0] == "bf16"   # fp32 model: nothing to decide
     monkeypatch.setattr(cpu, "_mem_available", lambda: None)
     monkeypatch.setenv("LMI_CPU_BF16_GEMM", "fp16")          # not a choice: said, then timed
-    table = {"bf16": {64: 0.5, 512: 0.5}, "panels": {64: 1.0, 512: 1.0}}
+    table = {"bf16": at({64: 0.5, 512: 0.5}), "panels": at({64: 1.0, 512: 1.0})}
     cpu._bf16_gemm_times.cache_clear()
     got, why = cpu.bf16_gemm_mode(model)
     assert got == "bf16" and "'fp16' ignored (auto, panels, bf16 or fp32)" in why and "64x96" in why
