@@ -4,9 +4,7 @@
  * One query row per sequence (decode). Work item = (sequence b, KV head kh): the g query heads
  * that share kh are scored against every visible key of the sequence's blocks, read where they
  * lie in the pool (no gather copy), then softmax and the weighted sum of the values, all in fp32.
- * Items run in parallel on the process's OpenMP pool (the same libgomp torch loaded). Head sizes
- * 64 and 128 on an AVX-512 CPU take the item512 path (16 keys per step, every KV head of a
- * sequence in one item when there are enough sequences); the rest the portable loop.
+ * Items run in parallel on the process's OpenMP pool (the same libgomp torch loaded).
  *
  * Pool: [NB, bs, Hkv, D] addressed through element strides (block, token, head) with D
  * contiguous, so both the head-major CPU allocation and the token-major one are read as is.
@@ -100,151 +98,23 @@ static void softmax_rows(float *s, int64_t maxlen, int64_t g, int64_t t0, int64_
     }
 }
 
-#if defined(__AVX512F__)
-#include <immintrin.h>
-
-/* r[i] = the sum of v[i]'s 16 lanes, for 16 vectors at once: a transpose-and-add tree (45 ops
- * against ~16 x 8 for one horizontal sum each). Lane pairs within 128-bit lanes, then pairs of
- * pairs, then the four 128-bit lanes. */
-static inline __m512 hsum16(const __m512 *v) {
-    __m512 t[8], u[4];
-    for (int i = 0; i < 8; ++i)
-        t[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
-    for (int i = 0; i < 4; ++i) {
-        const __m512d a = _mm512_castps_pd(t[2 * i]), b = _mm512_castps_pd(t[2 * i + 1]);
-        u[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
-    }
-    const __m512 s01 = _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], 0x44), _mm512_shuffle_f32x4(u[0], u[1], 0xEE));
-    const __m512 s23 = _mm512_add_ps(_mm512_shuffle_f32x4(u[2], u[3], 0x44), _mm512_shuffle_f32x4(u[2], u[3], 0xEE));
-    return _mm512_add_ps(_mm512_shuffle_f32x4(s01, s23, 0x88), _mm512_shuffle_f32x4(s01, s23, 0xDD));
-}
-
-/* Pointers to the fp32 rows of keys t .. t+15 of one KV head (element offsets offs[t] + hoff; n
- * of them real, the rest repeat the first so the arithmetic stays in bounds, their results
- * unused): in place for an fp32 pool, converted into buf [16, D] for a bf16 one. */
-static inline void chunk_rows(const float **rows, const void *pool, int kv_bf16, const int64_t *offs, int64_t hoff,
-                              int64_t t, int64_t n, int64_t D, float *buf) {
-    if (!kv_bf16) {
-        for (int64_t u = 0; u < 16; ++u) rows[u] = (const float *)pool + offs[t + (u < n ? u : 0)] + hoff;
-        return;
-    }
-    for (int64_t u = 0; u < n; ++u) {
-        const uint16_t *src = (const uint16_t *)pool + offs[t + u] + hoff;
-        for (int64_t c = 0; c < D; c += 16) {
-            const __m256i h = _mm256_loadu_si256((const __m256i *)(src + c));
-            _mm512_storeu_ps(buf + u * D + c, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)));
-        }
-        rows[u] = buf + u * D;
-    }
-    for (int64_t u = n; u < 16; ++u) rows[u] = rows[0];
-}
-
-/* One work item with AVX-512: the KV heads kh0 .. kh1-1 of one sequence (each with its g query
- * heads) over keys t0 .. L-1. Keys go 16 at a time with the item's heads inside, so a block's
- * rows of every head are read together (one contiguous run per block in either pool layout,
- * which the hardware prefetcher follows, where one head's rows alone are a 1/Hkv strided walk):
- * scores with 16 accumulators and one tree of sums per query head, the softmax, then p . V with
- * up to HG query heads' accumulators in registers. DC (the head size) a constant: 64 or 128.
- * qs, os: the sequence's [H, DC] query and output rows; s: scores [H, maxlen]. */
-#define LMI_ITEM512(NAME, DC, HG)                                                                 \
-    static void NAME(const float *qs, const void *kc, const void *vc, int kv_bf16, int64_t s_head, \
-                     const int64_t *offs, int64_t t0, int64_t L, int64_t kh0, int64_t kh1,        \
-                     int64_t g, float scale, float softcap, float *s, int64_t maxlen, float *buf, \
-                     float *os) {                                                                 \
-        enum { NC = (DC) / 16 };                                                                  \
-        const float *rows[16];                                                                    \
-        const __m512 vs = _mm512_set1_ps(scale);                                                  \
-        for (int64_t t = t0; t < L; t += 16) {                                                    \
-            const int64_t n = L - t < 16 ? L - t : 16;                                            \
-            const __mmask16 m = (__mmask16)(n == 16 ? 0xFFFFu : ((1u << n) - 1u));               \
-            for (int64_t kh = kh0; kh < kh1; ++kh) {                                              \
-                chunk_rows(rows, kc, kv_bf16, offs, kh * s_head, t, n, DC, buf);                  \
-                for (int64_t j = kh * g; j < (kh + 1) * g; ++j) {                                 \
-                    __m512 acc[16];                                                               \
-                    for (int u = 0; u < 16; ++u) acc[u] = _mm512_setzero_ps();                    \
-                    for (int c = 0; c < NC; ++c) {                                                \
-                        const __m512 qv = _mm512_loadu_ps(qs + j * (DC) + c * 16);                \
-                        for (int u = 0; u < 16; ++u)                                              \
-                            acc[u] = _mm512_fmadd_ps(qv, _mm512_loadu_ps(rows[u] + c * 16), acc[u]); \
-                    }                                                                             \
-                    _mm512_mask_storeu_ps(s + j * maxlen + t, m, _mm512_mul_ps(hsum16(acc), vs));  \
-                }                                                                                 \
-            }                                                                                     \
-        }                                                                                         \
-        softmax_rows(s + kh0 * g * maxlen, maxlen, (kh1 - kh0) * g, t0, L, softcap);              \
-        static const float zero16[16] = {0};                                                      \
-        memset(os + kh0 * g * (DC), 0, sizeof(float) * (size_t)((kh1 - kh0) * g * (DC)));         \
-        for (int64_t t = t0; t < L; t += 16) {                                                    \
-            const int64_t n = L - t < 16 ? L - t : 16;                                            \
-            for (int64_t kh = kh0; kh < kh1; ++kh) {                                              \
-                chunk_rows(rows, vc, kv_bf16, offs, kh * s_head, t, n, DC, buf);                  \
-                for (int64_t j0 = kh * g; j0 < (kh + 1) * g; j0 += (HG)) {                        \
-                    const float *pr[HG];                                                          \
-                    __m512 acc[HG][NC];                                                           \
-                    for (int jj = 0; jj < (HG); ++jj) {                                           \
-                        const int live = j0 + jj < (kh + 1) * g;                                  \
-                        pr[jj] = live ? s + (j0 + jj) * maxlen + t : zero16;                      \
-                        for (int c = 0; c < NC; ++c)                                              \
-                            acc[jj][c] = live ? _mm512_loadu_ps(os + (j0 + jj) * (DC) + c * 16)   \
-                                              : _mm512_setzero_ps();                              \
-                    }                                                                             \
-                    for (int64_t u = 0; u < n; ++u) {                                             \
-                        __m512 v[NC];                                                             \
-                        for (int c = 0; c < NC; ++c) v[c] = _mm512_loadu_ps(rows[u] + c * 16);    \
-                        for (int jj = 0; jj < (HG); ++jj) {                                       \
-                            const __m512 p = _mm512_set1_ps(pr[jj][u]);                           \
-                            for (int c = 0; c < NC; ++c) acc[jj][c] = _mm512_fmadd_ps(p, v[c], acc[jj][c]); \
-                        }                                                                         \
-                    }                                                                             \
-                    for (int jj = 0; jj < (HG) && j0 + jj < (kh + 1) * g; ++jj)                   \
-                        for (int c = 0; c < NC; ++c)                                              \
-                            _mm512_storeu_ps(os + (j0 + jj) * (DC) + c * 16, acc[jj][c]);         \
-                }                                                                                 \
-            }                                                                                     \
-        }                                                                                         \
-    }
-LMI_ITEM512(item512_64, 64, 4)
-LMI_ITEM512(item512_128, 128, 2)
-#undef LMI_ITEM512
-#define LMI_HAVE_ITEM512 1
-#endif
-
-/* 1 when the AVX-512 items serve head sizes 64 and 128 (built for a CPU with AVX-512F). */
-int lmi_decode_avx512(void) {
-#ifdef LMI_HAVE_ITEM512
-    return 1;
-#else
-    return 0;
-#endif
-}
-
 /* q: row b at q + b * q_tok (its H heads contiguous); the rest as lmi_decode_attention. */
 static int decode_attention(const float *q, int64_t q_tok, const void *kc, const void *vc, int kv_bf16,
                             int64_t s_blk, int64_t s_tok, int64_t s_head,
                             const int32_t *tables, int64_t tw, const int32_t *lens,
                             int64_t B, int64_t H, int64_t Hkv, int64_t D, int64_t bs,
-                            float scale, int64_t window, float softcap, float *out, int nthreads, int generic) {
+                            float scale, int64_t window, float softcap, float *out, int nthreads) {
     const int64_t g = H / Hkv;
     const int64_t esz = kv_bf16 ? 2 : 4;
     int64_t maxlen = 0;
     for (int64_t b = 0; b < B; ++b) maxlen = lens[b] > maxlen ? lens[b] : maxlen;
     int failed = 0;
-#ifdef LMI_HAVE_ITEM512
-    const int fast = !generic && (D == 64 || D == 128);
-#else
-    const int fast = 0;
-    (void)generic;
-#endif
-    /* Items: whole sequences when there are enough of them to share out (the AVX-512 path reads
-     * a block's heads together), else one KV head of one sequence each. */
-    const int64_t split = fast && B >= 2 * (int64_t)nthreads ? 1 : Hkv;
-
 #pragma omp parallel num_threads(nthreads)
     {
-        /* Per thread: scores [H, maxlen], sixteen fp32 K/V rows, a bf16 pool's V rows as fp32
+        /* Per thread: scores [g, maxlen], four fp32 K rows, a bf16 pool's V rows as fp32
          * [maxlen, D], and each key row's element offset (the blocks walked once per item, no
          * division per key). */
-        float *s = malloc(sizeof(float) * (size_t)(H * maxlen + 16 * D + 1 + (kv_bf16 ? maxlen * D : 0)));
+        float *s = malloc(sizeof(float) * (size_t)(g * maxlen + 4 * D + 1 + (kv_bf16 ? maxlen * D : 0)));
         int64_t *offs = malloc(sizeof(int64_t) * (size_t)(maxlen + 1));
         if (!s || !offs) {
 #pragma omp atomic write
@@ -252,37 +122,23 @@ static int decode_attention(const float *q, int64_t q_tok, const void *kc, const
         }
 #pragma omp barrier
         if (!failed) {
-            float *row = s + H * maxlen, *vbuf = row + 16 * D;
+            float *row = s + g * maxlen, *vbuf = row + 4 * D;
 #pragma omp for schedule(dynamic, 1)
-            for (int64_t item = 0; item < B * split; ++item) {
-                const int64_t b = item / split, part = item % split;
-                const int64_t kh0 = part * Hkv / split, kh1 = (part + 1) * Hkv / split, kh = kh0;
+            for (int64_t item = 0; item < B * Hkv; ++item) {
+                const int64_t b = item / Hkv, kh = item % Hkv;
                 const int64_t L = lens[b];
                 const int64_t t0 = (window > 0 && L - window > 0) ? L - window : 0;
                 const int32_t *tbl = tables + b * tw;
                 const float *qb = q + b * q_tok + kh * g * D;
                 float *ob = out + (b * H + kh * g) * D;
                 if (L <= 0) {
-                    memset(ob, 0, sizeof(float) * (size_t)((kh1 - kh0) * g * D));
+                    memset(ob, 0, sizeof(float) * (size_t)(g * D));
                     continue;
                 }
-                const int64_t hoff = fast ? 0 : kh * s_head;   /* the fast path adds each head's */
                 for (int64_t blk = t0 / bs, t = blk * bs; t < L; ++blk) {
-                    const int64_t base = (int64_t)tbl[blk] * s_blk + hoff;
+                    const int64_t base = (int64_t)tbl[blk] * s_blk + kh * s_head;
                     for (int64_t o = 0; o < bs && t < L; ++o, ++t) offs[t] = base + o * s_tok;
                 }
-#ifdef LMI_HAVE_ITEM512
-                if (fast && D == 64) {
-                    item512_64(q + b * q_tok, kc, vc, kv_bf16, s_head, offs, t0, L, kh0, kh1, g, scale, softcap, s,
-                               maxlen, row, out + b * H * D);
-                    continue;
-                }
-                if (fast) {
-                    item512_128(q + b * q_tok, kc, vc, kv_bf16, s_head, offs, t0, L, kh0, kh1, g, scale, softcap, s,
-                                maxlen, row, out + b * H * D);
-                    continue;
-                }
-#endif
                 /* scores s[j, t] = q_j . k_t * scale, four keys at a time (four independent
                  * accumulators per head keep the FMA units busy across the reductions) */
                 int64_t t = t0;
@@ -350,9 +206,9 @@ int lmi_decode_attention(const float *q, const void *kc, const void *vc, int kv_
                          int64_t s_blk, int64_t s_tok, int64_t s_head,
                          const int32_t *tables, int64_t tw, const int32_t *lens,
                          int64_t B, int64_t H, int64_t Hkv, int64_t D, int64_t bs,
-                         float scale, int64_t window, float softcap, float *out, int nthreads, int generic) {
+                         float scale, int64_t window, float softcap, float *out, int nthreads) {
     return decode_attention(q, H * D, kc, vc, kv_bf16, s_blk, s_tok, s_head, tables, tw, lens, B, H, Hkv, D, bs,
-                            scale, window, softcap, out, nthreads, generic);
+                            scale, window, softcap, out, nthreads);
 }
 
 /* Store key/value rows [T, Hkv, D] (element strides: token, head; D contiguous) at flat slots
@@ -401,7 +257,7 @@ int lmi_decode_fused(void *q, void *k, void *v, int64_t qs, int64_t ks, int64_t 
     lmi_write_kv(kc, vc, k, v, bf16 ? 2 : 4, s_blk, s_tok, s_head, ks, D, vs, D, slots, B, Hkv, D, bs, nslots);
     if (!bf16)
         return decode_attention((const float *)q, qs, kc, vc, 0, s_blk, s_tok, s_head, tables, tw, lens, B, H, Hkv,
-                                D, bs, scale, window, softcap, (float *)out, nthreads, 0) ? -2 : 0;
+                                D, bs, scale, window, softcap, (float *)out, nthreads) ? -2 : 0;
     float *qf = malloc(sizeof(float) * (size_t)(2 * B * H * D));
     if (!qf) return -2;
     float *of = qf + B * H * D;
@@ -411,7 +267,7 @@ int lmi_decode_fused(void *q, void *k, void *v, int64_t qs, int64_t ks, int64_t 
         for (int64_t i = 0; i < H * D; ++i) qf[b * H * D + i] = bf16_to_f32(src[i]);
     }
     const int rc = decode_attention(qf, H * D, kc, vc, 1, s_blk, s_tok, s_head, tables, tw, lens, B, H, Hkv, D, bs,
-                                    scale, window, softcap, of, nthreads, 0);
+                                    scale, window, softcap, of, nthreads);
     uint16_t *o = (uint16_t *)out;
     for (int64_t i = 0; i < B * H * D; ++i) o[i] = f32_to_bf16(of[i]);
     free(qf);

@@ -137,10 +137,8 @@ def load():
     fn = lib.lmi_decode_attention
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     fn.argtypes = [ptr, ptr, ptr, ctypes.c_int, i64, i64, i64, ptr, i64, ptr,
-                   i64, i64, i64, i64, i64, ctypes.c_float, i64, ctypes.c_float, ptr, ctypes.c_int, ctypes.c_int]
+                   i64, i64, i64, i64, i64, ctypes.c_float, i64, ctypes.c_float, ptr, ctypes.c_int]
     fn.restype = ctypes.c_int
-    fn.avx512 = bool(lib.lmi_decode_avx512())
-    fn.generic = os.environ.get("LMI_CPU_DECODE", "").strip().lower() == "generic"   # A/B: the portable loop
     fused = lib.lmi_decode_fused
     fused.argtypes = [ptr, ptr, ptr, i64, i64, i64, ptr, ptr, i64, ctypes.c_int, ptr, ptr, i64, i64, i64,
                       ptr, i64, ptr, i64, ptr, i64, i64, i64, i64, i64, ctypes.c_float, i64, ctypes.c_float, ptr,
@@ -380,11 +378,9 @@ def write_kv(key_cache: torch.Tensor, value_cache: torch.Tensor, key: torch.Tens
 
 def decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                      tables: torch.Tensor, lens: torch.Tensor, scale: float,
-                     sliding_window: int | None = None, soft_cap: float | None = None,
-                     generic: bool = False) -> torch.Tensor:
+                     sliding_window: int | None = None, soft_cap: float | None = None) -> torch.Tensor:
     """query [B, H, D] (one row per sequence), pools [NB, bs, Hkv, D], tables [B, W] (block ids,
-    entries past a sequence's last block unused), lens [B] -> fp32 [B, H, D]. `generic`: the
-    portable loop even where the AVX-512 one serves (head sizes 64 and 128; tests and A/B)."""
+    entries past a sequence's last block unused), lens [B] -> fp32 [B, H, D]."""
     fn = load()
     if fn is None:
         raise RuntimeError("the CPU decode-attention kernel is not available")
@@ -399,8 +395,7 @@ def decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: 
     rc = fn(q.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(), KV_DTYPES[key_cache.dtype],
             key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
             tbl.data_ptr(), tbl.shape[1], ln.data_ptr(), b, h, hkv, d, bs, float(scale),
-            int(sliding_window or 0), float(soft_cap or 0.0), out.data_ptr(), torch.get_num_threads(),
-            int(generic or fn.generic))
+            int(sliding_window or 0), float(soft_cap or 0.0), out.data_ptr(), torch.get_num_threads())
     if rc != 0:
         raise MemoryError("CPU decode attention: scratch allocation failed")
     return out

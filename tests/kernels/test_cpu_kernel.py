@@ -55,28 +55,6 @@ def test_kernel_decode_matches_naive_loop(dtype, tol, layout, options):
         assert rel_err(got, naive_attention(**case, **options)) <= tol
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("head_dim", [64, 128])
-@pytest.mark.parametrize("num_seqs", [1, 3, 11])
-def test_avx512_items_equal_the_portable_loop_and_the_naive_one(dtype, head_dim, num_seqs):
-    # Head sizes 64/128 take the AVX-512 items (whole sequences once there are >= 2 per thread,
-    # one KV head each below); LMI_CPU_DECODE=generic's portable loop answers the same.
-    fn = cpu_ext.load()
-    if not fn.avx512:
-        pytest.skip("this CPU (or compiler) has no AVX-512F: the portable loop serves every head size")
-    rng = random.Random(f"avx-{dtype}-{head_dim}-{num_seqs}")
-    for window, cap in ((None, None), (7, None), (None, 2.0)):
-        case = make_case(rng, num_seqs=num_seqs, block_size=rng.choice([1, 5, 16]), hkv=rng.choice([1, 3]),
-                         group=rng.choice([1, 3, 5]), head_dim=head_dim, dtype=dtype, max_ctx=90, decode_only=True)
-        case["query"] = case["query"] * 3
-        case["key_cache"], case["value_cache"] = _head_major(case["key_cache"]), _head_major(case["value_cache"])
-        fast = cpu_ext.decode_attention(*_decode_args(case), window, cap)
-        slow = cpu_ext.decode_attention(*_decode_args(case), window, cap, generic=True)
-        want = naive_attention(**case, sliding_window=window, soft_cap=cap)
-        assert rel_err(fast, want) <= 1e-5 and rel_err(slow, want) <= 1e-5
-        assert (fast - slow).abs().max().item() <= 1e-5
-
-
 def test_kernel_options_change_the_answer():
     # The window and the cap reach the kernel (a kernel ignoring them would pass the test above
     # only if they did nothing): each moves the result away from plain attention.
