@@ -3,8 +3,10 @@
 # Needs the peers: python -m handler bench install-peer vllm|openvino|llamacpp (make peers).
 # Each part takes /tmp/bench.lock (one heavy benchmark at a time on a shared host) and notes the
 # load average before and after each run in $OUT/load.txt.
-#   ./run.sh [all|fp32|bf16|strategies|more]      OUT=<results dir> (default: this directory)
-# all = fp32 + bf16 + strategies; more = llama.cpp with split KV beside paged (fp32).
+#   ./run.sh [all|fp32|bf16|strategies|more|bf16curve|fp32curve]   OUT=<results dir> (default: this directory)
+# all = fp32 + bf16 + strategies; more = llama.cpp with split KV beside paged (fp32); bf16curve /
+# fp32curve = the bf16 / fp32 and int8 cells with the load curve, llama.cpp left out (2.7x-4.8x
+# behind at 50 clients and the slowest run: `fp32` has it).
 set -euo pipefail
 cd "$(dirname "$0")/../../.."
 OUT=${OUT:-benchmarks/results/cpu-peers-135m}
@@ -15,7 +17,7 @@ export HF_HUB_OFFLINE=1 OUT PY MODEL
 note() { echo "$(date -u +%FT%TZ) $1: $(uptime)" | tee -a "$OUT/load.txt"; }
 export -f note
 CMP="$PY -m handler bench compare --preset cpu-135m --workloads lmi --reps 2 --model-dir $MODEL --no-progress"
-part() { [ "${1}" = "$PART" ] || { [ "$PART" = all ] && [ "$1" != more ]; }; }
+part() { [ "${1}" = "$PART" ] || { [ "$PART" = all ] && [ "$1" != more ] && [ "${1%curve}" = "$1" ]; }; }
 PART=${1:-all}
 
 if part fp32; then
@@ -42,4 +44,14 @@ if part more; then
   flock /tmp/bench.lock bash -c "note 'fp32-split start'; $CMP --dtype fp32 --llamacpp-kv split \
       --only paged,llamacpp,llamacpp_q8 \
       --out $OUT/fp32-llamacpp-split > $OUT/fp32-llamacpp-split.log 2>&1; note 'fp32-split end'"
+fi
+if part bf16curve; then
+  flock /tmp/bench.lock bash -c "note 'bf16curve start'; $CMP --dtype bf16 --clients 1,4,16,50 \
+      --only paged,vllm_cpu,openvino \
+      --out $OUT/bf16-curve > $OUT/bf16-curve.log 2>&1; note 'bf16curve end'"
+fi
+if part fp32curve; then
+  flock /tmp/bench.lock bash -c "note 'fp32curve start'; $CMP --dtype fp32 --clients 1,4,16,50 \
+      --only paged,paged_int8,vllm_cpu,openvino,openvino_int8 \
+      --out $OUT/fp32-curve > $OUT/fp32-curve.log 2>&1; note 'fp32curve end'"
 fi
