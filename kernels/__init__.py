@@ -89,8 +89,8 @@ def decode_step(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cos
     values as apply_rotary_ + write_kv + paged_attention. None (nothing changed) unless every
     sequence feeds one row and the kernel takes these tensors: the caller goes that way instead."""
     t = query.shape[0]
-    if (query.device.type != "cpu" or seq_lens_cpu is None or query_start_loc_cpu is None or len(seq_lens_cpu) != t or query_start_loc_cpu[-1] != t
-            or query_start_loc_cpu[0] != 0):
+    if (query.device.type != "cpu" or seq_lens_cpu is None or query_start_loc_cpu is None
+            or len(seq_lens_cpu) != t or query_start_loc_cpu[0] != 0 or query_start_loc_cpu[-1] != t):
         return None
     from . import cpu_ext
     if cpu_ext.load() is None or not cpu_ext.supports(key_cache):

@@ -244,10 +244,10 @@ def bf16_gemm_mode(model: nn.Module, rows=BF16_TIMING_ROWS) -> tuple[str, str]:
 
     LMI_CPU_BF16_GEMM=panels | bf16 | fp32 decides (panels where the CPU lacks the kernel: bf16);
     auto (the default) times the model's widest linear shape (the output head aside) every
-    eligible way at BF16_TIMING_ROWS (decode-sized and prefill-sized row counts). Where fp32 keeps the bf16
-    weights, the way with the smallest product of the two times. Else, of the two that keep bf16
+    eligible way at BF16_TIMING_ROWS (decode-sized and prefill-sized row counts). Where fp32 keeps
+    the bf16 weights, the way with the smallest product of the times. Else, of the two that keep bf16
     weights (panels where the kernel runs, oneDNN's) the faster that way, then fp32 only when it
-    beats that one at both row counts by BF16_GEMM_MARGIN and the fp32 copies fit in a quarter
+    beats that one at every row count by BF16_GEMM_MARGIN and the fp32 copies fit in a quarter
     of the memory available. CPUs with AMX multiply bf16 ~2x faster than fp32 in oneDNN; on
     AVX-512 BF16 without AMX the dev machine's oneDNN bf16 GEMM ran at 0.55-0.65x fp32's speed,
     vdpbf16ps at about 0.8x the fp32 FMAs' products per second (docs/PERFORMANCE.md)."""

@@ -1,0 +1,61 @@
+"""A CPU decode step with and without the fused attention call, in one process, alternating.
+
+    python benchmarks/decode_step_ab.py --model-dir DIR [--dtype fp32|bf16] [--quantize int8]
+        [--rows 1] [--rounds 8] [--steps 20]
+
+`kernels.decode_step` does a decode step's rotary, KV write and attention in one C call per
+layer; switched off (it returns None), the model takes apply_rotary_ + write_kv +
+paged_attention as before. Both arms run the same engine and sequences: `rows` requests decode
+together, `steps` iterations per arm, `rounds` alternations; medians per step and their ratio.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import kernels  # noqa: E402
+from benchmarks.step_floor import make_engine  # noqa: E402
+from handler.engine.request import SamplingParams  # noqa: E402
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model-dir", required=True)
+    p.add_argument("--dtype", default="fp32")
+    p.add_argument("--quantize")
+    p.add_argument("--rows", type=int, default=1)
+    p.add_argument("--rounds", type=int, default=8)
+    p.add_argument("--steps", type=int, default=20)
+    a = p.parse_args()
+    engine = make_engine(a.model_dir, a.dtype, max(a.rows, 4), 8192, quantize=a.quantize)
+    total = 10 + 2 * a.rounds * a.steps + 8
+    engine.submit([list(range(100 + i, 160 + i)) for i in range(a.rows)],
+                  SamplingParams(max_new_tokens=total, ignore_eos=True))
+    for _ in range(10):    # the prompts' prefill and a few decode steps
+        engine._iteration()
+    real = kernels.decode_step
+    times = {"fused": [], "unfused": []}
+    try:
+        for _ in range(a.rounds):
+            for arm in times:
+                kernels.decode_step = real if arm == "fused" else (lambda *args, **kw: None)
+                t = time.perf_counter()
+                for _ in range(a.steps):
+                    engine._iteration()
+                times[arm].append((time.perf_counter() - t) / a.steps * 1e3)
+    finally:
+        kernels.decode_step = real
+    for arm, v in times.items():
+        print(f"{arm:8s} median {statistics.median(v):6.2f} ms/step  " + " ".join(f"{x:.1f}" for x in v))
+    print(f"unfused / fused: {statistics.median(times['unfused']) / statistics.median(times['fused']):.3f} "
+          f"({a.dtype}{', ' + a.quantize if a.quantize else ''}, {a.rows} rows)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
