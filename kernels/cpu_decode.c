@@ -211,6 +211,13 @@ int lmi_decode_attention(const float *q, const void *kc, const void *vc, int kv_
                             scale, window, softcap, out, nthreads);
 }
 
+/* 1 when every slot is below nslots (negative ones are skipped by the writers) */
+static int slots_fit(const int64_t *slots, int64_t T, int64_t nslots) {
+    for (int64_t t = 0; t < T; ++t)
+        if (slots[t] >= nslots) return 0;
+    return 1;
+}
+
 /* Store key/value rows [T, Hkv, D] (element strides: token, head; D contiguous) at flat slots
  * slots[T] of the pools (slot = block * bs + offset; a negative slot is skipped; -1 returned,
  * nothing written, when a slot is >= nslots). elem: bytes
@@ -220,8 +227,7 @@ int lmi_write_kv(void *kc, void *vc, const void *key, const void *value, int64_t
                  int64_t k_tok, int64_t k_head, int64_t v_tok, int64_t v_head,
                  const int64_t *slots, int64_t T, int64_t Hkv, int64_t D, int64_t bs, int64_t nslots) {
     const size_t row = (size_t)(D * elem);
-    for (int64_t t = 0; t < T; ++t)   /* nothing is written unless every slot is in the pool */
-        if (slots[t] >= nslots) return -1;
+    if (!slots_fit(slots, T, nslots)) return -1;   /* nothing is written unless every slot is in the pool */
     for (int64_t t = 0; t < T; ++t) {
         const int64_t slot = slots[t];
         if (slot < 0) continue;
@@ -251,8 +257,7 @@ int lmi_decode_fused(void *q, void *k, void *v, int64_t qs, int64_t ks, int64_t 
                      const int64_t *slots, int64_t nslots, const int32_t *tables, int64_t tw, const int32_t *lens,
                      int64_t B, int64_t H, int64_t Hkv, int64_t D, int64_t bs,
                      float scale, int64_t window, float softcap, void *out, int nthreads) {
-    for (int64_t t = 0; t < B; ++t)
-        if (slots[t] >= nslots) return -1;
+    if (!slots_fit(slots, B, nslots)) return -1;   /* checked before q/k are rotated in place */
     lmi_rotary(q, k, cos, sin, B, H, Hkv, D, qs, ks, cs, bf16, nthreads);
     lmi_write_kv(kc, vc, k, v, bf16 ? 2 : 4, s_blk, s_tok, s_head, ks, D, vs, D, slots, B, Hkv, D, bs, nslots);
     if (!bf16)
