@@ -1,12 +1,14 @@
-"""A CPU decode step with and without the fused attention call, in one process, alternating.
+"""A CPU decode step three ways, in one process, alternating.
 
     python benchmarks/decode_step_ab.py --model-dir DIR [--dtype fp32|bf16] [--quantize int8]
         [--rows 1] [--rounds 8] [--steps 20]
 
-`kernels.decode_step` does a decode step's rotary, KV write and attention in one C call per
-layer; switched off (it returns None), the model takes apply_rotary_ + write_kv +
-paged_attention as before. Both arms run the same engine and sequences: `rows` requests decode
-together, `steps` iterations per arm, `rounds` alternations; medians per step and their ratio.
+stack: the whole decoder stack in one C call (handler/model/cpu_stack.py, kernels/cpu_layer.c).
+fused: the Python layers, with a decode step's rotary, KV write and attention in one C call per
+layer (`kernels.decode_step`). unfused: that switched off too (it returns None), the model takes
+apply_rotary_ + write_kv + paged_attention. The arms run the same engine and sequences: `rows`
+requests decode together, `steps` iterations per arm, `rounds` alternations; medians per step and
+their ratios.
 """
 from __future__ import annotations
 
@@ -33,27 +35,32 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=20)
     a = p.parse_args()
     engine = make_engine(a.model_dir, a.dtype, max(a.rows, 4), 8192, quantize=a.quantize)
-    total = 10 + 2 * a.rounds * a.steps + 8
+    total = 10 + 3 * a.rounds * a.steps + 8
     engine.submit([list(range(100 + i, 160 + i)) for i in range(a.rows)],
                   SamplingParams(max_new_tokens=total, ignore_eos=True))
     for _ in range(10):    # the prompts' prefill and a few decode steps
         engine._iteration()
     real = kernels.decode_step
-    times = {"fused": [], "unfused": []}
+    model = engine.runner.model
+    stack = model.decode_stack
+    times = {"stack": [], "fused": [], "unfused": []} if stack is not None else {"fused": [], "unfused": []}
     try:
         for _ in range(a.rounds):
             for arm in times:
-                kernels.decode_step = real if arm == "fused" else (lambda *args, **kw: None)
+                kernels.decode_step = real if arm != "unfused" else (lambda *args, **kw: None)
+                model.decode_stack = stack if arm == "stack" else None
                 t = time.perf_counter()
                 for _ in range(a.steps):
                     engine._iteration()
                 times[arm].append((time.perf_counter() - t) / a.steps * 1e3)
     finally:
-        kernels.decode_step = real
+        kernels.decode_step, model.decode_stack = real, stack
     for arm, v in times.items():
         print(f"{arm:8s} median {statistics.median(v):6.2f} ms/step  " + " ".join(f"{x:.1f}" for x in v))
-    print(f"unfused / fused: {statistics.median(times['unfused']) / statistics.median(times['fused']):.3f} "
-          f"({a.dtype}{', ' + a.quantize if a.quantize else ''}, {a.rows} rows)")
+    med = {arm: statistics.median(v) for arm, v in times.items()}
+    what = f"({a.dtype}{', ' + a.quantize if a.quantize else ''}, {a.rows} rows)"
+    print(f"unfused / fused: {med['unfused'] / med['fused']:.3f}"
+          + (f"  fused / stack: {med['fused'] / med['stack']:.3f}" if "stack" in med else "  (no stack)") + " " + what)
     return 0
 
 

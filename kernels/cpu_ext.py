@@ -45,7 +45,7 @@ EXACT_FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-fPIC"]
 SOURCES = [(os.path.join(_HERE, "cpu_decode.c"), FLAGS), (os.path.join(_HERE, "cpu_exact.c"), EXACT_FLAGS),
            (os.path.join(_HERE, "cpu_gemm.c"), EXACT_FLAGS), (os.path.join(_HERE, "cpu_gemm_i8.c"), EXACT_FLAGS),
            (os.path.join(_HERE, "cpu_gemm_q4.c"), EXACT_FLAGS),
-           (os.path.join(_HERE, "cpu_gemm_bf16.c"), EXACT_FLAGS)]
+           (os.path.join(_HERE, "cpu_gemm_bf16.c"), EXACT_FLAGS), (os.path.join(_HERE, "cpu_layer.c"), EXACT_FLAGS)]
 HEADERS = [os.path.join(_HERE, "cpu_bf16.h")]
 # Linked without -ffast-math: given at link time, gcc adds crtfastmath.o, whose constructor sets
 # flush-to-zero for the whole process on load (every float op of torch and Python would change).
@@ -193,6 +193,16 @@ def load():
         f = getattr(lib, name)
         f.argtypes, f.restype = args, None
         setattr(fn, name.removeprefix("lmi_"), f)
+    for name, args in (("lmi_set_sleef_expf16", [ptr]), ("lmi_silu_mul", [ptr, ptr, i64, ctypes.c_int, ctypes.c_int])):
+        f = getattr(lib, name)
+        f.argtypes, f.restype = args, None
+        setattr(fn, name.removeprefix("lmi_"), f)
+    fn.silu_available = lib.lmi_silu_available
+    layers = lib.lmi_decode_layers      # kernels/cpu_layer.c
+    layers.argtypes = [ptr, i64, ptr, i64, i64, i64, i64, i64, i64, ctypes.c_float, ctypes.c_int, ctypes.c_int,
+                       ptr, ptr, i64, ptr, i64, ptr, i64, ptr, i64, i64, i64, i64, ctypes.c_float, ctypes.c_int]
+    layers.restype = ctypes.c_int
+    fn.decode_layers = layers
     flags = _cpu_flags()
     fn.gemm_bf16_available = bool(lib.lmi_gemm_bf16_available()) and "avx512_bf16" in flags
     fn.gemm_bf16w_available = bool(lib.lmi_gemm_bf16w_available()) and {"avx512f", "avx512bw"} <= flags
@@ -282,10 +292,20 @@ def rms_norm_f32(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Ten
             or x.numel() >= TORCH_GRAIN or weight.dtype != torch.float32 or weight.device.type != "cpu"
             or weight.shape != (h,) or not weight.is_contiguous()):
         return None
+    lanes = rms_norm_f32_lanes(h)
+    return _rms_f32(fn, x, weight, eps, lanes) if lanes else None
+
+
+def rms_norm_f32_lanes(h: int) -> int:
+    """The summing width with which rms_norm_f32 gives torch's values over rows of `h` (found once),
+    0 where none does or the kernel is not built."""
+    fn = load()
+    if fn is None:
+        return 0
     lanes = _RMS_F32_LANES.get(h)
     if lanes is None:
         lanes = _RMS_F32_LANES[h] = _torch_sum_lanes(fn, h)
-    return _rms_f32(fn, x, weight, eps, lanes) if lanes else None
+    return lanes
 
 
 def _rms_f32(fn, x, weight, eps, lanes):
@@ -579,3 +599,100 @@ def gemm_bf16(x: torch.Tensor, panels: torch.Tensor, n: int, bias: torch.Tensor 
                      None if bias is None else bias.data_ptr(), out.data_ptr(), n,
                      int(out_dtype == torch.bfloat16), threads)
     return out.view(*x.shape[:-1], n)
+
+
+# ---------------------------------------------------------------------------- a decode step's layers (kernels/cpu_layer.c)
+LIN_F32, LIN_BF16, LIN_BF16W, LIN_I8 = 0, 1, 2, 3     # lmi_lin.kind
+
+
+class Lin(ctypes.Structure):
+    """kernels/cpu_layer.c's lmi_lin: one packed linear layer."""
+    _fields_ = [("kind", ctypes.c_int64), ("n", ctypes.c_int64), ("k", ctypes.c_int64), ("panels", ctypes.c_void_p),
+                ("wsum", ctypes.c_void_p), ("wscale", ctypes.c_void_p), ("bias", ctypes.c_void_p)]
+
+
+class Layer(ctypes.Structure):
+    """kernels/cpu_layer.c's lmi_layer: a decoder layer's weights and KV pools (q holding q|k|v and gate
+    gate|up where they are fused, k, v and up then empty: n = 0)."""
+    _fields_ = [("q", Lin), ("k", Lin), ("v", Lin), ("o", Lin), ("gate", Lin), ("up", Lin), ("down", Lin),
+                ("norm1", ctypes.c_void_p),
+                ("norm2", ctypes.c_void_p), ("kc", ctypes.c_void_p), ("vc", ctypes.c_void_p),
+                ("window", ctypes.c_int64)]
+
+
+def _sleef_expf16() -> int | None:
+    """The address of Sleef_expf16_u10 in the libtorch_cpu this process loaded (torch's
+    Vectorized<float>::exp on AVX-512), or None."""
+    path = os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.so")
+    try:
+        return ctypes.cast(ctypes.CDLL(path).Sleef_expf16_u10, ctypes.c_void_p).value
+    except (OSError, AttributeError):
+        return None
+
+
+def silu_mul_(gate: torch.Tensor, up: torch.Tensor) -> bool:
+    """In place gate <- silu(gate) * up (contiguous, both fp32 or both bf16) by kernels/cpu_layer.c,
+    meant to round as `F.silu(gate, inplace=True).mul_(up)` does; False (nothing changed) where it
+    cannot run (no kernel, no AVX-512, torch's Sleef not found). `silu_exact()` says whether it does."""
+    fn = load()
+    dt = gate.dtype
+    if (fn is None or dt not in KV_DTYPES or up.dtype != dt or up.shape != gate.shape or not gate.is_contiguous()
+            or not up.is_contiguous() or not _plain(gate, dt) or not _plain(up, dt) or not _silu_ready()):
+        return False
+    fn.silu_mul(gate.data_ptr(), up.data_ptr(), gate.numel(), KV_DTYPES[dt], torch.get_num_threads())
+    return True
+
+
+@functools.lru_cache(maxsize=None)
+def _silu_ready() -> bool:
+    fn = load()
+    if torch.backends.cpu.get_cpu_capability() != "AVX512":     # torch's vectors are another width
+        return False
+    addr = _sleef_expf16()
+    if addr:
+        fn.set_sleef_expf16(addr)
+    return bool(addr) and bool(fn.silu_available())
+
+
+@functools.lru_cache(maxsize=None)
+def silu_exact(threads: int) -> bool:
+    """Whether silu_mul_ gives torch's values bit for bit at `threads` threads, checked once on rows
+    of every split torch makes (a loop's vector body and scalar tail, one or several chunks) and on
+    values whose exp under- or overflows."""
+    import torch.nn.functional as F
+    g = torch.Generator().manual_seed(0)
+    for dt in (torch.float32, torch.bfloat16):
+        for n in (1, 31, 33, 100, 1536, 32768 + 96, 57 * 1536 + 7, 50 * 1536):
+            x = (torch.randn(n, generator=g) * 6).to(dt)
+            x[:: 97] = 120.0
+            x[1:: 89] = -120.0
+            u = torch.randn(n, generator=g).to(dt)
+            mine = x.clone()
+            if not silu_mul_(mine, u):
+                return False
+            if not torch.equal(mine, F.silu(x.clone(), inplace=True).mul_(u)):
+                log.info("kernels/cpu_layer.c's SiLU differs from torch's (%s, %d values): decode layers stay in "
+                         "Python", dt, n)
+                return False
+    return True
+
+
+def decode_layers(layers, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor,
+                  tables: torch.Tensor, lens: torch.Tensor, *, heads: int, kv_heads: int, head_dim: int,
+                  intermediate: int, eps: float, lanes: int, pool: torch.Tensor, scale: float) -> None:
+    """Every decoder layer of one decode step, in place on the residual stream h [B, E]
+    (kernels/cpu_layer.c): `layers` a ctypes array of Layer, cos/sin [B, D], slots int64 [B], tables
+    int32 [B, W], lens int32 [B] (decode_fused's), `pool` one of the layers' KV pools (their shared
+    layout), `lanes` rms_norm_f32's summing width (fp32). The caller checked every shape and dtype."""
+    fn = load()
+    b, e = h.shape
+    nb, bs = pool.shape[:2]
+    rc = fn.decode_layers(ctypes.addressof(layers), len(layers), h.data_ptr(), b, e, heads, kv_heads, head_dim,
+                          intermediate, float(eps), lanes, int(h.dtype == torch.bfloat16), cos.data_ptr(),
+                          sin.data_ptr(), cos.stride(0), slots.data_ptr(), nb * bs, tables.data_ptr(),
+                          tables.shape[1], lens.data_ptr(), pool.stride(0), pool.stride(1), pool.stride(2), bs,
+                          float(scale), torch.get_num_threads())
+    if rc == -1:
+        raise IndexError(f"decode_layers: a slot is past the pool's {nb * bs} slots")
+    if rc != 0:
+        raise MemoryError("CPU decode layers: scratch allocation failed")

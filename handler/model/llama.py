@@ -244,6 +244,7 @@ class LlamaFamilyForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         self.rotary = Rotary(config, arch.head_dim, max_positions, dtype, rotary_device or device)
         self.generation_config = None
+        self.decode_stack = None    # CPU: handler.model.cpu_stack.DecodeStack, set by the runner
 
     def get_output_embeddings(self) -> nn.Module:
         return self.lm_head
@@ -274,8 +275,9 @@ class LlamaFamilyForCausalLM(nn.Module):
         if self.arch.embed_scale != 1.0:
             h = h * self.arch.embed_scale
         cos, sin = self.rotary(pos, step.seq_lens_cpu, step.query_start_loc_cpu)
-        for layer in self.model.layers:
-            h = layer(h, cos, sin, step)
+        if self.decode_stack is None or not self.decode_stack.run(h, cos, sin, step):
+            for layer in self.model.layers:
+                h = layer(h, cos, sin, step)
         logits = self.lm_head(self.model.norm(h[keep]))
         if self.arch.logits_divisor != 1.0:
             logits = logits / self.arch.logits_divisor

@@ -353,6 +353,11 @@ class ModelRunner:
         gemm = ("kernels/cpu_gemm_bf16.c" if Bf16PanelLinear in kinds else
                 "kernels/cpu_gemm.c" if PanelLinear in kinds else "oneDNN")
         log.info("CPU: %d linear layers packed for %s", n, gemm)
+        if self.own and self.ranks is None:
+            from handler.model import cpu_stack
+            self.model.decode_stack, why = cpu_stack.build(self.model, self.kv_cache, lora=self.lora is not None)
+            log.info("CPU: decode steps' layers %s", "in one C call (kernels/cpu_layer.c)"
+                     if self.model.decode_stack is not None else f"in Python ({why})")
 
     def capture_cuda_graphs(self, max_batch: int) -> None:
         """option.enforce_eager=false: capture the decode step for every batch size up to

@@ -1,0 +1,140 @@
+"""A CPU decode step's decoder stack in one C call (kernels/cpu_layer.c).
+
+At one to a few dozen decoding rows a layer's arithmetic is small and its Python is not: the
+layer of handler/model/llama.py makes about twenty calls (norm, fused q/k/v GEMM, the fused
+attention call, o_proj, residual, norm, gate/up GEMM, SiLU, product, down, residual), ~150 us a
+layer on the dev host, 4-5 ms of a 22 ms one-row step of SmolLM2's 30 layers. `DecodeStack.run`
+hands the whole stack to C: the same kernels in the same order, the element-wise steps rounded as
+torch's (SiLU by torch's own Sleef function), so the residual stream and the KV pools come out
+bit for bit as the Python layers leave them (tests/kernels/test_cpu_layer.py).
+
+What it takes, checked once at load (`build` returns None and says why otherwise): our Llama
+family without q/k norms, post-norms or residual multipliers; one rank; no LoRA; every linear packed for our panel kernels (fp32 panels, bf16 panels either way, int8);
+Llama-style RMSNorms; KV pools the fused attention reads, in the activations' dtype; torch's SiLU
+reproduced here (cpu_ext.silu_exact). And per step (`run` returns False, the Python layers serve):
+every sequence decodes one row, and in fp32 the rows are few enough that torch's RMSNorm sums in
+the order cpu_ext.rms_norm_f32 reproduces. LMI_CPU_DECODE_STACK=0 turns it off.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from handler.config.switches import switch
+from handler.model.cpu import Bf16PanelLinear, PanelLinear
+from handler.model.quant import Int8Linear
+from kernels import cpu_ext, reference
+
+log = logging.getLogger("lmi.cpu")
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def _lin(m, dtype: torch.dtype, keep: list) -> cpu_ext.Lin | str:
+    """The lmi_lin of a packed linear layer for activations of `dtype`, or why not."""
+    bias = getattr(m, "bias32", None)
+    if bias is not None and not (bias.dtype == torch.float32 and bias.is_contiguous()):
+        return "a bias not in fp32"
+    extra = {}
+    if type(m) is PanelLinear and not m.widen and dtype == torch.float32:
+        kind = cpu_ext.LIN_F32
+    elif type(m) is Bf16PanelLinear and dtype == torch.bfloat16:
+        kind = cpu_ext.LIN_BF16W if m.widen else cpu_ext.LIN_BF16
+    elif type(m) is Int8Linear and m.panels is not None and m.wscale.is_contiguous():
+        kind = cpu_ext.LIN_I8
+        extra = {"wsum": m.wsum.data_ptr(), "wscale": m.wscale.data_ptr()}
+        keep += [m.wsum, m.wscale]
+    else:
+        return f"a {type(m).__name__} with {dtype} activations"
+    keep += [m.panels, bias]
+    return cpu_ext.Lin(kind=kind, n=m.out_features, k=m.in_features, panels=m.panels.data_ptr(),
+                       bias=_ptr(bias), **extra)
+
+
+class DecodeStack:
+    """The ctypes description of every layer (pointers into the model's packed weights and the
+    KV pools, which it keeps referenced) and the step's call."""
+
+    def __init__(self, model, kv_cache, layers, lanes: int, keep: list):
+        a = model.arch
+        self.kv_cache, self.layers, self.lanes, self.keep = kv_cache, layers, lanes, keep
+        self.dtype = kv_cache[0][0].dtype
+        self.heads, self.kv_heads, self.head_dim = a.heads, a.kv_heads, a.head_dim
+        self.intermediate, self.hidden, self.eps, self.scale = a.intermediate, a.hidden, a.eps, a.scaling
+
+    def run(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, step) -> bool:
+        """Every layer of this step, in place on h [T, E]; False (nothing changed) unless every
+        sequence decodes one row and the tensors are as the C call takes them."""
+        t = h.shape[0]
+        qsl = step.query_start_loc_cpu
+        if (step.kv_cache is not self.kv_cache or step.seq_lens_cpu is None or qsl is None
+                or len(step.seq_lens_cpu) != t or qsl[0] != 0 or qsl[-1] != t or h.dtype != self.dtype
+                or not h.is_contiguous() or h.shape[1] != self.hidden
+                or (self.dtype == torch.float32 and h.numel() >= cpu_ext.TORCH_GRAIN)
+                or cos.dtype != self.dtype or sin.dtype != self.dtype or cos.shape != (t, self.head_dim)
+                or sin.shape != cos.shape or cos.stride() != sin.stride() or cos.stride(1) != 1):
+            return False
+        pool = self.kv_cache[0][0]
+        p = reference.step_plan(step.memo, step.block_tables, step.seq_lens, step.query_start_loc,
+                                step.seq_lens_cpu, qsl, pool.shape[1], t, h.device)
+        if not p["all_decode"]:
+            return False
+        slots = step.slot_mapping.to(torch.int64).contiguous()
+        cpu_ext.decode_layers(self.layers, h, cos, sin, slots, p["dec_tables"], p["dec_lens"], heads=self.heads,
+                              kv_heads=self.kv_heads, head_dim=self.head_dim, intermediate=self.intermediate,
+                              eps=self.eps, lanes=self.lanes, pool=pool, scale=self.scale)
+        return True
+
+
+def build(model, kv_cache, *, tp_size: int = 1, lora: bool = False) -> tuple[DecodeStack | None, str]:
+    """The model's DecodeStack, or None and why it does not apply."""
+    from handler.model.llama import LlamaFamilyForCausalLM
+    if not switch("LMI_CPU_DECODE_STACK"):
+        return None, "LMI_CPU_DECODE_STACK=0"
+    if not isinstance(model, LlamaFamilyForCausalLM):
+        return None, "not our model"
+    a = model.arch
+    if tp_size > 1 or lora:
+        return None, "tensor parallel" if tp_size > 1 else "LoRA"
+    if a.qk_norm or a.post_norms or a.residual_scale != 1.0:
+        return None, f"{a.family}'s layer (q/k norms, post-norms or residual multipliers)"
+    pool = kv_cache[0][0]
+    dtype = pool.dtype
+    if dtype not in cpu_ext.KV_DTYPES or not cpu_ext.supports(pool) or cpu_ext.load() is None:
+        return None, "the KV pools are not the C kernels'"
+    if not cpu_ext.silu_exact(torch.get_num_threads()):
+        return None, "torch's SiLU is not reproduced on this host"
+    lanes = 0
+    if dtype == torch.float32:
+        lanes = cpu_ext.rms_norm_f32_lanes(a.hidden)
+        if not lanes:
+            return None, "torch's fp32 RMSNorm sums are not reproduced on this host"
+    layers, keep = (cpu_ext.Layer * a.layers)(), []
+    for i, layer in enumerate(model.model.layers):
+        att, mlp = layer.self_attn, layer.mlp
+        norms = (layer.input_layernorm, layer.post_attention_layernorm)
+        for n in norms:
+            if n.style != "llama" or n.eps != a.eps or n.weight.dtype != dtype or not n.weight.is_contiguous():
+                return None, "a norm the C stack does not take"
+        qkv = [att.qkv_proj, None, None] if att.qkv_proj is not None else [att.q_proj, att.k_proj, att.v_proj]
+        gu = [mlp.gate_up_proj, None] if mlp.gate_up_proj is not None else [mlp.gate_proj, mlp.up_proj]
+        lins = [cpu_ext.Lin() if m is None else _lin(m, dtype, keep) for m in (*qkv, att.o_proj, *gu, mlp.down_proj)]
+        for lin in lins:
+            if isinstance(lin, str):
+                return None, lin
+        d, hid, inter = a.head_dim, a.hidden, a.intermediate
+        got = [(sum(x.n for x in lins[:3]), hid), (lins[3].n, lins[3].k), (lins[4].n + lins[5].n, hid),
+               (lins[6].n, lins[6].k)]
+        if (got != [((a.heads + 2 * a.kv_heads) * d, hid), (hid, a.heads * d), (2 * inter, hid), (hid, inter)]
+                or any(x.k != hid for x in (*lins[:3], *lins[4:6]) if x.n)):
+            return None, "projections of other shapes than the config's"
+        k_cache, v_cache = kv_cache[i]
+        if k_cache.dtype != dtype or k_cache.stride() != pool.stride() or v_cache.stride() != pool.stride():
+            return None, "KV pools of different layouts"
+        layers[i] = cpu_ext.Layer(*lins, norm1=norms[0].weight.data_ptr(), norm2=norms[1].weight.data_ptr(),
+                                  kc=k_cache.data_ptr(), vc=v_cache.data_ptr(), window=int(att.window or 0))
+        keep += [n.weight for n in norms]
+    return DecodeStack(model, kv_cache, layers, lanes, keep), "ok"

@@ -1,0 +1,278 @@
+/* A CPU decode step's decoder stack in one call: for each layer, Llama's
+ *
+ *     x = norm1(h); q|k|v = x W_qkv; a = attention (kernels/cpu_decode.c lmi_decode_fused);
+ *     h += a W_o; x = norm2(h); g|u = x W_gu; h += (silu(g) * u) W_down
+ *
+ * calling the same kernels the Python layer calls one by one (the panel GEMMs of cpu_gemm.c,
+ * cpu_gemm_bf16.c and cpu_gemm_i8.c, the norms, the fused attention), with the element-wise steps
+ * rounded as torch rounds them: the same values bit for bit (tests/kernels/test_cpu_layer.py), one
+ * Python call per step instead of about twenty per layer.
+ *
+ * SiLU is torch's: torch computes x / (1 + exp(-x)) with Sleef's expf (u10) on whole vectors and
+ * glibc's expf on a loop's tail, the loop split across threads in chunks of at::parallel_for. The
+ * caller hands in the Sleef function torch itself links (lmi_set_sleef_expf16) and this file
+ * repeats that split; kernels/cpu_ext.py checks the result against torch before it is used.
+ * Compiled without -ffast-math and without FMA contraction (kernels/cpu_ext.py EXACT_FLAGS). */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "cpu_bf16.h"
+
+void lmi_gemm(const float *A, int64_t M, int64_t K, int64_t lda, const float *Bp, int64_t N, const float *bias,
+              float *C, int64_t ldc, int nthreads);
+void lmi_gemm_bf16(const uint16_t *A, int64_t M, int64_t K, int64_t lda, const uint16_t *Bp, int64_t N,
+                   const float *bias, void *C, int64_t ldc, int out_bf16, int nthreads);
+void lmi_gemm_bf16w(const float *A, int64_t M, int64_t K, int64_t lda, const uint16_t *Bp, int64_t N,
+                    const float *bias, void *C, int64_t ldc, int out_bf16, int nthreads);
+void lmi_quant_rows(const float *A, int64_t M, int64_t K, int64_t lda, uint8_t *out, int64_t Kp, float *scales,
+                    int nthreads);
+void lmi_gemm_i8(const uint8_t *Aq, int64_t M, int64_t Kp, const float *sa, const int8_t *Bp, const int32_t *wsum,
+                 const float *sw, int64_t N, const float *bias, float *C, int64_t ldc, int nthreads);
+void lmi_rms_norm_f32(const float *x, const float *w, float *out, int64_t rows, int64_t H, float eps, int W,
+                      float *sq);
+void lmi_rms_norm_bf16(const uint16_t *x, const uint16_t *w, uint16_t *out, int64_t rows, int64_t H, float eps,
+                       int nthreads);
+int lmi_decode_fused(void *q, void *k, void *v, int64_t qs, int64_t ks, int64_t vs, const void *cos,
+                     const void *sin, int64_t cs, int bf16, void *kc, void *vc, int64_t s_blk, int64_t s_tok,
+                     int64_t s_head, const int64_t *slots, int64_t nslots, const int32_t *tables, int64_t tw,
+                     const int32_t *lens, int64_t B, int64_t H, int64_t Hkv, int64_t D, int64_t bs, float scale,
+                     int64_t window, float softcap, void *out, int nthreads);
+
+enum { LIN_F32 = 0, LIN_BF16 = 1, LIN_BF16W = 2, LIN_I8 = 3 };
+
+/* One packed linear layer (handler/model/cpu_stack.py fills these from the model's modules). */
+typedef struct {
+    int64_t kind, n, k;
+    const void *panels;
+    const int32_t *wsum;        /* int8: per-column sums of the weight */
+    const float *wscale;        /* int8: per-column scales */
+    const float *bias;          /* fp32 [n] or NULL */
+} lmi_lin;
+
+/* q/k/v and gate/up: either fused (q holds q|k|v, gate holds gate|up; k, v, up have n = 0) or apart. */
+typedef struct {
+    lmi_lin q, k, v, o, gate, up, down;
+    const void *norm1, *norm2;  /* RMSNorm weights in the activations' dtype */
+    void *kc, *vc;              /* this layer's KV pools */
+    int64_t window;             /* sliding window, 0: none */
+} lmi_layer;
+
+/* ---------------------------------------------------------------- torch's SiLU */
+#if defined(__AVX512F__)
+#include <immintrin.h>
+typedef __m512 (*expf16_t)(__m512);
+static expf16_t sleef_expf16;
+
+void lmi_set_sleef_expf16(void *fn) { sleef_expf16 = (expf16_t)fn; }
+int lmi_silu_available(void) { return sleef_expf16 != 0; }
+
+static inline __m512 silu16(__m512 x) {
+    const __m512 e = sleef_expf16(_mm512_sub_ps(_mm512_setzero_ps(), x));    /* neg(): a sign flip */
+    return _mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.0f), e));
+}
+
+static inline float silu1(float x) { return x / (1.0f + expf(-x)); }
+
+/* torch's vectorized_loop over [0, n): two vectors per iteration, the rest by the scalar op. */
+static void silu_range_f32(float *g, int64_t n) {
+    int64_t i = 0;
+    for (; i + 32 <= n; i += 32) {
+        _mm512_storeu_ps(g + i, silu16(_mm512_loadu_ps(g + i)));
+        _mm512_storeu_ps(g + i + 16, silu16(_mm512_loadu_ps(g + i + 16)));
+    }
+    for (; i < n; ++i) g[i] = silu1(g[i]);
+}
+
+static inline __m512 bf16x16_to_f32(const uint16_t *p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
+
+static void silu_range_bf16(uint16_t *g, int64_t n) {
+    float tmp[16];
+    int64_t i = 0;
+    for (; i + 64 <= n; i += 64)        /* Vectorized<BFloat16> is 32 wide: 64 a loop, as two float pairs */
+        for (int j = 0; j < 64; j += 16) {
+            _mm512_storeu_ps(tmp, silu16(bf16x16_to_f32(g + i + j)));
+            for (int l = 0; l < 16; ++l) g[i + j + l] = f32_to_bf16(tmp[l]);
+        }
+    for (; i < n; ++i) g[i] = f32_to_bf16(silu1(bf16_to_f32(g[i])));
+}
+
+/* at::parallel_for's split of [0, n) with GRAIN_SIZE 32768 over `threads` threads. */
+static void torch_chunks(int64_t n, int threads, int64_t *chunk, int64_t *count) {
+    int64_t nt = 1;
+    if (n >= 32768 && threads > 1) {
+        nt = (n + 32767) / 32768;
+        if (nt > threads) nt = threads;
+    }
+    *chunk = (n + nt - 1) / nt;
+    *count = nt;
+}
+
+/* In place g <- silu(g) (torch's F.silu(g, inplace=True) on a contiguous [n]), then g <- g * u
+ * (torch's mul_), fp32 or bf16. */
+void lmi_silu_mul(void *g, const void *u, int64_t n, int bf16, int threads) {
+    int64_t chunk, count;
+    torch_chunks(n, threads, &chunk, &count);
+#pragma omp parallel for num_threads(threads) if (count > 1) schedule(static)
+    for (int64_t c = 0; c < count; ++c) {
+        const int64_t a = c * chunk, b = a + chunk < n ? a + chunk : n;
+        if (bf16)
+            silu_range_bf16((uint16_t *)g + a, b - a);
+        else
+            silu_range_f32((float *)g + a, b - a);
+    }
+    if (bf16) {
+        uint16_t *gg = g;
+        const uint16_t *uu = u;
+#pragma omp parallel for num_threads(threads) if (n >= 32768) schedule(static)
+        for (int64_t i = 0; i < n; ++i) gg[i] = f32_to_bf16(bf16_to_f32(gg[i]) * bf16_to_f32(uu[i]));
+    } else {
+        float *gg = g;
+        const float *uu = u;
+#pragma omp parallel for num_threads(threads) if (n >= 32768) schedule(static)
+        for (int64_t i = 0; i < n; ++i) gg[i] = gg[i] * uu[i];
+    }
+}
+#else
+void lmi_set_sleef_expf16(void *fn) { (void)fn; }
+int lmi_silu_available(void) { return 0; }
+void lmi_silu_mul(void *g, const void *u, int64_t n, int bf16, int threads) {
+    (void)g; (void)u; (void)n; (void)bf16; (void)threads;
+}
+#endif
+
+/* ---------------------------------------------------------------- the stack */
+static void widen(const uint16_t *x, float *out, int64_t n) {
+    for (int64_t i = 0; i < n; ++i) out[i] = bf16_to_f32(x[i]);
+}
+
+/* y [m, n] (row stride ldy) = x [m, k] through `l`, in the activations' dtype; `ws` scratch of
+ * lin_scratch bytes. */
+static void linear(const lmi_lin *l, const void *x, int64_t m, void *y, int64_t ldy, int bf16, char *ws,
+                   int threads) {
+    const int64_t k = l->k, n = l->n;
+    if (n == 0) return;
+    if (l->kind == LIN_F32) {
+        lmi_gemm(x, m, k, k, l->panels, n, l->bias, y, ldy, threads);
+    } else if (l->kind == LIN_BF16) {
+        lmi_gemm_bf16(x, m, k, k, l->panels, n, l->bias, y, ldy, 1, threads);
+    } else if (l->kind == LIN_BF16W) {
+        float *xf = (float *)ws;
+        widen(x, xf, m * k);
+        lmi_gemm_bf16w(xf, m, k, k, l->panels, n, l->bias, y, ldy, 1, threads);
+    } else {    /* LIN_I8: rows quantized from fp32 (a bf16 row widened first), the output in fp32 */
+        const int64_t kp = (k + 3) / 4 * 4;
+        const float *xf = x;
+        char *p = ws;
+        if (bf16) {
+            widen(x, (float *)p, m * k);
+            xf = (const float *)p;
+            p += m * k * 4;
+        }
+        float *sa = (float *)p;
+        p += m * 4;
+        float *yf = bf16 ? (float *)p : y;
+        if (bf16) p += m * n * 4;
+        lmi_quant_rows(xf, m, k, k, (uint8_t *)p, kp, sa, threads);
+        lmi_gemm_i8((const uint8_t *)p, m, kp, sa, l->panels, l->wsum, l->wscale, n, l->bias, yf, bf16 ? n : ldy,
+                    threads);
+        if (bf16)
+            for (int64_t r = 0; r < m; ++r)
+                for (int64_t i = 0; i < n; ++i) ((uint16_t *)y)[r * ldy + i] = f32_to_bf16(yf[r * n + i]);
+    }
+}
+
+static int64_t lin_scratch(const lmi_lin *l, int64_t m) {
+    const int64_t kp = (l->k + 3) / 4 * 4;
+    if (l->kind == LIN_BF16W) return m * l->k * 4;
+    if (l->kind == LIN_I8) return m * l->k * 4 + m * 4 + m * l->n * 4 + m * kp;
+    return 0;
+}
+
+static void residual(void *h, const void *x, int64_t n, int bf16) {
+    if (bf16) {
+        uint16_t *hh = h;
+        const uint16_t *xx = x;
+        for (int64_t i = 0; i < n; ++i) hh[i] = f32_to_bf16(bf16_to_f32(hh[i]) + bf16_to_f32(xx[i]));
+    } else {
+        float *hh = h;
+        const float *xx = x;
+        for (int64_t i = 0; i < n; ++i) hh[i] += xx[i];
+    }
+}
+
+static void norm(const void *h, const void *w, void *out, int64_t B, int64_t E, float eps, int lanes, float *sq,
+                 int bf16, int threads) {
+    if (bf16)
+        lmi_rms_norm_bf16(h, w, out, B, E, eps, threads);
+    else
+        lmi_rms_norm_f32(h, w, out, B, E, eps, lanes, sq);
+}
+
+/* h [B, E] (in place: the residual stream after the last layer) for B decoding sequences.
+ * cos/sin [B, D] (row stride cs), slots [B], tables [B, tw], lens [B] as lmi_decode_fused takes
+ * them; pools share one layout (strides s_blk/s_tok/s_head, elements), nslots slots each.
+ * Returns 0, -1 (a slot past the pool, before anything of the step was written), -2 (no memory). */
+int lmi_decode_layers(const lmi_layer *layers, int64_t L, void *h, int64_t B, int64_t E, int64_t H, int64_t Hkv,
+                      int64_t D, int64_t I, float eps, int lanes, int bf16, const void *cos, const void *sin,
+                      int64_t cs, const int64_t *slots, int64_t nslots, const int32_t *tables, int64_t tw,
+                      const int32_t *lens, int64_t s_blk, int64_t s_tok, int64_t s_head, int64_t bs, float scale,
+                      int threads) {
+    const int64_t es = bf16 ? 2 : 4, nqkv = (H + 2 * Hkv) * D;
+    for (int64_t b = 0; b < B; ++b)
+        if (slots[b] >= nslots) return -1;
+    int64_t lin = 0;
+    for (int64_t l = 0; l < L; ++l) {
+        const lmi_lin *ls[7] = {&layers[l].q, &layers[l].k, &layers[l].v, &layers[l].o, &layers[l].gate,
+                                &layers[l].up, &layers[l].down};
+        for (int j = 0; j < 7; ++j) {
+            const int64_t s = lin_scratch(ls[j], B);
+            if (s > lin) lin = s;
+        }
+    }
+    /* x: normed rows; qkv; attn; o: a projection's output; gu: gate|up; act: silu(g) * u */
+    const int64_t sizes[] = {B * E * es, B * nqkv * es, B * H * D * es, B * E * es, B * 2 * I * es, B * I * es,
+                             E * 4, lin};
+    int64_t total = 0, off[8];
+    for (int j = 0; j < 8; ++j) {
+        off[j] = total;
+        total += (sizes[j] + 63) / 64 * 64;
+    }
+    char *mem = aligned_alloc(64, (size_t)(total > 0 ? total : 64));
+    if (!mem) return -2;
+    void *x = mem + off[0], *qkv = mem + off[1], *attn = mem + off[2], *o = mem + off[3], *gu = mem + off[4];
+    void *act = mem + off[5];
+    float *sq = (float *)(mem + off[6]);
+    char *ws = mem + off[7];
+    int rc = 0;
+    for (int64_t l = 0; l < L && rc == 0; ++l) {
+        const lmi_layer *ly = &layers[l];
+        norm(h, ly->norm1, x, B, E, eps, lanes, sq, bf16, threads);
+        char *q = qkv;
+        linear(&ly->q, x, B, q, nqkv, bf16, ws, threads);
+        linear(&ly->k, x, B, q + ly->q.n * es, nqkv, bf16, ws, threads);
+        linear(&ly->v, x, B, q + (ly->q.n + ly->k.n) * es, nqkv, bf16, ws, threads);
+        rc = lmi_decode_fused(q, q + H * D * es, q + (H + Hkv) * D * es, nqkv, nqkv, nqkv, cos, sin, cs, bf16,
+                              ly->kc, ly->vc, s_blk, s_tok, s_head, slots, nslots, tables, tw, lens, B, H, Hkv, D,
+                              bs, scale, ly->window, 0.0f, attn, threads);
+        if (rc) break;
+        linear(&ly->o, attn, B, o, E, bf16, ws, threads);
+        residual(h, o, B * E, bf16);
+        norm(h, ly->norm2, x, B, E, eps, lanes, sq, bf16, threads);
+        linear(&ly->gate, x, B, gu, 2 * I, bf16, ws, threads);
+        linear(&ly->up, x, B, (char *)gu + ly->gate.n * es, 2 * I, bf16, ws, threads);
+        /* gate's half of each row copied out (as the Python layer's .contiguous()), then up's */
+        for (int64_t b = 0; b < B; ++b) {
+            memcpy((char *)act + b * I * es, (char *)gu + b * 2 * I * es, (size_t)(I * es));
+            memmove((char *)gu + b * I * es, (char *)gu + (b * 2 * I + I) * es, (size_t)(I * es));
+        }
+        lmi_silu_mul(act, gu, B * I, bf16, threads);
+        linear(&ly->down, act, B, o, E, bf16, ws, threads);
+        residual(h, o, B * E, bf16);
+    }
+    free(mem);
+    return rc;
+}
