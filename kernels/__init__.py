@@ -53,7 +53,8 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
     window or logit soft-cap (Mistral-style / Gemma 2 models) goes to the reference: the Triton
     kernel does not implement them yet. `key` / `value` (this step's, optional) let the
     reference skip gathering a sequence whose whole context is in this step. On CPU the decode
-    rows go to the C kernel of kernels/cpu_ext.py when it built (the reference serves otherwise).
+    rows go to the C kernel of kernels/cpu_ext.py when it built (the reference serves otherwise),
+    and so do prompts whose whole context is this step's (one call for all of them).
     `memo` (optional, a dict per step shared by its layers) spares the reference recomputing the
     step's row bookkeeping at every layer.
     """
@@ -65,7 +66,8 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
                                      query_start_loc, scale, seq_lens_cpu=seq_lens_cpu,
                                      query_start_loc_cpu=query_start_loc_cpu,
                                      sliding_window=sliding_window, soft_cap=soft_cap,
-                                     key=key, value=value, decode=_cpu_decode(query, key_cache), memo=memo)
+                                     key=key, value=value, decode=_cpu_decode(query, key_cache),
+                                     prefill=_cpu_prefill(query), memo=memo)
 
 
 def _cpu_decode(query: torch.Tensor, key_cache: torch.Tensor):
@@ -76,6 +78,14 @@ def _cpu_decode(query: torch.Tensor, key_cache: torch.Tensor):
     if not cpu_ext.supports(key_cache) or cpu_ext.load() is None:
         return None
     return cpu_ext.decode_attention
+
+
+def _cpu_prefill(query: torch.Tensor):
+    """kernels/cpu_ext.prefill_attention for CPU queries (it declines what it cannot take), else None."""
+    if query.device.type != "cpu":
+        return None
+    from . import cpu_ext
+    return cpu_ext.prefill_attention if cpu_ext.load() is not None else None
 
 
 def decode_step(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cos: torch.Tensor,

@@ -326,3 +326,143 @@ void lmi_row_stats(const float *x, int64_t rows, int64_t V, int64_t ld, int64_t 
         logsum[r] = logf(sum);
     }
 }
+
+/* ---------------------------------------------------------------- prompt attention */
+void lmi_gemm(const float *A, int64_t M, int64_t K, int64_t lda, const float *Bp, int64_t N, const float *bias,
+              float *C, int64_t ldc, int nthreads);
+void lmi_pack_b(const float *W, int64_t N, int64_t K, float *out);
+void lmi_gemm_bf16(const uint16_t *A, int64_t M, int64_t K, int64_t lda, const uint16_t *Bp, int64_t N,
+                   const float *bias, void *C, int64_t ldc, int out_bf16, int nthreads);
+void lmi_pack_bf16(const uint16_t *W, int64_t N, int64_t K, uint16_t *out);
+
+#define PQ 64   /* query positions per chunk: a chunk scores only the keys up to its last position */
+
+/* s[0:L] <- softmax(s[0:L] * scale) (scale > 0) over whole 16-float vectors (Lp a multiple of 16
+ * within the row's room: no scalar tail of exp on rows of a few keys); s[L:Lp] is left tiny, the
+ * caller zeroes what it reads. Exponents are clamped at -80 (e^-80 ~ 2e-35, nothing beside the
+ * row's maximum's 1): libmvec's expf takes a scalar path for every lane that underflows. */
+static void causal_softmax(float *s, int64_t L, int64_t Lp, float scale) {
+    float m = s[0];
+#pragma omp simd reduction(max : m)
+    for (int64_t t = 0; t < L; ++t) m = s[t] > m ? s[t] : m;
+    for (int64_t t = L; t < Lp; ++t) s[t] = m - 1e30f;
+    float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t t = 0; t < Lp; ++t) {
+        const float x = (s[t] - m) * scale;
+        s[t] = expf(x > -80.f ? x : -80.f);
+        sum += t < L ? s[t] : 0.f;
+    }
+    const float inv = 1.f / sum;
+#pragma omp simd
+    for (int64_t t = 0; t < Lp; ++t) s[t] *= inv;
+}
+
+/* Causal attention of P whole prompts (each one's context is its own rows of this step) by the
+ * panel GEMMs: per (prompt, KV head) item, K packed as a weight (S = Q K^T, the g query heads'
+ * rows stacked), a causal softmax per row, V^T packed (O = P V, one call per 32-column panel so
+ * that a chunk reads only its first keys). Items run on the OpenMP pool, largest first (`order`),
+ * each GEMM on its own thread. q/k/v/out: row t's head at x + t * stride + head * head stride (qh
+ * for q, khs for k, vhs for v, oh for out), D contiguous; fp32 (bf16 = 0) or bf16 throughout (bf16 = 1: q/k/v/P multiplied by vdpbf16ps,
+ * sums, scores and softmax in fp32, O rounded to bf16 once). starts/lens [P]: each prompt's first
+ * row and length. Returns 0, or -2 when scratch memory ran out. */
+int lmi_prefill_attention(const void *q, const void *k, const void *v, int64_t qs, int64_t ks, int64_t vs,
+                          int64_t qh, int64_t khs, int64_t vhs, void *out, int64_t os, int64_t oh, int bf16, const int64_t *starts, const int64_t *lens,
+                          const int64_t *order, int64_t P, int64_t H, int64_t Hkv, int64_t D, float scale,
+                          int nthreads) {
+    const int64_t g = H / Hkv, es = bf16 ? 2 : 4;
+    int64_t nmax = 0;
+    for (int64_t p = 0; p < P; ++p) nmax = lens[p] > nmax ? lens[p] : nmax;
+    const int64_t npad = (nmax + 31) / 32 * 32 + 2, dpad = (D + 31) / 32 * 32;
+    const int64_t rows = g * PQ;
+    /* per thread: A [rows, D]; K rows / V^T [n x D]; K panels; V panels;
+     * S [rows, npad] fp32; P [rows, npad] (bf16: its own buffer); O [rows, dpad] fp32 */
+    const int64_t big = nmax * D + 64;
+    const size_t per = (size_t)(rows * D * es + big * es + npad * (D + 2) * es + dpad * (npad + 2) * es
+                                + rows * npad * 4 + (bf16 ? rows * npad * 2 : 0) + rows * dpad * 4 + 64 * 8);
+    int failed = 0;
+#pragma omp parallel num_threads(nthreads)
+    {
+        char *mem = malloc(per);
+        if (!mem) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp barrier
+        if (!failed) {
+            char *a_buf = mem, *tmp = a_buf + rows * D * es, *kp = tmp + big * es;
+            char *vp = kp + npad * (D + 2) * es;
+            float *s = (float *)(vp + dpad * (npad + 2) * es);
+            uint16_t *pb = (uint16_t *)(s + rows * npad);
+            float *o = (float *)((char *)pb + (bf16 ? rows * npad * 2 : 0));
+#pragma omp for schedule(dynamic, 1)
+            for (int64_t item = 0; item < P * Hkv; ++item) {
+                const int64_t pi = order[item / Hkv], kh = item % Hkv;
+                const int64_t n = lens[pi], t0 = starts[pi];
+                const int64_t kq = (n + 1) / 2;
+                /* K [n, D] and V^T [D, n] of this head, contiguous, then packed as weights */
+                for (int64_t t = 0; t < n; ++t)
+                    memcpy(tmp + t * D * es, (const char *)k + ((t0 + t) * ks + kh * khs) * es, (size_t)(D * es));
+                if (bf16)
+                    lmi_pack_bf16((const uint16_t *)tmp, n, D, (uint16_t *)kp);
+                else
+                    lmi_pack_b((const float *)tmp, n, D, (float *)kp);
+                for (int64_t t = 0; t < n; ++t) {
+                    const int64_t at = (t0 + t) * vs + kh * vhs;
+                    if (bf16)
+                        for (int64_t d = 0; d < D; ++d) ((uint16_t *)tmp)[d * n + t] = ((const uint16_t *)v)[at + d];
+                    else
+                        for (int64_t d = 0; d < D; ++d) ((float *)tmp)[d * n + t] = ((const float *)v)[at + d];
+                }
+                if (bf16)
+                    lmi_pack_bf16((const uint16_t *)tmp, D, n, (uint16_t *)vp);
+                else
+                    lmi_pack_b((const float *)tmp, D, n, (float *)vp);
+                for (int64_t i0 = 0; i0 < n; i0 += PQ) {
+                    const int64_t i1 = i0 + PQ < n ? i0 + PQ : n, r = i1 - i0, m = g * r;
+                    const int64_t w = bf16 ? (i1 + 1) / 2 * 2 : i1;    /* keys read: 0 .. i1 - 1 (+ a zero) */
+                    for (int64_t j = 0; j < g; ++j)     /* A row j * r + (i - i0): head kh * g + j at position i */
+                        for (int64_t i = i0; i < i1; ++i)
+                            memcpy(a_buf + ((j * r + i - i0) * D) * es,
+                                   (const char *)q + ((t0 + i) * qs + (kh * g + j) * qh) * es, (size_t)(D * es));
+                    if (bf16)
+                        lmi_gemm_bf16((const uint16_t *)a_buf, m, D, D, (const uint16_t *)kp, i1, 0, s, npad, 0, 1);
+                    else
+                        lmi_gemm((const float *)a_buf, m, D, D, (const float *)kp, i1, 0, s, npad, 1);
+                    for (int64_t j = 0; j < g; ++j)
+                        for (int64_t i = i0; i < i1; ++i) {
+                            float *sr = s + (j * r + i - i0) * npad;
+                            const int64_t L = i + 1;
+                            causal_softmax(sr, L, (L + 15) / 16 * 16, scale);
+                            if (bf16) {
+                                uint16_t *pr = pb + (j * r + i - i0) * npad;
+                                for (int64_t t = 0; t < L; ++t) pr[t] = f32_to_bf16(sr[t]);
+                                for (int64_t t = L; t < w; ++t) pr[t] = 0;
+                            } else {
+                                for (int64_t t = L; t < w; ++t) sr[t] = 0.f;
+                            }
+                        }
+                    for (int64_t c = 0; c < D; c += 32) {   /* O's 32-column panels, each over keys 0 .. w - 1 */
+                        const int64_t nc = D - c < 32 ? D - c : 32;
+                        if (bf16)
+                            lmi_gemm_bf16(pb, m, w, npad, (const uint16_t *)vp + (c / 32) * kq * 64, nc, 0, o + c, dpad,
+                                          0, 1);
+                        else
+                            lmi_gemm(s, m, w, npad, (const float *)vp + (c / 32) * n * 32, nc, 0, o + c, dpad, 1);
+                    }
+                    for (int64_t j = 0; j < g; ++j)
+                        for (int64_t i = i0; i < i1; ++i) {
+                            const float *orow = o + (j * r + i - i0) * dpad;
+                            char *dst = (char *)out + ((t0 + i) * os + (kh * g + j) * oh) * es;
+                            if (bf16)
+                                for (int64_t d = 0; d < D; ++d) ((uint16_t *)dst)[d] = f32_to_bf16(orow[d]);
+                            else
+                                memcpy(dst, orow, (size_t)(D * 4));
+                        }
+                }
+            }
+        }
+        free(mem);
+    }
+    return failed ? -2 : 0;
+}

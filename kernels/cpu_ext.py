@@ -145,6 +145,11 @@ def load():
                       ctypes.c_int]
     fused.restype = ctypes.c_int
     fn.decode_fused = fused
+    pre = lib.lmi_prefill_attention
+    pre.argtypes = [ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, ptr, i64, i64, ctypes.c_int, ptr, ptr, ptr, i64, i64, i64, i64,
+                    ctypes.c_float, ctypes.c_int]
+    pre.restype = ctypes.c_int
+    fn.prefill_attention = pre
     wr = lib.lmi_write_kv
     wr.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, ptr, i64, i64, i64, i64, i64]
     wr.restype = ctypes.c_int
@@ -457,6 +462,37 @@ def decode_fused(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, co
     if rc != 0:
         raise MemoryError("CPU decode attention: scratch allocation failed")
     return out
+
+
+def prefill_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, starts: list[int],
+                      lens: list[int], scale: float, out: torch.Tensor) -> bool:
+    """Causal attention of whole prompts (each prompt's context is its own rows of this step), all
+    of them in one call by the panel GEMMs (kernels/cpu_decode.c lmi_prefill_attention): query /
+    out [T, H, D], key / value [T, Hkv, D] (any token and head strides, D contiguous), rows
+    starts[i] .. starts[i] + lens[i] - 1 of prompt i;
+    out's rows of the prompts written in place. fp32 (kernels/cpu_gemm.c) or bf16 (vdpbf16ps,
+    kernels/cpu_gemm_bf16.c); False (nothing written) where the kernels cannot take them."""
+    fn = load()
+    dt = query.dtype
+    if fn is None or dt not in KV_DTYPES or not lens:
+        return False
+    if not (fn.gemm_bf16_available if dt == torch.bfloat16 else fn.gemm_available):
+        return False
+    t, h, d = query.shape
+    if (not all(_plain(x, dt) for x in (query, key, value, out)) or key.dim() != 3 or key.shape != value.shape
+            or key.shape[0] != t or key.shape[2] != d or h % key.shape[1] or out.shape != query.shape or d % 2
+            or any(x.stride(2) != 1 for x in (query, key, value, out))):
+        return False
+    order = sorted(range(len(lens)), key=lambda i: -lens[i])
+    se = torch.tensor([starts, lens, order], dtype=torch.int64)
+    rc = fn.prefill_attention(query.data_ptr(), key.data_ptr(), value.data_ptr(), query.stride(0), key.stride(0),
+                              value.stride(0), query.stride(1), key.stride(1), value.stride(1), out.data_ptr(), out.stride(0),
+                              out.stride(1), KV_DTYPES[dt], se[0].data_ptr(),
+                              se[1].data_ptr(), se[2].data_ptr(), len(lens), h, key.shape[1], d, float(scale),
+                              torch.get_num_threads())
+    if rc != 0:
+        raise MemoryError("CPU prompt attention: scratch allocation failed")
+    return True
 
 
 # ---------------------------------------------------------------------------- int8 (kernels/cpu_gemm_i8.c)

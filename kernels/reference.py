@@ -132,7 +132,7 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
                     soft_cap: float | None = None,
                     key: torch.Tensor | None = None,
                     value: torch.Tensor | None = None,
-                    decode=None, memo: dict | None = None) -> torch.Tensor:
+                    decode=None, prefill=None, memo: dict | None = None) -> torch.Tensor:
     """Causal attention of packed query rows [T, H, D] over paged KV -> [T, H, D].
 
     Sequence s owns rows qsl[s]:qsl[s+1] (n_s rows) at positions seq_lens[s]-n_s ..
@@ -146,7 +146,10 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
     attends to them directly instead of gathering them back. `decode` (optional): a kernel
     for all decode rows at once, `decode(q [B, H, D], key_cache, value_cache, tables [B, W],
     lens [B], scale, sliding_window, soft_cap) -> fp32 [B, H, D]` (kernels/cpu_ext.py reads
-    the pool in place); without it they go through the gather below. `memo` (optional): a dict
+    the pool in place); without it they go through the gather below. `prefill` (optional): a
+    kernel for every prompt whose whole context is this step's rows (with `key` / `value` given,
+    no window or soft-cap), `prefill(query, key, value, starts, lens, scale, out) -> bool`, causal,
+    writing those prompts' rows of `out` (kernels/cpu_ext.py); False leaves them to SDPA below. `memo` (optional): a dict
     shared by the layers of one step, which keeps the step's row bookkeeping (the same for
     every layer) after the first layer computed it.
     """
@@ -187,10 +190,15 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
         o = _grouped(q, k, v, valid[:, None, None, :], scale, soft_cap)   # [B, Hkv, g, D]
         out[rows] = o.view(len(group), h, d).to(query.dtype)
 
+    done = ()
+    if prefill is not None and key is not None and sliding_window is None and soft_cap is None:
+        whole = [s for s in range(len(lens)) if 1 < qsl[s + 1] - qsl[s] == lens[s]]
+        if whole and prefill(query, key, value, [qsl[s] for s in whole], [lens[s] for s in whole], scale, out):
+            done = set(whole)
     for s in range(len(lens)):
         a, b = qsl[s], qsl[s + 1]
         n, ctx = b - a, lens[s]
-        if n <= 1:
+        if n <= 1 or s in done:
             continue
         q = query[a:b].transpose(0, 1)  # [H, n, D]
         if ctx == n and key is not None and sliding_window is None and soft_cap is None:

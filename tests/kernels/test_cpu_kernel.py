@@ -403,3 +403,62 @@ def test_fused_decode_step_declines_what_it_does_not_serve():
     with pytest.raises(IndexError, match=f"{nslots} slots"):
         kernels.decode_step(q, k, v, cos, sin, *pools, torch.full_like(slots, nslots), **common)
     assert torch.equal(qkv, before[0]) and torch.equal(case["key_cache"], before[1])
+
+
+# ---------------------------------------------------------------------------- prompt attention
+def _causal64(q, k, v, scale):
+    """float64 causal attention of one prompt: q [n, H, D], k/v [n, Hkv, D] -> [n, H, D]."""
+    n, h, d = q.shape
+    g = h // k.shape[1]
+    kk, vv = k.double().repeat_interleave(g, 1), v.double().repeat_interleave(g, 1)
+    s = torch.einsum("ihd,jhd->hij", q.double(), kk) * scale
+    s = s.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
+    return torch.einsum("hij,jhd->ihd", torch.softmax(s, -1), vv)
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-6), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("heads,kv_heads,d", [(4, 4, 64), (9, 3, 64), (8, 1, 128), (6, 2, 48)])
+def test_prompt_attention_is_causal_attention_of_each_prompt(dtype, tol, heads, kv_heads, d):
+    # Oracle: float64 causal softmax attention per prompt; prompts shorter and longer than a
+    # query chunk (64), odd lengths, q/k/v read through strided views (heads apart from rows).
+    if not (cpu_ext.gemm_bf16_available() if dtype == torch.bfloat16 else cpu_ext.gemm_available()):
+        pytest.skip("the panel GEMM for this dtype does not run here (AVX-512F / AVX512-BF16)")
+    g = torch.Generator().manual_seed(heads * d)
+    lens = [2, 17, 64, 65, 150, 3, 200]
+    t = sum(lens)
+    starts = [sum(lens[:i]) for i in range(len(lens))]
+    # [H, T, D] storage read as [T, H, D]: token and head strides as transformers' views have them
+    q = torch.randn(heads, t, d, generator=g).to(dtype).transpose(0, 1)
+    k = torch.randn(kv_heads, t, d, generator=g).to(dtype).transpose(0, 1)
+    v = torch.randn(t, kv_heads, d, generator=g).to(dtype)
+    out = torch.full((t, heads, d), 7.0, dtype=dtype)
+    scale = d ** -0.5
+    assert cpu_ext.prefill_attention(q, k, v, starts[1:], lens[1:], scale, out)
+    assert torch.equal(out[:2], torch.full((2, heads, d), 7.0, dtype=dtype))     # not a prompt given: untouched
+    for a, n in zip(starts[1:], lens[1:]):
+        want = _causal64(q[a:a + n], k[a:a + n], v[a:a + n], scale)
+        assert (out[a:a + n].double() - want).abs().max() <= tol * max(1.0, want.abs().max()), n
+
+
+def test_paged_attention_sends_whole_prompts_to_the_c_kernel(monkeypatch):
+    # Two whole prompts and a continued one (5 tokens cached, 4 new): the whole ones go to the
+    # kernel in one call, the continued one to SDPA over the pool; the values are the reference's.
+    if not cpu_ext.gemm_available():
+        pytest.skip("kernels/cpu_gemm.c needs AVX-512F")
+    g = torch.Generator().manual_seed(5)
+    h, hkv, d, bs = 6, 2, 32, 4
+    kc, vc = torch.randn(24, bs, hkv, d, generator=g), torch.randn(24, bs, hkv, d, generator=g)
+    lens, nq = [9, 20, 9], [9, 20, 4]
+    qsl = [0, 9, 29, 33]
+    tables = torch.tensor([[3, 7, 1, -1, -1], [0, 2, 4, 5, 6], [9, 11, 8, -1, -1]], dtype=torch.int32)
+    slots = [int(tables[s, p // bs]) * bs + p % bs for s in range(3) for p in range(lens[s] - nq[s], lens[s])]
+    q, k, v = (torch.randn(33, n, d, generator=g) for n in (h, hkv, hkv))
+    kernels.write_kv(kc, vc, k, v, torch.tensor(slots))
+    calls = []
+    real = cpu_ext.prefill_attention
+    monkeypatch.setattr(cpu_ext, "prefill_attention", lambda *a: calls.append(a[4]) or real(*a))
+    args = (q, kc, vc, tables, torch.tensor(lens), torch.tensor(qsl), d ** -0.5)
+    got = kernels.paged_attention(*args, key=k, value=v)
+    want = reference.paged_attention(*args, key=k, value=v)
+    assert calls == [[9, 20]]
+    assert torch.allclose(got, want, atol=2e-6, rtol=1e-5)

@@ -81,7 +81,7 @@ def _step_logits(runner: ModelRunner, seed: int = 0) -> list[torch.Tensor]:
     prefill, _ = pack_step([StepItem(0, a, 0, [0, 1, 2], True, p, a), StepItem(1, b, 0, [3], True, p, b)], 16)
     decode, _ = pack_step([StepItem(0, [7], 37, [0, 1, 2], True, p, a + [7]),
                            StepItem(1, [9], 5, [3], True, p, b + [9])], 16)
-    return [runner._forward(prefill), runner._forward(decode)]
+    return [runner.forward(prefill), runner.forward(decode)]     # as serving calls it: inference mode
 
 
 @pytest.mark.parametrize("name", list(FAMILIES) + list(ROPES))
