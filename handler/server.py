@@ -4,6 +4,7 @@ with LMI_HTTP_WORKER=gthread: handler/http/worker.py)."""
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import logging
 import math
@@ -93,6 +94,10 @@ def engine_for(cfg, runner):
                              max_waiting=cfg.job_queue_size, max_model_len=runner.max_model_len,
                              eos_token_ids=runner.eos_token_ids,
                              max_loras=cfg.max_loras if getattr(cfg, "enable_lora", False) else 0)
+    # What is loaded by now lives as long as the server: out of the collector's generations, so a
+    # full collection stops walking the model's ~400k objects (1-2% of a CPU decode step, measured).
+    gc.collect()
+    gc.freeze()
     return Engine(runner, policy, runner.block_size, cfg.enable_prefix_caching,
                   step_timeout_s=getattr(cfg, "engine_step_timeout_s", None)).start()
 

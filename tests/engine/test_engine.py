@@ -192,3 +192,17 @@ def test_a_whole_answer_reader_is_woken_once_per_sequence_in_order(demo_model_di
     out = _drained(held.events)
     assert len(out) == n + 1 and all(e.done is None for e in out[:-1])
     assert isinstance(out[-1], ErrorEvent) and out[-1].message == "boom"
+
+
+def test_a_started_engine_leaves_the_loaded_model_out_of_garbage_collection(demo_model_dir, tmp_path):
+    # What is loaded before the engine starts lives as long as the server: frozen (gc.freeze), so
+    # a full collection does not walk it at every few hundred allocations of the serving loop.
+    import gc
+    gc.unfreeze()
+    engine = make_engine(demo_model_dir, tmp_path, STRATEGIES["paged"])
+    try:
+        assert gc.get_freeze_count() > 10_000
+        assert not any(o is engine.runner.model for o in gc.get_objects())    # frozen: not tracked for collection
+    finally:
+        engine.shutdown()
+        gc.unfreeze()
