@@ -244,8 +244,10 @@ def bf16_gemm_mode(model: nn.Module, rows=BF16_TIMING_ROWS) -> tuple[str, str]:
 
     LMI_CPU_BF16_GEMM=panels | bf16 | fp32 decides (panels where the CPU lacks the kernel: bf16);
     auto (the default) times the model's widest linear shape (the output head aside) every
-    eligible way at BF16_TIMING_ROWS (decode-sized and prefill-sized row counts). Where fp32 keeps
-    the bf16 weights, the way with the smallest product of the times. Else, of the two that keep bf16
+    eligible way at BF16_TIMING_ROWS (decode-sized and prefill-sized row counts). oneDNN's bf16
+    is taken over a panel way only when it is BF16_GEMM_MARGIN faster at every row count (the
+    panel ways also run the one-call decode stack). Where fp32 keeps the bf16 weights, the way with
+    the smallest product of the times. Else, of the two that keep bf16
     weights (panels where the kernel runs, oneDNN's) the faster that way, then fp32 only when it
     beats that one at every row count by BF16_GEMM_MARGIN and the fp32 copies fit in a quarter
     of the memory available. CPUs with AMX multiply bf16 ~2x faster than fp32 in oneDNN; on
@@ -289,12 +291,21 @@ def bf16_gemm_mode(model: nn.Module, rows=BF16_TIMING_ROWS) -> tuple[str, str]:
         times = _bf16_gemm_times(k, n, tuple(rows), tuple(modes))
     except RuntimeError as e:       # a build or CPU oneDNN refuses: keep the model as it is
         return "bf16", f"the GEMMs could not be timed ({e})" + ignored
+    def beats(a: str, b: str) -> bool:     # way a faster than way b by the margin at every row count
+        return all(x * BF16_GEMM_MARGIN <= y for x, y in zip(times[a], times[b]))
+
+    # oneDNN's bf16 only where it beats the panel ways by the margin: those also let a decode step
+    # run as one C call (handler/model/cpu_stack.py; 1.46x a one-row bf16 step), which a GEMM
+    # timing does not see.
     narrow = "bf16"
-    if "panels" in times and math.prod(times["panels"]) <= math.prod(times["bf16"]):
+    if "panels" in times and not beats("bf16", "panels"):
         narrow = "panels"
     pick = narrow
     if free_widen:      # the same weight memory every way: the fastest
         pick = min(modes, key=lambda mode: math.prod(times[mode]))
+        ours = [m for m in modes if m != "bf16"]
+        if pick == "bf16" and not all(beats("bf16", m) for m in ours):
+            pick = min(ours, key=lambda mode: math.prod(times[mode]))
     elif "fp32" in times and all(t >= BF16_GEMM_MARGIN * f for t, f in zip(times[narrow], times["fp32"])):
         pick = "fp32"
     shown = "; ".join(f"{r} rows " + ", ".join(f"{mode} {1e3 * times[mode][i]:.2f} ms" for mode in modes)

@@ -106,8 +106,9 @@ def test_sigterm_drains_in_flight_requests(demo_model_dir, tmp_path):
     srv = Server("option.rolling_batch=auto\n", demo_model_dir, tmp_path)
     box = {}
     t = threading.Thread(target=lambda: box.setdefault(
-        "r", srv.post({"inputs": "y", "parameters": {"max_new_tokens": 150, "ignore_eos": True}})))
+        "r", srv.post({"inputs": "y", "parameters": {"max_new_tokens": 900, "ignore_eos": True}})))
     t.start()
+    # 900 tokens: long enough to be seen running (the CPU decode stack runs the tiny model's 150 in a blink)
     assert wait_for(lambda: metric(srv, "lmi_running") == 1)
     srv.proc.send_signal(signal.SIGTERM)
     t.join(120)

@@ -242,9 +242,11 @@ def test_bf16_gemm_choice_follows_the_switch_the_timing_and_the_memory(monkeypat
     monkeypatch.setattr(cpu, "_gemm_seconds", fake)
     # (oneDNN bf16 times, panels times) at decode-sized rows (64: every count under 512) and 512
     # rows against fp32's 1.0, and the pick with the kernel and without it (the choice before it:
-    # oneDNN's bf16 unless fp32 wins by the margin).
+    # oneDNN's bf16 unless fp32 wins by the margin). oneDNN's bf16 beats panels only by the margin.
     cases = [(at({64: 1.7, 512: 1.6}), at({64: 2.0, 512: 2.0}), "fp32", "fp32"),   # fp32 beats the better bf16 way
-             (at({64: 1.7, 512: 1.1}), at({64: 1.8, 512: 1.8}), "bf16", "bf16"),   # 1.1 < margin: keep bf16 weights
+             (at({64: 1.7, 512: 1.1}), at({64: 1.8, 512: 1.8}), "fp32", "bf16"),   # bf16 < panels by under the
+             # margin: panels, which fp32 beats by the margin; without the kernel 1.1 < margin: bf16 weights
+             (at({64: 1.0, 512: 1.0}), at({64: 1.1, 512: 1.1}), "panels", "bf16"),  # bf16 not faster by the margin
              (at({64: 1.7, 512: 1.6}), at({64: 1.0, 512: 1.1}), "panels", "fp32"),  # panels fastest of the bf16 ways
              (at({64: 1.0, 512: 1.0}), at({64: 0.5, 512: 1.3}), "panels", "bf16"),  # faster overall (product of times)
              (at({64: 0.5, 512: 0.5}), at({64: 1.0, 512: 1.0}), "bf16", "bf16"),   # an AMX host: oneDNN's bf16
@@ -266,7 +268,8 @@ def test_bf16_gemm_choice_follows_the_switch_the_timing_and_the_memory(monkeypat
     monkeypatch.setattr(cpu, "_mem_available", lambda: 1)
     panels_here[0] = True
     for bf16_s, panels_s, pick in ((at({64: 1.05, 512: 1.05}), at({64: 1.1, 512: 1.1}), "fp32"),
-                                   (at({64: 0.9, 512: 1.05}), at({64: 1.1, 512: 1.1}), "bf16"),
+                                   (at({64: 0.9, 512: 1.05}), at({64: 1.1, 512: 1.1}), "fp32"),   # not by the margin
+                                   (at({64: 0.8, 512: 0.85}), at({64: 1.1, 512: 1.1}), "bf16"),
                                    (at({64: 1.2, 512: 1.2}), at({64: 0.8, 512: 1.2}), "panels")):
         table = {"bf16": bf16_s, "panels": panels_s}
         cpu._bf16_gemm_times.cache_clear()
