@@ -334,6 +334,8 @@ void lmi_pack_b(const float *W, int64_t N, int64_t K, float *out);
 void lmi_gemm_bf16(const uint16_t *A, int64_t M, int64_t K, int64_t lda, const uint16_t *Bp, int64_t N,
                    const float *bias, void *C, int64_t ldc, int out_bf16, int nthreads);
 void lmi_pack_bf16(const uint16_t *W, int64_t N, int64_t K, uint16_t *out);
+void lmi_gemm_bf16w(const float *A, int64_t M, int64_t K, int64_t lda, const uint16_t *Bp, int64_t N,
+                    const float *bias, void *C, int64_t ldc, int out_bf16, int nthreads);
 
 #define PQ 64   /* query positions per chunk: a chunk scores only the keys up to its last position */
 
@@ -363,11 +365,13 @@ static void causal_softmax(float *s, int64_t L, int64_t Lp, float scale) {
  * rows stacked), a causal softmax per row, V^T packed (O = P V, one call per 32-column panel so
  * that a chunk reads only its first keys). Items run on the OpenMP pool, largest first (`order`),
  * each GEMM on its own thread. q/k/v/out: row t's head at x + t * stride + head * head stride (qh
- * for q, khs for k, vhs for v, oh for out), D contiguous; fp32 (bf16 = 0) or bf16 throughout (bf16 = 1: q/k/v/P multiplied by vdpbf16ps,
- * sums, scores and softmax in fp32, O rounded to bf16 once). starts/lens [P]: each prompt's first
- * row and length. Returns 0, or -2 when scratch memory ran out. */
+ * for q, khs for k, vhs for v, oh for out), D contiguous; fp32 (bf16 = 0) or bf16 throughout
+ * (bf16 = 1: Q K^T by vdpbf16ps, scores and softmax in fp32, P V with P kept in fp32 and V widened
+ * in registers, O rounded to bf16 once). starts/lens [P]: each prompt's first row and length.
+ * Returns 0, or -2 when scratch memory ran out. */
 int lmi_prefill_attention(const void *q, const void *k, const void *v, int64_t qs, int64_t ks, int64_t vs,
-                          int64_t qh, int64_t khs, int64_t vhs, void *out, int64_t os, int64_t oh, int bf16, const int64_t *starts, const int64_t *lens,
+                          int64_t qh, int64_t khs, int64_t vhs, void *out, int64_t os, int64_t oh, int bf16,
+                          const int64_t *starts, const int64_t *lens,
                           const int64_t *order, int64_t P, int64_t H, int64_t Hkv, int64_t D, float scale,
                           int nthreads) {
     const int64_t g = H / Hkv, es = bf16 ? 2 : 4;
@@ -376,10 +380,10 @@ int lmi_prefill_attention(const void *q, const void *k, const void *v, int64_t q
     const int64_t npad = (nmax + 31) / 32 * 32 + 2, dpad = (D + 31) / 32 * 32;
     const int64_t rows = g * PQ;
     /* per thread: A [rows, D]; K rows / V^T [n x D]; K panels; V panels;
-     * S [rows, npad] fp32; P [rows, npad] (bf16: its own buffer); O [rows, dpad] fp32 */
+     * S (then P) [rows, npad] fp32; O [rows, dpad] fp32 */
     const int64_t big = nmax * D + 64;
     const size_t per = (size_t)(rows * D * es + big * es + npad * (D + 2) * es + dpad * (npad + 2) * es
-                                + rows * npad * 4 + (bf16 ? rows * npad * 2 : 0) + rows * dpad * 4 + 64 * 8);
+                                + rows * npad * 4 + rows * dpad * 4 + 64 * 8);
     int failed = 0;
 #pragma omp parallel num_threads(nthreads)
     {
@@ -393,8 +397,7 @@ int lmi_prefill_attention(const void *q, const void *k, const void *v, int64_t q
             char *a_buf = mem, *tmp = a_buf + rows * D * es, *kp = tmp + big * es;
             char *vp = kp + npad * (D + 2) * es;
             float *s = (float *)(vp + dpad * (npad + 2) * es);
-            uint16_t *pb = (uint16_t *)(s + rows * npad);
-            float *o = (float *)((char *)pb + (bf16 ? rows * npad * 2 : 0));
+            float *o = s + rows * npad;
 #pragma omp for schedule(dynamic, 1)
             for (int64_t item = 0; item < P * Hkv; ++item) {
                 const int64_t pi = order[item / Hkv], kh = item % Hkv;
@@ -434,19 +437,13 @@ int lmi_prefill_attention(const void *q, const void *k, const void *v, int64_t q
                             float *sr = s + (j * r + i - i0) * npad;
                             const int64_t L = i + 1;
                             causal_softmax(sr, L, (L + 15) / 16 * 16, scale);
-                            if (bf16) {
-                                uint16_t *pr = pb + (j * r + i - i0) * npad;
-                                for (int64_t t = 0; t < L; ++t) pr[t] = f32_to_bf16(sr[t]);
-                                for (int64_t t = L; t < w; ++t) pr[t] = 0;
-                            } else {
-                                for (int64_t t = L; t < w; ++t) sr[t] = 0.f;
-                            }
+                            for (int64_t t = L; t < w; ++t) sr[t] = 0.f;
                         }
                     for (int64_t c = 0; c < D; c += 32) {   /* O's 32-column panels, each over keys 0 .. w - 1 */
                         const int64_t nc = D - c < 32 ? D - c : 32;
-                        if (bf16)
-                            lmi_gemm_bf16(pb, m, w, npad, (const uint16_t *)vp + (c / 32) * kq * 64, nc, 0, o + c, dpad,
-                                          0, 1);
+                        if (bf16)   /* P stays fp32: V widened in registers, fp32 FMAs (no rounding of P) */
+                            lmi_gemm_bf16w(s, m, w, npad, (const uint16_t *)vp + (c / 32) * kq * 64, nc, 0, o + c,
+                                           dpad, 0, 1);
                         else
                             lmi_gemm(s, m, w, npad, (const float *)vp + (c / 32) * n * 32, nc, 0, o + c, dpad, 1);
                     }

@@ -470,13 +470,14 @@ def prefill_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     of them in one call by the panel GEMMs (kernels/cpu_decode.c lmi_prefill_attention): query /
     out [T, H, D], key / value [T, Hkv, D] (any token and head strides, D contiguous), rows
     starts[i] .. starts[i] + lens[i] - 1 of prompt i;
-    out's rows of the prompts written in place. fp32 (kernels/cpu_gemm.c) or bf16 (vdpbf16ps,
-    kernels/cpu_gemm_bf16.c); False (nothing written) where the kernels cannot take them."""
+    out's rows of the prompts written in place. fp32 (kernels/cpu_gemm.c) or bf16 (kernels/cpu_gemm_bf16.c:
+    Q K^T by vdpbf16ps, P V in fp32 over V widened in registers); False (nothing written) where the
+    kernels cannot take them."""
     fn = load()
     dt = query.dtype
     if fn is None or dt not in KV_DTYPES or not lens:
         return False
-    if not (fn.gemm_bf16_available if dt == torch.bfloat16 else fn.gemm_available):
+    if not (fn.gemm_bf16_available and fn.gemm_bf16w_available if dt == torch.bfloat16 else fn.gemm_available):
         return False
     t, h, d = query.shape
     if (not all(_plain(x, dt) for x in (query, key, value, out)) or key.dim() != 3 or key.shape != value.shape
