@@ -10,7 +10,7 @@ import torch
 
 from . import reference
 
-__all__ = ["write_kv", "paged_attention", "decode_step", "triton_available"]
+__all__ = ["write_kv", "paged_attention", "decode_step", "decode_rows", "triton_available"]
 
 
 @functools.lru_cache(maxsize=None)
@@ -98,15 +98,31 @@ def decode_step(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cos
     cos/sin in place, k/v stored at slot_mapping, attention over the pools -> [T, H, D]; the same
     values as apply_rotary_ + write_kv + paged_attention. None (nothing changed) unless every
     sequence feeds one row and the kernel takes these tensors: the caller goes that way instead."""
-    t = query.shape[0]
-    if (query.device.type != "cpu" or seq_lens_cpu is None or query_start_loc_cpu is None
-            or len(seq_lens_cpu) != t or query_start_loc_cpu[0] != 0 or query_start_loc_cpu[-1] != t):
+    if query.device.type != "cpu":
         return None
     from . import cpu_ext
     if cpu_ext.load() is None or not cpu_ext.supports(key_cache):
         return None
+    rows = decode_rows(slot_mapping, block_tables, seq_lens, query_start_loc, seq_lens_cpu, query_start_loc_cpu,
+                       key_cache.shape[1], query.shape[0], query.device, memo)
+    if rows is None:
+        return None
+    slots, tables, lens = rows
+    return cpu_ext.decode_fused(query, key, value, cos, sin, key_cache, value_cache, slots, tables, lens, scale,
+                                sliding_window)
+
+
+def decode_rows(slot_mapping: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                query_start_loc: torch.Tensor, seq_lens_cpu: list[int] | None, query_start_loc_cpu: list[int] | None,
+                block_size: int, t: int, device, memo: dict | None = None):
+    """For a step of T rows where every sequence feeds one row: the C kernels' inputs (slots int64 [T],
+    block tables int32 [T, W], context lengths int32 [T]), kept in `memo` for the step's other
+    layers; None for any other step (or without the host-side row lists)."""
+    if (seq_lens_cpu is None or query_start_loc_cpu is None or len(seq_lens_cpu) != t
+            or query_start_loc_cpu[0] != 0 or query_start_loc_cpu[-1] != t):
+        return None
     p = reference.step_plan(memo, block_tables, seq_lens, query_start_loc, seq_lens_cpu, query_start_loc_cpu,
-                            key_cache.shape[1], t, query.device)
+                            block_size, t, device)
     if not p["all_decode"]:
         return None
     slots = memo.get("slots") if memo is not None else None
@@ -114,5 +130,4 @@ def decode_step(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cos
         slots = slot_mapping.to(torch.int64).contiguous()
         if memo is not None:
             memo["slots"] = slots
-    return cpu_ext.decode_fused(query, key, value, cos, sin, key_cache, value_cache, slots, p["dec_tables"],
-                                p["dec_lens"], scale, sliding_window)
+    return slots, p["dec_tables"], p["dec_lens"]

@@ -18,6 +18,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "cpu_api.h"
 #include "cpu_bf16.h"
 
 #ifndef PF
@@ -328,14 +329,6 @@ void lmi_row_stats(const float *x, int64_t rows, int64_t V, int64_t ld, int64_t 
 }
 
 /* ---------------------------------------------------------------- prompt attention */
-void lmi_gemm(const float *A, int64_t M, int64_t K, int64_t lda, const float *Bp, int64_t N, const float *bias,
-              float *C, int64_t ldc, int nthreads);
-void lmi_pack_b(const float *W, int64_t N, int64_t K, float *out);
-void lmi_gemm_bf16(const uint16_t *A, int64_t M, int64_t K, int64_t lda, const uint16_t *Bp, int64_t N,
-                   const float *bias, void *C, int64_t ldc, int out_bf16, int nthreads);
-void lmi_pack_bf16(const uint16_t *W, int64_t N, int64_t K, uint16_t *out);
-void lmi_gemm_bf16w(const float *A, int64_t M, int64_t K, int64_t lda, const uint16_t *Bp, int64_t N,
-                    const float *bias, void *C, int64_t ldc, int out_bf16, int nthreads);
 
 #define PQ 64   /* query positions per chunk: a chunk scores only the keys up to its last position */
 

@@ -46,7 +46,7 @@ SOURCES = [(os.path.join(_HERE, "cpu_decode.c"), FLAGS), (os.path.join(_HERE, "c
            (os.path.join(_HERE, "cpu_gemm.c"), EXACT_FLAGS), (os.path.join(_HERE, "cpu_gemm_i8.c"), EXACT_FLAGS),
            (os.path.join(_HERE, "cpu_gemm_q4.c"), EXACT_FLAGS),
            (os.path.join(_HERE, "cpu_gemm_bf16.c"), EXACT_FLAGS), (os.path.join(_HERE, "cpu_layer.c"), EXACT_FLAGS)]
-HEADERS = [os.path.join(_HERE, "cpu_bf16.h")]
+HEADERS = [os.path.join(_HERE, "cpu_bf16.h"), os.path.join(_HERE, "cpu_api.h")]
 # Linked without -ffast-math: given at link time, gcc adds crtfastmath.o, whose constructor sets
 # flush-to-zero for the whole process on load (every float op of torch and Python would change).
 LINK = ["-shared", "-fopenmp", "-lm"]

@@ -18,27 +18,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "cpu_api.h"
 #include "cpu_bf16.h"
-
-void lmi_gemm(const float *A, int64_t M, int64_t K, int64_t lda, const float *Bp, int64_t N, const float *bias,
-              float *C, int64_t ldc, int nthreads);
-void lmi_gemm_bf16(const uint16_t *A, int64_t M, int64_t K, int64_t lda, const uint16_t *Bp, int64_t N,
-                   const float *bias, void *C, int64_t ldc, int out_bf16, int nthreads);
-void lmi_gemm_bf16w(const float *A, int64_t M, int64_t K, int64_t lda, const uint16_t *Bp, int64_t N,
-                    const float *bias, void *C, int64_t ldc, int out_bf16, int nthreads);
-void lmi_quant_rows(const float *A, int64_t M, int64_t K, int64_t lda, uint8_t *out, int64_t Kp, float *scales,
-                    int nthreads);
-void lmi_gemm_i8(const uint8_t *Aq, int64_t M, int64_t Kp, const float *sa, const int8_t *Bp, const int32_t *wsum,
-                 const float *sw, int64_t N, const float *bias, float *C, int64_t ldc, int nthreads);
-void lmi_rms_norm_f32(const float *x, const float *w, float *out, int64_t rows, int64_t H, float eps, int W,
-                      float *sq);
-void lmi_rms_norm_bf16(const uint16_t *x, const uint16_t *w, uint16_t *out, int64_t rows, int64_t H, float eps,
-                       int nthreads);
-int lmi_decode_fused(void *q, void *k, void *v, int64_t qs, int64_t ks, int64_t vs, const void *cos,
-                     const void *sin, int64_t cs, int bf16, void *kc, void *vc, int64_t s_blk, int64_t s_tok,
-                     int64_t s_head, const int64_t *slots, int64_t nslots, const int32_t *tables, int64_t tw,
-                     const int32_t *lens, int64_t B, int64_t H, int64_t Hkv, int64_t D, int64_t bs, float scale,
-                     int64_t window, float softcap, void *out, int nthreads);
 
 enum { LIN_F32 = 0, LIN_BF16 = 1, LIN_BF16W = 2, LIN_I8 = 3 };
 

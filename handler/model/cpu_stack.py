@@ -24,7 +24,8 @@ import torch
 from handler.config.switches import switch
 from handler.model.cpu import Bf16PanelLinear, PanelLinear
 from handler.model.quant import Int8Linear
-from kernels import cpu_ext, reference
+import kernels
+from kernels import cpu_ext
 
 log = logging.getLogger("lmi.cpu")
 
@@ -69,21 +70,18 @@ class DecodeStack:
         """Every layer of this step, in place on h [T, E]; False (nothing changed) unless every
         sequence decodes one row and the tensors are as the C call takes them."""
         t = h.shape[0]
-        qsl = step.query_start_loc_cpu
-        if (step.kv_cache is not self.kv_cache or step.seq_lens_cpu is None or qsl is None
-                or len(step.seq_lens_cpu) != t or qsl[0] != 0 or qsl[-1] != t or h.dtype != self.dtype
-                or not h.is_contiguous() or h.shape[1] != self.hidden
-                or (self.dtype == torch.float32 and h.numel() >= cpu_ext.TORCH_GRAIN)
+        if (step.kv_cache is not self.kv_cache or h.dtype != self.dtype or not h.is_contiguous()
+                or h.shape[1] != self.hidden or (self.dtype == torch.float32 and h.numel() >= cpu_ext.TORCH_GRAIN)
                 or cos.dtype != self.dtype or sin.dtype != self.dtype or cos.shape != (t, self.head_dim)
                 or sin.shape != cos.shape or cos.stride() != sin.stride() or cos.stride(1) != 1):
             return False
         pool = self.kv_cache[0][0]
-        p = reference.step_plan(step.memo, step.block_tables, step.seq_lens, step.query_start_loc,
-                                step.seq_lens_cpu, qsl, pool.shape[1], t, h.device)
-        if not p["all_decode"]:
+        rows = kernels.decode_rows(step.slot_mapping, step.block_tables, step.seq_lens, step.query_start_loc,
+                                   step.seq_lens_cpu, step.query_start_loc_cpu, pool.shape[1], t, h.device, step.memo)
+        if rows is None:
             return False
-        slots = step.slot_mapping.to(torch.int64).contiguous()
-        cpu_ext.decode_layers(self.layers, h, cos, sin, slots, p["dec_tables"], p["dec_lens"], heads=self.heads,
+        slots, tables, lens = rows
+        cpu_ext.decode_layers(self.layers, h, cos, sin, slots, tables, lens, heads=self.heads,
                               kv_heads=self.kv_heads, head_dim=self.head_dim, intermediate=self.intermediate,
                               eps=self.eps, lanes=self.lanes, pool=pool, scale=self.scale)
         return True
