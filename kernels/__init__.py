@@ -112,6 +112,40 @@ def decode_step(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cos
                                 sliding_window)
 
 
+def stack_rows(slot_mapping: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+               query_start_loc: torch.Tensor, seq_lens_cpu: list[int] | None, query_start_loc_cpu: list[int] | None,
+               block_size: int, t: int, device, memo: dict | None = None):
+    """For a step of T rows whose sequences each decode one row (those first) or feed a whole prompt
+    of several rows (its context is its rows of this step): (slots int64 [T], the decoding
+    sequences' block tables int32 [B, W] and context lengths int32 [B], the prompts' first rows,
+    lengths and order longest first as int64 [3, P]); None for any other step (a chunk of a longer
+    prompt, a decode row after a prompt) or without the host-side row lists."""
+    if (seq_lens_cpu is None or query_start_loc_cpu is None or not seq_lens_cpu
+            or query_start_loc_cpu[0] != 0 or query_start_loc_cpu[-1] != t):
+        return None
+    qsl, lens = query_start_loc_cpu, seq_lens_cpu
+    nq = [qsl[s + 1] - qsl[s] for s in range(len(lens))]
+    b = 0
+    while b < len(nq) and nq[b] == 1:
+        b += 1
+    if any(n < 2 or n != ctx for n, ctx in zip(nq[b:], lens[b:])):
+        return None
+    if b == len(nq):
+        rows = decode_rows(slot_mapping, block_tables, seq_lens, query_start_loc, seq_lens_cpu, query_start_loc_cpu,
+                           block_size, t, device, memo)
+        return None if rows is None else (*rows, torch.zeros(3, 0, dtype=torch.int64))
+    slots = slot_mapping.to(torch.int64).contiguous()
+    if b:
+        p = reference.step_plan(memo, block_tables, seq_lens, query_start_loc, seq_lens_cpu, query_start_loc_cpu,
+                                block_size, t, device)
+        tables, dec_lens = p["dec_tables"], p["dec_lens"]
+    else:
+        tables, dec_lens = torch.zeros(0, 1, dtype=torch.int32), torch.zeros(0, dtype=torch.int32)
+    starts, plens = qsl[b:-1], nq[b:]
+    order = sorted(range(len(plens)), key=lambda i: -plens[i])
+    return slots, tables, dec_lens, torch.tensor([starts, plens, order], dtype=torch.int64)
+
+
 def decode_rows(slot_mapping: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
                 query_start_loc: torch.Tensor, seq_lens_cpu: list[int] | None, query_start_loc_cpu: list[int] | None,
                 block_size: int, t: int, device, memo: dict | None = None):

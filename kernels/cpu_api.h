@@ -25,4 +25,13 @@ int lmi_decode_fused(void *q, void *k, void *v, int64_t qs, int64_t ks, int64_t 
                      int64_t s_head, const int64_t *slots, int64_t nslots, const int32_t *tables, int64_t tw,
                      const int32_t *lens, int64_t B, int64_t H, int64_t Hkv, int64_t D, int64_t bs, float scale,
                      int64_t window, float softcap, void *out, int nthreads);
+int lmi_write_kv(void *kc, void *vc, const void *key, const void *value, int64_t elem, int64_t s_blk, int64_t s_tok,
+                 int64_t s_head, int64_t k_tok, int64_t k_head, int64_t v_tok, int64_t v_head, const int64_t *slots,
+                 int64_t T, int64_t Hkv, int64_t D, int64_t bs, int64_t nslots);
+void lmi_rotary(void *q, void *k, const void *cos, const void *sin, int64_t T, int64_t H, int64_t Hkv, int64_t D,
+                int64_t qs, int64_t ks, int64_t cs, int bf16, int nthreads);
+int lmi_prefill_attention(const void *q, const void *k, const void *v, int64_t qs, int64_t ks, int64_t vs, int64_t qh,
+                          int64_t khs, int64_t vhs, void *out, int64_t os, int64_t oh, int bf16, const int64_t *starts,
+                          const int64_t *lens, const int64_t *order, int64_t P, int64_t H, int64_t Hkv, int64_t D,
+                          float scale, int nthreads);
 #endif

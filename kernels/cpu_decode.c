@@ -241,9 +241,6 @@ int lmi_write_kv(void *kc, void *vc, const void *key, const void *value, int64_t
     return 0;
 }
 
-void lmi_rotary(void *q, void *k, const void *cos, const void *sin, int64_t T, int64_t H, int64_t Hkv,
-                int64_t D, int64_t qs, int64_t ks, int64_t cs, int bf16, int nthreads);   /* cpu_exact.c */
-
 /* A decode step's attention for one layer in one call (every sequence one row): the rotary
  * embedding of q [B, H, D] and k [B, Hkv, D] in place (lmi_rotary: transformers' rounding), k and
  * v [B, Hkv, D] stored at slots [B] of the pools (lmi_write_kv; a negative slot is skipped), then

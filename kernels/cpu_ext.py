@@ -203,11 +203,12 @@ def load():
         f.argtypes, f.restype = args, None
         setattr(fn, name.removeprefix("lmi_"), f)
     fn.silu_available = lib.lmi_silu_available
-    layers = lib.lmi_decode_layers      # kernels/cpu_layer.c
-    layers.argtypes = [ptr, i64, ptr, i64, i64, i64, i64, i64, i64, ctypes.c_float, ctypes.c_int, ctypes.c_int,
-                       ptr, ptr, i64, ptr, i64, ptr, i64, ptr, i64, i64, i64, i64, ctypes.c_float, ctypes.c_int]
+    layers = lib.lmi_step_layers      # kernels/cpu_layer.c
+    layers.argtypes = [ptr, i64, ptr, i64, i64, i64, i64, i64, i64, i64, ctypes.c_float, ctypes.c_int, ctypes.c_int,
+                       ptr, ptr, i64, ptr, i64, ptr, i64, ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, ctypes.c_float,
+                       ctypes.c_int]
     layers.restype = ctypes.c_int
-    fn.decode_layers = layers
+    fn.step_layers = layers
     flags = _cpu_flags()
     fn.gemm_bf16_available = bool(lib.lmi_gemm_bf16_available()) and "avx512_bf16" in flags
     fn.gemm_bf16w_available = bool(lib.lmi_gemm_bf16w_available()) and {"avx512f", "avx512bw"} <= flags
@@ -327,7 +328,7 @@ def _torch_sum_lanes(fn, h: int) -> int:
     import torch.nn.functional as F
     g = torch.Generator().manual_seed(h)
     cases = []
-    for rows in sorted({1, 3, max(1, (TORCH_GRAIN - 1) // h)}):
+    for rows in sorted({1, 3, max(1, (TORCH_GRAIN - 1) // h), 3 * TORCH_GRAIN // h + 5}):   # torch serial, parallel
         for scale in (1e-3, 1.0, 30.0):
             cases.append((torch.randn(rows, h, generator=g) * scale, torch.randn(h, generator=g)))
     for lanes in (8, 16):
@@ -464,6 +465,15 @@ def decode_fused(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, co
     return out
 
 
+def prefill_attention_available(dtype: torch.dtype) -> bool:
+    """Whether prefill_attention's kernels run here for activations of `dtype` (fp32: the panel GEMM;
+    bf16: the vdpbf16ps and widened panels)."""
+    fn = load()
+    if fn is None or dtype not in KV_DTYPES:
+        return False
+    return bool(fn.gemm_bf16_available and fn.gemm_bf16w_available if dtype == torch.bfloat16 else fn.gemm_available)
+
+
 def prefill_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, starts: list[int],
                       lens: list[int], scale: float, out: torch.Tensor) -> bool:
     """Causal attention of whole prompts (each prompt's context is its own rows of this step), all
@@ -475,9 +485,7 @@ def prefill_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     kernels cannot take them."""
     fn = load()
     dt = query.dtype
-    if fn is None or dt not in KV_DTYPES or not lens:
-        return False
-    if not (fn.gemm_bf16_available and fn.gemm_bf16w_available if dt == torch.bfloat16 else fn.gemm_available):
+    if not lens or not prefill_attention_available(dt):
         return False
     t, h, d = query.shape
     if (not all(_plain(x, dt) for x in (query, key, value, out)) or key.dim() != 3 or key.shape != value.shape
@@ -714,22 +722,25 @@ def silu_exact(threads: int) -> bool:
     return True
 
 
-def decode_layers(layers, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor,
-                  tables: torch.Tensor, lens: torch.Tensor, *, heads: int, kv_heads: int, head_dim: int,
-                  intermediate: int, eps: float, lanes: int, pool: torch.Tensor, scale: float) -> None:
-    """Every decoder layer of one decode step, in place on the residual stream h [B, E]
-    (kernels/cpu_layer.c): `layers` a ctypes array of Layer, cos/sin [B, D], slots int64 [B], tables
-    int32 [B, W], lens int32 [B] (decode_fused's), `pool` one of the layers' KV pools (their shared
-    layout), `lanes` rms_norm_f32's summing width (fp32). The caller checked every shape and dtype."""
+def step_layers(layers, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor,
+                tables: torch.Tensor, lens: torch.Tensor, prompts: torch.Tensor, *, heads: int, kv_heads: int,
+                head_dim: int, intermediate: int, eps: float, lanes: int, pool: torch.Tensor, scale: float) -> None:
+    """Every decoder layer of one step, in place on the residual stream h [T, E] (kernels/cpu_layer.c):
+    B = tables.shape[0] decoding sequences in rows 0 .. B-1 (one row each) and whole prompts after
+    them. `layers` a ctypes array of Layer, cos/sin [T, D], slots int64 [T], tables int32 [B, W], lens
+    int32 [B] (decode_fused's), prompts int64 [3, P] (first rows, lengths, the order longest first:
+    prefill_attention's), `pool` one of the layers' KV pools (their shared layout), `lanes`
+    rms_norm_f32's summing width (fp32). The caller checked every shape and dtype."""
     fn = load()
-    b, e = h.shape
+    t, e = h.shape
     nb, bs = pool.shape[:2]
-    rc = fn.decode_layers(ctypes.addressof(layers), len(layers), h.data_ptr(), b, e, heads, kv_heads, head_dim,
-                          intermediate, float(eps), lanes, int(h.dtype == torch.bfloat16), cos.data_ptr(),
-                          sin.data_ptr(), cos.stride(0), slots.data_ptr(), nb * bs, tables.data_ptr(),
-                          tables.shape[1], lens.data_ptr(), pool.stride(0), pool.stride(1), pool.stride(2), bs,
-                          float(scale), torch.get_num_threads())
+    rc = fn.step_layers(ctypes.addressof(layers), len(layers), h.data_ptr(), t, tables.shape[0], e, heads, kv_heads,
+                        head_dim, intermediate, float(eps), lanes, int(h.dtype == torch.bfloat16), cos.data_ptr(),
+                        sin.data_ptr(), cos.stride(0), slots.data_ptr(), nb * bs, tables.data_ptr(), tables.shape[1],
+                        lens.data_ptr(), prompts.shape[1], prompts[0].data_ptr(), prompts[1].data_ptr(),
+                        prompts[2].data_ptr(), pool.stride(0), pool.stride(1), pool.stride(2), bs, float(scale),
+                        torch.get_num_threads())
     if rc == -1:
-        raise IndexError(f"decode_layers: a slot is past the pool's {nb * bs} slots")
+        raise IndexError(f"step_layers: a slot is past the pool's {nb * bs} slots")
     if rc != 0:
-        raise MemoryError("CPU decode layers: scratch allocation failed")
+        raise MemoryError("CPU step layers: scratch allocation failed")

@@ -92,9 +92,10 @@ static void torch_chunks(int64_t n, int threads, int64_t *chunk, int64_t *count)
     *count = nt;
 }
 
-/* In place g <- silu(g) (torch's F.silu(g, inplace=True) on a contiguous [n]), then g <- g * u
- * (torch's mul_), fp32 or bf16. */
-void lmi_silu_mul(void *g, const void *u, int64_t n, int bf16, int threads) {
+/* In place g <- silu(g) (torch's F.silu(g, inplace=True) on a contiguous [rows * I]), then
+ * g <- g * u (torch's mul_ by a [rows, I] view whose rows are ldu elements apart), fp32 or bf16. */
+static void silu_mul_rows(void *g, const void *u, int64_t rows, int64_t I, int64_t ldu, int bf16, int threads) {
+    const int64_t n = rows * I;
     int64_t chunk, count;
     torch_chunks(n, threads, &chunk, &count);
 #pragma omp parallel for num_threads(threads) if (count > 1) schedule(static)
@@ -105,19 +106,27 @@ void lmi_silu_mul(void *g, const void *u, int64_t n, int bf16, int threads) {
         else
             silu_range_f32((float *)g + a, b - a);
     }
-    if (bf16) {
-        uint16_t *gg = g;
-        const uint16_t *uu = u;
 #pragma omp parallel for num_threads(threads) if (n >= 32768) schedule(static)
-        for (int64_t i = 0; i < n; ++i) gg[i] = f32_to_bf16(bf16_to_f32(gg[i]) * bf16_to_f32(uu[i]));
-    } else {
-        float *gg = g;
-        const float *uu = u;
-#pragma omp parallel for num_threads(threads) if (n >= 32768) schedule(static)
-        for (int64_t i = 0; i < n; ++i) gg[i] = gg[i] * uu[i];
+    for (int64_t r = 0; r < rows; ++r) {
+        if (bf16) {
+            uint16_t *gg = (uint16_t *)g + r * I;
+            const uint16_t *uu = (const uint16_t *)u + r * ldu;
+            for (int64_t i = 0; i < I; ++i) gg[i] = f32_to_bf16(bf16_to_f32(gg[i]) * bf16_to_f32(uu[i]));
+        } else {
+            float *gg = (float *)g + r * I;
+            const float *uu = (const float *)u + r * ldu;
+            for (int64_t i = 0; i < I; ++i) gg[i] = gg[i] * uu[i];
+        }
     }
 }
+
+void lmi_silu_mul(void *g, const void *u, int64_t n, int bf16, int threads) {
+    silu_mul_rows(g, u, 1, n, n, bf16, threads);
+}
 #else
+static void silu_mul_rows(void *g, const void *u, int64_t rows, int64_t I, int64_t ldu, int bf16, int threads) {
+    (void)g; (void)u; (void)rows; (void)I; (void)ldu; (void)bf16; (void)threads;
+}
 void lmi_set_sleef_expf16(void *fn) { (void)fn; }
 int lmi_silu_available(void) { return 0; }
 void lmi_silu_mul(void *g, const void *u, int64_t n, int bf16, int threads) {
@@ -173,50 +182,67 @@ static int64_t lin_scratch(const lmi_lin *l, int64_t m) {
     return 0;
 }
 
-static void residual(void *h, const void *x, int64_t n, int bf16) {
+#define GRAIN 32768     /* elements: below this a step's element-wise work stays on one thread */
+
+static void residual(void *h, const void *x, int64_t n, int bf16, int threads) {
     if (bf16) {
         uint16_t *hh = h;
         const uint16_t *xx = x;
+#pragma omp parallel for num_threads(threads) if (n >= GRAIN) schedule(static)
         for (int64_t i = 0; i < n; ++i) hh[i] = f32_to_bf16(bf16_to_f32(hh[i]) + bf16_to_f32(xx[i]));
     } else {
         float *hh = h;
         const float *xx = x;
+#pragma omp parallel for num_threads(threads) if (n >= GRAIN) schedule(static)
         for (int64_t i = 0; i < n; ++i) hh[i] += xx[i];
     }
 }
 
+/* sq: `threads` x E floats of scratch (fp32: each thread's rows take their own). */
 static void norm(const void *h, const void *w, void *out, int64_t B, int64_t E, float eps, int lanes, float *sq,
                  int bf16, int threads) {
-    if (bf16)
+    if (bf16) {
         lmi_rms_norm_bf16(h, w, out, B, E, eps, threads);
-    else
-        lmi_rms_norm_f32(h, w, out, B, E, eps, lanes, sq);
+        return;
+    }
+    const int nt = B * E >= GRAIN && B > 1 ? (threads < B ? threads : (int)B) : 1;
+#pragma omp parallel for num_threads(nt) if (nt > 1) schedule(static)
+    for (int c = 0; c < nt; ++c) {
+        const int64_t r0 = B * c / nt, r1 = B * (c + 1) / nt;
+        lmi_rms_norm_f32((const float *)h + r0 * E, w, (float *)out + r0 * E, r1 - r0, E, eps, lanes, sq + c * E);
+    }
 }
 
-/* h [B, E] (in place: the residual stream after the last layer) for B decoding sequences.
- * cos/sin [B, D] (row stride cs), slots [B], tables [B, tw], lens [B] as lmi_decode_fused takes
- * them; pools share one layout (strides s_blk/s_tok/s_head, elements), nslots slots each.
+/* h [T, E] (in place: the residual stream after the last layer) for a step of B decoding
+ * sequences (rows 0 .. B-1, one each) and P whole prompts (each prompt's context is its own rows
+ * of this step: rows pstarts[p] .. pstarts[p] + plens[p] - 1, all >= B; porder: the prompts
+ * longest first, as lmi_prefill_attention takes them). cos/sin [T, D] (row stride cs); slots [T];
+ * tables [B, tw], lens [B] as lmi_decode_fused takes them; pools share one layout (strides
+ * s_blk/s_tok/s_head, elements), nslots slots each. Decode rows: lmi_decode_fused (rotary, KV
+ * write, attention over the pool); prompt rows: lmi_rotary, lmi_write_kv, lmi_prefill_attention
+ * over their own keys: what handler/model/llama.py's layer calls for such a step.
  * Returns 0, -1 (a slot past the pool, before anything of the step was written), -2 (no memory). */
-int lmi_decode_layers(const lmi_layer *layers, int64_t L, void *h, int64_t B, int64_t E, int64_t H, int64_t Hkv,
-                      int64_t D, int64_t I, float eps, int lanes, int bf16, const void *cos, const void *sin,
-                      int64_t cs, const int64_t *slots, int64_t nslots, const int32_t *tables, int64_t tw,
-                      const int32_t *lens, int64_t s_blk, int64_t s_tok, int64_t s_head, int64_t bs, float scale,
-                      int threads) {
+int lmi_step_layers(const lmi_layer *layers, int64_t L, void *h, int64_t T, int64_t B, int64_t E, int64_t H,
+                    int64_t Hkv, int64_t D, int64_t I, float eps, int lanes, int bf16, const void *cos,
+                    const void *sin, int64_t cs, const int64_t *slots, int64_t nslots, const int32_t *tables,
+                    int64_t tw, const int32_t *lens, int64_t P, const int64_t *pstarts, const int64_t *plens,
+                    const int64_t *porder, int64_t s_blk, int64_t s_tok, int64_t s_head, int64_t bs, float scale,
+                    int threads) {
     const int64_t es = bf16 ? 2 : 4, nqkv = (H + 2 * Hkv) * D;
-    for (int64_t b = 0; b < B; ++b)
-        if (slots[b] >= nslots) return -1;
+    for (int64_t t = 0; t < T; ++t)
+        if (slots[t] >= nslots) return -1;
     int64_t lin = 0;
     for (int64_t l = 0; l < L; ++l) {
         const lmi_lin *ls[7] = {&layers[l].q, &layers[l].k, &layers[l].v, &layers[l].o, &layers[l].gate,
                                 &layers[l].up, &layers[l].down};
         for (int j = 0; j < 7; ++j) {
-            const int64_t s = lin_scratch(ls[j], B);
+            const int64_t s = lin_scratch(ls[j], T);
             if (s > lin) lin = s;
         }
     }
     /* x: normed rows; qkv; attn; o: a projection's output; gu: gate|up; act: silu(g) * u */
-    const int64_t sizes[] = {B * E * es, B * nqkv * es, B * H * D * es, B * E * es, B * 2 * I * es, B * I * es,
-                             E * 4, lin};
+    const int64_t sizes[] = {T * E * es, T * nqkv * es, T * H * D * es, T * E * es, T * 2 * I * es, T * I * es,
+                             (int64_t)threads * E * 4, lin};
     int64_t total = 0, off[8];
     for (int j = 0; j < 8; ++j) {
         off[j] = total;
@@ -228,31 +254,41 @@ int lmi_decode_layers(const lmi_layer *layers, int64_t L, void *h, int64_t B, in
     void *act = mem + off[5];
     float *sq = (float *)(mem + off[6]);
     char *ws = mem + off[7];
+    const int64_t np = T - B;
     int rc = 0;
     for (int64_t l = 0; l < L && rc == 0; ++l) {
         const lmi_layer *ly = &layers[l];
-        norm(h, ly->norm1, x, B, E, eps, lanes, sq, bf16, threads);
-        char *q = qkv;
-        linear(&ly->q, x, B, q, nqkv, bf16, ws, threads);
-        linear(&ly->k, x, B, q + ly->q.n * es, nqkv, bf16, ws, threads);
-        linear(&ly->v, x, B, q + (ly->q.n + ly->k.n) * es, nqkv, bf16, ws, threads);
-        rc = lmi_decode_fused(q, q + H * D * es, q + (H + Hkv) * D * es, nqkv, nqkv, nqkv, cos, sin, cs, bf16,
-                              ly->kc, ly->vc, s_blk, s_tok, s_head, slots, nslots, tables, tw, lens, B, H, Hkv, D,
-                              bs, scale, ly->window, 0.0f, attn, threads);
-        if (rc) break;
-        linear(&ly->o, attn, B, o, E, bf16, ws, threads);
-        residual(h, o, B * E, bf16);
-        norm(h, ly->norm2, x, B, E, eps, lanes, sq, bf16, threads);
-        linear(&ly->gate, x, B, gu, 2 * I, bf16, ws, threads);
-        linear(&ly->up, x, B, (char *)gu + ly->gate.n * es, 2 * I, bf16, ws, threads);
-        /* gate's half of each row copied out (as the Python layer's .contiguous()), then up's */
-        for (int64_t b = 0; b < B; ++b) {
-            memcpy((char *)act + b * I * es, (char *)gu + b * 2 * I * es, (size_t)(I * es));
-            memmove((char *)gu + b * I * es, (char *)gu + (b * 2 * I + I) * es, (size_t)(I * es));
+        norm(h, ly->norm1, x, T, E, eps, lanes, sq, bf16, threads);
+        char *q = qkv, *k = q + H * D * es, *v = q + (H + Hkv) * D * es;
+        linear(&ly->q, x, T, q, nqkv, bf16, ws, threads);
+        linear(&ly->k, x, T, q + ly->q.n * es, nqkv, bf16, ws, threads);
+        linear(&ly->v, x, T, q + (ly->q.n + ly->k.n) * es, nqkv, bf16, ws, threads);
+        if (B)
+            rc = lmi_decode_fused(q, k, v, nqkv, nqkv, nqkv, cos, sin, cs, bf16, ly->kc, ly->vc, s_blk, s_tok,
+                                  s_head, slots, nslots, tables, tw, lens, B, H, Hkv, D, bs, scale, ly->window, 0.0f,
+                                  attn, threads);
+        if (rc == 0 && P) {
+            const int64_t qo = B * nqkv * es, co = B * cs * es;
+            lmi_rotary(q + qo, k + qo, (const char *)cos + co, (const char *)sin + co, np, H, Hkv, D, nqkv, nqkv, cs,
+                       bf16, threads);
+            lmi_write_kv(ly->kc, ly->vc, k + qo, v + qo, es, s_blk, s_tok, s_head, nqkv, D, nqkv, D, slots + B, np,
+                         Hkv, D, bs, nslots);
+            rc = lmi_prefill_attention(q, k, v, nqkv, nqkv, nqkv, D, D, D, attn, H * D, D, bf16, pstarts, plens,
+                                       porder, P, H, Hkv, D, scale, threads);
         }
-        lmi_silu_mul(act, gu, B * I, bf16, threads);
-        linear(&ly->down, act, B, o, E, bf16, ws, threads);
-        residual(h, o, B * E, bf16);
+        if (rc) break;
+        linear(&ly->o, attn, T, o, E, bf16, ws, threads);
+        residual(h, o, T * E, bf16, threads);
+        norm(h, ly->norm2, x, T, E, eps, lanes, sq, bf16, threads);
+        linear(&ly->gate, x, T, gu, 2 * I, bf16, ws, threads);
+        linear(&ly->up, x, T, (char *)gu + ly->gate.n * es, 2 * I, bf16, ws, threads);
+        /* gate's half of each row copied out (as the Python layer's .contiguous()), times up's half in place */
+#pragma omp parallel for num_threads(threads) if (T * I >= GRAIN) schedule(static)
+        for (int64_t b = 0; b < T; ++b)
+            memcpy((char *)act + b * I * es, (char *)gu + b * 2 * I * es, (size_t)(I * es));
+        silu_mul_rows(act, (char *)gu + I * es, T, I, 2 * I, bf16, threads);
+        linear(&ly->down, act, T, o, E, bf16, ws, threads);
+        residual(h, o, T * E, bf16, threads);
     }
     free(mem);
     return rc;

@@ -63,27 +63,34 @@ class DecodeStack:
         a = model.arch
         self.kv_cache, self.layers, self.lanes, self.keep = kv_cache, layers, lanes, keep
         self.dtype = kv_cache[0][0].dtype
+        # Prompt rows too: their attention is the prompt kernel's, which takes no sliding window
+        # (the Python layers send such prompts to SDPA).
+        self.prompts = (not any(layer.window for layer in layers)
+                        and cpu_ext.prefill_attention_available(self.dtype))
         self.heads, self.kv_heads, self.head_dim = a.heads, a.kv_heads, a.head_dim
         self.intermediate, self.hidden, self.eps, self.scale = a.intermediate, a.hidden, a.eps, a.scaling
 
     def run(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, step) -> bool:
-        """Every layer of this step, in place on h [T, E]; False (nothing changed) unless every
-        sequence decodes one row and the tensors are as the C call takes them."""
+        """Every layer of this step, in place on h [T, E]; False (nothing changed) unless each
+        sequence decodes one row (those first) or feeds its whole prompt, and the tensors are as
+        the C call takes them."""
         t = h.shape[0]
         if (step.kv_cache is not self.kv_cache or h.dtype != self.dtype or not h.is_contiguous()
-                or h.shape[1] != self.hidden or (self.dtype == torch.float32 and h.numel() >= cpu_ext.TORCH_GRAIN)
-                or cos.dtype != self.dtype or sin.dtype != self.dtype or cos.shape != (t, self.head_dim)
-                or sin.shape != cos.shape or cos.stride() != sin.stride() or cos.stride(1) != 1):
+                or h.shape[1] != self.hidden or cos.dtype != self.dtype or sin.dtype != self.dtype
+                or cos.shape != (t, self.head_dim) or sin.shape != cos.shape or cos.stride() != sin.stride()
+                or cos.stride(1) != 1):
             return False
         pool = self.kv_cache[0][0]
-        rows = kernels.decode_rows(step.slot_mapping, step.block_tables, step.seq_lens, step.query_start_loc,
-                                   step.seq_lens_cpu, step.query_start_loc_cpu, pool.shape[1], t, h.device, step.memo)
+        rows = kernels.stack_rows(step.slot_mapping, step.block_tables, step.seq_lens, step.query_start_loc,
+                                  step.seq_lens_cpu, step.query_start_loc_cpu, pool.shape[1], t, h.device, step.memo)
         if rows is None:
             return False
-        slots, tables, lens = rows
-        cpu_ext.decode_layers(self.layers, h, cos, sin, slots, tables, lens, heads=self.heads,
-                              kv_heads=self.kv_heads, head_dim=self.head_dim, intermediate=self.intermediate,
-                              eps=self.eps, lanes=self.lanes, pool=pool, scale=self.scale)
+        slots, tables, lens, prompts = rows
+        if prompts.shape[1] and not self.prompts:
+            return False
+        cpu_ext.step_layers(self.layers, h, cos, sin, slots, tables, lens, prompts, heads=self.heads,
+                            kv_heads=self.kv_heads, head_dim=self.head_dim, intermediate=self.intermediate,
+                            eps=self.eps, lanes=self.lanes, pool=pool, scale=self.scale)
         return True
 
 

@@ -1,5 +1,6 @@
-"""A decode step's decoder stack in one C call (handler/model/cpu_stack.py, kernels/cpu_layer.c):
-the Python layers' values bit for bit (logits and KV pools), and where it does not apply, why."""
+"""A step's decoder stack in one C call (handler/model/cpu_stack.py, kernels/cpu_layer.c): decode
+rows and whole prompts, the Python layers' values bit for bit (logits and KV pools), and where it
+does not apply, why."""
 from __future__ import annotations
 
 import pytest
@@ -39,9 +40,9 @@ def test_silu_mul_rounds_as_torch(dtype, threads):
         torch.set_num_threads(old)
 
 
-def _runner(model_dir, dtype="fp32", quantize=None, stack=True, window=None):
+def _runner(model_dir, dtype="fp32", quantize=None, stack=True, window=None, kv_tokens=256):
     from handler.model.runner import ModelRunner
-    r = ModelRunner(model_dir, dtype=dtype, device="cpu", block_size=4, kv_cache_tokens=256, max_running=8,
+    r = ModelRunner(model_dir, dtype=dtype, device="cpu", block_size=4, kv_cache_tokens=kv_tokens, max_running=8,
                     quantize=quantize)
     if window:      # a sliding window on every other layer (Mistral / Qwen2's per-layer windows)
         for layer in r.model.model.layers[::2]:
@@ -100,11 +101,13 @@ def test_decode_stack_gives_the_python_layers_values_bit_for_bit(demo_model_fact
     calls = []
     got, got_kv = _steps(fast, calls)
     want, want_kv = _steps(slow, [])
-    assert calls == [False, False] + [True] * 6     # prompts and the mixed step stay in Python
     for g, w in zip(got, want):
         assert g.shape == w.shape and torch.equal(g, w)
     for (gk, gv), (wk, wv) in zip(got_kv, want_kv):
         assert torch.equal(gk, wk) and torch.equal(gv, wv)
+    # The prompt step, the mixed step (decode rows, then a whole prompt) and the decode steps all
+    # ran in C, except prompts beside sliding windows (the prompt kernel takes none: Python's SDPA).
+    assert calls == ([False, False] if window else [True, True]) + [True] * 6
 
 
 @needs_stack
@@ -121,3 +124,70 @@ def test_decode_stack_stays_off_where_it_does_not_apply(demo_model_factory, monk
     monkeypatch.setenv("LMI_CPU_PREPACK", "0")      # plain nn.Linear: nothing packed for the C kernels
     monkeypatch.delenv("LMI_CPU_DECODE_STACK")
     assert _runner(demo_model_factory("llama")).model.decode_stack is None
+
+
+def _run_steps(runner, steps: list, calls: list) -> tuple[list, list]:
+    from handler.model.runner import pack_step
+    stack = runner.model.decode_stack
+    if stack is not None:
+        real = stack.run
+        stack.run = lambda *a: calls.append(real(*a)) or calls[-1]
+    out = [runner.forward(pack_step(items, 4)[0]).clone() for items in steps]
+    return out, [(k.clone(), v.clone()) for k, v in runner.kv_cache]
+
+
+@needs_stack
+@pytest.mark.parametrize("dtype", ["fp32", pytest.param("bf16", marks=needs_bf16_panels)])
+def test_stack_takes_long_prompts_and_declines_chunks_and_prompts_before_decodes(demo_model_factory, dtype):
+    # Steps of 100-250 rows: past torch's parallel grain (32768 elements) in the norms, residual
+    # adds and SiLU at hidden 256 / intermediate 688, where torch splits its loops across threads.
+    from handler.engine.request import SamplingParams
+    from handler.engine.types import StepItem
+    path = demo_model_factory("llama")
+    fast = _runner(path, dtype, kv_tokens=1024)
+    slow = _runner(path, dtype, stack=False, kv_tokens=1024)
+    g = torch.Generator().manual_seed(5)
+    p = SamplingParams(max_new_tokens=16)
+    a, b, c, d, e = (torch.randint(5, 200, (n,), generator=g).tolist() for n in (150, 100, 60, 80, 9))
+    blk = iter(range(256))
+    tab = {s: [next(blk) for _ in range(n // 4 + 2)] for s, n in zip("abcde", (150, 100, 60, 80, 9))}
+    steps = [
+        [StepItem(1, a, 0, tab["a"], True, p, a), StepItem(2, b, 0, tab["b"], True, p, b)],    # two prompts
+        [StepItem(1, [7], 150, tab["a"], True, p, a + [7]), StepItem(2, [8], 100, tab["b"], True, p, b + [8]),
+         StepItem(3, c, 0, tab["c"], True, p, c)],                                   # decode rows, then a prompt
+        [StepItem(4, d[:40], 0, tab["d"], False, p, d)],      # a first chunk: its context is its rows (taken)
+        [StepItem(4, d[40:], 40, tab["d"], True, p, d),                             # ... its rest: not whole
+         StepItem(1, [9], 151, tab["a"], True, p, a + [7, 9])],
+        [StepItem(5, e, 0, tab["e"], True, p, e),                                   # a prompt before decode rows
+         StepItem(2, [10], 101, tab["b"], True, p, b + [8, 10])],
+        [StepItem(s, [11], n, tab[k], True, p, []) for s, k, n in ((1, "a", 152), (3, "c", 60), (5, "e", 9))],
+    ]
+    calls = []
+    got, got_kv = _run_steps(fast, steps, calls)
+    want, want_kv = _run_steps(slow, steps, [])
+    for i, (x, y) in enumerate(zip(got, want)):
+        assert x.shape == y.shape and torch.equal(x, y), i
+    for (gk, gv), (wk, wv) in zip(got_kv, want_kv):
+        assert torch.equal(gk, wk) and torch.equal(gv, wv)
+    assert calls == [True, True, True, False, False, True]
+
+
+def test_stack_rows_reads_the_step_layout():
+    # Decode rows first, then whole prompts: the C stack's inputs; anything else: None.
+    import kernels
+    bt = torch.tensor([[0, 1], [2, 3], [4, 5]])
+
+    def rows(qsl, lens):
+        t = qsl[-1]
+        return kernels.stack_rows(torch.arange(t), bt[:len(lens)], torch.tensor(lens), torch.tensor(qsl), lens, qsl,
+                                  4, t, torch.device("cpu"))
+    slots, tables, lens, prompts = rows([0, 1, 2, 7], [6, 3, 5])
+    assert slots.dtype == torch.int64 and slots.tolist() == list(range(7))
+    assert tables.tolist() == [[0, 1], [2, 3]] and lens.tolist() == [6, 3]
+    assert prompts.tolist() == [[2], [5], [0]]
+    _, tables, _, prompts = rows([0, 3, 8], [3, 5])            # prompts only, the longer one first in order
+    assert tables.shape[0] == 0 and prompts.tolist() == [[0, 3], [3, 5], [1, 0]]
+    _, tables, _, prompts = rows([0, 1, 2], [6, 3])             # decode only
+    assert tables.shape[0] == 2 and prompts.shape == (3, 0)
+    assert rows([0, 3, 4], [3, 7]) is None                      # a decode row after a prompt
+    assert rows([0, 1, 3], [6, 5]) is None                      # a chunk of a longer prompt
