@@ -20,6 +20,8 @@
  */
 #include <stdint.h>
 
+#include "cpu_api.h"
+
 #define NR 32
 #define MRMAX 12
 
@@ -49,7 +51,7 @@ int lmi_gemm_available(void) { return 1; }
                           int64_t ldc, const float *bias, int64_t ncols, const float *Bn,           \
                           int64_t pf0, int64_t pfs) {                                               \
         __m512 c0[MR], c1[MR];                                                                      \
-        for (int r = 0; r < MR; ++r) {                                                              \
+        UNROLL_MR for (int r = 0; r < MR; ++r) {                                                    \
             c0[r] = _mm512_setzero_ps();                                                            \
             c1[r] = _mm512_setzero_ps();                                                            \
         }                                                                                           \
@@ -63,7 +65,7 @@ int lmi_gemm_available(void) { return 1; }
             const __m512 b0 = _mm512_loadu_ps(B + k * NR), b1 = _mm512_loadu_ps(B + k * NR + 16);   \
             _mm_prefetch((const char *)(B + (k + 8) * NR), _MM_HINT_T0);                            \
             _mm_prefetch((const char *)(B + (k + 8) * NR + 16), _MM_HINT_T0);                       \
-            for (int r = 0; r < MR; ++r) {                                                          \
+            UNROLL_MR for (int r = 0; r < MR; ++r) {                                                \
                 const __m512 a = _mm512_set1_ps(A[r * lda + k]);                                    \
                 c0[r] = _mm512_fmadd_ps(a, b0, c0[r]);                                              \
                 c1[r] = _mm512_fmadd_ps(a, b1, c1[r]);                                              \
@@ -74,12 +76,12 @@ int lmi_gemm_available(void) { return 1; }
                                                   : (__mmask16)((1u << (ncols - 16)) - 1);          \
         if (bias) {                                                                                 \
             const __m512 bb0 = _mm512_maskz_loadu_ps(m0, bias), bb1 = _mm512_maskz_loadu_ps(m1, bias + 16); \
-            for (int r = 0; r < MR; ++r) {                                                          \
+            UNROLL_MR for (int r = 0; r < MR; ++r) {                                                        \
                 c0[r] = _mm512_add_ps(c0[r], bb0);                                                  \
                 c1[r] = _mm512_add_ps(c1[r], bb1);                                                  \
             }                                                                                       \
         }                                                                                           \
-        for (int r = 0; r < MR; ++r) {                                                              \
+        UNROLL_MR for (int r = 0; r < MR; ++r) {                                                    \
             _mm512_mask_storeu_ps(C + r * ldc, m0, c0[r]);                                          \
             _mm512_mask_storeu_ps(C + r * ldc + 16, m1, c1[r]);                                     \
         }                                                                                           \

@@ -25,6 +25,8 @@
  */
 #include <stdint.h>
 
+#include "cpu_api.h"
+
 #define NR 32
 #define MRMAX 12
 
@@ -65,20 +67,20 @@ static inline __m256i round_bf16(__m512 v) {
                                                   : (__mmask16)((1u << (ncols - 16)) - 1);          \
         if (bias) {                                                                                 \
             const __m512 bb0 = _mm512_maskz_loadu_ps(m0, bias), bb1 = _mm512_maskz_loadu_ps(m1, bias + 16); \
-            for (int r = 0; r < MR; ++r) {                                                          \
+            UNROLL_MR for (int r = 0; r < MR; ++r) {                                                        \
                 c0[r] = _mm512_add_ps(c0[r], bb0);                                                  \
                 c1[r] = _mm512_add_ps(c1[r], bb1);                                                  \
             }                                                                                       \
         }                                                                                           \
         if (out_bf16) {                                                                             \
             uint16_t *o = (uint16_t *)C;                                                            \
-            for (int r = 0; r < MR; ++r) {                                                          \
+            UNROLL_MR for (int r = 0; r < MR; ++r) {                                                \
                 _mm256_mask_storeu_epi16(o + r * ldc, m0, round_bf16(c0[r]));                       \
                 _mm256_mask_storeu_epi16(o + r * ldc + 16, m1, round_bf16(c1[r]));                  \
             }                                                                                       \
         } else {                                                                                    \
             float *o = (float *)C;                                                                  \
-            for (int r = 0; r < MR; ++r) {                                                          \
+            UNROLL_MR for (int r = 0; r < MR; ++r) {                                                \
                 _mm512_mask_storeu_ps(o + r * ldc, m0, c0[r]);                                      \
                 _mm512_mask_storeu_ps(o + r * ldc + 16, m1, c1[r]);                                 \
             }                                                                                       \
@@ -95,7 +97,7 @@ static inline __m256i round_bf16(__m512 v) {
                          int64_t ldc, int out_bf16, const float *bias, int64_t ncols,               \
                          const uint16_t *Bn, int64_t pf0, int64_t pfs) {                            \
         __m512 c0[MR], c1[MR];                                                                      \
-        for (int r = 0; r < MR; ++r) {                                                              \
+        UNROLL_MR for (int r = 0; r < MR; ++r) {                                                    \
             c0[r] = _mm512_setzero_ps();                                                            \
             c1[r] = _mm512_setzero_ps();                                                            \
         }                                                                                           \
@@ -116,12 +118,12 @@ static inline __m256i round_bf16(__m512 v) {
             const __m512 e1 = _mm512_castsi512_ps(_mm512_slli_epi32(w1, 16));                       \
             const __m512 o0 = _mm512_castsi512_ps(_mm512_and_si512(w0, hi));                        \
             const __m512 o1 = _mm512_castsi512_ps(_mm512_and_si512(w1, hi));                        \
-            for (int r = 0; r < MR; ++r) {                                                          \
+            UNROLL_MR for (int r = 0; r < MR; ++r) {                                                \
                 const __m512 a = _mm512_set1_ps(A[r * lda + 2 * q]);                                \
                 c0[r] = _mm512_fmadd_ps(a, e0, c0[r]);                                              \
                 c1[r] = _mm512_fmadd_ps(a, e1, c1[r]);                                              \
             }                                                                                       \
-            for (int r = 0; r < MR; ++r) {                                                          \
+            UNROLL_MR for (int r = 0; r < MR; ++r) {                                                \
                 const __m512 a = _mm512_set1_ps(A[r * lda + 2 * q + 1]);                            \
                 c0[r] = _mm512_fmadd_ps(a, o0, c0[r]);                                              \
                 c1[r] = _mm512_fmadd_ps(a, o1, c1[r]);                                              \
@@ -132,7 +134,7 @@ static inline __m256i round_bf16(__m512 v) {
                 _mm512_loadu_si512((const void *)(B + kfull * NR * 2)), 16));                       \
             const __m512 e1 = _mm512_castsi512_ps(_mm512_slli_epi32(                                \
                 _mm512_loadu_si512((const void *)(B + kfull * NR * 2 + 32)), 16));                  \
-            for (int r = 0; r < MR; ++r) {                                                          \
+            UNROLL_MR for (int r = 0; r < MR; ++r) {                                                \
                 const __m512 a = _mm512_set1_ps(A[r * lda + K - 1]);                                \
                 c0[r] = _mm512_fmadd_ps(a, e0, c0[r]);                                              \
                 c1[r] = _mm512_fmadd_ps(a, e1, c1[r]);                                              \

@@ -33,6 +33,8 @@
  * caller dequantizes in torch instead.
  */
 #include <stdint.h>
+
+#include "cpu_api.h"
 #include <stdlib.h>
 
 #define NR 32
@@ -54,7 +56,7 @@ int lmi_gemm_q_available(void) { return 1; }
                                 int64_t Bn_lines, int64_t pf0, int64_t pfs) {                        \
         const int64_t RB = BITS == 4 ? 16 : 32; /* bytes per k */                                     \
         __m512 c0[MR], c1[MR];                                                                        \
-        for (int r = 0; r < MR; ++r) {                                                                \
+        UNROLL_MR for (int r = 0; r < MR; ++r) {                                                      \
             c0[r] = _mm512_setzero_ps();                                                              \
             c1[r] = _mm512_setzero_ps();                                                              \
         }                                                                                             \
@@ -85,7 +87,7 @@ int lmi_gemm_q_available(void) { return 1; }
                 }                                                                                     \
                 const __m512 w0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q0), s0, n0);                    \
                 const __m512 w1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q1), s1, n1);                    \
-                for (int r = 0; r < MR; ++r) {                                                        \
+                UNROLL_MR for (int r = 0; r < MR; ++r) {                                              \
                     const __m512 a = _mm512_set1_ps(A[r * lda + k]);                                  \
                     c0[r] = _mm512_fmadd_ps(a, w0, c0[r]);                                            \
                     c1[r] = _mm512_fmadd_ps(a, w1, c1[r]);                                            \
@@ -97,12 +99,12 @@ int lmi_gemm_q_available(void) { return 1; }
                                                   : (__mmask16)((1u << (ncols - 16)) - 1);            \
         if (bias) {                                                                                   \
             const __m512 bb0 = _mm512_maskz_loadu_ps(m0, bias), bb1 = _mm512_maskz_loadu_ps(m1, bias + 16); \
-            for (int r = 0; r < MR; ++r) {                                                            \
+            UNROLL_MR for (int r = 0; r < MR; ++r) {                                                        \
                 c0[r] = _mm512_add_ps(c0[r], bb0);                                                    \
                 c1[r] = _mm512_add_ps(c1[r], bb1);                                                    \
             }                                                                                         \
         }                                                                                             \
-        for (int r = 0; r < MR; ++r) {                                                                \
+        UNROLL_MR for (int r = 0; r < MR; ++r) {                                                      \
             _mm512_mask_storeu_ps(C + r * ldc, m0, c0[r]);                                            \
             _mm512_mask_storeu_ps(C + r * ldc + 16, m1, c1[r]);                                       \
         }                                                                                             \
@@ -118,13 +120,13 @@ KERNEL(8, 7) KERNEL(8, 8) KERNEL(8, 9) KERNEL(8, 10) KERNEL(8, 11) KERNEL(8, 12)
     static void kf_##MR(const float *A, int64_t lda, const float *W, int64_t K, float *C, int64_t ldc,  \
                         const float *bias, int64_t ncols) {                                           \
         __m512 c0[MR], c1[MR];                                                                        \
-        for (int r = 0; r < MR; ++r) {                                                                \
+        UNROLL_MR for (int r = 0; r < MR; ++r) {                                                      \
             c0[r] = _mm512_setzero_ps();                                                              \
             c1[r] = _mm512_setzero_ps();                                                              \
         }                                                                                             \
         for (int64_t k = 0; k < K; ++k) {                                                             \
             const __m512 b0 = _mm512_load_ps(W + k * NR), b1 = _mm512_load_ps(W + k * NR + 16);       \
-            for (int r = 0; r < MR; ++r) {                                                            \
+            UNROLL_MR for (int r = 0; r < MR; ++r) {                                                  \
                 const __m512 a = _mm512_set1_ps(A[r * lda + k]);                                      \
                 c0[r] = _mm512_fmadd_ps(a, b0, c0[r]);                                                \
                 c1[r] = _mm512_fmadd_ps(a, b1, c1[r]);                                                \
@@ -135,12 +137,12 @@ KERNEL(8, 7) KERNEL(8, 8) KERNEL(8, 9) KERNEL(8, 10) KERNEL(8, 11) KERNEL(8, 12)
                                                   : (__mmask16)((1u << (ncols - 16)) - 1);            \
         if (bias) {                                                                                   \
             const __m512 bb0 = _mm512_maskz_loadu_ps(m0, bias), bb1 = _mm512_maskz_loadu_ps(m1, bias + 16); \
-            for (int r = 0; r < MR; ++r) {                                                            \
+            UNROLL_MR for (int r = 0; r < MR; ++r) {                                                        \
                 c0[r] = _mm512_add_ps(c0[r], bb0);                                                    \
                 c1[r] = _mm512_add_ps(c1[r], bb1);                                                    \
             }                                                                                         \
         }                                                                                             \
-        for (int r = 0; r < MR; ++r) {                                                                \
+        UNROLL_MR for (int r = 0; r < MR; ++r) {                                                      \
             _mm512_mask_storeu_ps(C + r * ldc, m0, c0[r]);                                            \
             _mm512_mask_storeu_ps(C + r * ldc + 16, m1, c1[r]);                                       \
         }                                                                                             \
