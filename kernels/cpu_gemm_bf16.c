@@ -28,7 +28,8 @@
 #include "cpu_api.h"
 
 #define NR 32
-#define MRMAX 12
+#define MRMAX 14     /* vdpbf16ps kernels; the widening ones take up to MRW rows */
+#define MRW 12
 
 /* W [N, K] bf16 row-major -> panels [ceil(N/32)][ceil(K/2)][32][2], zero padded. */
 void lmi_pack_bf16(const uint16_t *W, int64_t N, int64_t K, uint16_t *out) {
@@ -147,12 +148,12 @@ KERNELW(7) KERNELW(8) KERNELW(9) KERNELW(10) KERNELW(11) KERNELW(12)
 
 typedef void (*kfw_t)(const float *, int64_t, const uint16_t *, int64_t, void *, int64_t, int,
                       const float *, int64_t, const uint16_t *, int64_t, int64_t);
-static const kfw_t KFW[MRMAX + 1] = {0, kfw_1, kfw_2, kfw_3, kfw_4, kfw_5, kfw_6,
+static const kfw_t KFW[MRW + 1] = {0, kfw_1, kfw_2, kfw_3, kfw_4, kfw_5, kfw_6,
                                      kfw_7, kfw_8, kfw_9, kfw_10, kfw_11, kfw_12};
 
 /* Rows in chunks whose A slice stays in L2 (about 1 MiB), each thread a contiguous range of
  * panels, the row blocks of a chunk near-equal in size (as kernels/cpu_gemm.c). */
-#define DRIVE(TABLE, ATYPE)                                                                         \
+#define DRIVE(TABLE, ATYPE, MRMAX)                                                                  \
     const int64_t np = (N + NR - 1) / NR, kq = (K + 1) / 2;                                         \
     const int64_t esz = out_bf16 ? 2 : 4;                                                           \
     int64_t chunk = ((1 << 20) / (K * (int64_t)sizeof(ATYPE))) / MRMAX * MRMAX;                     \
@@ -184,7 +185,7 @@ static const kfw_t KFW[MRMAX + 1] = {0, kfw_1, kfw_2, kfw_3, kfw_4, kfw_5, kfw_6
  * C [M, N] at row stride ldc: fp32, or bf16 when out_bf16. Products and sums in fp32 FMAs. */
 void lmi_gemm_bf16w(const float *A, int64_t M, int64_t K, int64_t lda, const uint16_t *Bp, int64_t N,
                     const float *bias, void *C, int64_t ldc, int out_bf16, int nthreads) {
-    DRIVE(KFW, float)
+    DRIVE(KFW, float, MRW)
 }
 
 #if defined(__AVX512BF16__)
@@ -219,7 +220,7 @@ void lmi_bf16_rows(const float *A, int64_t M, int64_t K, int64_t lda, uint16_t *
  * _mm512_dpbf16_ps, gcc 12 copied every accumulator through the stack around each instruction
  * (the builtin has one form, and the allocator gives acc another register), as it did for the
  * int8 kernel's vpdpbusd (kernels/cpu_gemm_i8.c). */
-#define FOR_ROWS(X) X(0) X(1) X(2) X(3) X(4) X(5) X(6) X(7) X(8) X(9) X(10) X(11)
+#define FOR_ROWS(X) X(0) X(1) X(2) X(3) X(4) X(5) X(6) X(7) X(8) X(9) X(10) X(11) X(12) X(13)
 #define DPBF16(acc, a, b) __asm__("vdpbf16ps %2, %1, %0" : "+v"(acc) : "v"(a), "v"(b))
 #define BF_DECL(r) __m512 c0_##r = _mm512_setzero_ps(), c1_##r = _mm512_setzero_ps();
 #define BF_STEP(r)                                                                                  \
@@ -277,18 +278,18 @@ void lmi_bf16_rows(const float *A, int64_t M, int64_t K, int64_t lda, uint16_t *
         STORE(MR)                                                                                   \
     }
 KERNEL(1) KERNEL(2) KERNEL(3) KERNEL(4) KERNEL(5) KERNEL(6)
-KERNEL(7) KERNEL(8) KERNEL(9) KERNEL(10) KERNEL(11) KERNEL(12)
+KERNEL(7) KERNEL(8) KERNEL(9) KERNEL(10) KERNEL(11) KERNEL(12) KERNEL(13) KERNEL(14)
 
 typedef void (*kbf_t)(const uint16_t *, int64_t, const uint16_t *, int64_t, void *, int64_t, int,
                       const float *, int64_t, const uint16_t *, int64_t, int64_t);
 static const kbf_t KBF[MRMAX + 1] = {0, kbf_1, kbf_2, kbf_3, kbf_4, kbf_5, kbf_6,
-                                     kbf_7, kbf_8, kbf_9, kbf_10, kbf_11, kbf_12};
+                                     kbf_7, kbf_8, kbf_9, kbf_10, kbf_11, kbf_12, kbf_13, kbf_14};
 
 /* A [M, K] bf16 at row stride lda (K contiguous), Bp from lmi_pack_bf16, bias [N] fp32 or NULL,
  * C [M, N] at row stride ldc: fp32, or bf16 when out_bf16. Products by vdpbf16ps. */
 void lmi_gemm_bf16(const uint16_t *A, int64_t M, int64_t K, int64_t lda, const uint16_t *Bp, int64_t N,
                    const float *bias, void *C, int64_t ldc, int out_bf16, int nthreads) {
-    DRIVE(KBF, uint16_t)
+    DRIVE(KBF, uint16_t, MRMAX)
 }
 #endif
 #else
