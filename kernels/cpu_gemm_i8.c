@@ -11,7 +11,7 @@
  *   C[m, n] = sa[m] * sw[n] * (sum_k (A_q[m, k] + 128) W_q[n, k] - 128 wsum[n]) + bias[n]
  *
  * The integer sum is exact (|acc| < 2^31 for K < 2^16), so a row's result depends only on that row.
- * Same shape as kernels/cpu_gemm.c: up to 12 rows x 32 columns of int32 accumulators in 24 zmm
+ * Same shape as kernels/cpu_gemm.c: up to 14 rows x 32 columns of int32 accumulators in 28 zmm
  * registers, each thread a contiguous range of panels, the next panel prefetched into L2 while
  * the current one multiplies; the weight stream is a quarter of fp32's.
  *
@@ -25,7 +25,7 @@
 #endif
 
 #define NR 32
-#define MRMAX 12
+#define MRMAX 14
 
 /* W [N, K] int8 row-major -> panels [ceil(N/32)][Kp/4][32][4] (Kp = K rounded up to 4), zero
  * padded; wsum[n] = sum_k W[n, k] (0 for padded columns). */
@@ -103,7 +103,7 @@ int lmi_gemm_i8_available(void) { return 1; }
  * between registers and the stack around each instruction (its one form leaves acc's register
  * to the allocator). */
 #define DPBUSD(acc, a, b) __asm__("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(a), "v"(b))
-#define FOR_ROWS(X) X(0) X(1) X(2) X(3) X(4) X(5) X(6) X(7) X(8) X(9) X(10) X(11)
+#define FOR_ROWS(X) X(0) X(1) X(2) X(3) X(4) X(5) X(6) X(7) X(8) X(9) X(10) X(11) X(12) X(13)
 #define DECL(r) __m512i c0_##r = _mm512_setzero_si512(), c1_##r = _mm512_setzero_si512();
 #define STEP(r)                                                                                     \
     if (mr > r) {                                                                                   \
@@ -151,12 +151,12 @@ int lmi_gemm_i8_available(void) { return 1; }
         FOR_ROWS(STORE)                                                                             \
     }
 KERNEL(1) KERNEL(2) KERNEL(3) KERNEL(4) KERNEL(5) KERNEL(6)
-KERNEL(7) KERNEL(8) KERNEL(9) KERNEL(10) KERNEL(11) KERNEL(12)
+KERNEL(7) KERNEL(8) KERNEL(9) KERNEL(10) KERNEL(11) KERNEL(12) KERNEL(13) KERNEL(14)
 
 typedef void (*ki8_t)(const uint8_t *, int64_t, const int8_t *, int64_t, float *, int64_t, const float *,
                       const float *, const int32_t *, const float *, int64_t, const int8_t *, int64_t, int64_t);
 static const ki8_t KI8[MRMAX + 1] = {0, ki8_1, ki8_2, ki8_3, ki8_4, ki8_5, ki8_6,
-                                     ki8_7, ki8_8, ki8_9, ki8_10, ki8_11, ki8_12};
+                                     ki8_7, ki8_8, ki8_9, ki8_10, ki8_11, ki8_12, ki8_13, ki8_14};
 
 /* Aq [M, Kp] uint8 from lmi_quant_rows with its scales sa [M]; Bp, wsum from lmi_pack_i8; sw [N]
  * the weight scales; bias [N] or NULL; C [M, N] fp32 at row stride ldc. */
