@@ -55,9 +55,10 @@ void lmi_rotary(void *q, void *k, const void *cos, const void *sin, int64_t T, i
  * torch 2.13 wheel on AVX-512 hosts, as found by trying; 1 for rows shorter than W): the row as (size / 4, 4) elements of W
  * lanes; each of the 4 columns summed lane-wise in a cascade of 4 levels of 2^4 (multi_row_sum),
  * the leftover elements into column 0, columns 1..3 into column 0; then the scalar tail and the
- * W lanes, in order, into one float. Only torch's serial path is reproduced: the caller keeps
- * rows x H under torch's parallel grain (32768). kernels/cpu_ext.py finds W by checking against
- * torch at first use and falls back to torch when no W gives every bit. */
+ * W lanes, in order, into one float. Past torch's parallel grain (32768 elements) torch splits the
+ * rows across threads, each row still summed this way (kernels/cpu_ext.py's first-use check covers
+ * both). kernels/cpu_ext.py finds W by checking against torch at first use and falls back to torch
+ * when no W gives every bit. */
 static int64_t ceil_log2(int64_t x) {
     if (x <= 2)
         return 1;

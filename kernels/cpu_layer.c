@@ -1,11 +1,12 @@
-/* A CPU decode step's decoder stack in one call: for each layer, Llama's
+/* A CPU step's decoder stack in one call (decode rows, then whole prompts): for each layer, Llama's
  *
- *     x = norm1(h); q|k|v = x W_qkv; a = attention (kernels/cpu_decode.c lmi_decode_fused);
+ *     x = norm1(h); q|k|v = x W_qkv; a = attention (kernels/cpu_decode.c: lmi_decode_fused for the
+ *     decode rows; lmi_rotary, lmi_write_kv and lmi_prefill_attention for the prompts' rows);
  *     h += a W_o; x = norm2(h); g|u = x W_gu; h += (silu(g) * u) W_down
  *
  * calling the same kernels the Python layer calls one by one (the panel GEMMs of cpu_gemm.c,
  * cpu_gemm_bf16.c and cpu_gemm_i8.c, the norms, the fused attention), with the element-wise steps
- * rounded as torch rounds them: the same values bit for bit (tests/kernels/test_cpu_layer.py), one
+ * rounded as torch rounds them: the same values bit for bit (tests/model/test_cpu_stack.py), one
  * Python call per step instead of about twenty per layer.
  *
  * SiLU is torch's: torch computes x / (1 + exp(-x)) with Sleef's expf (u10) on whole vectors and

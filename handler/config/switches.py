@@ -73,8 +73,9 @@ SWITCHES: dict[str, Switch] = {s.name: s for s in (
            "(where installed); `system` keeps the C library's allocator", _CPU, allowed=("tcmalloc", "system")),
     Switch("LMI_CPU_ATTENTION", "choice", "kernel", "CPU decode attention by the C kernel "
            "(kernels/cpu_decode.c), or the torch reference", "kernels/cpu_ext.py", allowed=("kernel", "reference")),
-    Switch("LMI_CPU_DECODE_STACK", "flag", True, "CPU, our models: a decode step's decoder layers in one C call "
-           "(kernels/cpu_layer.c, the Python layers' values bit for bit); `0` runs them layer by layer in Python",
+    Switch("LMI_CPU_DECODE_STACK", "flag", True, "CPU, our models: a step's decoder layers (decode rows, whole prompts) in "
+           "one C call (kernels/cpu_layer.c, the Python layers' values bit for bit); `0` runs them layer by layer in "
+           "Python",
            "handler/model/cpu_stack.py"),
     Switch("LMI_CPU_EXT_CACHE", "text", None, "where the CPU kernels are built and cached", "kernels/cpu_ext.py",
            values="directory", default_doc="`~/.cache/lmi-serve/kernels`"),

@@ -1,19 +1,24 @@
-"""A CPU decode step's decoder stack in one C call (kernels/cpu_layer.c).
+"""A CPU step's decoder stack in one C call (kernels/cpu_layer.c): decode rows and whole prompts.
 
 At one to a few dozen decoding rows a layer's arithmetic is small and its Python is not: the
 layer of handler/model/llama.py makes about twenty calls (norm, fused q/k/v GEMM, the fused
 attention call, o_proj, residual, norm, gate/up GEMM, SiLU, product, down, residual), ~150 us a
-layer on the dev host, 4-5 ms of a 22 ms one-row step of SmolLM2's 30 layers. `DecodeStack.run`
-hands the whole stack to C: the same kernels in the same order, the element-wise steps rounded as
-torch's (SiLU by torch's own Sleef function), so the residual stream and the KV pools come out
-bit for bit as the Python layers leave them (tests/kernels/test_cpu_layer.py).
+layer on the dev host, 4-5 ms of a 22 ms one-row step of SmolLM2's 30 layers. At a prompt step's
+thousand rows the same element-wise ops are torch passes over megabytes each (~5% of the step).
+`DecodeStack.run` hands the whole stack to C: the same kernels in the same order, the element-wise
+steps rounded as torch's (SiLU by torch's own Sleef function, split across threads as torch splits
+it; RMSNorm sums in torch's order, row by row), so the residual stream and the KV pools come out
+bit for bit as the Python layers leave them (tests/model/test_cpu_stack.py).
 
 What it takes, checked once at load (`build` returns None and says why otherwise): our Llama
-family without q/k norms, post-norms or residual multipliers; one rank; no LoRA; every linear packed for our panel kernels (fp32 panels, bf16 panels either way, int8);
-Llama-style RMSNorms; KV pools the fused attention reads, in the activations' dtype; torch's SiLU
-reproduced here (cpu_ext.silu_exact). And per step (`run` returns False, the Python layers serve):
-every sequence decodes one row, and in fp32 the rows are few enough that torch's RMSNorm sums in
-the order cpu_ext.rms_norm_f32 reproduces. LMI_CPU_DECODE_STACK=0 turns it off.
+family without q/k norms, post-norms or residual multipliers; one rank; no LoRA; every linear
+packed for our panel kernels (fp32 panels, bf16 panels either way, int8); Llama-style RMSNorms;
+KV pools the fused attention reads, in the activations' dtype; torch's SiLU reproduced here
+(cpu_ext.silu_exact). And per step (`run` returns False, the Python layers serve): every sequence
+decodes one row (those first) or feeds a whole prompt (its context is its rows of this step:
+`kernels.stack_rows`); prompts only where no layer has a sliding window (the prompt attention
+kernel takes none). A chunk of a longer prompt goes through Python. LMI_CPU_DECODE_STACK=0 turns
+it off.
 """
 from __future__ import annotations
 

@@ -356,8 +356,9 @@ class ModelRunner:
         if self.own and self.ranks is None:
             from handler.model import cpu_stack
             self.model.decode_stack, why = cpu_stack.build(self.model, self.kv_cache, lora=self.lora is not None)
-            log.info("CPU: decode steps' layers %s", "in one C call (kernels/cpu_layer.c)"
-                     if self.model.decode_stack is not None else f"in Python ({why})")
+            stack = self.model.decode_stack
+            log.info("CPU: a step's layers %s", f"in one C call (kernels/cpu_layer.c; decode rows"
+                     f"{', whole prompts' if stack.prompts else ''})" if stack is not None else f"in Python ({why})")
 
     def capture_cuda_graphs(self, max_batch: int) -> None:
         """option.enforce_eager=false: capture the decode step for every batch size up to
