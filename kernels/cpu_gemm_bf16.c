@@ -15,8 +15,8 @@
  * other half zero, never the next row's value). An fp32 A is first rounded to bf16 rows by
  * vcvtne2ps2bf16 (lmi_bf16_rows; round to nearest even, denormals to zero).
  *
- * Same shape as kernels/cpu_gemm.c: up to 12 rows x 32 columns of fp32 accumulators in 24 zmm
- * registers, each thread a contiguous range of panels, the next panel prefetched into L2 while
+ * Same shape as kernels/cpu_gemm.c: up to 14 rows (12 widening) x 32 columns of fp32 accumulators in
+ * 28 (24) zmm registers, each thread a contiguous range of panels, the next panel prefetched into L2 while
  * the current one multiplies, rows in chunks whose A slice stays in L2. A row's result depends
  * only on that row.
  *

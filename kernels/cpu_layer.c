@@ -71,15 +71,35 @@ static inline __m512 bf16x16_to_f32(const uint16_t *p) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
 }
 
+/* 16 floats -> bf16, f32_to_bf16's rounding (to nearest even; a NaN stays a NaN) lane by lane. */
+static inline __m256i f32x16_to_bf16(__m512 x) {
+    const __m512i u = _mm512_castps_si512(x), hi = _mm512_srli_epi32(u, 16);
+    const __m512i lsb = _mm512_and_si512(hi, _mm512_set1_epi32(1));
+    const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), lsb), 16);
+    const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)),
+                                                  _mm512_set1_epi32(0x7f800000));
+    return _mm512_cvtepi32_epi16(_mm512_mask_or_epi32(r, nan, hi, _mm512_set1_epi32(0x40)));
+}
+
 static void silu_range_bf16(uint16_t *g, int64_t n) {
-    float tmp[16];
     int64_t i = 0;
     for (; i + 64 <= n; i += 64)        /* Vectorized<BFloat16> is 32 wide: 64 a loop, as two float pairs */
-        for (int j = 0; j < 64; j += 16) {
-            _mm512_storeu_ps(tmp, silu16(bf16x16_to_f32(g + i + j)));
-            for (int l = 0; l < 16; ++l) g[i + j + l] = f32_to_bf16(tmp[l]);
-        }
+        for (int j = 0; j < 64; j += 16)
+            _mm256_storeu_si256((__m256i *)(g + i + j), f32x16_to_bf16(silu16(bf16x16_to_f32(g + i + j))));
     for (; i < n; ++i) g[i] = f32_to_bf16(silu1(bf16_to_f32(g[i])));
+}
+
+/* g[i] <- round(g[i] * u[i]) (bf16, products in fp32), or g[i] <- g[i] + u[i] when add. */
+static void bf16_binary(uint16_t *g, const uint16_t *u, int64_t n, int add) {
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+        const __m512 a = bf16x16_to_f32(g + i), b = bf16x16_to_f32(u + i);
+        _mm256_storeu_si256((__m256i *)(g + i), f32x16_to_bf16(add ? _mm512_add_ps(a, b) : _mm512_mul_ps(a, b)));
+    }
+    for (; i < n; ++i) {
+        const float a = bf16_to_f32(g[i]), b = bf16_to_f32(u[i]);
+        g[i] = f32_to_bf16(add ? a + b : a * b);
+    }
 }
 
 /* at::parallel_for's split of [0, n) with GRAIN_SIZE 32768 over `threads` threads. */
@@ -110,9 +130,7 @@ static void silu_mul_rows(void *g, const void *u, int64_t rows, int64_t I, int64
 #pragma omp parallel for num_threads(threads) if (n >= 32768) schedule(static)
     for (int64_t r = 0; r < rows; ++r) {
         if (bf16) {
-            uint16_t *gg = (uint16_t *)g + r * I;
-            const uint16_t *uu = (const uint16_t *)u + r * ldu;
-            for (int64_t i = 0; i < I; ++i) gg[i] = f32_to_bf16(bf16_to_f32(gg[i]) * bf16_to_f32(uu[i]));
+            bf16_binary((uint16_t *)g + r * I, (const uint16_t *)u + r * ldu, I, 0);
         } else {
             float *gg = (float *)g + r * I;
             const float *uu = (const float *)u + r * ldu;
@@ -189,8 +207,17 @@ static void residual(void *h, const void *x, int64_t n, int bf16, int threads) {
     if (bf16) {
         uint16_t *hh = h;
         const uint16_t *xx = x;
+#if defined(__AVX512F__)
+        const int nt = n >= GRAIN ? threads : 1;
+#pragma omp parallel for num_threads(nt) if (nt > 1) schedule(static)
+        for (int c = 0; c < nt; ++c) {
+            const int64_t a = n * c / nt / 16 * 16, b = c + 1 == nt ? n : n * (c + 1) / nt / 16 * 16;
+            bf16_binary(hh + a, xx + a, b - a, 1);
+        }
+#else
 #pragma omp parallel for num_threads(threads) if (n >= GRAIN) schedule(static)
         for (int64_t i = 0; i < n; ++i) hh[i] = f32_to_bf16(bf16_to_f32(hh[i]) + bf16_to_f32(xx[i]));
+#endif
     } else {
         float *hh = h;
         const float *xx = x;
