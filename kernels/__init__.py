@@ -10,7 +10,7 @@ import torch
 
 from . import reference
 
-__all__ = ["write_kv", "paged_attention", "decode_step", "decode_rows", "triton_available"]
+__all__ = ["write_kv", "paged_attention", "decode_step", "decode_rows", "stack_rows", "triton_available"]
 
 
 @functools.lru_cache(maxsize=None)
@@ -130,20 +130,27 @@ def stack_rows(slot_mapping: torch.Tensor, block_tables: torch.Tensor, seq_lens:
         b += 1
     if any(n < 2 or n != ctx for n, ctx in zip(nq[b:], lens[b:])):
         return None
-    if b == len(nq):
-        rows = decode_rows(slot_mapping, block_tables, seq_lens, query_start_loc, seq_lens_cpu, query_start_loc_cpu,
-                           block_size, t, device, memo)
-        return None if rows is None else (*rows, torch.zeros(3, 0, dtype=torch.int64))
-    slots = slot_mapping.to(torch.int64).contiguous()
     if b:
         p = reference.step_plan(memo, block_tables, seq_lens, query_start_loc, seq_lens_cpu, query_start_loc_cpu,
                                 block_size, t, device)
         tables, dec_lens = p["dec_tables"], p["dec_lens"]
     else:
-        tables, dec_lens = torch.zeros(0, 1, dtype=torch.int32), torch.zeros(0, dtype=torch.int32)
-    starts, plens = qsl[b:-1], nq[b:]
-    order = sorted(range(len(plens)), key=lambda i: -plens[i])
-    return slots, tables, dec_lens, torch.tensor([starts, plens, order], dtype=torch.int64)
+        tables, dec_lens = _NO_TABLES, _NO_LENS
+    from . import cpu_ext
+    return _slots(slot_mapping, memo), tables, dec_lens, cpu_ext.prompt_table(qsl[b:-1], nq[b:])
+
+
+_NO_TABLES, _NO_LENS = torch.zeros(0, 1, dtype=torch.int32), torch.zeros(0, dtype=torch.int32)
+
+
+def _slots(slot_mapping: torch.Tensor, memo: dict | None) -> torch.Tensor:
+    """The step's KV slots as int64, made once per step (kept in `memo`)."""
+    slots = memo.get("slots") if memo is not None else None
+    if slots is None:
+        slots = slot_mapping.to(torch.int64).contiguous()
+        if memo is not None:
+            memo["slots"] = slots
+    return slots
 
 
 def decode_rows(slot_mapping: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
@@ -159,9 +166,4 @@ def decode_rows(slot_mapping: torch.Tensor, block_tables: torch.Tensor, seq_lens
                             block_size, t, device)
     if not p["all_decode"]:
         return None
-    slots = memo.get("slots") if memo is not None else None
-    if slots is None:
-        slots = slot_mapping.to(torch.int64).contiguous()
-        if memo is not None:
-            memo["slots"] = slots
-    return slots, p["dec_tables"], p["dec_lens"]
+    return _slots(slot_mapping, memo), p["dec_tables"], p["dec_lens"]

@@ -465,6 +465,13 @@ def decode_fused(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, co
     return out
 
 
+def prompt_table(starts: list[int], lens: list[int]) -> torch.Tensor:
+    """Whole prompts as lmi_prefill_attention takes them: int64 [3, P] of first rows, lengths, and
+    the prompts' order longest first (the largest items start first on the thread pool)."""
+    order = sorted(range(len(lens)), key=lambda i: -lens[i])
+    return torch.tensor([list(starts), list(lens), order], dtype=torch.int64).view(3, len(lens))
+
+
 def prefill_attention_available(dtype: torch.dtype) -> bool:
     """Whether prefill_attention's kernels run here for activations of `dtype` (fp32: the panel GEMM;
     bf16: the vdpbf16ps and widened panels)."""
@@ -492,8 +499,7 @@ def prefill_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
             or key.shape[0] != t or key.shape[2] != d or h % key.shape[1] or out.shape != query.shape or d % 2
             or any(x.stride(2) != 1 for x in (query, key, value, out))):
         return False
-    order = sorted(range(len(lens)), key=lambda i: -lens[i])
-    se = torch.tensor([starts, lens, order], dtype=torch.int64)
+    se = prompt_table(starts, lens)
     rc = fn.prefill_attention(query.data_ptr(), key.data_ptr(), value.data_ptr(), query.stride(0), key.stride(0),
                               value.stride(0), query.stride(1), key.stride(1), value.stride(1), out.data_ptr(), out.stride(0),
                               out.stride(1), KV_DTYPES[dt], se[0].data_ptr(),

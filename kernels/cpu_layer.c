@@ -22,6 +22,9 @@
 #include "cpu_api.h"
 #include "cpu_bf16.h"
 
+/* at::internal::GRAIN_SIZE, elements: torch runs smaller loops on one thread, and so does this file */
+#define GRAIN 32768
+
 enum { LIN_F32 = 0, LIN_BF16 = 1, LIN_BF16W = 2, LIN_I8 = 3 };
 
 /* One packed linear layer (handler/model/cpu_stack.py fills these from the model's modules). */
@@ -102,11 +105,11 @@ static void bf16_binary(uint16_t *g, const uint16_t *u, int64_t n, int add) {
     }
 }
 
-/* at::parallel_for's split of [0, n) with GRAIN_SIZE 32768 over `threads` threads. */
+/* at::parallel_for's split of [0, n) with GRAIN_SIZE over `threads` threads. */
 static void torch_chunks(int64_t n, int threads, int64_t *chunk, int64_t *count) {
     int64_t nt = 1;
-    if (n >= 32768 && threads > 1) {
-        nt = (n + 32767) / 32768;
+    if (n >= GRAIN && threads > 1) {
+        nt = (n + GRAIN - 1) / GRAIN;
         if (nt > threads) nt = threads;
     }
     *chunk = (n + nt - 1) / nt;
@@ -127,7 +130,7 @@ static void silu_mul_rows(void *g, const void *u, int64_t rows, int64_t I, int64
         else
             silu_range_f32((float *)g + a, b - a);
     }
-#pragma omp parallel for num_threads(threads) if (n >= 32768) schedule(static)
+#pragma omp parallel for num_threads(threads) if (n >= GRAIN) schedule(static)
     for (int64_t r = 0; r < rows; ++r) {
         if (bf16) {
             bf16_binary((uint16_t *)g + r * I, (const uint16_t *)u + r * ldu, I, 0);
@@ -200,8 +203,6 @@ static int64_t lin_scratch(const lmi_lin *l, int64_t m) {
     if (l->kind == LIN_I8) return m * l->k * 4 + m * 4 + m * l->n * 4 + m * kp;
     return 0;
 }
-
-#define GRAIN 32768     /* elements: below this a step's element-wise work stays on one thread */
 
 static void residual(void *h, const void *x, int64_t n, int bf16, int threads) {
     if (bf16) {
