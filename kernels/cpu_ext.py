@@ -26,6 +26,7 @@ reference path serves (one warning says why). The first call builds; `handler.mo
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import functools
 import hashlib
 import logging
@@ -36,12 +37,15 @@ import tempfile
 
 import torch
 
+from kernels import isa as _isa
+
 log = logging.getLogger("lmi.kernels")
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
-FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC"]
+# The target (-march=...) comes from the backend (kernels/isa.py compile_flags).
+FLAGS = ["-O3", "-ffast-math", "-fopenmp", "-fPIC"]
 # Element-wise ops that must round as torch's do (rotary): no fast-math, no FMA contraction.
-EXACT_FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-fPIC"]
+EXACT_FLAGS = ["-O3", "-ffp-contract=off", "-fopenmp", "-fPIC"]
 SOURCES = [(os.path.join(_HERE, "cpu_decode.c"), FLAGS), (os.path.join(_HERE, "cpu_exact.c"), EXACT_FLAGS),
            (os.path.join(_HERE, "cpu_gemm.c"), EXACT_FLAGS), (os.path.join(_HERE, "cpu_gemm_i8.c"), EXACT_FLAGS),
            (os.path.join(_HERE, "cpu_gemm_q4.c"), EXACT_FLAGS),
@@ -74,24 +78,48 @@ def _cpu_signature() -> str:
 
 def _cpu_flags() -> set[str]:
     """The CPU's flags as /proc/cpuinfo lists them (empty where it cannot be read)."""
+    return _isa.cpu_flags()
+
+
+# ---------------------------------------------------------------------------- the backend choice
+_choice: str | None = None      # select()'s argument; None: LMI_CPU_KERNELS (default auto)
+
+
+def select(choice: str | None) -> tuple[str | None, str]:
+    """Choose the backend (option.cpu_kernels: auto | avx512 | avx2 | neon | torch; None: back to
+    LMI_CPU_KERNELS / auto) for every later kernel call of this process; returns (backend or None
+    for torch, why). ValueError (one line) where this CPU cannot run it. The per-backend checks
+    made at first use (SiLU, RMSNorm widths) are made again for the new one."""
+    global _choice
+    picked = _isa.resolve(choice if choice is not None else os.environ.get("LMI_CPU_KERNELS"))
+    _choice = choice
+    _silu_ready.cache_clear()
+    silu_exact.cache_clear()
+    _RMS_F32_LANES.clear()
+    return picked
+
+
+def current() -> tuple[str | None, str]:
+    """(the backend load() uses, or None for torch's operators; why)."""
+    if not enabled():
+        return None, "LMI_CPU_ATTENTION=reference"
     try:
-        with open("/proc/cpuinfo") as f:
-            for ln in f:
-                if ln.startswith("flags"):
-                    return set(ln.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
+        return _isa.resolve(_choice if _choice is not None else os.environ.get("LMI_CPU_KERNELS"))
+    except ValueError as e:
+        return None, str(e)
 
 
 def _compiler() -> str | None:
     return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
 
 
-def build(cache_dir: str | None = None) -> str:
-    """Compile the kernel for this host (or reuse the cached build); returns the .so path.
-    Raises RuntimeError naming what failed."""
-    cc = _compiler()
+def build(cache_dir: str | None = None, isa: str | None = None, cc: str | None = None) -> str:
+    """Compile the kernels for backend `isa` (default: the one chosen; kernels/isa.py) with `cc`
+    (default: this host's compiler; a cross compiler builds a library this host cannot load), or
+    reuse the cached build; returns the .so path. Raises RuntimeError naming what failed."""
+    isa = isa or current()[0] or "avx512"
+    target = _isa.compile_flags(isa)
+    cc = cc or _compiler()
     if cc is None:
         raise RuntimeError("no C compiler (cc/gcc) on PATH")
     parts = []
@@ -99,19 +127,19 @@ def build(cache_dir: str | None = None) -> str:
         with open(path, "rb") as f:
             parts.append(f.read())
     version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
-    flags = " | ".join(" ".join(fl) for _, fl in SOURCES) + " | " + " ".join(LINK)
+    flags = " | ".join(" ".join(fl) for _, fl in SOURCES) + " | " + " ".join(LINK + target)
     key = hashlib.sha256(b"\0".join([*parts, flags.encode(), version.encode(),
                                      _cpu_signature().encode()])).hexdigest()[:16]
     out_dir = cache_dir or _cache_dir()
     os.makedirs(out_dir, exist_ok=True)
-    path = os.path.join(out_dir, f"lmi_cpu_decode-{key}.so")
+    path = os.path.join(out_dir, f"lmi_cpu_{isa}-{key}.so")
     if os.path.isfile(path):
         return path
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
     os.close(fd)
     objs = [f"{tmp[:-3]}.{i}.o" for i in range(len(SOURCES))]
     try:
-        cmds = [[cc, *fl, "-c", src, "-o", obj] for (src, fl), obj in zip(SOURCES, objs)]
+        cmds = [[cc, *fl, *target, "-c", src, "-o", obj] for (src, fl), obj in zip(SOURCES, objs)]
         for cmd in cmds + [[cc, *objs, *LINK, "-o", tmp]]:
             r = subprocess.run(cmd, capture_output=True, text=True)
             if r.returncode != 0:
@@ -124,15 +152,19 @@ def build(cache_dir: str | None = None) -> str:
     return path
 
 
-@functools.lru_cache(maxsize=None)
 def load():
-    """The loaded kernel (a ctypes function), or None when the reference path must serve."""
-    if not enabled():
-        return None
+    """The chosen backend's library (a ctypes function with the others as attributes, and
+    `.backend`, its Backend record), or None when torch's operators must serve."""
+    isa = current()[0]
+    return None if isa is None else _load(isa)
+
+
+@functools.lru_cache(maxsize=None)
+def _load(isa: str):
     try:
-        lib = ctypes.CDLL(build())
+        lib = ctypes.CDLL(build(isa=isa))
     except Exception as e:   # no compiler, read-only cache, a flag this compiler refuses
-        log.warning("CPU decode-attention kernel unavailable (%s); the plain-torch path serves", e)
+        log.warning("CPU kernels (%s) unavailable (%s); the plain-torch path serves", isa, e)
         return None
     fn = lib.lmi_decode_attention
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
@@ -210,9 +242,36 @@ def load():
     layers.restype = ctypes.c_int
     fn.step_layers = layers
     flags = _cpu_flags()
-    fn.gemm_bf16_available = bool(lib.lmi_gemm_bf16_available()) and "avx512_bf16" in flags
-    fn.gemm_bf16w_available = bool(lib.lmi_gemm_bf16w_available()) and {"avx512f", "avx512bw"} <= flags
+    fn.gemm_bf16_available = bool(lib.lmi_gemm_bf16_available()) and (isa != "avx512" or "avx512_bf16" in flags)
+    fn.gemm_bf16w_available = bool(lib.lmi_gemm_bf16w_available())
+    fn.backend = Backend(isa, fn.gemm_available, fn.gemm_bf16_available, fn.gemm_bf16w_available,
+                         fn.gemm_i8_available, fn.gemm_q_available)
     return fn
+
+
+load.cache_clear = _load.cache_clear     # drop the loaded libraries (tests rebuild)
+
+
+@dataclasses.dataclass(frozen=True)
+class Backend:
+    """What one backend's library runs on this CPU, found once at load."""
+    isa: str
+    gemm: bool          # fp32 panels (kernels/cpu_gemm.c)
+    gemm_bf16: bool     # bf16 dot products (AVX512-BF16 vdpbf16ps)
+    gemm_bf16w: bool    # bf16 weights widened in registers, fp32 FMAs
+    gemm_i8: bool       # int8 weights and activations (kernels/cpu_gemm_i8.c)
+    gemm_q: bool        # grouped 4/8-bit weights (kernels/cpu_gemm_q4.c)
+
+    def describe(self) -> str:
+        kinds = [name for name, on in (("fp32", self.gemm), ("bf16 dot", self.gemm_bf16), ("bf16 widened", self.gemm_bf16w),
+                                       ("int8", self.gemm_i8), ("4/8-bit", self.gemm_q)) if on]
+        return f"{self.isa} ({', '.join(kinds) or 'attention only'})"
+
+
+def backend() -> Backend | None:
+    """The chosen backend's record, or None where torch's operators serve."""
+    fn = load()
+    return None if fn is None else fn.backend
 
 
 def supports(key_cache: torch.Tensor) -> bool:
