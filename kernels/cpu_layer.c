@@ -11,7 +11,8 @@
  *
  * SiLU is torch's: torch computes x / (1 + exp(-x)) with Sleef's expf (u10) on whole vectors and
  * glibc's expf on a loop's tail, the loop split across threads in chunks of at::parallel_for. The
- * caller hands in the Sleef function torch itself links (lmi_set_sleef_expf16) and this file
+ * caller hands in the Sleef function torch itself links for its vector width (lmi_set_sleef_expf:
+ * Sleef_expf16_u10 on AVX-512, Sleef_expf8_u10 on AVX2, Sleef_expf4_u10 on NEON) and this file
  * repeats that split; kernels/cpu_ext.py checks the result against torch before it is used.
  * Compiled without -ffast-math and without FMA contraction (kernels/cpu_ext.py EXACT_FLAGS). */
 #include <math.h>
@@ -45,59 +46,122 @@ typedef struct {
 } lmi_layer;
 
 /* ---------------------------------------------------------------- torch's SiLU */
+/* One vector of VW floats per ISA (torch's Vectorized<float>: 16 lanes on AVX-512, 8 on AVX2, 4 on
+ * NEON; Vectorized<BFloat16> holds 2 * VW), with the bf16 conversions of cpu_bf16.h lane by lane. */
 #if defined(__AVX512F__)
 #include <immintrin.h>
-typedef __m512 (*expf16_t)(__m512);
-static expf16_t sleef_expf16;
+#define VW 16
+typedef __m512 vf;
+static inline vf vload(const float *p) { return _mm512_loadu_ps(p); }
+static inline void vstore(float *p, vf x) { _mm512_storeu_ps(p, x); }
+static inline vf vneg(vf x) { return _mm512_sub_ps(_mm512_setzero_ps(), x); }    /* a sign flip for exp */
+static inline vf vadd(vf a, vf b) { return _mm512_add_ps(a, b); }
+static inline vf vmul(vf a, vf b) { return _mm512_mul_ps(a, b); }
+static inline vf vdiv(vf a, vf b) { return _mm512_div_ps(a, b); }
+static inline vf vone(void) { return _mm512_set1_ps(1.0f); }
 
-void lmi_set_sleef_expf16(void *fn) { sleef_expf16 = (expf16_t)fn; }
-int lmi_silu_available(void) { return sleef_expf16 != 0; }
-
-static inline __m512 silu16(__m512 x) {
-    const __m512 e = sleef_expf16(_mm512_sub_ps(_mm512_setzero_ps(), x));    /* neg(): a sign flip */
-    return _mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.0f), e));
+static inline vf vload_bf16(const uint16_t *p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
 }
+
+/* 16 floats -> bf16, f32_to_bf16's rounding (to nearest even; a NaN stays a NaN) lane by lane. */
+static inline void vstore_bf16(uint16_t *p, vf x) {
+    const __m512i u = _mm512_castps_si512(x), hi = _mm512_srli_epi32(u, 16);
+    const __m512i lsb = _mm512_and_si512(hi, _mm512_set1_epi32(1));
+    const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), lsb), 16);
+    const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)),
+                                                  _mm512_set1_epi32(0x7f800000));
+    _mm256_storeu_si256((__m256i *)p, _mm512_cvtepi32_epi16(_mm512_mask_or_epi32(r, nan, hi, _mm512_set1_epi32(0x40))));
+}
+#elif defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define VW 8
+typedef __m256 vf;
+static inline vf vload(const float *p) { return _mm256_loadu_ps(p); }
+static inline void vstore(float *p, vf x) { _mm256_storeu_ps(p, x); }
+static inline vf vneg(vf x) { return _mm256_xor_ps(_mm256_set1_ps(-0.0f), x); }     /* torch's neg() */
+static inline vf vadd(vf a, vf b) { return _mm256_add_ps(a, b); }
+static inline vf vmul(vf a, vf b) { return _mm256_mul_ps(a, b); }
+static inline vf vdiv(vf a, vf b) { return _mm256_div_ps(a, b); }
+static inline vf vone(void) { return _mm256_set1_ps(1.0f); }
+
+static inline vf vload_bf16(const uint16_t *p) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+}
+
+static inline void vstore_bf16(uint16_t *p, vf x) {
+    const __m256i u = _mm256_castps_si256(x), hi = _mm256_srli_epi32(u, 16);
+    const __m256i lsb = _mm256_and_si256(hi, _mm256_set1_epi32(1));
+    const __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)), lsb), 16);
+    /* |u| > inf's bits: a NaN (both sides below 2^31, so the signed compare is the unsigned one) */
+    const __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x7fffffff)),
+                                           _mm256_set1_epi32(0x7f800000));
+    const __m256i v = _mm256_blendv_epi8(r, _mm256_or_si256(hi, _mm256_set1_epi32(0x40)), nan);
+    /* every lane is below 2^16: the unsigned-saturating pack keeps it as is */
+    _mm_storeu_si128((__m128i *)p, _mm_packus_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1)));
+}
+#elif defined(__ARM_NEON) && defined(__aarch64__)
+#include <arm_neon.h>
+#define VW 4
+typedef float32x4_t vf;
+static inline vf vload(const float *p) { return vld1q_f32(p); }
+static inline void vstore(float *p, vf x) { vst1q_f32(p, x); }
+static inline vf vneg(vf x) { return vnegq_f32(x); }
+static inline vf vadd(vf a, vf b) { return vaddq_f32(a, b); }
+static inline vf vmul(vf a, vf b) { return vmulq_f32(a, b); }
+static inline vf vdiv(vf a, vf b) { return vdivq_f32(a, b); }
+static inline vf vone(void) { return vdupq_n_f32(1.0f); }
+
+static inline vf vload_bf16(const uint16_t *p) { return vreinterpretq_f32_u32(vshll_n_u16(vld1_u16(p), 16)); }
+
+static inline void vstore_bf16(uint16_t *p, vf x) {
+    const uint32x4_t u = vreinterpretq_u32_f32(x), hi = vshrq_n_u32(u, 16);
+    const uint32x4_t lsb = vandq_u32(hi, vdupq_n_u32(1));
+    const uint32x4_t r = vshrq_n_u32(vaddq_u32(vaddq_u32(u, vdupq_n_u32(0x7fff)), lsb), 16);
+    const uint32x4_t nan = vcgtq_u32(vandq_u32(u, vdupq_n_u32(0x7fffffff)), vdupq_n_u32(0x7f800000));
+    vst1_u16(p, vmovn_u32(vbslq_u32(nan, vorrq_u32(hi, vdupq_n_u32(0x40)), r)));
+}
+#endif
+
+#ifdef VW
+typedef vf (*expf_t)(vf);
+static expf_t sleef_expf;
+
+/* torch's Sleef exp of VW lanes (Sleef_expf16_u10 / Sleef_expf8_u10 / Sleef_expf4_u10, the one
+ * libtorch_cpu links for its CPU capability); `lanes` another width than this build's: no SiLU. */
+void lmi_set_sleef_expf(void *fn, int lanes) { sleef_expf = lanes == VW ? (expf_t)fn : 0; }
+void lmi_set_sleef_expf16(void *fn) { lmi_set_sleef_expf(fn, 16); }
+int lmi_silu_available(void) { return sleef_expf != 0; }
+int lmi_silu_lanes(void) { return VW; }
+
+static inline vf silu_v(vf x) { return vdiv(x, vadd(vone(), sleef_expf(vneg(x)))); }
 
 static inline float silu1(float x) { return x / (1.0f + expf(-x)); }
 
 /* torch's vectorized_loop over [0, n): two vectors per iteration, the rest by the scalar op. */
 static void silu_range_f32(float *g, int64_t n) {
     int64_t i = 0;
-    for (; i + 32 <= n; i += 32) {
-        _mm512_storeu_ps(g + i, silu16(_mm512_loadu_ps(g + i)));
-        _mm512_storeu_ps(g + i + 16, silu16(_mm512_loadu_ps(g + i + 16)));
+    for (; i + 2 * VW <= n; i += 2 * VW) {
+        vstore(g + i, silu_v(vload(g + i)));
+        vstore(g + i + VW, silu_v(vload(g + i + VW)));
     }
     for (; i < n; ++i) g[i] = silu1(g[i]);
 }
 
-static inline __m512 bf16x16_to_f32(const uint16_t *p) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
-}
-
-/* 16 floats -> bf16, f32_to_bf16's rounding (to nearest even; a NaN stays a NaN) lane by lane. */
-static inline __m256i f32x16_to_bf16(__m512 x) {
-    const __m512i u = _mm512_castps_si512(x), hi = _mm512_srli_epi32(u, 16);
-    const __m512i lsb = _mm512_and_si512(hi, _mm512_set1_epi32(1));
-    const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), lsb), 16);
-    const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)),
-                                                  _mm512_set1_epi32(0x7f800000));
-    return _mm512_cvtepi32_epi16(_mm512_mask_or_epi32(r, nan, hi, _mm512_set1_epi32(0x40)));
-}
-
 static void silu_range_bf16(uint16_t *g, int64_t n) {
     int64_t i = 0;
-    for (; i + 64 <= n; i += 64)        /* Vectorized<BFloat16> is 32 wide: 64 a loop, as two float pairs */
-        for (int j = 0; j < 64; j += 16)
-            _mm256_storeu_si256((__m256i *)(g + i + j), f32x16_to_bf16(silu16(bf16x16_to_f32(g + i + j))));
+    for (; i + 4 * VW <= n; i += 4 * VW)    /* Vectorized<BFloat16> is 2 * VW wide: two a loop, as float pairs */
+        for (int j = 0; j < 4 * VW; j += VW)
+            vstore_bf16(g + i + j, silu_v(vload_bf16(g + i + j)));
     for (; i < n; ++i) g[i] = f32_to_bf16(silu1(bf16_to_f32(g[i])));
 }
 
 /* g[i] <- round(g[i] * u[i]) (bf16, products in fp32), or g[i] <- g[i] + u[i] when add. */
 static void bf16_binary(uint16_t *g, const uint16_t *u, int64_t n, int add) {
     int64_t i = 0;
-    for (; i + 16 <= n; i += 16) {
-        const __m512 a = bf16x16_to_f32(g + i), b = bf16x16_to_f32(u + i);
-        _mm256_storeu_si256((__m256i *)(g + i), f32x16_to_bf16(add ? _mm512_add_ps(a, b) : _mm512_mul_ps(a, b)));
+    for (; i + VW <= n; i += VW) {
+        const vf a = vload_bf16(g + i), b = vload_bf16(u + i);
+        vstore_bf16(g + i, add ? vadd(a, b) : vmul(a, b));
     }
     for (; i < n; ++i) {
         const float a = bf16_to_f32(g[i]), b = bf16_to_f32(u[i]);
@@ -149,8 +213,10 @@ void lmi_silu_mul(void *g, const void *u, int64_t n, int bf16, int threads) {
 static void silu_mul_rows(void *g, const void *u, int64_t rows, int64_t I, int64_t ldu, int bf16, int threads) {
     (void)g; (void)u; (void)rows; (void)I; (void)ldu; (void)bf16; (void)threads;
 }
+void lmi_set_sleef_expf(void *fn, int lanes) { (void)fn; (void)lanes; }
 void lmi_set_sleef_expf16(void *fn) { (void)fn; }
 int lmi_silu_available(void) { return 0; }
+int lmi_silu_lanes(void) { return 0; }
 void lmi_silu_mul(void *g, const void *u, int64_t n, int bf16, int threads) {
     (void)g; (void)u; (void)n; (void)bf16; (void)threads;
 }
@@ -208,11 +274,11 @@ static void residual(void *h, const void *x, int64_t n, int bf16, int threads) {
     if (bf16) {
         uint16_t *hh = h;
         const uint16_t *xx = x;
-#if defined(__AVX512F__)
+#ifdef VW
         const int nt = n >= GRAIN ? threads : 1;
 #pragma omp parallel for num_threads(nt) if (nt > 1) schedule(static)
         for (int c = 0; c < nt; ++c) {
-            const int64_t a = n * c / nt / 16 * 16, b = c + 1 == nt ? n : n * (c + 1) / nt / 16 * 16;
+            const int64_t a = n * c / nt / VW * VW, b = c + 1 == nt ? n : n * (c + 1) / nt / VW * VW;
             bf16_binary(hh + a, xx + a, b - a, 1);
         }
 #else
