@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import kernels
-from kernels import cpu_ext, reference
+from kernels import cpu_ext, isa, reference
 from kernels.selfcheck import make_case
 from tests.support.kernels import _head_major, _own_kv, naive_attention, rel_err
 
@@ -242,10 +242,22 @@ def test_loading_the_kernel_leaves_subnormal_floats_alone():
     assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-2000:]
 
 
-@pytest.mark.parametrize("rows,vocab", [(1, 7), (5, 384), (33, 49152)])
-def test_row_stats_give_torch_argmax_and_log_softmax(rows, vocab):
+@pytest.fixture(params=isa.host_isas() or ["none"])
+def each_build(request):
+    """Each kernel build this CPU runs (kernels/isa.py), selected in turn; back to the default after."""
+    if request.param == "none":
+        pytest.skip(f"this CPU ({isa.machine()}) runs none of {', '.join(isa.ISAS)}: torch serves")
+    cpu_ext.select(request.param)
+    assert cpu_ext.load() is not None, f"the {request.param} build did not load"
+    yield request.param
+    cpu_ext.select(None)
+
+
+@pytest.mark.parametrize("rows,vocab", [(1, 7), (5, 384), (33, 49152), (2, 151936)])
+def test_row_stats_give_torch_argmax_and_log_softmax(each_build, rows, vocab):
     """The sampler's one-pass kernel: torch.argmax's index (ties: the first), and log_softmax of
-    the chosen token from (x - max) - logsum, against float64 log_softmax."""
+    the chosen token from (x - max) - logsum, against float64 log_softmax, on every build (the
+    sum's error must not grow with the vocabulary or the vector width)."""
     g = torch.Generator().manual_seed(rows * vocab)
     x = torch.randn(rows, vocab, generator=g) * 4
     x[0, vocab // 2] = x[0].max() + 1.0
@@ -261,7 +273,7 @@ def test_row_stats_give_torch_argmax_and_log_softmax(rows, vocab):
         assert torch.allclose(lp.double(), want, atol=1e-5, rtol=0)
 
 
-def test_row_stats_hand_non_finite_rows_back_to_torch():
+def test_row_stats_hand_non_finite_rows_back_to_torch(each_build):
     x = torch.randn(3, 64)
     for bad in (float("nan"), float("inf")):
         y = x.clone()
