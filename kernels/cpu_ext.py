@@ -730,20 +730,33 @@ class Layer(ctypes.Structure):
                 ("window", ctypes.c_int64)]
 
 
-def _sleef_expf16() -> int | None:
-    """The address of Sleef_expf16_u10 in the libtorch_cpu this process loaded (torch's
-    Vectorized<float>::exp on AVX-512), or None."""
+def _sleef_expf() -> tuple[int, int] | None:
+    """torch's Vectorized<float>::exp for the CPU capability it runs (Sleef_expf16_u10 on AVX512,
+    Sleef_expf8_u10 on AVX2, Sleef_expf4_u10 on aarch64's NEON build) as (its address in the
+    libtorch_cpu this process loaded, its lanes), or None (another capability: SVE, or x86 DEFAULT
+    whose vectors call glibc's expf per lane)."""
+    names = {("x86_64", "AVX512"): (("Sleef_expf16_u10",), 16), ("x86_64", "AVX2"): (("Sleef_expf8_u10",), 8),
+             ("aarch64", "DEFAULT"): (("Sleef_expf4_u10", "Sleef_expf4_u10advsimd"), 4)}
+    want = names.get((_isa.machine(), torch.backends.cpu.get_cpu_capability()))
+    if want is None:
+        return None
     path = os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.so")
     try:
-        return ctypes.cast(ctypes.CDLL(path).Sleef_expf16_u10, ctypes.c_void_p).value
-    except (OSError, AttributeError):
+        lib = ctypes.CDLL(path)
+    except OSError:
         return None
+    for name in want[0]:
+        addr = ctypes.cast(getattr(lib, name, None) or 0, ctypes.c_void_p).value
+        if addr:
+            return addr, want[1]
+    return None
 
 
 def silu_mul_(gate: torch.Tensor, up: torch.Tensor) -> bool:
     """In place gate <- silu(gate) * up (contiguous, both fp32 or both bf16) by kernels/cpu_layer.c,
     meant to round as `F.silu(gate, inplace=True).mul_(up)` does; False (nothing changed) where it
-    cannot run (no kernel, no AVX-512, torch's Sleef not found). `silu_exact()` says whether it does."""
+    cannot run (no kernel, torch's Sleef not found, or torch's vectors another width than the
+    build's). `silu_exact()` says whether it does."""
     fn = load()
     dt = gate.dtype
     if (fn is None or dt not in KV_DTYPES or up.dtype != dt or up.shape != gate.shape or not gate.is_contiguous()
@@ -755,13 +768,20 @@ def silu_mul_(gate: torch.Tensor, up: torch.Tensor) -> bool:
 
 @functools.lru_cache(maxsize=None)
 def _silu_ready() -> bool:
+    """Hands torch's Sleef exp to the loaded build; False where its width is not the build's
+    (an avx2 build beside torch's AVX512 kernels: set ATEN_CPU_CAPABILITY=avx2 to pair them)."""
     fn = load()
-    if torch.backends.cpu.get_cpu_capability() != "AVX512":     # torch's vectors are another width
+    found = _sleef_expf()
+    if fn is None or found is None:
         return False
-    addr = _sleef_expf16()
-    if addr:
+    addr, lanes = found
+    if hasattr(fn, "set_sleef_expf"):
+        fn.set_sleef_expf(addr, lanes)
+    elif lanes == 16:
         fn.set_sleef_expf16(addr)
-    return bool(addr) and bool(fn.silu_available())
+    else:
+        return False
+    return bool(fn.silu_available())
 
 
 @functools.lru_cache(maxsize=None)
