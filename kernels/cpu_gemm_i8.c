@@ -20,8 +20,13 @@
  */
 #include <math.h>
 #include <stdint.h>
-#ifdef __AVX512F__
+#include <string.h>
+
+#include "cpu_api.h"
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
+#elif defined(__ARM_NEON) && defined(__aarch64__)
+#include <arm_neon.h>
 #endif
 
 #define NR 32
@@ -47,8 +52,47 @@ void lmi_pack_i8(const int8_t *W, int64_t N, int64_t K, int8_t *out, int32_t *ws
         }
 }
 
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+/* The max of 16 lanes (lo: lanes 0-7, hi: 8-15) in the order of gcc's _mm512_reduce_max_ps, so
+ * even a NaN picks the same lane as the AVX-512 build (maxps returns its second operand then). */
+static inline float i8_reduce_max16(__m256 lo, __m256 hi) {
+    const __m256 t3 = _mm256_max_ps(hi, lo);
+    const __m128 t6 = _mm_max_ps(_mm256_extractf128_ps(t3, 1), _mm256_castps256_ps128(t3));
+    const __m128 t8 = _mm_max_ps(t6, _mm_shuffle_ps(t6, t6, _MM_SHUFFLE(1, 0, 3, 2)));
+    const __m128 t10 = _mm_max_ps(t8, _mm_shuffle_ps(t8, t8, _MM_SHUFFLE(0, 1, 0, 1)));
+    return _mm_cvtss_f32(t10);
+}
+/* 8 lanes of a * inv rounded to nearest even (vcvtps2dq), clamped to [-127, 127], + 128. */
+static inline __m256i i8_quant8(const float *a, __m256 vinv) {
+    const __m256i q = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(a), vinv));
+    return _mm256_add_epi32(_mm256_min_epi32(_mm256_max_epi32(q, _mm256_set1_epi32(-127)), _mm256_set1_epi32(127)),
+                            _mm256_set1_epi32(128));
+}
+#elif defined(__ARM_NEON) && defined(__aarch64__)
+/* x86's maxps(a, b): a > b ? a : b (the second operand when either is NaN), so the NaN cases pick
+ * what the x86 builds pick too. */
+static inline float32x4_t i8_maxps(float32x4_t a, float32x4_t b) { return vbslq_f32(vcgtq_f32(a, b), a, b); }
+static inline float i8_reduce_max16(float32x4_t l0, float32x4_t l1, float32x4_t h0, float32x4_t h1) {
+    const float32x4_t t3a = i8_maxps(h0, l0), t3b = i8_maxps(h1, l1);   /* lanes 0-3, 4-7 of the 256-bit max */
+    const float32x4_t t6 = i8_maxps(t3b, t3a);
+    const float32x4_t t8 = i8_maxps(t6, vextq_f32(t6, t6, 2));               /* shuffle {2, 3, 0, 1} */
+    const float32x4_t t10 = i8_maxps(t8, vrev64q_f32(t8));                    /* lane 0 against lane 1 */
+    return vgetq_lane_f32(t10, 0);
+}
+/* 4 lanes of a * inv rounded to nearest even, as x86's vcvtps2dq (NaN and |x| >= 2^31 give
+ * INT_MIN there, saturation here: made INT_MIN too), clamped to [-127, 127], + 128. */
+static inline int32x4_t i8_quant4(const float *a, float32x4_t vinv) {
+    const float32x4_t x = vmulq_f32(vld1q_f32(a), vinv);
+    int32x4_t q = vcvtnq_s32_f32(x);
+    q = vbslq_s32(vcaltq_f32(x, vdupq_n_f32(2147483648.f)), q, vdupq_n_s32(INT32_MIN));
+    return vaddq_s32(vminq_s32(vmaxq_s32(q, vdupq_n_s32(-127)), vdupq_n_s32(127)), vdupq_n_s32(128));
+}
+#endif
+
 /* A [M, K] fp32 at row stride lda -> out [M, Kp] uint8 (q + 128, zero padded: padding is 128,
- * i.e. q = 0) and scales [M] (0 for an all-zero row). */
+ * i.e. q = 0) and scales [M] (0 for an all-zero row). Every build writes the same bytes: 16 lanes
+ * at a time (AVX-512: one vector; AVX2: two; NEON: four), the max reduced in one order, the rest
+ * of the row by the scalar loop. */
 void lmi_quant_rows(const float *A, int64_t M, int64_t K, int64_t lda, uint8_t *out, int64_t Kp,
                     float *scales, int nthreads) {
 #pragma omp parallel for schedule(static) num_threads(nthreads)
@@ -57,12 +101,29 @@ void lmi_quant_rows(const float *A, int64_t M, int64_t K, int64_t lda, uint8_t *
         uint8_t *o = out + m * Kp;
         float amax = 0.f;
         int64_t k = 0;
-#ifdef __AVX512F__
+#if defined(__AVX512F__)
         /* 16 lanes at a time; the same values as the scalar loop: a * inv rounded to nearest
          * even (vcvtps2dq under the default rounding mode, as nearbyintf), then clamped. */
         __m512 vmax = _mm512_setzero_ps();
         for (; k + 16 <= K; k += 16) vmax = _mm512_max_ps(vmax, _mm512_abs_ps(_mm512_loadu_ps(a + k)));
         amax = _mm512_reduce_max_ps(vmax);
+#elif defined(__AVX2__) && defined(__FMA__)
+        const __m256 absm = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+        __m256 vlo = _mm256_setzero_ps(), vhi = _mm256_setzero_ps();
+        for (; k + 16 <= K; k += 16) {
+            vlo = _mm256_max_ps(vlo, _mm256_and_ps(_mm256_loadu_ps(a + k), absm));
+            vhi = _mm256_max_ps(vhi, _mm256_and_ps(_mm256_loadu_ps(a + k + 8), absm));
+        }
+        amax = i8_reduce_max16(vlo, vhi);
+#elif defined(__ARM_NEON) && defined(__aarch64__)
+        float32x4_t v0 = vdupq_n_f32(0.f), v1 = v0, v2 = v0, v3 = v0;
+        for (; k + 16 <= K; k += 16) {
+            v0 = i8_maxps(v0, vabsq_f32(vld1q_f32(a + k)));
+            v1 = i8_maxps(v1, vabsq_f32(vld1q_f32(a + k + 4)));
+            v2 = i8_maxps(v2, vabsq_f32(vld1q_f32(a + k + 8)));
+            v3 = i8_maxps(v3, vabsq_f32(vld1q_f32(a + k + 12)));
+        }
+        amax = i8_reduce_max16(v0, v1, v2, v3);
 #endif
         for (; k < K; ++k) {
             const float v = fabsf(a[k]);
@@ -71,13 +132,31 @@ void lmi_quant_rows(const float *A, int64_t M, int64_t K, int64_t lda, uint8_t *
         const float s = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
         scales[m] = s;
         k = 0;
-#ifdef __AVX512F__
+#if defined(__AVX512F__)
         const __m512 vinv = _mm512_set1_ps(inv);
         const __m512i lo = _mm512_set1_epi32(-127), hi = _mm512_set1_epi32(127), off = _mm512_set1_epi32(128);
         for (; k + 16 <= K; k += 16) {
             __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(a + k), vinv));
             q = _mm512_add_epi32(_mm512_min_epi32(_mm512_max_epi32(q, lo), hi), off);
             _mm_storeu_si128((__m128i *)(o + k), _mm512_cvtepi32_epi8(q));
+        }
+#elif defined(__AVX2__) && defined(__FMA__)
+        const __m256 vinv = _mm256_set1_ps(inv);
+        for (; k + 16 <= K; k += 16) {
+            /* 1..255 each: the saturating packs are exact */
+            const __m256i w = _mm256_permute4x64_epi64(_mm256_packs_epi32(i8_quant8(a + k, vinv),
+                                                                          i8_quant8(a + k + 8, vinv)), 0xD8);
+            _mm_storeu_si128((__m128i *)(o + k), _mm_packus_epi16(_mm256_castsi256_si128(w),
+                                                                  _mm256_extracti128_si256(w, 1)));
+        }
+#elif defined(__ARM_NEON) && defined(__aarch64__)
+        const float32x4_t vinv = vdupq_n_f32(inv);
+        for (; k + 16 <= K; k += 16) {
+            const uint16x8_t w0 = vreinterpretq_u16_s16(vcombine_s16(vmovn_s32(i8_quant4(a + k, vinv)),
+                                                                     vmovn_s32(i8_quant4(a + k + 4, vinv))));
+            const uint16x8_t w1 = vreinterpretq_u16_s16(vcombine_s16(vmovn_s32(i8_quant4(a + k + 8, vinv)),
+                                                                     vmovn_s32(i8_quant4(a + k + 12, vinv))));
+            vst1q_u8(o + k, vcombine_u8(vmovn_u16(w0), vmovn_u16(w1)));
         }
 #endif
         for (; k < K; ++k) {
@@ -184,6 +263,193 @@ void lmi_gemm_i8(const uint8_t *Aq, int64_t M, int64_t Kp, const float *sa, cons
                     KI8[hi - lo](Aq + (m0 + lo) * Kp, Kp, B, kq, C + (m0 + lo) * ldc + p * NR, ldc,
                                  sa + m0 + lo, sw + p * NR, wsum + p * NR, bias ? bias + p * NR : 0, ncols,
                                  Bn, i, nb);
+                }
+            }
+        }
+    }
+}
+#elif (defined(__AVX2__) && defined(__FMA__)) || (defined(__ARM_NEON) && defined(__aarch64__))
+/* AVX2 and NEON (and AVX-512 builds without VNNI): the same panels, the same integers, the same
+ * epilogue. Each k-group of a panel is 4 units of 8 columns x 4 k (32 bytes); a row's 4 bytes of
+ * A are taken back to signed q = Aq - 128 (Aq ^ 0x80; q in -127..127 from lmi_quant_rows) and
+ * each unit adds sum_k q W_q[n, k] to 8 int32 lanes: exactly the AVX-512 accumulator after its
+ * -128 wsum correction, so no correction here (wsum unused).
+ *
+ *   AVX2: vpmaddubsw multiplies unsigned by signed bytes into saturating int16 pair sums, so the
+ *         unsigned operand is |W| (0..128) and the signed one q with W's sign (vpsignb: -127..127):
+ *         each pair sum is at most 2 x 128 x 127 = 32512, never saturated; vpmaddwd by ones adds
+ *         the pairs into int32. 4 instructions per 32 multiply-adds (VNNI: 1 per 64).
+ *   NEON: sdot (armv8.2-a dotprod), signed x signed bytes summed 4 at a time into int32 lanes.
+ *
+ * Epilogue per element as the AVX-512 kernel's: fma(float(acc) * sw[n], sa[m], bias[n] or 0). */
+#include <omp.h>
+
+int lmi_gemm_i8_available(void) { return 1; }
+
+#if defined(__AVX2__) && defined(__FMA__)
+#define MRI 2               /* 8 int32 accumulators per row in 16 ymm registers */
+typedef __m256i i8acc;      /* 8 columns' int32 sums */
+typedef __m256i i8row;      /* a row's 4 signed bytes, broadcast */
+typedef struct { __m256i w, wabs; } i8w;
+typedef __m256 i8f;
+static inline i8acc i8acc_zero(void) { return _mm256_setzero_si256(); }
+static inline i8row i8row_load(const uint8_t *p) {
+    int32_t v;
+    memcpy(&v, p, 4);
+    return _mm256_xor_si256(_mm256_set1_epi32(v), _mm256_set1_epi8((char)0x80));
+}
+static inline i8w i8w_load(const int8_t *p) {
+    i8w r;
+    r.w = _mm256_loadu_si256((const __m256i *)p);
+    r.wabs = _mm256_abs_epi8(r.w);
+    return r;
+}
+static inline i8acc i8_dot(i8acc acc, i8row a, i8w w) {
+    const __m256i p = _mm256_maddubs_epi16(w.wabs, _mm256_sign_epi8(a, w.w));
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(p, _mm256_set1_epi16(1)));
+}
+static inline __m256i i8_mask(int n) {
+    return _mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+static inline i8f i8f_load_n(const float *p, int n) {  /* the first n lanes, 0 past them */
+    return n >= 8 ? _mm256_loadu_ps(p) : n > 0 ? _mm256_maskload_ps(p, i8_mask(n)) : _mm256_setzero_ps();
+}
+static inline void i8f_store_n(float *p, i8f v, int n) {
+    if (n >= 8) _mm256_storeu_ps(p, v);
+    else if (n > 0) _mm256_maskstore_ps(p, i8_mask(n), v);
+}
+/* fma(float(acc) * s, a, b), rounded as the AVX-512 epilogue rounds */
+static inline i8f i8_epilogue(i8acc acc, i8f s, float a, i8f b) {
+    return _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(acc), s), _mm256_set1_ps(a), b);
+}
+#else
+#define MRI 3               /* 8 int32x4 accumulators per row in 32 q registers */
+typedef struct { int32x4_t lo, hi; } i8acc;
+typedef int8x16_t i8row;
+typedef struct { int8x16_t lo, hi; } i8w;
+typedef struct { float32x4_t lo, hi; } i8f;
+static inline i8acc i8acc_zero(void) { i8acc r = {vdupq_n_s32(0), vdupq_n_s32(0)}; return r; }
+static inline i8row i8row_load(const uint8_t *p) {
+    uint32_t v;
+    memcpy(&v, p, 4);
+    return vreinterpretq_s8_u8(veorq_u8(vreinterpretq_u8_u32(vdupq_n_u32(v)), vdupq_n_u8(0x80)));
+}
+static inline i8w i8w_load(const int8_t *p) { i8w r = {vld1q_s8(p), vld1q_s8(p + 16)}; return r; }
+static inline i8acc i8_dot(i8acc acc, i8row a, i8w w) {
+    i8acc r = {vdotq_s32(acc.lo, w.lo, a), vdotq_s32(acc.hi, w.hi, a)};
+    return r;
+}
+static inline i8f i8f_load_n(const float *p, int n) {
+    float t[8] = {0};
+    if (n > 0) memcpy(t, p, (size_t)(n < 8 ? n : 8) * 4);
+    i8f r = {vld1q_f32(t), vld1q_f32(t + 4)};
+    return r;
+}
+static inline void i8f_store_n(float *p, i8f v, int n) {
+    if (n >= 8) {
+        vst1q_f32(p, v.lo);
+        vst1q_f32(p + 4, v.hi);
+    } else if (n > 0) {
+        float t[8];
+        vst1q_f32(t, v.lo);
+        vst1q_f32(t + 4, v.hi);
+        memcpy(p, t, (size_t)n * 4);
+    }
+}
+static inline i8f i8_epilogue(i8acc acc, i8f s, float a, i8f b) {
+    const float32x4_t va = vdupq_n_f32(a);
+    i8f r = {vfmaq_f32(b.lo, vmulq_f32(vcvtq_f32_s32(acc.lo), s.lo), va),
+             vfmaq_f32(b.hi, vmulq_f32(vcvtq_f32_s32(acc.hi), s.hi), va)};
+    return r;
+}
+#endif
+
+/* MR rows of Aq (row stride lda) x one panel B [kq][32][4] -> C (row stride ldc), ncols <= 32 of
+ * them stored. Bn (or NULL): the next panel, whose k-groups pf0, pf0 + pfs, ... this row block
+ * prefetches into L2 (the panel's row blocks share the prefetching). Named accumulators, each
+ * row's code behind a compile-time `mr > r` (as arrays, gcc 12 kept some on the stack). */
+#define FOR_ROWS3(X) X(0) X(1) X(2)
+#define DECL(r) i8acc c##r##_0 = i8acc_zero(), c##r##_1 = c##r##_0, c##r##_2 = c##r##_0, c##r##_3 = c##r##_0; \
+                i8row a##r;
+#define LOADA(r) if (mr > r) a##r = i8row_load(A + r * lda + q * 4);
+#define DOT(r, j) if (mr > r) c##r##_##j = i8_dot(c##r##_##j, a##r, w);
+#define DOT0(r) DOT(r, 0)
+#define DOT1(r) DOT(r, 1)
+#define DOT2(r) DOT(r, 2)
+#define DOT3(r) DOT(r, 3)
+#define OUT(r, j) if (mr > r) i8f_store_n(C + r * ldc + 8 * j, i8_epilogue(c##r##_##j, s, sa[r], bb), n);
+#define OUT0(r) OUT(r, 0)
+#define OUT1(r) OUT(r, 1)
+#define OUT2(r) OUT(r, 2)
+#define OUT3(r) OUT(r, 3)
+#define UNIT(j)                                                                                       \
+    {                                                                                                 \
+        const i8w w = i8w_load(b + j * 32);                                                           \
+        FOR_ROWS3(DOT##j)                                                                             \
+    }
+#define EPI(j)                                                                                        \
+    if (ncols > 8 * j) {                                                                              \
+        const int n = ncols - 8 * j >= 8 ? 8 : (int)(ncols - 8 * j);                                  \
+        const i8f s = i8f_load_n(sw + 8 * j, n), bb = i8f_load_n(bias ? bias + 8 * j : 0, bias ? n : 0); \
+        FOR_ROWS3(OUT##j)                                                                             \
+    }
+
+#define KERNEL(MR)                                                                                    \
+    static void ki8_##MR(const uint8_t *A, int64_t lda, const int8_t *B, int64_t kq, float *C,        \
+                         int64_t ldc, const float *sa, const float *sw, const float *bias,            \
+                         int64_t ncols, const int8_t *Bn, int64_t pf0, int64_t pfs) {                 \
+        enum { mr = MR };                                                                             \
+        FOR_ROWS3(DECL)                                                                               \
+        int64_t pfq = Bn ? pf0 : kq;                                                                  \
+        for (int64_t q = 0; q < kq; ++q) {                                                            \
+            const int8_t *b = B + q * NR * 4;                                                         \
+            if (q == pfq) {                                                                           \
+                __builtin_prefetch(Bn + q * NR * 4, 0, 2);                                            \
+                __builtin_prefetch(Bn + q * NR * 4 + 64, 0, 2);                                       \
+                pfq += pfs;                                                                           \
+            }                                                                                         \
+            __builtin_prefetch(b + 8 * NR * 4, 0, 3);                                                 \
+            __builtin_prefetch(b + 8 * NR * 4 + 64, 0, 3);                                            \
+            FOR_ROWS3(LOADA)                                                                          \
+            UNIT(0) UNIT(1) UNIT(2) UNIT(3)                                                           \
+        }                                                                                             \
+        EPI(0) EPI(1) EPI(2) EPI(3)                                                                   \
+    }
+typedef void (*ki8_t)(const uint8_t *, int64_t, const int8_t *, int64_t, float *, int64_t, const float *,
+                      const float *, const float *, int64_t, const int8_t *, int64_t, int64_t);
+KERNEL(1) KERNEL(2)
+#if MRI > 2
+KERNEL(3)
+static const ki8_t KI8[MRI + 1] = {0, ki8_1, ki8_2, ki8_3};
+#else
+static const ki8_t KI8[MRI + 1] = {0, ki8_1, ki8_2};
+#endif
+
+/* As the AVX-512 lmi_gemm_i8 (wsum unused: see above); MRI-row blocks. */
+void lmi_gemm_i8(const uint8_t *Aq, int64_t M, int64_t Kp, const float *sa, const int8_t *Bp,
+                 const int32_t *wsum, const float *sw, int64_t N, const float *bias, float *C, int64_t ldc,
+                 int nthreads) {
+    (void)wsum;
+    const int64_t np = (N + NR - 1) / NR, kq = Kp / 4;
+    int64_t chunk = ((1 << 20) / Kp) / MRI * MRI;
+    if (chunk < MRI) chunk = MRI;
+    if (nthreads > np) nthreads = (int)np;
+    if (nthreads < 1) nthreads = 1;
+#pragma omp parallel num_threads(nthreads)
+    {
+        const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+        const int64_t p0 = np * t / nt, p1 = np * (t + 1) / nt;
+        for (int64_t m0 = 0; m0 < M; m0 += chunk) {
+            const int64_t Mc = M - m0 < chunk ? M - m0 : chunk;
+            const int64_t nb = (Mc + MRI - 1) / MRI;
+            for (int64_t p = p0; p < p1; ++p) {
+                const int8_t *B = Bp + p * kq * NR * 4;
+                const int8_t *Bn = p + 1 < p1 ? B + kq * NR * 4 : 0;
+                const int64_t ncols = N - p * NR < NR ? N - p * NR : NR;
+                for (int64_t i = 0; i < nb; ++i) {
+                    const int64_t lo = Mc * i / nb, hi = Mc * (i + 1) / nb;
+                    KI8[hi - lo](Aq + (m0 + lo) * Kp, Kp, B, kq, C + (m0 + lo) * ldc + p * NR, ldc, sa + m0 + lo,
+                                 sw + p * NR, bias ? bias + p * NR : 0, ncols, Bn, i, nb);
                 }
             }
         }
