@@ -234,6 +234,259 @@ void lmi_gemm_q(const float *A, int64_t M, int64_t K, int64_t lda, const uint8_t
         free(W);
     }
 }
+#elif (defined(__AVX2__) && defined(__FMA__)) || (defined(__ARM_NEON) && defined(__aarch64__))
+/* AVX2+FMA and aarch64 NEON: the same packing, and per output the same operations in the same
+ * order (weights fma(q, s, m); FMAs in k order from 0; then + bias), so the AVX-512 build's values
+ * bit for bit. Vectors of 8 lanes (one ymm, or two NEON q registers). The 16 ymm registers hold 3
+ * rows x 16 columns of accumulators beside a group's scales and the dequantized weights, so the
+ * register kernel runs a panel in two halves, each the 16 columns whose codes share 8 bytes per k:
+ * half h is columns 8h..8h+7 (low nibbles / first 16 bytes) and 16+8h..16+8h+7 (high nibbles /
+ * last 16 bytes). Past one row block (M > MRQ) each panel is dequantized once into W [K][32] fp32
+ * and MRF-row blocks of full-width FMAs run over it (as above, with kernels/cpu_gemm.c's AVX2
+ * block shape: 3 rows x 32 columns, the panel loads folded into the FMAs). */
+#include <omp.h>
+
+#define MRQ 3
+#define MRF 3
+
+int lmi_gemm_q_available(void) { return 1; }
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+typedef __m256 qf;
+static inline qf qf_zero(void) { return _mm256_setzero_ps(); }
+static inline qf qf_set1(float x) { return _mm256_set1_ps(x); }
+static inline qf qf_load(const float *p) { return _mm256_loadu_ps(p); }
+static inline void qf_store(float *p, qf v) { _mm256_storeu_ps(p, v); }
+static inline qf qf_add(qf a, qf b) { return _mm256_add_ps(a, b); }
+static inline qf qf_fma(qf a, qf b, qf c) { return _mm256_fmadd_ps(a, b, c); }    /* a * b + c, fused */
+static inline __m256i q_mask(int n) {
+    return _mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+static inline qf qf_load_n(const float *p, int n) {     /* the first n lanes, 0 past them */
+    return n >= 8 ? _mm256_loadu_ps(p) : _mm256_maskload_ps(p, q_mask(n));
+}
+static inline void qf_store_n(float *p, qf v, int n) {
+    if (n >= 8) _mm256_storeu_ps(p, v);
+    else if (n > 0) _mm256_maskstore_ps(p, q_mask(n), v);
+}
+/* 8 bytes of 4-bit codes: low nibbles -> *lo = fma(q, s0, m0), high nibbles -> *hi = fma(q, s1, m1) */
+static inline void q_deq4(const uint8_t *b, qf s0, qf m0, qf s1, qf m1, qf *lo, qf *hi) {
+    const __m256i x = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)b));
+    *lo = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(x, _mm256_set1_epi32(0xF))), s0, m0);
+    *hi = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(x, 4)), s1, m1);
+}
+/* 8 bytes of 8-bit codes -> fma(q, s, m) */
+static inline qf q_deq8(const uint8_t *b, qf s, qf m) {
+    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)b))), s, m);
+}
+#else
+#include <arm_neon.h>
+#include <string.h>
+typedef struct { float32x4_t lo, hi; } qf;
+static inline qf qf_zero(void) { qf r = {vdupq_n_f32(0.f), vdupq_n_f32(0.f)}; return r; }
+static inline qf qf_set1(float x) { qf r = {vdupq_n_f32(x), vdupq_n_f32(x)}; return r; }
+static inline qf qf_load(const float *p) { qf r = {vld1q_f32(p), vld1q_f32(p + 4)}; return r; }
+static inline void qf_store(float *p, qf v) { vst1q_f32(p, v.lo); vst1q_f32(p + 4, v.hi); }
+static inline qf qf_add(qf a, qf b) { qf r = {vaddq_f32(a.lo, b.lo), vaddq_f32(a.hi, b.hi)}; return r; }
+static inline qf qf_fma(qf a, qf b, qf c) { qf r = {vfmaq_f32(c.lo, a.lo, b.lo), vfmaq_f32(c.hi, a.hi, b.hi)}; return r; }
+static inline qf qf_load_n(const float *p, int n) {
+    if (n >= 8) return qf_load(p);
+    float t[8] = {0};
+    if (n > 0) memcpy(t, p, (size_t)n * 4);
+    return qf_load(t);
+}
+static inline void qf_store_n(float *p, qf v, int n) {
+    if (n >= 8) {
+        qf_store(p, v);
+    } else if (n > 0) {
+        float t[8];
+        qf_store(t, v);
+        memcpy(p, t, (size_t)n * 4);
+    }
+}
+static inline qf q_cvt8(uint8x8_t x, qf s, qf m) {     /* 8 codes -> fma(q, s, m) */
+    const uint16x8_t w = vmovl_u8(x);
+    qf r = {vfmaq_f32(m.lo, vcvtq_f32_u32(vmovl_u16(vget_low_u16(w))), s.lo),
+            vfmaq_f32(m.hi, vcvtq_f32_u32(vmovl_high_u16(w)), s.hi)};
+    return r;
+}
+static inline void q_deq4(const uint8_t *b, qf s0, qf m0, qf s1, qf m1, qf *lo, qf *hi) {
+    const uint8x8_t x = vld1_u8(b);
+    *lo = q_cvt8(vand_u8(x, vdup_n_u8(0xF)), s0, m0);
+    *hi = q_cvt8(vshr_n_u8(x, 4), s1, m1);
+}
+static inline qf q_deq8(const uint8_t *b, qf s, qf m) { return q_cvt8(vld1_u8(b), s, m); }
+#endif
+
+/* MR rows of A x one panel (B: its codes, S/Mn: its [G][32] scales and mins) -> C, in two
+ * column halves. Bn (or NULL): the next panel's codes, Bn_lines cache lines; row block pf0 of pfs
+ * prefetches every pfs-th line of it into L2 during the first half. */
+#define KERNEL(BITS, MR)                                                                              \
+    static void kq##BITS##_##MR(const float *A, int64_t lda, const uint8_t *B, int64_t K, int64_t g, \
+                                const float *S, const float *Mn, float *C, int64_t ldc,              \
+                                const float *bias, int64_t ncols, const uint8_t *Bn,                  \
+                                int64_t Bn_lines, int64_t pf0, int64_t pfs) {                        \
+        const int64_t RB = BITS == 4 ? 16 : 32; /* bytes per k */                                     \
+        for (int h = 0; h < 2; ++h) {                                                                 \
+            const int64_t c0 = 8 * h, c1 = 16 + 8 * h; /* the half's two column groups */             \
+            qf x0[MR], x1[MR];                                                                        \
+            UNROLL_MR for (int r = 0; r < MR; ++r) {                                                  \
+                x0[r] = qf_zero();                                                                    \
+                x1[r] = qf_zero();                                                                    \
+            }                                                                                         \
+            int64_t pfl = Bn && h == 0 ? pf0 : Bn_lines;                                              \
+            for (int64_t k0 = 0, gi = 0; k0 < K; k0 += g, ++gi) {                                     \
+                const qf s0 = qf_load(S + gi * NR + c0), s1 = qf_load(S + gi * NR + c1);              \
+                const qf n0 = qf_load(Mn + gi * NR + c0), n1 = qf_load(Mn + gi * NR + c1);            \
+                const int64_t k1 = k0 + g < K ? k0 + g : K;                                           \
+                for (int64_t k = k0; k < k1; ++k) {                                                   \
+                    const uint8_t *b = B + k * RB;                                                    \
+                    if ((k * RB & 63) == 0) {                                                         \
+                        const int64_t line = k * RB >> 6;                                             \
+                        if (line == pfl) {                                                            \
+                            __builtin_prefetch(Bn + line * 64, 0, 2);                                 \
+                            pfl += pfs;                                                               \
+                        }                                                                             \
+                        __builtin_prefetch(b + 512, 0, 3);                                            \
+                    }                                                                                 \
+                    qf w0, w1;                                                                        \
+                    if (BITS == 4) {                                                                  \
+                        q_deq4(b + c0, s0, n0, s1, n1, &w0, &w1);                                     \
+                    } else {                                                                          \
+                        w0 = q_deq8(b + c0, s0, n0);                                                  \
+                        w1 = q_deq8(b + c1, s1, n1);                                                  \
+                    }                                                                                 \
+                    UNROLL_MR for (int r = 0; r < MR; ++r) {                                          \
+                        const qf a = qf_set1(A[r * lda + k]);                                         \
+                        x0[r] = qf_fma(a, w0, x0[r]);                                                 \
+                        x1[r] = qf_fma(a, w1, x1[r]);                                                 \
+                    }                                                                                 \
+                }                                                                                     \
+            }                                                                                         \
+            const int e0 = ncols - c0 >= 8 ? 8 : ncols > c0 ? (int)(ncols - c0) : 0;                  \
+            const int e1 = ncols - c1 >= 8 ? 8 : ncols > c1 ? (int)(ncols - c1) : 0;                  \
+            if (bias) {                                                                               \
+                const qf bb0 = qf_load_n(bias + c0, e0), bb1 = qf_load_n(bias + c1, e1);              \
+                UNROLL_MR for (int r = 0; r < MR; ++r) {                                              \
+                    x0[r] = qf_add(x0[r], bb0);                                                       \
+                    x1[r] = qf_add(x1[r], bb1);                                                       \
+                }                                                                                     \
+            }                                                                                         \
+            UNROLL_MR for (int r = 0; r < MR; ++r) {                                                  \
+                qf_store_n(C + r * ldc + c0, x0[r], e0);                                              \
+                qf_store_n(C + r * ldc + c1, x1[r], e1);                                              \
+            }                                                                                         \
+        }                                                                                             \
+    }
+KERNEL(4, 1) KERNEL(4, 2) KERNEL(4, 3)
+KERNEL(8, 1) KERNEL(8, 2) KERNEL(8, 3)
+
+/* MR rows x one dequantized panel W [K][32] fp32 -> C: k-ordered FMAs from 0, then + bias. */
+#define KERNF(MR)                                                                                     \
+    static void kf_##MR(const float *A, int64_t lda, const float *W, int64_t K, float *C, int64_t ldc,  \
+                        const float *bias, int64_t ncols) {                                           \
+        qf c[MR][4];                                                                                  \
+        UNROLL_MR for (int r = 0; r < MR; ++r) {                                                      \
+            UNROLL_MR for (int v = 0; v < 4; ++v) c[r][v] = qf_zero();                                \
+        }                                                                                             \
+        for (int64_t k = 0; k < K; ++k) {                                                             \
+            qf a[MR];                                                                                 \
+            UNROLL_MR for (int r = 0; r < MR; ++r) a[r] = qf_set1(A[r * lda + k]);                    \
+            UNROLL_MR for (int v = 0; v < 4; ++v) {                                                   \
+                const qf b = qf_load(W + k * NR + 8 * v);                                             \
+                UNROLL_MR for (int r = 0; r < MR; ++r) c[r][v] = qf_fma(a[r], b, c[r][v]);            \
+            }                                                                                         \
+        }                                                                                             \
+        UNROLL_MR for (int v = 0; v < 4; ++v) {                                                       \
+            const int n = ncols - 8 * v >= 8 ? 8 : ncols > 8 * v ? (int)(ncols - 8 * v) : 0;          \
+            if (bias) {                                                                               \
+                const qf bb = qf_load_n(bias + 8 * v, n);                                             \
+                UNROLL_MR for (int r = 0; r < MR; ++r) c[r][v] = qf_add(c[r][v], bb);                 \
+            }                                                                                         \
+            UNROLL_MR for (int r = 0; r < MR; ++r) qf_store_n(C + r * ldc + 8 * v, c[r][v], n);       \
+        }                                                                                             \
+    }
+KERNF(1) KERNF(2) KERNF(3)
+typedef void (*kf_t)(const float *, int64_t, const float *, int64_t, float *, int64_t, const float *, int64_t);
+static const kf_t KF[MRF + 1] = {0, kf_1, kf_2, kf_3};
+
+/* One panel's weights dequantized into W [K][32] fp32 as the register kernels compute them; the
+ * next panel's codes (Bn, or NULL) prefetched into L2 meanwhile. */
+static void dequant_panel(const uint8_t *B, int64_t K, int64_t g, const float *S, const float *Mn, int bits,
+                          float *W, const uint8_t *Bn) {
+    const int64_t RB = bits == 4 ? 16 : 32;
+    for (int64_t k0 = 0, gi = 0; k0 < K; k0 += g, ++gi) {
+        const float *s = S + gi * NR, *m = Mn + gi * NR;
+        const qf s0 = qf_load(s), s1 = qf_load(s + 8), s2 = qf_load(s + 16), s3 = qf_load(s + 24);
+        const qf n0 = qf_load(m), n1 = qf_load(m + 8), n2 = qf_load(m + 16), n3 = qf_load(m + 24);
+        const int64_t k1 = k0 + g < K ? k0 + g : K;
+        for (int64_t k = k0; k < k1; ++k) {
+            const uint8_t *b = B + k * RB;
+            float *w = W + k * NR;
+            if (Bn && (k * RB & 63) == 0) __builtin_prefetch(Bn + k * RB, 0, 2);
+            if (bits == 4) {
+                qf w0, w1, w2, w3;
+                q_deq4(b, s0, n0, s2, n2, &w0, &w2);
+                q_deq4(b + 8, s1, n1, s3, n3, &w1, &w3);
+                qf_store(w, w0), qf_store(w + 8, w1), qf_store(w + 16, w2), qf_store(w + 24, w3);
+            } else {
+                qf_store(w, q_deq8(b, s0, n0)), qf_store(w + 8, q_deq8(b + 8, s1, n1));
+                qf_store(w + 16, q_deq8(b + 16, s2, n2)), qf_store(w + 24, q_deq8(b + 24, s3, n3));
+            }
+        }
+    }
+}
+
+typedef void (*kq_t)(const float *, int64_t, const uint8_t *, int64_t, int64_t, const float *, const float *,
+                     float *, int64_t, const float *, int64_t, const uint8_t *, int64_t, int64_t, int64_t);
+static const kq_t KQ4[MRQ + 1] = {0, kq4_1, kq4_2, kq4_3};
+static const kq_t KQ8[MRQ + 1] = {0, kq8_1, kq8_2, kq8_3};
+
+/* As the AVX-512 lmi_gemm_q: up to MRQ rows in registers, more over each panel dequantized once. */
+void lmi_gemm_q(const float *A, int64_t M, int64_t K, int64_t lda, const uint8_t *Bp, const float *S,
+                const float *Mn, int bits, int64_t g, int64_t N, const float *bias, float *C, int64_t ldc,
+                int nthreads) {
+    const int64_t np = (N + NR - 1) / NR, G = (K + g - 1) / g;
+    const int64_t pbytes = K * (bits == 4 ? 16 : 32);
+    const kq_t *kern = bits == 4 ? KQ4 : KQ8;
+    const int64_t mr = M > MRQ ? MRF : MRQ;
+    int64_t chunk = ((1 << 20) / (K * 4)) / mr * mr;
+    if (chunk < mr) chunk = mr;
+    if (nthreads > np) nthreads = (int)np;
+    if (nthreads < 1) nthreads = 1;
+#pragma omp parallel num_threads(nthreads)
+    {
+        const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+        const int64_t p0 = np * t / nt, p1 = np * (t + 1) / nt;
+        float *W = M > MRQ ? (float *)aligned_alloc(64, (size_t)K * NR * sizeof(float)) : 0;
+        for (int64_t m0 = 0; m0 < M; m0 += chunk) {
+            const int64_t Mc = M - m0 < chunk ? M - m0 : chunk;
+            const int64_t nb = (Mc + mr - 1) / mr;
+            for (int64_t p = p0; p < p1; ++p) {
+                const uint8_t *B = Bp + p * pbytes;
+                const uint8_t *Bn = p + 1 < p1 ? B + pbytes : 0;
+                const int64_t ncols = N - p * NR < NR ? N - p * NR : NR;
+                if (W) {
+                    dequant_panel(B, K, g, S + p * G * NR, Mn + p * G * NR, bits, W, Bn);
+                    for (int64_t i = 0; i < nb; ++i) {
+                        const int64_t lo = Mc * i / nb, hi = Mc * (i + 1) / nb;
+                        KF[hi - lo](A + (m0 + lo) * lda, lda, W, K, C + (m0 + lo) * ldc + p * NR, ldc,
+                                    bias ? bias + p * NR : 0, ncols);
+                    }
+                    continue;
+                }
+                for (int64_t i = 0; i < nb; ++i) {
+                    const int64_t lo = Mc * i / nb, hi = Mc * (i + 1) / nb;
+                    kern[hi - lo](A + (m0 + lo) * lda, lda, B, K, g, S + p * G * NR, Mn + p * G * NR,
+                                  C + (m0 + lo) * ldc + p * NR, ldc, bias ? bias + p * NR : 0, ncols, Bn,
+                                  pbytes >> 6, i, nb);
+                }
+            }
+        }
+        free(W);
+    }
+}
 #else
 int lmi_gemm_q_available(void) { return 0; }
 
