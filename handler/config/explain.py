@@ -64,6 +64,9 @@ def explain(cfg, g: Geometry, *, device: str, prompt_tokens: int | None = None,
                                                f"{g.head_dim} head dim * {DTYPE_BYTES[dtype]} bytes"
                                                + (f" / {tp} ranks (per rank)" if tp > 1 else ""),
                  "block_size": bs, "max_model_len": max_len, "batch_width": width}
+    if device == "cpu":
+        isa, why = hardware.cpu_kernels(getattr(cfg, "cpu_kernels", "auto"))
+        out["cpu_kernels"] = {"isa": isa or "torch", "why": why}
     if cfg.max_model_len and cfg.max_model_len > g.max_positions:
         warnings.append(f"option.max_model_len={cfg.max_model_len} is above the model's "
                         f"{g.max_positions} positions; the server caps it at {g.max_positions}")
@@ -201,6 +204,7 @@ def render(e: dict) -> str:
     mib = 1 << 20
     lines = [f"strategy {e['strategy']} on {e['device']} ({e['dtype']}); model {g['model_type']}: "
              f"{g['layers']} layers, {g['kv_heads']} kv heads x {g['head_dim']}, {g['max_positions']} positions",
+             *([f"CPU kernels: {e['cpu_kernels']['isa']} ({e['cpu_kernels']['why']})"] if "cpu_kernels" in e else []),
              f"KV bytes per token: {e['kv_bytes_per_token']} = {e['kv_bytes_per_token_formula']}",
              f"KV cache: {e['kv_cache_source']}"]
     if "num_blocks" in e:
@@ -277,7 +281,10 @@ def main(argv: list[str]) -> int:
         return 2
     for w in cfg.warnings:
         print(f"warning: {w}", file=sys.stderr)
-    print(json.dumps(e, indent=2) if a.json else render(e))
+    try:
+        print(json.dumps(e, indent=2) if a.json else render(e), flush=True)
+    except BrokenPipeError:  # `... | head`: not an error; keep the exit-time flush quiet too
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     return 0
 
 

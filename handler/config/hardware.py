@@ -110,3 +110,23 @@ def cpu_available_memory(root: str | None = None, meminfo: str | None = None) ->
     room, avail = cgroup_room(root), mem_available(meminfo)
     known = [x for x in (room, avail) if x is not None]
     return min(known) if known else 0
+
+
+def _isa_module():
+    """kernels/isa.py (plain Python), loaded by path: importing the `kernels` package would import torch."""
+    import importlib.util
+    mod = sys.modules.get("kernels.isa")
+    if mod is not None:
+        return mod
+    spec = importlib.util.find_spec("kernels")
+    path = os.path.join(spec.submodule_search_locations[0], "isa.py")
+    spec = importlib.util.spec_from_file_location("lmi_kernels_isa", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def cpu_kernels(choice: str) -> tuple[str | None, str]:
+    """option.cpu_kernels -> (the CPU kernels' instruction set on this host, None: torch's operators;
+    why), or ValueError naming what this CPU runs (kernels/isa.py)."""
+    return _isa_module().resolve(choice)

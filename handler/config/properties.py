@@ -179,6 +179,7 @@ class ServingConfig:
     tensor_parallel_degree: int
     trust_remote_code: bool
     model_impl: str               # "auto" | "lmi" | "transformers" (handler/model/llama.py or transformers')
+    cpu_kernels: str              # "auto" | "avx512" | "avx2" | "neon" | "torch" (kernels/isa.py)
     quantize: str | None          # None | "int8" (handler/model/quant.py) | awq | gptq | gguf | none (quant_int4.py)
     entry_point: str
     output_formatter: str         # "json" | "jsonlines" | "sse" | "json_chat" | "jsonlines_chat" | "sse_chat"
@@ -472,6 +473,13 @@ def _resolve_devices(src: _Sources, env: Mapping[str, str], gpu_count: int | Non
         if not on_gpu and tp > cores:
             src.warnings.append(f"{where('option.tensor_parallel_degree')} runs {tp} CPU ranks on {cores} "
                                 "cores: ranks share cores (slow; fine for correctness runs)")
+
+    kernels = get("option.cpu_kernels")
+    if kernels != "auto" and not on_gpu:
+        try:
+            hardware.cpu_kernels(kernels)
+        except ValueError as e:
+            raise ConfigError(f"{where('option.cpu_kernels')}: {str(e).split(': ', 1)[1]}") from None
 
     port_raw = env.get(PORT.var, "").strip()
     port = PORT.default

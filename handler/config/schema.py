@@ -248,6 +248,13 @@ KEYS: tuple[Key, ...] = (
         "`lmi` ours or a start-up error naming why not (`vllm`, vLLM's name, is taken for it); `transformers` "
         "transformers' own model through the paged attention interface", default="auto",
         env=("VLLM_MODEL_IMPL",)),
+    Key("option.cpu_kernels", _enum(["auto", "avx512", "avx2", "neon", "torch"]),
+        "CPU: the instruction set the C kernels are built for (kernels/isa.py): `avx512` (AVX-512 F/BW/VL; VNNI "
+        "int8 and AVX512-BF16 where the CPU has them), `avx2` (AVX2 + FMA: AMD Zen 1-3, Intel client CPUs), "
+        "`neon` (aarch64: Graviton, Apple Silicon), `torch` (no C kernels: PyTorch's operators). `auto`: the "
+        "first of avx512, avx2, neon this CPU runs. One the CPU cannot run stops the start-up in one line; the "
+        "start-up log and `config --explain` name the choice and why. Ignored on a GPU", default="auto",
+        env=("LMI_CPU_KERNELS",)),
     Key("option.entryPoint", _non_empty,
         "LMI handler; any other value warns that the built-in engine is used anyway",
         default=DEFAULT_ENTRY_POINT, values="module name", field="entry_point"),

@@ -77,6 +77,9 @@ SWITCHES: dict[str, Switch] = {s.name: s for s in (
            "one C call (kernels/cpu_layer.c, the Python layers' values bit for bit); `0` runs them layer by layer in "
            "Python",
            "handler/model/cpu_stack.py"),
+    Switch("LMI_CPU_KERNELS", "choice", "auto", "CPU: the C kernels' instruction set where no `option.cpu_kernels` "
+           "is given (kernels used alone: tests, benchmarks); the server maps `option.cpu_kernels` onto it",
+           "kernels/cpu_ext.py", allowed=("auto", "avx512", "avx2", "neon", "torch")),
     Switch("LMI_CPU_EXT_CACHE", "text", None, "where the CPU kernels are built and cached", "kernels/cpu_ext.py",
            values="directory", default_doc="`~/.cache/lmi-serve/kernels`"),
     Switch("LMI_QUANT_HEAD", "flag", False, "option.quantize=int8: the output head quantized (and smoothed) too, "

@@ -8,18 +8,19 @@ another module shares it (a tied output head keeps the embedding's).
   PackedLinear   oneDNN's blocked layout, packed once (`mkldnn._linear_pointwise`, as vLLM's
                  `onednn_mm` and inductor's freezing do): the same GEMM without a per-call reorder.
   PanelLinear    fp32 (and widened bf16) weights in 32-column panels for kernels/cpu_gemm.c where
-                 it runs (AVX-512F, a C compiler; LMI_CPU_GEMM=onednn keeps oneDNN): the next panel
+                 it runs (the avx512, avx2 or neon backend, kernels/isa.py; LMI_CPU_GEMM=onednn keeps
+                 oneDNN): the next panel
                  streams into L2 while the current one multiplies, so the weight stream hides
                  under the multiplications instead of preceding them. A row's output is its
                  k-ordered FMA sum, independent of the rows beside it.
-  WidenedLinear  bf16 values multiplied in fp32 where the CPU's bf16 GEMM is the slower one
-                 (AVX-512 BF16 without AMX), chosen by timing both at load (`bf16_gemm_mode`):
-                 bf16 products are exact in fp32, so only the sum's order differs from a bf16 GEMM.
+  WidenedLinear  bf16 values multiplied in fp32 by oneDNN over an fp32 copy (LMI_CPU_BF16_GEMM=fp32
+                 where no widening panel kernel runs): bf16 products are exact in fp32, so only the
+                 sum's order differs from a bf16 GEMM. Which way a bf16 model multiplies is a rule
+                 on the CPU's instructions (`bf16_gemm_mode`), never a timing.
   Bf16PanelLinear  bf16 weights in pair-interleaved 32-column panels for kernels/cpu_gemm_bf16.c,
                  at half the widened panels' bytes: `widen` (the widened GEMM's values bit for bit,
-                 the weight widened in registers, fp32 FMAs; AVX-512F/BW) replaces PanelLinear's fp32
-                 copy of a bf16 weight; without it AVX512-BF16 vdpbf16ps (another summation order),
-                 a third candidate of the same timing where the CPU runs it.
+                 the weight widened in registers, fp32 FMAs) replaces PanelLinear's fp32 copy of a
+                 bf16 weight; or AVX512-BF16 vdpbf16ps (another summation order) where the CPU has it.
 
 Our own models (handler/model/llama.py) run their RMSNorm and rotary through kernels/cpu_ext.py
 themselves; transformers' models (the general path) run their own forwards with these linears.
@@ -31,16 +32,13 @@ short-lived tensors.
 Escape hatches (also the A/B switches of benchmarks/step_floor.py): LMI_CPU_PREPACK=0,
 LMI_CPU_KV_LAYOUT=token
 (token-major CPU KV pool, like the GPU's), LMI_CPU_MALLOC=system, LMI_CPU_BF16_GEMM=panels | bf16 | fp32
-(instead of timing), LMI_CPU_GEMM=onednn.
+(instead of the rule), LMI_CPU_GEMM=onednn.
 """
 from __future__ import annotations
 
-import functools
 import glob
 import logging
-import math
 import os
-import time
 
 import torch
 import torch.nn.functional as F
@@ -177,45 +175,6 @@ def _mem_available() -> int | None:
 BF16_MODES = ("panels", "bf16", "fp32")   # how a bf16 model's linears multiply (bf16_gemm_mode)
 
 
-def _gemm_seconds(m: int, k: int, n: int, mode: str, reps: int = 5) -> float:
-    """The best of `reps` timed calls of an [m, k] bf16 input through a bf16 k -> n linear layer
-    packed as a model's would be for `mode`: "fp32" widened, "bf16" oneDNN's bf16 (or the plain
-    layer's F.linear on a CPU without it), "panels" kernels/cpu_gemm_bf16.c's."""
-    lin = nn.Linear(k, n, bias=False, dtype=torch.bfloat16)
-    prepack_linears(nn.Sequential(lin), widen_bf16=mode == "fp32", bf16_panels=mode == "panels")
-    x = torch.randn(m, k, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
-    best, calls, start = float("inf"), 0, time.perf_counter()
-    with torch.inference_mode():
-        lin(x)
-        # At least `reps` calls and 20 ms: a small GEMM takes tens of microseconds, and one
-        # preempted call must not decide.
-        while calls < reps or time.perf_counter() - start < 0.02:
-            t = time.perf_counter()
-            lin(x)
-            best = min(best, time.perf_counter() - t)
-            calls += 1
-    return best
-
-
-@functools.lru_cache(maxsize=None)
-def _bf16_gemm_times(k: int, n: int, rows: tuple, modes: tuple) -> dict:
-    """{mode: (seconds per row count)}, measured once per process, shape and set of modes (the
-    CPU does not change: every runner of a process decides alike). Each mode's best of three
-    rounds, the modes alternating, so a burst of other load falls on all."""
-    out = {mode: [] for mode in modes}
-    for r in rows:
-        best = {mode: float("inf") for mode in modes}
-        for _ in range(3):
-            for mode in modes:
-                best[mode] = min(best[mode], _gemm_seconds(r, k, n, mode))
-        for mode in modes:
-            out[mode].append(best[mode])
-    return {mode: tuple(v) for mode, v in out.items()}
-
-
-BF16_GEMM_MARGIN = 1.15     # fp32 must be this much faster to be worth twice the weight memory
-
-
 def bf16_panels_available() -> bool:
     """Whether bf16 GEMMs may go to kernels/cpu_gemm_bf16.c: panels are wanted (LMI_CPU_GEMM) and
     the CPU runs its AVX512-BF16 instructions."""
@@ -228,31 +187,19 @@ def widen_in_registers() -> bool:
     return panels_wanted() and cpu_ext.gemm_bf16w_available()
 
 
-# The row counts a bf16 model's GEMMs are timed at: one sequence decoding, a busy decode step (a
-# count that is no multiple of a library's blocking, as the engine's steps mostly are) and a
-# prompt chunk. On the EPYC host oneDNN's bf16 GEMM was level with the panels at 64 and 512 rows
-# but 1.5x slower at 1 row and 1.06x at 50 (hot in cache; from memory, as serving reads the
-# weights, 1.8x and 1.2x): timed at 64 and 512 alone it was chosen, and decoding ran 1.5x slower.
-BF16_TIMING_ROWS = (1, 50, 512)
-
-
-def bf16_gemm_mode(model: nn.Module, rows=BF16_TIMING_ROWS) -> tuple[str, str]:
+def bf16_gemm_mode(model: nn.Module) -> tuple[str, str]:
     """How this bf16 model's linears multiply (one of BF16_MODES), and why: "panels"
     (Bf16PanelLinear by vdpbf16ps), "bf16" (oneDNN's bf16 GEMM, PackedLinear) or "fp32" (widened:
     Bf16PanelLinear with widen where widen_in_registers(), else PanelLinear or WidenedLinear on an
     fp32 copy, twice the weight memory).
 
-    LMI_CPU_BF16_GEMM=panels | bf16 | fp32 decides (panels where the CPU lacks the kernel: bf16);
-    auto (the default) times the model's widest linear shape (the output head aside) every
-    eligible way at BF16_TIMING_ROWS (decode-sized and prefill-sized row counts). oneDNN's bf16
-    is taken over a panel way only when it is BF16_GEMM_MARGIN faster at every row count (the
-    panel ways also run the one-call decode stack). Where fp32 keeps the bf16 weights, the way with
-    the smallest product of the times. Else, of the two that keep bf16
-    weights (panels where the kernel runs, oneDNN's) the faster that way, then fp32 only when it
-    beats that one at every row count by BF16_GEMM_MARGIN and the fp32 copies fit in a quarter
-    of the memory available. CPUs with AMX multiply bf16 ~2x faster than fp32 in oneDNN; on
-    AVX-512 BF16 without AMX the dev machine's oneDNN bf16 GEMM ran at 0.55-0.65x fp32's speed,
-    vdpbf16ps at about 0.8x the fp32 FMAs' products per second (docs/PERFORMANCE.md)."""
+    A rule on what the CPU has, never a timing: the numerics (and so the greedy text) of every
+    replica of an endpoint on one kind of instance are the same whatever the load at start-up.
+    LMI_CPU_BF16_GEMM=panels | bf16 | fp32 forces one (A/B runs). `auto`:
+      AMX (amx_bf16)                 oneDNN's bf16: AMX tiles multiply bf16 about twice as fast as fp32
+      AVX512-BF16 (kernels built)    panels: vdpbf16ps, half the weight bytes of fp32 per step
+      widening kernels built         fp32 over the bf16 weights, widened in registers (no copy)
+      otherwise                      oneDNN's bf16 (its own widening where the CPU has no bf16)"""
     if _switched_off("LMI_CPU_PREPACK"):
         return "bf16", "LMI_CPU_PREPACK=0: the linear layers stay as the model built them"
     choice = switch("LMI_CPU_BF16_GEMM")
@@ -264,54 +211,15 @@ def bf16_gemm_mode(model: nn.Module, rows=BF16_TIMING_ROWS) -> tuple[str, str]:
         return "bf16", ("LMI_CPU_BF16_GEMM=panels, but kernels/cpu_gemm_bf16.c does not run here "
                         "(AVX512-BF16 and LMI_CPU_GEMM=panels needed): oneDNN's bf16")
     ignored = "" if choice == "auto" else f"; LMI_CPU_BF16_GEMM={choice!r} ignored (auto, panels, bf16 or fp32)"
-    lin = [m for _, m in _linears(model) if m.weight.dtype == torch.bfloat16]
-    if not lin:
+    if not any(m.weight.dtype == torch.bfloat16 for _, m in _linears(model)):
         return "bf16", "no bf16 linear layers" + ignored
-    modes = ["bf16"] + (["panels"] if bf16_panels_available() else [])
-    notes = []
-    extra = 4 * sum(m.weight.numel() for m in lin)
-    avail = _mem_available()
-    free_widen = widen_in_registers()
-    if free_widen:
-        modes.append("fp32")
-    elif not can_prepack(torch.float32):
-        notes.append("oneDNN cannot take fp32 here: not widened")
-    elif avail is not None and extra > avail // 4:
-        notes.append(f"fp32 copies of the linear weights ({extra / 2**30:.1f} GiB) would take more "
-                     f"than a quarter of the memory available ({avail / 2**30:.1f} GiB)")
-    else:
-        modes.append("fp32")
-    if len(modes) == 1:
-        return "bf16", "; ".join(notes) + ignored
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    body = [m for m in lin if m is not head] or lin
-    widest = max(body, key=lambda m: m.weight.numel())
-    n, k = widest.weight.shape
-    try:
-        times = _bf16_gemm_times(k, n, tuple(rows), tuple(modes))
-    except RuntimeError as e:       # a build or CPU oneDNN refuses: keep the model as it is
-        return "bf16", f"the GEMMs could not be timed ({e})" + ignored
-    def beats(a: str, b: str) -> bool:     # way a faster than way b by the margin at every row count
-        return all(x * BF16_GEMM_MARGIN <= y for x, y in zip(times[a], times[b]))
-
-    # oneDNN's bf16 only where it beats the panel ways by the margin: those also let a decode step
-    # run as one C call (handler/model/cpu_stack.py; 1.46x a one-row bf16 step), which a GEMM
-    # timing does not see.
-    narrow = "bf16"
-    if "panels" in times and not beats("bf16", "panels"):
-        narrow = "panels"
-    pick = narrow
-    if free_widen:      # the same weight memory every way: the fastest
-        pick = min(modes, key=lambda mode: math.prod(times[mode]))
-        ours = [m for m in modes if m != "bf16"]
-        if pick == "bf16" and not all(beats("bf16", m) for m in ours):
-            pick = min(ours, key=lambda mode: math.prod(times[mode]))
-    elif "fp32" in times and all(t >= BF16_GEMM_MARGIN * f for t, f in zip(times[narrow], times["fp32"])):
-        pick = "fp32"
-    shown = "; ".join(f"{r} rows " + ", ".join(f"{mode} {1e3 * times[mode][i]:.2f} ms" for mode in modes)
-                      for i, r in enumerate(rows))
-    why = f"GEMM times on a {k}x{n} weight: {shown}"
-    return pick, "; ".join([why, *notes]) + ignored
+    if "amx_bf16" in cpu_ext._cpu_flags() and can_prepack(torch.bfloat16):
+        return "bf16", "the CPU has AMX: oneDNN's bf16" + ignored
+    if bf16_panels_available():
+        return "panels", "the CPU has AVX512-BF16: vdpbf16ps panels" + ignored
+    if widen_in_registers():
+        return "fp32", "no bf16 dot product here: the bf16 weights widened in registers, fp32 FMAs" + ignored
+    return "bf16", "no bf16 panel kernel here: oneDNN's bf16" + ignored
 
 
 def panels_wanted() -> bool:

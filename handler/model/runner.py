@@ -120,20 +120,25 @@ class ModelRunner:
                  block_size: int = 16, kv_cache_tokens: int | None = None,
                  max_running: int = 32, gpu_memory_utilization: float = 0.9,
                  max_model_len: int | None = None, trust_remote_code: bool = False,
-                 model_impl: str = "auto", quantize: str | None = None, ranks=None, fuse: bool = True):
+                 model_impl: str = "auto", quantize: str | None = None, ranks=None, fuse: bool = True,
+                 cpu_kernels: str = "auto"):
         """`ranks` (handler.model.distributed.Ranks): this process is one of N tensor-parallel ranks;
         the model is sharded (ours by its parallel layers, transformers' by its plan) and the KV
         pool holds this rank's heads. `model_impl` (option.model_impl): auto (ours for the Llama
         family, handler/model/llama.py; transformers' for the rest), lmi (ours or a load error),
         transformers. `quantize` (option.quantize): the linear layers quantized at load
         (handler/model/quant.py). `fuse`: our model's q/k/v and gate/up each as one layer on CPU
-        (LlamaFamilyForCausalLM.fuse_projections); False where LoRA will wrap the layers."""
+        (LlamaFamilyForCausalLM.fuse_projections); False where LoRA will wrap the layers. `cpu_kernels`
+        (option.cpu_kernels): the instruction set of the CPU kernels (kernels/isa.py), chosen before the
+        model loads (its linear layers are packed for that backend)."""
         from transformers import AutoConfig, AutoTokenizer
 
         self.ranks = ranks
         self.quantize = quantize
         self.device = ranks.device if ranks is not None else pick_device(device)
         self.dtype = pick_dtype(dtype, self.device)
+        if self.device.type == "cpu":
+            self._select_cpu_kernels(cpu_kernels)
         try:
             self.tokenizer = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
             config = AutoConfig.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
@@ -162,10 +167,6 @@ class ModelRunner:
             num_blocks = ranks.min_across(num_blocks)
         self.kv = KVLayout(layers, kv_heads, head_dim, num_blocks, block_size)
         self.kv_cache = [(self._kv_pool(), self._kv_pool()) for _ in range(layers)]
-        if self.device.type == "cpu":   # build (or find cached) the decode kernel now, not in a request
-            from kernels import cpu_ext
-            if cpu_ext.supports(self.kv_cache[0][0]) and cpu_ext.load() is not None:
-                log.info("CPU: decode attention by the in-place C kernel (kernels/cpu_decode.c)")
         on_the_fly = quantize if quantize and quantize not in AT_LOAD else None  # awq/gptq/gguf: the loader's
         if on_the_fly:
             self._smooth(on_the_fly)
@@ -184,6 +185,22 @@ class ModelRunner:
                  layers, kv_heads, head_dim,
                  f" (rank {ranks.rank} of {tp}: 1/{tp} of the heads)" if tp > 1 else "",
                  self.kv.num_blocks, block_size, self.kv.tokens)
+
+    @staticmethod
+    def _select_cpu_kernels(choice: str) -> None:
+        """Build (or find cached) the chosen backend's kernels now, not in a request; one log line
+        names it and why."""
+        from kernels import cpu_ext
+        try:
+            isa, why = cpu_ext.select(choice)
+        except ValueError as e:
+            raise ModelLoadError(str(e)) from None
+        backend = cpu_ext.backend()
+        if isa is None or backend is None:
+            log.info("CPU kernels: none, PyTorch's operators serve (%s)", why if isa is None else
+                     f"the {isa} build failed: see the warning above")
+        else:
+            log.info("CPU kernels: %s; %s", backend.describe(), why)
 
     def _own_model(self, model_dir: str, config, impl: str, max_model_len: int | None):
         """Our implementation of the model's family (handler/model/llama.py), or None where

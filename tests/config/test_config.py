@@ -181,6 +181,7 @@ BAD = [
     ("option.quantize", "awq4", "is not supported; allowed: int8, awq, gptq, gguf, fp8, none"),
     ("option.quantization", "awq4", "is not supported; allowed: int8, awq, gptq, gguf, fp8, none"),
     ("option.model_impl", "vllm2", "is not supported; allowed: auto, lmi, transformers"),
+    ("option.cpu_kernels", "sse4", "is not supported; allowed: auto, avx512, avx2, neon, torch"),
     ("option.model_id", "", "is empty"),
     ("graceful_timeout", "-1", "is not a positive number of seconds"),
     ("option.max_payload_mb", "0", "is not a positive number of megabytes"),
@@ -588,3 +589,30 @@ def test_properties_doc_covers_every_key_and_variable(doc_path):
     for var, _ in ENV_ALIASES:
         assert f"`{var}`" in doc, var
     assert "`SAGEMAKER_BIND_TO_PORT`" in doc
+
+
+def test_cpu_kernels_the_cpu_cannot_run_stop_the_start_up_in_one_line(tmp_path, monkeypatch):
+    from handler.config import hardware
+    from kernels import isa
+    props = tmp_path / "serving.properties"
+    missing = [i for i in isa.ISAS if i not in isa.host_isas()]     # an AVX-512 host lacks neon; Arm lacks avx2
+    props.write_text(f"option.cpu_kernels={missing[0]}\noption.device=cpu\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(str(props), str(tmp_path), check_model=False, env={})
+    line = str(e.value)
+    assert f"option.cpu_kernels={missing[0]}" in line and "cannot run it" in line and "it runs:" in line
+    assert "\n" not in line
+    for ok in isa.host_isas() + ["torch", "auto"]:
+        props.write_text(f"option.cpu_kernels={ok}\noption.device=cpu\n")
+        assert load_config(str(props), str(tmp_path), check_model=False, env={}).cpu_kernels == ok
+    # the environment names it too (OPTION_CPU_KERNELS, LMI_CPU_KERNELS), resolved alike
+    props.write_text("option.device=cpu\n")
+    assert load_config(str(props), str(tmp_path), check_model=False,
+                       env={"LMI_CPU_KERNELS": "torch"}).cpu_kernels == "torch"
+    # the resolution itself, on flags of other CPUs
+    assert isa.resolve("auto", {"avx2", "fma"}, "x86_64") == ("avx2", "auto: the best this CPU runs (of avx2, torch)")
+    assert isa.resolve("auto", {"asimd", "asimddp"}, "aarch64")[0] == "neon"
+    assert isa.resolve("auto", {"sse2"}, "x86_64")[0] is None
+    with pytest.raises(ValueError, match="cannot run it"):
+        isa.resolve("avx512", {"avx2", "fma"}, "x86_64")
+    assert hardware.cpu_kernels("torch") == (None, "option.cpu_kernels=torch")

@@ -219,11 +219,12 @@ def test_widening_in_registers_gives_the_fp32_copys_logits_bit_for_bit(demo_mode
         assert torch.equal(ours(ids).logits, copy(ids).logits)
 
 
-def test_bf16_gemm_choice_follows_the_switch_the_timing_and_the_memory(monkeypatch):
+def test_bf16_gemm_choice_follows_the_switch_then_a_rule_on_the_cpu(monkeypatch):
     model = nn.Sequential(nn.Linear(64, 96), nn.Linear(96, 64)).to(torch.bfloat16)
-    panels_here = [True]
+    panels_here, widen_here, flags = [True], [False], [set()]
     monkeypatch.setattr(cpu, "bf16_panels_available", lambda: panels_here[0])   # the rule alone, any CPU
-    monkeypatch.setattr(cpu, "widen_in_registers", lambda: False)      # widening costs an fp32 copy
+    monkeypatch.setattr(cpu, "widen_in_registers", lambda: widen_here[0])
+    monkeypatch.setattr(cpu_ext, "_cpu_flags", lambda: flags[0])
     for setting in ("fp32", "bf16", "panels"):
         monkeypatch.setenv("LMI_CPU_BF16_GEMM", setting)
         assert cpu.bf16_gemm_mode(model) == (setting, f"LMI_CPU_BF16_GEMM={setting}")
@@ -231,85 +232,34 @@ def test_bf16_gemm_choice_follows_the_switch_the_timing_and_the_memory(monkeypat
     got, why = cpu.bf16_gemm_mode(model)
     assert got == "bf16" and "does not run here" in why
     monkeypatch.setenv("LMI_CPU_BF16_GEMM", "auto")
-    timed = []
-
-    def at(times):     # {64: decode-sized rows, 512: prompt-sized} -> the timed row counts
-        return {r: times[64 if r < 512 else 512] for r in cpu.BF16_TIMING_ROWS}
-
-    def fake(rows, k, n, mode, reps=5):
-        timed.append((rows, k, n, mode))
-        return 1.0 if mode == "fp32" else table[mode][rows]
-    monkeypatch.setattr(cpu, "_gemm_seconds", fake)
-    # (oneDNN bf16 times, panels times) at decode-sized rows (64: every count under 512) and 512
-    # rows against fp32's 1.0, and the pick with the kernel and without it (the choice before it:
-    # oneDNN's bf16 unless fp32 wins by the margin). oneDNN's bf16 beats panels only by the margin.
-    cases = [(at({64: 1.7, 512: 1.6}), at({64: 2.0, 512: 2.0}), "fp32", "fp32"),   # fp32 beats the better bf16 way
-             (at({64: 1.7, 512: 1.1}), at({64: 1.8, 512: 1.8}), "fp32", "bf16"),   # bf16 < panels by under the
-             # margin: panels, which fp32 beats by the margin; without the kernel 1.1 < margin: bf16 weights
-             (at({64: 1.0, 512: 1.0}), at({64: 1.1, 512: 1.1}), "panels", "bf16"),  # bf16 not faster by the margin
-             (at({64: 1.7, 512: 1.6}), at({64: 1.0, 512: 1.1}), "panels", "fp32"),  # panels fastest of the bf16 ways
-             (at({64: 1.0, 512: 1.0}), at({64: 0.5, 512: 1.3}), "panels", "bf16"),  # faster overall (product of times)
-             (at({64: 0.5, 512: 0.5}), at({64: 1.0, 512: 1.0}), "bf16", "bf16"),   # an AMX host: oneDNN's bf16
-             # level but for one sequence's decode (1 row), as oneDNN's bf16 on the EPYC host
-             ({1: 1.5, 50: 1.05, 512: 0.97}, {1: 1.0, 50: 1.0, 512: 1.0}, "panels", "bf16")]
-    for available in (True, False):
-        panels_here[0] = available
-        for bf16_s, panels_s, with_kernel, without in cases:
-            table = {"bf16": bf16_s, "panels": panels_s}
-            cpu._bf16_gemm_times.cache_clear()
-            timed.clear()
-            got, why = cpu.bf16_gemm_mode(model)
-            assert got == (with_kernel if available else without) and "64x96" in why   # widest: [96, 64]
-            modes = {"bf16", "fp32"} | ({"panels"} if available else set())
-            assert {t for t in timed} >= {(r, 64, 96, m) for r in cpu.BF16_TIMING_ROWS for m in modes}
-            assert {m for *_, m in timed} == modes
-    # Widening in registers keeps the bf16 weights: no margin, no memory test, the fastest way.
-    monkeypatch.setattr(cpu, "widen_in_registers", lambda: True)
-    monkeypatch.setattr(cpu, "_mem_available", lambda: 1)
-    panels_here[0] = True
-    for bf16_s, panels_s, pick in ((at({64: 1.05, 512: 1.05}), at({64: 1.1, 512: 1.1}), "fp32"),
-                                   (at({64: 0.9, 512: 1.05}), at({64: 1.1, 512: 1.1}), "fp32"),   # not by the margin
-                                   (at({64: 0.8, 512: 0.85}), at({64: 1.1, 512: 1.1}), "bf16"),
-                                   (at({64: 1.2, 512: 1.2}), at({64: 0.8, 512: 1.2}), "panels")):
-        table = {"bf16": bf16_s, "panels": panels_s}
-        cpu._bf16_gemm_times.cache_clear()
+    # (panels kernel, widening kernel, AMX) -> the mode, whatever any GEMM's speed
+    for panels, widen, amx, want in ((True, True, False, "panels"), (False, True, False, "fp32"),
+                                     (False, False, False, "bf16"), (True, True, True, "bf16")):
+        panels_here[0], widen_here[0], flags[0] = panels, widen, {"amx_bf16"} if amx else set()
+        if amx and not cpu.can_prepack(torch.bfloat16):
+            continue        # oneDNN has no bf16 here: AMX cannot be asked for
         got, why = cpu.bf16_gemm_mode(model)
-        assert got == pick and "quarter" not in why
-    monkeypatch.setattr(cpu, "widen_in_registers", lambda: False)
-    panels_here[0] = True
-    table = {"bf16": at({64: 1.7, 512: 1.6}), "panels": at({64: 1.3, 512: 1.3})}
-    monkeypatch.setattr(cpu, "_mem_available", lambda: 4 * 4 * (64 * 96 * 2) - 1)
-    cpu._bf16_gemm_times.cache_clear()
-    got, why = cpu.bf16_gemm_mode(model)      # fp32 would win, but its copies do not fit
-    assert got == "panels" and "quarter of the memory" in why
-    panels_here[0] = False
-    got, why = cpu.bf16_gemm_mode(model)
-    assert got == "bf16" and "quarter of the memory" in why
+        assert got == want, (panels, widen, amx, got, why)
+        assert got == cpu.bf16_gemm_mode(model)[0]     # the same answer every time: no timing
     assert cpu.bf16_gemm_mode(nn.Sequential(nn.Linear(4, 4)))[0] == "bf16"   # fp32 model: nothing to decide
-    monkeypatch.setattr(cpu, "_mem_available", lambda: None)
-    monkeypatch.setenv("LMI_CPU_BF16_GEMM", "fp16")          # not a choice: said, then timed
-    table = {"bf16": at({64: 0.5, 512: 0.5}), "panels": at({64: 1.0, 512: 1.0})}
-    cpu._bf16_gemm_times.cache_clear()
+    monkeypatch.setenv("LMI_CPU_BF16_GEMM", "fp16")          # not a choice: said, then the rule
+    panels_here[0], widen_here[0], flags[0] = True, True, set()
     got, why = cpu.bf16_gemm_mode(model)
-    assert got == "bf16" and "'fp16' ignored (auto, panels, bf16 or fp32)" in why and "64x96" in why
+    assert got == "panels" and "'fp16' ignored (auto, panels, bf16 or fp32)" in why
     monkeypatch.setenv("LMI_CPU_BF16_GEMM", "fp32")
     monkeypatch.setenv("LMI_CPU_PREPACK", "0")                # nothing is packed: nothing widens
     got, why = cpu.bf16_gemm_mode(model)
     assert got == "bf16" and "LMI_CPU_PREPACK=0" in why
-    cpu._bf16_gemm_times.cache_clear()
 
 
 @pytest.mark.parametrize("onednn_bf16", [True, False])
-def test_bf16_gemm_timing_measures_both_paths(monkeypatch, onednn_bf16):
+def test_bf16_widening_packs_for_the_kernel_or_onednn(monkeypatch, onednn_bf16):
     # Without oneDNN's bf16 (an older CPU), the bf16 side is the plain layer's F.linear and
     # widening still packs the fp32 copies.
     if not cpu.can_prepack(torch.float32) or (onednn_bf16 and not cpu.can_prepack(torch.bfloat16)):
         pytest.skip("oneDNN cannot prepack on this CPU")
     real = cpu.can_prepack
     monkeypatch.setattr(cpu, "can_prepack", lambda dt: real(dt) and (onednn_bf16 or dt != torch.bfloat16))
-    for mode in ("bf16", "fp32") + (("panels",) if cpu.bf16_panels_available() else ()):
-        s = cpu._gemm_seconds(8, 32, 48, mode, reps=2)
-        assert 0 < s < 1
     model = nn.Sequential(nn.Linear(32, 48)).to(torch.bfloat16)
     widened = _classes("panels" if cpu.panels_wanted() else "onednn")[1]
     assert prepack_linears(model, widen_bf16=True) == 1 and type(model[0]) is widened
