@@ -1,6 +1,7 @@
 """option.quantize=int8 (handler/model/quant.py, kernels/cpu_gemm_i8.c): the kernel's arithmetic against a
-float64 reference, the layers it swaps, SmoothQuant keeping the float model's values, batch
-independence under every strategy, and the quality on the real model."""
+float64 reference on every kernel build this CPU runs, the avx2 build's bytes and values against the
+avx512 build's, the layers it swaps, SmoothQuant keeping the float model's values, batch independence
+under every strategy, and the quality on the real model."""
 from __future__ import annotations
 
 import pytest
@@ -10,11 +11,31 @@ from torch import nn
 from handler.engine.request import SamplingParams
 from handler.model import quant
 from handler.model.runner import ModelRunner
-from kernels import cpu_ext
+from kernels import cpu_ext, isa
 from tests.support.engine import NEW, PROMPTS, STRATEGIES, make_engine, run_all
 
 needs_vnni = pytest.mark.skipif(not cpu_ext.gemm_i8_available(),
-                                reason="kernels/cpu_gemm_i8.c needs AVX-512 VNNI and a C compiler")
+                                reason="kernels/cpu_gemm_i8.c does not run here (no avx512/avx2/neon kernel build "
+                                       "for this CPU, or no C compiler)")
+both_x86 = pytest.mark.skipif(not {"avx512", "avx2"} <= set(isa.host_isas()) or cpu_ext._compiler() is None,
+                              reason="the cross-build check needs a CPU that runs both the avx512 and the avx2 "
+                                     "build (AVX-512 F/BW/VL) and a C compiler")
+
+
+@pytest.fixture(params=isa.host_isas() or ["none"])
+def each_build(request):
+    """Each kernel build this CPU runs (kernels/isa.py), selected in turn; back to the default after."""
+    if request.param == "none":
+        pytest.skip(f"this CPU ({isa.machine()}) runs none of {', '.join(isa.ISAS)}: torch serves")
+    if cpu_ext._compiler() is None:
+        pytest.skip("no C compiler (cc/gcc) on PATH: the CPU kernels cannot be built")
+    cpu_ext.select(request.param)
+    try:
+        assert cpu_ext.load() is not None, f"the {request.param} build did not load"
+        assert cpu_ext.gemm_i8_available(), f"the {request.param} build has no int8 GEMM"
+        yield request.param
+    finally:
+        cpu_ext.select(None)
 
 
 def _case(m: int, k: int, n: int, seed: int = 0):
@@ -32,9 +53,8 @@ def _exact(x, qw, sw, b):
     return (qa.double() @ qw.double().T) * sa.double()[:, None] * sw.double()[None] + b.double()
 
 
-@needs_vnni
 @pytest.mark.parametrize("m,k,n", [(1, 576, 192), (7, 64, 33), (13, 1536, 576), (64, 130, 96), (200, 576, 1536)])
-def test_int8_kernel_is_the_exact_integer_product_rescaled(m, k, n):
+def test_int8_kernel_is_the_exact_integer_product_rescaled(each_build, m, k, n):
     x, w, b = _case(m, k, n)
     qw, sw = quant.quantize_rows(w)
     panels, wsum = cpu_ext.pack_i8(qw)
@@ -45,6 +65,69 @@ def test_int8_kernel_is_the_exact_integer_product_rescaled(m, k, n):
     # and the reference path computes the same thing
     ref = quant.int8_reference(x, qw, sw, b).double()
     assert ((ref - want).abs().max() / want.abs().max()).item() < 1e-6
+
+
+def _quant_and_gemm(x, qw, sw, n, bias):
+    """The selected build's lmi_quant_rows (bytes, scales) and its GEMM's output on x."""
+    fn = cpu_ext.load()
+    m, k = x.shape
+    kp = -(-k // 4) * 4
+    aq, sa = torch.empty(m, kp, dtype=torch.uint8), torch.empty(m)
+    fn.quant_rows(x.data_ptr(), m, k, k, aq.data_ptr(), kp, sa.data_ptr(), torch.get_num_threads())
+    panels, wsum = cpu_ext.pack_i8(qw)
+    return aq, sa, cpu_ext.gemm_i8(x, panels, wsum, sw, n, bias)
+
+
+def test_int8_kernel_sums_every_int8_weight_exactly(each_build):
+    # Weights of any int8 value (-128 too, which quantize_rows never makes) and activations at both
+    # ends of -127..127: AVX2's vpmaddubsw pair sums (|W| x signed q) must not saturate; the integer
+    # sum is then exact, and the rescale rounds once per step as the definition says.
+    g = torch.Generator().manual_seed(3)
+    m, k, n = 9, 203, 70
+    qw = torch.randint(-128, 128, (n, k), generator=g).to(torch.int8)
+    qw[:, :8] = -128
+    x = torch.randn(m, k, generator=g)
+    x[:, :8] = x[:, :1].abs() * 1e3 * torch.tensor([1, -1, 1, -1, 1, -1, 1, -1])  # q = +-127 in those columns
+    sw = torch.rand(n, generator=g) * 1e-2
+    aq, sa, got = _quant_and_gemm(x, qw, sw, n, None)
+    q = aq[:, :k].int() - 128
+    assert q[:, :8].abs().eq(127).all()
+    acc = (q.double() @ qw.double().T)                       # exact in float64
+    want = (acc.float() * sw[None]) * sa[:, None]            # fp32: one rounding each, as the kernel's fma(., ., 0)
+    assert torch.equal(got, want)
+
+
+@both_x86
+@pytest.mark.parametrize("bias", [False, True])
+def test_avx2_int8_is_the_avx512_builds_bytes_and_values(bias):
+    # Row quantization (bytes and scales) and the GEMM's fp32 outputs through the avx2 build equal the
+    # avx512 build's (VNNI vpdpbusd there) on the same inputs: m across row-block sizes of both builds,
+    # k not a multiple of 4 or of 16, n not a multiple of 32, rows of zeros, exact .5 ties, a row
+    # whose scale is tiny (127 / max overflows to inf) and one with a NaN.
+    g = torch.Generator().manual_seed(4)
+    try:
+        for m, k, n in [(1, 576, 1536), (2, 7, 33), (3, 130, 96), (5, 33, 1), (13, 1537, 576), (14, 18, 40),
+                        (15, 99, 70), (50, 896, 97), (127, 16, 32), (300, 61, 65)]:
+            x = torch.randn(m, k, generator=g)
+            x[:, min(3, k - 1)] *= 20
+            if m >= 5:
+                x[1] = 0
+                x[2, :] = torch.arange(k) % 5 - 2.0
+                x[2, 0] = 2 * 127 / 63           # inv = 63 / 2: every odd code lands on .5 (ties to even)
+                x[3] *= 1e-39
+                x[4, k // 2] = float("nan")
+            qw, sw = quant.quantize_rows(torch.randn(n, k, generator=g) * 0.05)
+            b = torch.randn(n, generator=g) if bias else None
+            got = {}
+            for build in ("avx512", "avx2"):
+                cpu_ext.select(build)
+                assert cpu_ext.gemm_i8_available(), build
+                got[build] = _quant_and_gemm(x, qw, sw, n, b)
+            for name, a, c in zip(("bytes", "scales", "outputs"), got["avx512"], got["avx2"]):
+                assert torch.equal(a, c) or (name == "outputs" and torch.equal(a.isnan(), c.isnan())
+                                             and torch.equal(a.nan_to_num(), c.nan_to_num())), (m, k, n, name)
+    finally:
+        cpu_ext.select(None)
 
 
 @pytest.mark.parametrize("m,k,n", [(5, 256, 64), (32, 576, 192)])

@@ -18,11 +18,31 @@ from handler.config import ConfigError, load_config
 from handler.engine.request import SamplingParams
 from handler.model import quant_formats as qf
 from handler.model.quant_int4 import Grouped, Q4Linear, QuantLoadError, grouped_of, pack
-from kernels import cpu_ext
+from kernels import cpu_ext, isa
 from tests.support.engine import NEW, PROMPTS, STRATEGIES, make_engine, run_all
 
 needs_kernel = pytest.mark.skipif(not cpu_ext.gemm_q_available(),
-                                  reason="kernels/cpu_gemm_q4.c needs AVX-512F and a C compiler")
+                                  reason="kernels/cpu_gemm_q4.c does not run here (no avx512/avx2/neon kernel "
+                                         "build for this CPU, or no C compiler)")
+both_x86 = pytest.mark.skipif(not {"avx512", "avx2"} <= set(isa.host_isas()) or cpu_ext._compiler() is None,
+                              reason="the cross-build check needs a CPU that runs both the avx512 and the avx2 "
+                                     "build (AVX-512 F/BW/VL) and a C compiler")
+
+
+@pytest.fixture(params=isa.host_isas() or ["none"])
+def each_build(request):
+    """Each kernel build this CPU runs (kernels/isa.py), selected in turn; back to the default after."""
+    if request.param == "none":
+        pytest.skip(f"this CPU ({isa.machine()}) runs none of {', '.join(isa.ISAS)}: torch serves")
+    if cpu_ext._compiler() is None:
+        pytest.skip("no C compiler (cc/gcc) on PATH: the CPU kernels cannot be built")
+    cpu_ext.select(request.param)
+    try:
+        assert cpu_ext.load() is not None, f"the {request.param} build did not load"
+        assert cpu_ext.gemm_q_available(), f"the {request.param} build has no grouped-weight GEMM"
+        yield request.param
+    finally:
+        cpu_ext.select(None)
 AWQ_ORDER_DOC = [0, 2, 4, 6, 1, 3, 5, 7]
 
 
@@ -36,10 +56,10 @@ def _grouped(n, k, g, bits, seed=0):
 
 
 # ---------------------------------------------------------------------------- the kernel
-@needs_kernel
 @pytest.mark.parametrize("m,n,k,g,bits", [(1, 576, 576, 64, 4), (7, 33, 70, 32, 4), (13, 192, 129, 128, 4),
-                                          (64, 100, 96, 16, 4), (5, 40, 100, 32, 8), (30, 1536, 576, 32, 4)])
-def test_kernel_against_float64_of_the_dequantized_weights(m, n, k, g, bits):
+                                          (64, 100, 96, 16, 4), (5, 40, 100, 32, 8), (30, 1536, 576, 32, 4),
+                                          (3, 50, 77, 7, 8), (4, 65, 200, 128, 4)])
+def test_kernel_against_float64_of_the_dequantized_weights(each_build, m, n, k, g, bits):
     w = _grouped(n, k, g, bits, seed=m)
     gen = torch.Generator().manual_seed(1)
     x, b = torch.randn(m, k, generator=gen), torch.randn(n, generator=gen)
@@ -53,18 +73,46 @@ def test_kernel_against_float64_of_the_dequantized_weights(m, n, k, g, bits):
     assert ((got - want).abs() <= bound).all(), ((got - want).abs() / bound).max()
 
 
-@needs_kernel
-def test_kernel_is_bit_for_bit_the_fp32_panel_gemm_on_the_dequantized_weights():
+def test_kernel_is_bit_for_bit_the_fp32_panel_gemm_on_the_dequantized_weights(each_build):
     # The same FMAs in the same order as kernels/cpu_gemm.c: why a quantized model's tokens equal
-    # its dequantized fp32 model's on the CPU path
+    # its dequantized fp32 model's on the CPU path (register kernels and dequantized panels alike)
     if not cpu_ext.gemm_available():
-        pytest.skip("kernels/cpu_gemm.c needs AVX-512F")
+        pytest.skip(f"the {each_build} build has no fp32 panel GEMM (kernels/cpu_gemm.c) to compare with")
     for n, k, g, bits in [(96, 256, 32, 4), (50, 130, 64, 4), (64, 64, 32, 8)]:
         w = _grouped(n, k, g, bits, seed=n)
-        x = torch.randn(37, k, generator=torch.Generator().manual_seed(2))
-        got = cpu_ext.gemm_q(x, *pack(w), bits, g, n, None)
-        ref = cpu_ext.gemm(x, cpu_ext.pack_panels(w.dequantize()), n, None)
-        assert torch.equal(got, ref)
+        pw = cpu_ext.pack_panels(w.dequantize())
+        for m in (1, 3, 4, 37):
+            x = torch.randn(m, k, generator=torch.Generator().manual_seed(2))
+            b = torch.randn(n, generator=torch.Generator().manual_seed(3))
+            for bias in (None, b):
+                got = cpu_ext.gemm_q(x, *pack(w), bits, g, n, bias)
+                ref = cpu_ext.gemm(x, pw, n, bias)
+                assert torch.equal(got, ref), (n, k, g, bits, m, bias is None)
+
+
+@both_x86
+@pytest.mark.parametrize("bits", [4, 8])
+def test_avx2_grouped_kernel_is_the_avx512_builds_values(bits):
+    # The avx2 build's outputs equal the avx512 build's on the same inputs: m across both builds' row
+    # blocks and the dequantized-panel path, k not a multiple of 4 or of the group, n not a multiple
+    # of 32, several group sizes, with and without bias.
+    gen = torch.Generator().manual_seed(5)
+    try:
+        for m, n, k, g in [(1, 576, 576, 64), (2, 33, 70, 32), (3, 192, 129, 128), (4, 100, 96, 16), (5, 40, 100, 32),
+                           (12, 70, 77, 7), (13, 1536, 576, 32), (50, 97, 203, 64), (128, 65, 130, 128),
+                           (300, 45, 61, 16)]:
+            w = _grouped(n, k, g, bits, seed=m)
+            panels, s, mn = pack(w)
+            x, b = torch.randn(m, k, generator=gen), torch.randn(n, generator=gen)
+            got = {}
+            for build in ("avx512", "avx2"):
+                cpu_ext.select(build)
+                assert cpu_ext.gemm_q_available(), build
+                got[build] = [cpu_ext.gemm_q(x, panels, s, mn, bits, g, n, bias) for bias in (None, b)]
+            for a, c in zip(got["avx512"], got["avx2"]):
+                assert torch.equal(a, c), (m, n, k, g)
+    finally:
+        cpu_ext.select(None)
 
 
 def test_dequantize_rounds_once_as_the_format_defines():
