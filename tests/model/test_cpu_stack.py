@@ -1,19 +1,32 @@
 """A step's decoder stack in one C call (handler/model/cpu_stack.py, kernels/cpu_layer.c): decode
 rows and whole prompts, the Python layers' values bit for bit (logits and KV pools), and where it
-does not apply, why."""
+does not apply, why.
+
+The tests run on the build this process picks (LMI_CPU_KERNELS, else the best this CPU runs); the
+last one reruns them in a subprocess for every other build this CPU runs, torch's own kernels
+switched to the same vector width (ATEN_CPU_CAPABILITY), as torch's SiLU is reproduced only
+beside Sleef's exp of the build's width."""
 from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu_ext
+from kernels import cpu_ext, isa
 
+BUILD = cpu_ext.current()[0]    # the build under test here (None: torch's operators)
+_WHY = (f"the C stack needs the {BUILD} build's panel GEMM and torch's SiLU reproduced (torch's vectors "
+        f"{torch.backends.cpu.get_cpu_capability()}: ATEN_CPU_CAPABILITY must give the build's width)")
 needs_stack = pytest.mark.skipif(not (cpu_ext.gemm_available() and cpu_ext.silu_exact(torch.get_num_threads())),
-                                 reason="the C decode stack needs AVX-512 (kernels/cpu_gemm.c) and torch's Sleef")
-needs_vnni = pytest.mark.skipif(not cpu_ext.gemm_i8_available(), reason="kernels/cpu_gemm_i8.c needs AVX-512 VNNI")
+                                 reason=_WHY)
+needs_vnni = pytest.mark.skipif(not cpu_ext.gemm_i8_available(), reason=f"no int8 GEMM in the {BUILD} build")
 needs_bf16_panels = pytest.mark.skipif(not cpu_ext.gemm_bf16_available(),
-                                       reason="kernels/cpu_gemm_bf16.c needs AVX512-BF16")
+                                       reason=f"no bf16 dot-product GEMM in the {BUILD} build (AVX512-BF16)")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -22,7 +35,7 @@ def test_silu_mul_rounds_as_torch(dtype, threads):
     # Oracle: torch's own F.silu(inplace) then mul_, at every split torch's loop makes (vector
     # body, scalar tail, one chunk or several across threads), and where exp over/underflows.
     if not (cpu_ext.load() is not None and cpu_ext.silu_mul_(torch.zeros(2, dtype=dtype), torch.zeros(2, dtype=dtype))):
-        pytest.skip("kernels/cpu_layer.c's SiLU needs AVX-512 and torch's Sleef (an AVX512 build of torch)")
+        pytest.skip(f"kernels/cpu_layer.c's SiLU: {_WHY}")
     old = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -43,7 +56,7 @@ def test_silu_mul_rounds_as_torch(dtype, threads):
 def _runner(model_dir, dtype="fp32", quantize=None, stack=True, window=None, kv_tokens=256):
     from handler.model.runner import ModelRunner
     r = ModelRunner(model_dir, dtype=dtype, device="cpu", block_size=4, kv_cache_tokens=kv_tokens, max_running=8,
-                    quantize=quantize)
+                    quantize=quantize, cpu_kernels=BUILD or "torch")
     if window:      # a sliding window on every other layer (Mistral / Qwen2's per-layer windows)
         for layer in r.model.model.layers[::2]:
             layer.self_attn.window = window
@@ -191,3 +204,31 @@ def test_stack_rows_reads_the_step_layout():
     assert tables.shape[0] == 2 and prompts.shape == (3, 0)
     assert rows([0, 3, 4], [3, 7]) is None                      # a decode row after a prompt
     assert rows([0, 1, 3], [6, 5]) is None                      # a chunk of a longer prompt
+
+
+# torch's vectors of the build's width (Sleef_expf16_u10 / Sleef_expf8_u10): what its SiLU must pair with
+_TORCH_CAPABILITY = {"avx512": "avx512", "avx2": "avx2"}
+_OTHER_BUILDS = [b for b in isa.host_isas() if b != BUILD]
+
+
+@pytest.mark.parametrize("build", _OTHER_BUILDS or [None])
+def test_stack_on_every_other_build_this_cpu_runs(build):
+    # The tests above in a subprocess with LMI_CPU_KERNELS=build (and torch at the build's width):
+    # they must pass, and the SiLU and fp32 stack tests must have run there, not skipped.
+    if build is None:
+        pytest.skip(f"this CPU runs no build but {BUILD} (of {', '.join(isa.ISAS)}), tested above")
+    env = dict(os.environ, LMI_CPU_KERNELS=build, HF_HUB_OFFLINE="1")
+    env.pop("ATEN_CPU_CAPABILITY", None)
+    if build in _TORCH_CAPABILITY:
+        env["ATEN_CPU_CAPABILITY"] = _TORCH_CAPABILITY[build]
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rA", "-p", "no:cacheprovider", os.path.abspath(__file__),
+                        "-k", "not every_other_build and not stays_off and not step_layout"],
+                       env=env, cwd=root, capture_output=True, text=True, timeout=1200)
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, out[-6000:]
+    passed = set(re.findall(r"^PASSED \S+::(\S+)", r.stdout, re.M))
+    for want in ("test_silu_mul_rounds_as_torch[1-dtype0]", "test_silu_mul_rounds_as_torch[2-dtype1]",
+                 "test_decode_stack_gives_the_python_layers_values_bit_for_bit[llama-fp32-None-None-None]",
+                 "test_stack_takes_long_prompts_and_declines_chunks_and_prompts_before_decodes[fp32]"):
+        assert want in passed, f"{want} did not pass on the {build} build:\n{out[-4000:]}"
