@@ -16,8 +16,9 @@
  * a row's result depends only on that row (the same in any batch). Rows go in chunks whose A
  * slice stays in L2 (about 1 MiB), the row blocks of a chunk near-equal in size.
  *
- * Needs AVX-512F (built with -march=native); elsewhere lmi_gemm_available() returns 0 and the
- * caller keeps oneDNN.
+ * Builds (kernels/isa.py): AVX-512F (the kernel above), AVX2+FMA and aarch64 NEON (the same
+ * panels and per-output operations over 8-lane vectors: the same values bit for bit, in blocks of
+ * up to 3 rows); elsewhere lmi_gemm_available() returns 0 and the caller keeps oneDNN.
  */
 #include <stdint.h>
 
@@ -111,6 +112,92 @@ void lmi_gemm(const float *A, int64_t M, int64_t K, int64_t lda, const float *Bp
         for (int64_t m0 = 0; m0 < M; m0 += chunk) {
             const int64_t Mc = M - m0 < chunk ? M - m0 : chunk;
             const int64_t nb = (Mc + MRMAX - 1) / MRMAX;
+            for (int64_t p = p0; p < p1; ++p) {
+                const float *B = Bp + p * K * NR;
+                const float *Bn = p + 1 < p1 ? B + K * NR : 0;
+                const int64_t ncols = N - p * NR < NR ? N - p * NR : NR;
+                for (int64_t i = 0; i < nb; ++i) {
+                    const int64_t lo = Mc * i / nb, hi = Mc * (i + 1) / nb;
+                    KERNS[hi - lo](A + (m0 + lo) * lda, lda, B, K, C + (m0 + lo) * ldc + p * NR, ldc,
+                                   bias ? bias + p * NR : 0, ncols, Bn, i, nb);
+                }
+            }
+        }
+    }
+}
+#elif (defined(__AVX2__) && defined(__FMA__)) || (defined(__ARM_NEON) && defined(__aarch64__))
+/* AVX2+FMA and aarch64 NEON: one source over cpu_simd.h's 8-lane vectors (a panel row is 4 of them).
+ * The same panels, partition, chunking and prefetching as above, and per output the same
+ * operations in the same order (FMAs in k order from 0, then + bias): the AVX-512 build's values
+ * bit for bit. Register blocks of up to MRV rows x 32 columns: AVX2's 16 ymm hold 3 rows' 12
+ * accumulators and the row broadcasts (the panel loads fold into the FMAs); NEON's 32 q registers
+ * 3 rows' 24 (4-lane halves) beside the broadcasts and a panel load. */
+#include <omp.h>
+
+#include "cpu_simd.h"
+
+#define MRV 3
+
+int lmi_gemm_available(void) { return 1; }
+
+/* MR rows of A (row stride lda) x one panel B [K][32] -> C (row stride ldc), ncols <= 32 of them
+ * stored; Bn / pf0 / pfs: the next panel's L2 prefetch, shared by the panel's row blocks (as above). */
+#define KERNELV(MR)                                                                                 \
+    static void kv_##MR(const float *A, int64_t lda, const float *B, int64_t K, float *C,           \
+                        int64_t ldc, const float *bias, int64_t ncols, const float *Bn,             \
+                        int64_t pf0, int64_t pfs) {                                                 \
+        v8f c[MR][4];                                                                               \
+        UNROLL_MR for (int r = 0; r < MR; ++r) {                                                    \
+            UNROLL_MR for (int v = 0; v < 4; ++v) c[r][v] = v8f_zero();                             \
+        }                                                                                           \
+        int64_t pfk = Bn ? pf0 : K;                                                                 \
+        for (int64_t k = 0; k < K; ++k) {                                                           \
+            if (k == pfk) {                                                                         \
+                LMI_PREFETCH_L2(Bn + k * NR);                                                       \
+                LMI_PREFETCH_L2(Bn + k * NR + 16);                                                  \
+                pfk += pfs;                                                                         \
+            }                                                                                       \
+            const float *b = B + k * NR;                                                            \
+            LMI_PREFETCH_L1(b + 8 * NR);                                                            \
+            LMI_PREFETCH_L1(b + 8 * NR + 16);                                                       \
+            v8f a[MR];                                                                              \
+            UNROLL_MR for (int r = 0; r < MR; ++r) a[r] = v8f_set1(A[r * lda + k]);                 \
+            UNROLL_MR for (int v = 0; v < 4; ++v) {                                                 \
+                LMI_V8_SEQ();                                                                       \
+                const v8f bv = v8f_load(b + 8 * v);                                                 \
+                UNROLL_MR for (int r = 0; r < MR; ++r) c[r][v] = v8f_fma(a[r], bv, c[r][v]);        \
+            }                                                                                       \
+        }                                                                                           \
+        UNROLL_MR for (int v = 0; v < 4; ++v) {                                                     \
+            const int n = (int)(ncols - 8 * v);                                                     \
+            if (n <= 0) break;                                                                      \
+            if (bias) {                                                                             \
+                const v8f bb = v8f_load_n(bias + 8 * v, n);                                         \
+                UNROLL_MR for (int r = 0; r < MR; ++r) c[r][v] = v8f_add(c[r][v], bb);              \
+            }                                                                                       \
+            UNROLL_MR for (int r = 0; r < MR; ++r) v8f_store_n(C + r * ldc + 8 * v, c[r][v], n);    \
+        }                                                                                           \
+    }
+KERNELV(1) KERNELV(2) KERNELV(3)
+
+typedef void (*kern_t)(const float *, int64_t, const float *, int64_t, float *, int64_t, const float *,
+                       int64_t, const float *, int64_t, int64_t);
+static const kern_t KERNS[MRV + 1] = {0, kv_1, kv_2, kv_3};
+
+void lmi_gemm(const float *A, int64_t M, int64_t K, int64_t lda, const float *Bp, int64_t N,
+              const float *bias, float *C, int64_t ldc, int nthreads) {
+    const int64_t np = (N + NR - 1) / NR;
+    int64_t chunk = ((1 << 20) / (K * 4)) / MRV * MRV;
+    if (chunk < MRV) chunk = MRV;
+    if (nthreads > np) nthreads = (int)np;
+    if (nthreads < 1) nthreads = 1;
+#pragma omp parallel num_threads(nthreads)
+    {
+        const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+        const int64_t p0 = np * t / nt, p1 = np * (t + 1) / nt;
+        for (int64_t m0 = 0; m0 < M; m0 += chunk) {
+            const int64_t Mc = M - m0 < chunk ? M - m0 : chunk;
+            const int64_t nb = (Mc + MRV - 1) / MRV;
             for (int64_t p = p0; p < p1; ++p) {
                 const float *B = Bp + p * K * NR;
                 const float *Bn = p + 1 < p1 ? B + K * NR : 0;

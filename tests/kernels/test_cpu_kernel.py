@@ -286,15 +286,10 @@ def test_row_stats_hand_non_finite_rows_back_to_torch(each_build):
     assert cpu_ext.row_stats(x.t()) is None                     # rows must be contiguous
 
 
-gemm_needed = pytest.mark.skipif("avx512f" not in cpu_ext._cpu_signature(),
-                                 reason="kernels/cpu_gemm.c needs AVX-512F; this CPU keeps oneDNN")
-
-
-@gemm_needed
 @pytest.mark.parametrize("m", [1, 5, 12, 13, 37, 64, 300])
 @pytest.mark.parametrize("k,n", [(64, 1), (96, 17), (256, 32), (576, 192), (100, 333), (1536, 70)])
 @pytest.mark.parametrize("bias", [False, True])
-def test_gemm_matches_float64_within_the_fp32_sum_bound(m, k, n, bias):
+def test_gemm_matches_float64_within_the_fp32_sum_bound(each_build, m, k, n, bias):
     # Oracle: the float64 product. An fp32 sum of k products (each FMA rounds once) is within
     # k * 2^-24 * sum_k |a_k w_k| of it (the standard bound, plus the bias add's rounding).
     assert cpu_ext.gemm_available()
@@ -308,8 +303,7 @@ def test_gemm_matches_float64_within_the_fp32_sum_bound(m, k, n, bias):
     assert ((got.double() - want).abs() <= bound + 1e-30).all()
 
 
-@gemm_needed
-def test_gemm_rows_do_not_depend_on_the_batch_and_inputs_may_be_views():
+def test_gemm_rows_do_not_depend_on_the_batch_and_inputs_may_be_views(each_build):
     # Each output row is its own k-ordered sum: the same bits alone, in a batch of 7 or of 300,
     # and from a 3-D input, a row-strided view or a non-contiguous one.
     g = torch.Generator().manual_seed(1)
@@ -331,8 +325,7 @@ def test_gemm_rows_do_not_depend_on_the_batch_and_inputs_may_be_views():
                        b.expand(4, n))                                  # no inputs: the bias alone
 
 
-@gemm_needed
-def test_gemm_gives_the_same_answer_on_any_number_of_threads():
+def test_gemm_gives_the_same_answer_on_any_number_of_threads(each_build):
     g = torch.Generator().manual_seed(2)
     x, w = torch.randn(37, 300, generator=g), torch.randn(130, 300, generator=g)
     p = cpu_ext.pack_panels(w)
@@ -345,6 +338,55 @@ def test_gemm_gives_the_same_answer_on_any_number_of_threads():
     finally:
         torch.set_num_threads(before)
     assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+
+
+def each_build_of(f):
+    """{build: f()} for every kernel build this CPU runs, each selected in turn (back to the default
+    after); skips, saying why, where the CPU runs fewer than two."""
+    builds = isa.host_isas()
+    if len(builds) < 2:
+        pytest.skip(f"this CPU ({isa.machine()}) runs {' and '.join(builds) or 'no'} kernel build(s) of "
+                    f"{', '.join(isa.ISAS)}: no second build to compare")
+    outs = {}
+    try:
+        for b in builds:
+            cpu_ext.select(b)
+            assert cpu_ext.gemm_available(), f"the {b} build has no panel GEMM"
+            outs[b] = f()
+    finally:
+        cpu_ext.select(None)
+    return outs
+
+
+# Row counts around every build's register blocks (AVX-512 14, AVX2 / NEON 3 rows), odd and even k,
+# partial last panels, 1 to 3 panels per thread.
+CROSS_ROWS = [1, 2, 3, 4, 5, 7, 13, 14, 15, 29, 64, 127, 300]
+CROSS_KN = [(1, 1), (2, 31), (7, 33), (64, 96), (300, 130), (577, 70), (576, 192), (1536, 40)]
+
+
+def test_gemm_every_build_gives_the_same_bits():
+    # The exactness contract between instruction sets: each output's FMAs in k order from 0, then
+    # + bias, whatever the vector width or register block, so the builds agree bit for bit.
+    g = torch.Generator().manual_seed(3)
+    cases = []
+    for k, n in CROSS_KN:
+        w, b = torch.randn(n, k, generator=g), torch.randn(n, generator=g)
+        xs = torch.randn(max(CROSS_ROWS), k + 5, generator=g)[:, 2:k + 2]       # rows at stride k + 5
+        cases.append((w, b, xs))
+
+    def run():
+        out = []
+        for w, b, xs in cases:
+            p = cpu_ext.pack_panels(w)
+            for m in CROSS_ROWS:
+                out += [cpu_ext.gemm(xs[:m], p, w.shape[0], b), cpu_ext.gemm(xs[:m], p, w.shape[0], None)]
+        return out
+
+    outs = each_build_of(run)
+    first, *others = outs
+    for other in others:
+        for i, (a, c) in enumerate(zip(outs[first], outs[other])):
+            assert torch.equal(a, c), f"{first} != {other}: case {i}, max |diff| {(a - c).abs().max().item()}"
 
 
 def _fused_inputs(case, rng):
