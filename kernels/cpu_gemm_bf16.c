@@ -20,8 +20,10 @@
  * the current one multiplies, rows in chunks whose A slice stays in L2. A row's result depends
  * only on that row.
  *
- * Needs AVX512-BF16 (built with -march=native); elsewhere lmi_gemm_bf16_available() returns 0
- * and the caller keeps oneDNN or the widened fp32 panels (handler/model/cpu.py).
+ * Needs AVX512-BF16 (the avx512 build, -march=native); elsewhere lmi_gemm_bf16_available() returns 0
+ * and the caller keeps oneDNN or the widened panels (handler/model/cpu.py). The widened kernels
+ * (lmi_gemm_bf16w) run on AVX-512F/BW, AVX2+FMA and aarch64 NEON builds, with the same values on
+ * each (kernels/cpu_gemm.c's over the widened weight).
  */
 #include <stdint.h>
 
@@ -292,6 +294,111 @@ void lmi_gemm_bf16(const uint16_t *A, int64_t M, int64_t K, int64_t lda, const u
     DRIVE(KBF, uint16_t, MRMAX)
 }
 #endif
+#elif (defined(__AVX2__) && defined(__FMA__)) || (defined(__ARM_NEON) && defined(__aarch64__))
+/* AVX2+FMA and aarch64 NEON: the widening kernels over cpu_simd.h's 8-lane vectors, the same
+ * panels, partition, chunking and prefetching, and per output the same FMAs in the same k order
+ * then + bias (then the same rounding to bf16): the AVX-512 build's values bit for bit. Blocks of
+ * up to MRV rows x 32 columns: per pair, each 8-column quarter of the panel is loaded and widened
+ * once (k = 2q: shifted left 16 bits; k = 2q+1: the high half) and feeds the block's rows, whose
+ * two broadcasts per row stay in registers (AVX2: 8 accumulators + 4 broadcasts + 3 of 16 ymm).
+ * The vdpbf16ps kernels (lmi_gemm_bf16) stay AVX512-BF16 only. */
+#include <omp.h>
+
+#include "cpu_simd.h"
+
+#define MRV 2
+
+int lmi_gemm_bf16w_available(void) { return 1; }
+
+#define KERNELV(MR)                                                                                 \
+    static void kv_##MR(const float *A, int64_t lda, const uint16_t *B, int64_t K, void *C,         \
+                        int64_t ldc, int out_bf16, const float *bias, int64_t ncols,                \
+                        const uint16_t *Bn, int64_t pf0, int64_t pfs) {                             \
+        v8f c[MR][4];                                                                               \
+        UNROLL_MR for (int r = 0; r < MR; ++r) {                                                    \
+            UNROLL_MR for (int v = 0; v < 4; ++v) c[r][v] = v8f_zero();                             \
+        }                                                                                           \
+        const int64_t kq = (K + 1) / 2, kfull = K / 2;                                              \
+        int64_t pfq = Bn ? pf0 : kq;                                                                \
+        for (int64_t q = 0; q < kfull; ++q) {                                                       \
+            if (q == pfq) {                                                                         \
+                LMI_PREFETCH_L2(Bn + q * NR * 2);                                                   \
+                LMI_PREFETCH_L2(Bn + q * NR * 2 + 32);                                              \
+                pfq += pfs;                                                                         \
+            }                                                                                       \
+            const uint16_t *w = B + q * NR * 2;                                                     \
+            LMI_PREFETCH_L1(w + 8 * NR * 2);                                                        \
+            LMI_PREFETCH_L1(w + 8 * NR * 2 + 32);                                                   \
+            v8f ae[MR], ao[MR];                                                                     \
+            UNROLL_MR for (int r = 0; r < MR; ++r) {                                                \
+                ae[r] = v8f_set1(A[r * lda + 2 * q]);                                               \
+                ao[r] = v8f_set1(A[r * lda + 2 * q + 1]);                                           \
+            }                                                                                       \
+            UNROLL_MR for (int v = 0; v < 4; ++v) {                                                 \
+                LMI_V8_SEQ();                                                                       \
+                const v8f e = v8f_bf16_lo(w + 16 * v), o = v8f_bf16_hi(w + 16 * v);                \
+                UNROLL_MR for (int r = 0; r < MR; ++r) c[r][v] = v8f_fma(ae[r], e, c[r][v]);        \
+                UNROLL_MR for (int r = 0; r < MR; ++r) c[r][v] = v8f_fma(ao[r], o, c[r][v]);        \
+            }                                                                                       \
+        }                                                                                           \
+        if (kfull < kq) { /* odd K: the last value alone */                                         \
+            const uint16_t *w = B + kfull * NR * 2;                                                 \
+            UNROLL_MR for (int v = 0; v < 4; ++v) {                                                 \
+                const v8f e = v8f_bf16_lo(w + 16 * v);                                              \
+                UNROLL_MR for (int r = 0; r < MR; ++r)                                              \
+                    c[r][v] = v8f_fma(v8f_set1(A[r * lda + K - 1]), e, c[r][v]);                    \
+            }                                                                                       \
+        }                                                                                           \
+        UNROLL_MR for (int v = 0; v < 4; ++v) {                                                     \
+            const int n = (int)(ncols - 8 * v);                                                     \
+            if (n <= 0) break;                                                                      \
+            if (bias) {                                                                             \
+                const v8f bb = v8f_load_n(bias + 8 * v, n);                                         \
+                UNROLL_MR for (int r = 0; r < MR; ++r) c[r][v] = v8f_add(c[r][v], bb);              \
+            }                                                                                       \
+            if (out_bf16) {                                                                         \
+                UNROLL_MR for (int r = 0; r < MR; ++r)                                              \
+                    v8f_store_bf16_n((uint16_t *)C + r * ldc + 8 * v, c[r][v], n);                  \
+            } else {                                                                                \
+                UNROLL_MR for (int r = 0; r < MR; ++r) v8f_store_n((float *)C + r * ldc + 8 * v, c[r][v], n); \
+            }                                                                                       \
+        }                                                                                           \
+    }
+KERNELV(1) KERNELV(2)
+
+typedef void (*kv_t)(const float *, int64_t, const uint16_t *, int64_t, void *, int64_t, int,
+                     const float *, int64_t, const uint16_t *, int64_t, int64_t);
+static const kv_t KV[MRV + 1] = {0, kv_1, kv_2};
+
+/* As the AVX-512 build's DRIVE (kernels/cpu_gemm.c's partition and chunking), rows in blocks of up to MRV. */
+void lmi_gemm_bf16w(const float *A, int64_t M, int64_t K, int64_t lda, const uint16_t *Bp, int64_t N,
+                    const float *bias, void *C, int64_t ldc, int out_bf16, int nthreads) {
+    const int64_t np = (N + NR - 1) / NR, kq = (K + 1) / 2;
+    const int64_t esz = out_bf16 ? 2 : 4;
+    int64_t chunk = ((1 << 20) / (K * 4)) / MRV * MRV;
+    if (chunk < MRV) chunk = MRV;
+    if (nthreads > np) nthreads = (int)np;
+    if (nthreads < 1) nthreads = 1;
+#pragma omp parallel num_threads(nthreads)
+    {
+        const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+        const int64_t p0 = np * t / nt, p1 = np * (t + 1) / nt;
+        for (int64_t m0 = 0; m0 < M; m0 += chunk) {
+            const int64_t Mc = M - m0 < chunk ? M - m0 : chunk;
+            const int64_t nb = (Mc + MRV - 1) / MRV;
+            for (int64_t p = p0; p < p1; ++p) {
+                const uint16_t *B = Bp + p * kq * NR * 2;
+                const uint16_t *Bn = p + 1 < p1 ? B + kq * NR * 2 : 0;
+                const int64_t ncols = N - p * NR < NR ? N - p * NR : NR;
+                for (int64_t i = 0; i < nb; ++i) {
+                    const int64_t lo = Mc * i / nb, hi = Mc * (i + 1) / nb;
+                    KV[hi - lo](A + (m0 + lo) * lda, lda, B, K, (char *)C + ((m0 + lo) * ldc + p * NR) * esz, ldc,
+                                out_bf16, bias ? bias + p * NR : 0, ncols, Bn, i, nb);
+                }
+            }
+        }
+    }
+}
 #else
 int lmi_gemm_bf16w_available(void) { return 0; }
 
