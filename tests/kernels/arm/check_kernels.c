@@ -1,0 +1,769 @@
+/* The CPU kernels' aarch64 NEON build against plain C references, run under qemu-user by
+ * tests/kernels/test_arm_neon.py (linked with the kernels' C sources, built as kernels/cpu_ext.py builds them).
+ *
+ * Prints one line per kernel family:
+ *   AVAIL <name> 0|1          what the build says it provides (lmi_*_available)
+ *   CHECK <name> PASS|FAIL <detail>
+ * and "DONE" last. A kernel reported available must have a CHECK line that passed.
+ * Exact where the contract is bit for bit (the panel GEMMs against fmaf in k order from 0, then
+ * + bias; int8 bytes and integer sums; KV writes; the rotary embedding; SiLU with a plain expf
+ * standing in for Sleef's), tolerances against double references elsewhere.
+ * Built with -ffp-contract=off: the references' products and sums round one by one. */
+#include <math.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "cpu_api.h"
+#include "cpu_bf16.h"
+
+/* A vector exp of the build's lanes that calls expf lane by lane (torch's Sleef stands in) */
+#if defined(__aarch64__)
+#include <arm_neon.h>
+typedef float32x4_t vexp_t;
+#elif defined(__AVX512F__)
+#include <immintrin.h>
+typedef __m512 vexp_t;
+#elif defined(__AVX2__)
+#include <immintrin.h>
+typedef __m256 vexp_t;
+#else
+typedef float vexp_t;
+#endif
+#define PLAIN_LANES ((int)(sizeof(vexp_t) / sizeof(float)))
+static vexp_t plain_expf_v(vexp_t x) {
+    float v[16];
+    memcpy(v, &x, sizeof x);
+    for (int i = 0; i < PLAIN_LANES; ++i) v[i] = expf(v[i]);
+    memcpy(&x, v, sizeof x);
+    return x;
+}
+
+/* the entry points cpu_api.h does not declare */
+int lmi_gemm_available(void);
+int lmi_gemm_bf16_available(void);
+int lmi_gemm_bf16w_available(void);
+int lmi_gemm_i8_available(void);
+int lmi_gemm_q_available(void);
+int lmi_silu_available(void);
+int lmi_silu_lanes(void);
+void lmi_set_sleef_expf(void *fn, int lanes);
+void lmi_silu_mul(void *g, const void *u, int64_t n, int bf16, int threads);
+void lmi_bf16_rows(const float *A, int64_t M, int64_t K, int64_t lda, uint16_t *out, int64_t ldo, int nthreads);
+void lmi_pack_i8(const int8_t *W, int64_t N, int64_t K, int8_t *out, int32_t *wsum);
+void lmi_gemm_q(const float *A, int64_t M, int64_t K, int64_t lda, const uint8_t *Bp, const float *S,
+                const float *Mn, int bits, int64_t g, int64_t N, const float *bias, float *C, int64_t ldc,
+                int nthreads);
+int lmi_decode_attention(const float *q, const void *kc, const void *vc, int kv_bf16, int64_t s_blk, int64_t s_tok,
+                         int64_t s_head, const int32_t *tables, int64_t tw, const int32_t *lens, int64_t B, int64_t H,
+                         int64_t Hkv, int64_t D, int64_t bs, float scale, int64_t window, float softcap, float *out,
+                         int nthreads);
+void lmi_row_stats(const float *x, int64_t rows, int64_t V, int64_t ld, int64_t *argmax, float *maxv, float *logsum,
+                   int nthreads);
+
+static uint64_t rng = 0x9E3779B97F4A7C15ull;
+static float frand(void) {   /* uniform in [-1, 1) */
+    rng ^= rng << 13;
+    rng ^= rng >> 7;
+    rng ^= rng << 17;
+    return (float)((rng >> 40) & 0xFFFFFF) / 8388608.0f - 1.0f;
+}
+static void fill(float *x, int64_t n, float scale) {
+    for (int64_t i = 0; i < n; ++i) x[i] = frand() * scale;
+}
+static void *alloc(size_t bytes) {
+    void *p = calloc(1, bytes + 64);
+    if (!p) {
+        printf("CHECK alloc FAIL out of memory\n");
+        exit(1);
+    }
+    return p;
+}
+
+static int failures = 0;
+static void report(const char *name, int ok, const char *detail) {
+    printf("CHECK %s %s %s\n", name, ok ? "PASS" : "FAIL", detail);
+    fflush(stdout);
+    failures += !ok;
+}
+
+static const int THREADS[] = {1, 3};
+
+/* ---------------------------------------------------------------- fp32 panel GEMM */
+static void ref_gemm(const float *A, int64_t M, int64_t K, int64_t lda, const float *W, int64_t N, const float *bias,
+                     float *C) {
+    for (int64_t m = 0; m < M; ++m)
+        for (int64_t n = 0; n < N; ++n) {
+            float acc = 0.f;
+            for (int64_t k = 0; k < K; ++k) acc = fmaf(A[m * lda + k], W[n * K + k], acc);
+            C[m * N + n] = bias ? acc + bias[n] : acc;
+        }
+}
+
+static void check_gemm(void) {
+    static const int64_t MS[] = {1, 3, 5, 13, 14, 15, 37}, KN[][2] = {{64, 1}, {96, 17}, {100, 70}, {33, 32}};
+    int ok = 1, cases = 0;
+    char detail[160] = "";
+    for (size_t a = 0; a < sizeof KN / sizeof KN[0]; ++a)
+        for (size_t b = 0; b < sizeof MS / sizeof MS[0]; ++b)
+            for (int bi = 0; bi < 2; ++bi) {
+                const int64_t K = KN[a][0], N = KN[a][1], M = MS[b], lda = K + 3, np = (N + 31) / 32;
+                float *A = alloc(sizeof(float) * M * lda), *W = alloc(sizeof(float) * N * K);
+                float *bias = alloc(sizeof(float) * N), *P = alloc(sizeof(float) * np * 32 * K);
+                float *C = alloc(sizeof(float) * M * N), *R = alloc(sizeof(float) * M * N);
+                fill(A, M * lda, 2.f);
+                fill(W, N * K, 1.f);
+                fill(bias, N, 1.f);
+                lmi_pack_b(W, N, K, P);
+                ref_gemm(A, M, K, lda, W, N, bi ? bias : NULL, R);
+                for (int t = 0; t < 2; ++t) {
+                    memset(C, 0xff, sizeof(float) * M * N);
+                    lmi_gemm(A, M, K, M > 1 ? lda : K, P, N, bi ? bias : NULL, C, N, THREADS[t]);
+                    ++cases;
+                    if (memcmp(C, R, sizeof(float) * M * N) && ok) {
+                        ok = 0;
+                        snprintf(detail, sizeof detail, "M=%ld K=%ld N=%ld bias=%d threads=%d: not bit-equal",
+                                 (long)M, (long)K, (long)N, bi, THREADS[t]);
+                    }
+                }
+                free(A), free(W), free(bias), free(P), free(C), free(R);
+            }
+    if (ok) snprintf(detail, sizeof detail, "%d cases bit-equal to fmaf in k order", cases);
+    report("gemm", ok, detail);
+}
+
+/* ---------------------------------------------------------------- bf16 weights */
+static void check_gemm_bf16w(void) {
+    static const int64_t MS[] = {1, 4, 12, 13, 30}, KN[][2] = {{64, 5}, {97, 40}, {128, 64}};
+    int ok = 1, cases = 0;
+    char detail[160] = "";
+    for (size_t a = 0; a < 3; ++a)
+        for (size_t b = 0; b < 5; ++b)
+            for (int ob = 0; ob < 2; ++ob) {
+                const int64_t K = KN[a][0], N = KN[a][1], M = MS[b], np = (N + 31) / 32, kq = (K + 1) / 2;
+                float *A = alloc(sizeof(float) * M * K), *Wf = alloc(sizeof(float) * N * K);
+                uint16_t *W = alloc(2 * N * K), *P = alloc(2 * np * 32 * kq * 2);
+                float *bias = alloc(sizeof(float) * N), *R = alloc(sizeof(float) * M * N);
+                void *C = alloc(sizeof(float) * M * N);
+                fill(A, M * K, 2.f);
+                fill(bias, N, 1.f);
+                for (int64_t i = 0; i < N * K; ++i) {
+                    W[i] = f32_to_bf16(frand());
+                    Wf[i] = bf16_to_f32(W[i]);
+                }
+                lmi_pack_bf16(W, N, K, P);
+                ref_gemm(A, M, K, K, Wf, N, bias, R);
+                for (int t = 0; t < 2; ++t) {
+                    lmi_gemm_bf16w(A, M, K, K, P, N, bias, C, N, ob, THREADS[t]);
+                    ++cases;
+                    int same = 1;
+                    for (int64_t i = 0; i < M * N && same; ++i)
+                        same = ob ? ((uint16_t *)C)[i] == f32_to_bf16(R[i]) : ((float *)C)[i] == R[i];
+                    if (!same && ok) {
+                        ok = 0;
+                        snprintf(detail, sizeof detail, "M=%ld K=%ld N=%ld out_bf16=%d threads=%d: not bit-equal",
+                                 (long)M, (long)K, (long)N, ob, THREADS[t]);
+                    }
+                }
+                free(A), free(Wf), free(W), free(P), free(bias), free(R), free(C);
+            }
+    if (ok) snprintf(detail, sizeof detail, "%d cases bit-equal to fmaf over the widened weight", cases);
+    report("gemm_bf16w", ok, detail);
+}
+
+/* bf16 dot products: each pair's products added in the instruction's own order, so within the fp32
+ * sum's bound of the float64 product (and the bf16 rows of an fp32 A: lmi_bf16_rows, exact) */
+static void check_gemm_bf16(void) {
+    const int64_t M = 9, K = 131, N = 45, np = (N + 31) / 32, kq = (K + 1) / 2;
+    float *Af = alloc(sizeof(float) * M * K), *bias = alloc(sizeof(float) * N);
+    uint16_t *A = alloc(2 * M * K), *Ar = alloc(2 * M * K), *W = alloc(2 * N * K), *P = alloc(2 * np * 32 * kq * 2);
+    float *C = alloc(sizeof(float) * M * N);
+    fill(Af, M * K, 2.f);
+    fill(bias, N, 1.f);
+    for (int64_t i = 0; i < M * K; ++i) A[i] = f32_to_bf16(Af[i]);
+    for (int64_t i = 0; i < N * K; ++i) W[i] = f32_to_bf16(frand());
+    lmi_bf16_rows(Af, M, K, K, Ar, K, 2);
+    int ok = memcmp(A, Ar, 2 * M * K) == 0;
+    char detail[160] = "lmi_bf16_rows differs from round-to-nearest-even";
+    lmi_pack_bf16(W, N, K, P);
+    double worst = 0;
+    for (int t = 0; t < 2 && ok; ++t) {
+        lmi_gemm_bf16(A, M, K, K, P, N, bias, C, N, 0, THREADS[t]);
+        for (int64_t m = 0; m < M; ++m)
+            for (int64_t n = 0; n < N; ++n) {
+                double s = bias[n], mag = fabs(bias[n]);
+                for (int64_t k = 0; k < K; ++k) {
+                    const double p = (double)bf16_to_f32(A[m * K + k]) * bf16_to_f32(W[n * K + k]);
+                    s += p;
+                    mag += fabs(p);
+                }
+                const double err = fabs(C[m * N + n] - s) / (mag * K * 0x1p-24 + 1e-30);
+                worst = err > worst ? err : worst;
+            }
+    }
+    if (ok) {
+        ok = worst <= 1.0;
+        snprintf(detail, sizeof detail, "within %.3f of the fp32 sum bound (K 2^-24 sum|a w|); bf16 rows exact",
+                 worst);
+    }
+    report("gemm_bf16", ok, detail);
+    free(Af), free(bias), free(A), free(Ar), free(W), free(P), free(C);
+}
+
+/* ---------------------------------------------------------------- int8 */
+static void ref_quant(const float *a, int64_t K, int64_t Kp, uint8_t *o, float *scale) {
+    float amax = 0.f;
+    for (int64_t k = 0; k < K; ++k) amax = fabsf(a[k]) > amax ? fabsf(a[k]) : amax;
+    const float inv = amax > 0.f ? 127.f / amax : 0.f;
+    *scale = amax / 127.f;
+    for (int64_t k = 0; k < K; ++k) {
+        float q = nearbyintf(a[k] * inv);
+        q = q > 127.f ? 127.f : q < -127.f ? -127.f : q;
+        o[k] = (uint8_t)((int)q + 128);
+    }
+    for (int64_t k = K; k < Kp; ++k) o[k] = 128;
+}
+
+static void check_gemm_i8(void) {
+    static const int64_t MS[] = {1, 2, 7, 14, 15, 29}, KN[][2] = {{64, 3}, {99, 40}, {256, 96}};
+    int ok = 1, cases = 0;
+    char detail[160] = "";
+    for (size_t a = 0; a < 3; ++a)
+        for (size_t b = 0; b < 6; ++b) {
+            const int64_t K = KN[a][0], N = KN[a][1], M = MS[b], Kp = (K + 3) / 4 * 4, np = (N + 31) / 32;
+            float *A = alloc(sizeof(float) * M * K), *sa = alloc(4 * M), *rsa = alloc(4 * M);
+            float *sw = alloc(4 * N), *bias = alloc(4 * N), *C = alloc(4 * M * N);
+            uint8_t *Aq = alloc(M * Kp), *Rq = alloc(M * Kp);
+            int8_t *W = alloc(N * K), *P = alloc(np * 32 * Kp);
+            int32_t *wsum = alloc(4 * np * 32);
+            fill(A, M * K, 3.f);
+            if (M > 2) memset(A + K, 0, sizeof(float) * K);     /* an all-zero row: scale 0 */
+            A[0] = 5.f;
+            for (int64_t i = 0; i < N * K; ++i) W[i] = (int8_t)(frand() * 127.f);
+            W[0] = -128;
+            for (int64_t n = 0; n < N; ++n) sw[n] = 0.01f + 0.001f * (float)n;
+            fill(bias, N, 1.f);
+            for (int64_t m = 0; m < M; ++m) ref_quant(A + m * K, K, Kp, Rq + m * Kp, rsa + m);
+            lmi_pack_i8(W, N, K, P, wsum);
+            for (int t = 0; t < 2; ++t)
+                for (int bi = 0; bi < 2; ++bi) {
+                    lmi_quant_rows(A, M, K, K, Aq, Kp, sa, THREADS[t]);
+                    ++cases;
+                    if ((memcmp(Aq, Rq, M * Kp) || memcmp(sa, rsa, 4 * M)) && ok) {
+                        ok = 0;
+                        snprintf(detail, sizeof detail, "lmi_quant_rows M=%ld K=%ld: bytes or scales differ",
+                                 (long)M, (long)K);
+                    }
+                    lmi_gemm_i8(Aq, M, Kp, sa, P, wsum, sw, N, bi ? bias : NULL, C, N, THREADS[t]);
+                    for (int64_t m = 0; m < M && ok; ++m)
+                        for (int64_t n = 0; n < N; ++n) {
+                            int64_t acc = 0, ws = 0;
+                            for (int64_t k = 0; k < K; ++k) {
+                                acc += (int64_t)Rq[m * Kp + k] * W[n * K + k];
+                                ws += W[n * K + k];
+                            }
+                            acc -= 128 * ws;
+                            const float want = fmaf((float)acc * sw[n], rsa[m], bi ? bias[n] : 0.f);
+                            if (C[m * N + n] != want) {
+                                ok = 0;
+                                snprintf(detail, sizeof detail, "M=%ld K=%ld N=%ld bias=%d: C[%ld,%ld] %g != %g",
+                                         (long)M, (long)K, (long)N, bi, (long)m, (long)n, C[m * N + n], want);
+                                break;
+                            }
+                        }
+                }
+            free(A), free(sa), free(rsa), free(sw), free(bias), free(C), free(Aq), free(Rq), free(W), free(P),
+                free(wsum);
+        }
+    if (ok) snprintf(detail, sizeof detail, "%d cases: quant_rows bytes and exact integer sums, epilogue fmaf", cases);
+    report("gemm_i8", ok, detail);
+}
+
+/* ---------------------------------------------------------------- grouped 4/8-bit */
+static void check_gemm_q(void) {
+    static const int64_t MS[] = {1, 3, 12, 13, 40};
+    int ok = 1, cases = 0;
+    char detail[160] = "";
+    for (int bits = 4; bits <= 8; bits += 4)
+        for (size_t b = 0; b < 5; ++b) {
+            const int64_t M = MS[b], K = 128, N = 45, g = 32, G = K / g, np = (N + 31) / 32;
+            const int64_t row = bits == 4 ? 16 : 32;
+            float *A = alloc(4 * M * K), *S = alloc(4 * np * G * 32), *Mn = alloc(4 * np * G * 32);
+            float *Wf = alloc(4 * N * K), *bias = alloc(4 * N), *C = alloc(4 * M * N), *R = alloc(4 * M * N);
+            uint8_t *q = alloc(N * K), *P = alloc(np * K * row);
+            fill(A, M * K, 2.f);
+            fill(bias, N, 1.f);
+            for (int64_t i = 0; i < N * K; ++i) q[i] = (uint8_t)((frand() + 1.f) * (bits == 4 ? 7.99f : 127.99f));
+            for (int64_t n = 0; n < np * 32; ++n)
+                for (int64_t gi = 0; gi < G; ++gi) {
+                    const int64_t at = ((n / 32) * G + gi) * 32 + n % 32;
+                    S[at] = n < N ? 0.0625f * (1.f + 0.5f * frand()) : 0.f;
+                    Mn[at] = n < N ? -8.f * S[at] : 0.f;
+                }
+            for (int64_t n = 0; n < N; ++n)
+                for (int64_t k = 0; k < K; ++k) {
+                    const int64_t at = ((n / 32) * G + k / g) * 32 + n % 32;
+                    Wf[n * K + k] = fmaf((float)q[n * K + k], S[at], Mn[at]);
+                }
+            for (int64_t p = 0; p < np; ++p)   /* handler/model/quant_int4.py's pack */
+                for (int64_t k = 0; k < K; ++k)
+                    for (int64_t j = 0; j < row; ++j) {
+                        const int64_t n0 = p * 32 + j, n1 = n0 + 16;
+                        const uint8_t lo = n0 < N ? q[n0 * K + k] : 0, hi = (bits == 4 && n1 < N) ? q[n1 * K + k] : 0;
+                        P[(p * K + k) * row + j] = bits == 4 ? (uint8_t)(lo | (hi << 4)) : lo;
+                    }
+            ref_gemm(A, M, K, K, Wf, N, bias, R);
+            for (int t = 0; t < 2; ++t) {
+                lmi_gemm_q(A, M, K, K, P, S, Mn, bits, g, N, bias, C, N, THREADS[t]);
+                ++cases;
+                if (memcmp(C, R, 4 * M * N) && ok) {
+                    ok = 0;
+                    snprintf(detail, sizeof detail, "bits=%d M=%ld: not bit-equal to fmaf over fma(q, s, m)", bits,
+                             (long)M);
+                }
+            }
+            free(A), free(S), free(Mn), free(Wf), free(bias), free(C), free(R), free(q), free(P);
+        }
+    if (ok) snprintf(detail, sizeof detail, "%d cases bit-equal to the fp32 GEMM over the dequantized weight", cases);
+    report("gemm_q", ok, detail);
+}
+
+/* ---------------------------------------------------------------- element-wise and norms */
+static void check_rotary(void) {
+    const int64_t T = 5, H = 4, Hkv = 2, D = 32, half = D / 2;
+    int ok = 1;
+    for (int bf = 0; bf < 2 && ok; ++bf) {
+        const int64_t es = bf ? 2 : 4, qs = H * D + 8, ks = Hkv * D + 8;
+        char *q = alloc(es * T * qs), *k = alloc(es * T * ks), *c = alloc(es * T * D), *s = alloc(es * T * D);
+        char *q0 = alloc(es * T * qs);
+        float *tmp = alloc(4 * T * qs);
+        for (int64_t i = 0; i < T * qs; ++i) tmp[i] = frand() * 2.f;
+        for (int64_t i = 0; i < T * qs; ++i) {
+            if (bf) ((uint16_t *)q)[i] = f32_to_bf16(tmp[i]); else ((float *)q)[i] = tmp[i];
+        }
+        for (int64_t i = 0; i < T * ks; ++i) {
+            if (bf) ((uint16_t *)k)[i] = f32_to_bf16(frand()); else ((float *)k)[i] = frand();
+        }
+        for (int64_t i = 0; i < T * D; ++i) {
+            const float a = cosf(0.1f * (float)i), b = sinf(0.1f * (float)i);
+            if (bf) ((uint16_t *)c)[i] = f32_to_bf16(a), ((uint16_t *)s)[i] = f32_to_bf16(b);
+            else ((float *)c)[i] = a, ((float *)s)[i] = b;
+        }
+        memcpy(q0, q, es * T * qs);
+        lmi_rotary(q, k, c, s, T, H, Hkv, D, qs, ks, D, bf, 2);
+        for (int64_t t = 0; t < T && ok; ++t)
+            for (int64_t h = 0; h < H && ok; ++h)
+                for (int64_t i = 0; i < half; ++i) {
+                    const int64_t at = t * qs + h * D + i;
+                    if (bf) {
+                        const uint16_t *x = (uint16_t *)q0, *cc = (uint16_t *)c + t * D, *ss = (uint16_t *)s + t * D;
+                        const float a = bf16_to_f32(x[at]), b = bf16_to_f32(x[at + half]);
+                        const float lo = bf16_to_f32(f32_to_bf16(a * bf16_to_f32(cc[i]))) +
+                                         bf16_to_f32(f32_to_bf16(-b * bf16_to_f32(ss[i])));
+                        const float hi = bf16_to_f32(f32_to_bf16(b * bf16_to_f32(cc[i + half]))) +
+                                         bf16_to_f32(f32_to_bf16(a * bf16_to_f32(ss[i + half])));
+                        ok = ((uint16_t *)q)[at] == f32_to_bf16(lo) && ((uint16_t *)q)[at + half] == f32_to_bf16(hi);
+                    } else {
+                        const float *x = (float *)q0, *cc = (float *)c + t * D, *ss = (float *)s + t * D;
+                        const float a = x[at], b = x[at + half];
+                        ok = ((float *)q)[at] == a * cc[i] + (-b) * ss[i] &&
+                             ((float *)q)[at + half] == b * cc[i + half] + a * ss[i + half];
+                    }
+                }
+        free(q), free(k), free(c), free(s), free(q0), free(tmp);
+    }
+    report("rotary", ok, ok ? "fp32 and bf16 bit-equal to torch's rounding" : "differs");
+}
+
+static void check_write_kv(void) {
+    const int64_t NB = 6, bs = 4, Hkv = 2, D = 16, T = 5, s_blk = bs * Hkv * D, s_tok = Hkv * D, s_head = D;
+    float *kc = alloc(4 * NB * s_blk), *vc = alloc(4 * NB * s_blk), *key = alloc(4 * T * Hkv * D);
+    float *val = alloc(4 * T * Hkv * D);
+    const int64_t slots[] = {3, 9, -1, 17, 22}, bad[] = {3, 24};
+    fill(key, T * Hkv * D, 1.f);
+    fill(val, T * Hkv * D, 1.f);
+    int ok = lmi_write_kv(kc, vc, key, val, 4, s_blk, s_tok, s_head, Hkv * D, D, Hkv * D, D, slots, T, Hkv, D, bs,
+                          NB * bs) == 0;
+    for (int64_t t = 0; t < T && ok; ++t) {
+        if (slots[t] < 0) continue;
+        const int64_t base = (slots[t] / bs) * s_blk + (slots[t] % bs) * s_tok;
+        ok = !memcmp(kc + base, key + t * Hkv * D, 4 * Hkv * D) && !memcmp(vc + base, val + t * Hkv * D, 4 * Hkv * D);
+    }
+    float *before = alloc(4 * NB * s_blk);
+    memcpy(before, kc, 4 * NB * s_blk);
+    ok = ok && lmi_write_kv(kc, vc, key, val, 4, s_blk, s_tok, s_head, Hkv * D, D, Hkv * D, D, bad, 2, Hkv, D, bs,
+                            NB * bs) == -1 && !memcmp(before, kc, 4 * NB * s_blk);
+    report("write_kv", ok, ok ? "rows at their slots, a negative slot skipped, a slot past the pool refused" : "differs");
+    free(kc), free(vc), free(key), free(val), free(before);
+}
+
+static void check_rms_norms(void) {
+    const int64_t rows = 3, H = 200;
+    float *x = alloc(4 * rows * H), *w = alloc(4 * H), *out = alloc(4 * rows * H), *sq = alloc(4 * H);
+    uint16_t *xb = alloc(2 * rows * H), *wb = alloc(2 * H), *ob = alloc(2 * rows * H);
+    fill(x, rows * H, 2.f);
+    fill(w, H, 1.f);
+    for (int64_t i = 0; i < rows * H; ++i) xb[i] = f32_to_bf16(x[i]);
+    for (int64_t i = 0; i < H; ++i) wb[i] = f32_to_bf16(w[i]);
+    double worst32 = 0;
+    int worst16 = 0;
+    for (int W = 1; W <= 16; W *= 2) {
+        lmi_rms_norm_f32(x, w, out, rows, H, 1e-6f, W, sq);
+        for (int64_t r = 0; r < rows; ++r) {
+            double ss = 0;
+            for (int64_t i = 0; i < H; ++i) ss += (double)x[r * H + i] * x[r * H + i];
+            const double inv = 1.0 / sqrt(ss / H + 1e-6);
+            for (int64_t i = 0; i < H; ++i) {
+                const double e = fabs(out[r * H + i] - w[i] * x[r * H + i] * inv) / (fabs(w[i] * x[r * H + i] * inv) + 1e-6);
+                worst32 = e > worst32 ? e : worst32;
+            }
+        }
+    }
+    lmi_rms_norm_bf16(xb, wb, ob, rows, H, 1e-6f, 2);
+    for (int64_t r = 0; r < rows; ++r) {
+        double ss = 0;
+        for (int64_t i = 0; i < H; ++i) ss += (double)bf16_to_f32(xb[r * H + i]) * bf16_to_f32(xb[r * H + i]);
+        const float inv = (float)(1.0 / sqrt(ss / H + 1e-6));
+        for (int64_t i = 0; i < H; ++i) {
+            const uint16_t want =
+                f32_to_bf16(bf16_to_f32(wb[i]) * bf16_to_f32(f32_to_bf16(bf16_to_f32(xb[r * H + i]) * inv)));
+            const int d = abs((int)(int16_t)ob[r * H + i] - (int)(int16_t)want);
+            worst16 = d > worst16 ? d : worst16;
+        }
+    }
+    char detail[160];
+    snprintf(detail, sizeof detail, "fp32 (every summing width) within %.2g relative; bf16 within %d ulp", worst32,
+             worst16);
+    report("rms_norm", worst32 < 1e-5 && worst16 <= 1, detail);
+    free(x), free(w), free(out), free(sq), free(xb), free(wb), free(ob);
+}
+
+static void check_row_stats(void) {
+    const int64_t rows = 3, V = 49157, ld = V + 3;
+    float *x = alloc(4 * rows * ld), *mx = alloc(4 * rows), *ls = alloc(4 * rows);
+    int64_t *am = alloc(8 * rows);
+    fill(x, rows * ld, 16.f);
+    x[7] = 40.f;
+    x[V - 1] = 40.f;   /* a tie: the first index */
+    lmi_row_stats(x, rows, V, ld, am, mx, ls, 2);
+    int ok = 1;
+    double worst = 0;
+    for (int64_t r = 0; r < rows; ++r) {
+        const float *xr = x + r * ld;
+        int64_t at = 0;
+        for (int64_t v = 1; v < V; ++v)
+            if (xr[v] > xr[at]) at = v;
+        double s = 0;
+        for (int64_t v = 0; v < V; ++v) s += exp((double)xr[v] - xr[at]);
+        ok = ok && am[r] == at && mx[r] == xr[at];
+        const double e = fabs(ls[r] - log(s));
+        worst = e > worst ? e : worst;
+    }
+    char detail[160];
+    snprintf(detail, sizeof detail, "argmax (first of a tie) and max exact, log-sum-exp within %.2g", worst);
+    report("row_stats", ok && worst < 1e-5, detail);
+    free(x), free(mx), free(ls), free(am);
+}
+
+/* SiLU with a plain expf standing in for torch's Sleef (its lanes the build's): then the kernel's
+ * split into vectors and tail changes nothing, and every value is x / (1 + expf(-x)) * u exactly. */
+static void check_silu(void) {
+    int ok = 1;
+    char detail[160] = "";
+    lmi_set_sleef_expf((void *)plain_expf_v, PLAIN_LANES);
+    if (!lmi_silu_available()) {
+        report("silu", 0, "lmi_silu_available() is 0 after lmi_set_sleef_expf(fn, its lanes)");
+        return;
+    }
+    static const int64_t NS[] = {1, 7, 15, 16, 17, 33, 100, 32768 + 5, 70001};
+    for (size_t a = 0; a < sizeof NS / sizeof NS[0] && ok; ++a)
+        for (int bf = 0; bf < 2 && ok; ++bf)
+            for (int t = 0; t < 2 && ok; ++t) {
+                const int64_t n = NS[a];
+                float *x = alloc(4 * n), *u = alloc(4 * n);
+                fill(x, n, 8.f);
+                fill(u, n, 1.f);
+                for (int64_t i = 0; i < n; i += 13) x[i] = -200.f;
+                for (int64_t i = 5; i < n; i += 29) x[i] = 150.f;
+                void *g = alloc(4 * n), *uu = alloc(4 * n);
+                for (int64_t i = 0; i < n; ++i) {
+                    if (bf) ((uint16_t *)g)[i] = f32_to_bf16(x[i]), ((uint16_t *)uu)[i] = f32_to_bf16(u[i]);
+                    else ((float *)g)[i] = x[i], ((float *)uu)[i] = u[i];
+                }
+                lmi_silu_mul(g, uu, n, bf, THREADS[t]);
+                for (int64_t i = 0; i < n && ok; ++i) {
+                    if (bf) {
+                        const float xi = bf16_to_f32(f32_to_bf16(x[i]));
+                        const uint16_t s = f32_to_bf16(xi / (1.f + expf(-xi)));
+                        const uint16_t want = f32_to_bf16(bf16_to_f32(s) * bf16_to_f32(((uint16_t *)uu)[i]));
+                        ok = ((uint16_t *)g)[i] == want;
+                    } else {
+                        ok = ((float *)g)[i] == x[i] / (1.f + expf(-x[i])) * u[i];
+                    }
+                    if (!ok) snprintf(detail, sizeof detail, "n=%ld bf16=%d threads=%d: element %ld", (long)n, bf,
+                                      THREADS[t], (long)i);
+                }
+                free(x), free(u), free(g), free(uu);
+            }
+    if (ok) snprintf(detail, sizeof detail, "fp32 and bf16, %d lanes, bit-equal to x / (1 + expf(-x)) * u",
+                     lmi_silu_lanes());
+    report("silu", ok, detail);
+}
+
+/* ---------------------------------------------------------------- attention */
+/* Decode attention over a paged pool (fp32 or bf16) against float64, then lmi_decode_fused against
+ * rotary + write_kv + decode attention called one by one (the same bits). */
+static void check_decode_attention(void) {
+    const int64_t B = 3, H = 8, Hkv = 2, D = 64, bs = 4, NB = 24, tw = 8, g = H / Hkv;
+    const int64_t s_tok = Hkv * D, s_blk = bs * s_tok, s_head = D;
+    const int32_t lens[] = {1, 13, 29};
+    int32_t tables[3 * 8];
+    for (int64_t i = 0; i < B * tw; ++i) tables[i] = (int32_t)((i * 7 + 3) % NB);
+    double worst = 0;
+    int ok = 1;
+    for (int bf = 0; bf < 2; ++bf)
+        for (int64_t window = 0; window <= 5; window += 5) {
+            const int64_t es = bf ? 2 : 4;
+            char *kc = alloc(es * NB * s_blk), *vc = alloc(es * NB * s_blk);
+            float *q = alloc(4 * B * H * D), *out = alloc(4 * B * H * D);
+            for (int64_t i = 0; i < NB * s_blk; ++i) {
+                const float a = frand(), b = frand();
+                if (bf) ((uint16_t *)kc)[i] = f32_to_bf16(a), ((uint16_t *)vc)[i] = f32_to_bf16(b);
+                else ((float *)kc)[i] = a, ((float *)vc)[i] = b;
+            }
+            fill(q, B * H * D, 1.f);
+            const float scale = 0.125f;
+            ok = ok && lmi_decode_attention(q, kc, vc, bf, s_blk, s_tok, s_head, tables, tw, lens, B, H, Hkv, D, bs,
+                                            scale, window, 0.f, out, 2) == 0;
+            for (int64_t b = 0; b < B; ++b)
+                for (int64_t h = 0; h < H; ++h) {
+                    const int64_t kh = h / g, L = lens[b], t0 = window && L > window ? L - window : 0;
+                    double s[64], m = -1e300, sum = 0, o[64] = {0};
+                    for (int64_t t = t0; t < L; ++t) {
+                        const int64_t at = (int64_t)tables[b * tw + t / bs] * s_blk + (t % bs) * s_tok + kh * s_head;
+                        double d = 0;
+                        for (int64_t i = 0; i < D; ++i)
+                            d += (double)q[(b * H + h) * D + i] *
+                                 (bf ? bf16_to_f32(((uint16_t *)kc)[at + i]) : ((float *)kc)[at + i]);
+                        s[t] = d * scale;
+                        m = s[t] > m ? s[t] : m;
+                    }
+                    for (int64_t t = t0; t < L; ++t) sum += (s[t] = exp(s[t] - m));
+                    for (int64_t t = t0; t < L; ++t) {
+                        const int64_t at = (int64_t)tables[b * tw + t / bs] * s_blk + (t % bs) * s_tok + kh * s_head;
+                        for (int64_t i = 0; i < D; ++i)
+                            o[i] += s[t] / sum * (bf ? bf16_to_f32(((uint16_t *)vc)[at + i]) : ((float *)vc)[at + i]);
+                    }
+                    for (int64_t i = 0; i < D; ++i) {
+                        const double e = fabs(out[(b * H + h) * D + i] - o[i]);
+                        worst = e > worst ? e : worst;
+                    }
+                }
+            free(kc), free(vc), free(q), free(out);
+        }
+    /* decode_fused (fp32) = rotary, write_kv, attention one by one */
+    {
+        const int64_t es = 4, nq = (H + 2 * Hkv) * D;
+        float *kc = alloc(es * NB * s_blk), *vc = alloc(es * NB * s_blk), *kc2 = alloc(es * NB * s_blk);
+        float *vc2 = alloc(es * NB * s_blk), *qkv = alloc(4 * B * nq), *qkv2 = alloc(4 * B * nq);
+        float *cs = alloc(4 * B * D), *sn = alloc(4 * B * D), *o1 = alloc(4 * B * H * D), *o2 = alloc(4 * B * H * D);
+        float *qc = alloc(4 * B * H * D);
+        fill(kc, NB * s_blk, 1.f);
+        fill(vc, NB * s_blk, 1.f);
+        memcpy(kc2, kc, es * NB * s_blk);
+        memcpy(vc2, vc, es * NB * s_blk);
+        fill(qkv, B * nq, 1.f);
+        memcpy(qkv2, qkv, 4 * B * nq);
+        for (int64_t i = 0; i < B * D; ++i) cs[i] = cosf(0.3f * (float)i), sn[i] = sinf(0.3f * (float)i);
+        int64_t slots[3];
+        for (int64_t b = 0; b < B; ++b) slots[b] = (int64_t)tables[b * tw + (lens[b] - 1) / bs] * bs + (lens[b] - 1) % bs;
+        const int rc = lmi_decode_fused(qkv, qkv + H * D, qkv + (H + Hkv) * D, nq, nq, nq, cs, sn, D, 0, kc, vc, s_blk,
+                                        s_tok, s_head, slots, NB * bs, tables, tw, lens, B, H, Hkv, D, bs, 0.125f, 0,
+                                        0.f, o1, 2);
+        lmi_rotary(qkv2, qkv2 + H * D, cs, sn, B, H, Hkv, D, nq, nq, D, 0, 2);
+        lmi_write_kv(kc2, vc2, qkv2 + H * D, qkv2 + (H + Hkv) * D, 4, s_blk, s_tok, s_head, nq, D, nq, D, slots, B, Hkv,
+                     D, bs, NB * bs);
+        for (int64_t b = 0; b < B; ++b) memcpy(qc + b * H * D, qkv2 + b * nq, 4 * H * D);
+        lmi_decode_attention(qc, kc2, vc2, 0, s_blk, s_tok, s_head, tables, tw, lens, B, H, Hkv, D, bs, 0.125f, 0, 0.f,
+                             o2, 2);
+        ok = ok && rc == 0 && !memcmp(o1, o2, 4 * B * H * D) && !memcmp(kc, kc2, es * NB * s_blk);
+        free(kc), free(vc), free(kc2), free(vc2), free(qkv), free(qkv2), free(cs), free(sn), free(o1), free(o2),
+            free(qc);
+    }
+    char detail[160];
+    snprintf(detail, sizeof detail, "fp32/bf16 pools, windows: within %.2g of float64; decode_fused = its steps%s",
+             worst, ok ? "" : " (FAILED)");
+    report("decode_attention", ok && worst < 2e-5, detail);
+}
+
+/* Causal attention of whole prompts (the panel GEMMs inside) against float64. */
+static void check_prefill_attention(int bf, const char *name) {
+    const int64_t P = 2, H = 4, Hkv = 2, D = 64, g = H / Hkv, T = 70 + 9;
+    const int64_t starts[] = {0, 70}, lens[] = {70, 9}, order[] = {0, 1};
+    const int64_t es = bf ? 2 : 4, qs = H * D, ks = Hkv * D;
+    char *q = alloc(es * T * qs), *k = alloc(es * T * ks), *v = alloc(es * T * ks), *out = alloc(es * T * qs);
+    float *qf = alloc(4 * T * qs), *kf = alloc(4 * T * ks), *vf = alloc(4 * T * ks);
+    for (int64_t i = 0; i < T * qs; ++i) qf[i] = frand();
+    for (int64_t i = 0; i < T * ks; ++i) kf[i] = frand(), vf[i] = frand();
+    for (int64_t i = 0; i < T * qs; ++i) {
+        if (bf) ((uint16_t *)q)[i] = f32_to_bf16(qf[i]), qf[i] = bf16_to_f32(((uint16_t *)q)[i]);
+        else ((float *)q)[i] = qf[i];
+    }
+    for (int64_t i = 0; i < T * ks; ++i) {
+        if (bf) {
+            ((uint16_t *)k)[i] = f32_to_bf16(kf[i]), kf[i] = bf16_to_f32(((uint16_t *)k)[i]);
+            ((uint16_t *)v)[i] = f32_to_bf16(vf[i]), vf[i] = bf16_to_f32(((uint16_t *)v)[i]);
+        } else {
+            ((float *)k)[i] = kf[i], ((float *)v)[i] = vf[i];
+        }
+    }
+    const float scale = 0.125f;
+    int ok = lmi_prefill_attention(q, k, v, qs, ks, ks, D, D, D, out, qs, D, bf, starts, lens, order, P, H, Hkv, D,
+                                   scale, 2) == 0;
+    double worst = 0;
+    for (int64_t p = 0; p < P; ++p)
+        for (int64_t h = 0; h < H; ++h)
+            for (int64_t i = 0; i < lens[p]; ++i) {
+                const int64_t row = starts[p] + i, kh = h / g;
+                double s[80], m = -1e300, sum = 0, o[64] = {0};
+                for (int64_t t = 0; t <= i; ++t) {
+                    double d = 0;
+                    for (int64_t e = 0; e < D; ++e) d += (double)qf[row * qs + h * D + e] * kf[(starts[p] + t) * ks + kh * D + e];
+                    s[t] = d * scale;
+                    m = s[t] > m ? s[t] : m;
+                }
+                for (int64_t t = 0; t <= i; ++t) sum += (s[t] = exp(s[t] - m));
+                for (int64_t t = 0; t <= i; ++t)
+                    for (int64_t e = 0; e < D; ++e) o[e] += s[t] / sum * vf[(starts[p] + t) * ks + kh * D + e];
+                for (int64_t e = 0; e < D; ++e) {
+                    const double got = bf ? bf16_to_f32(((uint16_t *)out)[row * qs + h * D + e]) : ((float *)out)[row * qs + h * D + e];
+                    const double err = fabs(got - o[e]) / (bf ? fabs(o[e]) * 0x1p-8 + 0x1p-12 : 1.0);
+                    worst = err > worst ? err : worst;
+                }
+            }
+    char detail[160];
+    snprintf(detail, sizeof detail, bf ? "bf16: within %.2f of one bf16 rounding of float64"
+                                       : "fp32: within %.2g of float64", worst);
+    report(name, ok && worst < (bf ? 2.0 : 2e-5), detail);
+    free(q), free(k), free(v), free(out), free(qf), free(kf), free(vf);
+}
+
+/* ---------------------------------------------------------------- the layer stack */
+/* lmi_step_layers on one fp32 layer of 3 decode rows and 2 prompts against the same step composed
+ * from the kernels one by one (norm, GEMMs, decode_fused, rotary, write_kv, prefill attention,
+ * residual, silu * up): the same bits, as the Python layer's values are the stack's. */
+enum { LIN_F32 = 0 };
+typedef struct {
+    int64_t kind, n, k;
+    const void *panels;
+    const int32_t *wsum;
+    const float *wscale;
+    const float *bias;
+} lin_t;
+typedef struct {
+    lin_t q, k, v, o, gate, up, down;
+    const void *norm1, *norm2;
+    void *kc, *vc;
+    int64_t window;
+} layer_t;
+int lmi_step_layers(const layer_t *layers, int64_t L, void *h, int64_t T, int64_t B, int64_t E, int64_t H,
+                    int64_t Hkv, int64_t D, int64_t I, float eps, int lanes, int bf16, const void *cos,
+                    const void *sin, int64_t cs, const int64_t *slots, int64_t nslots, const int32_t *tables,
+                    int64_t tw, const int32_t *lens, int64_t P, const int64_t *pstarts, const int64_t *plens,
+                    const int64_t *porder, int64_t s_blk, int64_t s_tok, int64_t s_head, int64_t bs, float scale,
+                    int threads);
+
+static float *packed(const float *W, int64_t N, int64_t K) {
+    float *p = alloc(4 * ((N + 31) / 32) * 32 * K);
+    lmi_pack_b(W, N, K, p);
+    return p;
+}
+
+static void check_stack(void) {
+    const int64_t E = 64, H = 4, Hkv = 2, D = 16, I = 96, B = 3, bs = 4, NB = 32, tw = 8;
+    const int64_t P = 2, plen[] = {6, 5}, T = B + 6 + 5, nq = (H + 2 * Hkv) * D;
+    const int64_t s_tok = Hkv * D, s_blk = bs * s_tok, s_head = D;
+    const float eps = 1e-5f, scale = 0.25f;
+    float *Wqkv = alloc(4 * nq * E), *Wo = alloc(4 * E * H * D), *Wgu = alloc(4 * 2 * I * E), *Wd = alloc(4 * E * I);
+    float *bqkv = alloc(4 * nq), *n1 = alloc(4 * E), *n2 = alloc(4 * E);
+    fill(Wqkv, nq * E, 0.2f), fill(Wo, E * H * D, 0.2f), fill(Wgu, 2 * I * E, 0.2f), fill(Wd, E * I, 0.2f);
+    fill(bqkv, nq, 0.1f);
+    for (int64_t i = 0; i < E; ++i) n1[i] = 1.f + 0.1f * frand(), n2[i] = 1.f + 0.1f * frand();
+    float *Pqkv = packed(Wqkv, nq, E), *Po = packed(Wo, E, H * D), *Pgu = packed(Wgu, 2 * I, E), *Pd = packed(Wd, E, I);
+    float *kc = alloc(4 * NB * s_blk), *vc = alloc(4 * NB * s_blk), *kc2 = alloc(4 * NB * s_blk), *vc2 = alloc(4 * NB * s_blk);
+    fill(kc, NB * s_blk, 1.f), fill(vc, NB * s_blk, 1.f);
+    memcpy(kc2, kc, 4 * NB * s_blk), memcpy(vc2, vc, 4 * NB * s_blk);
+    layer_t ly = {{LIN_F32, nq, E, Pqkv, 0, 0, bqkv}, {LIN_F32, 0, E, 0, 0, 0, 0}, {LIN_F32, 0, E, 0, 0, 0, 0},
+                  {LIN_F32, E, H * D, Po, 0, 0, 0}, {LIN_F32, 2 * I, E, Pgu, 0, 0, 0}, {LIN_F32, 0, E, 0, 0, 0, 0},
+                  {LIN_F32, E, I, Pd, 0, 0, 0}, n1, n2, kc, vc, 0};
+    int32_t tables[3 * 8], lens[3] = {5, 9, 2};
+    for (int64_t i = 0; i < B * tw; ++i) tables[i] = (int32_t)i;   /* blocks 0..23 for the decode rows */
+    int64_t slots[14];
+    for (int64_t b = 0; b < B; ++b) slots[b] = (int64_t)tables[b * tw + (lens[b] - 1) / bs] * bs + (lens[b] - 1) % bs;
+    for (int64_t t = B; t < T; ++t) slots[t] = 24 * bs + (t - B);      /* the prompts' rows: blocks 24.. */
+    const int64_t pst[] = {B, B + plen[0]}, pord[] = {0, 1};
+    float *cs = alloc(4 * T * D), *sn = alloc(4 * T * D), *h = alloc(4 * T * E), *h2 = alloc(4 * T * E);
+    for (int64_t i = 0; i < T * D; ++i) cs[i] = cosf(0.2f * (float)i), sn[i] = sinf(0.2f * (float)i);
+    fill(h, T * E, 1.f);
+    memcpy(h2, h, 4 * T * E);
+    lmi_set_sleef_expf((void *)plain_expf_v, PLAIN_LANES);
+    const int rc = lmi_step_layers(&ly, 1, h, T, B, E, H, Hkv, D, I, eps, 8, 0, cs, sn, D, slots, NB * bs, tables, tw,
+                                   lens, P, pst, plen, pord, s_blk, s_tok, s_head, bs, scale, 2);
+    /* the same step one kernel at a time */
+    float *x = alloc(4 * T * E), *qkv = alloc(4 * T * nq), *att = alloc(4 * T * H * D), *o = alloc(4 * T * E);
+    float *gu = alloc(4 * T * 2 * I), *act = alloc(4 * T * I), *sq = alloc(4 * E), *qd = alloc(4 * B * H * D);
+    lmi_rms_norm_f32(h2, n1, x, T, E, eps, 8, sq);
+    lmi_gemm(x, T, E, E, Pqkv, nq, bqkv, qkv, nq, 2);
+    int rc2 = lmi_decode_fused(qkv, qkv + H * D, qkv + (H + Hkv) * D, nq, nq, nq, cs, sn, D, 0, kc2, vc2, s_blk, s_tok,
+                               s_head, slots, NB * bs, tables, tw, lens, B, H, Hkv, D, bs, scale, 0, 0.f, att, 2);
+    (void)qd;
+    lmi_rotary(qkv + B * nq, qkv + B * nq + H * D, cs + B * D, sn + B * D, T - B, H, Hkv, D, nq, nq, D, 0, 2);
+    lmi_write_kv(kc2, vc2, qkv + B * nq + H * D, qkv + B * nq + (H + Hkv) * D, 4, s_blk, s_tok, s_head, nq, D, nq, D,
+                 slots + B, T - B, Hkv, D, bs, NB * bs);
+    rc2 |= lmi_prefill_attention(qkv, qkv + H * D, qkv + (H + Hkv) * D, nq, nq, nq, D, D, D, att, H * D, D, 0, pst,
+                                 plen, pord, P, H, Hkv, D, scale, 2);
+    lmi_gemm(att, T, H * D, H * D, Po, E, 0, o, E, 2);
+    for (int64_t i = 0; i < T * E; ++i) h2[i] += o[i];
+    lmi_rms_norm_f32(h2, n2, x, T, E, eps, 8, sq);
+    lmi_gemm(x, T, E, E, Pgu, 2 * I, 0, gu, 2 * I, 2);
+    for (int64_t t = 0; t < T; ++t)
+        for (int64_t i = 0; i < I; ++i) {
+            const float gg = gu[t * 2 * I + i];
+            act[t * I + i] = gg / (1.f + expf(-gg)) * gu[t * 2 * I + I + i];
+        }
+    lmi_gemm(act, T, I, I, Pd, E, 0, o, E, 2);
+    for (int64_t i = 0; i < T * E; ++i) h2[i] += o[i];
+    const int ok = rc == 0 && rc2 == 0 && !memcmp(h, h2, 4 * T * E) && !memcmp(kc, kc2, 4 * NB * s_blk) &&
+                   !memcmp(vc, vc2, 4 * NB * s_blk);
+    report("step_layers", ok, ok ? "fp32, 3 decode rows + 2 prompts: bit-equal to the kernels one by one"
+                                 : "differs from the kernels one by one");
+}
+
+int main(void) {
+    const int gemm = lmi_gemm_available(), bf16w = lmi_gemm_bf16w_available(), bf16 = lmi_gemm_bf16_available();
+    const int i8 = lmi_gemm_i8_available(), q = lmi_gemm_q_available(), silu = lmi_silu_lanes() > 0;
+    printf("AVAIL gemm %d\nAVAIL gemm_bf16w %d\nAVAIL gemm_bf16 %d\nAVAIL gemm_i8 %d\nAVAIL gemm_q %d\n", gemm, bf16w,
+           bf16, i8, q);
+    printf("AVAIL silu %d\nAVAIL prefill_attention_fp32 %d\nAVAIL prefill_attention_bf16 %d\nAVAIL step_layers %d\n",
+           silu, gemm, bf16 && bf16w, gemm && silu);
+    /* portable C: always built */
+    printf("AVAIL rotary 1\nAVAIL write_kv 1\nAVAIL rms_norm 1\nAVAIL row_stats 1\nAVAIL decode_attention 1\n");
+    fflush(stdout);
+    check_rotary();
+    check_write_kv();
+    check_rms_norms();
+    check_row_stats();
+    check_decode_attention();
+    if (gemm) check_gemm();
+    if (bf16w) check_gemm_bf16w();
+    if (bf16) check_gemm_bf16();
+    if (i8) check_gemm_i8();
+    if (q) check_gemm_q();
+    if (silu) check_silu();
+    if (gemm) check_prefill_attention(0, "prefill_attention_fp32");
+    if (bf16 && bf16w) check_prefill_attention(1, "prefill_attention_bf16");
+    if (gemm && silu) check_stack();
+    printf("DONE %d failed\n", failures);
+    return failures ? 1 : 0;
+}
