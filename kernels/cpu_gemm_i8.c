@@ -15,8 +15,12 @@
  * registers, each thread a contiguous range of panels, the next panel prefetched into L2 while
  * the current one multiplies; the weight stream is a quarter of fp32's.
  *
- * Needs AVX-512 VNNI (built with -march=native); elsewhere lmi_gemm_i8_available() returns 0 and
- * the caller dequantizes instead (handler/model/quant.py).
+ * Builds (kernels/isa.py): avx512 with VNNI as above; AVX2+FMA (the avx2 build, and an avx512 build
+ * on a CPU without VNNI) with vpmaddubsw/vpmaddwd on 8 columns per instruction, up to 2 rows; NEON
+ * (armv8.2-a dotprod) with sdot, up to 3 rows. All share lmi_pack_i8's panels and compute the same
+ * int32 sums and the same fp32 epilogue, so every build gives the avx512 build's values bit for bit
+ * (and lmi_quant_rows the same bytes). Elsewhere lmi_gemm_i8_available() returns 0 and the caller
+ * dequantizes instead (handler/model/quant.py).
  */
 #include <math.h>
 #include <stdint.h>

@@ -29,8 +29,9 @@
  * row block runs kernels/cpu_gemm.c's fp32 microkernel over it (the same values, the same
  * order), so compute-bound prefill steps pay one dequantization per panel, not one per row block.
  *
- * Needs AVX-512F (built with -march=native); elsewhere lmi_gemm_q_available() returns 0 and the
- * caller dequantizes in torch instead.
+ * Builds (kernels/isa.py): avx512 as above; AVX2+FMA and aarch64 NEON over 8-lane vectors (register
+ * kernel up to 2 rows, dequantized panels past that), the same values bit for bit. Elsewhere
+ * lmi_gemm_q_available() returns 0 and the caller dequantizes in torch instead.
  */
 #include <stdint.h>
 
@@ -237,16 +238,16 @@ void lmi_gemm_q(const float *A, int64_t M, int64_t K, int64_t lda, const uint8_t
 #elif (defined(__AVX2__) && defined(__FMA__)) || (defined(__ARM_NEON) && defined(__aarch64__))
 /* AVX2+FMA and aarch64 NEON: the same packing, and per output the same operations in the same
  * order (weights fma(q, s, m); FMAs in k order from 0; then + bias), so the AVX-512 build's values
- * bit for bit. Vectors of 8 lanes (one ymm, or two NEON q registers). The 16 ymm registers hold 3
- * rows x 16 columns of accumulators beside a group's scales and the dequantized weights, so the
- * register kernel runs a panel in two halves, each the 16 columns whose codes share 8 bytes per k:
- * half h is columns 8h..8h+7 (low nibbles / first 16 bytes) and 16+8h..16+8h+7 (high nibbles /
- * last 16 bytes). Past one row block (M > MRQ) each panel is dequantized once into W [K][32] fp32
- * and MRF-row blocks of full-width FMAs run over it (as above, with kernels/cpu_gemm.c's AVX2
- * block shape: 3 rows x 32 columns, the panel loads folded into the FMAs). */
+ * bit for bit. Vectors of 8 lanes (one ymm, or two NEON q registers); the 8 codes of a vector are
+ * 8 bytes of a k's row: 4-bit bytes 0-7 hold columns 0-7 (low nibbles) and 16-23 (high), bytes
+ * 8-15 columns 8-15 and 24-31. Up to MRQ rows run a whole panel in registers (4 accumulators a row:
+ * 4 independent FMA chains, so one row is not held to the FMA latency); past that each panel is
+ * dequantized once into W [K][32] fp32 and MRF-row blocks run over it (kernels/cpu_gemm.c's AVX2
+ * block shape, 3 rows x 32 columns, the panel loads folded into the FMAs). On the AVX2 build's 16
+ * ymm registers 3 rows in registers spilled, and the dequantized panel beat them at 3 rows. */
 #include <omp.h>
 
-#define MRQ 3
+#define MRQ 2
 #define MRF 3
 
 int lmi_gemm_q_available(void) { return 1; }
@@ -319,68 +320,61 @@ static inline void q_deq4(const uint8_t *b, qf s0, qf m0, qf s1, qf m1, qf *lo, 
 static inline qf q_deq8(const uint8_t *b, qf s, qf m) { return q_cvt8(vld1_u8(b), s, m); }
 #endif
 
-/* MR rows of A x one panel (B: its codes, S/Mn: its [G][32] scales and mins) -> C, in two
- * column halves. Bn (or NULL): the next panel's codes, Bn_lines cache lines; row block pf0 of pfs
- * prefetches every pfs-th line of it into L2 during the first half. */
+/* MR rows of A x one panel (B: its codes, S/Mn: its [G][32] scales and mins) -> C. Bn (or NULL): the
+ * next panel's codes, Bn_lines cache lines; row block pf0 of pfs prefetches every pfs-th line of it
+ * into L2. A whole panel per pass: one row's 4 accumulators are 4 independent FMA chains, so one
+ * row is not held to one FMA latency per 16 columns. */
 #define KERNEL(BITS, MR)                                                                              \
     static void kq##BITS##_##MR(const float *A, int64_t lda, const uint8_t *B, int64_t K, int64_t g, \
                                 const float *S, const float *Mn, float *C, int64_t ldc,              \
                                 const float *bias, int64_t ncols, const uint8_t *Bn,                  \
                                 int64_t Bn_lines, int64_t pf0, int64_t pfs) {                        \
         const int64_t RB = BITS == 4 ? 16 : 32; /* bytes per k */                                     \
-        for (int h = 0; h < 2; ++h) {                                                                 \
-            const int64_t c0 = 8 * h, c1 = 16 + 8 * h; /* the half's two column groups */             \
-            qf x0[MR], x1[MR];                                                                        \
-            UNROLL_MR for (int r = 0; r < MR; ++r) {                                                  \
-                x0[r] = qf_zero();                                                                    \
-                x1[r] = qf_zero();                                                                    \
-            }                                                                                         \
-            int64_t pfl = Bn && h == 0 ? pf0 : Bn_lines;                                              \
-            for (int64_t k0 = 0, gi = 0; k0 < K; k0 += g, ++gi) {                                     \
-                const qf s0 = qf_load(S + gi * NR + c0), s1 = qf_load(S + gi * NR + c1);              \
-                const qf n0 = qf_load(Mn + gi * NR + c0), n1 = qf_load(Mn + gi * NR + c1);            \
-                const int64_t k1 = k0 + g < K ? k0 + g : K;                                           \
-                for (int64_t k = k0; k < k1; ++k) {                                                   \
-                    const uint8_t *b = B + k * RB;                                                    \
-                    if ((k * RB & 63) == 0) {                                                         \
-                        const int64_t line = k * RB >> 6;                                             \
-                        if (line == pfl) {                                                            \
-                            __builtin_prefetch(Bn + line * 64, 0, 2);                                 \
-                            pfl += pfs;                                                               \
-                        }                                                                             \
-                        __builtin_prefetch(b + 512, 0, 3);                                            \
+        qf x[MR][4];                                                                                  \
+        UNROLL_MR for (int r = 0; r < MR; ++r) {                                                      \
+            UNROLL_MR for (int v = 0; v < 4; ++v) x[r][v] = qf_zero();                                \
+        }                                                                                             \
+        int64_t pfl = Bn ? pf0 : Bn_lines;                                                            \
+        for (int64_t k0 = 0, gi = 0; k0 < K; k0 += g, ++gi) {                                         \
+            const float *sg = S + gi * NR, *mg = Mn + gi * NR;                                        \
+            const qf s0 = qf_load(sg), s1 = qf_load(sg + 8), s2 = qf_load(sg + 16), s3 = qf_load(sg + 24); \
+            const qf n0 = qf_load(mg), n1 = qf_load(mg + 8), n2 = qf_load(mg + 16), n3 = qf_load(mg + 24); \
+            const int64_t k1 = k0 + g < K ? k0 + g : K;                                               \
+            for (int64_t k = k0; k < k1; ++k) {                                                       \
+                const uint8_t *b = B + k * RB;                                                        \
+                if ((k * RB & 63) == 0) {                                                             \
+                    const int64_t line = k * RB >> 6;                                                 \
+                    if (line == pfl) {                                                                \
+                        __builtin_prefetch(Bn + line * 64, 0, 2);                                     \
+                        pfl += pfs;                                                                   \
                     }                                                                                 \
-                    qf w0, w1;                                                                        \
-                    if (BITS == 4) {                                                                  \
-                        q_deq4(b + c0, s0, n0, s1, n1, &w0, &w1);                                     \
-                    } else {                                                                          \
-                        w0 = q_deq8(b + c0, s0, n0);                                                  \
-                        w1 = q_deq8(b + c1, s1, n1);                                                  \
-                    }                                                                                 \
-                    UNROLL_MR for (int r = 0; r < MR; ++r) {                                          \
-                        const qf a = qf_set1(A[r * lda + k]);                                         \
-                        x0[r] = qf_fma(a, w0, x0[r]);                                                 \
-                        x1[r] = qf_fma(a, w1, x1[r]);                                                 \
-                    }                                                                                 \
+                    __builtin_prefetch(b + 512, 0, 3);                                                \
                 }                                                                                     \
-            }                                                                                         \
-            const int e0 = ncols - c0 >= 8 ? 8 : ncols > c0 ? (int)(ncols - c0) : 0;                  \
-            const int e1 = ncols - c1 >= 8 ? 8 : ncols > c1 ? (int)(ncols - c1) : 0;                  \
-            if (bias) {                                                                               \
-                const qf bb0 = qf_load_n(bias + c0, e0), bb1 = qf_load_n(bias + c1, e1);              \
+                qf w[4];                                                                              \
+                if (BITS == 4) {                                                                      \
+                    q_deq4(b, s0, n0, s2, n2, &w[0], &w[2]);                                          \
+                    q_deq4(b + 8, s1, n1, s3, n3, &w[1], &w[3]);                                      \
+                } else {                                                                              \
+                    w[0] = q_deq8(b, s0, n0), w[1] = q_deq8(b + 8, s1, n1);                           \
+                    w[2] = q_deq8(b + 16, s2, n2), w[3] = q_deq8(b + 24, s3, n3);                     \
+                }                                                                                     \
                 UNROLL_MR for (int r = 0; r < MR; ++r) {                                              \
-                    x0[r] = qf_add(x0[r], bb0);                                                       \
-                    x1[r] = qf_add(x1[r], bb1);                                                       \
+                    const qf a = qf_set1(A[r * lda + k]);                                             \
+                    UNROLL_MR for (int v = 0; v < 4; ++v) x[r][v] = qf_fma(a, w[v], x[r][v]);         \
                 }                                                                                     \
-            }                                                                                         \
-            UNROLL_MR for (int r = 0; r < MR; ++r) {                                                  \
-                qf_store_n(C + r * ldc + c0, x0[r], e0);                                              \
-                qf_store_n(C + r * ldc + c1, x1[r], e1);                                              \
             }                                                                                         \
         }                                                                                             \
+        UNROLL_MR for (int v = 0; v < 4; ++v) {                                                       \
+            const int n = ncols - 8 * v >= 8 ? 8 : ncols > 8 * v ? (int)(ncols - 8 * v) : 0;          \
+            if (bias) {                                                                               \
+                const qf bb = qf_load_n(bias + 8 * v, n);                                             \
+                UNROLL_MR for (int r = 0; r < MR; ++r) x[r][v] = qf_add(x[r][v], bb);                 \
+            }                                                                                         \
+            UNROLL_MR for (int r = 0; r < MR; ++r) qf_store_n(C + r * ldc + 8 * v, x[r][v], n);       \
+        }                                                                                             \
     }
-KERNEL(4, 1) KERNEL(4, 2) KERNEL(4, 3)
-KERNEL(8, 1) KERNEL(8, 2) KERNEL(8, 3)
+KERNEL(4, 1) KERNEL(4, 2)
+KERNEL(8, 1) KERNEL(8, 2)
 
 /* MR rows x one dequantized panel W [K][32] fp32 -> C: k-ordered FMAs from 0, then + bias. */
 #define KERNF(MR)                                                                                     \
@@ -440,8 +434,8 @@ static void dequant_panel(const uint8_t *B, int64_t K, int64_t g, const float *S
 
 typedef void (*kq_t)(const float *, int64_t, const uint8_t *, int64_t, int64_t, const float *, const float *,
                      float *, int64_t, const float *, int64_t, const uint8_t *, int64_t, int64_t, int64_t);
-static const kq_t KQ4[MRQ + 1] = {0, kq4_1, kq4_2, kq4_3};
-static const kq_t KQ8[MRQ + 1] = {0, kq8_1, kq8_2, kq8_3};
+static const kq_t KQ4[MRQ + 1] = {0, kq4_1, kq4_2};
+static const kq_t KQ8[MRQ + 1] = {0, kq8_1, kq8_2};
 
 /* As the AVX-512 lmi_gemm_q: up to MRQ rows in registers, more over each panel dequantized once. */
 void lmi_gemm_q(const float *A, int64_t M, int64_t K, int64_t lda, const uint8_t *Bp, const float *S,
