@@ -1,11 +1,18 @@
-"""kernels/cpu_gemm_q4.c (grouped 4-bit weights, fp32 activations) against kernels/cpu_gemm.c (fp32
-weights) on SmolLM2-135M's layer shapes, by row count: the kernel alone, no model.
+"""kernels/cpu_gemm_q4.c (grouped 4-bit weights, fp32 activations) against kernels/cpu_gemm.c (fp32 weights)
+of the same kernel build, for each build this CPU runs (avx512, avx2: kernels/isa.py), by row count: the
+kernels alone, no model.
 
-    python benchmarks/gemm_q4_bench.py [--threads 1] [--rows 1,4,16,64,256] [--rounds 5] [--out F.json]
+    python benchmarks/gemm_q4_bench.py [--isa avx512,avx2] [--shapes smollm2,qwen2.5-0.5b] [--rows 1,16,50,512]
+                                       [--threads 1] [--rounds 5] [--calls 20] [--layers 1] [--group 64]
+                                       [--bits 4] [--out F.json]
 
-Each (shape, rows) cell alternates the two kernels for `rounds` rounds of 20 calls and keeps each one's
-best round, timed in process CPU time (robust to other processes on a shared host; with --threads 1 it
-is the kernel's own work). Random codes, group 64; both produce the same values (tests check it).
+Each (build, shape, rows) cell alternates the two kernels for `rounds` rounds of `calls` calls and keeps each
+one's best round: process CPU time with one thread (robust to other processes on a shared host), wall time
+with more. The kernels are called through ctypes on preallocated buffers (the kernel's time, not the Python
+wrapper's). `--layers L` cycles through L copies of each weight, one per call, as a model's step does
+through its layers: with enough of them the weights stream from memory instead of staying in the caches.
+Random codes; both kernels produce the same values (tests/model/test_quant_int4.py checks it). The last
+lines compare the builds: each kernel's time in the other build over its time in the first.
 """
 from __future__ import annotations
 
@@ -19,52 +26,85 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
+from benchmarks.gemm_i8_bench import SHAPES, best_of  # noqa: E402
 from handler.model.quant_int4 import Grouped, pack  # noqa: E402
-from kernels import cpu_ext  # noqa: E402
+from kernels import cpu_ext, isa  # noqa: E402
 
-SHAPES = {"gate/up (576 -> 1536)": (1536, 576), "down (1536 -> 576)": (576, 1536), "q/o (576 -> 576)": (576, 576)}
+
+def kernels(x: torch.Tensor, layers: list, n: int, bits: int, group: int, threads: int) -> dict:
+    """The two kernels for x as ctypes calls on preallocated buffers; call i uses layer i % len(layers)."""
+    fn = cpu_ext.load()
+    m, k = x.shape
+    out = torch.empty(m, n)
+    ptrs = [tuple(t.data_ptr() for t in layer) for layer in layers]
+
+    def q(i):
+        p, s, mn, _ = ptrs[i % len(ptrs)]
+        fn.gemm_q(x.data_ptr(), m, k, k, p, s, mn, bits, group, n, None, out.data_ptr(), n, threads)
+
+    def fp32(i):
+        fn.gemm(x.data_ptr(), m, k, k, ptrs[i % len(ptrs)][3], n, None, out.data_ptr(), n, threads)
+    return {"q": q, "fp32": fp32}
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--isa", default=",".join(isa.host_isas()), help="kernel builds, comma-separated")
+    p.add_argument("--shapes", default="smollm2,qwen2.5-0.5b", help=f"of {', '.join(SHAPES)}")
+    p.add_argument("--rows", default="1,16,50,512")
     p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--rows", default="1,4,16,64,256")
     p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--calls", type=int, default=20)
+    p.add_argument("--layers", type=int, default=1)
     p.add_argument("--group", type=int, default=64)
+    p.add_argument("--bits", type=int, default=4, choices=(4, 8))
     p.add_argument("--out")
     a = p.parse_args(argv)
-    if not (cpu_ext.gemm_q_available() and cpu_ext.gemm_available()):
-        print("error: the C kernels are not available on this host (AVX-512F and a C compiler)", file=sys.stderr)
-        return 2
+    builds = [b for b in a.isa.split(",") if b]
     torch.set_num_threads(a.threads)
-    gen = torch.Generator().manual_seed(0)
+    clock = time.process_time if a.threads == 1 else time.perf_counter
+    q = f"q{a.bits}"
     cells = []
-    for name, (n, k) in SHAPES.items():
-        g = k // a.group
-        w = Grouped(torch.randint(0, 16, (n, k), generator=gen).to(torch.uint8), torch.rand(n, g, generator=gen),
-                    torch.rand(n, g, generator=gen), 4, a.group)
-        panels, s, mn = pack(w)
-        fp32 = cpu_ext.pack_panels(w.dequantize())
-        for m in (int(r) for r in a.rows.split(",")):
-            x = torch.randn(m, k, generator=gen)
-            fns = {"q4": lambda: cpu_ext.gemm_q(x, panels, s, mn, 4, a.group, n, None),
-                   "fp32": lambda: cpu_ext.gemm(x, fp32, n, None)}
-            best = {key: float("inf") for key in fns}
-            for _ in range(a.rounds):
-                for key, fn in fns.items():
-                    fn()
-                    t = time.process_time()
-                    for _ in range(20):
-                        fn()
-                    best[key] = min(best[key], (time.process_time() - t) / 20)
-            cell = {"shape": name, "rows": m, "q4_us": round(best["q4"] * 1e6, 1),
-                    "fp32_us": round(best["fp32"] * 1e6, 1), "q4_over_fp32": round(best["q4"] / best["fp32"], 3)}
-            cells.append(cell)
-            print(f"{name:<22} rows {m:>4}: q4 {cell['q4_us']:>8.1f} us, fp32 {cell['fp32_us']:>8.1f} us, "
-                  f"q4/fp32 {cell['q4_over_fp32']:.2f}", flush=True)
+    for build in builds:
+        cpu_ext.select(build)
+        if not (cpu_ext.gemm_q_available() and cpu_ext.gemm_available()):
+            print(f"error: the {build} build has no grouped-weight or fp32 panel GEMM here", file=sys.stderr)
+            return 2
+        for shape in a.shapes.split(","):
+            for k, n in SHAPES[shape]:
+                gen = torch.Generator().manual_seed(0)
+                layers = []
+                for _ in range(a.layers):
+                    g = -(-k // a.group)
+                    w = Grouped(torch.randint(0, 2 ** a.bits, (n, k), generator=gen).to(torch.uint8),
+                                torch.rand(n, g, generator=gen), torch.rand(n, g, generator=gen), a.bits, a.group)
+                    layers.append((*pack(w), cpu_ext.pack_panels(w.dequantize())))
+                for m in (int(r) for r in a.rows.split(",")):
+                    x = torch.randn(m, k, generator=gen)
+                    best = best_of(kernels(x, layers, n, a.bits, a.group, a.threads), a.rounds, a.calls, clock)
+                    cell = {"isa": build, "shape": shape, "K": k, "N": n, "M": m,
+                            f"{q}_us": round(best["q"] * 1e6, 1), "fp32_us": round(best["fp32"] * 1e6, 1),
+                            f"fp32_over_{q}": round(best["fp32"] / best["q"], 2)}
+                    cells.append(cell)
+                    print(f"{build:<6} K{k} N{n} M{m:<4}: {q} {cell[q + '_us']:>9.1f} us, fp32 {cell['fp32_us']:>9.1f} us, "
+                          f"{q} {cell['fp32_over_' + q]:.2f}x fp32's speed", flush=True)
+    cpu_ext.select(None)
+    if len(builds) > 1:
+        first = {(c["K"], c["N"], c["M"]): c for c in cells if c["isa"] == builds[0]}
+        for c in cells:
+            f = first.get((c["K"], c["N"], c["M"]))
+            if c["isa"] != builds[0] and f:
+                c[f"{q}_time_vs_{builds[0]}"] = round(c[q + "_us"] / f[q + "_us"], 2)
+                c[f"fp32_time_vs_{builds[0]}"] = round(c["fp32_us"] / f["fp32_us"], 2)
+                print(f"{c['isa']} / {builds[0]} time, K{c['K']} N{c['N']} M{c['M']}: {q} "
+                      f"{c[f'{q}_time_vs_{builds[0]}']:.2f}, fp32 {c[f'fp32_time_vs_{builds[0]}']:.2f}")
     if a.out:
         with open(a.out, "w") as f:
-            json.dump({"threads": a.threads, "group": a.group, "timing": "best of rounds, process CPU time",
+            json.dump({"threads": a.threads, "rounds": a.rounds, "calls": a.calls, "layers": a.layers,
+                       "group": a.group, "bits": a.bits,
+                       "timing": "best round, " + ("process CPU time" if a.threads == 1 else "wall time"),
+                       "cpu": next((ln.split(":", 1)[1].strip() for ln in cpu_ext._cpu_signature().splitlines()
+                                    if ln.startswith("model name")), ""),
                        "cells": cells, "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}, f, indent=1)
     return 0
 
