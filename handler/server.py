@@ -237,7 +237,7 @@ def main(argv: list[str]) -> int:
         cfg = load_config(a.properties, a.model_dir, os.environ)
         if cfg.device != "cuda":    # once, before anything is loaded: tcmalloc (handler/model/cpu.py)
             from handler.model.cpu import preload_env
-            env = preload_env(os.environ)
+            env = preload_env(os.environ, cpu_kernels=cfg.cpu_kernels)
             if env is not None:
                 os.execve(sys.executable, [sys.executable, "-m", "handler", "serve", *argv], env)
         configure_logging(cfg.log_format)

@@ -134,18 +134,24 @@ def find_tcmalloc(dirs=TCMALLOC_DIRS) -> str | None:
     return None
 
 
-def preload_env(env, dirs=TCMALLOC_DIRS) -> dict | None:
-    """The environment to re-execute the server with (tcmalloc first in LD_PRELOAD), or None:
-    opted out (LMI_CPU_MALLOC=system), already preloaded, or no tcmalloc on this system."""
-    if switch("LMI_CPU_MALLOC", env) == "system":
-        return None
+def preload_env(env, dirs=TCMALLOC_DIRS, cpu_kernels: str = "auto", flags: set[str] | None = None) -> dict | None:
+    """The environment to re-execute the server with, or None when nothing changes:
+    - tcmalloc first in LD_PRELOAD, unless opted out (LMI_CPU_MALLOC=system), already preloaded,
+      or the system has none;
+    - ATEN_CPU_CAPABILITY=avx2 where option.cpu_kernels=avx2 on a CPU with AVX-512 (unless set):
+      torch's own vector kernels at the C kernels' width, so the one-call layer stack reproduces
+      torch's SiLU and the server computes what it computes on an AVX2-only host (one fleet of
+      mixed hosts, one answer)."""
+    new = dict(env)
     preload = env.get("LD_PRELOAD", "")
-    if "tcmalloc" in preload:
-        return None
-    lib = find_tcmalloc(dirs)
-    if lib is None:
-        return None
-    return dict(env, LD_PRELOAD=f"{lib}:{preload}" if preload else lib)
+    if switch("LMI_CPU_MALLOC", env) != "system" and "tcmalloc" not in preload:
+        lib = find_tcmalloc(dirs)
+        if lib is not None:
+            new["LD_PRELOAD"] = f"{lib}:{preload}" if preload else lib
+    flags = cpu_ext._cpu_flags() if flags is None else flags
+    if cpu_kernels == "avx2" and "avx512f" in flags and not env.get("ATEN_CPU_CAPABILITY"):
+        new["ATEN_CPU_CAPABILITY"] = "avx2"
+    return None if new == dict(env) else new
 
 
 def can_prepack(dtype: torch.dtype) -> bool:

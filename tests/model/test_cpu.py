@@ -312,6 +312,14 @@ def test_preload_env(tmp_path):
     assert preload_env({"LD_PRELOAD": str(lib)}, dirs) is None           # already: no loop
     assert preload_env({"LMI_CPU_MALLOC": "system"}, dirs) is None       # opted out
     assert preload_env({}, (str(tmp_path / "none"),)) is None            # absent: serve as is
+    none = (str(tmp_path / "none"),)
+    # avx2 kernels forced on an AVX-512 CPU: torch's vector kernels held to the same width
+    assert preload_env({}, none, "avx2", {"avx512f", "avx2"}) == {"ATEN_CPU_CAPABILITY": "avx2"}
+    assert preload_env({}, none, "avx2", {"avx2"}) is None                 # an AVX2 host: torch is there already
+    assert preload_env({"ATEN_CPU_CAPABILITY": "default"}, none, "avx2", {"avx512f"}) is None   # the user's own
+    assert preload_env({}, none, "auto", {"avx512f"}) is None
+    assert preload_env({"LD_PRELOAD": str(lib)}, dirs, "avx2", {"avx512f"}) == {
+        "LD_PRELOAD": str(lib), "ATEN_CPU_CAPABILITY": "avx2"}             # once: the exec'd one sees both set
 
 
 def test_server_runs_with_tcmalloc_when_the_system_has_it(demo_model_factory, tmp_path):
