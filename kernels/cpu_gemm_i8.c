@@ -274,11 +274,12 @@ void lmi_gemm_i8(const uint8_t *Aq, int64_t M, int64_t Kp, const float *sa, cons
 }
 #elif (defined(__AVX2__) && defined(__FMA__)) || (defined(__ARM_NEON) && defined(__aarch64__))
 /* AVX2 and NEON (and AVX-512 builds without VNNI): the same panels, the same integers, the same
- * epilogue. Each k-group of a panel is 4 units of 8 columns x 4 k (32 bytes); a row's 4 bytes of
- * A are taken back to signed q = Aq - 128 (Aq ^ 0x80; q in -127..127 from lmi_quant_rows) and
- * each unit adds sum_k q W_q[n, k] to 8 int32 lanes: exactly the AVX-512 accumulator after its
- * -128 wsum correction, so no correction here (wsum unused).
+ * epilogue. Each k-group of a panel is 4 units of 8 columns x 4 k (32 bytes); each unit adds a
+ * row's 4-k dot product to 8 int32 lanes, and every path ends with sum_k q W_q[n, k] exactly.
  *
+ *   AVX-VNNI (-mavxvnni): vpdpbusd on ymm, Aq x W_q, the +128 taken back by wsum as above; up to 3 rows.
+ *   Otherwise a row's 4 bytes are taken back to signed q = Aq - 128 (Aq ^ 0x80; q in -127..127
+ *   from lmi_quant_rows) and the sums are sum_k q W_q directly (no wsum correction):
  *   AVX2: vpmaddubsw multiplies unsigned by signed bytes into saturating int16 pair sums, so the
  *         unsigned operand is |W| (0..128) and the signed one q with W's sign (vpsignb: -127..127):
  *         each pair sum is at most 2 x 128 x 127 = 32512, never saturated; vpmaddwd by ones adds
@@ -290,8 +291,36 @@ void lmi_gemm_i8(const uint8_t *Aq, int64_t M, int64_t Kp, const float *sa, cons
 
 int lmi_gemm_i8_available(void) { return 1; }
 
-#if defined(__AVX2__) && defined(__FMA__)
+#if defined(__AVX2__) && defined(__FMA__) && (defined(__AVXVNNI__) || defined(LMI_I8_CHECK_EVEX_VNNI))
+/* AVX-VNNI (the avx2 build built with -mavxvnni): vpdpbusd on 8 columns, as the AVX-512 kernel on
+ * 16: Aq (unsigned, +128) x W (signed), the +128 taken back by wsum in the epilogue. By inline asm
+ * on the accumulator's own register (see DPBUSD above). LMI_I8_CHECK_EVEX_VNNI: the same operation
+ * in its EVEX form (AVX512-VNNI/VL), to run this code on a CPU without AVX-VNNI in a check. */
+#define MRI 3               /* 4 accumulators a row: 12 + 3 broadcasts in 16 ymm registers */
+#define I8_WSUM 1
+#ifdef __AVXVNNI__
+#define DPBUSD_Y(acc, a, b) __asm__("%{vex%} vpdpbusd %2, %1, %0" : "+x"(acc) : "x"(a), "xm"(b))
+#else
+#define DPBUSD_Y(acc, a, b) __asm__("%{evex%} vpdpbusd %2, %1, %0" : "+x"(acc) : "x"(a), "xm"(b))
+#endif
+typedef __m256i i8acc;
+typedef __m256i i8row;      /* a row's 4 bytes Aq, broadcast */
+typedef __m256i i8w;
+typedef __m256 i8f;
+static inline i8acc i8acc_zero(void) { return _mm256_setzero_si256(); }
+static inline i8row i8row_load(const uint8_t *p) {
+    int32_t v;
+    memcpy(&v, p, 4);
+    return _mm256_set1_epi32(v);
+}
+static inline i8w i8w_load(const int8_t *p) { return _mm256_loadu_si256((const __m256i *)p); }
+static inline i8acc i8_dot(i8acc acc, i8row a, i8w w) {
+    DPBUSD_Y(acc, a, w);
+    return acc;
+}
+#elif defined(__AVX2__) && defined(__FMA__)
 #define MRI 2               /* 8 int32 accumulators per row in 16 ymm registers */
+#define I8_WSUM 0
 typedef __m256i i8acc;      /* 8 columns' int32 sums */
 typedef __m256i i8row;      /* a row's 4 signed bytes, broadcast */
 typedef struct { __m256i w, wabs; } i8w;
@@ -312,6 +341,8 @@ static inline i8acc i8_dot(i8acc acc, i8row a, i8w w) {
     const __m256i p = _mm256_maddubs_epi16(w.wabs, _mm256_sign_epi8(a, w.w));
     return _mm256_add_epi32(acc, _mm256_madd_epi16(p, _mm256_set1_epi16(1)));
 }
+#endif
+#if defined(__AVX2__) && defined(__FMA__)
 static inline __m256i i8_mask(int n) {
     return _mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
 }
@@ -321,6 +352,16 @@ static inline i8f i8f_load_n(const float *p, int n) {  /* the first n lanes, 0 p
 static inline void i8f_store_n(float *p, i8f v, int n) {
     if (n >= 8) _mm256_storeu_ps(p, v);
     else if (n > 0) _mm256_maskstore_ps(p, i8_mask(n), v);
+}
+/* acc - 128 wsum for the first n columns (where the sums took Aq = q + 128) */
+static inline i8acc i8_unoffset(i8acc acc, const int32_t *wsum, int n) {
+#if I8_WSUM
+    const __m256i z = n >= 8 ? _mm256_loadu_si256((const __m256i *)wsum) : _mm256_maskload_epi32(wsum, i8_mask(n));
+    return _mm256_sub_epi32(acc, _mm256_slli_epi32(z, 7));
+#else
+    (void)wsum, (void)n;
+    return acc;
+#endif
 }
 /* fma(float(acc) * s, a, b), rounded as the AVX-512 epilogue rounds */
 static inline i8f i8_epilogue(i8acc acc, i8f s, float a, i8f b) {
@@ -360,6 +401,10 @@ static inline void i8f_store_n(float *p, i8f v, int n) {
         memcpy(p, t, (size_t)n * 4);
     }
 }
+static inline i8acc i8_unoffset(i8acc acc, const int32_t *wsum, int n) {
+    (void)wsum, (void)n;
+    return acc;
+}
 static inline i8f i8_epilogue(i8acc acc, i8f s, float a, i8f b) {
     const float32x4_t va = vdupq_n_f32(a);
     i8f r = {vfmaq_f32(b.lo, vmulq_f32(vcvtq_f32_s32(acc.lo), s.lo), va),
@@ -381,7 +426,8 @@ static inline i8f i8_epilogue(i8acc acc, i8f s, float a, i8f b) {
 #define DOT1(r) DOT(r, 1)
 #define DOT2(r) DOT(r, 2)
 #define DOT3(r) DOT(r, 3)
-#define OUT(r, j) if (mr > r) i8f_store_n(C + r * ldc + 8 * j, i8_epilogue(c##r##_##j, s, sa[r], bb), n);
+#define OUT(r, j)                                                                                     \
+    if (mr > r) i8f_store_n(C + r * ldc + 8 * j, i8_epilogue(i8_unoffset(c##r##_##j, wsum + 8 * j, n), s, sa[r], bb), n);
 #define OUT0(r) OUT(r, 0)
 #define OUT1(r) OUT(r, 1)
 #define OUT2(r) OUT(r, 2)
@@ -400,8 +446,8 @@ static inline i8f i8_epilogue(i8acc acc, i8f s, float a, i8f b) {
 
 #define KERNEL(MR)                                                                                    \
     static void ki8_##MR(const uint8_t *A, int64_t lda, const int8_t *B, int64_t kq, float *C,        \
-                         int64_t ldc, const float *sa, const float *sw, const float *bias,            \
-                         int64_t ncols, const int8_t *Bn, int64_t pf0, int64_t pfs) {                 \
+                         int64_t ldc, const float *sa, const float *sw, const int32_t *wsum,          \
+                         const float *bias, int64_t ncols, const int8_t *Bn, int64_t pf0, int64_t pfs) { \
         enum { mr = MR };                                                                             \
         FOR_ROWS3(DECL)                                                                               \
         int64_t pfq = Bn ? pf0 : kq;                                                                  \
@@ -420,7 +466,7 @@ static inline i8f i8_epilogue(i8acc acc, i8f s, float a, i8f b) {
         EPI(0) EPI(1) EPI(2) EPI(3)                                                                   \
     }
 typedef void (*ki8_t)(const uint8_t *, int64_t, const int8_t *, int64_t, float *, int64_t, const float *,
-                      const float *, const float *, int64_t, const int8_t *, int64_t, int64_t);
+                      const float *, const int32_t *, const float *, int64_t, const int8_t *, int64_t, int64_t);
 KERNEL(1) KERNEL(2)
 #if MRI > 2
 KERNEL(3)
@@ -429,11 +475,10 @@ static const ki8_t KI8[MRI + 1] = {0, ki8_1, ki8_2, ki8_3};
 static const ki8_t KI8[MRI + 1] = {0, ki8_1, ki8_2};
 #endif
 
-/* As the AVX-512 lmi_gemm_i8 (wsum unused: see above); MRI-row blocks. */
+/* As the AVX-512 lmi_gemm_i8, in MRI-row blocks. */
 void lmi_gemm_i8(const uint8_t *Aq, int64_t M, int64_t Kp, const float *sa, const int8_t *Bp,
                  const int32_t *wsum, const float *sw, int64_t N, const float *bias, float *C, int64_t ldc,
                  int nthreads) {
-    (void)wsum;
     const int64_t np = (N + NR - 1) / NR, kq = Kp / 4;
     int64_t chunk = ((1 << 20) / Kp) / MRI * MRI;
     if (chunk < MRI) chunk = MRI;
@@ -453,7 +498,7 @@ void lmi_gemm_i8(const uint8_t *Aq, int64_t M, int64_t Kp, const float *sa, cons
                 for (int64_t i = 0; i < nb; ++i) {
                     const int64_t lo = Mc * i / nb, hi = Mc * (i + 1) / nb;
                     KI8[hi - lo](Aq + (m0 + lo) * Kp, Kp, B, kq, C + (m0 + lo) * ldc + p * NR, ldc, sa + m0 + lo,
-                                 sw + p * NR, bias ? bias + p * NR : 0, ncols, Bn, i, nb);
+                                 sw + p * NR, wsum + p * NR, bias ? bias + p * NR : 0, ncols, Bn, i, nb);
                 }
             }
         }

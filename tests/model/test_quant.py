@@ -4,6 +4,8 @@ avx512 build's, the layers it swaps, SmoothQuant keeping the float model's value
 under every strategy, and the quality on the real model."""
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from torch import nn
@@ -126,6 +128,45 @@ def test_avx2_int8_is_the_avx512_builds_bytes_and_values(bias):
             for name, a, c in zip(("bytes", "scales", "outputs"), got["avx512"], got["avx2"]):
                 assert torch.equal(a, c) or (name == "outputs" and torch.equal(a.isnan(), c.isnan())
                                              and torch.equal(a.nan_to_num(), c.nan_to_num())), (m, k, n, name)
+    finally:
+        cpu_ext.select(None)
+
+
+@pytest.mark.skipif(not {"avx512", "avx2"} <= set(isa.host_isas()) or not {"avx512_vnni", "avx512vl"} <= isa.cpu_flags()
+                    or cpu_ext._compiler() is None,
+                    reason="runs the avx2 build's AVX-VNNI int8 path through its EVEX twin: needs AVX512-VNNI/VL, "
+                           "the avx512 build to compare with, and a C compiler")
+def test_avx_vnni_int8_path_is_the_avx512_builds_values(tmp_path):
+    # An avx2 build on a CPU with AVX-VNNI (-mavxvnni) sums with vpdpbusd on ymm and takes the +128 back
+    # by wsum. This CPU may lack AVX-VNNI, so the same code is built with the instruction's EVEX form
+    # (LMI_I8_CHECK_EVEX_VNNI: the same operation) and compared with the avx512 build.
+    import ctypes
+    import subprocess
+    so = str(tmp_path / "i8_vnni.so")
+    src = os.path.join(cpu_ext._HERE, "cpu_gemm_i8.c")
+    r = subprocess.run([cpu_ext._compiler(), *cpu_ext.EXACT_FLAGS, "-march=x86-64-v3", "-mtune=generic",
+                        "-DLMI_I8_CHECK_EVEX_VNNI", "-shared", src, "-o", so, "-lm"], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-2000:]
+    lib = ctypes.CDLL(so)
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    lib.lmi_pack_i8.argtypes = [ptr, i64, i64, ptr, ptr]
+    lib.lmi_gemm_i8.argtypes = [ptr, i64, i64, ptr, ptr, ptr, ptr, i64, ptr, ptr, i64, ctypes.c_int]
+    g = torch.Generator().manual_seed(6)
+    try:
+        cpu_ext.select("avx512")
+        for m, k, n in [(1, 576, 1536), (3, 130, 96), (4, 33, 1), (50, 896, 97), (300, 61, 65)]:
+            x = torch.randn(m, k, generator=g)
+            qw = torch.randint(-128, 128, (n, k), generator=g).to(torch.int8)
+            sw, b = torch.rand(n, generator=g) * 1e-2, torch.randn(n, generator=g)
+            aq, sa, want = _quant_and_gemm(x, qw, sw, n, b)
+            kp = aq.shape[1]
+            panels = torch.empty(-(-n // 32) * 32 * kp, dtype=torch.int8)
+            wsum = torch.empty(n, dtype=torch.int32)
+            lib.lmi_pack_i8(qw.data_ptr(), n, k, panels.data_ptr(), wsum.data_ptr())
+            got = torch.empty(m, n)
+            lib.lmi_gemm_i8(aq.data_ptr(), m, kp, sa.data_ptr(), panels.data_ptr(), wsum.data_ptr(), sw.data_ptr(), n,
+                            b.data_ptr(), got.data_ptr(), n, torch.get_num_threads())
+            assert torch.equal(got, want), (m, k, n)
     finally:
         cpu_ext.select(None)
 
