@@ -52,8 +52,8 @@ void lmi_rotary(void *q, void *k, const void *cos, const void *sin, int64_t T, i
  * compute it for a row of H contiguous floats (F.rms_norm decomposes into pow, mean = sum /
  * H, add, rsqrt, mul): the sum in torch's own order (aten/src/ATen/native/cpu/SumKernel.cpp,
  * cascade_sum over a contiguous inner dimension). That order, for W-lane vectors (W: 8 for the
- * torch 2.13 wheel on AVX-512 hosts, as found by trying; 1 for rows shorter than W): the row as (size / 4, 4) elements of W
- * lanes; each of the 4 columns summed lane-wise in a cascade of 4 levels of 2^4 (multi_row_sum),
+ * torch 2.13 wheel with its AVX512 and its AVX2 kernels alike, as found by trying; any W up to 16
+ * is taken; 1 for rows shorter than W): the row as (size / 4, 4) elements of W lanes; each of the 4 columns summed lane-wise in a cascade of 4 levels of 2^4 (multi_row_sum),
  * the leftover elements into column 0, columns 1..3 into column 0; then the scalar tail and the
  * W lanes, in order, into one float. Past torch's parallel grain (32768 elements) torch splits the
  * rows across threads, each row still summed this way (kernels/cpu_ext.py's first-use check covers
