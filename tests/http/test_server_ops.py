@@ -69,14 +69,38 @@ def test_queue_full_503_then_recovers(demo_model_dir, tmp_path):
         srv.stop()
 
 
+def timed(srv, tokens: int) -> float:
+    """Seconds one request of `tokens` generated tokens takes on this host (one at a time)."""
+    t0 = time.time()
+    r = srv.post({"inputs": "a", "parameters": {"max_new_tokens": tokens, "ignore_eos": True}}, timeout=600)
+    assert r.status_code == 200, r.text
+    return time.time() - t0
+
+
 def test_request_timeout_gives_504_and_frees_the_sequence(demo_model_dir, tmp_path):
-    # 900 tokens take the tiny model well over 0.5 s (about 2 s on the dev machine, one request
-    # at a time); at 2 s the faster CPU path answered before the deadline.
-    srv = Server("engine=Python\n", demo_model_dir, tmp_path, env={"SAGEMAKER_MODEL_SERVER_TIMEOUT": "0.5"})
+    # The deadline from what this host measures (a fixed one fails one way on a fast host, where 900
+    # tokens finish first, and the other on a slow one, where a 3-token request misses it): a short
+    # request timed on a first server and a long one's time estimated from 100 tokens, the second
+    # server's deadline their geometric mean, so the long one outlives it and the short one fits,
+    # with a factor of 5 either side.
+    probe = Server("engine=Python\n", demo_model_dir, tmp_path)
+    try:
+        timed(probe, 3)                                  # the first request's one-off costs
+        short = max(timed(probe, 3) for _ in range(3))
+        long = timed(probe, 100) * LONG["max_new_tokens"] / 100
+    finally:
+        probe.stop()
+    if long < 25 * short:
+        pytest.skip(f"this host takes {short:.3f} s for 3 tokens and {long:.3f} s for 900: too close to put a "
+                    "deadline between them")
+    deadline = (short * long) ** 0.5
+    srv = Server("engine=Python\n", demo_model_dir, tmp_path,
+                 env={"SAGEMAKER_MODEL_SERVER_TIMEOUT": f"{deadline:.3f}"})
     try:
         t0 = time.time()
         r = srv.post({"inputs": "a", "parameters": LONG})
-        assert r.status_code == 504 and 0.4 < time.time() - t0 < 10
+        took = time.time() - t0
+        assert r.status_code == 504 and 0.8 * deadline < took < deadline + 10, (r.status_code, took, deadline)
         assert "timed out" in r.json()["error"]
         assert wait_for(lambda: metric(srv, "lmi_running") == 0 and metric(srv, "lmi_kv_tokens_allocated") == 0)
         assert metric(srv, "lmi_requests_total", outcome="timeout", code="504") == 1
@@ -104,14 +128,22 @@ def test_disconnect_mid_stream_frees_the_sequence_and_sse_format(demo_model_dir,
 
 def test_sigterm_drains_in_flight_requests(demo_model_dir, tmp_path):
     srv = Server("option.rolling_batch=auto\n", demo_model_dir, tmp_path)
+    # A request of about 3 s on this host (its decode speed measured first; 64 to 900 tokens): seen
+    # running before SIGTERM on a fast host, finished within the join on a slow one.
+    timed(srv, 8)
+    per_token = timed(srv, 64) / 64
+    n = int(min(900, max(64, 3.0 / per_token)))
+    expect = n * per_token
     box = {}
     t = threading.Thread(target=lambda: box.setdefault(
-        "r", srv.post({"inputs": "y", "parameters": {"max_new_tokens": 900, "ignore_eos": True}})))
+        "r", srv.post({"inputs": "y", "parameters": {"max_new_tokens": n, "ignore_eos": True}},
+                      timeout=120 + 20 * expect)))
     t.start()
-    # 900 tokens: long enough to be seen running (the CPU decode stack runs the tiny model's 150 in a blink)
-    assert wait_for(lambda: metric(srv, "lmi_running") == 1)
+    assert wait_for(lambda: metric(srv, "lmi_running") == 1 or "r" in box)
+    assert "r" not in box, f"{n} tokens finished before the request was seen running ({expect:.2f} s expected)"
     srv.proc.send_signal(signal.SIGTERM)
-    t.join(120)
+    t.join(120 + 20 * expect)
+    assert "r" in box, f"the in-flight request of {n} tokens ({expect:.2f} s expected) did not finish"
     assert box["r"].status_code == 200
     assert len(box["r"].json()["generated_text"]) > 0
     # Drained, the server exits by itself, 0. (Not srv.stop(): its own SIGTERM could land while the
