@@ -99,7 +99,9 @@ static inline int32x4_t i8_quant4(const float *a, float32x4_t vinv) {
  * of the row by the scalar loop. */
 void lmi_quant_rows(const float *A, int64_t M, int64_t K, int64_t lda, uint8_t *out, int64_t Kp,
                     float *scales, int nthreads) {
-#pragma omp parallel for schedule(static) num_threads(nthreads)
+    /* no more threads than rows: a decode step's one row wakes no other thread */
+    const int nt = M < 1 || nthreads < 1 ? 1 : M < nthreads ? (int)M : nthreads;
+#pragma omp parallel for schedule(static) num_threads(nt)
     for (int64_t m = 0; m < M; ++m) {
         const float *a = A + m * lda;
         uint8_t *o = out + m * Kp;
