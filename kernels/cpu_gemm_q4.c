@@ -470,11 +470,12 @@ void lmi_gemm_q(const float *A, int64_t M, int64_t K, int64_t lda, const uint8_t
                     }
                     continue;
                 }
-                for (int64_t i = 0; i < nb; ++i) {
-                    const int64_t lo = Mc * i / nb, hi = Mc * (i + 1) / nb;
+                const int64_t nq = (Mc + MRQ - 1) / MRQ;   /* (more than one block only if W's allocation failed) */
+                for (int64_t i = 0; i < nq; ++i) {
+                    const int64_t lo = Mc * i / nq, hi = Mc * (i + 1) / nq;
                     kern[hi - lo](A + (m0 + lo) * lda, lda, B, K, g, S + p * G * NR, Mn + p * G * NR,
                                   C + (m0 + lo) * ldc + p * NR, ldc, bias ? bias + p * NR : 0, ncols, Bn,
-                                  pbytes >> 6, i, nb);
+                                  pbytes >> 6, i, nq);
                 }
             }
         }
