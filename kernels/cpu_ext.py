@@ -1,27 +1,29 @@
-"""The CPU kernels (kernels/cpu_decode.c, kernels/cpu_exact.c): built on this host, loaded with ctypes.
+"""The CPU kernels (kernels/*.c): built on this host for one instruction set, loaded with ctypes.
 
-Decode rows read the paged pool in place instead of gathering their blocks into a copy that
-a batched matmul then reads again (kernels/reference.py), which on CPU is memory-bound work
-done three times. The C file has no torch headers, so the build is one `cc` call of about a
-second: `-O3 -march=native` for this CPU, `-ffast-math` for vectorised exp/tanh (glibc's
-libmvec) and reassociated dot products (compile step only: see LINK), `-fopenmp` whose libgomp.so.1 resolves at load time
-to the one torch already loaded (same soname), so the kernel shares torch's thread pool.
+Backends (kernels/isa.py): avx512, avx2, neon, or torch (no C kernels), chosen once per process
+(`select`, from option.cpu_kernels; else LMI_CPU_KERNELS; else the best the CPU runs). One library
+per backend, built by one `cc` call per source of about a second (no torch headers): the target
+flags from kernels/isa.py (`-march=native` on AVX-512 hosts, `-march=x86-64-v3` for avx2,
+`-march=armv8.2-a+dotprod` for neon), `-ffast-math` for vectorised exp/tanh (glibc's libmvec) and
+reassociated dot products in the attention kernels (compile step only: see LINK), `-fopenmp`
+whose libgomp.so.1 resolves at load time to the one torch already loaded (same soname), so the
+kernels share torch's thread pool. The panel GEMMs sum each output in k order by FMAs from 0 on
+every backend, so their values do not depend on the instruction set (tests compare the builds).
+
+Decode rows read the paged pool in place instead of gathering their blocks into a copy that a
+batched matmul then reads again (kernels/reference.py). The sampler gets each row's argmax and
+log-sum-exp in one read of the logits (`row_stats`). kernels/cpu_exact.c and the GEMM and layer
+sources round exactly as transformers' torch ops do: compiled without -ffast-math and without
+FMA contraction.
 
 The shared object is cached under $LMI_CPU_EXT_CACHE (default ~/.cache/lmi-serve/kernels),
-named by a hash of the source, the flags, the compiler and the CPU's model and flags (a cache
-carried to another CPU is rebuilt, never run with instructions it lacks), written to a temporary
-file and renamed, so concurrent workers and tensor-parallel ranks can build at once.
+named by the backend and a hash of the sources, the flags, the compiler and the CPU's model and
+flags (a cache carried to another CPU is rebuilt, never run with instructions it lacks), written
+to a temporary file and renamed, so concurrent workers and tensor-parallel ranks can build at once.
 
-The same library gives the sampler each row's argmax and log-sum-exp in one read of the logits
-(`row_stats`), where torch would run a log_softmax over the whole vocabulary and an argmax.
-
-kernels/cpu_exact.c holds element-wise kernels that must round exactly as transformers' torch ops
-do (the rotary embedding): compiled without -ffast-math and without FMA contraction, linked into
-the same library.
-
-No compiler, a failed build or LMI_CPU_ATTENTION=reference: `load()` returns None and the
-reference path serves (one warning says why). The first call builds; `handler.model.runner` calls
-`load()` at start-up so no request pays for it.
+No compiler, a failed build or the `torch` backend: `load()` returns None and the reference path
+serves (a failed build warns once, saying why). `handler.model.runner` selects and loads the
+backend at start-up so no request pays for the build.
 """
 from __future__ import annotations
 
@@ -57,10 +59,6 @@ LINK = ["-shared", "-fopenmp", "-lm"]
 KV_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 
 
-def enabled() -> bool:
-    return os.environ.get("LMI_CPU_ATTENTION", "kernel").strip().lower() != "reference"
-
-
 def _cache_dir() -> str:
     return os.environ.get("LMI_CPU_EXT_CACHE") or os.path.join(os.path.expanduser("~"), ".cache",
                                                                 "lmi-serve", "kernels")
@@ -91,20 +89,30 @@ def select(choice: str | None) -> tuple[str | None, str]:
     for torch, why). ValueError (one line) where this CPU cannot run it. The per-backend checks
     made at first use (SiLU, RMSNorm widths) are made again for the new one."""
     global _choice
-    picked = _isa.resolve(choice if choice is not None else os.environ.get("LMI_CPU_KERNELS"))
+    picked = _isa.resolve_here(choice if choice is not None else os.environ.get("LMI_CPU_KERNELS"))
     _choice = choice
+    _forget()
     _silu_ready.cache_clear()
     silu_exact.cache_clear()
     _RMS_F32_LANES.clear()
     return picked
 
 
+_current: tuple[str | None, str] | None = None   # current()'s answer until select() or load.cache_clear()
+
+
 def current() -> tuple[str | None, str]:
-    """(the backend load() uses, or None for torch's operators; why)."""
-    if not enabled():
-        return None, "LMI_CPU_ATTENTION=reference"
+    """(the backend load() uses, or None for torch's operators; why); the environment is read once
+    (every kernel call asks)."""
+    global _current
+    if _current is None:
+        _current = _current_now()
+    return _current
+
+
+def _current_now() -> tuple[str | None, str]:
     try:
-        return _isa.resolve(_choice if _choice is not None else os.environ.get("LMI_CPU_KERNELS"))
+        return _isa.resolve_here(_choice if _choice is not None else os.environ.get("LMI_CPU_KERNELS"))
     except ValueError as e:
         return None, str(e)
 
@@ -249,7 +257,18 @@ def _load(isa: str):
     return fn
 
 
-load.cache_clear = _load.cache_clear     # drop the loaded libraries (tests rebuild)
+def _forget() -> None:
+    global _current
+    _current = None
+
+
+def _clear() -> None:
+    """Forget the loaded libraries and the environment read (tests change both)."""
+    _forget()
+    _load.cache_clear()
+
+
+load.cache_clear = _clear
 
 
 @dataclasses.dataclass(frozen=True)
@@ -571,7 +590,8 @@ def prefill_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
 
 # ---------------------------------------------------------------------------- int8 (kernels/cpu_gemm_i8.c)
 def gemm_i8_available() -> bool:
-    """Whether kernels/cpu_gemm_i8.c's VNNI GEMM runs on this host (built, AVX-512 VNNI)."""
+    """Whether kernels/cpu_gemm_i8.c's int8 GEMM runs here (every build: VNNI, AVX-VNNI, AVX2
+    vpmaddubsw/vpmaddwd, NEON sdot)."""
     fn = load()
     return fn is not None and fn.gemm_i8_available
 
@@ -610,7 +630,7 @@ def gemm_i8(x: torch.Tensor, panels: torch.Tensor, wsum: torch.Tensor, scales: t
 
 # ---------------------------------------------------------------------------- grouped 4/8-bit (kernels/cpu_gemm_q4.c)
 def gemm_q_available() -> bool:
-    """Whether kernels/cpu_gemm_q4.c's grouped-weight GEMM runs on this host (built, AVX-512F)."""
+    """Whether kernels/cpu_gemm_q4.c's grouped-weight GEMM runs here (the avx512, avx2 and neon builds)."""
     fn = load()
     return fn is not None and fn.gemm_q_available
 

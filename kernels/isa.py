@@ -15,6 +15,7 @@ builds and loads the library it names.
 """
 from __future__ import annotations
 
+import functools
 import platform
 
 ISAS = ("avx512", "avx2", "neon")
@@ -30,9 +31,14 @@ def machine() -> str:
     return {"amd64": "x86_64", "arm64": "aarch64"}.get(m, m)
 
 
-def cpu_flags() -> set[str]:
+@functools.lru_cache(maxsize=1)
+def cpu_flags() -> frozenset[str]:
     """The CPU's feature flags as /proc/cpuinfo lists them ("flags" on x86, "Features" on Arm;
-    empty where it cannot be read)."""
+    empty where it cannot be read); read once (the kernels' callers ask per call)."""
+    return frozenset(_read_flags())
+
+
+def _read_flags() -> set[str]:
     try:
         with open("/proc/cpuinfo") as f:
             for ln in f:
@@ -68,6 +74,16 @@ def compile_flags(isa: str, flags: set[str] | None = None) -> list[str]:
         ext = "".join(f"+{e}" for e, flag in (("bf16", "bf16"), ("i8mm", "i8mm")) if flag in flags)
         return [f"-march=armv8.2-a+dotprod{ext}"]
     raise ValueError(f"unknown instruction set {isa!r}; allowed: {', '.join(ISAS)}")
+
+
+@functools.lru_cache(maxsize=64)
+def _resolve_here(choice: str | None) -> tuple[str | None, str]:
+    return resolve(choice, cpu_flags())
+
+
+def resolve_here(choice: str | None) -> tuple[str | None, str]:
+    """resolve() for this CPU, remembered (asked on every kernel call); ValueError as resolve."""
+    return _resolve_here(choice)
 
 
 def resolve(choice: str | None, flags: set[str] | None = None, arch: str | None = None) -> tuple[str | None, str]:

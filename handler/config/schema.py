@@ -275,7 +275,7 @@ KEYS: tuple[Key, ...] = (
     Key("option.quantize", _QUANTIZE,
         "quantized linear layers (the output head and embeddings stay in `option.dtype`). `int8`: dynamic W8A8, "
         "weights rounded per output channel at load, activations per token each step (kernels/cpu_gemm_i8.c "
-        "with AVX-512 VNNI; `w8a8` and `int8_dynamic` are its other names). `awq`, `gptq`: a pre-quantized "
+        "on every CPU kernel build: VNNI, AVX2, NEON; `w8a8` and `int8_dynamic` are its other names). `awq`, `gptq`: a pre-quantized "
         "4-bit checkpoint (AutoAWQ GEMM / GPTQ packing, group scales and zeros), served without dequantizing "
         "(kernels/cpu_gemm_q4.c, bit for bit its dequantized fp32 model's results); detected from config.json's "
         "`quantization_config` when the key is absent, and must agree with it; linear layers at 0.16x their "

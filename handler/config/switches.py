@@ -71,8 +71,6 @@ SWITCHES: dict[str, Switch] = {s.name: s for s in (
            _CPU, allowed=("head", "token")),
     Switch("LMI_CPU_MALLOC", "choice", "tcmalloc", "CPU: `serve` re-executes itself with tcmalloc preloaded "
            "(where installed); `system` keeps the C library's allocator", _CPU, allowed=("tcmalloc", "system")),
-    Switch("LMI_CPU_ATTENTION", "choice", "kernel", "CPU decode attention by the C kernel "
-           "(kernels/cpu_decode.c), or the torch reference", "kernels/cpu_ext.py", allowed=("kernel", "reference")),
     Switch("LMI_CPU_DECODE_STACK", "flag", True, "CPU, our models: a step's decoder layers (decode rows, whole prompts) in "
            "one C call (kernels/cpu_layer.c, the Python layers' values bit for bit); `0` runs them layer by layer in "
            "Python",

@@ -4,10 +4,10 @@ model around them (ours or transformers'), LoRA's wrapper and tensor-parallel sh
 int8 (aliases w8a8, int8_dynamic): dynamic W8A8. At load each weight row (output channel) is
 rounded to int8 by its own scale max|w| / 127; at every step each activation row (token) is
 rounded to int8 by its own scale, and the int8 x int8 products are summed exactly in int32, then
-scaled back: y[m, n] = sa[m] sw[n] sum_k qa[m, k] qw[n, k] + b[n]. On a CPU with AVX-512 VNNI
-that is kernels/cpu_gemm_i8.c (a quarter of fp32's weight bytes, twice its multiply-adds per
-cycle on this host's single VNNI port); elsewhere the same arithmetic in torch ops (a reference:
-correct, not fast). The output head and the embeddings stay in the model's dtype (the head is
+scaled back: y[m, n] = sa[m] sw[n] sum_k qa[m, k] qw[n, k] + b[n]. Every CPU kernel build runs
+it in kernels/cpu_gemm_i8.c (a quarter of fp32's weight bytes; VNNI or AVX-VNNI vpdpbusd, AVX2
+vpmaddubsw/vpmaddwd, NEON sdot; the same integers and values on each); without one (the torch
+backend, a GPU) the same arithmetic in torch ops (a reference: correct, not fast). The output head and the embeddings stay in the model's dtype (the head is
 sampled from: its error would move every token's log-prob; it is also only run on sampled rows).
 
 Activation outliers (a few input channels far larger than the rest) are what per-token rounding
@@ -137,7 +137,8 @@ def quantize_model(model: nn.Module, method: str, head: bool = False) -> int:
         m.weight = nn.Parameter(m.weight.new_empty(0), requires_grad=False)
         done += 1
     log.info("int8: %d linear layers quantized (%s); the output head %s", done,
-             "kernels/cpu_gemm_i8.c, AVX-512 VNNI" if kernel else "reference torch ops: no VNNI kernel here",
+             f"kernels/cpu_gemm_i8.c, the {cpu_ext.backend().isa} build" if kernel
+             else "reference torch ops: no int8 kernel build here",
              "too (LMI_QUANT_HEAD)" if head else
              "stays " + str(next(model.parameters()).dtype).removeprefix("torch."))
     return done

@@ -21,7 +21,6 @@ pytestmark = pytest.mark.skipif(cpu_ext._compiler() is None,
 def fresh_load(monkeypatch, tmp_path_factory):
     """Each test sees `load()` decide afresh; builds go to one cache shared by this session."""
     monkeypatch.setenv("LMI_CPU_EXT_CACHE", str(tmp_path_factory.getbasetemp() / "kernel-cache"))
-    monkeypatch.delenv("LMI_CPU_ATTENTION", raising=False)
     cpu_ext.load.cache_clear()
     yield
     cpu_ext.load.cache_clear()
@@ -95,8 +94,8 @@ def test_decode_rows_of_the_kernel_equal_the_reference_gather_in_fp32():
     assert (got - want).abs().max().item() <= 1e-5
 
 
-def test_reference_setting_turns_the_kernel_off(monkeypatch):
-    monkeypatch.setenv("LMI_CPU_ATTENTION", "reference")
+def test_torch_backend_turns_the_kernels_off(monkeypatch):
+    monkeypatch.setenv("LMI_CPU_KERNELS", "torch")
     assert cpu_ext.load() is None
     assert kernels._cpu_decode(torch.zeros(1, 2, 8), torch.zeros(2, 4, 2, 8)) is None
     with pytest.raises(RuntimeError, match="not available"):
@@ -109,7 +108,7 @@ def test_failed_build_falls_back_to_the_reference_with_a_warning(monkeypatch, tm
     monkeypatch.setenv("CC", "false")                          # a compiler that always fails
     with caplog.at_level(logging.WARNING, logger="lmi.kernels"):
         assert cpu_ext.load() is None
-    assert "CPU decode-attention kernel unavailable" in caplog.text and "false failed" in caplog.text
+    assert "CPU kernels (" in caplog.text and "unavailable" in caplog.text and "false failed" in caplog.text
     case = make_case(random.Random(4), num_seqs=5, block_size=4, hkv=2, group=2, head_dim=16,
                      dtype=torch.float32, max_ctx=30, decode_only=True)
     assert kernels._cpu_decode(case["query"], case["key_cache"]) is None
