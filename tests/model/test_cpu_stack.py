@@ -20,10 +20,26 @@ import torch.nn.functional as F
 from kernels import cpu_ext, isa
 
 BUILD = cpu_ext.current()[0]    # the build under test here (None: torch's operators)
-_WHY = (f"the C stack needs the {BUILD} build's panel GEMM and torch's SiLU reproduced (torch's vectors "
-        f"{torch.backends.cpu.get_cpu_capability()}: ATEN_CPU_CAPABILITY must give the build's width)")
-needs_stack = pytest.mark.skipif(not (cpu_ext.gemm_available() and cpu_ext.silu_exact(torch.get_num_threads())),
-                                 reason=_WHY)
+
+
+def _why_not() -> str:
+    """Why the C stack cannot run here ("" where it can)."""
+    cap = torch.backends.cpu.get_cpu_capability()
+    if not cpu_ext.gemm_available():
+        return f"no panel GEMM in the {BUILD} build"
+    if not cpu_ext._silu_ready():
+        found = cpu_ext._sleef_expf()
+        if found and found[1] != 16 and not hasattr(cpu_ext.load(), "set_sleef_expf"):
+            return "kernels/cpu_ext.py does not register lmi_set_sleef_expf (only the 16-lane setter)"
+        return (f"the {BUILD} build's SiLU did not take torch's Sleef exp (torch's vectors {cap}: "
+                + (f"{found[1]} lanes" if found else "none found") + "; ATEN_CPU_CAPABILITY must give the build's width)")
+    if not cpu_ext.silu_exact(torch.get_num_threads()):
+        return f"the {BUILD} build's SiLU differs from torch's ({cap})"
+    return ""
+
+
+_WHY = _why_not()
+needs_stack = pytest.mark.skipif(bool(_WHY), reason=_WHY)
 needs_vnni = pytest.mark.skipif(not cpu_ext.gemm_i8_available(), reason=f"no int8 GEMM in the {BUILD} build")
 needs_bf16_panels = pytest.mark.skipif(not cpu_ext.gemm_bf16_available(),
                                        reason=f"no bf16 dot-product GEMM in the {BUILD} build (AVX512-BF16)")
