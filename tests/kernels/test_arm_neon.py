@@ -3,7 +3,9 @@ references (tests/kernels/arm/check_kernels.c): every kernel the build reports a
 checked and pass, bit for bit where the contract is (the panel GEMMs, int8, the 4/8-bit GEMM,
 rotary, KV writes, SiLU, the one-call layer stack), within tolerances of float64 elsewhere.
 
-No Arm hardware is needed and no Arm speed is measured: qemu checks values only."""
+No Arm hardware is needed and no Arm speed is measured: qemu checks values only. The same driver
+also runs natively on the x86 builds this CPU runs (a check of its references against builds the
+other tests hold to torch)."""
 from __future__ import annotations
 
 import os
@@ -22,8 +24,8 @@ DRIVER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "arm", "check_
 KERNELS = os.path.dirname(os.path.abspath(cpu_ext.__file__))
 
 _missing = [t for t in (CC, QEMU) if shutil.which(t) is None]
-pytestmark = pytest.mark.skipif(bool(_missing), reason=f"{' and '.join(_missing)} not on PATH: the NEON build is "
-                                "checked under qemu (apt-get install gcc-aarch64-linux-gnu qemu-user)")
+needs_cross = pytest.mark.skipif(bool(_missing), reason=f"{' and '.join(_missing)} not on PATH: the NEON build is "
+                                 "checked under qemu (apt-get install gcc-aarch64-linux-gnu qemu-user)")
 
 # Every kernel family the driver knows; each must be reported (available or not).
 FAMILIES = {"gemm", "gemm_bf16w", "gemm_bf16", "gemm_i8", "gemm_q", "silu", "prefill_attention_fp32",
@@ -36,27 +38,30 @@ def _run(cmd, timeout):
     assert r.returncode == 0, f"{' '.join(cmd)}:\n{r.stderr[-4000:]}"
 
 
-@pytest.fixture(scope="module", params=[set(), {"bf16", "i8mm"}], ids=["armv8.2-dotprod", "with-bf16-i8mm"])
-def neon_report(request, tmp_path_factory):
-    """The driver's output for the NEON build (kernels/isa.py's flags for a CPU listing `param`),
-    every source compiled with its own flags from kernels/cpu_ext.py."""
-    out = tmp_path_factory.mktemp("neon")
-    target = isa.compile_flags("neon", request.param)
+def _driver(cc, target, out, runner=()):
+    """The driver linked with the kernels (every source with its own flags from kernels/cpu_ext.py,
+    `target` from kernels/isa.py), run (under `runner`, e.g. qemu); (target, the finished process)."""
     objs = []
     for i, (src, flags) in enumerate(cpu_ext.SOURCES):
         obj = str(out / f"{i}.o")
-        _run([CC, *flags, *target, "-c", src, "-o", obj], timeout=300)
+        _run([cc, *flags, *target, "-c", src, "-o", obj], timeout=300)
         objs.append(obj)
     exe = str(out / "check_kernels")
     # the references round every product and sum on its own (no FMA contraction)
-    _run([CC, "-O2", "-ffp-contract=off", "-fopenmp", *target, "-I", KERNELS, DRIVER, *objs, "-lm", "-o", exe],
+    _run([cc, "-O2", "-ffp-contract=off", "-fopenmp", *target, "-I", KERNELS, DRIVER, *objs, "-lm", "-o", exe],
          timeout=300)
-    r = subprocess.run([QEMU, "-L", SYSROOT, exe], capture_output=True, text=True, timeout=600)
-    return target, r
+    return target, subprocess.run([*runner, exe], capture_output=True, text=True, timeout=600)
 
 
-def test_every_kernel_the_neon_build_provides_passes_under_qemu(neon_report):
-    target, r = neon_report
+@pytest.fixture(scope="module", params=[set(), {"bf16", "i8mm"}], ids=["armv8.2-dotprod", "with-bf16-i8mm"])
+def neon_report(request, tmp_path_factory):
+    """The driver's output for the NEON build (kernels/isa.py's flags for a CPU listing `param`)."""
+    return _driver(CC, isa.compile_flags("neon", request.param), tmp_path_factory.mktemp("neon"),
+                   (QEMU, "-L", SYSROOT))
+
+
+def _check(target, r) -> tuple[dict, dict, str]:
+    """The driver's AVAIL and CHECK lines; asserts every kernel reported available passed."""
     out = r.stdout
     shown = f"{' '.join(target)}: rc {r.returncode}\n{out}\n{r.stderr[-3000:]}"
     avail = {name: flag == "1" for name, flag in re.findall(r"^AVAIL (\S+) ([01])$", out, re.M)}
@@ -66,9 +71,28 @@ def test_every_kernel_the_neon_build_provides_passes_under_qemu(neon_report):
     assert not [n for n, (s, _) in checks.items() if s != "PASS"], shown
     unchecked = [n for n, on in avail.items() if on and n not in checks]
     assert not unchecked, f"reported available but not checked: {unchecked}\n{shown}"
+    return avail, checks, shown
+
+
+@needs_cross
+def test_every_kernel_the_neon_build_provides_passes_under_qemu(neon_report):
+    target, _ = neon_report
+    avail, checks, shown = _check(*neon_report)
     # The NEON branches: the panel GEMMs (fp32, bf16 widened, int8, 4/8-bit), SiLU and so the stack.
     # (The bf16 dot-product GEMM is AVX512-BF16 only: reported unavailable, the widened one serves.)
     for name in ("gemm", "gemm_bf16w", "gemm_i8", "gemm_q", "silu", "prefill_attention_fp32", "step_layers"):
         assert avail.get(name), f"the NEON build does not provide {name}\n{shown}"
     print(f"\nNEON ({' '.join(target)}) under qemu:\n" + "\n".join(
         f"  {n}: {checks[n][0]} {checks[n][1]}" if n in checks else f"  {n}: not in this build" for n in sorted(avail)))
+
+
+@pytest.mark.skipif(not isa.host_isas() or isa.machine() != "x86_64", reason="no x86 build runs on this CPU")
+@pytest.mark.parametrize("build", [b for b in isa.host_isas() if b != "neon"] or ["none"])
+def test_the_driver_passes_on_this_hosts_builds(build, tmp_path):
+    # The same driver on the x86 builds this CPU runs (no qemu): its references checked against
+    # builds the other tests hold to torch and to each other.
+    cc = cpu_ext._compiler()
+    if cc is None:
+        pytest.skip("no C compiler (cc/gcc) on PATH")
+    avail, checks, _ = _check(*_driver(cc, isa.compile_flags(build), tmp_path))
+    assert avail["gemm"] and avail["silu"] and checks["step_layers"][0] == "PASS"
