@@ -740,6 +740,88 @@ static void check_stack(void) {
                                  : "differs from the kernels one by one");
 }
 
+/* bf16 decode rows (weights bf16, widened in registers: LIN_BF16W) through lmi_step_layers against
+ * the same step one kernel at a time, each op rounded to bf16 as the Python layer rounds it. */
+static uint16_t *bf16_of(const float *x, int64_t n) {
+    uint16_t *o = alloc(2 * n);
+    for (int64_t i = 0; i < n; ++i) o[i] = f32_to_bf16(x[i]);
+    return o;
+}
+static uint16_t *packed_bf16(const uint16_t *W, int64_t N, int64_t K) {
+    uint16_t *p = alloc(2 * ((N + 31) / 32) * 32 * ((K + 1) / 2) * 2);
+    lmi_pack_bf16(W, N, K, p);
+    return p;
+}
+static void linear_bf16w(const uint16_t *x, int64_t m, int64_t k, const uint16_t *P, int64_t n, const float *bias,
+                         uint16_t *y) {
+    float *xf = alloc(4 * m * k);
+    for (int64_t i = 0; i < m * k; ++i) xf[i] = bf16_to_f32(x[i]);
+    lmi_gemm_bf16w(xf, m, k, k, P, n, bias, y, n, 1, 2);
+    free(xf);
+}
+
+static void check_stack_bf16(void) {
+    enum { LIN_BF16W = 2 };
+    const int64_t E = 64, H = 4, Hkv = 2, D = 16, I = 96, B = 3, bs = 4, NB = 24, tw = 8, nq = (H + 2 * Hkv) * D;
+    const int64_t s_tok = Hkv * D, s_blk = bs * s_tok, s_head = D;
+    const float eps = 1e-5f, scale = 0.25f;
+    float *tmp = alloc(4 * 2 * I * E);
+    fill(tmp, nq * E, 0.2f);
+    uint16_t *Pqkv = packed_bf16(bf16_of(tmp, nq * E), nq, E);
+    fill(tmp, E * H * D, 0.2f);
+    uint16_t *Po = packed_bf16(bf16_of(tmp, E * H * D), E, H * D);
+    fill(tmp, 2 * I * E, 0.2f);
+    uint16_t *Pgu = packed_bf16(bf16_of(tmp, 2 * I * E), 2 * I, E);
+    fill(tmp, E * I, 0.2f);
+    uint16_t *Pd = packed_bf16(bf16_of(tmp, E * I), E, I);
+    float *bqkv = alloc(4 * nq);
+    fill(bqkv, nq, 0.1f);
+    for (int64_t i = 0; i < 2 * E; ++i) tmp[i] = 1.f + 0.1f * frand();
+    uint16_t *n1 = bf16_of(tmp, E), *n2 = bf16_of(tmp + E, E);
+    fill(tmp, NB * s_blk, 1.f);
+    uint16_t *kc = bf16_of(tmp, NB * s_blk), *kc2 = bf16_of(tmp, NB * s_blk);
+    fill(tmp, NB * s_blk, 1.f);
+    uint16_t *vc = bf16_of(tmp, NB * s_blk), *vc2 = bf16_of(tmp, NB * s_blk);
+    layer_t ly = {{LIN_BF16W, nq, E, Pqkv, 0, 0, bqkv}, {LIN_BF16W, 0, E, 0, 0, 0, 0}, {LIN_BF16W, 0, E, 0, 0, 0, 0},
+                  {LIN_BF16W, E, H * D, Po, 0, 0, 0}, {LIN_BF16W, 2 * I, E, Pgu, 0, 0, 0},
+                  {LIN_BF16W, 0, E, 0, 0, 0, 0}, {LIN_BF16W, E, I, Pd, 0, 0, 0}, n1, n2, kc, vc, 0};
+    int32_t tables[3 * 8], lens[3] = {7, 1, 12};
+    for (int64_t i = 0; i < B * tw; ++i) tables[i] = (int32_t)((i * 5) % NB);
+    int64_t slots[3];
+    for (int64_t b = 0; b < B; ++b) slots[b] = (int64_t)tables[b * tw + (lens[b] - 1) / bs] * bs + (lens[b] - 1) % bs;
+    for (int64_t i = 0; i < B * D; ++i) tmp[i] = cosf(0.2f * (float)i), tmp[B * D + i] = sinf(0.2f * (float)i);
+    uint16_t *cs = bf16_of(tmp, B * D), *sn = bf16_of(tmp + B * D, B * D);
+    fill(tmp, B * E, 1.f);
+    uint16_t *h = bf16_of(tmp, B * E), *h2 = bf16_of(tmp, B * E);
+    const int64_t none[1] = {0};
+    lmi_set_sleef_expf((void *)plain_expf_v, PLAIN_LANES);
+    const int rc = lmi_step_layers(&ly, 1, h, B, B, E, H, Hkv, D, I, eps, 0, 1, cs, sn, D, slots, NB * bs, tables, tw,
+                                   lens, 0, none, none, none, s_blk, s_tok, s_head, bs, scale, 2);
+    uint16_t *x = alloc(2 * B * E), *qkv = alloc(2 * B * nq), *att = alloc(2 * B * H * D), *o = alloc(2 * B * E);
+    uint16_t *gu = alloc(2 * B * 2 * I), *act = alloc(2 * B * I);
+    lmi_rms_norm_bf16(h2, n1, x, B, E, eps, 2);
+    linear_bf16w(x, B, E, Pqkv, nq, bqkv, qkv);
+    const int rc2 = lmi_decode_fused(qkv, qkv + H * D, qkv + (H + Hkv) * D, nq, nq, nq, cs, sn, D, 1, kc2, vc2, s_blk,
+                                     s_tok, s_head, slots, NB * bs, tables, tw, lens, B, H, Hkv, D, bs, scale, 0, 0.f,
+                                     att, 2);
+    linear_bf16w(att, B, H * D, Po, E, 0, o);
+    for (int64_t i = 0; i < B * E; ++i) h2[i] = f32_to_bf16(bf16_to_f32(h2[i]) + bf16_to_f32(o[i]));
+    lmi_rms_norm_bf16(h2, n2, x, B, E, eps, 2);
+    linear_bf16w(x, B, E, Pgu, 2 * I, 0, gu);
+    for (int64_t t = 0; t < B; ++t)
+        for (int64_t i = 0; i < I; ++i) {
+            const float g = bf16_to_f32(gu[t * 2 * I + i]);
+            const float sg = bf16_to_f32(f32_to_bf16(g / (1.f + expf(-g))));
+            act[t * I + i] = f32_to_bf16(sg * bf16_to_f32(gu[t * 2 * I + I + i]));
+        }
+    linear_bf16w(act, B, I, Pd, E, 0, o);
+    for (int64_t i = 0; i < B * E; ++i) h2[i] = f32_to_bf16(bf16_to_f32(h2[i]) + bf16_to_f32(o[i]));
+    const int ok = rc == 0 && rc2 == 0 && !memcmp(h, h2, 2 * B * E) && !memcmp(kc, kc2, 2 * NB * s_blk) &&
+                   !memcmp(vc, vc2, 2 * NB * s_blk);
+    report("step_layers_bf16", ok, ok ? "bf16 (weights widened), 3 decode rows: bit-equal to the kernels one by one"
+                                      : "differs from the kernels one by one");
+}
+
 int main(void) {
     const int gemm = lmi_gemm_available(), bf16w = lmi_gemm_bf16w_available(), bf16 = lmi_gemm_bf16_available();
     const int i8 = lmi_gemm_i8_available(), q = lmi_gemm_q_available(), silu = lmi_silu_lanes() > 0;
@@ -747,6 +829,7 @@ int main(void) {
            bf16, i8, q);
     printf("AVAIL silu %d\nAVAIL prefill_attention_fp32 %d\nAVAIL prefill_attention_bf16 %d\nAVAIL step_layers %d\n",
            silu, gemm, bf16 && bf16w, gemm && silu);
+    printf("AVAIL step_layers_bf16 %d\n", bf16w && silu);
     /* portable C: always built */
     printf("AVAIL rotary 1\nAVAIL write_kv 1\nAVAIL rms_norm 1\nAVAIL row_stats 1\nAVAIL decode_attention 1\n");
     fflush(stdout);
@@ -764,6 +847,7 @@ int main(void) {
     if (gemm) check_prefill_attention(0, "prefill_attention_fp32");
     if (bf16 && bf16w) check_prefill_attention(1, "prefill_attention_bf16");
     if (gemm && silu) check_stack();
+    if (bf16w && silu) check_stack_bf16();
     printf("DONE %d failed\n", failures);
     return failures ? 1 : 0;
 }
