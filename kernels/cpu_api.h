@@ -1,42 +1,102 @@
-/* The CPU kernels' entry points one source calls in another (they are linked into one library:
- * kernels/cpu_ext.py). */
+/* Every entry point of the CPU kernels' library, declared once. Each kernels/*.c includes this
+ * header, so the compiler checks each definition against its declaration here, and kernels/cpu_ext.py
+ * derives its ctypes bindings (argument and result types, and the lmi_lin / lmi_layer structures)
+ * from this text: the Python side cannot drift from the C prototypes. Keep one declaration per
+ * entry point, parameters as `type name`, pointers as `type *name`. */
 #ifndef LMI_CPU_API_H
 #define LMI_CPU_API_H
 #include <stdint.h>
 
 /* Before a loop over a register block's rows: unrolled, the block's accumulator arrays stay in
- * registers (rolled, gcc kept them on the stack: a memset and stalled reloads per block, ~2-4% of
- * a GEMM at prompt sizes). */
+ * registers (rolled, gcc kept them on the stack: a memset and stalled reloads per block). */
 #define UNROLL_MR _Pragma("GCC unroll 16")
 
+/* lmi_lin.kind */
+enum { LIN_F32 = 0, LIN_BF16 = 1, LIN_BF16W = 2, LIN_I8 = 3 };
+
+/* One packed linear layer (handler/model/cpu_stack.py fills these from the model's modules). */
+typedef struct {
+    int64_t kind, n, k;
+    const void *panels;
+    const int32_t *wsum;        /* int8: per-column sums of the weight */
+    const float *wscale;        /* int8: per-column scales */
+    const float *bias;          /* fp32 [n] or NULL */
+} lmi_lin;
+
+/* A decoder layer: q/k/v and gate/up either fused (q holds q|k|v, gate holds gate|up; k, v, up
+ * have n = 0) or apart. */
+typedef struct {
+    lmi_lin q, k, v, o, gate, up, down;
+    const void *norm1, *norm2;  /* RMSNorm weights in the activations' dtype */
+    void *kc, *vc;              /* this layer's KV pools */
+    int64_t window;             /* sliding window, 0: none */
+} lmi_layer;
+
+/* cpu_gemm.c */
 void lmi_pack_b(const float *W, int64_t N, int64_t K, float *out);
-void lmi_pack_bf16(const uint16_t *W, int64_t N, int64_t K, uint16_t *out);
+int lmi_gemm_available(void);
 void lmi_gemm(const float *A, int64_t M, int64_t K, int64_t lda, const float *Bp, int64_t N, const float *bias,
-              float *C, int64_t ldc, int nthreads);
-void lmi_gemm_bf16(const uint16_t *A, int64_t M, int64_t K, int64_t lda, const uint16_t *Bp, int64_t N,
-                   const float *bias, void *C, int64_t ldc, int out_bf16, int nthreads);
+    float *C, int64_t ldc, int nthreads);
+
+/* cpu_gemm_bf16.c */
+void lmi_pack_bf16(const uint16_t *W, int64_t N, int64_t K, uint16_t *out);
+int lmi_gemm_bf16w_available(void);
 void lmi_gemm_bf16w(const float *A, int64_t M, int64_t K, int64_t lda, const uint16_t *Bp, int64_t N,
-                    const float *bias, void *C, int64_t ldc, int out_bf16, int nthreads);
+    const float *bias, void *C, int64_t ldc, int out_bf16, int nthreads);
+int lmi_gemm_bf16_available(void);
+void lmi_bf16_rows(const float *A, int64_t M, int64_t K, int64_t lda, uint16_t *out, int64_t ldo, int nthreads);
+void lmi_gemm_bf16(const uint16_t *A, int64_t M, int64_t K, int64_t lda, const uint16_t *Bp, int64_t N,
+    const float *bias, void *C, int64_t ldc, int out_bf16, int nthreads);
+
+/* cpu_gemm_i8.c */
+void lmi_pack_i8(const int8_t *W, int64_t N, int64_t K, int8_t *out, int32_t *wsum);
 void lmi_quant_rows(const float *A, int64_t M, int64_t K, int64_t lda, uint8_t *out, int64_t Kp, float *scales,
-                    int nthreads);
+    int nthreads);
+int lmi_gemm_i8_available(void);
 void lmi_gemm_i8(const uint8_t *Aq, int64_t M, int64_t Kp, const float *sa, const int8_t *Bp, const int32_t *wsum,
-                 const float *sw, int64_t N, const float *bias, float *C, int64_t ldc, int nthreads);
-void lmi_rms_norm_f32(const float *x, const float *w, float *out, int64_t rows, int64_t H, float eps, int W,
-                      float *sq);
-void lmi_rms_norm_bf16(const uint16_t *x, const uint16_t *w, uint16_t *out, int64_t rows, int64_t H, float eps,
-                       int nthreads);
-int lmi_decode_fused(void *q, void *k, void *v, int64_t qs, int64_t ks, int64_t vs, const void *cos,
-                     const void *sin, int64_t cs, int bf16, void *kc, void *vc, int64_t s_blk, int64_t s_tok,
-                     int64_t s_head, const int64_t *slots, int64_t nslots, const int32_t *tables, int64_t tw,
-                     const int32_t *lens, int64_t B, int64_t H, int64_t Hkv, int64_t D, int64_t bs, float scale,
-                     int64_t window, float softcap, void *out, int nthreads);
-int lmi_write_kv(void *kc, void *vc, const void *key, const void *value, int64_t elem, int64_t s_blk, int64_t s_tok,
-                 int64_t s_head, int64_t k_tok, int64_t k_head, int64_t v_tok, int64_t v_head, const int64_t *slots,
-                 int64_t T, int64_t Hkv, int64_t D, int64_t bs, int64_t nslots);
+    const float *sw, int64_t N, const float *bias, float *C, int64_t ldc, int nthreads);
+
+/* cpu_gemm_q4.c */
+int lmi_gemm_q_available(void);
+void lmi_gemm_q(const float *A, int64_t M, int64_t K, int64_t lda, const uint8_t *Bp, const float *S,
+    const float *Mn, int bits, int64_t g, int64_t N, const float *bias, float *C, int64_t ldc, int nthreads);
+
+/* cpu_exact.c */
 void lmi_rotary(void *q, void *k, const void *cos, const void *sin, int64_t T, int64_t H, int64_t Hkv, int64_t D,
-                int64_t qs, int64_t ks, int64_t cs, int bf16, int nthreads);
-int lmi_prefill_attention(const void *q, const void *k, const void *v, int64_t qs, int64_t ks, int64_t vs, int64_t qh,
-                          int64_t khs, int64_t vhs, void *out, int64_t os, int64_t oh, int bf16, const int64_t *starts,
-                          const int64_t *lens, const int64_t *order, int64_t P, int64_t H, int64_t Hkv, int64_t D,
-                          float scale, int nthreads);
+    int64_t qs, int64_t ks, int64_t cs, int bf16, int nthreads);
+void lmi_rms_norm_f32(const float *x, const float *w, float *out, int64_t rows, int64_t H, float eps, int W,
+    float *sq);
+
+/* cpu_decode.c */
+int lmi_decode_attention(const float *q, const void *kc, const void *vc, int kv_bf16, int64_t s_blk, int64_t s_tok,
+    int64_t s_head, const int32_t *tables, int64_t tw, const int32_t *lens, int64_t B, int64_t H, int64_t Hkv,
+    int64_t D, int64_t bs, float scale, int64_t window, float softcap, float *out, int nthreads);
+int lmi_write_kv(void *kc, void *vc, const void *key, const void *value, int64_t elem, int64_t s_blk, int64_t s_tok,
+    int64_t s_head, int64_t k_tok, int64_t k_head, int64_t v_tok, int64_t v_head, const int64_t *slots, int64_t T,
+    int64_t Hkv, int64_t D, int64_t bs, int64_t nslots);
+int lmi_decode_fused(void *q, void *k, void *v, int64_t qs, int64_t ks, int64_t vs, const void *cos,
+    const void *sin, int64_t cs, int bf16, void *kc, void *vc, int64_t s_blk, int64_t s_tok, int64_t s_head,
+    const int64_t *slots, int64_t nslots, const int32_t *tables, int64_t tw, const int32_t *lens, int64_t B,
+    int64_t H, int64_t Hkv, int64_t D, int64_t bs, float scale, int64_t window, float softcap, void *out,
+    int nthreads);
+void lmi_rms_norm_bf16(const uint16_t *x, const uint16_t *w, uint16_t *out, int64_t rows, int64_t H, float eps,
+    int nthreads);
+void lmi_row_stats(const float *x, int64_t rows, int64_t V, int64_t ld, int64_t *argmax, float *maxv, float *logsum,
+    int nthreads);
+int lmi_prefill_attention(const void *q, const void *k, const void *v, int64_t qs, int64_t ks, int64_t vs,
+    int64_t qh, int64_t khs, int64_t vhs, void *out, int64_t os, int64_t oh, int bf16, const int64_t *starts,
+    const int64_t *lens, const int64_t *order, int64_t P, int64_t H, int64_t Hkv, int64_t D, float scale,
+    int nthreads);
+
+/* cpu_layer.c */
+void lmi_set_sleef_expf(void *fn, int lanes);
+void lmi_set_sleef_expf16(void *fn);
+int lmi_silu_available(void);
+int lmi_silu_lanes(void);
+void lmi_silu_mul(void *g, const void *u, int64_t n, int bf16, int threads);
+int lmi_step_layers(const lmi_layer *layers, int64_t L, void *h, int64_t T, int64_t B, int64_t E, int64_t H,
+    int64_t Hkv, int64_t D, int64_t I, float eps, int lanes, int bf16, const void *cos, const void *sin, int64_t cs,
+    const int64_t *slots, int64_t nslots, const int32_t *tables, int64_t tw, const int32_t *lens, int64_t P,
+    const int64_t *pstarts, const int64_t *plens, const int64_t *porder, int64_t s_blk, int64_t s_tok,
+    int64_t s_head, int64_t bs, float scale, int threads);
 #endif

@@ -3,6 +3,7 @@
 #include <math.h>
 #include <stdint.h>
 
+#include "cpu_api.h"
 #include "cpu_bf16.h"
 
 /* Rotary embedding in place, Llama's form: x*cos + rotate_half(x)*sin with

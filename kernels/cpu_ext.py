@@ -33,6 +33,7 @@ import functools
 import hashlib
 import logging
 import os
+import re
 import shutil
 import subprocess
 import tempfile
@@ -77,6 +78,52 @@ def _cpu_signature() -> str:
 def _cpu_flags() -> set[str]:
     """The CPU's flags as /proc/cpuinfo lists them (empty where it cannot be read)."""
     return _isa.cpu_flags()
+
+
+# ---------------------------------------------------------------------------- the bindings, from kernels/cpu_api.h
+_C_TYPES = {"int64_t": ctypes.c_int64, "int32_t": ctypes.c_int32, "int": ctypes.c_int, "float": ctypes.c_float,
+            "double": ctypes.c_double}
+
+
+def _parse_api(text: str) -> tuple[dict, dict, dict]:
+    """kernels/cpu_api.h -> ({entry point: (restype, argtypes)}, {struct name: ctypes.Structure},
+    {enum constant: value}). Pointers of any type are c_void_p (callers pass data_ptr()s)."""
+    text = re.sub(r"/\*.*?\*/", " ", text, flags=re.S)
+    enums = {k: int(v) for body in re.findall(r"enum\s*\{([^}]*)\}", text)
+             for k, v in re.findall(r"(\w+)\s*=\s*(-?\d+)", body)}
+    structs: dict = {}
+
+    def ctype(decl: str):
+        words = decl.replace("const ", " ").split()
+        if "*" in decl:
+            return ctypes.c_void_p
+        base = words[0]
+        if base in structs:
+            return structs[base]
+        if base not in _C_TYPES:
+            raise ValueError(f"kernels/cpu_api.h: no ctypes type for {decl!r}")
+        return _C_TYPES[base]
+
+    for body, name in re.findall(r"typedef struct\s*\{(.*?)\}\s*(\w+);", text, flags=re.S):
+        fields = []
+        for line in body.split(";"):
+            line = line.strip()
+            if not line:
+                continue
+            base, _, names = line.replace("const ", "").partition(" ")
+            for n in names.split(","):
+                n = n.strip()
+                fields.append((n.lstrip("*"), ctype(f"{base} {n}")))
+        structs[name] = type(name, (ctypes.Structure,), {"_fields_": fields, "__doc__": f"kernels/cpu_api.h's {name}"})
+    api = {}
+    for ret, name, args in re.findall(r"^\s*(int|void|float)\s+(lmi_\w+)\(([^)]*)\);", text, flags=re.M):
+        params = [a.strip() for a in args.split(",") if a.strip() not in ("", "void")]
+        api[name] = (None if ret == "void" else _C_TYPES[ret], [ctype(a) for a in params])
+    return api, structs, enums
+
+
+with open(os.path.join(_HERE, "cpu_api.h")) as _f:
+    API, _STRUCTS, _ENUM = _parse_api(_f.read())
 
 
 # ---------------------------------------------------------------------------- the backend choice
@@ -175,80 +222,13 @@ def _load(isa: str):
         log.warning("CPU kernels (%s) unavailable (%s); the plain-torch path serves", isa, e)
         return None
     fn = lib.lmi_decode_attention
-    i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    fn.argtypes = [ptr, ptr, ptr, ctypes.c_int, i64, i64, i64, ptr, i64, ptr,
-                   i64, i64, i64, i64, i64, ctypes.c_float, i64, ctypes.c_float, ptr, ctypes.c_int]
-    fn.restype = ctypes.c_int
-    fused = lib.lmi_decode_fused
-    fused.argtypes = [ptr, ptr, ptr, i64, i64, i64, ptr, ptr, i64, ctypes.c_int, ptr, ptr, i64, i64, i64,
-                      ptr, i64, ptr, i64, ptr, i64, i64, i64, i64, i64, ctypes.c_float, i64, ctypes.c_float, ptr,
-                      ctypes.c_int]
-    fused.restype = ctypes.c_int
-    fn.decode_fused = fused
-    pre = lib.lmi_prefill_attention
-    pre.argtypes = [ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, ptr, i64, i64, ctypes.c_int, ptr, ptr, ptr, i64, i64, i64, i64,
-                    ctypes.c_float, ctypes.c_int]
-    pre.restype = ctypes.c_int
-    fn.prefill_attention = pre
-    wr = lib.lmi_write_kv
-    wr.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, ptr, i64, i64, i64, i64, i64]
-    wr.restype = ctypes.c_int
-    fn.write_kv = wr
-    rms = lib.lmi_rms_norm_bf16
-    rms.argtypes = [ptr, ptr, ptr, i64, i64, ctypes.c_float, ctypes.c_int]
-    rms.restype = None
-    fn.rms_norm_bf16 = rms
-    rms32 = lib.lmi_rms_norm_f32
-    rms32.argtypes = [ptr, ptr, ptr, i64, i64, ctypes.c_float, ctypes.c_int, ptr]
-    rms32.restype = None
-    fn.rms_norm_f32 = rms32
-    rope = lib.lmi_rotary
-    rope.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, ctypes.c_int, ctypes.c_int]
-    rope.restype = None
-    fn.rotary = rope
-    stats = lib.lmi_row_stats
-    stats.argtypes = [ptr, i64, i64, i64, ptr, ptr, ptr, ctypes.c_int]
-    stats.restype = None
-    fn.row_stats = stats
-    pack = lib.lmi_pack_b
-    pack.argtypes = [ptr, i64, i64, ptr]
-    pack.restype = None
-    fn.pack_b = pack
-    gemm = lib.lmi_gemm
-    gemm.argtypes = [ptr, i64, i64, i64, ptr, i64, ptr, ptr, i64, ctypes.c_int]
-    gemm.restype = None
-    fn.gemm = gemm
+    for name, (restype, argtypes) in API.items():    # every entry point, typed from kernels/cpu_api.h
+        f = getattr(lib, name)
+        f.restype, f.argtypes = restype, argtypes
+        setattr(fn, name.removeprefix("lmi_"), f)
     fn.gemm_available = bool(lib.lmi_gemm_available())
-    for name, args in (("lmi_pack_i8", [ptr, i64, i64, ptr, ptr]),
-                       ("lmi_quant_rows", [ptr, i64, i64, i64, ptr, i64, ptr, ctypes.c_int]),
-                       ("lmi_gemm_i8", [ptr, i64, i64, ptr, ptr, ptr, ptr, i64, ptr, ptr, i64, ctypes.c_int])):
-        f = getattr(lib, name)
-        f.argtypes, f.restype = args, None
-        setattr(fn, name.removeprefix("lmi_"), f)
     fn.gemm_i8_available = bool(lib.lmi_gemm_i8_available())
-    gq = lib.lmi_gemm_q     # grouped 4/8-bit weights (kernels/cpu_gemm_q4.c)
-    gq.argtypes = [ptr, i64, i64, i64, ptr, ptr, ptr, ctypes.c_int, i64, i64, ptr, ptr, i64, ctypes.c_int]
-    gq.restype = None
-    fn.gemm_q = gq
     fn.gemm_q_available = bool(lib.lmi_gemm_q_available())
-    for name, args in (("lmi_pack_bf16", [ptr, i64, i64, ptr]),
-                       ("lmi_bf16_rows", [ptr, i64, i64, i64, ptr, i64, ctypes.c_int]),
-                       ("lmi_gemm_bf16", [ptr, i64, i64, i64, ptr, i64, ptr, ptr, i64, ctypes.c_int, ctypes.c_int]),
-                       ("lmi_gemm_bf16w", [ptr, i64, i64, i64, ptr, i64, ptr, ptr, i64, ctypes.c_int, ctypes.c_int])):
-        f = getattr(lib, name)
-        f.argtypes, f.restype = args, None
-        setattr(fn, name.removeprefix("lmi_"), f)
-    for name, args in (("lmi_set_sleef_expf16", [ptr]), ("lmi_silu_mul", [ptr, ptr, i64, ctypes.c_int, ctypes.c_int])):
-        f = getattr(lib, name)
-        f.argtypes, f.restype = args, None
-        setattr(fn, name.removeprefix("lmi_"), f)
-    fn.silu_available = lib.lmi_silu_available
-    layers = lib.lmi_step_layers      # kernels/cpu_layer.c
-    layers.argtypes = [ptr, i64, ptr, i64, i64, i64, i64, i64, i64, i64, ctypes.c_float, ctypes.c_int, ctypes.c_int,
-                       ptr, ptr, i64, ptr, i64, ptr, i64, ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, ctypes.c_float,
-                       ctypes.c_int]
-    layers.restype = ctypes.c_int
-    fn.step_layers = layers
     flags = _cpu_flags()
     fn.gemm_bf16_available = bool(lib.lmi_gemm_bf16_available()) and (isa != "avx512" or "avx512_bf16" in flags)
     fn.gemm_bf16w_available = bool(lib.lmi_gemm_bf16w_available())
@@ -732,22 +712,9 @@ def gemm_bf16(x: torch.Tensor, panels: torch.Tensor, n: int, bias: torch.Tensor 
 
 
 # ---------------------------------------------------------------------------- a decode step's layers (kernels/cpu_layer.c)
-LIN_F32, LIN_BF16, LIN_BF16W, LIN_I8 = 0, 1, 2, 3     # lmi_lin.kind
-
-
-class Lin(ctypes.Structure):
-    """kernels/cpu_layer.c's lmi_lin: one packed linear layer."""
-    _fields_ = [("kind", ctypes.c_int64), ("n", ctypes.c_int64), ("k", ctypes.c_int64), ("panels", ctypes.c_void_p),
-                ("wsum", ctypes.c_void_p), ("wscale", ctypes.c_void_p), ("bias", ctypes.c_void_p)]
-
-
-class Layer(ctypes.Structure):
-    """kernels/cpu_layer.c's lmi_layer: a decoder layer's weights and KV pools (q holding q|k|v and gate
-    gate|up where they are fused, k, v and up then empty: n = 0)."""
-    _fields_ = [("q", Lin), ("k", Lin), ("v", Lin), ("o", Lin), ("gate", Lin), ("up", Lin), ("down", Lin),
-                ("norm1", ctypes.c_void_p),
-                ("norm2", ctypes.c_void_p), ("kc", ctypes.c_void_p), ("vc", ctypes.c_void_p),
-                ("window", ctypes.c_int64)]
+LIN_F32, LIN_BF16, LIN_BF16W, LIN_I8 = (_ENUM[k] for k in ("LIN_F32", "LIN_BF16", "LIN_BF16W", "LIN_I8"))
+Lin = _STRUCTS["lmi_lin"]        # one packed linear layer
+Layer = _STRUCTS["lmi_layer"]    # a decoder layer's weights and KV pools (q|k|v and gate|up fused: k, v, up n = 0)
 
 
 def _sleef_expf() -> tuple[int, int] | None:

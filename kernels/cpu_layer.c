@@ -26,24 +26,7 @@
 /* at::internal::GRAIN_SIZE, elements: torch runs smaller loops on one thread, and so does this file */
 #define GRAIN 32768
 
-enum { LIN_F32 = 0, LIN_BF16 = 1, LIN_BF16W = 2, LIN_I8 = 3 };
-
-/* One packed linear layer (handler/model/cpu_stack.py fills these from the model's modules). */
-typedef struct {
-    int64_t kind, n, k;
-    const void *panels;
-    const int32_t *wsum;        /* int8: per-column sums of the weight */
-    const float *wscale;        /* int8: per-column scales */
-    const float *bias;          /* fp32 [n] or NULL */
-} lmi_lin;
-
-/* q/k/v and gate/up: either fused (q holds q|k|v, gate holds gate|up; k, v, up have n = 0) or apart. */
-typedef struct {
-    lmi_lin q, k, v, o, gate, up, down;
-    const void *norm1, *norm2;  /* RMSNorm weights in the activations' dtype */
-    void *kc, *vc;              /* this layer's KV pools */
-    int64_t window;             /* sliding window, 0: none */
-} lmi_layer;
+/* lmi_lin, lmi_layer and the LIN_* kinds: kernels/cpu_api.h */
 
 /* ---------------------------------------------------------------- torch's SiLU */
 /* One vector of VW floats per ISA (torch's Vectorized<float>: 16 lanes on AVX-512, 8 on AVX2, 4 on

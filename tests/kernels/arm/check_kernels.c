@@ -653,26 +653,8 @@ static void check_prefill_attention(int bf, const char *name) {
 /* lmi_step_layers on one fp32 layer of 3 decode rows and 2 prompts against the same step composed
  * from the kernels one by one (norm, GEMMs, decode_fused, rotary, write_kv, prefill attention,
  * residual, silu * up): the same bits, as the Python layer's values are the stack's. */
-enum { LIN_F32 = 0 };
-typedef struct {
-    int64_t kind, n, k;
-    const void *panels;
-    const int32_t *wsum;
-    const float *wscale;
-    const float *bias;
-} lin_t;
-typedef struct {
-    lin_t q, k, v, o, gate, up, down;
-    const void *norm1, *norm2;
-    void *kc, *vc;
-    int64_t window;
-} layer_t;
-int lmi_step_layers(const layer_t *layers, int64_t L, void *h, int64_t T, int64_t B, int64_t E, int64_t H,
-                    int64_t Hkv, int64_t D, int64_t I, float eps, int lanes, int bf16, const void *cos,
-                    const void *sin, int64_t cs, const int64_t *slots, int64_t nslots, const int32_t *tables,
-                    int64_t tw, const int32_t *lens, int64_t P, const int64_t *pstarts, const int64_t *plens,
-                    const int64_t *porder, int64_t s_blk, int64_t s_tok, int64_t s_head, int64_t bs, float scale,
-                    int threads);
+/* lmi_lin, lmi_layer, the LIN_* kinds and lmi_step_layers: kernels/cpu_api.h */
+typedef lmi_layer layer_t;
 
 static float *packed(const float *W, int64_t N, int64_t K) {
     float *p = alloc(4 * ((N + 31) / 32) * 32 * K);
