@@ -761,13 +761,7 @@ def _silu_ready() -> bool:
     found = _sleef_expf()
     if fn is None or found is None:
         return False
-    addr, lanes = found
-    if hasattr(fn, "set_sleef_expf"):
-        fn.set_sleef_expf(addr, lanes)
-    elif lanes == 16:
-        fn.set_sleef_expf16(addr)
-    else:
-        return False
+    fn.set_sleef_expf(*found)
     return bool(fn.silu_available())
 
 

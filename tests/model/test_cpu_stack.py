@@ -29,8 +29,6 @@ def _why_not() -> str:
         return f"no panel GEMM in the {BUILD} build"
     if not cpu_ext._silu_ready():
         found = cpu_ext._sleef_expf()
-        if found and found[1] != 16 and not hasattr(cpu_ext.load(), "set_sleef_expf"):
-            return "kernels/cpu_ext.py does not register lmi_set_sleef_expf (only the 16-lane setter)"
         return (f"the {BUILD} build's SiLU did not take torch's Sleef exp (torch's vectors {cap}: "
                 + (f"{found[1]} lanes" if found else "none found") + "; ATEN_CPU_CAPABILITY must give the build's width)")
     if not cpu_ext.silu_exact(torch.get_num_threads()):

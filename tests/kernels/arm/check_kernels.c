@@ -743,7 +743,6 @@ static void linear_bf16w(const uint16_t *x, int64_t m, int64_t k, const uint16_t
 }
 
 static void check_stack_bf16(void) {
-    enum { LIN_BF16W = 2 };
     const int64_t E = 64, H = 4, Hkv = 2, D = 16, I = 96, B = 3, bs = 4, NB = 24, tw = 8, nq = (H + 2 * Hkv) * D;
     const int64_t s_tok = Hkv * D, s_blk = bs * s_tok, s_head = D;
     const float eps = 1e-5f, scale = 0.25f;
