@@ -69,7 +69,7 @@ def reference(qwen_dir, hf_tok):
     return want
 
 
-def test_the_checkpoint_is_the_qwen2_model_the_issue_names(qwen_dir):
+def test_the_checkpoint_is_qwen2_from_the_pinned_file(qwen_dir):
     # What the converted directory must be for the rest of the module to test the qwen2 family.
     with open(os.path.join(qwen_dir, "config.json")) as f:
         cfg = json.load(f)
