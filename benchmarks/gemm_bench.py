@@ -36,7 +36,7 @@ def main(argv=None) -> int:
     p.add_argument("--out")
     a = p.parse_args(argv)
     if not cpu_ext.gemm_available():
-        print("error: kernels/cpu_gemm.c does not run here (it needs AVX-512F and a C compiler)", file=sys.stderr)
+        print("error: kernels/cpu_gemm.c does not run here (the torch backend, or no C compiler: see the warning above)", file=sys.stderr)
         return 2
     g = torch.Generator().manual_seed(0)
     weights = [torch.randn(n, k, generator=g) for _ in range(LAYERS) for n, k in SHAPES]

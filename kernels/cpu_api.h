@@ -1,4 +1,4 @@
-/* Every entry point of the CPU kernels' library, declared once. Each kernels/*.c includes this
+/* Every entry point of the CPU kernels' library, declared once. Each C source includes this
  * header, so the compiler checks each definition against its declaration here, and kernels/cpu_ext.py
  * derives its ctypes bindings (argument and result types, and the lmi_lin / lmi_layer structures)
  * from this text: the Python side cannot drift from the C prototypes. Keep one declaration per

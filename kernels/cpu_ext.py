@@ -53,7 +53,7 @@ SOURCES = [(os.path.join(_HERE, "cpu_decode.c"), FLAGS), (os.path.join(_HERE, "c
            (os.path.join(_HERE, "cpu_gemm.c"), EXACT_FLAGS), (os.path.join(_HERE, "cpu_gemm_i8.c"), EXACT_FLAGS),
            (os.path.join(_HERE, "cpu_gemm_q4.c"), EXACT_FLAGS),
            (os.path.join(_HERE, "cpu_gemm_bf16.c"), EXACT_FLAGS), (os.path.join(_HERE, "cpu_layer.c"), EXACT_FLAGS)]
-HEADERS = [os.path.join(_HERE, "cpu_bf16.h"), os.path.join(_HERE, "cpu_api.h")]
+HEADERS = sorted(os.path.join(_HERE, f) for f in os.listdir(_HERE) if f.endswith(".h"))   # in the cache key
 # Linked without -ffast-math: given at link time, gcc adds crtfastmath.o, whose constructor sets
 # flush-to-zero for the whole process on load (every float op of torch and Python would change).
 LINK = ["-shared", "-fopenmp", "-lm"]
@@ -288,7 +288,7 @@ PANEL = 32   # output columns per panel of a packed weight (kernels/cpu_gemm.c)
 
 
 def gemm_available() -> bool:
-    """Whether kernels/cpu_gemm.c's GEMM runs on this host (built, and the CPU has AVX-512F)."""
+    """Whether kernels/cpu_gemm.c's fp32 panel GEMM runs here (the avx512, avx2 and neon builds)."""
     fn = load()
     return fn is not None and fn.gemm_available
 

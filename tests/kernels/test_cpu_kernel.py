@@ -475,7 +475,7 @@ def test_prompt_attention_is_causal_attention_of_each_prompt(dtype, tol, heads, 
     # Oracle: float64 causal softmax attention per prompt; prompts shorter and longer than a
     # query chunk (64), odd lengths, q/k/v read through strided views (heads apart from rows).
     if not (cpu_ext.gemm_bf16_available() if dtype == torch.bfloat16 else cpu_ext.gemm_available()):
-        pytest.skip("the panel GEMM for this dtype does not run here (AVX-512F / AVX512-BF16)")
+        pytest.skip("the panel GEMM for this dtype is not in this build (bf16: the AVX512-BF16 dot GEMM)")
     g = torch.Generator().manual_seed(heads * d)
     lens = [2, 17, 64, 65, 150, 3, 200]
     t = sum(lens)
@@ -497,7 +497,7 @@ def test_paged_attention_sends_whole_prompts_to_the_c_kernel(monkeypatch):
     # Two whole prompts and a continued one (5 tokens cached, 4 new): the whole ones go to the
     # kernel in one call, the continued one to SDPA over the pool; the values are the reference's.
     if not cpu_ext.gemm_available():
-        pytest.skip("kernels/cpu_gemm.c needs AVX-512F")
+        pytest.skip("kernels/cpu_gemm.c is not in this build")
     g = torch.Generator().manual_seed(5)
     h, hkv, d, bs = 6, 2, 32, 4
     kc, vc = torch.randn(24, bs, hkv, d, generator=g), torch.randn(24, bs, hkv, d, generator=g)
