@@ -43,7 +43,9 @@ def make_engine(model_dir: str, dtype: str, batch: int, kv_tokens: int, prefill_
                 quantize: str | None = None):
     props = {"option.rolling_batch": "auto", "option.paged_attention": "true",
              "option.max_rolling_batch_size": batch, "option.max_rolling_batch_prefill_tokens": prefill_tokens,
-             "option.kv_cache_tokens": kv_tokens, "option.dtype": dtype}
+             "option.kv_cache_tokens": kv_tokens, "option.dtype": dtype,
+             # the CPU kernels' build: LMI_CPU_KERNELS as the server would read it (env={} below)
+             "option.cpu_kernels": os.environ.get("LMI_CPU_KERNELS", "auto")}
     if quantize:
         props["option.quantize"] = quantize
     with tempfile.TemporaryDirectory() as d:
