@@ -12,6 +12,7 @@ import math
 import threading
 from dataclasses import dataclass
 
+from handler.config.switches import switch
 from handler.engine import guide
 # RequestError and show live in errors.py (guide.py uses them too); imported from here by most.
 from handler.engine.errors import MAX_SHOWN, RequestError, show
@@ -32,7 +33,8 @@ class SamplingParams:
     return_full_text: bool = False
     details: bool = False
     ignore_eos: bool = False
-    # Benchmark knob: finish as if EOS were sampled after this many tokens (unknown to the scheduler).
+    # Benchmarks only: finish as if EOS were sampled after this many tokens (unknown to the
+    # scheduler). Parsed from a request only when the server runs with LMI_BENCH_EOS_AFTER=1.
     eos_after: int | None = None
     # Several samples per prompt: `best_of` sequences are generated (default n) and the API layer
     # returns the `n` best by cumulative log-prob (LMI/TGI best_of, OpenAI n).
@@ -161,9 +163,13 @@ _CHECKS = {
     "n": lambda f, v: check_int(f, v, 1, MAX_SAMPLES),
     "best_of": lambda f, v: check_int(f, v, 1, MAX_SAMPLES),
     "ignore_eos": check_bool,
-    "eos_after": lambda f, v: check_int(f, v, 1, MAX_NEW_TOKENS),
     "include_stop_str_in_output": check_bool,
     "logit_bias": lambda f, v: check_logit_bias(f, v),
+}
+# Benchmark knobs: parsed like the rest when LMI_BENCH_EOS_AFTER is on (the `bench` and `tune`
+# tools start our servers with it), otherwise unknown parameters like any other.
+BENCH_CHECKS = {
+    "eos_after": lambda f, v: check_int(f, v, 1, MAX_NEW_TOKENS),
 }
 # Other names for the same parameter (LMI, vLLM, TGI, OpenAI).
 ALIASES = {
@@ -227,8 +233,10 @@ def parse_params(raw, defaults: SamplingParams = SamplingParams(), where: str = 
             continue
         canon = ALIASES.get(name, name)
         field = f"{where}.{name}"
-        if canon in _CHECKS:
-            value = _CHECKS[canon](field, v)
+        check = _CHECKS.get(canon) or (BENCH_CHECKS.get(canon) if canon in BENCH_CHECKS
+                                        and switch("LMI_BENCH_EOS_AFTER") else None)
+        if check is not None:
+            value = check(field, v)
             if canon in values and values[canon] != value:
                 raise RequestError(field, f"conflicts with {where}.{given[canon]} (the same parameter)")
             values[canon], given[canon] = value, name

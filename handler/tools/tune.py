@@ -26,7 +26,7 @@ import time
 from dataclasses import dataclass, field, replace
 
 from handler.tools.bench.client import invocations_url, run_load
-from handler.tools.bench.compare import Server, free_port, kv_cache_tokens as bench_kv_tokens, tail
+from handler.tools.bench.compare import OWN_SERVER_ENV, Server, free_port, kv_cache_tokens as bench_kv_tokens, tail
 from handler.tools.bench.metrics import Record, summarise, tpot
 from handler.tools.bench.workloads import PRESETS, Workload, prompt_of
 from handler.config import explain, hardware, sizing
@@ -446,7 +446,7 @@ def start_server(c: Candidate, idx: int, model_dir: str, run_dir: str, startup_t
     port = free_port()
     srv = Server(c.name, [sys.executable, "-m", "handler", "serve", "--properties", props, "--model-dir",
                           model_dir, "--port", str(port), "--host", "127.0.0.1"],
-                 os.path.join(run_dir, f"candidate-{idx}.log"), port)
+                 os.path.join(run_dir, f"candidate-{idx}.log"), port, env=OWN_SERVER_ENV)
     srv.start()
     try:
         srv.wait(startup_timeout)   # a started candidate may finish starting; the budget stops its load

@@ -203,7 +203,7 @@ def test_a_bad_request_at_sampling_time_fails_alone(demo_model_dir, tmp_path, mo
     engine = make_engine(demo_model_dir, tmp_path, STRATEGIES["paged"])
     try:
         innocent = SamplingParams(max_new_tokens=12)
-        # top_k far beyond the vocabulary (issue 13: 2**63 overflowed the whole step) is clamped.
+        # top_k far beyond the vocabulary (2**63 would overflow the whole step) is clamped.
         huge = SamplingParams(max_new_tokens=12, do_sample=True, top_k=2**63, seed=1)
         a, b = engine.submit([engine.tokenize(PROMPTS[0])], innocent) + \
             engine.submit([engine.tokenize(PROMPTS[1])], huge)

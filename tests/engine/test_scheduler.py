@@ -637,7 +637,7 @@ def test_policy_behaviour_comes_from_fields_not_the_strategy_name():
 
 
 def test_a_short_prompt_beside_a_long_one_is_prefilled_at_once_and_the_long_one_still_advances():
-    """Chunked prefill shares (issue 35): the long prompt, running first, keeps at least a quarter
+    """Chunked prefill shares: the long prompt, running first, keeps at least a quarter
     of the budget each step; a short prompt arriving mid-way is admitted and prefilled whole in
     its first step, so its first token does not wait for the long prefill."""
     s, r = make("rolling", prefill_token_budget=16, num_blocks=64), FakeRunner(4, model_no_eos)

@@ -55,6 +55,23 @@ def test_unknown_names_are_dropped_with_one_warning(caplog):
     assert parse({"inputs": "x", "adapters": "a1"}).adapter == "a1"
 
 
+def test_the_benchmark_knob_eos_after_is_not_public(monkeypatch, caplog):
+    monkeypatch.delenv("LMI_BENCH_EOS_AFTER", raising=False)
+    reqmod._warned.clear()
+    with caplog.at_level(logging.WARNING, logger="lmi.request"):
+        p = parse_params({"eos_after": 3, "max_new_tokens": 9})
+    assert p.eos_after is None and p.max_new_tokens == 9
+    assert any("unknown request parameter" in r.getMessage() and "eos_after" in r.getMessage()
+               for r in caplog.records)
+    assert "eos_after" not in reqmod.ALLOWED_PARAMETERS
+    # the bench and tune tools start our servers with the switch on
+    monkeypatch.setenv("LMI_BENCH_EOS_AFTER", "1")
+    assert parse_params({"eos_after": 3}).eos_after == 3
+    with pytest.raises(RequestError) as e:
+        parse_params({"eos_after": 0})
+    assert e.value.field == "parameters.eos_after"
+
+
 @pytest.mark.parametrize("params,field", [
     ({"max_new_tokens": 2**40}, "parameters.max_new_tokens"),
     ({"max_new_tokens": 0}, "parameters.max_new_tokens"),

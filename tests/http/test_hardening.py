@@ -1,4 +1,4 @@
-"""Hostile input and overload at the HTTP layer (issue 13), through Flask's test client against
+"""Hostile input and overload at the HTTP layer, through Flask's test client against
 the real app and engine with a fake model runner (a deterministic function of each sequence's own
 tokens), so that thousands of requests fit in CI time. The real server: test_server_hardening.py."""
 from __future__ import annotations

@@ -154,10 +154,10 @@ def run(parse, error, respond, stream):
     g.trace.watch(chans)
     deadline = chans[0].submitted + cfg.request_timeout_s
     if gen.stream:
-        events = api.stream_events(client, chans, len(gen.prompts), deadline)
+        events = api.stream_events(client, chans, deadline)
         return stream(gen, events)
     try:
-        samples = api.collect(client, chans, len(gen.prompts), deadline)
+        samples = api.collect(client, chans, deadline)
     except api.Timeout:
         return error(504, f"request timed out after {cfg.request_timeout_s:g} s ({TIMEOUT_HINT})")
     except api.Failed as f:
