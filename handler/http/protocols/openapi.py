@@ -12,6 +12,7 @@ from functools import lru_cache
 
 from handler.engine import guide
 from handler.engine.request import ALIASES, Parameters, RequestOptions
+from handler.http.protocols.lmi import LmiRequest
 from handler.http.protocols.openai import ChatFields, CompletionFields
 
 _TEXT_OR_LIST = {"anyOf": [{"type": "string", "minLength": 1},
@@ -32,8 +33,10 @@ def _parameters_schema() -> dict:
 
 
 def _body(schema: dict, required: list[str], extra: dict) -> dict:
+    """A model's schema with `extra` properties (the free-form or separately parsed parts) in
+    place of the model's own of those names."""
     s = dict(schema)
-    s["properties"] = {**extra, **s.get("properties", {})}
+    s["properties"] = {**s.get("properties", {}), **extra}
     s["required"] = required
     s["additionalProperties"] = True
     return s
@@ -52,15 +55,15 @@ def _post(summary: str, ref: str) -> dict:
 @lru_cache(maxsize=1)
 def document() -> dict:
     params = _parameters_schema()
-    lmi = {"type": "object", "title": "LMIRequest", "required": ["inputs"], "additionalProperties": True,
-           "properties": {"inputs": _TEXT_OR_LIST, "parameters": {"$ref": "#/components/schemas/Parameters"},
-                          "stream": {"type": "boolean"},
-                          "adapters": {"anyOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}}]},
-                          "messages": {"type": "array", "items": {"type": "object"}}}}
-    tgi = {"type": "object", "title": "TGIRequest", "required": ["inputs"], "additionalProperties": True,
-           "properties": {"inputs": {"type": "string", "minLength": 1},
-                          "parameters": {"$ref": "#/components/schemas/Parameters"},
-                          "stream": {"type": "boolean"}}}
+    lmi = _body(LmiRequest.model_json_schema(), ["inputs"],
+                {"inputs": _TEXT_OR_LIST, "parameters": {"$ref": "#/components/schemas/Parameters"},
+                 "adapters": {"anyOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}}]},
+                 "messages": {"type": "array", "items": {"type": "object"}}})
+    tgi = _body(LmiRequest.model_json_schema(), ["inputs"],      # one string; adapter_id in parameters
+                {"inputs": {"type": "string", "minLength": 1},
+                 "parameters": {"$ref": "#/components/schemas/Parameters"}})
+    lmi["title"], tgi["title"] = "LMIRequest", "TGIRequest"
+    tgi["properties"].pop("adapters", None)
     chat = _body(ChatFields.model_json_schema(), ["messages"],
                  {"messages": {"type": "array", "minItems": 1, "items": {"type": "object"}},
                   "model": {"type": "string"}, "tools": {"type": "array"}, "response_format": {"type": "object"}})
