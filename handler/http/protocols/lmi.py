@@ -110,7 +110,8 @@ def parse(payload, *, default_stream: bool = False, max_batch_inputs: int = 1000
                                                             "max_batch_inputs": max_batch_inputs})
     except ValidationError as e:
         errors = e.errors(include_url=False)
-        first = min(errors, key=lambda x: list(declared).index(x["loc"][0]) if x["loc"] else -1)
+        rank = {k: i for i, k in enumerate(declared)}        # the body's order; a missing field first
+        first = min(errors, key=lambda x: rank.get(x["loc"][0], -1) if x["loc"] else -1)
         raise render(LmiRequest, first, "") from None
     inputs = body.inputs
     is_list = isinstance(inputs, list)
