@@ -15,7 +15,6 @@ from dataclasses import dataclass
 from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, PlainValidator, ValidationError, ValidationInfo
-from pydantic_core import PydanticCustomError
 
 from handler.config.switches import switch
 from handler.engine import guide
@@ -151,13 +150,23 @@ def bounded_float(lo: float, hi: float, lo_open: bool = False):
                      else Field(ge=lo, le=hi, allow_inf_nan=False)]
 
 
+class Refused(Exception):
+    """A field's own check refused its value: `error` (its field relative to the model's root).
+    Not a ValueError, so pydantic lets it through as it is (its messages may echo a client's
+    value, lone surrogates included, which pydantic's error records cannot carry)."""
+
+    def __init__(self, error: RequestError):
+        super().__init__(str(error))
+        self.error = error
+
+
 def _checked(check, schema_type=Any):
-    """A field checked by `check(field, value)` (a RequestError becomes the field's error)."""
+    """A field checked by `check(field, value)`: its RequestError is the field's error."""
     def validate(v, info: ValidationInfo):
         try:
             return check(info.field_name, v)
         except RequestError as e:
-            raise PydanticCustomError("lmi", "{message}", {"message": e.message, "field": e.field}) from None
+            raise Refused(e) from None
     return PlainValidator(validate, json_schema_input_type=schema_type)
 
 
@@ -234,17 +243,23 @@ _KIND = {"model_type": "an object", "int_type": "an integer", "int_parsing": "an
 _RANGE = ("greater_than", "greater_than_equal", "less_than", "less_than_equal")
 
 
-def render(model: type[BaseModel], err: dict, where: str) -> RequestError:
+def _at(values, loc):
+    """The client's value at a pydantic error's location (taken from the body itself)."""
+    for key in loc:
+        try:
+            values = values[key]
+        except (KeyError, IndexError, TypeError):
+            return None
+    return values
+
+
+def render(model: type[BaseModel], err: dict, where: str, values) -> RequestError:
     """One pydantic error -> today's one-line 400: the field's path, what is allowed, the value."""
     loc = [str(x) if isinstance(x, str) else f"[{x}]" for x in err["loc"]]
-    path = ".".join(p for p in [where] if p)
+    path = where
     for p in loc:
         path = path + p if p.startswith("[") else (f"{path}.{p}" if path else p)
-    value = err.get("input")
-    if err["type"] == "lmi":
-        ctx = err["ctx"]
-        field = ctx["field"]
-        return RequestError(f"{where}.{field}" if where else field, ctx["message"])
+    value = _at(values, err["loc"])
     if err["type"] in _RANGE:
         info = model.model_fields.get(err["loc"][0]) if err["loc"] else None
         allowed = _allowed(info) if info is not None else ""
@@ -258,23 +273,27 @@ def render(model: type[BaseModel], err: dict, where: str) -> RequestError:
     return RequestError(path, f"{err['msg'][:100]}, got {show(value)}")
 
 
-def validated(model: type[BaseModel], values: dict, where: str, names: dict | None = None) -> BaseModel:
+def validated(model: type[BaseModel], values: dict, where: str, names: dict | None = None,
+              context: dict | None = None) -> BaseModel:
     """model(**values), or the RequestError of its first bad field. names: field -> the name
     the body used for it (an alias), in the body's order: errors name it, the first one first."""
+    names = names or {}
     try:
-        return model.model_validate(values)
+        return model.model_validate(values, context=context)
+    except Refused as r:
+        err, field = r.error, r.error.field.split(".")[0].split("[")[0]
+        err = RequestError(f"{where}.{err.field}" if where else err.field, err.message, err.status)
     except ValidationError as e:
-        names = names or {}
         rank = {k: i for i, k in enumerate(names)}
-        errors = e.errors(include_url=False)
-        first = min(errors, key=lambda x: rank.get(x["loc"][0] if x["loc"] else "", len(rank)))
-        err = render(model, first, where)
+        errors = e.errors(include_url=False, include_input=False)
+        first = min(errors, key=lambda x: rank.get(x["loc"][0], -1) if x["loc"] else -1)
+        err = render(model, first, where, values)
         field = first["loc"][0] if first["loc"] else None
-        if field in names and names[field] != field:     # the client's own name for it
-            prefix = f"{where}.{field}" if where else field
-            err = RequestError(err.field.replace(prefix, f"{where}.{names[field]}" if where else names[field], 1),
-                               err.message, err.status)
-        raise err from None
+    if field in names and names[field] != field:     # the client's own name for it
+        prefix = f"{where}.{field}" if where else field
+        err = RequestError(err.field.replace(prefix, f"{where}.{names[field]}" if where else names[field], 1),
+                           err.message, err.status)
+    raise err from None
 
 
 def _declared(model: type[BaseModel], given: dict[str, list], where: str) -> dict:

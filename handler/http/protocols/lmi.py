@@ -14,10 +14,10 @@ import json
 
 from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, PlainValidator, ValidationError, ValidationInfo
-from pydantic_core import PydanticCustomError
+from pydantic import BaseModel, ConfigDict, PlainValidator, ValidationInfo
 
-from handler.engine.request import RequestError, SamplingParams, parse_params, render, show, warn_once
+from handler.engine.request import (Refused, RequestError, SamplingParams, parse_params, show, validated,
+                                    warn_once)
 from handler.http.protocols import Generation, Sample, by_prompt, ranked
 
 TOP_LEVEL = ("inputs", "parameters", "stream", "messages", "adapters")
@@ -63,21 +63,19 @@ def _inputs(value, info: ValidationInfo) -> list[str]:
     ctx = info.context or {}
     is_list = isinstance(value, list)
     if is_list and ctx.get("require_string"):
-        raise PydanticCustomError("lmi", "{message}", {"message": "must be a string", "field": "inputs"})
+        raise Refused(RequestError("inputs", "must be a string"))
     items = value if is_list else [value]
     limit = ctx.get("max_batch_inputs", 1000)
     if is_list and not items:
-        raise PydanticCustomError("lmi", "{message}", {"message": "must not be an empty list", "field": "inputs"})
+        raise Refused(RequestError("inputs", "must not be an empty list"))
     if len(items) > limit:
-        raise PydanticCustomError("lmi", "{message}", {
-            "message": f"at most {limit} prompts per request, got {len(items)}", "field": "inputs"})
+        raise Refused(RequestError("inputs", f"at most {limit} prompts per request, got {len(items)}"))
     for i, s in enumerate(items):
         where = f"inputs[{i}]" if is_list else "inputs"
         if not isinstance(s, str):
-            raise PydanticCustomError("lmi", "{message}", {
-                "message": f"must be a string or a list of strings, got {show(s)}", "field": where})
+            raise Refused(RequestError(where, f"must be a string or a list of strings, got {show(s)}"))
         if not s:
-            raise PydanticCustomError("lmi", "{message}", {"message": "must not be empty", "field": where})
+            raise Refused(RequestError(where, "must not be empty"))
     return value
 
 
@@ -105,14 +103,8 @@ def parse(payload, *, default_stream: bool = False, max_batch_inputs: int = 1000
             warn_once(f"top:{k[:100]}", f"unknown request field {show(k)} dropped (as LMI does); "
                                         f"known: {', '.join(TOP_LEVEL)}")
     declared = {k: v for k, v in payload.items() if k in LmiRequest.model_fields and v is not None}
-    try:
-        body = LmiRequest.model_validate(declared, context={"require_string": require_string,
-                                                            "max_batch_inputs": max_batch_inputs})
-    except ValidationError as e:
-        errors = e.errors(include_url=False)
-        rank = {k: i for i, k in enumerate(declared)}        # the body's order; a missing field first
-        first = min(errors, key=lambda x: rank.get(x["loc"][0], -1) if x["loc"] else -1)
-        raise render(LmiRequest, first, "") from None
+    body = validated(LmiRequest, declared, "", {k: k for k in declared},
+                     context={"require_string": require_string, "max_batch_inputs": max_batch_inputs})
     inputs = body.inputs
     is_list = isinstance(inputs, list)
     items = inputs if is_list else [inputs]
