@@ -1,4 +1,4 @@
-"""Chaos figures for issue 35 (bounded, a few minutes; loopback only; starts its own servers).
+"""Chaos figures: worker death, engine faults, slow clients (bounded; loopback; starts its own servers).
 
   python benchmarks/chaos.py [--model-dir DIR] [--out benchmarks/results/chaos/chaos.json]
 

@@ -1,4 +1,4 @@
-"""Flood and soak figures for issue 13 (bounded; loopback only; starts its own servers).
+"""Flood and soak figures: hostile input and overload (bounded; loopback only; starts its own servers).
 
   python benchmarks/flood.py --model-dir DIR [--seconds 20] [--clients 8] [--flood-factor 10]
 

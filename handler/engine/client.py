@@ -36,24 +36,16 @@ def _adapter_error():
 
 
 class EngineClient:
-    """Submit / abort / tokenize, the engine's limits, its statistics for /metrics, its health,
-    and the LoRA adapter registry."""
+    """Submit / abort, the tokenizer, the longest sequence that fits, the statistics for /metrics,
+    health, and the LoRA adapter registry: what the HTTP layer calls, nothing more."""
 
     def __init__(self, engine):
         self._engine = engine
-
-    @property
-    def engine(self):
-        """The wrapped engine (for its owner: server start-up and tests, not the routes)."""
-        return self._engine
 
     # ---- requests
     @property
     def tokenizer(self):
         return self._engine.tokenizer
-
-    def tokenize(self, text: str) -> list[int]:
-        return self._engine.tokenize(text)
 
     def submit(self, prompts_ids: list[list[int]], params, stream: bool = True):
         """Engine.submit: one Channel per sequence, prompt-major. Raises QueueFull or
@@ -70,51 +62,22 @@ class EngineClient:
         check = getattr(self._engine, "check_health", None)
         return bool(check() if check is not None else self._engine.healthy)
 
-    def mark_unhealthy(self) -> None:
-        self._engine.healthy = False
-
     @property
     def error(self) -> str | None:
         return getattr(self._engine, "error", None)
 
     # ---- limits
     @property
-    def strategy(self) -> str:
-        return self._engine.scheduler.policy.strategy
-
-    @property
     def max_model_len(self) -> int:
         """The longest sequence (prompt + generated tokens) the model takes."""
         return self._engine.scheduler.policy.max_model_len
 
     @property
-    def max_running(self) -> int:
-        """Sequences in the running batch at most."""
-        return self._engine.scheduler.policy.max_batch_size
-
-    @property
-    def queue_size(self) -> int:
-        """Sequences waiting for admission at most (job_queue_size)."""
-        return self._engine.scheduler.policy.max_waiting
-
-    @property
-    def block_size(self) -> int:
-        return self._engine.blocks.block_size
-
-    @property
-    def num_blocks(self) -> int:
-        return self._engine.blocks.num_blocks
-
-    @property
-    def kv_capacity_tokens(self) -> int:
-        """Token slots in the KV cache pool."""
-        blocks = self._engine.blocks
-        return blocks.num_blocks * blocks.block_size
-
-    @property
     def max_sequence_len(self) -> int:
-        """The longest sequence that can run: the model's length or the KV cache's, the smaller."""
-        return min(self.max_model_len, self.kv_capacity_tokens)
+        """The longest sequence that can run: the model's length or the KV cache pool's token
+        slots, the smaller."""
+        blocks = self._engine.blocks
+        return min(self.max_model_len, blocks.num_blocks * blocks.block_size)
 
     # ---- statistics (/metrics, at scrape time)
     def stats(self) -> dict:

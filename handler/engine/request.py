@@ -1,8 +1,9 @@
-"""The internal request model's parameters: `SamplingParams` and the parameter table every protocol
-(handler/http/protocols/) parses through. No torch.
+"""The internal request model's parameters: `SamplingParams`, and `Parameters`, the declared
+(pydantic) model of the `parameters` every protocol (handler/http/protocols/) parses through. No torch.
 
 Parameters follow LMI: unknown names are dropped with a warning (logged once per name), `null` means
-absent, LMI's/vLLM's/TGI's aliases are accepted, and a known name with a bad value is a 400 naming it.
+absent, LMI's/vLLM's/TGI's aliases are accepted, and a known name with a bad value is a 400 naming it
+in one line (`validated` renders pydantic's errors: the field's path, what is allowed, the value).
 Every numeric value is bounded so that nothing unbounded reaches the engine.
 """
 from __future__ import annotations
@@ -11,7 +12,11 @@ import logging
 import math
 import threading
 from dataclasses import dataclass
+from typing import Annotated, Any
 
+from pydantic import BaseModel, ConfigDict, Field, PlainValidator, ValidationError, ValidationInfo
+
+from handler.config.switches import switch
 from handler.engine import guide
 # RequestError and show live in errors.py (guide.py uses them too); imported from here by most.
 from handler.engine.errors import MAX_SHOWN, RequestError, show
@@ -32,7 +37,8 @@ class SamplingParams:
     return_full_text: bool = False
     details: bool = False
     ignore_eos: bool = False
-    # Benchmark knob: finish as if EOS were sampled after this many tokens (unknown to the scheduler).
+    # Benchmarks only: finish as if EOS were sampled after this many tokens (unknown to the
+    # scheduler). Parsed from a request only when the server runs with LMI_BENCH_EOS_AFTER=1.
     eos_after: int | None = None
     # Several samples per prompt: `best_of` sequences are generated (default n) and the API layer
     # returns the `n` best by cumulative log-prob (LMI/TGI best_of, OpenAI n).
@@ -66,7 +72,7 @@ class SamplingParams:
 
 
 # Bounds (also the 400 messages): a request can ask for at most this much work.
-MAX_NEW_TOKENS = 1 << 20            # the model's length bounds it further (scheduler.check_fits)
+MAX_NEW_TOKENS = 1 << 20            # the model's length bounds it further (Admission.check_fits)
 MAX_SAMPLES = 16                    # n / best_of
 MAX_TOP_N_TOKENS = 20               # as OpenAI's top_logprobs
 MAX_STOP_SEQUENCES = 16
@@ -111,12 +117,6 @@ def check_float(field: str, v, lo: float, hi: float, lo_open: bool = False) -> f
     return float(v)
 
 
-def check_bool(field: str, v) -> bool:
-    if not isinstance(v, bool):
-        raise RequestError(field, f"must be true or false, got {show(v)}")
-    return v
-
-
 def check_stops(field: str, v) -> tuple[str, ...]:
     if isinstance(v, str):
         v = [v]
@@ -140,31 +140,175 @@ def check_top_k(field, v):
     return 0 if v == -1 else v
 
 
-# name -> check(field, value) -> value for SamplingParams.
-_CHECKS = {
-    "max_new_tokens": lambda f, v: check_int(f, v, 1, MAX_NEW_TOKENS),
-    "do_sample": check_bool,
-    "temperature": lambda f, v: check_float(f, v, 0.0, 100.0),
-    "top_k": check_top_k,
-    "top_p": lambda f, v: check_float(f, v, 0.0, 1.0, lo_open=True),
-    "min_p": lambda f, v: check_float(f, v, 0.0, 1.0),
-    "typical_p": lambda f, v: check_float(f, v, 0.0, 1.0, lo_open=True),
-    "repetition_penalty": lambda f, v: check_float(f, v, 0.0, 100.0, lo_open=True),
-    "presence_penalty": lambda f, v: check_float(f, v, -2.0, 2.0),
-    "frequency_penalty": lambda f, v: check_float(f, v, -2.0, 2.0),
-    "seed": lambda f, v: check_int(f, v, 0, MAX_SEED),
-    "stop_sequences": check_stops,
-    "return_full_text": check_bool,
-    "details": check_bool,
-    "decoder_input_details": check_bool,
-    "top_n_tokens": lambda f, v: check_int(f, v, 0, MAX_TOP_N_TOKENS),
-    "n": lambda f, v: check_int(f, v, 1, MAX_SAMPLES),
-    "best_of": lambda f, v: check_int(f, v, 1, MAX_SAMPLES),
-    "ignore_eos": check_bool,
-    "eos_after": lambda f, v: check_int(f, v, 1, MAX_NEW_TOKENS),
-    "include_stop_str_in_output": check_bool,
-    "logit_bias": lambda f, v: check_logit_bias(f, v),
-}
+# ---- the parameters, declared: types and bounds (pydantic, strict: no coercion of "1" or true)
+def bounded_int(lo: int, hi: int):
+    return Annotated[int, Field(ge=lo, le=hi)]
+
+
+def bounded_float(lo: float, hi: float, lo_open: bool = False):
+    return Annotated[float, Field(gt=lo, le=hi, allow_inf_nan=False) if lo_open
+                     else Field(ge=lo, le=hi, allow_inf_nan=False)]
+
+
+class Refused(Exception):
+    """A field's own check refused its value: `error` (its field relative to the model's root).
+    Not a ValueError, so pydantic lets it through as it is (its messages may echo a client's
+    value, lone surrogates included, which pydantic's error records cannot carry)."""
+
+    def __init__(self, error: RequestError):
+        super().__init__(str(error))
+        self.error = error
+
+
+def _checked(check, schema_type=Any):
+    """A field checked by `check(field, value)`: its RequestError is the field's error."""
+    def validate(v, info: ValidationInfo):
+        try:
+            return check(info.field_name, v)
+        except RequestError as e:
+            raise Refused(e) from None
+    return PlainValidator(validate, json_schema_input_type=schema_type)
+
+
+Flag = bool
+Stops = Annotated[tuple[str, ...], _checked(lambda f, v: check_stops(f, v), str | list[str])]
+TopK = Annotated[int, _checked(lambda f, v: check_top_k(f, v), int)]
+LogitBias = Annotated[tuple, _checked(lambda f, v: check_logit_bias(f, v), dict[str, float])]
+
+
+class Parameters(BaseModel):
+    """LMI's and TGI's `parameters` (canonical names; aliases in ALIASES): what SamplingParams
+    takes from a request. Absent fields (a null is absent) keep the defaults."""
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+    max_new_tokens: bounded_int(1, MAX_NEW_TOKENS) = None
+    do_sample: Flag = None
+    temperature: bounded_float(0.0, 100.0) = None
+    top_k: TopK = None
+    top_p: bounded_float(0.0, 1.0, lo_open=True) = None
+    min_p: bounded_float(0.0, 1.0) = None
+    typical_p: bounded_float(0.0, 1.0, lo_open=True) = None
+    repetition_penalty: bounded_float(0.0, 100.0, lo_open=True) = None
+    presence_penalty: bounded_float(-2.0, 2.0) = None
+    frequency_penalty: bounded_float(-2.0, 2.0) = None
+    seed: bounded_int(0, MAX_SEED) = None
+    stop_sequences: Stops = None
+    return_full_text: Flag = None
+    details: Flag = None
+    decoder_input_details: Flag = None
+    top_n_tokens: bounded_int(0, MAX_TOP_N_TOKENS) = None
+    n: bounded_int(1, MAX_SAMPLES) = None
+    best_of: bounded_int(1, MAX_SAMPLES) = None
+    ignore_eos: Flag = None
+    include_stop_str_in_output: Flag = None
+    logit_bias: LogitBias = None
+
+
+class BenchParameters(Parameters):
+    """Parameters plus the benchmark knobs, taken only when LMI_BENCH_EOS_AFTER is on (the
+    `bench` and `tune` tools start our servers with it); otherwise they are unknown names."""
+    eos_after: bounded_int(1, MAX_NEW_TOKENS) = None
+
+
+class RequestOptions(BaseModel):
+    """Parsed with the parameters but applied by the protocol layer, not the engine."""
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+    truncate: bounded_int(1, MAX_NEW_TOKENS) = None     # keep the last N prompt tokens
+    stream: Flag = None             # LMI copies `stream` into the parameters
+    adapter_id: Annotated[str, Field(min_length=1)] = None   # TGI's LoRA adapter
+
+
+def _allowed(info) -> str:
+    """What a declared field allows, as today's messages say it."""
+    lo = next((m.ge for m in info.metadata if hasattr(m, "ge")), None)
+    gt = next((m.gt for m in info.metadata if hasattr(m, "gt")), None)
+    hi = next((m.le for m in info.metadata if hasattr(m, "le")), None)
+    if isinstance(lo, int) and not isinstance(lo, float) and isinstance(hi, int):
+        return f"between {lo} and {hi}"
+    if gt is not None:
+        return f"in ({gt:g}, {hi:g}]"
+    if lo is not None and hi is not None:
+        return f"in [{lo:g}, {hi:g}]"
+    if lo is not None:
+        return f">= {lo}"
+    return ""
+
+
+_KIND = {"model_type": "an object", "int_type": "an integer", "int_parsing": "an integer", "int_from_float": "an integer",
+         "float_type": "a number", "float_parsing": "a number", "finite_number": "a number",
+         "bool_type": "true or false", "bool_parsing": "true or false",
+         "string_type": "a string", "dict_type": "a JSON object", "list_type": "a list",
+         "string_too_short": "a non-empty string"}
+_RANGE = ("greater_than", "greater_than_equal", "less_than", "less_than_equal")
+
+
+def _at(values, loc):
+    """The client's value at a pydantic error's location (taken from the body itself)."""
+    for key in loc:
+        try:
+            values = values[key]
+        except (KeyError, IndexError, TypeError):
+            return None
+    return values
+
+
+def render(model: type[BaseModel], err: dict, where: str, values) -> RequestError:
+    """One pydantic error -> today's one-line 400: the field's path, what is allowed, the value."""
+    loc = [str(x) if isinstance(x, str) else f"[{x}]" for x in err["loc"]]
+    path = where
+    for p in loc:
+        path = path + p if p.startswith("[") else (f"{path}.{p}" if path else p)
+    value = _at(values, err["loc"])
+    if err["type"] in _RANGE:
+        info = model.model_fields.get(err["loc"][0]) if err["loc"] else None
+        allowed = _allowed(info) if info is not None else ""
+        return RequestError(path, f"must be {allowed or err['msg']}, got {show(value)}")
+    if err["type"] in _KIND:
+        return RequestError(path, f"must be {_KIND[err['type']]}, got {show(value)}")
+    if err["type"] == "missing":
+        return RequestError(path, "is required")
+    if err["type"] == "extra_forbidden":
+        return RequestError(path, "is not a known field")
+    return RequestError(path, f"{err['msg'][:100]}, got {show(value)}")
+
+
+def validated(model: type[BaseModel], values: dict, where: str, names: dict | None = None,
+              context: dict | None = None) -> BaseModel:
+    """model(**values), or the RequestError of its first bad field. names: field -> the name
+    the body used for it (an alias), in the body's order: errors name it, the first one first."""
+    names = names or {}
+    try:
+        return model.model_validate(values, context=context)
+    except Refused as r:
+        err, field = r.error, r.error.field.split(".")[0].split("[")[0]
+        err = RequestError(f"{where}.{err.field}" if where else err.field, err.message, err.status)
+    except ValidationError as e:
+        rank = {k: i for i, k in enumerate(names)}
+        errors = e.errors(include_url=False, include_input=False)
+        first = min(errors, key=lambda x: rank.get(x["loc"][0], -1) if x["loc"] else -1)
+        err = render(model, first, where, values)
+        field = first["loc"][0] if first["loc"] else None
+    if field in names and names[field] != field:     # the client's own name for it
+        prefix = f"{where}.{field}" if where else field
+        err = RequestError(err.field.replace(prefix, f"{where}.{names[field]}" if where else names[field], 1),
+                           err.message, err.status)
+    raise err from None
+
+
+def _declared(model: type[BaseModel], given: dict[str, list], where: str) -> dict:
+    """field -> [(name in the body, value), ...] -> {field: checked value}; two names of one
+    field (an alias and its canonical name) must agree."""
+    names = {k: pairs[0][0] for k, pairs in given.items()}
+    checked = validated(model, {k: pairs[0][1] for k, pairs in given.items()}, where, names)
+    out = {k: getattr(checked, k) for k in given}
+    for k, pairs in given.items():
+        for name, v in pairs[1:]:
+            if getattr(validated(model, {k: v}, where, {k: name}), k) != out[k]:
+                raise RequestError(f"{where}.{name}", f"conflicts with {where}.{pairs[0][0]} (the same parameter)")
+    return out
+
+
 # Other names for the same parameter (LMI, vLLM, TGI, OpenAI).
 ALIASES = {
     "stop": "stop_sequences",              # vLLM / TGI
@@ -173,25 +317,13 @@ ALIASES = {
 }
 
 
-def _adapter_id(field: str, v) -> str:
-    if not isinstance(v, str) or not v:
-        raise RequestError(field, f"must be an adapter name, got {show(v)}")
-    return v
-
-
-# Parsed here but applied by the protocol layer, not the engine.
-REQUEST_OPTIONS = {
-    "truncate": lambda f, v: check_int(f, v, 1, MAX_NEW_TOKENS),   # keep the last N prompt tokens
-    "stream": check_bool,                  # LMI copies `stream` into the parameters
-    "adapter_id": _adapter_id,             # TGI's LoRA adapter (LMI: top-level `adapters`)
-}
-
 # Accepted for compatibility; they change nothing here (TGI clients always send some of them).
 NO_EFFECT = {
     "watermark": "watermarking is not implemented",
     **{k: "there is one guided-decoding backend (xgrammar)" for k in guide.QUIET_PARAMETERS},
 }
-ALLOWED_PARAMETERS = tuple(_CHECKS) + tuple(ALIASES) + tuple(REQUEST_OPTIONS) + tuple(guide.PARAMETERS)
+ALLOWED_PARAMETERS = (tuple(Parameters.model_fields) + tuple(ALIASES) + tuple(RequestOptions.model_fields)
+                      + tuple(guide.PARAMETERS))
 MAX_LOGIT_BIAS = 300                # entries (OpenAI's limit)
 
 
@@ -220,28 +352,25 @@ def parse_params(raw, defaults: SamplingParams = SamplingParams(), where: str = 
         return defaults
     if not isinstance(raw, dict):
         raise RequestError(where, f"must be a JSON object, got {show(raw)}")
+    model = BenchParameters if "eos_after" in raw and switch("LMI_BENCH_EOS_AFTER") else Parameters
+    params: dict[str, list] = {}          # canonical name -> [(name in the body, value), ...]
+    opts: dict[str, list] = {}
     values: dict = {}
-    given: dict = {}
+    guide_from = None
     for name, v in raw.items():
         if v is None:                       # null = absent (TGI clients send every name)
             continue
         canon = ALIASES.get(name, name)
-        field = f"{where}.{name}"
-        if canon in _CHECKS:
-            value = _CHECKS[canon](field, v)
-            if canon in values and values[canon] != value:
-                raise RequestError(field, f"conflicts with {where}.{given[canon]} (the same parameter)")
-            values[canon], given[canon] = value, name
+        if canon in model.model_fields:
+            params.setdefault(canon, []).append((name, v))
         elif name in guide.PARAMETERS:       # guided decoding: one constraint per request
-            value = guide.PARAMETERS[name](field, v)
-            if "guide" in values:
-                raise RequestError(field, f"conflicts with {where}.{given['guide']} (one output constraint "
-                                          f"per request)")
-            values["guide"], given["guide"] = value, name
-        elif canon in REQUEST_OPTIONS:
-            value = REQUEST_OPTIONS[canon](field, v)
-            if options is not None:
-                options[canon] = value
+            value = guide.PARAMETERS[name](f"{where}.{name}", v)
+            if guide_from is not None:
+                raise RequestError(f"{where}.{name}", f"conflicts with {where}.{guide_from} (one output "
+                                                      f"constraint per request)")
+            values["guide"], guide_from = value, name
+        elif canon in RequestOptions.model_fields:
+            opts.setdefault(canon, []).append((name, v))
         elif canon in NO_EFFECT:
             if v not in (False, "", [], {}):
                 warn_once(f"param:{canon}", f"request parameter {canon!r} is ignored: {NO_EFFECT[canon]}")
@@ -249,6 +378,10 @@ def parse_params(raw, defaults: SamplingParams = SamplingParams(), where: str = 
             warn_once(f"param:{name[:MAX_SHOWN]}",
                       f"unknown request parameter {show(name)} dropped (as LMI does); known: "
                       + ", ".join(ALLOWED_PARAMETERS))
+    values.update(_declared(model, params, where))
+    taken = _declared(RequestOptions, opts, where)
+    if options is not None:
+        options.update(taken)
     p = SamplingParams(**{**defaults.__dict__, **values})
     if p.best_of is not None and p.best_of < p.n:
         raise RequestError(f"{where}.best_of", f"must be >= n ({p.n}), got {p.best_of}")

@@ -17,26 +17,14 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+# What admission raises, for `from handler.engine.scheduler import ...` (admission.py admits).
+from handler.engine.admission import CapacityError, QueueFull  # noqa: F401
 from handler.engine.blocks import BlockManager
 from handler.engine.request import SamplingParams
 # The step types live in types.py; imported here also for `from handler.engine.scheduler import ...`.
 from handler.engine.types import Finish, SampleResult, StepItem, StepPlan
 
 STRATEGIES = ("none", "dynamic", "rolling", "paged")
-
-
-class QueueFull(Exception):
-    pass
-
-
-class CapacityError(ValueError):
-    """A request that can never fit in the KV cache or the model's context; `field` names the
-    part of the request to change (str(e) is "field: message")."""
-
-    def __init__(self, field: str, message: str):
-        super().__init__(f"{field}: {message}")
-        self.field = field
-        self.message = message
 
 
 # Chunked prefill: the oldest prompt still prefilling gets at least 1/this of the step's token
@@ -155,39 +143,8 @@ class Scheduler:
     def max_len(self, seq: Sequence) -> int:
         return min(len(seq.prompt_ids) + seq.params.max_new_tokens, self.policy.max_model_len)
 
-    def check_fits(self, prompt_len: int, params: SamplingParams) -> None:
-        cap = self.policy.max_model_len
-        # An empty prompt would be planned as a sampling item with no tokens to sample from.
-        if prompt_len < 1:
-            raise CapacityError("inputs", "the prompt has no tokens after tokenization")
-        if prompt_len >= cap:
-            raise CapacityError("inputs", f"the prompt has {prompt_len} tokens; this model allows "
-                                f"at most {cap - 1} prompt tokens (max_model_len={cap})")
-        need = prompt_len + params.max_new_tokens
-        if need > cap:
-            raise CapacityError("parameters.max_new_tokens", f"prompt ({prompt_len} tokens) + "
-                                f"max_new_tokens ({params.max_new_tokens}) exceeds this model's "
-                                f"{cap} tokens (max_model_len); ask for at most {cap - prompt_len}")
-        room = self.blocks.num_blocks * self.blocks.block_size
-        if prompt_len >= room:
-            raise CapacityError("inputs", f"the prompt has {prompt_len} tokens; the KV cache holds "
-                                f"{room} (option.kv_cache_tokens), so at most {room - 1} prompt tokens")
-        if need > room:
-            raise CapacityError("parameters.max_new_tokens", f"prompt ({prompt_len} tokens) + "
-                                f"max_new_tokens ({params.max_new_tokens}) needs {need} KV slots; "
-                                f"the KV cache holds {room} (option.kv_cache_tokens)")
-
-    def queue_room(self) -> int:
-        """Sequences that may still wait: job_queue_size, plus the running slots now free (a
-        sequence added to waiting takes one of those at the next schedule), less those waiting.
-        So a server exactly at capacity (every slot running, the queue full) still admits."""
-        free_slots = max(0, self.policy.max_batch_size - len(self.running))
-        return self.policy.max_waiting + free_slots - len(self.waiting)
-
     def add(self, seq: Sequence) -> None:
-        if self.queue_room() < 1:
-            raise QueueFull(f"the queue is full ({self.policy.max_waiting} waiting; job_queue_size)")
-        self.check_fits(len(seq.prompt_ids), seq.params)
+        """A sequence admitted by the engine's Admission (counted and checked to fit there)."""
         self.seqs[seq.seq_id] = seq
         self.waiting.append(seq)
 

@@ -2,7 +2,8 @@
 
   scheduler -> runner   StepPlan of StepItems (what to feed, where its KV lives, whether to sample)
   runner -> scheduler   one SampleResult per StepItem
-  engine -> readers     TokenEvent (the last carries a DoneEvent) or ErrorEvent, per Channel
+  engine -> output      one list of SeqOutput per step (token ids, finish reason, log-probs)
+  output -> readers     TokenEvent (the last carries a DoneEvent) or ErrorEvent, per Channel
   engine -> runner      the Runner Protocol: all the engine touches of handler.model's ModelRunner
 """
 from __future__ import annotations
@@ -55,6 +56,31 @@ class StepPlan:
     copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) KV blocks, before the forward
 
 
+@dataclass(frozen=True)
+class ErrorEvent:
+    status: int                 # HTTP status: 424 model failure, 503 shutting down, ...
+    message: str
+
+
+# ---- what the engine emits: one batch per step, turned into text outside its loop
+@dataclass(frozen=True)
+class SeqOutput:
+    """One sequence's news from one engine iteration: a sampled token, its end, or both.
+    `finish` is decided here once (length or EOS by the scheduler; failed or aborted by the
+    engine); a stop string is the output processor's to find (handler/engine/output.py)."""
+    seq_id: int
+    token: int | None = None        # None: the sequence ended without a new token
+    logprob: float = 0.0
+    top: tuple = ()                 # top_n_tokens: ((id, logprob), ...), most likely first
+    finish: Finish | None = None
+    error: ErrorEvent | None = None  # the reader's last event when the sequence failed
+    time: float = 0.0               # time.monotonic() when the engine emitted it
+    queue_time_s: float = 0.0       # submit -> first scheduled
+    preemptions: int = 0
+    # decoder_input_details, with the first token: log-probs of prompt tokens 1..
+    prompt_logprobs: tuple | None = None
+
+
 # ---- what a request's reader gets
 @dataclass(frozen=True)
 class DoneEvent:
@@ -78,12 +104,6 @@ class TokenEvent:
     special: bool = False           # a special token (EOS, ...): its text is "" in generated_text
     top_tokens: tuple = ()          # top_n_tokens: ((id, text, log_prob), ...) most likely first
     time: float = 0.0               # time.monotonic() when the engine emitted it
-
-
-@dataclass(frozen=True)
-class ErrorEvent:
-    status: int                 # HTTP status: 424 model failure, 503 shutting down, ...
-    message: str
 
 
 # ---- the runner, as the engine sees it

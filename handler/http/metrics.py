@@ -3,10 +3,10 @@
 Where each figure is recorded, so that the engine's loop stays free of it:
 - HTTP threads, once per request when its response closes (`RequestTrace.finish`): the latency
   and length histograms and the outcome counter. Per-token times come from the events the
-  engine already stamps (`TokenEvent.time`, `DoneEvent.queue_time_s`), read as the HTTP thread
-  takes them off its channel.
+  engine already stamps (`TokenEvent.time`, `DoneEvent.queue_time_s`), noted (`RequestTrace.note`)
+  as the route reads them (handler/http/protocols: collect / stream_events).
 - The engine thread, once per step: two histogram observations (tokens and sequences per step)
-  through `Engine.on_step`.
+  through Engine's `on_step`, given when the engine is built (handler/server.py).
 - Scrape time (`EngineCollector`): gauges (running, waiting, KV, prefix cache) and the counters
   the engine keeps anyway (tokens, preemptions, prefix-cache hits), read from `EngineClient.stats()`
   (handler/engine/client.py: Engine.stats() and the derived KV figures).
@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import json
 import logging
-import queue
 import re
 import time
 import uuid
@@ -197,33 +196,6 @@ class Metrics:
         return prometheus_client.generate_latest(self.registry)
 
 
-class _ObservedQueue:
-    """A channel's event queue seen through a trace: the engine's `put` is the queue's own;
-    the HTTP thread's `get` notes each event (and a time-out) on the trace."""
-
-    def __init__(self, inner, trace: "RequestTrace", idx: int):
-        self.put = inner.put
-        self._inner, self._trace, self._idx = inner, trace, idx
-
-    def get(self, block=True, timeout=None):
-        try:
-            ev = self._inner.get(block, timeout)
-        except queue.Empty:
-            self._trace.timed_out = True
-            raise
-        self._trace.note(self._idx, ev)
-        return ev
-
-    def get_nowait(self):
-        return self.get(False)
-
-    def empty(self):
-        return self._inner.empty()
-
-    def qsize(self):
-        return self._inner.qsize()
-
-
 class _Seq:
     __slots__ = ("prompt_tokens", "first", "last", "tokens", "done")
 
@@ -240,17 +212,16 @@ class RequestTrace:
         self.seqs: list[_Seq] = []
         self.reason: str | None = None     # a finer outcome than the status gives (queue_full, ...)
         self.error = None                  # the first ErrorEvent seen
-        self.timed_out = False
         self.status: int | None = None
         self._finished = False
 
     def watch(self, chans) -> None:
-        """Observe these channels' events as the HTTP thread reads them."""
+        """The request's sequences: `note(i, event)` then records chans[i]'s events."""
         for ch in chans:
             self.seqs.append(_Seq(len(ch.prompt_ids)))
-            ch.events = _ObservedQueue(ch.events, self, len(self.seqs) - 1)
 
     def note(self, idx: int, ev) -> None:
+        """One event of sequence idx, as the route reads it (an ErrorEvent(504): a time-out)."""
         s = self.seqs[idx]
         t = getattr(ev, "time", None)
         if t is None:                      # an ErrorEvent
@@ -266,8 +237,6 @@ class RequestTrace:
         if status == 200:
             if self.error is not None:
                 status = self.error.status
-            elif self.timed_out:
-                status = 504
             elif not all(s.done for s in self.seqs):
                 status = 499                       # accepted, then the client went away
         if self.reason and status != 200:

@@ -13,7 +13,7 @@ with two behaviours gunicorn lacks.
 Slow clients (slowloris), gevent worker: every client socket is wrapped (`_Conn`) so that a
 request's headers must arrive within `LIMITS.header_s` of their first byte and its body within
 `LIMITS.body_s` of the headers, else the connection is dropped (a late body gets a 408 first); an
-idle keep-alive connection waits `keepalive` (75 s) as before. At `LIMITS.max_connections` open
+idle keep-alive connection waits `keepalive` (75 s). At `LIMITS.max_connections` open
 connections a new one closes the oldest idle or still-sending one (never one whose request is being
 answered), so trickling clients cannot lock a normal request out; gevent's pool is a little larger
 than the limit so that the new connection is accepted to do so. The limits are serving.properties

@@ -24,9 +24,12 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field, replace
+from typing import Annotated
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from handler.tools.bench.client import invocations_url, run_load
-from handler.tools.bench.compare import Server, free_port, kv_cache_tokens as bench_kv_tokens, tail
+from handler.tools.bench.compare import OWN_SERVER_ENV, Server, free_port, kv_cache_tokens as bench_kv_tokens, tail
 from handler.tools.bench.metrics import Record, summarise, tpot
 from handler.tools.bench.workloads import PRESETS, Workload, prompt_of
 from handler.config import explain, hardware, sizing
@@ -117,6 +120,40 @@ def prompt_with_tokens(tok, n: int) -> str:
     return tok.decode(ids, skip_special_tokens=True)
 
 
+class WorkloadLine(BaseModel):
+    """One request of a --workload FILE.jsonl. Each field's description says what it allows."""
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+    prompt: Annotated[str, Field(min_length=1, description="a non-empty string")] = None
+    prompt_tokens: Annotated[int, Field(ge=1, description="an integer >= 1")] = None
+    max_new_tokens: Annotated[int, Field(ge=1, description="an integer >= 1")]
+    output_tokens: Annotated[int, Field(ge=1, description="an integer >= 1")] = None
+    arrival_s: Annotated[float, Field(ge=0.0, allow_inf_nan=False,
+                                      description="a number of seconds >= 0")] = None
+    concurrency: Annotated[int, Field(ge=1, description="an integer >= 1")] = None
+
+
+def workload_line(r, where: str) -> WorkloadLine:
+    """A parsed JSON line -> WorkloadLine, or a one-line UsageError naming the field and value."""
+    if not isinstance(r, dict):
+        raise UsageError(f"{where}: expected a JSON object per line")
+    try:
+        line = WorkloadLine.model_validate(r)
+    except ValidationError as e:
+        err = e.errors(include_url=False)[0]
+        name = str(err["loc"][0]) if err["loc"] else "line"
+        if err["type"] == "extra_forbidden":
+            raise UsageError(f"{where}: unknown field {name!r}; allowed: "
+                             + ", ".join(WorkloadLine.model_fields)) from None
+        if err["type"] == "missing":
+            raise UsageError(f"{where}: {name} is required") from None
+        raise UsageError(f"{where}: {name}={err['input']!r} is not "
+                         f"{WorkloadLine.model_fields[name].description}") from None
+    if (line.prompt is None) == (line.prompt_tokens is None):
+        raise UsageError(f"{where}: give exactly one of prompt (text) or prompt_tokens (a length)")
+    return line
+
+
 def traffic_from_jsonl(path: str, tok, concurrency: int | None, limit: int | None) -> Traffic:
     """One request per line: "prompt" (text) or "prompt_tokens" (a length), "max_new_tokens",
     optional "output_tokens" (where the request really stops, as EOS would) and either
@@ -133,40 +170,15 @@ def traffic_from_jsonl(path: str, tok, concurrency: int | None, limit: int | Non
             r = json.loads(line)
         except json.JSONDecodeError as e:
             raise UsageError(f"{where}: not JSON ({e.msg})") from None
-        if not isinstance(r, dict):
-            raise UsageError(f"{where}: expected a JSON object per line")
-        unknown = sorted(set(r) - {"prompt", "prompt_tokens", "max_new_tokens", "output_tokens",
-                                   "arrival_s", "concurrency"})
-        if unknown:
-            raise UsageError(f"{where}: unknown field {unknown[0]!r}; allowed: prompt, prompt_tokens, "
-                             "max_new_tokens, output_tokens, arrival_s, concurrency")
-
-        def intval(key, lo=1):
-            v = r.get(key)
-            if v is None:
-                return None
-            if not isinstance(v, int) or isinstance(v, bool) or v < lo:
-                raise UsageError(f"{where}: {key}={v!r} is not an integer >= {lo}")
-            return v
-        if ("prompt" in r) == ("prompt_tokens" in r):
-            raise UsageError(f"{where}: give exactly one of prompt (text) or prompt_tokens (a length)")
-        if "prompt" in r and (not isinstance(r["prompt"], str) or not r["prompt"]):
-            raise UsageError(f"{where}: prompt must be a non-empty string")
-        text = r["prompt"] if "prompt" in r else prompt_with_tokens(tok, intval("prompt_tokens"))
-        m = intval("max_new_tokens")
-        if m is None:
-            raise UsageError(f"{where}: max_new_tokens is required")
-        params = {"max_new_tokens": m, "ignore_eos": True, "details": True}
-        out = intval("output_tokens")
-        if out is not None and out < m:
-            params["eos_after"] = out
-        if "arrival_s" in r:
-            a = r["arrival_s"]
-            if not isinstance(a, (int, float)) or isinstance(a, bool) or not 0 <= a < math.inf:
-                raise UsageError(f"{where}: arrival_s={a!r} is not a number of seconds >= 0")
-            arrivals.append(float(a))
-        if "concurrency" in r:
-            conc.add(intval("concurrency"))
+        w = workload_line(r, where)
+        text = w.prompt if w.prompt is not None else prompt_with_tokens(tok, w.prompt_tokens)
+        params = {"max_new_tokens": w.max_new_tokens, "ignore_eos": True, "details": True}
+        if w.output_tokens is not None and w.output_tokens < w.max_new_tokens:
+            params["eos_after"] = w.output_tokens
+        if w.arrival_s is not None:
+            arrivals.append(w.arrival_s)
+        if w.concurrency is not None:
+            conc.add(w.concurrency)
         bodies.append({"inputs": text, "parameters": params, "stream": True})
         ptoks.append(len(tok(text)["input_ids"]))
     if not bodies:
@@ -446,7 +458,7 @@ def start_server(c: Candidate, idx: int, model_dir: str, run_dir: str, startup_t
     port = free_port()
     srv = Server(c.name, [sys.executable, "-m", "handler", "serve", "--properties", props, "--model-dir",
                           model_dir, "--port", str(port), "--host", "127.0.0.1"],
-                 os.path.join(run_dir, f"candidate-{idx}.log"), port)
+                 os.path.join(run_dir, f"candidate-{idx}.log"), port, env=OWN_SERVER_ENV)
     srv.start()
     try:
         srv.wait(startup_timeout)   # a started candidate may finish starting; the budget stops its load

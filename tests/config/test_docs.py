@@ -117,3 +117,11 @@ def test_enumerated_keys_name_their_allowed_values():
     assert SCHEMA["batch_size"].allowed == ()
     assert SCHEMA["engine"].explicit_env == ("SERVING_ENGINE", "OPTION_ENGINE")
     assert SCHEMA["option.entryPoint"].explicit_env == ("OPTION_ENTRYPOINT",)
+
+
+def test_readme_is_a_front_page_under_16_kb_and_names_python_3_11():
+    data = (REPO / "README.md").read_bytes()
+    assert len(data) < 16_000, f"README.md is {len(data)} bytes; move detail into docs/"
+    assert b"Python 3.11+" in data and b"3.10" not in data
+    pyproject = (REPO / "pyproject.toml").read_text()
+    assert 'requires-python = ">=3.11"' in pyproject

@@ -133,7 +133,7 @@ def test_config_sizing_imports_no_torch():
     assert r.returncode == 0, r.stderr
 
 
-# ------------------------------------------------------------------ CPU memory (issue 35)
+# ------------------------------------------------------------------ CPU memory
 def _fake_memory(tmp_path, meminfo_kb: int, cgroup: tuple[str, str] | None):
     (tmp_path / "meminfo").write_text(f"MemTotal:       99999999 kB\nMemAvailable:   {meminfo_kb} kB\n")
     root = tmp_path / "cg"

@@ -206,3 +206,42 @@ def test_a_started_engine_leaves_the_loaded_model_out_of_garbage_collection(demo
     finally:
         engine.shutdown()
         gc.unfreeze()
+
+
+def test_string_work_runs_on_the_output_thread_and_a_stop_string_ends_the_sequence(demo_model_dir, tmp_path):
+    """The engine thread emits token ids only: every decode (text, stop strings, top tokens,
+    prefill text) runs on the output thread; a stop string found there ends the sequence in the
+    engine, whose text stops at it."""
+    import threading
+
+    engine = make_engine(demo_model_dir, tmp_path, STRATEGIES["paged"])
+    try:
+        tok = engine.tokenizer
+        threads = set()
+
+        class Watched:                      # the tokenizer, noting which thread decodes
+            def __getattr__(self, name):
+                return getattr(tok, name)
+
+            def decode(self, *a, **kw):
+                threads.add(threading.current_thread().name)
+                return tok.decode(*a, **kw)
+        engine.output.tokenizer = Watched()
+        ids = engine.tokenize(PROMPTS[0])
+        text = tok.decode(hf_greedy(demo_model_dir, PROMPTS[0], 40), skip_special_tokens=True)
+        stop = text[len(text) // 3:len(text) // 3 + 3]
+        params = SamplingParams(max_new_tokens=40, stop_sequences=(stop,), top_n_tokens=2,
+                                decoder_input_details=True)
+        ch = engine.submit([ids], params)[0]
+        evs = []
+        while not evs or not (isinstance(evs[-1], ErrorEvent) or evs[-1].done):
+            evs.append(ch.events.get(timeout=300))
+        done = evs[-1].done
+        assert done.finish_reason == "stop_sequence" and done.generated_text.endswith(stop)
+        assert done.generated_text == text[:text.index(stop) + len(stop)]
+        assert done.generated_tokens == len(evs) < 40 and len(done.prefill) == len(ids)
+        assert threads == {"lmi-output"}
+        assert_drained(engine)          # the engine ended it: its blocks are free
+        assert engine.counters["finished"] == 1 and engine.counters["aborted"] == 0
+    finally:
+        engine.shutdown()

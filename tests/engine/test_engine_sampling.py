@@ -10,6 +10,7 @@ from handler.engine.loop import ErrorEvent
 from handler.engine.request import SamplingParams
 from tests.support.reference import _load, hf_greedy
 from tests.support.engine import PROMPTS, STRATEGIES, assert_drained, make_engine
+from tests.support.server import assert_eventually
 
 
 def events(ch, timeout=300):
@@ -203,7 +204,7 @@ def test_a_bad_request_at_sampling_time_fails_alone(demo_model_dir, tmp_path, mo
     engine = make_engine(demo_model_dir, tmp_path, STRATEGIES["paged"])
     try:
         innocent = SamplingParams(max_new_tokens=12)
-        # top_k far beyond the vocabulary (issue 13: 2**63 overflowed the whole step) is clamped.
+        # top_k far beyond the vocabulary (2**63 would overflow the whole step) is clamped.
         huge = SamplingParams(max_new_tokens=12, do_sample=True, top_k=2**63, seed=1)
         a, b = engine.submit([engine.tokenize(PROMPTS[0])], innocent) + \
             engine.submit([engine.tokenize(PROMPTS[1])], huge)
@@ -228,8 +229,8 @@ def test_a_bad_request_at_sampling_time_fails_alone(demo_model_dir, tmp_path, mo
         rest = events(a)
         assert [a_first.id] + [e.id for e in rest] == hf_greedy(demo_model_dir, PROMPTS[0], 24)
 
-        # So does one found while turning its token into text.
-        import handler.engine.loop as engine_module
+        # So does one found while turning its token into text (the output processor's work).
+        import handler.engine.output as engine_module
 
         class Fragile(engine_module.IncrementalDetokenizer):
             def add(self, token_id):
@@ -270,7 +271,10 @@ def test_stop_sequence_is_the_recorded_finish_and_an_engine_error_resets_cleanly
         ch = engine.submit([ids], SamplingParams(max_new_tokens=12, stop_sequences=(stop,)))[0]
         done = events(ch)[-1].done
         assert done.finish_reason == "stop_sequence" and done.generated_text.endswith(stop)
-        assert recorded[ch.seq_id] == "stop_sequence" and engine.counters["aborted"] == 0
+        # The output processor found the stop string and ended the sequence in the engine, which
+        # records why (the engine thread does it right after the processor asks).
+        assert_eventually(lambda: recorded.get(ch.seq_id) == "stop_sequence", timeout=30)
+        assert engine.counters["aborted"] == 0
 
         # A bug inside an iteration: everyone in flight gets a 500, then the engine serves again.
         real_update = engine.scheduler.update

@@ -7,6 +7,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from handler.engine.blocks import BlockManager
 from handler.engine.request import SamplingParams
+from handler.engine.admission import Admission
 from handler.engine.scheduler import (STRATEGIES, CapacityError, QueueFull, Scheduler, SchedulerPolicy,
                                Sequence)
 from handler.engine.types import SampleResult
@@ -73,41 +74,47 @@ def test_policy_rejects_unknown_strategy():
         SchedulerPolicy("continuous")
 
 
+def admission(num_blocks=64, block_size=4, max_model_len=2048, max_batch_size=32, max_waiting=1000):
+    """The engine's admission for a scheduler made by make(...) with these figures."""
+    return Admission(max_batch_size, max_waiting, max_model_len, num_blocks * block_size)
+
+
 def test_check_fits():
-    s = make("rolling", num_blocks=4, block_size=4, max_model_len=8)   # 16 KV slots
+    a = admission(num_blocks=4, block_size=4, max_model_len=8)          # 16 KV slots
     with pytest.raises(CapacityError, match="at most 7 prompt tokens"):
-        s.check_fits(8, SamplingParams())
-    s.check_fits(7, SamplingParams(max_new_tokens=1))
+        a.check_fits(8, SamplingParams())
+    a.check_fits(7, SamplingParams(max_new_tokens=1))
     with pytest.raises(CapacityError, match="ask for at most 1"):
-        s.check_fits(7, SamplingParams(max_new_tokens=2))              # beyond max_model_len
-    s = make("rolling", num_blocks=4, block_size=4, max_model_len=64)
-    s.check_fits(10, SamplingParams(max_new_tokens=6))                 # exactly 16
+        a.check_fits(7, SamplingParams(max_new_tokens=2))              # beyond max_model_len
+    a = admission(num_blocks=4, block_size=4, max_model_len=64)
+    a.check_fits(10, SamplingParams(max_new_tokens=6))                 # exactly 16
     with pytest.raises(CapacityError, match="max_new_tokens"):
-        s.check_fits(10, SamplingParams(max_new_tokens=7))
-    with pytest.raises(CapacityError):
-        s.add(seq(1, 10, max_new=7))
-    assert not s.seqs and not s.waiting
+        a.check_fits(10, SamplingParams(max_new_tokens=7))
+    with pytest.raises(CapacityError):                                 # all or none
+        a.admit([3, 10], SamplingParams(max_new_tokens=7))
+    assert a.live == 0
 
 
 def test_empty_prompt_rejected():
-    s = make("paged")
+    a = admission()
     with pytest.raises(CapacityError, match="no tokens"):
-        s.add(seq(1, []))
-    assert not s.has_work
+        a.admit([0], SamplingParams())
+    assert a.live == 0
 
 
 def test_queue_full():
-    s = make("rolling", max_waiting=2, max_batch_size=1)   # capacity: 1 running + 2 waiting
-    for i in (1, 2):
-        s.add(seq(i, 3))
-    assert s.queue_room() == 1
-    s.add(seq(3, 3))                                                   # exactly at capacity: admitted
+    a = admission(max_waiting=2, max_batch_size=1)   # capacity: 1 running + 2 waiting, in sequences
+    a.admit([3, 3], SamplingParams())
+    a.admit([3], SamplingParams())                                     # exactly at capacity: admitted
     with pytest.raises(QueueFull, match="job_queue_size"):
-        s.add(seq(4, 3))
-    assert [q.seq_id for q in s.waiting] == [1, 2, 3]
-    s.schedule(0.0)                                                    # 1 runs, 2 and 3 wait: full
-    assert [q.seq_id for q in s.waiting] == [2, 3] and s.queue_room() == 0
-    assert make("rolling", max_waiting=2).queue_room() == 34           # 32 slots free + 2
+        a.admit([3], SamplingParams())
+    assert a.live == 3
+    a.release()                                                        # one ended: room for one
+    with pytest.raises(QueueFull):
+        a.admit([3], SamplingParams(n=2))                              # two samples: two sequences
+    a.admit([3], SamplingParams())
+    assert a.live == 3
+    assert admission(max_waiting=2).capacity == 34                     # 32 slots + 2
 
 
 # ---------------------------------------------------------------- none
@@ -615,11 +622,11 @@ def test_paged_samples_prefill_once_then_fork_with_copy_on_write(plen):
 
 
 def test_prompt_longer_than_the_kv_pool_is_blamed_on_inputs():
-    s = make("paged", num_blocks=4, block_size=4, max_model_len=100)
+    a = admission(num_blocks=4, block_size=4, max_model_len=100)
     with pytest.raises(CapacityError, match=r"^inputs: the prompt has 20 tokens; the KV cache holds 16"):
-        s.check_fits(20, SamplingParams(max_new_tokens=5))
+        a.check_fits(20, SamplingParams(max_new_tokens=5))
     with pytest.raises(CapacityError, match=r"^parameters.max_new_tokens"):
-        s.check_fits(10, SamplingParams(max_new_tokens=10))
+        a.check_fits(10, SamplingParams(max_new_tokens=10))
 
 
 def test_policy_behaviour_comes_from_fields_not_the_strategy_name():
@@ -637,7 +644,7 @@ def test_policy_behaviour_comes_from_fields_not_the_strategy_name():
 
 
 def test_a_short_prompt_beside_a_long_one_is_prefilled_at_once_and_the_long_one_still_advances():
-    """Chunked prefill shares (issue 35): the long prompt, running first, keeps at least a quarter
+    """Chunked prefill shares: the long prompt, running first, keeps at least a quarter
     of the budget each step; a short prompt arriving mid-way is admitted and prefilled whole in
     its first step, so its first token does not wait for the long prefill."""
     s, r = make("rolling", prefill_token_budget=16, num_blocks=64), FakeRunner(4, model_no_eos)

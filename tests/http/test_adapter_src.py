@@ -1,4 +1,4 @@
-"""The LoRA management routes' `src` (issue 35): only <model dir>/adapters/, option.adapter_roots
+"""The LoRA management routes' `src`: only <model dir>/adapters/, option.adapter_roots
 and their s3:// prefixes; everything else is the same 403, before anything is read, whether the
 path exists or not; option.enable_lora_management=false turns the routes off."""
 from __future__ import annotations

@@ -55,6 +55,23 @@ def test_unknown_names_are_dropped_with_one_warning(caplog):
     assert parse({"inputs": "x", "adapters": "a1"}).adapter == "a1"
 
 
+def test_the_benchmark_knob_eos_after_is_not_public(monkeypatch, caplog):
+    monkeypatch.delenv("LMI_BENCH_EOS_AFTER", raising=False)
+    reqmod._warned.clear()
+    with caplog.at_level(logging.WARNING, logger="lmi.request"):
+        p = parse_params({"eos_after": 3, "max_new_tokens": 9})
+    assert p.eos_after is None and p.max_new_tokens == 9
+    assert any("unknown request parameter" in r.getMessage() and "eos_after" in r.getMessage()
+               for r in caplog.records)
+    assert "eos_after" not in reqmod.ALLOWED_PARAMETERS
+    # the bench and tune tools start our servers with the switch on
+    monkeypatch.setenv("LMI_BENCH_EOS_AFTER", "1")
+    assert parse_params({"eos_after": 3}).eos_after == 3
+    with pytest.raises(RequestError) as e:
+        parse_params({"eos_after": 0})
+    assert e.value.field == "parameters.eos_after"
+
+
 @pytest.mark.parametrize("params,field", [
     ({"max_new_tokens": 2**40}, "parameters.max_new_tokens"),
     ({"max_new_tokens": 0}, "parameters.max_new_tokens"),
@@ -236,3 +253,40 @@ def test_openai_constraints_stop_strings_and_logit_bias(tok):
     with pytest.raises(RequestError) as e:
         openai.parse_completion({"prompt": "x", "logit_bias": {str(len(tok)): 1}}, tok)
     assert e.value.field == "logit_bias" and "vocabulary" in e.value.message
+
+
+def test_errors_from_the_declared_models_keep_the_one_line_form():
+    # field path, what is allowed, the client's value: as the API docs give them
+    cases = [({"max_new_tokens": 0}, "parameters.max_new_tokens", "must be between 1 and 1048576, got 0"),
+             ({"top_p": 0}, "parameters.top_p", "must be in (0, 1], got 0"),
+             ({"temperature": "hot"}, "parameters.temperature", 'must be a number, got "hot"'),
+             ({"max_tokens": 2.5}, "parameters.max_tokens", "must be an integer, got 2.5"),
+             ({"do_sample": "true"}, "parameters.do_sample", 'must be true or false, got "true"'),
+             ({"logit_bias": {"7": 101}}, "parameters.logit_bias.7", "must be in [-100, 100], got 101")]
+    for params, field, message in cases:
+        with pytest.raises(RequestError) as e:
+            parse({"inputs": "x", "parameters": params})
+        assert (e.value.field, e.value.message, e.value.status) == (field, message, 400)
+    from handler.http.protocols import openai
+    for body, field, message in [({"temperature": 2.5}, "temperature", "must be in [0, 2], got 2.5"),
+                                 ({"stream_options": {"include_usage": 1}}, "stream_options.include_usage",
+                                  "must be true or false, got 1"),
+                                 ({"stream_options": 3}, "stream_options", "must be an object, got 3"),
+                                 ({"logprobs": 6}, "logprobs", "must be between 0 and 5, got 6")]:
+        with pytest.raises(RequestError) as e:
+            openai.parse_completion({"prompt": "x", **body})
+        assert (e.value.field, e.value.message) == (field, message)
+
+
+def test_the_openapi_document_declares_the_bodies_with_their_bounds():
+    from handler.http.protocols import openapi
+    doc = openapi.document()
+    assert set(doc["paths"]) >= {"/invocations", "/v1/chat/completions", "/v1/completions", "/generate"}
+    s = doc["components"]["schemas"]
+    # LMI's temperature goes to 100, OpenAI's to 2 (docs/API.md); max_new_tokens from 1
+    assert s["Parameters"]["properties"]["temperature"]["maximum"] == 100
+    assert s["ChatCompletionRequest"]["properties"]["temperature"]["maximum"] == 2
+    assert s["Parameters"]["properties"]["max_new_tokens"]["minimum"] == 1
+    assert s["Parameters"]["properties"]["stop"]["description"] == "the same as stop_sequences"
+    assert "eos_after" not in s["Parameters"]["properties"]
+    assert "#/$defs/" not in json.dumps(doc)

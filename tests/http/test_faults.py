@@ -1,4 +1,4 @@
-"""Engine faults behind the real app (the fake runner, Flask's client), issue 35: an exception in
+"""Engine faults behind the real app (the fake runner, Flask's client): an exception in
 a model step fails that step's requests only; an engine thread that dies or a step that wedges
 past option.engine_step_timeout turns /ping to 503 with the reason (in the log and the body)."""
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Hostile input and overload at the HTTP layer (issue 13), through Flask's test client against
+"""Hostile input and overload at the HTTP layer, through Flask's test client against
 the real app and engine with a fake model runner (a deterministic function of each sequence's own
 tokens), so that thousands of requests fit in CI time. The real server: test_server_hardening.py."""
 from __future__ import annotations
@@ -203,6 +203,17 @@ def test_deeply_nested_json_is_400(served, body):
     _, client = served()
     assert assert_json_error(client.post("/invocations", data=body, content_type="application/json"),
                              400)["field"] == "body"
+
+
+def test_openapi_document_is_served_and_its_bounds_are_the_ones_enforced(served):
+    _, client = served()
+    r = client.get("/openapi.json")
+    assert r.status_code == 200 and r.mimetype == "application/json"
+    props = r.get_json()["components"]["schemas"]["Parameters"]["properties"]
+    top = props["max_new_tokens"]["maximum"]
+    body = {"inputs": "x", "parameters": {"max_new_tokens": top + 1}}
+    err = assert_json_error(client.post("/invocations", json=body), 400)
+    assert err["field"] == "parameters.max_new_tokens" and str(top) in err["error"]
 
 
 def test_framework_errors_are_json(served):

@@ -1,5 +1,6 @@
-"""The gevent front end (handler/http/hub.py, handler/http/worker.py): the engine wakes the hub once per
-iteration for every channel it delivered to; readers are greenlets waiting on gevent events."""
+"""The gevent front end (handler/http/hub.py, handler/http/worker.py): the engine's output processor
+wakes the hub once per iteration for every channel it delivered to; readers are greenlets waiting on
+gevent events."""
 from __future__ import annotations
 
 import json
@@ -23,20 +24,36 @@ from tests.support.server import Server, assert_eventually, flat_metrics
 from tests.support.engine import PROMPTS, driven_by_hand, make_engine
 
 
-def test_on_delivered_is_called_once_per_iteration_with_the_channels_that_got_events(
+class _Waker:
+    """Records each wake-up call (the processor's, once per batch) with its channels."""
+
+    def __init__(self):
+        self.calls = []
+
+    def event(self):
+        return None
+
+    def __call__(self, chans):
+        self.calls.append(list(chans))
+
+
+def test_the_waker_is_called_once_per_iteration_with_the_channels_that_got_events(
         demo_model_dir, tmp_path):
-    engine = driven_by_hand(make_engine(demo_model_dir, tmp_path, {"option.rolling_batch": "auto",
-                                                            "option.paged_attention": "true"}))
-    calls = []
-    engine.on_delivered = lambda chans: calls.append(list(chans))
+    from handler.engine.loop import Engine
+    built = make_engine(demo_model_dir, tmp_path, {"option.rolling_batch": "auto",
+                                                   "option.paged_attention": "true"})
+    built.run_by_hand()     # its threads stopped: a second engine drives the same runner
+    waker = _Waker()
+    engine = driven_by_hand(Engine(built.runner, built.scheduler.policy, built.blocks.block_size,
+                                   waker=waker))
+    calls = waker.calls
     params = SamplingParams(max_new_tokens=5, ignore_eos=True)
     a, b = (engine.submit([engine.tokenize(p)], params)[0] for p in PROMPTS[:2])
     whole = engine.submit([engine.tokenize(PROMPTS[2])], params, stream=False)[0]
     iterations = 0
     while engine.scheduler.has_work or engine._intake:
         before = len(calls)
-        engine._iteration()
-        engine._wake_readers()      # what Engine._loop does after each iteration
+        engine._iteration()     # run by hand: its outputs are processed before it returns
         iterations += 1
         assert len(calls) - before <= 1
     streamed = [c for c in calls if a in c]
@@ -47,20 +64,11 @@ def test_on_delivered_is_called_once_per_iteration_with_the_channels_that_got_ev
     assert whole.events.qsize() == params.max_new_tokens
 
     # Failures reach the readers too (reset answers everyone with an ErrorEvent).
-    calls.clear()
     c = engine.submit([engine.tokenize(PROMPTS[0])], params)[0]
     engine._iteration()
-    engine._wake_readers()
     calls.clear()
     engine.reset(ErrorEvent(500, "boom"))
-    engine._wake_readers()
     assert calls == [[c]]
-
-    # Without a hook nothing is collected (the benchmarks drive _iteration without one).
-    engine.on_delivered = None
-    d = engine.submit([engine.tokenize(PROMPTS[1])], params)[0]
-    engine._iteration()
-    assert engine._touched == [] and not d.events.empty()
 
 
 class _Engine:
@@ -71,16 +79,16 @@ class _Engine:
         self.aborted.append(sid)
 
 
-def _chan(sid=1):
-    return Channel(sid, [1, 2], SamplingParams(max_new_tokens=4))
+def _chan(sid=1, waker=None):
+    return Channel(sid, [1, 2], SamplingParams(max_new_tokens=4),
+                   wake=waker.event() if waker is not None else None)
 
 
 def test_greenlet_readers_get_every_event_in_order_from_an_engine_thread():
     """A real thread puts events and wakes the hub once per 'step' for all channels; each
     greenlet reads its channel's events in order, and the hub stays free meanwhile."""
     waker = HubWaker()
-    chans = [_chan(i) for i in range(1, 9)]
-    waker.attach(chans)
+    chans = [_chan(i, waker) for i in range(1, 9)]
     steps = 20
     got = {ch.seq_id: [] for ch in chans}
 
@@ -116,8 +124,7 @@ def test_greenlet_readers_get_every_event_in_order_from_an_engine_thread():
 
 def test_greenlet_reader_times_out_and_aborts():
     waker = HubWaker()
-    ch = _chan(7)
-    waker.attach([ch])
+    ch = _chan(7, waker)
     eng = _Engine()
     t0 = time.monotonic()
     with pytest.raises(api.Timeout):
@@ -126,15 +133,14 @@ def test_greenlet_reader_times_out_and_aborts():
     assert eng.aborted == [7]
 
 
-def test_a_wake_up_before_attach_or_before_the_wait_is_not_lost():
-    """The engine may deliver (and wake nobody) before the app attaches the event, or between
-    the reader's empty read and its wait: the reader still gets the event."""
+def test_a_wake_up_before_the_reader_waits_is_not_lost():
+    """The processor may deliver and wake before the reader starts reading, or between the
+    reader's empty read and its wait: the reader still gets the event."""
     waker = HubWaker()
-    ch = _chan(3)
+    ch = _chan(3, waker)
     ch.deliver(TokenEvent(1, "a", -1.0), last=False)
-    waker([ch])                     # nothing attached yet: no reader to wake
+    waker([ch])                     # no reader waiting yet
     gevent.sleep(0)
-    waker.attach([ch])
     ch.deliver(TokenEvent(2, "b", -1.0, done=object()), last=True)
     out = gevent.spawn(lambda: [e.id for e in api.events(_Engine(), ch, time.monotonic() + 5)]).get(timeout=10)
     assert out == [1, 2]

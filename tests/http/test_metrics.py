@@ -3,7 +3,6 @@ the per-request log line, request ids, and the Grafana dashboard's series."""
 from __future__ import annotations
 
 import json
-import queue
 import re
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -202,11 +201,7 @@ def test_dashboard_queries_only_series_the_server_exports(server):
 # ---- the trace's outcome logic on hand-made events (no server)
 class _Ch:
     def __init__(self, n_prompt):
-        self.prompt_ids, self.events = [0] * n_prompt, queue.SimpleQueue()
-
-
-def _drain(ch, n):
-    return [ch.events.get(timeout=1) for _ in range(n)]
+        self.prompt_ids = [0] * n_prompt
 
 
 def _trace():
@@ -222,30 +217,24 @@ def _count(m, outcome, code):
 def test_trace_outcomes():
     done = DoneEvent("length", "ab", 2, 3, queue_time_s=0.01, preemptions=1)
     now = time.monotonic()
-    # ok: timings from the events' own times
+    # ok: timings from the events' own times, noted as the route reads them
     m, t = _trace()
-    ch = _Ch(3)
-    t.watch([ch])
-    ch.events.put(TokenEvent(1, "a", -1.0, time=now + 0.1))
-    ch.events.put(TokenEvent(2, "b", -1.0, done=done, time=now + 0.4))
-    _drain(ch, 2)
+    t.watch([_Ch(3)])
+    t.note(0, TokenEvent(1, "a", -1.0, time=now + 0.1))
+    t.note(0, TokenEvent(2, "b", -1.0, done=done, time=now + 0.4))
     f = t.finish(200)
     assert f["outcome"] == "ok" and f["preemptions"] == 1 and f["output_tokens"] == 2
     assert _count(m, "ok", "200") == 1 and t.finish(200) == {} and _count(m, "ok", "200") == 1
     labels = {"model": "m", "strategy": "paged"}
     assert m.registry.get_sample_value("lmi_time_per_output_token_seconds_sum", labels) == pytest.approx(0.3)
-    # a stream that timed out, one whose client left, one whose model failed
-    for events, outcome, code in (([], "timeout", "504"), ([TokenEvent(1, "a", -1.0, time=now)], "aborted", "499"),
+    # a stream that timed out (the route's ErrorEvent(504)), one whose client left, one whose model failed
+    for events, outcome, code in (([ErrorEvent(504, "request timed out")], "timeout", "504"),
+                                  ([TokenEvent(1, "a", -1.0, time=now)], "aborted", "499"),
                                   ([ErrorEvent(424, "boom")], "model_failure", "424")):
         m, t = _trace()
-        ch = _Ch(1)
-        t.watch([ch])
+        t.watch([_Ch(1)])
         for ev in events:
-            ch.events.put(ev)
-        _drain(ch, len(events))
-        if outcome == "timeout":            # what the HTTP thread sees when the deadline passes
-            with pytest.raises(queue.Empty):
-                ch.events.get(timeout=0.01)
+            t.note(0, ev)
         assert t.finish(200)["outcome"] == outcome and _count(m, outcome, code) == 1
         assert m.registry.get_sample_value("lmi_time_to_first_token_seconds_count", labels) == 0
 

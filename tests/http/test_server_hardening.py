@@ -1,5 +1,5 @@
 """Hostile input, shutdown and overload against the real server (gunicorn + the app + the tiny
-model), issue 13. Volume fuzzing is in test_hardening.py (Flask's client); here a smaller fuzz."""
+model). Volume fuzzing is in test_hardening.py (Flask's client); here a smaller fuzz."""
 from __future__ import annotations
 
 import json

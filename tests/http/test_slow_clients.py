@@ -1,4 +1,4 @@
-"""Slow clients against the real server (gunicorn's gevent worker), issue 35: headers or bodies
+"""Slow clients against the real server (gunicorn's gevent worker): headers or bodies
 trickled past option.http_header_timeout / option.http_body_timeout are dropped, an idle keep-alive
 connection is not, and at option.http_max_connections a new connection evicts the oldest slow one
 so a normal request is answered at once."""

@@ -1,4 +1,4 @@
-"""Worker death (SIGKILL, as an OOM kill or a segfault in a C kernel would), issue 35: the client
+"""Worker death (SIGKILL, as an OOM kill or a segfault in a C kernel would): the client
 mid-stream sees its connection close within seconds, gunicorn's master starts a replacement,
 /ping answers 503 while it loads and 200 after, the replacement serves the same greedy text, and
 no worker or tensor-parallel rank is left behind."""

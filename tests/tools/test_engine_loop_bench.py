@@ -17,7 +17,7 @@ def test_closed_loop_answers_every_request_with_its_tokens(demo_model_dir):
     real_submit = engine.submit
 
     def submit(ids, params, **kw):
-        seen.append(len(engine._channels) + len(engine._intake))
+        seen.append(engine.admission.live)              # sequences admitted, not yet ended
         return real_submit(ids, params, **kw)
 
     engine.submit = submit

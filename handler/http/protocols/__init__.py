@@ -73,11 +73,6 @@ def with_length(gen: Generation, prompt_ids: list[list[int]], max_len: int) -> N
         gen.params = SamplingParams(**{**gen.params.__dict__, "max_new_tokens": room})
 
 
-def indices(chans, n_prompts: int) -> list[tuple[int, int]]:
-    """(prompt_index, sample_index) of each channel (the submission is prompt-major)."""
-    return [(ch.prompt_index, ch.sample_index) for ch in chans]
-
-
 def events(engine, ch, deadline: float):
     """A channel's events until its last token; Timeout when the deadline passes."""
     wake = ch.wake
@@ -107,17 +102,20 @@ def _cooperative_get(ch, wake, deadline):
             raise queue.Empty
 
 
-def collect(engine, chans, n_prompts: int, deadline: float) -> list[Sample]:
-    """Every channel's tokens. Raises Failed or Timeout (aborting the rest)."""
+def collect(engine, chans, deadline: float, observe=None) -> list[Sample]:
+    """Every channel's tokens. Raises Failed or Timeout (aborting the rest). observe(i, event):
+    each event of chans[i] as it is read (the request's metrics)."""
     samples = []
     try:
-        for ch, (p, s) in zip(chans, indices(chans, n_prompts)):
+        for i, ch in enumerate(chans):
             tokens = []
             for ev in events(engine, ch, deadline):
+                if observe is not None:
+                    observe(i, ev)
                 if isinstance(ev, ErrorEvent):
                     raise Failed(ev)
                 tokens.append(ev)
-            samples.append(Sample(p, s, tokens, tokens[-1].done))
+            samples.append(Sample(ch.prompt_index, ch.sample_index, tokens, tokens[-1].done))
     except (Failed, Timeout):
         for ch in chans:
             engine.abort(ch.seq_id)
@@ -137,22 +135,29 @@ def ranked(samples: list[Sample]) -> list[Sample]:
     return sorted(samples, key=lambda s: -s.cumulative_log_prob)
 
 
-def stream_events(engine, chans, n_prompts: int, deadline: float):
+def stream_events(engine, chans, deadline: float, observe=None):
     """(prompt_index, sample_index, event) for each channel in turn; a time-out becomes an
-    ErrorEvent(504). Closing the generator (client gone) aborts whatever has not finished."""
+    ErrorEvent(504). Closing the generator (client gone) aborts whatever has not finished.
+    observe(i, event): each event of chans[i] as it is yielded (the request's metrics)."""
     pending = {ch.seq_id for ch in chans}
     try:
-        for ch, (p, s) in zip(chans, indices(chans, n_prompts)):
+        for i, ch in enumerate(chans):
+            p, s = ch.prompt_index, ch.sample_index
             try:
                 for ev in events(engine, ch, deadline):
                     if isinstance(ev, ErrorEvent) or ev.done is not None:
                         pending.discard(ch.seq_id)
+                    if observe is not None:
+                        observe(i, ev)
                     yield p, s, ev
                     if isinstance(ev, ErrorEvent):
                         return
             except Timeout:
                 pending.discard(ch.seq_id)
-                yield p, s, ErrorEvent(504, "request timed out")
+                ev = ErrorEvent(504, "request timed out")
+                if observe is not None:
+                    observe(i, ev)
+                yield p, s, ev
                 return
     finally:
         for sid in pending:

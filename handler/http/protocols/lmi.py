@@ -12,7 +12,12 @@ import csv
 import io
 import json
 
-from handler.engine.request import RequestError, SamplingParams, parse_params, show, warn_once
+from typing import Annotated, Any
+
+from pydantic import BaseModel, ConfigDict, PlainValidator, ValidationInfo
+
+from handler.engine.request import (Refused, RequestError, SamplingParams, parse_params, show, validated,
+                                    warn_once)
 from handler.http.protocols import Generation, Sample, by_prompt, ranked
 
 TOP_LEVEL = ("inputs", "parameters", "stream", "messages", "adapters")
@@ -53,6 +58,39 @@ def decode_body(body: bytes, content_type: str | None) -> dict:
                                        "text/plain or text/csv", status=415)
 
 
+def _inputs(value, info: ValidationInfo) -> list[str]:
+    """`inputs`: a prompt, or (unless the route takes one string) a non-empty list of them."""
+    ctx = info.context or {}
+    is_list = isinstance(value, list)
+    if is_list and ctx.get("require_string"):
+        raise Refused(RequestError("inputs", "must be a string"))
+    items = value if is_list else [value]
+    limit = ctx.get("max_batch_inputs", 1000)
+    if is_list and not items:
+        raise Refused(RequestError("inputs", "must not be an empty list"))
+    if len(items) > limit:
+        raise Refused(RequestError("inputs", f"at most {limit} prompts per request, got {len(items)}"))
+    for i, s in enumerate(items):
+        where = f"inputs[{i}]" if is_list else "inputs"
+        if not isinstance(s, str):
+            raise Refused(RequestError(where, f"must be a string or a list of strings, got {show(s)}"))
+        if not s:
+            raise Refused(RequestError(where, "must not be empty"))
+    return value
+
+
+class LmiRequest(BaseModel):
+    """LMI's body (TGI's too, whose `inputs` is one string). `parameters` is parsed by
+    handler.engine.request.parse_params (Parameters, with aliases and guided decoding);
+    `messages` makes it a Chat Completions request (openai.parse_chat)."""
+    model_config = ConfigDict(strict=True, extra="allow")   # unknown fields: warned and dropped
+
+    inputs: Annotated[str | list[str], PlainValidator(_inputs, json_schema_input_type=str | list[str])]
+    parameters: Any = None
+    stream: bool = None
+    adapters: Any = None                    # adapter_name() below
+
+
 def parse(payload, *, default_stream: bool = False, max_batch_inputs: int = 1000,
           defaults: SamplingParams = SamplingParams(), require_string: bool = False) -> Generation:
     """An LMI (or TGI) body without `messages` -> Generation."""
@@ -64,33 +102,18 @@ def parse(payload, *, default_stream: bool = False, max_batch_inputs: int = 1000
         elif k not in TOP_LEVEL:
             warn_once(f"top:{k[:100]}", f"unknown request field {show(k)} dropped (as LMI does); "
                                         f"known: {', '.join(TOP_LEVEL)}")
-    inputs = payload.get("inputs")
-    if inputs is None:
-        raise RequestError("inputs", "is required")
+    declared = {k: v for k, v in payload.items() if k in LmiRequest.model_fields and v is not None}
+    body = validated(LmiRequest, declared, "", {k: k for k in declared},
+                     context={"require_string": require_string, "max_batch_inputs": max_batch_inputs})
+    inputs = body.inputs
     is_list = isinstance(inputs, list)
-    if is_list and require_string:
-        raise RequestError("inputs", "must be a string")
     items = inputs if is_list else [inputs]
-    if is_list and not items:
-        raise RequestError("inputs", "must not be an empty list")
-    if len(items) > max_batch_inputs:
-        raise RequestError("inputs", f"at most {max_batch_inputs} prompts per request, got {len(items)}")
-    fields = []
-    for i, s in enumerate(items):
-        where = f"inputs[{i}]" if is_list else "inputs"
-        if not isinstance(s, str):
-            raise RequestError(where, f"must be a string or a list of strings, got {show(s)}")
-        if not s:
-            raise RequestError(where, "must not be empty")
-        fields.append(where)
-    stream = payload.get("stream")
-    stream = default_stream if stream is None else stream
-    if not isinstance(stream, bool):
-        raise RequestError("stream", f"must be true or false, got {show(stream)}")
+    fields = [f"inputs[{i}]" if is_list else "inputs" for i in range(len(items))]
+    stream = default_stream if body.stream is None else body.stream
     if stream and is_list:
         raise RequestError("stream", "streaming needs a single string in inputs, not a list")
     options: dict = {}
-    params = parse_params(payload.get("parameters"), defaults, options=options)
+    params = parse_params(body.parameters, defaults, options=options)
     if stream and params.num_samples > 1:
         raise RequestError("parameters.n" if params.n > 1 else "parameters.best_of",
                            "several samples per prompt (n, best_of) work only without streaming")

@@ -12,35 +12,66 @@ import json
 import time
 import uuid
 
+from pydantic import BaseModel, ConfigDict
+
 from handler.engine import guide
-from handler.engine.request import (MAX_NEW_TOKENS, MAX_SAMPLES, MAX_SEED, MAX_TOP_N_TOKENS, RequestError, SamplingParams,
-                       check_bool, check_float, check_int, check_logit_bias, check_stops, check_top_k, show,
-                       warn_once)
+from handler.engine.request import (MAX_NEW_TOKENS, MAX_SAMPLES, MAX_SEED, MAX_TOP_N_TOKENS, LogitBias, RequestError,
+                                    SamplingParams, Stops, TopK, bounded_float, bounded_int, show,
+                                    validated, warn_once)
 from handler.http.protocols import Generation, Sample, by_prompt, ranked, tools as tooling
 
 FINISH = {"eos_token": "stop", "stop_sequence": "stop", "length": "length"}
 
-# name -> (SamplingParams field, check)
-_COMMON = {
-    "temperature": ("temperature", lambda f, v: check_float(f, v, 0.0, 2.0)),
-    "top_p": ("top_p", lambda f, v: check_float(f, v, 0.0, 1.0, lo_open=True)),
-    "n": ("n", lambda f, v: check_int(f, v, 1, MAX_SAMPLES)),
-    "stop": ("stop_sequences", check_stops),
-    "seed": ("seed", lambda f, v: check_int(f, v, 0, MAX_SEED)),
-    "presence_penalty": ("presence_penalty", lambda f, v: check_float(f, v, -2.0, 2.0)),
-    "frequency_penalty": ("frequency_penalty", lambda f, v: check_float(f, v, -2.0, 2.0)),
-    "ignore_eos": ("ignore_eos", check_bool),              # vLLM / LMI extension
-    "top_k": ("top_k", check_top_k),                        # vLLM
-    "min_p": ("min_p", lambda f, v: check_float(f, v, 0.0, 1.0)),                          # vLLM
-    "repetition_penalty": ("repetition_penalty", lambda f, v: check_float(f, v, 0.0, 100.0, lo_open=True)),
-    "include_stop_str_in_output": ("include_stop_str_in_output", check_bool),   # vLLM
-}
-_MAX_TOKENS = lambda f, v: check_int(f, v, 1, MAX_NEW_TOKENS)   # noqa: E731
-# Fields that change nothing in the answer (or are ours to ignore), accepted quietly.
-_QUIET = {"model", "user", "stream", "stream_options", "messages", "prompt", "logprobs", "top_logprobs",
-          "max_tokens", "max_completion_tokens", "echo", "best_of", "n", "store", "metadata",
-          "service_tier", "parallel_tool_calls", "tools", "tool_choice", "response_format", "logit_bias",
-          *guide.PARAMETERS, *guide.QUIET_PARAMETERS}
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    include_usage: bool = None
+
+
+class _Fields(BaseModel):
+    """The scalar fields both OpenAI bodies share, declared (OpenAI's names; vLLM's extensions
+    marked). Strict: "1" is not 1, 1 is not true. `messages`, `prompt`, `tools` and the output
+    constraints are parsed by their own functions below."""
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    temperature: bounded_float(0.0, 2.0) = None
+    top_p: bounded_float(0.0, 1.0, lo_open=True) = None
+    n: bounded_int(1, MAX_SAMPLES) = None
+    stop: Stops = None
+    seed: bounded_int(0, MAX_SEED) = None
+    presence_penalty: bounded_float(-2.0, 2.0) = None
+    frequency_penalty: bounded_float(-2.0, 2.0) = None
+    max_tokens: bounded_int(1, MAX_NEW_TOKENS) = None
+    max_completion_tokens: bounded_int(1, MAX_NEW_TOKENS) = None
+    stream: bool = None
+    stream_options: StreamOptions = None
+    logit_bias: LogitBias = None                  # token ids checked against the vocabulary below
+    ignore_eos: bool = None                       # vLLM / LMI
+    top_k: TopK = None                            # vLLM
+    min_p: bounded_float(0.0, 1.0) = None         # vLLM
+    repetition_penalty: bounded_float(0.0, 100.0, lo_open=True) = None   # vLLM
+    include_stop_str_in_output: bool = None       # vLLM
+
+
+class ChatFields(_Fields):
+    logprobs: bool = None
+    top_logprobs: bounded_int(0, MAX_TOP_N_TOKENS) = None
+
+
+class CompletionFields(_Fields):
+    logprobs: bounded_int(0, 5) = None            # top alternatives per token (legacy completions)
+    best_of: bounded_int(1, MAX_SAMPLES) = None
+    echo: bool = None
+
+
+# OpenAI field -> SamplingParams field
+_TO_PARAMS = {"temperature": "temperature", "top_p": "top_p", "n": "n", "stop": "stop_sequences",
+              "seed": "seed", "presence_penalty": "presence_penalty", "frequency_penalty": "frequency_penalty",
+              "ignore_eos": "ignore_eos", "top_k": "top_k", "min_p": "min_p",
+              "repetition_penalty": "repetition_penalty", "include_stop_str_in_output": "include_stop_str_in_output"}
+# Fields that change nothing in the answer (or are parsed elsewhere), accepted quietly.
+_QUIET = {"model", "user", "messages", "prompt", "store", "metadata", "service_tier", "parallel_tool_calls", "tools",
+          "tool_choice", "response_format", *guide.PARAMETERS, *guide.QUIET_PARAMETERS}
 # Fields whose effect we do not implement: refused unless they are at their no-op value.
 _UNSUPPORTED = {
     "functions": lambda v: v == [],
@@ -88,11 +119,9 @@ def _constraint(payload: dict, tools: tooling.Tools | None = None) -> guide.Guid
     return found[0][1] if found else None
 
 
-def _logit_bias(payload: dict, tokenizer) -> tuple:
-    v = payload.get("logit_bias")
-    if v is None:
+def _logit_bias(bias: tuple | None, tokenizer) -> tuple:
+    if bias is None:
         return ()
-    bias = check_logit_bias("logit_bias", v)
     vocab = len(tokenizer) if tokenizer is not None else None
     for tid, _b in bias:
         if vocab is not None and tid >= vocab:
@@ -100,39 +129,38 @@ def _logit_bias(payload: dict, tokenizer) -> tuple:
     return bias
 
 
-def _sampling(payload: dict, defaults: SamplingParams, lmi: bool) -> tuple[dict, dict]:
-    """Common fields -> (SamplingParams values, stream options)."""
-    # OpenAI (and vLLM) end the text before a stop string; LMI's chat schema keeps it.
-    values: dict = {} if lmi else {"include_stop_str_in_output": False}
-    for name, v in payload.items():
-        if v is None:
+def _fields(payload: dict, model: type[_Fields]) -> _Fields:
+    """The body's declared fields, checked (nulls are absent); the others warned about once."""
+    body = {k: v for k, v in payload.items() if v is not None}
+    for name, v in body.items():
+        if name in model.model_fields or name in _QUIET:
             continue
-        if name in _COMMON:
-            key, check = _COMMON[name]
-            values[key] = check(name, v)
-        elif name in _UNSUPPORTED:
+        if name in _UNSUPPORTED:
             if not _UNSUPPORTED[name](v):
                 raise RequestError(name, "is not supported by this server")
-        elif name not in _QUIET:
+        else:
             warn_once(f"openai:{name[:100]}", f"unknown request field {show(name)} dropped")
+    return validated(model, {k: v for k, v in body.items() if k in model.model_fields}, "",
+                     {k: k for k in body})
+
+
+def _sampling(f: _Fields, defaults: SamplingParams, lmi: bool) -> tuple[dict, dict]:
+    """Declared fields -> (SamplingParams values, stream options)."""
+    # OpenAI (and vLLM) end the text before a stop string; LMI's chat schema keeps it.
+    values: dict = {} if lmi else {"include_stop_str_in_output": False}
+    for name, key in _TO_PARAMS.items():
+        if getattr(f, name) is not None:
+            values[key] = getattr(f, name)
     for name in ("max_completion_tokens", "max_tokens"):
-        if payload.get(name) is not None:
-            values["max_new_tokens"] = _MAX_TOKENS(name, payload[name])
+        if getattr(f, name) is not None:
+            values["max_new_tokens"] = getattr(f, name)
             break
     temperature = values.get("temperature", 1.0)
     values["do_sample"] = temperature > 0.0
     if not values["do_sample"]:
         values.pop("temperature", None)
-    stream = payload.get("stream")
-    stream = False if stream is None else check_bool("stream", stream)
-    opts = payload.get("stream_options")
-    include_usage = False
-    if opts is not None:
-        if not isinstance(opts, dict):
-            raise RequestError("stream_options", f"must be an object, got {show(opts)}")
-        if opts.get("include_usage") is not None:
-            include_usage = check_bool("stream_options.include_usage", opts["include_usage"])
-    return {**defaults.__dict__, **values}, {"stream": stream, "include_usage": include_usage}
+    include_usage = bool(f.stream_options is not None and f.stream_options.include_usage)
+    return {**defaults.__dict__, **values}, {"stream": bool(f.stream), "include_usage": include_usage}
 
 
 # ---- chat
@@ -200,16 +228,15 @@ def render_chat(tokenizer, messages, tools: list[dict] | None = None) -> str:
 def parse_chat(payload, tokenizer, lmi: bool = False) -> Generation:
     """A Chat Completions body (from /v1/chat/completions, or /invocations with `messages`)."""
     payload = _check_object(payload)
+    f = _fields(payload, ChatFields)
     tools = tooling.parse(payload, tokenizer)
     prompt = render_chat(tokenizer, payload.get("messages"), tools.template_tools())
-    values, opts = _sampling(payload, SamplingParams(), lmi)
+    values, opts = _sampling(f, SamplingParams(), lmi)
     values["guide"] = _constraint(payload, tools)
-    values["logit_bias"] = _logit_bias(payload, tokenizer)
-    logprobs = payload.get("logprobs")
-    logprobs = False if logprobs is None else check_bool("logprobs", logprobs)
-    top = payload.get("top_logprobs")
+    values["logit_bias"] = _logit_bias(f.logit_bias, tokenizer)
+    logprobs = bool(f.logprobs)
+    top = f.top_logprobs
     if top is not None:
-        top = check_int("top_logprobs", top, 0, MAX_TOP_N_TOKENS)
         if not logprobs and top:
             raise RequestError("top_logprobs", "needs logprobs: true")
         values["top_n_tokens"] = top if logprobs else 0
@@ -228,6 +255,7 @@ def parse_chat(payload, tokenizer, lmi: bool = False) -> Generation:
 # ---- completions
 def parse_completion(payload, tokenizer=None) -> Generation:
     payload = _check_object(payload)
+    f = _fields(payload, CompletionFields)
     if payload.get("tools"):
         raise RequestError("tools", "tools work on /v1/chat/completions; completions take response_format "
                                     "or guided_json / guided_regex / guided_choice / guided_grammar")
@@ -236,22 +264,21 @@ def parse_completion(payload, tokenizer=None) -> Generation:
     prompts = prompt if is_list else [prompt]
     if not prompts or not all(isinstance(p, str) and p for p in prompts):
         raise RequestError("prompt", f"must be a non-empty string or list of non-empty strings, got {show(prompt)}")
-    values, opts = _sampling(payload, SamplingParams(max_new_tokens=16), False)
+    values, opts = _sampling(f, SamplingParams(max_new_tokens=16), False)
     values["guide"] = _constraint(payload)
-    values["logit_bias"] = _logit_bias(payload, tokenizer)
-    lp = payload.get("logprobs")
+    values["logit_bias"] = _logit_bias(f.logit_bias, tokenizer)
+    lp = f.logprobs
     if lp is not None:
-        values["top_n_tokens"] = check_int("logprobs", lp, 0, 5)
-    best_of = payload.get("best_of")
+        values["top_n_tokens"] = lp
+    best_of = f.best_of
     if best_of is not None:
-        values["best_of"] = check_int("best_of", best_of, 1, MAX_SAMPLES)
+        values["best_of"] = best_of
         if values["best_of"] < values["n"]:
             raise RequestError("best_of", f"must be >= n ({values['n']}), got {best_of}")
     params = SamplingParams(**values)
     if opts["stream"] and params.best_of not in (None, params.n):
         raise RequestError("best_of", "cannot be used with stream")
-    echo = payload.get("echo")
-    echo = False if echo is None else check_bool("echo", echo)
+    echo = bool(f.echo)
     fields = [f"prompt[{i}]" if is_list else "prompt" for i in range(len(prompts))]
     return Generation(list(prompts), params, opts["stream"], is_list, fields=fields,
                       extra={"kind": "completion", "logprobs": lp is not None, "echo": echo,

@@ -4,7 +4,7 @@
   adapters   LoRA adapter management: /adapters[/<name>], /models/<model>/adapters[/<name>]
   openai     POST /v1/chat/completions, POST /v1/completions, GET /v1/models
   tgi        POST /generate, POST /generate_stream, POST /
-  ops        GET /metrics
+  ops        GET /metrics, GET /openapi.json
 """
 from __future__ import annotations
 

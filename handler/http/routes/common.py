@@ -149,15 +149,13 @@ def run(parse, error, respond, stream):
         g.trace.reason = "queue_full"
         log.warning("refused a request: %s", e)
         return error(503, str(e))
-    if state.waker is not None:
-        state.waker.attach(chans)
     g.trace.watch(chans)
     deadline = chans[0].submitted + cfg.request_timeout_s
     if gen.stream:
-        events = api.stream_events(client, chans, len(gen.prompts), deadline)
+        events = api.stream_events(client, chans, deadline, observe=g.trace.note)
         return stream(gen, events)
     try:
-        samples = api.collect(client, chans, len(gen.prompts), deadline)
+        samples = api.collect(client, chans, deadline, observe=g.trace.note)
     except api.Timeout:
         return error(504, f"request timed out after {cfg.request_timeout_s:g} s ({TIMEOUT_HINT})")
     except api.Failed as f:

@@ -1,10 +1,12 @@
-"""Operations: GET /metrics (Prometheus text, handler/http/metrics.py)."""
+"""Operations: GET /metrics (Prometheus text, handler/http/metrics.py), GET /openapi.json (the
+generation routes' request bodies, handler/http/protocols/openapi.py)."""
 from __future__ import annotations
 
 from flask import Blueprint, Response
 
 from handler.http.metrics import CONTENT_TYPE
-from handler.http.routes.common import current_state
+from handler.http.protocols import openapi
+from handler.http.routes.common import current_state, json_response
 
 bp = Blueprint("ops", __name__)
 
@@ -12,3 +14,8 @@ bp = Blueprint("ops", __name__)
 @bp.get("/metrics")
 def metrics():
     return Response(current_state().metrics.exposition(), content_type=CONTENT_TYPE)
+
+
+@bp.get("/openapi.json")
+def openapi_document():
+    return json_response(openapi.document())

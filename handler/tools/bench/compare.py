@@ -156,6 +156,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+# Our servers accept the early-stop workloads' knob (parameters.eos_after) only with this switch.
+OWN_SERVER_ENV = {"LMI_BENCH_EOS_AFTER": "1"}
+
+
 @dataclass
 class Server:
     name: str
@@ -260,7 +264,7 @@ def make_servers(names, w: Workload, model_dir: str, kv_tokens: int, run_dir: st
                    "--max-batch-size", str(w.max_rolling_batch_size), "--page-size", str(BLOCK)]
             if dtype:
                 cmd += ["--dtype", TORCH_DTYPE[dtype]]
-        servers.append(Server(name, cmd, log, port))
+        servers.append(Server(name, cmd, log, port, env=OWN_SERVER_ENV))
     return servers
 
 

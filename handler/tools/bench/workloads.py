@@ -189,7 +189,7 @@ LMI_CPU_135M = Workload(
     name="lmi", requests=200, concurrency=50, prompt_words=(), prompt_tokens=(15, 60, 160),
     max_new_tokens=(16, 32, 64), unique_prompts=True, kv_cache_tokens=12800,
     max_rolling_batch_size=64, prefill_tokens=4096, serial_requests=30,
-    note="issue 14's CPU comparison: 200 requests, 50 clients, prompts of about 15/60/160 tokens, "
+    note="the CPU comparison against the peers: 200 requests, 50 clients, prompts of about 15/60/160 tokens, "
          "each unique from its first token (no prefix-cache hits), outputs 16/32/64, greedy, EOS "
          "ignored; KV capacity 12,800 tokens, at most 64 running, prefill budget 4,096 tokens; the "
          "one-at-a-time servers none and hf_naive run the first 30 requests")
