@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from kernels import cpu_ext, isa
+from tests.support.kernels import each_build_fixture
 
 pytestmark = pytest.mark.skipif(cpu_ext._compiler() is None, reason="no C compiler (cc/gcc) on PATH: the CPU "
                                                                    "kernels cannot be built")
@@ -27,16 +28,10 @@ def default_build():
 def avx512():
     cpu_ext.select("avx512")
     yield
+    cpu_ext.select(None)
 
 
-@pytest.fixture(params=isa.host_isas() or ["none"])
-def each_build(request):
-    """Each kernel build this CPU runs (kernels/isa.py), selected in turn."""
-    if request.param == "none":
-        pytest.skip(f"this CPU ({isa.machine()}) runs none of {', '.join(isa.ISAS)}: torch serves")
-    cpu_ext.select(request.param)
-    assert cpu_ext.load() is not None, f"the {request.param} build did not load"
-    yield request.param
+each_build = each_build_fixture()
 
 
 U = 2.0 ** -24      # fp32's unit roundoff

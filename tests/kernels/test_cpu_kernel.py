@@ -11,7 +11,7 @@ import torch
 import kernels
 from kernels import cpu_ext, isa, reference
 from kernels.selfcheck import make_case
-from tests.support.kernels import _head_major, _own_kv, naive_attention, rel_err
+from tests.support.kernels import _head_major, _own_kv, naive_attention, rel_err, each_build_fixture
 
 pytestmark = pytest.mark.skipif(cpu_ext._compiler() is None,
                                 reason="no C compiler (cc/gcc) on PATH: the CPU kernel cannot be built")
@@ -241,15 +241,7 @@ def test_loading_the_kernel_leaves_subnormal_floats_alone():
     assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-2000:]
 
 
-@pytest.fixture(params=isa.host_isas() or ["none"])
-def each_build(request):
-    """Each kernel build this CPU runs (kernels/isa.py), selected in turn; back to the default after."""
-    if request.param == "none":
-        pytest.skip(f"this CPU ({isa.machine()}) runs none of {', '.join(isa.ISAS)}: torch serves")
-    cpu_ext.select(request.param)
-    assert cpu_ext.load() is not None, f"the {request.param} build did not load"
-    yield request.param
-    cpu_ext.select(None)
+each_build = each_build_fixture()
 
 
 @pytest.mark.parametrize("rows,vocab", [(1, 7), (5, 384), (33, 49152), (2, 151936)])

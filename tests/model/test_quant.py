@@ -14,30 +14,15 @@ from handler.engine.request import SamplingParams
 from handler.model import quant
 from handler.model.runner import ModelRunner
 from kernels import cpu_ext, isa
+from tests.support.kernels import each_build_fixture, both_x86
 from tests.support.engine import NEW, PROMPTS, STRATEGIES, make_engine, run_all
 
 needs_vnni = pytest.mark.skipif(not cpu_ext.gemm_i8_available(),
                                 reason="kernels/cpu_gemm_i8.c does not run here (no avx512/avx2/neon kernel build "
                                        "for this CPU, or no C compiler)")
-both_x86 = pytest.mark.skipif(not {"avx512", "avx2"} <= set(isa.host_isas()) or cpu_ext._compiler() is None,
-                              reason="the cross-build check needs a CPU that runs both the avx512 and the avx2 "
-                                     "build (AVX-512 F/BW/VL) and a C compiler")
 
 
-@pytest.fixture(params=isa.host_isas() or ["none"])
-def each_build(request):
-    """Each kernel build this CPU runs (kernels/isa.py), selected in turn; back to the default after."""
-    if request.param == "none":
-        pytest.skip(f"this CPU ({isa.machine()}) runs none of {', '.join(isa.ISAS)}: torch serves")
-    if cpu_ext._compiler() is None:
-        pytest.skip("no C compiler (cc/gcc) on PATH: the CPU kernels cannot be built")
-    cpu_ext.select(request.param)
-    try:
-        assert cpu_ext.load() is not None, f"the {request.param} build did not load"
-        assert cpu_ext.gemm_i8_available(), f"the {request.param} build has no int8 GEMM"
-        yield request.param
-    finally:
-        cpu_ext.select(None)
+each_build = each_build_fixture("gemm_i8_available", "int8 GEMM")
 
 
 def _case(m: int, k: int, n: int, seed: int = 0):

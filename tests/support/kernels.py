@@ -1,9 +1,36 @@
-"""Attention oracles for the kernel tests: a naive per-token loop in float64, error measures, pool layouts."""
+"""Attention oracles for the kernel tests: a naive per-token loop in float64, error measures, pool layouts;
+and the fixture that runs a test on every kernel build this CPU runs."""
 from __future__ import annotations
 
+import pytest
 import torch
 
-from kernels import reference
+from kernels import cpu_ext, isa, reference
+
+# A check that compares builds needs a CPU running both x86 builds.
+both_x86 = pytest.mark.skipif(not {"avx512", "avx2"} <= set(isa.host_isas()) or cpu_ext._compiler() is None,
+                              reason="the cross-build check needs a CPU that runs both the avx512 and the avx2 "
+                                     "build (AVX-512 F/BW/VL) and a C compiler")
+
+
+def each_build_fixture(capability: str | None = None, what: str = ""):
+    """A fixture over each kernel build this CPU runs (kernels/isa.py), selected in turn and back to the
+    default after; `capability` (a cpu_ext function, e.g. "gemm_i8_available") must hold in each."""
+    @pytest.fixture(params=isa.host_isas() or ["none"])
+    def each_build(request):
+        if request.param == "none":
+            pytest.skip(f"this CPU ({isa.machine()}) runs none of {', '.join(isa.ISAS)}: torch serves")
+        if cpu_ext._compiler() is None:
+            pytest.skip("no C compiler (cc/gcc) on PATH: the CPU kernels cannot be built")
+        cpu_ext.select(request.param)
+        try:
+            assert cpu_ext.load() is not None, f"the {request.param} build did not load"
+            if capability:
+                assert getattr(cpu_ext, capability)(), f"the {request.param} build has no {what or capability}"
+            yield request.param
+        finally:
+            cpu_ext.select(None)
+    return each_build
 
 
 def naive_attention(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale,
