@@ -280,24 +280,24 @@ void lmi_gemm_i8(const uint8_t *Aq, int64_t M, int64_t Kp, const float *sa, cons
  * row's 4-k dot product to 8 int32 lanes, and every path ends with sum_k q W_q[n, k] exactly.
  *
  *   AVX-VNNI (-mavxvnni): vpdpbusd on ymm, Aq x W_q, the +128 taken back by wsum as above; up to 3 rows.
- *   Otherwise a row's 4 bytes are taken back to signed q = Aq - 128 (Aq ^ 0x80; q in -127..127
- *   from lmi_quant_rows) and the sums are sum_k q W_q directly (no wsum correction):
- *   AVX2: vpmaddubsw multiplies unsigned by signed bytes into saturating int16 pair sums, so the
- *         unsigned operand is |W| (0..128) and the signed one q with W's sign (vpsignb: -127..127):
- *         each pair sum is at most 2 x 128 x 127 = 32512, never saturated; vpmaddwd by ones adds
- *         the pairs into int32. 4 instructions per 32 multiply-adds (VNNI: 1 per 64).
- *   NEON: sdot (armv8.2-a dotprod), signed x signed bytes summed 4 at a time into int32 lanes.
+ *   AVX2: int16 products by vpmaddwd (below, "AVX2 without VNNI"), the activations widened once
+ *         per call; up to MRW rows x 16 columns.
+ *   NEON: sdot (armv8.2-a dotprod), signed q = Aq - 128 (Aq ^ 0x80) x signed bytes summed 4 at a
+ *         time into int32 lanes (no wsum correction); up to 3 rows.
  *
  * Epilogue per element as the AVX-512 kernel's: fma(float(acc) * sw[n], sa[m], bias[n] or 0). */
 #include <omp.h>
+#include <stdlib.h>
 
 int lmi_gemm_i8_available(void) { return 1; }
 
-#if defined(__AVX2__) && defined(__FMA__) && (defined(__AVXVNNI__) || defined(LMI_I8_CHECK_EVEX_VNNI))
+#if defined(__AVX2__) && defined(__FMA__)
+#if defined(__AVXVNNI__) || defined(LMI_I8_CHECK_EVEX_VNNI)
 /* AVX-VNNI (the avx2 build built with -mavxvnni): vpdpbusd on 8 columns, as the AVX-512 kernel on
  * 16: Aq (unsigned, +128) x W (signed), the +128 taken back by wsum in the epilogue. By inline asm
  * on the accumulator's own register (see DPBUSD above). LMI_I8_CHECK_EVEX_VNNI: the same operation
  * in its EVEX form (AVX512-VNNI/VL), to run this code on a CPU without AVX-VNNI in a check. */
+#define I8_GENERIC 1
 #define MRI 3               /* 4 accumulators a row: 12 + 3 broadcasts in 16 ymm registers */
 #define I8_WSUM 1
 #ifdef __AVXVNNI__
@@ -305,46 +305,24 @@ int lmi_gemm_i8_available(void) { return 1; }
 #else
 #define DPBUSD_Y(acc, a, b) __asm__("%{evex%} vpdpbusd %2, %1, %0" : "+x"(acc) : "x"(a), "xm"(b))
 #endif
-typedef __m256i i8acc;
 typedef __m256i i8row;      /* a row's 4 bytes Aq, broadcast */
 typedef __m256i i8w;
-typedef __m256 i8f;
-static inline i8acc i8acc_zero(void) { return _mm256_setzero_si256(); }
 static inline i8row i8row_load(const uint8_t *p) {
     int32_t v;
     memcpy(&v, p, 4);
     return _mm256_set1_epi32(v);
 }
 static inline i8w i8w_load(const int8_t *p) { return _mm256_loadu_si256((const __m256i *)p); }
-static inline i8acc i8_dot(i8acc acc, i8row a, i8w w) {
+static inline __m256i i8_dot(__m256i acc, i8row a, i8w w) {
     DPBUSD_Y(acc, a, w);
     return acc;
 }
-#elif defined(__AVX2__) && defined(__FMA__)
-#define MRI 2               /* 8 int32 accumulators per row in 16 ymm registers */
+#else
 #define I8_WSUM 0
+#endif
 typedef __m256i i8acc;      /* 8 columns' int32 sums */
-typedef __m256i i8row;      /* a row's 4 signed bytes, broadcast */
-typedef struct { __m256i w, wabs; } i8w;
 typedef __m256 i8f;
 static inline i8acc i8acc_zero(void) { return _mm256_setzero_si256(); }
-static inline i8row i8row_load(const uint8_t *p) {
-    int32_t v;
-    memcpy(&v, p, 4);
-    return _mm256_xor_si256(_mm256_set1_epi32(v), _mm256_set1_epi8((char)0x80));
-}
-static inline i8w i8w_load(const int8_t *p) {
-    i8w r;
-    r.w = _mm256_loadu_si256((const __m256i *)p);
-    r.wabs = _mm256_abs_epi8(r.w);
-    return r;
-}
-static inline i8acc i8_dot(i8acc acc, i8row a, i8w w) {
-    const __m256i p = _mm256_maddubs_epi16(w.wabs, _mm256_sign_epi8(a, w.w));
-    return _mm256_add_epi32(acc, _mm256_madd_epi16(p, _mm256_set1_epi16(1)));
-}
-#endif
-#if defined(__AVX2__) && defined(__FMA__)
 static inline __m256i i8_mask(int n) {
     return _mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
 }
@@ -370,6 +348,7 @@ static inline i8f i8_epilogue(i8acc acc, i8f s, float a, i8f b) {
     return _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(acc), s), _mm256_set1_ps(a), b);
 }
 #else
+#define I8_GENERIC 1
 #define MRI 3               /* 8 int32x4 accumulators per row in 32 q registers */
 typedef struct { int32x4_t lo, hi; } i8acc;
 typedef int8x16_t i8row;
@@ -415,6 +394,7 @@ static inline i8f i8_epilogue(i8acc acc, i8f s, float a, i8f b) {
 }
 #endif
 
+#ifdef I8_GENERIC
 /* MR rows of Aq (row stride lda) x one panel B [kq][32][4] -> C (row stride ldc), ncols <= 32 of
  * them stored. Bn (or NULL): the next panel, whose k-groups pf0, pf0 + pfs, ... this row block
  * prefetches into L2 (the panel's row blocks share the prefetching). Named accumulators, each
@@ -469,13 +449,8 @@ static inline i8f i8_epilogue(i8acc acc, i8f s, float a, i8f b) {
     }
 typedef void (*ki8_t)(const uint8_t *, int64_t, const int8_t *, int64_t, float *, int64_t, const float *,
                       const float *, const int32_t *, const float *, int64_t, const int8_t *, int64_t, int64_t);
-KERNEL(1) KERNEL(2)
-#if MRI > 2
-KERNEL(3)
+KERNEL(1) KERNEL(2) KERNEL(3)
 static const ki8_t KI8[MRI + 1] = {0, ki8_1, ki8_2, ki8_3};
-#else
-static const ki8_t KI8[MRI + 1] = {0, ki8_1, ki8_2};
-#endif
 
 /* As the AVX-512 lmi_gemm_i8, in MRI-row blocks. */
 void lmi_gemm_i8(const uint8_t *Aq, int64_t M, int64_t Kp, const float *sa, const int8_t *Bp,
@@ -506,6 +481,204 @@ void lmi_gemm_i8(const uint8_t *Aq, int64_t M, int64_t Kp, const float *sa, cons
         }
     }
 }
+#else
+/* AVX2 without VNNI: int16 products by vpmaddwd, exact for any int8 operands.
+ *
+ * Two rows or more: the activations are widened once per call to int16 q = Aq - 128, each
+ * k-group's four stored as (q0, q2, q1, q3), so a row's k-group is two 32-bit broadcasts, (q0, q2)
+ * and (q1, q3). A weight unit's 32 bytes (8 columns x 4 k) read as 16-bit words hold w0 | w1 << 8
+ * and w2 | w3 << 8 per column: an arithmetic shift right by 8 gives (w1, w3) sign-extended, a
+ * shift left by 8 and then right by 8 gives (w0, w2). vpmaddwd of each against its broadcast adds
+ * two products into each column's int32 lane. Blocks of up to 3 rows x 16 columns (6 accumulators
+ * and 6 broadcasts in 16 ymm registers), each panel in two column halves. Per row and unit (32
+ * multiply-adds): 2 vpmaddwd + 2 vpaddd; the unit's 3 shifts are shared by the block's rows.
+ *
+ * One row (a decode step of one sequence): no widening pass; each 4-column half-unit's 16 bytes
+ * are sign-extended to words (vpmovsxbw: (w0, w1), (w2, w3) per column) against the row's
+ * k-group broadcast as 64 bits (q0, q1, q2, q3); adjacent lanes are added in the epilogue.
+ *
+ * |product| <= 128 x 128, so nothing saturates, and |sum| < 2^31 for K < 2^17: the sums are
+ * sum_k q W_q, as the AVX-512 build's Aq W_q - 128 wsum are.
+ *
+ * Why not vpmaddubsw (unsigned x signed bytes into saturating int16 pairs): Aq x W_q pairs reach
+ * 2 x 255 x 127 and saturate; |W| x (q with W's sign, vpsignb) is exact but costs a vpsignb per
+ * row and unit before vpmaddubsw, vpmaddwd by ones and vpaddd, and on a Zen 4 vpsignb, vpmaddubsw,
+ * vpmaddwd and the FMAs issue on the same two pipes: 3 of those 4 instructions queue there (about
+ * 1.7 cycles per row and unit in a loop from L1, against 1.35 here and 1.9 for fp32's 4 FMAs).
+ * The sign moved to the weights (|q| x W with q's sign) is wrong for W = -128. */
+#define MRW 3
+static inline __m256i i8w_bcast(const int16_t *p) {
+    int32_t v;
+    memcpy(&v, p, 4);
+    return _mm256_set1_epi32(v);
+}
+#define FOR_ROWSW(X) X(0) X(1) X(2)
+#define WDECL(r) __m256i c##r##_0 = _mm256_setzero_si256(), c##r##_1 = c##r##_0;
+#define WLO(r, j) if (mr > r) c##r##_##j = _mm256_add_epi32(c##r##_##j, _mm256_madd_epi16(lo, i8w_bcast(a + r * lda)));
+#define WHI(r, j) if (mr > r) c##r##_##j = _mm256_add_epi32(c##r##_##j, _mm256_madd_epi16(hi, i8w_bcast(a + r * lda + 2)));
+#define WLO0(r) WLO(r, 0)
+#define WLO1(r) WLO(r, 1)
+#define WHI0(r) WHI(r, 0)
+#define WHI1(r) WHI(r, 1)
+#define WUNIT(j)                                                                                      \
+    {                                                                                                 \
+        const __m256i w = _mm256_loadu_si256((const __m256i *)(b + 32 * j));                          \
+        const __m256i lo = _mm256_srai_epi16(_mm256_slli_epi16(w, 8), 8);                             \
+        FOR_ROWSW(WLO##j)                                                                             \
+        const __m256i hi = _mm256_srai_epi16(w, 8);                                                   \
+        FOR_ROWSW(WHI##j)                                                                             \
+    }
+#define WOUT(r, j) if (mr > r) i8f_store_n(C + r * ldc + 8 * j, i8_epilogue(c##r##_##j, s, sa[r], bb), n);
+#define WOUT0(r) WOUT(r, 0)
+#define WOUT1(r) WOUT(r, 1)
+#define WEPI(j)                                                                                       \
+    if (ncols > 8 * j) {                                                                              \
+        const int n = ncols - 8 * j >= 8 ? 8 : (int)(ncols - 8 * j);                                  \
+        const i8f s = i8f_load_n(sw + 8 * j, n), bb = i8f_load_n(bias ? bias + 8 * j : 0, bias ? n : 0); \
+        FOR_ROWSW(WOUT##j)                                                                            \
+    }
+/* MR rows of the widened activations A (row stride lda int16s) x 2 units (16 columns) of a panel
+ * from B (the panel's first byte plus 64 for its second half; k-groups NR * 4 bytes apart) -> C,
+ * the first ncols (<= 16) stored. Bn (or NULL): the next panel's first byte; this call prefetches
+ * its whole k-groups pf0, pf0 + pfs, ... into L2 (the panel's calls, every row block of both
+ * halves, share the prefetching). */
+#define KERNELW(MR)                                                                                   \
+    static void kw_##MR(const int16_t *A, int64_t lda, const int8_t *B, int64_t kq, float *C,         \
+                        int64_t ldc, const float *sa, const float *sw, const float *bias,             \
+                        int64_t ncols, const int8_t *Bn, int64_t pf0, int64_t pfs) {                  \
+        enum { mr = MR };                                                                             \
+        FOR_ROWSW(WDECL)                                                                              \
+        int64_t pfq = Bn ? pf0 : kq;                                                                  \
+        for (int64_t q = 0; q < kq; ++q) {                                                            \
+            const int8_t *b = B + q * NR * 4;                                                         \
+            const int16_t *a = A + q * 4;                                                             \
+            if (q == pfq) {                                                                           \
+                __builtin_prefetch(Bn + q * NR * 4, 0, 2);                                            \
+                __builtin_prefetch(Bn + q * NR * 4 + 64, 0, 2);                                       \
+                pfq += pfs;                                                                           \
+            }                                                                                         \
+            __builtin_prefetch(b + 8 * NR * 4, 0, 3);                                                 \
+            WUNIT(0) WUNIT(1)                                                                         \
+        }                                                                                             \
+        WEPI(0) WEPI(1)                                                                               \
+    }
+typedef void (*kw_t)(const int16_t *, int64_t, const int8_t *, int64_t, float *, int64_t, const float *,
+                     const float *, const float *, int64_t, const int8_t *, int64_t, int64_t);
+KERNELW(2) KERNELW(3)
+static const kw_t KW[MRW + 1] = {0, 0, kw_2, kw_3};
+
+/* One row of Aq (uint8, q + 128) x one whole panel -> C's first ncols (<= 32); Bn / pf0 / pfs as
+ * above. Accumulator h holds columns 4h..4h+3, two lanes each ((w0, w1) and (w2, w3) products). */
+static void kx_1(const uint8_t *A, const int8_t *B, int64_t kq, float *C, const float *sa, const float *sw,
+                 const float *bias, int64_t ncols, const int8_t *Bn, int64_t pf0, int64_t pfs) {
+    __m256i c0 = _mm256_setzero_si256(), c1 = c0, c2 = c0, c3 = c0, c4 = c0, c5 = c0, c6 = c0, c7 = c0;
+    const __m128i off = _mm_set1_epi16(128);
+    int64_t pfq = Bn ? pf0 : kq;
+    for (int64_t q = 0; q < kq; ++q) {
+        const int8_t *b = B + q * NR * 4;
+        if (q == pfq) {
+            __builtin_prefetch(Bn + q * NR * 4, 0, 2);
+            __builtin_prefetch(Bn + q * NR * 4 + 64, 0, 2);
+            pfq += pfs;
+        }
+        __builtin_prefetch(b + 8 * NR * 4, 0, 3);
+        __builtin_prefetch(b + 8 * NR * 4 + 64, 0, 3);
+        int32_t v;
+        memcpy(&v, A + q * 4, 4);
+        const __m256i a = _mm256_broadcastq_epi64(_mm_sub_epi16(_mm_cvtepu8_epi16(_mm_cvtsi32_si128(v)), off));
+#define X1(h, acc) acc = _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(b + 16 * h))), a));
+        X1(0, c0) X1(1, c1) X1(2, c2) X1(3, c3) X1(4, c4) X1(5, c5) X1(6, c6) X1(7, c7)
+#undef X1
+    }
+    /* hadd per 128-bit lane: [c(2j) cols 0, 1 | c(2j+1) cols 4, 5 | c(2j) cols 2, 3 | ...] -> 8 columns in order */
+    const __m256i s0 = _mm256_permute4x64_epi64(_mm256_hadd_epi32(c0, c1), 0xD8);
+    const __m256i s1 = _mm256_permute4x64_epi64(_mm256_hadd_epi32(c2, c3), 0xD8);
+    const __m256i s2 = _mm256_permute4x64_epi64(_mm256_hadd_epi32(c4, c5), 0xD8);
+    const __m256i s3 = _mm256_permute4x64_epi64(_mm256_hadd_epi32(c6, c7), 0xD8);
+    const __m256i acc[4] = {s0, s1, s2, s3};
+    for (int j = 0; j < 4 && ncols > 8 * j; ++j) {
+        const int n = ncols - 8 * j >= 8 ? 8 : (int)(ncols - 8 * j);
+        const i8f s = i8f_load_n(sw + 8 * j, n), bb = i8f_load_n(bias ? bias + 8 * j : 0, bias ? n : 0);
+        i8f_store_n(C + 8 * j, i8_epilogue(acc[j], s, sa[0], bb), n);
+    }
+}
+
+/* Aq [rows][Kp] (uint8, q + 128) -> out [rows][Kp] int16, each k-group (q0, q2, q1, q3). */
+static void i8_widen_rows(const uint8_t *Aq, int64_t rows, int64_t Kp, int16_t *out) {
+    const __m256i order = _mm256_setr_epi8(0, 1, 4, 5, 2, 3, 6, 7, 8, 9, 12, 13, 10, 11, 14, 15,
+                                           0, 1, 4, 5, 2, 3, 6, 7, 8, 9, 12, 13, 10, 11, 14, 15);
+    const __m256i off = _mm256_set1_epi16(128);
+    for (int64_t m = 0; m < rows; ++m) {
+        const uint8_t *a = Aq + m * Kp;
+        int16_t *o = out + m * Kp;
+        int64_t k = 0;
+        for (; k + 16 <= Kp; k += 16) {
+            const __m256i w = _mm256_sub_epi16(_mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(a + k))), off);
+            _mm256_storeu_si256((__m256i *)(o + k), _mm256_shuffle_epi8(w, order));
+        }
+        for (; k < Kp; k += 4) {
+            o[k] = (int16_t)(a[k] - 128), o[k + 1] = (int16_t)(a[k + 2] - 128);
+            o[k + 2] = (int16_t)(a[k + 1] - 128), o[k + 3] = (int16_t)(a[k + 3] - 128);
+        }
+    }
+}
+
+/* As the AVX-512 lmi_gemm_i8: one row by kx_1; more in blocks of 2-3 rows x half panels over the
+ * activations widened chunk by chunk into one buffer the threads share. */
+void lmi_gemm_i8(const uint8_t *Aq, int64_t M, int64_t Kp, const float *sa, const int8_t *Bp,
+                 const int32_t *wsum, const float *sw, int64_t N, const float *bias, float *C, int64_t ldc,
+                 int nthreads) {
+    (void)wsum;
+    const int64_t np = (N + NR - 1) / NR, kq = Kp / 4;
+    int64_t chunk = ((1 << 20) / (2 * Kp)) / MRW * MRW;
+    if (chunk < MRW) chunk = MRW;
+    if (chunk > M) chunk = M;
+    int16_t *A16 = 0;
+    if (M > 1) {
+        while (!(A16 = (int16_t *)malloc((size_t)(chunk * Kp) * sizeof(int16_t))) && chunk > 2) chunk = (chunk + 1) / 2;
+        if (!A16) {     /* not even two rows' 4 Kp bytes: the same sums, one row at a time */
+            for (int64_t m = 0; m < M; ++m)
+                lmi_gemm_i8(Aq + m * Kp, 1, Kp, sa + m, Bp, wsum, sw, N, bias, C + m * ldc, ldc, nthreads);
+            return;
+        }
+    }
+    if (nthreads > np) nthreads = (int)np;
+    if (nthreads < 1) nthreads = 1;
+#pragma omp parallel num_threads(nthreads)
+    {
+        const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+        const int64_t p0 = np * t / nt, p1 = np * (t + 1) / nt;
+        for (int64_t m0 = 0; m0 < M; m0 += chunk) {
+            const int64_t Mc = M - m0 < chunk ? M - m0 : chunk;
+            const int64_t nb = (Mc + MRW - 1) / MRW;    /* Mc >= 2: blocks of 2 or 3 rows */
+            if (Mc > 1) {   /* each thread widens its share of the chunk's rows */
+                const int64_t r0 = Mc * t / nt, r1 = Mc * (t + 1) / nt;
+                i8_widen_rows(Aq + (m0 + r0) * Kp, r1 - r0, Kp, A16 + r0 * Kp);
+#pragma omp barrier
+            }
+            for (int64_t p = p0; p < p1; ++p) {
+                const int8_t *B = Bp + p * kq * NR * 4;
+                const int8_t *Bn = p + 1 < p1 ? B + kq * NR * 4 : 0;
+                const int64_t ncols = N - p * NR < NR ? N - p * NR : NR;
+                if (Mc == 1) {
+                    kx_1(Aq + m0 * Kp, B, kq, C + m0 * ldc + p * NR, sa + m0, sw + p * NR, bias ? bias + p * NR : 0,
+                         ncols, Bn, 0, 1);
+                    continue;
+                }
+                for (int64_t h = 0; h < 2 && ncols > 16 * h; ++h)
+                    for (int64_t i = 0; i < nb; ++i) {
+                        const int64_t lo = Mc * i / nb, hi = Mc * (i + 1) / nb;
+                        KW[hi - lo](A16 + lo * Kp, Kp, B + 64 * h, kq, C + (m0 + lo) * ldc + p * NR + 16 * h, ldc,
+                                    sa + m0 + lo, sw + p * NR + 16 * h, bias ? bias + p * NR + 16 * h : 0,
+                                    ncols - 16 * h, Bn, i + nb * h, 2 * nb);
+                    }
+            }
+#pragma omp barrier
+        }
+    }
+    free(A16);
+}
+#endif
 #else
 int lmi_gemm_i8_available(void) { return 0; }
 
