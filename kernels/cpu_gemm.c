@@ -96,35 +96,9 @@ typedef void (*kern_t)(const float *, int64_t, const float *, int64_t, float *, 
 static const kern_t KERNS[MRMAX + 1] = {0, kern_1, kern_2, kern_3, kern_4, kern_5, kern_6,
                                         kern_7, kern_8, kern_9, kern_10, kern_11, kern_12, kern_13, kern_14};
 
-/* A [M, K] at row stride lda (K contiguous), Bp from lmi_pack_b, bias [N] or NULL,
- * C [M, N] at row stride ldc. */
-void lmi_gemm(const float *A, int64_t M, int64_t K, int64_t lda, const float *Bp, int64_t N,
-              const float *bias, float *C, int64_t ldc, int nthreads) {
-    const int64_t np = (N + NR - 1) / NR;
-    int64_t chunk = ((1 << 20) / (K * 4)) / MRMAX * MRMAX;
-    if (chunk < MRMAX) chunk = MRMAX;
-    if (nthreads > np) nthreads = (int)np;
-    if (nthreads < 1) nthreads = 1;
-#pragma omp parallel num_threads(nthreads)
-    {
-        const int t = omp_get_thread_num(), nt = omp_get_num_threads();
-        const int64_t p0 = np * t / nt, p1 = np * (t + 1) / nt;
-        for (int64_t m0 = 0; m0 < M; m0 += chunk) {
-            const int64_t Mc = M - m0 < chunk ? M - m0 : chunk;
-            const int64_t nb = (Mc + MRMAX - 1) / MRMAX;
-            for (int64_t p = p0; p < p1; ++p) {
-                const float *B = Bp + p * K * NR;
-                const float *Bn = p + 1 < p1 ? B + K * NR : 0;
-                const int64_t ncols = N - p * NR < NR ? N - p * NR : NR;
-                for (int64_t i = 0; i < nb; ++i) {
-                    const int64_t lo = Mc * i / nb, hi = Mc * (i + 1) / nb;
-                    KERNS[hi - lo](A + (m0 + lo) * lda, lda, B, K, C + (m0 + lo) * ldc + p * NR, ldc,
-                                   bias ? bias + p * NR : 0, ncols, Bn, i, nb);
-                }
-            }
-        }
-    }
-}
+#define MRB MRMAX
+#define KERNB KERNS
+#define LMI_GEMM_DRIVER
 #elif (defined(__AVX2__) && defined(__FMA__)) || (defined(__ARM_NEON) && defined(__aarch64__))
 /* AVX2+FMA and aarch64 NEON: one source over cpu_simd.h's 8-lane vectors (a panel row is 4 of them).
  * The same panels, partition, chunking and prefetching as above, and per output the same
@@ -184,38 +158,40 @@ typedef void (*kern_t)(const float *, int64_t, const float *, int64_t, float *, 
                        int64_t, const float *, int64_t, int64_t);
 static const kern_t KERNS[MRV + 1] = {0, kv_1, kv_2, kv_3};
 
-void lmi_gemm(const float *A, int64_t M, int64_t K, int64_t lda, const float *Bp, int64_t N,
-              const float *bias, float *C, int64_t ldc, int nthreads) {
-    const int64_t np = (N + NR - 1) / NR;
-    int64_t chunk = ((1 << 20) / (K * 4)) / MRV * MRV;
-    if (chunk < MRV) chunk = MRV;
-    if (nthreads > np) nthreads = (int)np;
-    if (nthreads < 1) nthreads = 1;
-#pragma omp parallel num_threads(nthreads)
-    {
-        const int t = omp_get_thread_num(), nt = omp_get_num_threads();
-        const int64_t p0 = np * t / nt, p1 = np * (t + 1) / nt;
-        for (int64_t m0 = 0; m0 < M; m0 += chunk) {
-            const int64_t Mc = M - m0 < chunk ? M - m0 : chunk;
-            const int64_t nb = (Mc + MRV - 1) / MRV;
-            for (int64_t p = p0; p < p1; ++p) {
-                const float *B = Bp + p * K * NR;
-                const float *Bn = p + 1 < p1 ? B + K * NR : 0;
-                const int64_t ncols = N - p * NR < NR ? N - p * NR : NR;
-                for (int64_t i = 0; i < nb; ++i) {
-                    const int64_t lo = Mc * i / nb, hi = Mc * (i + 1) / nb;
-                    KERNS[hi - lo](A + (m0 + lo) * lda, lda, B, K, C + (m0 + lo) * ldc + p * NR, ldc,
-                                   bias ? bias + p * NR : 0, ncols, Bn, i, nb);
-                }
-            }
-        }
-    }
-}
+#define MRB MRV
+#define KERNB KERNS
+#define LMI_GEMM_DRIVER
 #else
 int lmi_gemm_available(void) { return 0; }
 
 void lmi_gemm(const float *A, int64_t M, int64_t K, int64_t lda, const float *Bp, int64_t N,
               const float *bias, float *C, int64_t ldc, int nthreads) {
     (void)A; (void)M; (void)K; (void)lda; (void)Bp; (void)N; (void)bias; (void)C; (void)ldc; (void)nthreads;
+}
+#endif
+
+#ifdef LMI_GEMM_DRIVER
+#include "cpu_panel.h"
+
+typedef struct {
+    const float *A, *Bp, *bias;
+    float *C;
+    int64_t lda, K, N, ldc;
+} gemm_ctx;
+
+static void gemm_block(const void *v, int64_t row, int64_t rows, int64_t p, int next, int64_t i, int64_t nb) {
+    const gemm_ctx *c = (const gemm_ctx *)v;
+    const float *B = c->Bp + p * c->K * NR;
+    KERNB[rows](c->A + row * c->lda, c->lda, B, c->K, c->C + row * c->ldc + p * NR, c->ldc,
+                c->bias ? c->bias + p * NR : 0, c->N - p * NR < NR ? c->N - p * NR : NR, next ? B + c->K * NR : 0,
+                i, nb);
+}
+
+/* A [M, K] at row stride lda (K contiguous), Bp from lmi_pack_b, bias [N] or NULL,
+ * C [M, N] at row stride ldc (kernels/cpu_panel.h's loop over this build's row blocks). */
+void lmi_gemm(const float *A, int64_t M, int64_t K, int64_t lda, const float *Bp, int64_t N,
+              const float *bias, float *C, int64_t ldc, int nthreads) {
+    const gemm_ctx c = {A, Bp, bias, C, lda, K, N, ldc};
+    lmi_panel_drive(M, (N + NR - 1) / NR, lmi_panel_chunk(K * 4, MRB), MRB, nthreads, gemm_block, 0, &c);
 }
 #endif

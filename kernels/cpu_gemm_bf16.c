@@ -28,6 +28,7 @@
 #include <stdint.h>
 
 #include "cpu_api.h"
+#include "cpu_panel.h"
 
 #define NR 32
 #define MRMAX 14     /* vdpbf16ps kernels; the widening ones take up to MRW rows */
@@ -153,41 +154,37 @@ typedef void (*kfw_t)(const float *, int64_t, const uint16_t *, int64_t, void *,
 static const kfw_t KFW[MRW + 1] = {0, kfw_1, kfw_2, kfw_3, kfw_4, kfw_5, kfw_6,
                                      kfw_7, kfw_8, kfw_9, kfw_10, kfw_11, kfw_12};
 
-/* Rows in chunks whose A slice stays in L2 (about 1 MiB), each thread a contiguous range of
- * panels, the row blocks of a chunk near-equal in size (as kernels/cpu_gemm.c). */
-#define DRIVE(TABLE, ATYPE, MRMAX)                                                                  \
-    const int64_t np = (N + NR - 1) / NR, kq = (K + 1) / 2;                                         \
-    const int64_t esz = out_bf16 ? 2 : 4;                                                           \
-    int64_t chunk = ((1 << 20) / (K * (int64_t)sizeof(ATYPE))) / MRMAX * MRMAX;                     \
-    if (chunk < MRMAX) chunk = MRMAX;                                                               \
-    if (nthreads > np) nthreads = (int)np;                                                          \
-    if (nthreads < 1) nthreads = 1;                                                                 \
-    _Pragma("omp parallel num_threads(nthreads)")                                                   \
-    {                                                                                               \
-        const int t = omp_get_thread_num(), nt = omp_get_num_threads();                             \
-        const int64_t p0 = np * t / nt, p1 = np * (t + 1) / nt;                                     \
-        for (int64_t m0 = 0; m0 < M; m0 += chunk) {                                                 \
-            const int64_t Mc = M - m0 < chunk ? M - m0 : chunk;                                     \
-            const int64_t nb = (Mc + MRMAX - 1) / MRMAX;                                            \
-            for (int64_t p = p0; p < p1; ++p) {                                                     \
-                const uint16_t *B = Bp + p * kq * NR * 2;                                           \
-                const uint16_t *Bn = p + 1 < p1 ? B + kq * NR * 2 : 0;                              \
-                const int64_t ncols = N - p * NR < NR ? N - p * NR : NR;                            \
-                for (int64_t i = 0; i < nb; ++i) {                                                  \
-                    const int64_t lo = Mc * i / nb, hi = Mc * (i + 1) / nb;                         \
-                    TABLE[hi - lo](A + (m0 + lo) * lda, lda, B, K,                                  \
-                                   (char *)C + ((m0 + lo) * ldc + p * NR) * esz, ldc, out_bf16,     \
-                                   bias ? bias + p * NR : 0, ncols, Bn, i, nb);                     \
-                }                                                                                   \
-            }                                                                                       \
-        }                                                                                           \
+/* kernels/cpu_panel.h's loop over a table of row-block kernels (rows of A of type ATYPE). */
+typedef struct {
+    const void *A, *bias;
+    const uint16_t *Bp;
+    void *C;
+    int64_t lda, K, N, ldc;
+    int out_bf16;
+} bf_ctx;
+
+#define BF_BLOCK(NAME, TABLE, ATYPE)                                                                \
+    static void NAME(const void *v, int64_t row, int64_t rows, int64_t p, int next, int64_t i, int64_t nb) { \
+        const bf_ctx *c = (const bf_ctx *)v;                                                        \
+        const int64_t kq = (c->K + 1) / 2;                                                          \
+        const uint16_t *B = c->Bp + p * kq * NR * 2;                                                \
+        const float *bias = (const float *)c->bias;                                                 \
+        TABLE[rows]((const ATYPE *)c->A + row * c->lda, c->lda, B, c->K,                            \
+                    (char *)c->C + (row * c->ldc + p * NR) * (c->out_bf16 ? 2 : 4), c->ldc, c->out_bf16, \
+                    bias ? bias + p * NR : 0, c->N - p * NR < NR ? c->N - p * NR : NR,              \
+                    next ? B + kq * NR * 2 : 0, i, nb);                                             \
     }
+#define DRIVE(BLOCK, ATYPE, MRMAX)                                                                  \
+    const bf_ctx c = {A, bias, Bp, C, lda, K, N, ldc, out_bf16};                                    \
+    lmi_panel_drive(M, (N + NR - 1) / NR, lmi_panel_chunk(K * (int64_t)sizeof(ATYPE), MRMAX), MRMAX, nthreads, \
+                    BLOCK, 0, &c);
+BF_BLOCK(kfw_block, KFW, float)
 
 /* A [M, K] fp32 at row stride lda (K contiguous), Bp from lmi_pack_bf16, bias [N] fp32 or NULL,
  * C [M, N] at row stride ldc: fp32, or bf16 when out_bf16. Products and sums in fp32 FMAs. */
 void lmi_gemm_bf16w(const float *A, int64_t M, int64_t K, int64_t lda, const uint16_t *Bp, int64_t N,
                     const float *bias, void *C, int64_t ldc, int out_bf16, int nthreads) {
-    DRIVE(KFW, float, MRW)
+    DRIVE(kfw_block, float, MRW)
 }
 
 #if defined(__AVX512BF16__)
@@ -289,9 +286,11 @@ static const kbf_t KBF[MRMAX + 1] = {0, kbf_1, kbf_2, kbf_3, kbf_4, kbf_5, kbf_6
 
 /* A [M, K] bf16 at row stride lda (K contiguous), Bp from lmi_pack_bf16, bias [N] fp32 or NULL,
  * C [M, N] at row stride ldc: fp32, or bf16 when out_bf16. Products by vdpbf16ps. */
+BF_BLOCK(kbf_block, KBF, uint16_t)
+
 void lmi_gemm_bf16(const uint16_t *A, int64_t M, int64_t K, int64_t lda, const uint16_t *Bp, int64_t N,
                    const float *bias, void *C, int64_t ldc, int out_bf16, int nthreads) {
-    DRIVE(KBF, uint16_t, MRMAX)
+    DRIVE(kbf_block, uint16_t, MRMAX)
 }
 #endif
 #elif (defined(__AVX2__) && defined(__FMA__)) || (defined(__ARM_NEON) && defined(__aarch64__))
@@ -370,34 +369,28 @@ typedef void (*kv_t)(const float *, int64_t, const uint16_t *, int64_t, void *, 
                      const float *, int64_t, const uint16_t *, int64_t, int64_t);
 static const kv_t KV[MRV + 1] = {0, kv_1, kv_2};
 
-/* As the AVX-512 build's DRIVE (kernels/cpu_gemm.c's partition and chunking), rows in blocks of up to MRV. */
+/* The same loop (kernels/cpu_panel.h) over this build's row blocks of up to MRV rows. */
+typedef struct {
+    const float *A, *bias;
+    const uint16_t *Bp;
+    void *C;
+    int64_t lda, K, N, ldc;
+    int out_bf16;
+} bfv_ctx;
+
+static void kv_block(const void *v, int64_t row, int64_t rows, int64_t p, int next, int64_t i, int64_t nb) {
+    const bfv_ctx *c = (const bfv_ctx *)v;
+    const int64_t kq = (c->K + 1) / 2;
+    const uint16_t *B = c->Bp + p * kq * NR * 2;
+    KV[rows](c->A + row * c->lda, c->lda, B, c->K, (char *)c->C + (row * c->ldc + p * NR) * (c->out_bf16 ? 2 : 4),
+             c->ldc, c->out_bf16, c->bias ? c->bias + p * NR : 0, c->N - p * NR < NR ? c->N - p * NR : NR,
+             next ? B + kq * NR * 2 : 0, i, nb);
+}
+
 void lmi_gemm_bf16w(const float *A, int64_t M, int64_t K, int64_t lda, const uint16_t *Bp, int64_t N,
                     const float *bias, void *C, int64_t ldc, int out_bf16, int nthreads) {
-    const int64_t np = (N + NR - 1) / NR, kq = (K + 1) / 2;
-    const int64_t esz = out_bf16 ? 2 : 4;
-    int64_t chunk = ((1 << 20) / (K * 4)) / MRV * MRV;
-    if (chunk < MRV) chunk = MRV;
-    if (nthreads > np) nthreads = (int)np;
-    if (nthreads < 1) nthreads = 1;
-#pragma omp parallel num_threads(nthreads)
-    {
-        const int t = omp_get_thread_num(), nt = omp_get_num_threads();
-        const int64_t p0 = np * t / nt, p1 = np * (t + 1) / nt;
-        for (int64_t m0 = 0; m0 < M; m0 += chunk) {
-            const int64_t Mc = M - m0 < chunk ? M - m0 : chunk;
-            const int64_t nb = (Mc + MRV - 1) / MRV;
-            for (int64_t p = p0; p < p1; ++p) {
-                const uint16_t *B = Bp + p * kq * NR * 2;
-                const uint16_t *Bn = p + 1 < p1 ? B + kq * NR * 2 : 0;
-                const int64_t ncols = N - p * NR < NR ? N - p * NR : NR;
-                for (int64_t i = 0; i < nb; ++i) {
-                    const int64_t lo = Mc * i / nb, hi = Mc * (i + 1) / nb;
-                    KV[hi - lo](A + (m0 + lo) * lda, lda, B, K, (char *)C + ((m0 + lo) * ldc + p * NR) * esz, ldc,
-                                out_bf16, bias ? bias + p * NR : 0, ncols, Bn, i, nb);
-                }
-            }
-        }
-    }
+    const bfv_ctx c = {A, bias, Bp, C, lda, K, N, ldc, out_bf16};
+    lmi_panel_drive(M, (N + NR - 1) / NR, lmi_panel_chunk(K * 4, MRV), MRV, nthreads, kv_block, 0, &c);
 }
 #else
 int lmi_gemm_bf16w_available(void) { return 0; }

@@ -27,6 +27,7 @@
 #include <string.h>
 
 #include "cpu_api.h"
+#include "cpu_panel.h"
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
 #elif defined(__ARM_NEON) && defined(__aarch64__)
@@ -243,37 +244,9 @@ typedef void (*ki8_t)(const uint8_t *, int64_t, const int8_t *, int64_t, float *
 static const ki8_t KI8[MRMAX + 1] = {0, ki8_1, ki8_2, ki8_3, ki8_4, ki8_5, ki8_6,
                                      ki8_7, ki8_8, ki8_9, ki8_10, ki8_11, ki8_12, ki8_13, ki8_14};
 
-/* Aq [M, Kp] uint8 from lmi_quant_rows with its scales sa [M]; Bp, wsum from lmi_pack_i8; sw [N]
- * the weight scales; bias [N] or NULL; C [M, N] fp32 at row stride ldc. */
-void lmi_gemm_i8(const uint8_t *Aq, int64_t M, int64_t Kp, const float *sa, const int8_t *Bp,
-                 const int32_t *wsum, const float *sw, int64_t N, const float *bias, float *C, int64_t ldc,
-                 int nthreads) {
-    const int64_t np = (N + NR - 1) / NR, kq = Kp / 4;
-    int64_t chunk = ((1 << 20) / Kp) / MRMAX * MRMAX;
-    if (chunk < MRMAX) chunk = MRMAX;
-    if (nthreads > np) nthreads = (int)np;
-    if (nthreads < 1) nthreads = 1;
-#pragma omp parallel num_threads(nthreads)
-    {
-        const int t = omp_get_thread_num(), nt = omp_get_num_threads();
-        const int64_t p0 = np * t / nt, p1 = np * (t + 1) / nt;
-        for (int64_t m0 = 0; m0 < M; m0 += chunk) {
-            const int64_t Mc = M - m0 < chunk ? M - m0 : chunk;
-            const int64_t nb = (Mc + MRMAX - 1) / MRMAX;
-            for (int64_t p = p0; p < p1; ++p) {
-                const int8_t *B = Bp + p * kq * NR * 4;
-                const int8_t *Bn = p + 1 < p1 ? B + kq * NR * 4 : 0;
-                const int64_t ncols = N - p * NR < NR ? N - p * NR : NR;
-                for (int64_t i = 0; i < nb; ++i) {
-                    const int64_t lo = Mc * i / nb, hi = Mc * (i + 1) / nb;
-                    KI8[hi - lo](Aq + (m0 + lo) * Kp, Kp, B, kq, C + (m0 + lo) * ldc + p * NR, ldc,
-                                 sa + m0 + lo, sw + p * NR, wsum + p * NR, bias ? bias + p * NR : 0, ncols,
-                                 Bn, i, nb);
-                }
-            }
-        }
-    }
-}
+#define MRB MRMAX
+#define I8_TABLE_DRIVER
+
 #elif (defined(__AVX2__) && defined(__FMA__)) || (defined(__ARM_NEON) && defined(__aarch64__))
 /* AVX2 and NEON (and AVX-512 builds without VNNI): the same panels, the same integers, the same
  * epilogue. Each k-group of a panel is 4 units of 8 columns x 4 k (32 bytes); each unit adds a
@@ -452,35 +425,8 @@ typedef void (*ki8_t)(const uint8_t *, int64_t, const int8_t *, int64_t, float *
 KERNEL(1) KERNEL(2) KERNEL(3)
 static const ki8_t KI8[MRI + 1] = {0, ki8_1, ki8_2, ki8_3};
 
-/* As the AVX-512 lmi_gemm_i8, in MRI-row blocks. */
-void lmi_gemm_i8(const uint8_t *Aq, int64_t M, int64_t Kp, const float *sa, const int8_t *Bp,
-                 const int32_t *wsum, const float *sw, int64_t N, const float *bias, float *C, int64_t ldc,
-                 int nthreads) {
-    const int64_t np = (N + NR - 1) / NR, kq = Kp / 4;
-    int64_t chunk = ((1 << 20) / Kp) / MRI * MRI;
-    if (chunk < MRI) chunk = MRI;
-    if (nthreads > np) nthreads = (int)np;
-    if (nthreads < 1) nthreads = 1;
-#pragma omp parallel num_threads(nthreads)
-    {
-        const int t = omp_get_thread_num(), nt = omp_get_num_threads();
-        const int64_t p0 = np * t / nt, p1 = np * (t + 1) / nt;
-        for (int64_t m0 = 0; m0 < M; m0 += chunk) {
-            const int64_t Mc = M - m0 < chunk ? M - m0 : chunk;
-            const int64_t nb = (Mc + MRI - 1) / MRI;
-            for (int64_t p = p0; p < p1; ++p) {
-                const int8_t *B = Bp + p * kq * NR * 4;
-                const int8_t *Bn = p + 1 < p1 ? B + kq * NR * 4 : 0;
-                const int64_t ncols = N - p * NR < NR ? N - p * NR : NR;
-                for (int64_t i = 0; i < nb; ++i) {
-                    const int64_t lo = Mc * i / nb, hi = Mc * (i + 1) / nb;
-                    KI8[hi - lo](Aq + (m0 + lo) * Kp, Kp, B, kq, C + (m0 + lo) * ldc + p * NR, ldc, sa + m0 + lo,
-                                 sw + p * NR, wsum + p * NR, bias ? bias + p * NR : 0, ncols, Bn, i, nb);
-                }
-            }
-        }
-    }
-}
+#define MRB MRI
+#define I8_TABLE_DRIVER
 #else
 /* AVX2 without VNNI: int16 products by vpmaddwd, exact for any int8 operands.
  *
@@ -624,15 +570,45 @@ static void i8_widen_rows(const uint8_t *Aq, int64_t rows, int64_t Kp, int16_t *
     }
 }
 
-/* As the AVX-512 lmi_gemm_i8: one row by ks_1; more in blocks of 2-3 rows x half panels over the
- * activations widened chunk by chunk into one buffer the threads share. */
+typedef struct {
+    const uint8_t *Aq;
+    int16_t *A16;       /* the chunk's rows widened */
+    const float *sa, *sw, *bias;
+    const int8_t *Bp;
+    float *C;
+    int64_t Kp, kq, N, ldc, chunk;
+} i8w_ctx;
+
+static void i8w_prep(const void *v, int64_t row, int64_t rows, int t, int nt) {
+    const i8w_ctx *c = (const i8w_ctx *)v;
+    if (rows < 2) return;   /* one row: ks_1 reads Aq */
+    const int64_t r0 = rows * t / nt, r1 = rows * (t + 1) / nt;
+    i8_widen_rows(c->Aq + (row + r0) * c->Kp, r1 - r0, c->Kp, c->A16 + r0 * c->Kp);
+}
+
+static void i8w_block(const void *v, int64_t row, int64_t rows, int64_t p, int next, int64_t i, int64_t nb) {
+    const i8w_ctx *c = (const i8w_ctx *)v;
+    const int64_t kq = c->kq, ncols = c->N - p * NR < NR ? c->N - p * NR : NR;
+    const int8_t *B = c->Bp + p * kq * NR * 4, *Bn = next ? B + kq * NR * 4 : 0;
+    float *C = c->C + row * c->ldc + p * NR;
+    if (rows == 1) {    /* a chunk of one row (M = 1, or the last chunk) */
+        ks_1(c->Aq + row * c->Kp, B, kq, C, c->sa + row, c->sw + p * NR, c->bias ? c->bias + p * NR : 0, ncols,
+             Bn, i, nb);
+        return;
+    }
+    const int16_t *A = c->A16 + (row % c->chunk) * c->Kp;
+    for (int64_t h = 0; h < 2 && ncols > 16 * h; ++h)   /* the panel's column halves share its prefetch */
+        KW[rows](A, c->Kp, B + 64 * h, kq, C + 16 * h, c->ldc, c->sa + row, c->sw + p * NR + 16 * h,
+                 c->bias ? c->bias + p * NR + 16 * h : 0, ncols - 16 * h, Bn, i + nb * h, 2 * nb);
+}
+
+/* As the AVX-512 lmi_gemm_i8 (kernels/cpu_panel.h's loop): one row by ks_1; more in blocks of 2-3
+ * rows x half panels over the activations widened chunk by chunk into one buffer the threads share. */
 void lmi_gemm_i8(const uint8_t *Aq, int64_t M, int64_t Kp, const float *sa, const int8_t *Bp,
                  const int32_t *wsum, const float *sw, int64_t N, const float *bias, float *C, int64_t ldc,
                  int nthreads) {
     (void)wsum;
-    const int64_t np = (N + NR - 1) / NR, kq = Kp / 4;
-    int64_t chunk = ((1 << 20) / (2 * Kp)) / MRW * MRW;
-    if (chunk < MRW) chunk = MRW;
+    int64_t chunk = lmi_panel_chunk(2 * Kp, MRW);
     if (chunk > M) chunk = M;
     int16_t *A16 = 0;
     if (M > 1) {
@@ -643,40 +619,8 @@ void lmi_gemm_i8(const uint8_t *Aq, int64_t M, int64_t Kp, const float *sa, cons
             return;
         }
     }
-    if (nthreads > np) nthreads = (int)np;
-    if (nthreads < 1) nthreads = 1;
-#pragma omp parallel num_threads(nthreads)
-    {
-        const int t = omp_get_thread_num(), nt = omp_get_num_threads();
-        const int64_t p0 = np * t / nt, p1 = np * (t + 1) / nt;
-        for (int64_t m0 = 0; m0 < M; m0 += chunk) {
-            const int64_t Mc = M - m0 < chunk ? M - m0 : chunk;
-            const int64_t nb = (Mc + MRW - 1) / MRW;    /* Mc >= 2: blocks of 2 or 3 rows */
-            if (Mc > 1) {   /* each thread widens its share of the chunk's rows */
-                const int64_t r0 = Mc * t / nt, r1 = Mc * (t + 1) / nt;
-                i8_widen_rows(Aq + (m0 + r0) * Kp, r1 - r0, Kp, A16 + r0 * Kp);
-#pragma omp barrier
-            }
-            for (int64_t p = p0; p < p1; ++p) {
-                const int8_t *B = Bp + p * kq * NR * 4;
-                const int8_t *Bn = p + 1 < p1 ? B + kq * NR * 4 : 0;
-                const int64_t ncols = N - p * NR < NR ? N - p * NR : NR;
-                if (Mc == 1) {
-                    ks_1(Aq + m0 * Kp, B, kq, C + m0 * ldc + p * NR, sa + m0, sw + p * NR, bias ? bias + p * NR : 0,
-                         ncols, Bn, 0, 1);
-                    continue;
-                }
-                for (int64_t h = 0; h < 2 && ncols > 16 * h; ++h)
-                    for (int64_t i = 0; i < nb; ++i) {
-                        const int64_t lo = Mc * i / nb, hi = Mc * (i + 1) / nb;
-                        KW[hi - lo](A16 + lo * Kp, Kp, B + 64 * h, kq, C + (m0 + lo) * ldc + p * NR + 16 * h, ldc,
-                                    sa + m0 + lo, sw + p * NR + 16 * h, bias ? bias + p * NR + 16 * h : 0,
-                                    ncols - 16 * h, Bn, i + nb * h, 2 * nb);
-                    }
-            }
-#pragma omp barrier
-        }
-    }
+    const i8w_ctx c = {Aq, A16, sa, sw, bias, Bp, C, Kp, Kp / 4, N, ldc, chunk > 0 ? chunk : 1};
+    lmi_panel_drive(M, (N + NR - 1) / NR, c.chunk, MRW, nthreads, i8w_block, i8w_prep, &c);
     free(A16);
 }
 #endif
@@ -688,5 +632,34 @@ void lmi_gemm_i8(const uint8_t *Aq, int64_t M, int64_t Kp, const float *sa, cons
                  int nthreads) {
     (void)Aq; (void)M; (void)Kp; (void)sa; (void)Bp; (void)wsum; (void)sw; (void)N; (void)bias; (void)C;
     (void)ldc; (void)nthreads;
+}
+#endif
+
+#ifdef I8_TABLE_DRIVER
+typedef struct {
+    const uint8_t *Aq;
+    const float *sa, *sw, *bias;
+    const int8_t *Bp;
+    const int32_t *wsum;
+    float *C;
+    int64_t Kp, kq, N, ldc;
+} i8_ctx;
+
+static void i8_block(const void *v, int64_t row, int64_t rows, int64_t p, int next, int64_t i, int64_t nb) {
+    const i8_ctx *c = (const i8_ctx *)v;
+    const int8_t *B = c->Bp + p * c->kq * NR * 4;
+    KI8[rows](c->Aq + row * c->Kp, c->Kp, B, c->kq, c->C + row * c->ldc + p * NR, c->ldc, c->sa + row, c->sw + p * NR,
+              c->wsum + p * NR, c->bias ? c->bias + p * NR : 0, c->N - p * NR < NR ? c->N - p * NR : NR,
+              next ? B + c->kq * NR * 4 : 0, i, nb);
+}
+
+/* Aq [M, Kp] uint8 from lmi_quant_rows with its scales sa [M]; Bp, wsum from lmi_pack_i8; sw [N]
+ * the weight scales; bias [N] or NULL; C [M, N] fp32 at row stride ldc (kernels/cpu_panel.h's
+ * loop over this build's row blocks of up to MRB rows). */
+void lmi_gemm_i8(const uint8_t *Aq, int64_t M, int64_t Kp, const float *sa, const int8_t *Bp,
+                 const int32_t *wsum, const float *sw, int64_t N, const float *bias, float *C, int64_t ldc,
+                 int nthreads) {
+    const i8_ctx c = {Aq, sa, sw, bias, Bp, wsum, C, Kp, Kp / 4, N, ldc};
+    lmi_panel_drive(M, (N + NR - 1) / NR, lmi_panel_chunk(Kp, MRB), MRB, nthreads, i8_block, 0, &c);
 }
 #endif
