@@ -66,8 +66,12 @@ def test_avx2_int8_paths_equal_the_avx512_build(m, k, n):
 
 
 def test_int8_avx2_chunk_rows_matches_the_kernel_source():
-    # _chunk_rows above mirrors the driver's row chunk; the source must still say so.
+    # _chunk_rows above mirrors the driver's row chunk; the sources must still say so.
     import os
-    with open(os.path.join(os.path.dirname(cpu_ext.__file__), "cpu_gemm_i8.c")) as f:
-        src = f.read()
-    assert "int64_t chunk = ((1 << 20) / (2 * Kp)) / MRW * MRW;" in src and "#define MRW 3" in src
+    here = os.path.dirname(cpu_ext.__file__)
+    with open(os.path.join(here, "cpu_gemm_i8.c")) as f:
+        i8 = f.read()
+    with open(os.path.join(here, "cpu_panel.h")) as f:
+        panel = f.read()
+    assert "lmi_panel_chunk(2 * Kp, MRW)" in i8 and "#define MRW 3" in i8
+    assert "((1 << 20) / (row_bytes > 0 ? row_bytes : 1)) / mr * mr" in panel
