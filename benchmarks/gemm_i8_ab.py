@@ -8,7 +8,8 @@ uses, called alternately on the same buffers; the outputs must be equal bit for 
 
 --kernel: i8 (kernels/cpu_gemm_i8.c: lmi_quant_rows + lmi_gemm_i8, the server's per-layer work;
 --quant-only times lmi_quant_rows alone), fp32 (kernels/cpu_gemm.c: lmi_gemm), bf16w
-(kernels/cpu_gemm_bf16.c: lmi_gemm_bf16w, bf16 weights, fp32 in and out). One thread (OMP_NUM_THREADS is not read: each call passes nthreads=1), each
+(kernels/cpu_gemm_bf16.c: lmi_gemm_bf16w, bf16 weights, fp32 in and out). One thread (OMP_NUM_THREADS is
+not read: each call passes nthreads=1), each
 side's best round of `calls` calls by process CPU time (robust to other processes on a shared host),
 the sides alternating within each round. `--layers L` cycles through L weight copies so they stream
 from memory as a model's layers do. Ratio = base time / new time (above 1: the new source is faster).
@@ -19,6 +20,7 @@ import argparse
 import ctypes
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -39,8 +41,8 @@ def build(src_text: str, target: list[str], out_dir: str, name: str, defines=())
     with open(src, "w") as f:
         f.write(src_text)
     so = os.path.join(out_dir, f"{name}.so")
-    cmd = [cpu_ext._compiler(), *cpu_ext.EXACT_FLAGS, *target, *(f"-D{d}" for d in defines), "-I", os.path.join(ROOT, "kernels"), "-shared",
-           src, "-o", so, "-lm"]
+    cmd = [cpu_ext._compiler(), *cpu_ext.EXACT_FLAGS, *target, *(f"-D{d}" for d in defines),
+           "-I", os.path.join(ROOT, "kernels"), "-shared", src, "-o", so, "-lm"]
     r = subprocess.run(cmd, capture_output=True, text=True)
     if r.returncode != 0:
         raise SystemExit(f"error: building {name} failed: {r.stderr[-2000:]}")
@@ -84,7 +86,10 @@ def main(argv=None) -> int:
         new_text = f.read()
     target = isa.compile_flags(a.isa)
     tmp = tempfile.mkdtemp(prefix="lmi_ab_")
-    libs = {"base": build(base_text, target, tmp, "base"), "new": build(new_text, target, tmp, "new", a.define)}
+    try:
+        libs = {"base": build(base_text, target, tmp, "base"), "new": build(new_text, target, tmp, "new", a.define)}
+    finally:     # loaded libraries stay mapped once their files are gone
+        shutil.rmtree(tmp, ignore_errors=True)
     clock = time.process_time
     cells = []
     print(f"{a.source} {a.isa} ({' '.join(target)}): base {a.base} vs working tree; 1 thread, best of {a.rounds} "
@@ -158,7 +163,8 @@ def main(argv=None) -> int:
                 return 1
     if a.out:
         with open(a.out, "w") as f:
-            json.dump({"isa": a.isa, "base": a.base, "kernel": a.kernel, "source": a.source, "rounds": a.rounds, "calls": a.calls,
+            json.dump({"isa": a.isa, "base": a.base, "kernel": a.kernel, "source": a.source, "rounds": a.rounds,
+                       "calls": a.calls,
                        "layers": a.layers, "quant_only": a.quant_only, "cells": cells,
                        "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}, f, indent=1)
     return 0

@@ -537,7 +537,8 @@ __attribute__((noinline)) static void ks_1(const uint8_t *A, const int8_t *B, in
 #define S1(j, acc)                                                                                    \
     {                                                                                                 \
         const __m256i w = _mm256_loadu_si256((const __m256i *)(b + 32 * j));                          \
-        acc = _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(a, w)), ones)); \
+        const __m256i pr = _mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(a, w));           \
+        acc = _mm256_add_epi32(acc, _mm256_madd_epi16(pr, ones));                                     \
     }
         S1(0, c0) S1(1, c1) S1(2, c2) S1(3, c3)
 #undef S1
