@@ -448,7 +448,8 @@ static const ki8_t KI8[MRI + 1] = {0, ki8_1, ki8_2, ki8_3};
  * 2 x 255 x 127 and saturate; |W| x (q with W's sign, vpsignb) is exact but costs a vpsignb per
  * row and unit before vpmaddubsw, vpmaddwd by ones and vpaddd, and on a Zen 4 vpsignb, vpmaddubsw,
  * vpmaddwd and the FMAs issue on the same two pipes: 3 of those 4 instructions queue there (about
- * 1.7 cycles per row and unit in a loop from L1, against 1.35 here and 1.9 for fp32's 4 FMAs).
+ * 1.8 cycles per row and unit in a loop from L1, against 1.35 here and 2.2 for fp32's 4 FMAs:
+ * benchmarks/i8_avx2_loops.c).
  * The sign moved to the weights (|q| x W with q's sign) is wrong for W = -128. */
 #define MRW 3
 static inline __m256i i8w_bcast(const int16_t *p) {
