@@ -15,7 +15,7 @@ import os
 from dataclasses import dataclass
 
 CHECKPOINT_METHODS = ("awq", "gptq")        # read from the checkpoint (handler/model/quant_int4.py)
-ALL = ("int8", "awq", "gptq", "gguf", "fp8", "none")
+ALL = ("int8", "int8_weight_only", "awq", "gptq", "gguf", "fp8", "none")
 
 
 class QuantConfigError(ValueError):
