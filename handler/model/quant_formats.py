@@ -24,9 +24,7 @@ grouped format, exactly). llama.cpp's converter permutes the rows of llama's q a
 """
 from __future__ import annotations
 
-import json
 import logging
-import os
 
 import numpy as np
 import torch
