@@ -226,3 +226,36 @@ def test_qwen_1_5b_greedy_parity_and_a_fact(tmp_path):
         engine.shutdown()
     assert [ids for ids, _ in got] == want, [tok.decode(ids) for ids, _ in got]
     assert "Paris" in tok.decode(want[0])
+
+
+# ---- precisions on the 0.5B (handler/model/quant.py, quant_formats.py)
+def test_gguf_blocks_served_are_the_converted_weights_and_answers(qwen_dir):
+    # Qwen's q4_k_m file: Q5_0, Q8_0, Q4_K and Q6_K linear tensors and a Q8_0 output head, each served
+    # as its own blocks (no q/k row permutation for qwen2), bit for bit the weights transformers'
+    # GGUF loader wrote into the fp32 directory; then the greedy chat answers of both.
+    import torch
+    from safetensors import safe_open
+    from handler.model.quant_int4 import Q4Linear, grouped_of
+    from handler.model.runner import ModelRunner
+    from tests.model.test_quant_int4 import _chat_answers
+    r = ModelRunner(qwen_dir, dtype="fp32", device="cpu", kv_cache_tokens=64, quantize="gguf")
+    layers = {n: m for n, m in r.model.named_modules() if isinstance(m, Q4Linear)}
+    assert len(layers) == 7 * r.model.arch.layers + 1 and "lm_head" in layers
+    assert {m.fmt for m in layers.values()} == {"gguf Q5_0", "gguf Q8_0", "gguf Q4_K", "gguf Q6_K"}
+    with safe_open(os.path.join(qwen_dir, "model.safetensors"), framework="pt") as f:
+        for name, m in layers.items():
+            assert torch.equal(grouped_of(m).dequantize(), f.get_tensor(name + ".weight")), name
+    del r, layers
+    assert _chat_answers(qwen_dir, "gguf", n=3, new=16) == _chat_answers(qwen_dir, None, n=3, new=16)
+
+
+def test_weight_only_int8_quality(qwen_dir):
+    """W8A16: perplexity of the held-aside texts within 2% of fp32's, teacher-forced agreement at least
+    95% (benchmarks/results/quality-qwen2.5-coder-0.5b states free-running agreement for both int8 modes)."""
+    from handler.tools import quality
+    base = quality.measure(qwen_dir, "fp32", None, 24)
+    cand = quality.measure(qwen_dir, "fp32", "int8_weight_only", 24, reference=base["answers"])
+    for name in quality.TEXTS:
+        assert abs(cand["perplexity"][name] / base["perplexity"][name] - 1) <= 0.02, (name, cand["perplexity"])
+    same, total = cand["teacher_forced"]
+    assert total > 100 and same / total >= 0.95, (same, total)

@@ -15,7 +15,7 @@ import os
 from dataclasses import dataclass
 
 CHECKPOINT_METHODS = ("awq", "gptq")        # read from the checkpoint (handler/model/quant_int4.py)
-ALL = ("int8", "awq", "gptq", "gguf", "fp8", "none")
+ALL = ("int8", "int8_weight_only", "awq", "gptq", "gguf", "fp8", "none")
 
 
 class QuantConfigError(ValueError):
@@ -105,8 +105,8 @@ def resolve(quantize: str | None, model_dir: str | None, on_gpu: bool, is_gguf: 
     if quantize == "fp8":
         if not on_gpu:
             raise QuantConfigError("option.quantize=fp8 needs a GPU with fp8 arithmetic (CUDA compute capability "
-                                   "8.9+); this server runs on CPU: use awq, gptq, gguf or int8")
-        raise QuantConfigError("option.quantize=fp8 is not implemented yet; allowed: int8, awq, gptq, gguf")
+                                   "8.9+); this server runs on CPU: use awq, gptq, gguf, int8 or int8_weight_only")
+        raise QuantConfigError("option.quantize=fp8 is not implemented yet; allowed: int8, int8_weight_only, awq, gptq, gguf")
     found = None
     if model_dir and os.path.isdir(model_dir):
         found = checkpoint_quant(read_quantization_config(model_dir))

@@ -170,8 +170,9 @@ class Key:
 
 ROLLING_BATCH_VALUES = ["auto", "scheduler", "lmi-dist", "vllm", "disable"]
 _SECONDS = _float(0.0, None, True, "a positive number of seconds")
-_QUANTIZE = _enum(["int8", "awq", "gptq", "gguf", "fp8", "none"],   # option.quantize and its vLLM name
-                  {"w8a8": "int8", "int8_dynamic": "int8", "awq_marlin": "awq", "gptq_marlin": "gptq"})
+_QUANTIZE = _enum(["int8", "int8_weight_only", "awq", "gptq", "gguf", "fp8", "none"],   # option.quantize, vLLM's name
+                  {"w8a8": "int8", "int8_dynamic": "int8", "awq_marlin": "awq", "gptq_marlin": "gptq",
+                   "w8a16": "int8_weight_only", "int8_wo": "int8_weight_only"})
 
 KEYS: tuple[Key, ...] = (
     # LMI's other engine names are accepted (with a warning) so that older files load as written.
@@ -275,7 +276,10 @@ KEYS: tuple[Key, ...] = (
     Key("option.quantize", _QUANTIZE,
         "quantized linear layers (the output head and embeddings stay in `option.dtype`). `int8`: dynamic W8A8, "
         "weights rounded per output channel at load, activations per token each step (kernels/cpu_gemm_i8.c "
-        "on every CPU kernel build: VNNI, AVX2, NEON; `w8a8` and `int8_dynamic` are its other names). `awq`, `gptq`: a pre-quantized "
+        "on every CPU kernel build: VNNI, AVX2, NEON; `w8a8` and `int8_dynamic` are its other names). "
+        "`int8_weight_only` (torchao's name; `w8a16`, `int8_wo`): W8A16 as OpenVINO's int8, weights rounded per "
+        "output channel (symmetric), activations stay float; kernels/cpu_gemm_q4.c's 8-bit path on every CPU build, "
+        "bit for bit its dequantized weights' fp32 results; closer to fp32's answers than `int8`. `awq`, `gptq`: a pre-quantized "
         "4-bit checkpoint (AutoAWQ GEMM / GPTQ packing, group scales and zeros), served without dequantizing "
         "(kernels/cpu_gemm_q4.c, bit for bit its dequantized fp32 model's results); detected from config.json's "
         "`quantization_config` when the key is absent, and must agree with it; linear layers at 0.16x their "
@@ -285,7 +289,7 @@ KEYS: tuple[Key, ...] = (
         "dequantized weights). `none`: a quantized checkpoint or `.gguf` file dequantized to `option.dtype`. "
         "`fp8`: refused (needs an fp8 GPU; not implemented yet). docs/QUANTIZATION.md has memory, speed and "
         "quality of each. Absent: the model's dtype, or the checkpoint's own quantization",
-        values="`int8`, `awq`, `gptq`, `gguf`, `fp8`, `none`", env=("HF_MODEL_QUANTIZE",),
+        values="`int8`, `int8_weight_only`, `awq`, `gptq`, `gguf`, `fp8`, `none`", env=("HF_MODEL_QUANTIZE",),
         summary_default="(none; a quantized checkpoint's own)"),
     Key("option.quantization", _QUANTIZE,
         "vLLM's name for `option.quantize` (used when that is absent)", values="as `option.quantize`",

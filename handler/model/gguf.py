@@ -16,6 +16,11 @@ from handler.config.properties import gguf_files   # shared with the configurati
 log = logging.getLogger("lmi.gguf")
 
 TORCH_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+# A GGUF file names one EOS token; llama.cpp stops generating at any of these special tokens of the
+# vocabulary too (its end-of-generation set), as the models' own generation_config.json lists them
+# (Qwen2.5: <|im_end|> and <|endoftext|>).
+END_OF_GENERATION = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|eom_id|>", "<|end_of_text|>", "<|end|>",
+                     "<end_of_turn>")
 
 
 class GGUFError(ValueError):
@@ -89,8 +94,35 @@ def convert_gguf(gguf_path: str, out_dir: str, dtype: str = "fp32") -> str:
     os.makedirs(out_dir, exist_ok=True)
     model.save_pretrained(out_dir, safe_serialization=True)
     tok.save_pretrained(out_dir)
+    eog = write_end_of_generation(out_dir, tok)
     with open(marker, "w") as f:
         json.dump(stamp, f)
+    if len(eog) > 1:
+        log.info("%s: generation stops at any of %s (the file names one EOS; llama.cpp's end-of-generation "
+                 "tokens)", name, eog)
     log.info("converted %s (%s, %d layers) into %s as %s", name, type(model).__name__,
              config.num_hidden_layers, out_dir, dtype)
     return out_dir
+
+
+def write_end_of_generation(out_dir: str, tok=None) -> list[int]:
+    """generation_config.json's eos_token_id in `out_dir` -> the file's EOS first, then every special
+    token of END_OF_GENERATION the vocabulary has; returns the list written (or found)."""
+    path = os.path.join(out_dir, "generation_config.json")
+    if tok is None:
+        from transformers import AutoTokenizer
+        tok = AutoTokenizer.from_pretrained(out_dir)
+    try:
+        with open(path) as f:
+            gen = json.load(f)
+    except (OSError, ValueError):
+        gen = {}
+    first = gen.get("eos_token_id", tok.eos_token_id)
+    ids = [first] if isinstance(first, int) else list(first or [])
+    special = {t.content: i for i, t in getattr(tok, "added_tokens_decoder", {}).items() if t.special}
+    ids += [special[t] for t in END_OF_GENERATION if t in special and special[t] not in ids]
+    if ids and ids != ([first] if isinstance(first, int) else first):
+        gen["eos_token_id"] = ids
+        with open(path, "w") as f:
+            json.dump(gen, f, indent=2)
+    return ids

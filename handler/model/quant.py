@@ -18,6 +18,16 @@ the producer of their input divided by it: the RMSNorm before q/k/v and before g
 up_proj rows before down_proj (SiLU(gate) * up is linear in up). The float model is unchanged
 (up to rounding); the int8 one rounds activations whose channels are evened out. A LoRA adapter's
 A is multiplied by the same s when loaded (`input_scale`), since its layer now sees x / s.
+
+int8_weight_only (aliases w8a16, int8_wo; torchao's name): W8A16, OpenVINO's default int8 weight
+compression. Each weight row n is rounded to int8 by its own symmetric scale s[n] (max|w[n]| / 127,
+itself rounded to 16 significant bits so that every q * s is exact in fp32); activations stay
+float, nothing is rounded per step: y = x @ (q * s)^T + b. No smoothing (it moves activation
+outliers into the weights, which is what a weight-only mode rounds). Served by the grouped 8-bit
+kernel (kernels/cpu_gemm_q4.c, every CPU build) as one group of K per row: codes q + 128, scale s,
+min -128 s, whose fma(q + 128, s, -128 s) is exactly q * s; so a W8A16 model computes bit for bit
+what the fp32 model holding the dequantized weights q * s computes on that kernel path. Without a
+kernel (the torch backend, a GPU) quant_int4.Q4Linear dequantizes per call and torch multiplies.
 """
 from __future__ import annotations
 
@@ -30,7 +40,14 @@ from kernels import cpu_ext
 
 log = logging.getLogger("lmi.quant")
 
-METHODS = {"int8": "int8", "w8a8": "int8", "int8_dynamic": "int8"}
+METHODS = {"int8": "int8", "w8a8": "int8", "int8_dynamic": "int8",
+           "int8_weight_only": "w8a16", "w8a16": "w8a16", "int8_wo": "w8a16"}
+SCALE_BITS = 16     # significant bits kept in a W8A16 row scale (8-bit code x 16 bits: exact in fp32)
+
+
+def smooths(method: str) -> bool:
+    """Whether `method` is smoothed before quantizing (W8A8 only: see the module doc)."""
+    return METHODS.get(method) == "int8"
 SMOOTH_ALPHA = 0.5
 # Calibration: chat-shaped English and code, not the text `handler quality` measures perplexity on.
 CALIBRATION = """\
@@ -96,6 +113,27 @@ def int8_reference(x: torch.Tensor, qweight: torch.Tensor, wscale: torch.Tensor,
     return y.view(*x.shape[:-1], qweight.shape[0])
 
 
+def quantize_rows_w8a16(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[N, K] float -> (int8 [N, K], scales [N] fp32 of SCALE_BITS significant bits): each row
+    symmetric by max|row| / 127 (round half to even; an all-zero row has scale 0)."""
+    w = w.detach().float()
+    scale = w.abs().amax(dim=1) / 127.0
+    drop = 24 - SCALE_BITS                              # fp32's 24 significant bits -> SCALE_BITS
+    bits = scale.view(torch.int32)
+    bits = (bits + (1 << (drop - 1))) & ~((1 << drop) - 1)     # round to nearest (ties away), positive floats
+    scale = bits.view(torch.float32)
+    q = torch.where(scale[:, None] > 0, w / scale.clamp_min(torch.finfo(torch.float32).tiny)[:, None], 0.0)
+    return q.round().clamp_(-127, 127).to(torch.int8), scale
+
+
+def w8a16_grouped(w: torch.Tensor):
+    """[N, K] float -> quant_int4.Grouped: 8-bit codes q + 128, one group of K, min -128 s."""
+    from handler.model.quant_int4 import Grouped
+    q, s = quantize_rows_w8a16(w)
+    codes = (q.to(torch.int16) + 128).to(torch.uint8)
+    return Grouped(codes.contiguous(), s[:, None].contiguous(), (-128.0 * s)[:, None].contiguous(), 8, w.shape[1])
+
+
 def _head(model: nn.Module) -> nn.Linear | None:
     return model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
 
@@ -116,11 +154,14 @@ def _untie_head(model: nn.Module) -> None:
 def quantize_model(model: nn.Module, method: str, head: bool = False) -> int:
     """Swap every linear layer but the output head (with `head`, that one too) for `method`'s
     class, in place; returns how many."""
-    if METHODS.get(method) != "int8":
+    kind = METHODS.get(method)
+    if kind is None:
         raise ValueError(f"unknown quantization {method!r}")
-    kernel = cpu_ext.gemm_i8_available()
     if head:
         _untie_head(model)
+    if kind == "w8a16":
+        return _quantize_w8a16(model, head)
+    kernel = cpu_ext.gemm_i8_available()
     done = 0
     for name, m in _targets(model, head):
         q, scale = quantize_rows(m.weight)
@@ -139,6 +180,22 @@ def quantize_model(model: nn.Module, method: str, head: bool = False) -> int:
     log.info("int8: %d linear layers quantized (%s); the output head %s", done,
              f"kernels/cpu_gemm_i8.c, the {cpu_ext.backend().isa} build" if kernel
              else "reference torch ops: no int8 kernel build here",
+             "too (LMI_QUANT_HEAD)" if head else
+             "stays " + str(next(model.parameters()).dtype).removeprefix("torch."))
+    return done
+
+
+def _quantize_w8a16(model: nn.Module, head: bool) -> int:
+    from handler.model.quant_int4 import install, use_kernel
+    done, kernel = 0, None
+    for name, m in _targets(model, head):
+        if kernel is None:
+            kernel = use_kernel(m.weight.device)
+        install(m, w8a16_grouped(m.weight), "int8_weight_only", kernel)
+        done += 1
+    log.info("int8_weight_only: %d linear layers as int8 weights per output channel (%s); the output head %s",
+             done, f"kernels/cpu_gemm_q4.c, the {cpu_ext.backend().isa} build" if kernel
+             else "dequantized per call for torch: no grouped kernel here",
              "too (LMI_QUANT_HEAD)" if head else
              "stays " + str(next(model.parameters()).dtype).removeprefix("torch."))
     return done

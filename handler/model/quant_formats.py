@@ -14,15 +14,17 @@ desc_act (act-order) permutes g_idx; only the identity grouping (g_idx[k] = k //
 
 GGUF (llama.cpp): per 32-element block along K, Q4_0: fp16 d + 16 bytes (element j in the low
 nibble of byte j, element j + 16 in its high nibble), w = d (q - 8); Q4_1: fp16 d, fp16 m + 16
-bytes, w = d q + m; Q8_0: fp16 d + 32 int8, w = d q. llama.cpp's converter permutes the rows of
-llama's q and k projections (rotary pairs interleaved); that is undone here as transformers'
-GGUF loader undoes it.
+bytes, w = d q + m; Q5_0 / Q5_1: as Q4_0 / Q4_1 with a fifth bit per element in a 32-bit field,
+w = d (q - 16) / d q + m; Q8_0: fp16 d + 32 int8, w = d q. K-quants, per 256-element superblock:
+Q4_K / Q5_K eight sub-blocks of 32 with 6-bit scales and mins under fp16 d and dmin, Q6_K
+sixteen sub-blocks of 16 with int8 scales under fp16 d (gguf_blocks says how each maps to the
+grouped format, exactly). llama.cpp's converter permutes the rows of llama's q and k projections
+(rotary pairs interleaved); that is undone here as transformers' GGUF loader undoes it (the
+`llama` architecture only).
 """
 from __future__ import annotations
 
-import json
 import logging
-import os
 
 import numpy as np
 import torch
@@ -180,21 +182,80 @@ GGUF_LINEARS = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "att
                 "ffn_down": "mlp.down_proj"}
 
 
+GGUF_SERVED = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
+QK_K = 256      # a K-quant superblock
+
+
+def _f16(b: np.ndarray) -> np.ndarray:
+    """[..., 2] uint8 -> [...] fp32 (an fp16 field of each block)."""
+    return np.ascontiguousarray(b).view(np.float16)[..., 0].astype(np.float32)
+
+
+def _k_scale_min(sc: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K/Q5_K's 12 bytes of eight 6-bit scales and mins per superblock -> ([..., 8], [..., 8])."""
+    d, m, md = sc[..., 0:4], sc[..., 4:8], sc[..., 8:12]
+    scale = np.concatenate([d & 0x3F, (md & 0x0F) | ((d >> 2) & 0x30)], axis=-1)
+    mins = np.concatenate([m & 0x3F, (md >> 4) | ((m >> 2) & 0x30)], axis=-1)
+    return scale, mins
+
+
 def gguf_blocks(kind: str, raw: np.ndarray, n: int, k: int) -> Grouped:
-    """Raw GGUF rows [N, bytes] of type `kind` (Q4_0 | Q4_1 | Q8_0) -> Grouped (group 32)."""
+    """Raw GGUF rows [N, bytes] of type `kind` (GGUF_SERVED) -> Grouped, the weight gguf.quants
+    dequantizes bit for bit (each format's value is one rounding of an exact product, see below).
+
+    32-element blocks: Q4_0 d (q - 8), Q4_1 d q + m (4-bit codes); Q5_0 d (q - 16), Q5_1 d q + m
+    (5-bit codes: the 8-bit kernel); Q8_0 d q (codes q + 128). 256-element superblocks: Q4_K and
+    Q5_K, eight sub-blocks of 32 with 6-bit scale sc and min mn: w = (d sc) q - (dmin mn), i.e.
+    group 32 with scale d sc and min -dmin mn, both exact in fp32 (11 + 6 bits); Q6_K, sixteen
+    sub-blocks of 16 with int8 scales: w = (d sc)(q - 32), group 16, 6-bit codes (8-bit kernel)."""
+    a = np.ascontiguousarray(raw).view(np.uint8).reshape(n, -1)
+    if kind in ("Q4_K", "Q5_K", "Q6_K"):
+        b = a.reshape(n, k // QK_K, -1)
+        if kind == "Q6_K":
+            ql, qh = b[..., :128], b[..., 128:192]
+            sc = b[..., 192:208].view(np.int8).astype(np.float32)                        # [N, nb, 16]
+            d = _f16(b[..., 208:210])
+            lo = (ql.reshape(n, -1, 2, 1, 64) >> np.array([0, 4], np.uint8).reshape(1, 1, 1, 2, 1)) & 0xF
+            hi = (qh.reshape(n, -1, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 1, 4, 1)) & 3
+            q = lo.reshape(n, -1, 8, 32) | (hi.reshape(n, -1, 8, 32) << 4)
+            s = d[..., None] * sc                                                         # exact: 11 + 8 bits
+            return _grouped(q.reshape(n, k), s.reshape(n, -1), -32.0 * s.reshape(n, -1), 8, 16)
+        d, dmin = _f16(b[..., 0:2]), _f16(b[..., 2:4])
+        sc, mn = _k_scale_min(b[..., 4:16])
+        if kind == "Q4_K":
+            qs, bits = b[..., 16:144], 4
+            q = (qs.reshape(n, -1, 4, 1, 32) >> np.array([0, 4], np.uint8).reshape(1, 1, 1, 2, 1)) & 0xF
+            q = q.reshape(n, -1, 8, 32)
+        else:
+            qh, qs, bits = b[..., 16:48], b[..., 48:176], 8
+            lo = (qs.reshape(n, -1, 4, 1, 32) >> np.array([0, 4], np.uint8).reshape(1, 1, 1, 2, 1)) & 0xF
+            hi = (qh.reshape(n, -1, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 1, 8, 1)) & 1
+            q = lo.reshape(n, -1, 8, 32) | (hi << 4)
+        s = d[..., None] * sc.astype(np.float32)
+        m = -(dmin[..., None] * mn.astype(np.float32))
+        return _grouped(q.reshape(n, k), s.reshape(n, -1), m.reshape(n, -1), bits, 32)
     nb = k // 32
-    b = torch.from_numpy(np.ascontiguousarray(raw).reshape(n, nb, -1).copy())
-    d = b[..., 0:2].contiguous().view(torch.float16).squeeze(-1).float()        # [N, nb]
+    b = a.reshape(n, nb, -1)
+    d = _f16(b[..., 0:2])                                                                 # [N, nb]
     if kind == "Q8_0":
-        qs = b[..., 2:34].contiguous().view(torch.int8).to(torch.int16) + 128    # [N, nb, 32]
-        return Grouped(qs.to(torch.uint8).reshape(n, k), d, -128.0 * d, 8, 32)
-    off = 4 if kind == "Q4_1" else 2
+        q = (b[..., 2:34].view(np.int8).astype(np.int16) + 128).astype(np.uint8)
+        return _grouped(q.reshape(n, k), d, -128.0 * d, 8, 32)
+    off = {"Q4_0": 2, "Q4_1": 4, "Q5_0": 6, "Q5_1": 8}[kind]
     qs = b[..., off:off + 16]
-    q = torch.cat([qs & 0xF, qs >> 4], dim=-1).reshape(n, k)                    # j < 16 low nibbles, then high
-    if kind == "Q4_1":
-        m = b[..., 2:4].contiguous().view(torch.float16).squeeze(-1).float()
-        return Grouped(q.contiguous(), d, m, 4, 32)
-    return Grouped(q.contiguous(), d, -8.0 * d, 4, 32)
+    q = np.concatenate([qs & 0xF, qs >> 4], axis=-1)                                     # j < 16 low nibbles, then high
+    if kind in ("Q5_0", "Q5_1"):
+        qh = np.ascontiguousarray(b[..., off - 4:off]).view(np.uint32)                    # [N, nb, 1], bit j: element j
+        q = q | (((qh >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8) << 4)
+    bits = 4 if kind in ("Q4_0", "Q4_1") else 8
+    if kind in ("Q4_1", "Q5_1"):
+        return _grouped(q.reshape(n, k), d, _f16(b[..., 2:4]), bits, 32)
+    return _grouped(q.reshape(n, k), d, (-8.0 if kind == "Q4_0" else -16.0) * d, bits, 32)
+
+
+def _grouped(q: np.ndarray, s: np.ndarray, m: np.ndarray, bits: int, group: int) -> Grouped:
+    return Grouped(torch.from_numpy(np.ascontiguousarray(q, dtype=np.uint8)),
+                   torch.from_numpy(np.ascontiguousarray(s, dtype=np.float32)),
+                   torch.from_numpy(np.ascontiguousarray(m, dtype=np.float32)), bits, group)
 
 
 def _unpermute_rows(n: int, heads: int) -> torch.Tensor:
@@ -203,8 +264,14 @@ def _unpermute_rows(n: int, heads: int) -> torch.Tensor:
 
 
 def install_gguf(model: nn.Module, model_dir: str, tp, arch, spec_of) -> int:
-    """Serve the GGUF file's Q4_0 / Q4_1 / Q8_0 linear weights grouped (replacing the dequantized
-    ones llama.load read); tensors of other types stay dequantized (one log line). Returns how many."""
+    """Serve the GGUF file's linear weights of GGUF_SERVED types grouped (replacing the dequantized
+    ones llama.load read), the output head's too when the file has its own (`output.weight`, an
+    untied head); tensors of other types stay dequantized (one log line), as do the embeddings
+    (a row gather, not a GEMM). Returns how many layers are served grouped.
+
+    llama.cpp permutes q/k rows only for the `llama` architecture (Llama, Mistral, SmolLM: its
+    LlamaModel converter); qwen2 and others are stored in the checkpoint's order (as transformers'
+    GGUF loader reads them)."""
     from gguf import GGUFReader
 
     path = gguf_source(model_dir)
@@ -213,21 +280,26 @@ def install_gguf(model: nn.Module, model_dir: str, tp, arch, spec_of) -> int:
                              "(no converted_from.json naming one)")
     kernel = use_kernel(next(model.parameters()).device)
     modules = dict(model.named_modules())
+    reader = GGUFReader(path)
+    permuted = gguf_arch(reader) == "llama"
     done, other = 0, {}
-    for t in GGUFReader(path).tensors:
+    for t in reader.tensors:
         parts = t.name.split(".")
-        if len(parts) != 4 or parts[0] != "blk" or parts[2] not in GGUF_LINEARS or parts[3] != "weight":
+        if t.name == "output.weight" and not arch.tied:
+            name, leaf = "lm_head", None
+        elif len(parts) == 4 and parts[0] == "blk" and parts[2] in GGUF_LINEARS and parts[3] == "weight":
+            name, leaf = f"model.layers.{parts[1]}.{GGUF_LINEARS[parts[2]]}", parts[2]
+        else:
             continue
         kind = t.tensor_type.name
-        if kind not in ("Q4_0", "Q4_1", "Q8_0"):
+        if kind not in GGUF_SERVED:
             other[kind] = other.get(kind, 0) + 1
             continue
-        name = f"model.layers.{parts[1]}.{GGUF_LINEARS[parts[2]]}"
         k, n = (int(x) for x in t.shape)
         w = gguf_blocks(kind, t.data, n, k)
-        if parts[2] == "attn_q":
+        if permuted and leaf == "attn_q":
             w = w.rows(_unpermute_rows(n, arch.heads))
-        elif parts[2] == "attn_k":
+        elif permuted and leaf == "attn_k":
             w = w.rows(_unpermute_rows(n, arch.kv_heads))
         m = modules.get(name)
         if not isinstance(m, nn.Linear):
@@ -238,3 +310,11 @@ def install_gguf(model: nn.Module, model_dir: str, tp, arch, spec_of) -> int:
         log.info("gguf: %s linear tensors of types our kernel does not take stay dequantized (%s)",
                  sum(other.values()), ", ".join(f"{v} {k}" for k, v in sorted(other.items())))
     return done
+
+
+def gguf_arch(reader) -> str | None:
+    """general.architecture of an open GGUFReader (e.g. llama, qwen2)."""
+    f = reader.fields.get("general.architecture")
+    if f is None or not f.data:
+        return None
+    return bytes(f.parts[f.data[0]]).decode("utf-8", "replace")

@@ -169,7 +169,9 @@ class ModelRunner:
         self.kv_cache = [(self._kv_pool(), self._kv_pool()) for _ in range(layers)]
         on_the_fly = quantize if quantize and quantize not in AT_LOAD else None  # awq/gptq/gguf: the loader's
         if on_the_fly:
-            self._smooth(on_the_fly)
+            from handler.model import quant
+            if quant.smooths(on_the_fly):
+                self._smooth(on_the_fly)
         if fuse and self._fusable(on_the_fly):
             self.model.fuse_projections()
         if on_the_fly:

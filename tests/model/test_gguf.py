@@ -45,3 +45,46 @@ def test_an_unreadable_gguf_is_one_clear_error(tmp_path, monkeypatch):
                        env={"PATH": "/usr/bin:/bin", "HF_HUB_OFFLINE": "1", "LMI_MODEL_CACHE": str(tmp_path / "c")})
     assert r.returncode == 2, r.stderr[-2000:]
     assert "error: transformers cannot read broken.gguf" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_conversion_stops_at_every_end_of_generation_token(real_gguf, tmp_path):
+    # A GGUF file names one EOS (SmolLM2's <|im_end|>); the converted generation_config.json lists it
+    # first, then the vocabulary's other end-of-generation special tokens (<|endoftext|>), as
+    # llama.cpp stops at any of them; the runner stops at each.
+    import json
+    import os
+
+    from gguf import GGUFReader
+    from transformers import AutoTokenizer
+
+    from handler.model.gguf import convert_gguf
+    from handler.model.runner import ModelRunner
+    out = convert_gguf(real_gguf, str(tmp_path / "smollm2"), "bf16")
+    f = GGUFReader(real_gguf).fields["tokenizer.ggml.eos_token_id"]
+    file_eos = int(f.parts[f.data[0]][0])
+    with open(os.path.join(out, "generation_config.json")) as fh:
+        eos = json.load(fh)["eos_token_id"]
+    tok = AutoTokenizer.from_pretrained(out)
+    assert eos[0] == file_eos and len(eos) == len(set(eos))
+    assert {"<|im_end|>", "<|endoftext|>"} <= set(tok.convert_ids_to_tokens(eos))
+    r = ModelRunner(out, dtype="bf16", device="cpu", kv_cache_tokens=64)
+    assert set(eos) <= r.eos_token_ids
+
+
+def test_qwen_generation_config_gains_endoftext(tmp_path):
+    # Qwen's own generation_config.json ends at <|im_end|> and <|endoftext|>; its GGUF names only the first.
+    import json
+    import shutil
+    from pathlib import Path
+
+    from handler.model.gguf import write_end_of_generation
+    src = Path(__file__).resolve().parents[2] / ".cache" / "models" / "qwen2.5-coder-0.5b"
+    if not (src / "tokenizer.json").is_file():
+        pytest.skip(f"{src} is absent; build it with: python -m handler build-demo-model --family "
+                    "qwen2.5-coder-0.5b .cache/models/qwen2.5-coder-0.5b")
+    for name in ("tokenizer.json", "tokenizer_config.json", "config.json"):
+        shutil.copy(src / name, tmp_path / name)
+    (tmp_path / "generation_config.json").write_text(json.dumps({"bos_token_id": 151643, "eos_token_id": 151645}))
+    assert write_end_of_generation(str(tmp_path)) == [151645, 151643]
+    assert json.loads((tmp_path / "generation_config.json").read_text())["eos_token_id"] == [151645, 151643]
+    assert write_end_of_generation(str(tmp_path)) == [151645, 151643]      # once only

@@ -391,7 +391,7 @@ def test_quantize_values_checked_without_a_quantized_checkpoint(demo_model_dir, 
                          ("fp8", "fp8 needs a GPU")):
         with pytest.raises(ConfigError, match=match):
             load_config(_props(tmp_path, **{"option.quantize": value}), demo_model_dir, env={}, gpu_count=0)
-    with pytest.raises(ConfigError, match="allowed: int8, awq, gptq, gguf, fp8, none"):
+    with pytest.raises(ConfigError, match="allowed: int8, int8_weight_only, awq, gptq, gguf, fp8, none"):
         load_config(_props(tmp_path, **{"option.quantize": "nf4"}), demo_model_dir, env={})
     assert load_config(None, demo_model_dir, env={}).quantize is None
 

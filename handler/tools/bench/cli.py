@@ -169,7 +169,7 @@ def cmd_compare(a) -> int:
         raise UsageError(f"--reps={a.reps}: must be >= 1")
     if a.tensor_parallel_degree < 1:
         raise UsageError(f"--tensor-parallel-degree={a.tensor_parallel_degree}: must be >= 1")
-    clients = list(_ints("--clients", a.clients)) if a.clients else None
+    clients = list(_ints("--clients", a.clients)) if a.clients else list(PRESETS[a.preset].clients) or None
     peer_dirs = {k: v for k, v in (("openvino", a.openvino_dir), ("llamacpp", a.llamacpp_dir),
                                    ("llamacpp_kv", a.llamacpp_kv)) if v}
     compare(a.preset, a.out, only=only, workloads=workloads, reps=a.reps, model_dir=a.model_dir,
@@ -234,7 +234,7 @@ def main(argv: list[str]) -> int:
     _workload_args(r, "gpu")
     c = sub.add_parser("compare", help="start every strategy and peer, run the preset, write results")
     c.add_argument("--out", required=True, help="directory for results.json/.md/.png, logs and the model")
-    c.add_argument("--only", help="comma-separated subset of none,dynamic,rolling,paged,paged_int8,hf_naive,"
+    c.add_argument("--only", help="comma-separated subset of none,dynamic,rolling,paged,paged_int8,paged_w8a16,paged_gguf,hf_naive,"
                                   "transformers_cb,vllm_cpu,openvino,openvino_int8,llamacpp,llamacpp_q8 "
                                   "(default: all; vllm_cpu only without CUDA; an installed peer that is absent "
                                   "is skipped with its install command)")
@@ -270,8 +270,14 @@ def main(argv: list[str]) -> int:
     _workload_args(c, "cpu")
     sub.add_parser("install-peer", add_help=False,
                    help="install a peer into its own directory: install-peer vllm|openvino|llamacpp [--dir DIR]")
+    sub.add_parser("floor", add_help=False,
+                   help="the decode-bound view: weight bytes per step / memcpy bandwidth, and TPOT at 1 client "
+                        "against it: floor --model-dir DIR [--dtype] [--quantize] [--results results.json]")
     if argv[:1] == ["install-peer"]:
         return install_peer(argv[1:])
+    if argv[:1] == ["floor"]:
+        from handler.tools.bench import floor
+        return floor.main(argv[1:])
     a = ap.parse_args(argv)
     try:
         return cmd_run(a) if a.cmd == "run" else cmd_compare(a)

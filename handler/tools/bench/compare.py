@@ -26,7 +26,8 @@ from handler.tools.bench.workloads import PRESETS, Preset, Workload, output_leng
 
 STRATEGIES = ("none", "dynamic", "rolling", "paged")
 # Quantized cells: a strategy served with option.quantize=<method> (handler/model/quant.py).
-QUANTIZED = {"paged_int8": ("paged", "int8")}
+QUANTIZED = {"paged_int8": ("paged", "int8"), "paged_w8a16": ("paged", "int8_weight_only"),
+             "paged_gguf": ("paged", "gguf")}     # paged_gguf: a model converted from a .gguf file only
 # The CPU peers installed in their own directories (install-peer), each a cell in the run's dtype
 # and a cell with int8 weights: OpenVINO GenAI (int8 weight-compressed IR) and llama.cpp (q8_0).
 OPENVINO = (openvino_peer.NAME, *openvino_peer.QUANTIZED)
@@ -44,7 +45,8 @@ SERIAL = ("none", "hf_naive")          # one request at a time (Workload.serial_
 ALL = STRATEGIES + tuple(QUANTIZED) + PEERS
 BLOCK = 16  # tokens per KV block for our servers (option.block_size default) and the CB peer's page
 HERE = os.path.dirname(os.path.abspath(__file__))
-CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(HERE))), "benchmarks", "configs")
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(HERE)))
+CONFIGS = os.path.join(ROOT, "benchmarks", "configs")
 
 
 # ------------------------------------------------------------------ model
@@ -64,6 +66,12 @@ def prepare_model(preset: Preset, out_dir: str, model_dir: str | None = None, dt
         from handler.tools.demo_model import build_demo_model
 
         return os.path.abspath(build_demo_model(path, "llama"))
+    from handler.tools.real_model import MODELS
+    if preset.model in MODELS and preset.model != "smollm2":
+        # Converted once into the checkout's model cache (several GB: not copied into each out dir).
+        from handler.tools.real_model import build_real_model
+        return os.path.abspath(build_real_model(os.path.join(ROOT, ".cache", "models", preset.model),
+                                                model=MODELS[preset.model]))
     if preset.model == "smollm2":
         from handler.tools.real_model import FetchError, build_real_model
         try:
@@ -251,6 +259,12 @@ def make_servers(names, w: Workload, model_dir: str, kv_tokens: int, run_dir: st
             servers.append(Server(name, cmd, log, port, api=OpenAICompletions(vllm_cpu.SERVED_NAME), env=env,
                                   startup_timeout=vllm_cpu.STARTUP_TIMEOUT, held=held))
             continue
+        if name == "paged_gguf":
+            from handler.config.quantization import converted_from_gguf
+            if not converted_from_gguf(model_dir):
+                servers.append(Server(name, [], log, port, skipped=f"{model_dir} was not converted from a .gguf "
+                                                                   "file (its blocks are what paged_gguf serves)"))
+                continue
         if name in STRATEGIES or name in QUANTIZED:
             props = os.path.join(run_dir, f"{name}.properties")
             with open(props, "w") as f:

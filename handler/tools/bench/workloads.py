@@ -208,6 +208,20 @@ CHAT_JSON_CPU_135M = replace(
          "(parameters.guided_json: a topic and up to three points); compare with the same requests "
          "unconstrained (benchmarks/structured_overhead.py runs both arms interleaved)")
 
+LMI_CPU_QWEN_05B = replace(
+    LMI_CPU_135M, requests=100, serial_requests=16,
+    note="Qwen2.5-Coder-0.5B on a 2-core CPU, one server at a time: prompts of about 15/60/160 tokens, each "
+         "unique from its first token, outputs 16/32/64, greedy, EOS ignored; 100 requests at 50 clients "
+         "(the load curve's 1 and 4 clients run the first 16, 16 clients the first 64); KV 12,800 tokens, "
+         "at most 64 running; the one-at-a-time servers run the first 16. About 5 minutes a repetition per "
+         "server in fp32 on 2 cores")
+LMI_CPU_QWEN_15B = replace(
+    LMI_CPU_135M, requests=60, serial_requests=8, max_new_tokens=(8, 16, 32),
+    note="Qwen2.5-Coder-1.5B on a 2-core CPU, one server at a time: prompts of about 15/60/160 tokens, each "
+         "unique, outputs 8/16/32 (a decode step streams 3-7 GB in fp32), greedy, EOS ignored; 60 requests at "
+         "50 clients (1 and 4 clients: the first 16; 16 clients: the first 60); KV 12,800 tokens; the "
+         "one-at-a-time servers run the first 8. About 7 minutes per server in fp32 on 2 cores")
+
 SMOKE = Workload(
     name="smoke", requests=6, concurrency=2, prompt_words=(4, 12), max_new_tokens=(4, 8),
     dynamic_batch_size=2, max_batch_delay_ms=20, prefill_tokens=512,
@@ -223,6 +237,7 @@ class Preset:
     description: str = ""
     one_at_a_time: bool = False  # start each server only for its own run (too big to share a device)
     dtype: str | None = None     # fp32|bf16 for every server when --dtype is not given (None: by device)
+    clients: tuple[int, ...] = ()  # the load curve run when --clients is not given (empty: none)
 
 
 PRESETS = {
@@ -240,6 +255,15 @@ PRESETS = {
                          description="guided decoding's cost: the chat workload unconstrained, then with half "
                                      "its requests JSON-schema constrained (our strategies only: the peers "
                                      "ignore or refuse guided_json)", one_at_a_time=True),
+    "cpu-qwen-0.5b": Preset("cpu-qwen-0.5b", (LMI_CPU_QWEN_05B,), repetitions=2, model="qwen2.5-coder-0.5b",
+                            description="Qwen2.5-Coder-0.5B-Instruct (Qwen's q4_k_m GGUF from PyPI part-wheels, "
+                                        "dequantized once into .cache/models) on CPU at 1, 4, 16 and 50 "
+                                        "clients; one server at a time", one_at_a_time=True,
+                            clients=(1, 4, 16, 50)),
+    "cpu-qwen-1.5b": Preset("cpu-qwen-1.5b", (LMI_CPU_QWEN_15B,), repetitions=1, model="qwen2.5-coder-1.5b",
+                            description="Qwen2.5-Coder-1.5B-Instruct (as the 0.5B) on CPU at 1, 4, 16 and 50 "
+                                        "clients; one server at a time", one_at_a_time=True,
+                            clients=(1, 4, 16, 50)),
     "smoke": Preset("smoke", (SMOKE,), repetitions=1, model="demo",
                     description="seconds-long check that every server answers"),
 }

@@ -1,0 +1,130 @@
+"""The decode-bound view: time per output token at one client against the memory floor.
+
+    python -m handler bench floor --model-dir DIR [--dtype fp32] [--quantize int8_weight_only]
+        [--results OUT/results.json] [--out floor.json]
+
+At one client a decode step multiplies one row by every weight of the model, so it cannot take less
+than the time to stream those weights from memory once:
+
+    floor = weight bytes read per step / the host's copy bandwidth
+
+weight bytes read per step  every tensor our server's linear layers multiply by (packed panels,
+                            int8 / grouped codes with their scales, biases), the output head whole
+                            and the norms, as the server holds them for `--dtype` / `--quantize`;
+                            not the input embedding table (one row gathered per token)
+copy bandwidth              a memcpy probe: torch's copy_ of a 512 MiB fp32 buffer over all the
+                            process's threads, the best of 5, in bytes copied per second (each byte
+                            is also written: the read stream alone may run up to 2x faster, so
+                            `floor_read_ms`, the same bytes at twice that rate, is stated beside)
+
+`--results` (a `bench compare --clients 1,...` results.json): every server's TPOT p50 at one client
+divided by this precision's floor (run once per precision: fp32, bf16, int8, ...; a peer's layout of
+the same precision may read somewhat more or fewer bytes, so its ratio is an estimate).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+PROBE_MIB = 512
+
+
+def copy_bandwidth(mib: int = PROBE_MIB, reps: int = 5) -> dict:
+    """Bytes copied per second by torch's copy_ over the process's threads (best of `reps`)."""
+    import torch
+    n = mib * 2 ** 20 // 4
+    src = torch.ones(n, dtype=torch.float32)
+    dst = torch.empty_like(src)
+    dst.copy_(src)                      # fault the pages in
+    best = float("inf")
+    for _ in range(reps):
+        t = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - t)
+    return {"bytes": n * 4, "seconds": best, "copy_gbps": n * 4 / best / 1e9, "threads": torch.get_num_threads()}
+
+
+def step_bytes(model) -> dict:
+    """Bytes a one-row decode step reads of `model`'s weights, as held (see the module doc)."""
+    import torch
+    emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    head_reads_table = (head is not None and emb is not None and getattr(head, "weight", None) is emb.weight
+                        and all(getattr(head, a, None) is None for a in ("panels", "packed", "qweight")))
+    seen, total, table = set(), 0, 0
+    for m in model.modules():
+        tensors = list(m.parameters(recurse=False)) + list(m.buffers(recurse=False))
+        tensors += [t for a in ("panels", "packed", "qweight", "qscales", "qmins", "wsum", "wscale", "bias32",
+                                "qbytes") for t in [getattr(m, a, None)] if isinstance(t, torch.Tensor)]
+        g = getattr(m, "grouped", None)
+        if g is not None:
+            tensors += [g.q, g.scales, g.mins]
+        for t in tensors:
+            if id(t) in seen or not t.is_floating_point() and t.dtype not in (torch.int8, torch.uint8, torch.int32):
+                continue
+            seen.add(id(t))
+            b = t.numel() * t.element_size()
+            if m is emb and not head_reads_table:
+                table += b
+                continue
+            total += b
+    return {"weight_bytes_per_step": total, "embedding_table_bytes": table}
+
+
+def floor_of(model_dir: str, dtype: str, quantize: str | None) -> dict:
+    """Build the server's engine for the precision (handler/tools/quality.py's), measure its bytes."""
+    from handler.tools import quality
+    engine = quality.engine_for(model_dir, dtype, quantize)
+    try:
+        return step_bytes(engine.runner.model)
+    finally:
+        engine.shutdown()
+
+
+def tpot_vs_floor(results: dict, floors: dict[str, float]) -> list[dict]:
+    """Per server of a load curve: TPOT p50 at one client and its ratio to `floors` (ms, by server
+    name; '*' for any other)."""
+    out = []
+    for name, points in (results.get("curve") or {}).items():
+        one = next((p for p in points if p.get("clients") == 1), None)
+        if one is None or one.get("tpot_p50") is None:
+            continue
+        fl = floors.get(name, floors.get("*"))
+        tpot_ms = one["tpot_p50"] * 1e3
+        out.append({"server": name, "tpot_p50_ms": round(tpot_ms, 2), "floor_ms": round(fl, 2) if fl else None,
+                    "x_floor": round(tpot_ms / fl, 2) if fl else None})
+    return out
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="python -m handler bench floor", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model-dir", required=True)
+    p.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"))
+    p.add_argument("--quantize", help="the precision served (int8, int8_weight_only, gguf, awq, gptq)")
+    p.add_argument("--results", help="a `bench compare --clients 1,...` results.json: TPOT at 1 client vs the floor")
+    p.add_argument("--out", help="write the figures to this JSON file")
+    a = p.parse_args(argv)
+    bw = copy_bandwidth()
+    held = floor_of(a.model_dir, a.dtype, a.quantize)
+    floor_ms = held["weight_bytes_per_step"] / (bw["copy_gbps"] * 1e9) * 1e3
+    out = {"model_dir": a.model_dir, "dtype": a.dtype, "quantize": a.quantize, **held, **bw,
+           "floor_ms": round(floor_ms, 3), "floor_read_ms": round(floor_ms / 2, 3)}
+    print(f"weights read per step {held['weight_bytes_per_step'] / 2 ** 20:.0f} MiB "
+          f"({a.quantize or a.dtype}); copy bandwidth {bw['copy_gbps']:.1f} GB/s over {bw['threads']} threads; "
+          f"floor {floor_ms:.1f} ms per token ({floor_ms / 2:.1f} ms at twice the copy rate)")
+    if a.results:
+        with open(a.results) as f:
+            res = json.load(f)
+        out["servers"] = tpot_vs_floor(res, {"*": floor_ms})
+        for r in out["servers"]:
+            print(f"  {r['server']:>16}: TPOT p50 {r['tpot_p50_ms']:.1f} ms = {r['x_floor']:.2f}x the floor")
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump(out, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,56 @@
+"""The decode-bound view (handler/tools/bench/floor.py) and the Qwen presets (workloads.py)."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from handler.tools.bench import floor
+from handler.tools.bench.compare import curve_requests
+from handler.tools.bench.workloads import PRESETS
+
+
+class _Tiny(nn.Module):
+    def __init__(self, tied: bool):
+        super().__init__()
+        self.embed = nn.Embedding(100, 8)
+        self.norm = nn.LayerNorm(8)
+        self.head = nn.Linear(8, 100, bias=False)
+        if tied:
+            self.head.weight = self.embed.weight
+
+    def get_input_embeddings(self):
+        return self.embed
+
+    def get_output_embeddings(self):
+        return self.head
+
+
+def test_step_bytes_leave_out_the_gathered_table_unless_the_head_reads_it():
+    untied = floor.step_bytes(_Tiny(tied=False))
+    assert untied == {"weight_bytes_per_step": (100 * 8 + 8 + 8) * 4, "embedding_table_bytes": 100 * 8 * 4}
+    tied = floor.step_bytes(_Tiny(tied=True))           # the head multiplies by the table itself
+    assert tied == {"weight_bytes_per_step": (100 * 8 + 8 + 8) * 4, "embedding_table_bytes": 0}
+    m = _Tiny(tied=False)
+    m.head.panels = torch.zeros(100 * 8, dtype=torch.float32)     # a packed copy is what the GEMM reads
+    assert floor.step_bytes(m)["weight_bytes_per_step"] == (2 * 100 * 8 + 16) * 4
+
+
+def test_tpot_at_one_client_against_the_floor():
+    results = {"curve": {"paged": [{"clients": 1, "tpot_p50": 0.05}, {"clients": 4, "tpot_p50": 0.09}],
+                         "llamacpp": [{"clients": 4, "tpot_p50": 0.07}]}}
+    assert floor.tpot_vs_floor(results, {"*": 40.0}) == [
+        {"server": "paged", "tpot_p50_ms": 50.0, "floor_ms": 40.0, "x_floor": 1.25}]
+
+
+def test_copy_probe_measures_a_positive_rate():
+    bw = floor.copy_bandwidth(mib=8, reps=2)
+    assert bw["bytes"] == 8 * 2 ** 20 and bw["copy_gbps"] > 0
+
+
+def test_qwen_presets_run_the_load_curve_with_prefixes_of_one_list():
+    for name in ("cpu-qwen-0.5b", "cpu-qwen-1.5b"):
+        p = PRESETS[name]
+        assert p.clients == (1, 4, 16, 50) and p.one_at_a_time and p.model.startswith("qwen2.5-coder-")
+        (w,) = p.workloads
+        points = [curve_requests(w, c) for c in p.clients]
+        assert points[-1] == w.requests and all(0 < n <= w.requests for n in points)
