@@ -10,7 +10,8 @@ from __future__ import annotations
 
 class IncrementalDetokenizer:
     def __init__(self, tokenizer, prompt_ids: list[int], stop_sequences=(), context: int = 5,
-                 include_stop: bool = True):
+                 include_stop: bool = True, skip_special_tokens: bool = True,
+                 spaces_between_special_tokens: bool = True, min_tokens: int = 0, special_ids=()):
         self.tok = tokenizer
         self.ids = list(prompt_ids[-context:])
         self.prefix = 0                  # ids[prefix:read] is context already emitted
@@ -23,14 +24,34 @@ class IncrementalDetokenizer:
         # the start of one is held back (`held`) until it is known not to be.
         self.include_stop = include_stop
         self.held = ""
+        self.skip_special = skip_special_tokens
+        # Special tokens kept in the text: separated by a space from what is next to them (as slow
+        # HF tokenizers and vLLM render them) unless spaces_between_special_tokens is false.
+        self.spaced = not skip_special_tokens and spaces_between_special_tokens
+        self.special = frozenset(special_ids) if self.spaced else frozenset()
+        self.min_tokens, self.added = min_tokens, 0     # stop strings end nothing before min_tokens
 
     def _decode(self, ids) -> str:
-        return self.tok.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+        if not self.spaced or not self.special.intersection(ids):
+            return self.tok.decode(ids, skip_special_tokens=self.skip_special, clean_up_tokenization_spaces=False)
+        parts, run = [], []
+        for t in ids:
+            if t in self.special:
+                if run:
+                    parts.append(self.tok.decode(run, clean_up_tokenization_spaces=False))
+                    run = []
+                parts.append(self.tok.decode([t], skip_special_tokens=False))
+            else:
+                run.append(t)
+        if run:
+            parts.append(self.tok.decode(run, clean_up_tokenization_spaces=False))
+        return " ".join(parts)
 
     def add(self, token_id: int) -> str:
         """Append a generated token; returns the new text it completes ('' if it is pending).
         When a stop sequence appears, the text is cut right after it and `stopped` is set."""
         self.ids.append(token_id)
+        self.added += 1
         before = self._decode(self.ids[self.prefix:self.read])
         after = self._decode(self.ids[self.prefix:])
         if len(after) <= len(before) or after.endswith("\ufffd"):
@@ -59,6 +80,10 @@ class IncrementalDetokenizer:
         return out
 
     def _append(self, new: str) -> str:
+        if self.added < self.min_tokens and self.stops and not self.stopped:
+            self.text += self.held + new          # too early for a stop string: plain text
+            out, self.held = self.held + new, ""
+            return out
         if self.stops and not self.stopped and not self.include_stop:
             return self._append_hidden(new)
         if self.stops and not self.stopped:
