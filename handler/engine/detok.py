@@ -14,6 +14,7 @@ class IncrementalDetokenizer:
                  spaces_between_special_tokens: bool = True, min_tokens: int = 0, special_ids=()):
         self.tok = tokenizer
         self.ids = list(prompt_ids[-context:])
+        self.ctx = len(self.ids)         # ids[:ctx] are the prompt's (no space joins them to the output)
         self.prefix = 0                  # ids[prefix:read] is context already emitted
         self.read = len(self.ids)
         self.text = ""                   # generated text emitted so far
@@ -31,29 +32,38 @@ class IncrementalDetokenizer:
         self.special = frozenset(special_ids) if self.spaced else frozenset()
         self.min_tokens, self.added = min_tokens, 0     # stop strings end nothing before min_tokens
 
-    def _decode(self, ids) -> str:
+    def _decode(self, ids, lo: int = 0) -> str:
+        """The text of ids (= self.ids[lo:...])."""
         if not self.spaced or not self.special.intersection(ids):
             return self.tok.decode(ids, skip_special_tokens=self.skip_special, clean_up_tokenization_spaces=False)
-        parts, run = [], []
-        for t in ids:
-            if t in self.special:
+        out, run, start = "", [], lo
+
+        def part(text, at):
+            nonlocal out
+            out += (" " if out and at != self.ctx else "") + text
+
+        for k, t in enumerate(ids, lo):
+            if t in self.special or k == self.ctx:      # a special token, or the first generated one
                 if run:
-                    parts.append(self.tok.decode(run, clean_up_tokenization_spaces=False))
+                    part(self.tok.decode(run, clean_up_tokenization_spaces=False), start)
                     run = []
-                parts.append(self.tok.decode([t], skip_special_tokens=False))
-            else:
-                run.append(t)
+                if t in self.special:
+                    part(self.tok.decode([t], skip_special_tokens=False), k)
+                    continue
+            if not run:
+                start = k
+            run.append(t)
         if run:
-            parts.append(self.tok.decode(run, clean_up_tokenization_spaces=False))
-        return " ".join(parts)
+            part(self.tok.decode(run, clean_up_tokenization_spaces=False), start)
+        return out
 
     def add(self, token_id: int) -> str:
         """Append a generated token; returns the new text it completes ('' if it is pending).
         When a stop sequence appears, the text is cut right after it and `stopped` is set."""
         self.ids.append(token_id)
         self.added += 1
-        before = self._decode(self.ids[self.prefix:self.read])
-        after = self._decode(self.ids[self.prefix:])
+        before = self._decode(self.ids[self.prefix:self.read], self.prefix)
+        after = self._decode(self.ids[self.prefix:], self.prefix)
         if len(after) <= len(before) or after.endswith("\ufffd"):
             return ""
         new = after[len(before):]
@@ -62,6 +72,7 @@ class IncrementalDetokenizer:
         if len(self.ids) > 64:
             drop = self.prefix
             self.ids, self.prefix, self.read = self.ids[drop:], 0, self.read - drop
+            self.ctx -= drop
         return self._append(new)
 
     def flush(self) -> str:
@@ -70,8 +81,8 @@ class IncrementalDetokenizer:
             return ""
         out = ""
         if self.read < len(self.ids):
-            before = self._decode(self.ids[self.prefix:self.read])
-            after = self._decode(self.ids[self.prefix:])
+            before = self._decode(self.ids[self.prefix:self.read], self.prefix)
+            after = self._decode(self.ids[self.prefix:], self.prefix)
             self.read = len(self.ids)
             out = self._append(after[len(before):]) if len(after) > len(before) else ""
         if self.held and not self.stopped:      # the end came before a stop sequence did

@@ -83,6 +83,9 @@ class OutputProcessor:
         self._streams: dict[int, _Stream] = {}
         self._pieces: dict[int, str] = {}
         self._special = frozenset(getattr(tokenizer, "all_special_ids", ()))
+        # Every special token, the added ones (<|im_start|>, ...) included: what spaces_between_special_tokens spaces.
+        added = getattr(tokenizer, "added_tokens_decoder", None) or {}
+        self._all_special = self._special | frozenset(i for i, t in added.items() if getattr(t, "special", False))
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
 
@@ -172,7 +175,7 @@ class OutputProcessor:
                                               include_stop=p.include_stop_str_in_output,
                                               skip_special_tokens=p.skip_special_tokens,
                                               spaces_between_special_tokens=p.spaces_between_special_tokens,
-                                              min_tokens=p.min_tokens, special_ids=self._special)
+                                              min_tokens=p.min_tokens, special_ids=self._all_special)
         detok = st.detok
         finish = out.finish
         stop_id = out.token in p.stop_token_ids and st.tokens + 1 >= p.min_tokens

@@ -94,9 +94,9 @@ def test_eval_harness_loglikelihood_equals_the_lmi_route_and_a_forward_pass(srv,
     lmi = srv.post({"inputs": TEXT, "parameters": {"max_new_tokens": 1, "details": True,
                                                    "decoder_input_details": True}}).json()
     prefill = lmi["details"]["prefill"]
-    assert [p["id"] for p in prefill] == ids and prefill[0]["logprob"] is None
+    assert [p["id"] for p in prefill] == ids and prefill[0]["log_prob"] is None
     for ours, theirs in zip(lp["token_logprobs"][1:], prefill[1:]):
-        assert abs(ours - theirs["logprob"]) <= 1e-4
+        assert abs(ours - theirs["log_prob"]) <= 1e-4
 
     tok, model = ref._load(qwen_dir)
     with torch.no_grad():
