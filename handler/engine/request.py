@@ -433,7 +433,8 @@ def parse_params(raw, defaults: SamplingParams = SamplingParams(), where: str = 
         values.update(decoder_input_details=True, prompt_top_n=top)
     p = SamplingParams(**{**defaults.__dict__, **values})
     if p.min_tokens > p.max_new_tokens:
-        raise RequestError(f"{where}.min_tokens", f"must be <= max_new_tokens ({p.max_new_tokens}), got {p.min_tokens}")
+        raise RequestError(f"{where}.min_tokens",
+                           f"must be <= max_new_tokens ({p.max_new_tokens}), got {p.min_tokens}")
     if p.best_of is not None and p.best_of < p.n:
         raise RequestError(f"{where}.best_of", f"must be >= n ({p.n}), got {p.best_of}")
     return p

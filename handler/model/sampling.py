@@ -75,7 +75,8 @@ class Sampler:
         self._penalize(logits, items)
         if any(it.params.logit_bias for it in items):
             _bias(logits, items)
-        self._ban(logits, items)
+        if any(it.params.min_tokens or it.params.bad_words_ids for it in items):
+            self._ban(logits, items)
         if any(it.guide is not None for it in items):
             from handler.model import guided
             guided.apply(logits, [it.guide for it in items])

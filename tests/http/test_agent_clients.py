@@ -107,7 +107,8 @@ def test_eval_harness_loglikelihood_equals_the_lmi_route_and_a_forward_pass(srv,
     for k, (ours, w) in enumerate(zip(lp["token_logprobs"][1:], want)):
         assert abs(ours - w) <= 2e-3, (k, ours, w)
     # is_greedy as the harness computes it: the token is the most likely of top_logprobs
-    greedy = [lp["tokens"][i] == max(lp["top_logprobs"][i], key=lp["top_logprobs"][i].get) for i in range(1, len(ids))]
+    tops = lp["top_logprobs"]
+    greedy = [lp["tokens"][i] == max(tops[i], key=tops[i].get) for i in range(1, len(ids))]
     assert greedy == [a == t for a, t in zip(argmax, ids[1:])]
 
 
@@ -213,3 +214,24 @@ def test_tokenize_and_detokenize(srv, hf_tok):  # noqa: F811
     bad = requests.post(srv.url + "/detokenize", json={"tokens": [10 ** 7]}, timeout=60)
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
     assert math.isfinite(len(json.dumps(bad.json())))
+
+
+def test_openai_streamed_auto_tool_call(srv):
+    # the model's own (untagged) call, streamed: held back as a possible call, then OpenAI's tool-call deltas
+    from tests.test_real_qwen import WEATHER
+    stream = oai(srv).chat.completions.create(
+        model="qwen", temperature=0, max_tokens=48, tools=[WEATHER], stream=True,
+        messages=[{"role": "user", "content": "What is the weather like in Paris right now?"}])
+    content, heads, args, finish = "", [], "", None
+    for chunk in stream:
+        if not chunk.choices:
+            continue
+        delta = chunk.choices[0].delta
+        content += delta.content or ""
+        for tc in delta.tool_calls or []:
+            if tc.id:
+                heads.append((tc.index, tc.type, tc.function.name))
+            args += (tc.function.arguments or "") if tc.function else ""
+        finish = chunk.choices[0].finish_reason or finish
+    assert content == "" and heads == [(0, "function", "get_weather")] and finish == "tool_calls"
+    assert json.loads(args)["city"].startswith("Paris"), args

@@ -4,7 +4,6 @@ max_tokens 0 / prompt_logprobs / chat_template_kwargs / reasoning parsing (handl
 from __future__ import annotations
 
 import json
-from types import SimpleNamespace
 
 import pytest
 import torch

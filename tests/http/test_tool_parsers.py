@@ -15,7 +15,8 @@ from handler.http.protocols import reasoning, tool_parsers as tp, tools
 from handler.http.protocols.openai import ChoiceStream
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
-    "type": "object", "properties": {"city": {"type": "string"}, "unit": {"type": "string"}}, "required": ["city"]}}}
+    "type": "object", "properties": {"city": {"type": "string"}, "unit": {"type": "string"}},
+    "required": ["city"]}}}
 TIME = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}}}
 
 # (family, model output, content, [(name, arguments)])

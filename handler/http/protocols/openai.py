@@ -299,6 +299,8 @@ def parse_chat(payload, tokenizer, lmi: bool = False, server: ServerOptions = Se
             raise RequestError("top_logprobs", "needs logprobs: true")
         values["top_n_tokens"] = top if logprobs else 0
     params = SamplingParams(**values)
+    if opts["stream"] and f.prompt_logprobs is not None:
+        raise RequestError("stream", "prompt_logprobs works without stream")
     if opts["stream"] and params.num_samples > 1 and lmi:
         raise RequestError("n", "several choices work only without streaming on /invocations")
     no_max = payload.get("max_tokens") is None and payload.get("max_completion_tokens") is None

@@ -25,8 +25,8 @@ def tokenize(body, tokenizer, max_model_len: int, server: openai.ServerOptions) 
             raise RequestError("prompt", f"must be a string, got {show(prompt)}")
         special = body.get("add_special_tokens", True)
     else:
-        tools = tooling.parse({"tools": body.get("tools"), "tool_choice": "none" if not body.get("tools") else "required"},
-                              tokenizer, server.tools)
+        choice = "required" if body.get("tools") else "none"      # the tools reach the template as given
+        tools = tooling.parse({"tools": body.get("tools"), "tool_choice": choice}, tokenizer, server.tools)
         kwargs = body.get("chat_template_kwargs") or {}
         if not isinstance(kwargs, dict):
             raise RequestError("chat_template_kwargs", f"must be a JSON object, got {show(kwargs)}")
