@@ -221,8 +221,8 @@ def call_start(family: str, text: str) -> int:
         k = next((k for k in range(len(marker) - 1, 0, -1) if text.endswith(marker[:k])), 0)
         if k:
             best = min(best, len(text) - k)
-    if best == len(text) and not text.strip():
-        return lead if text else 0        # whitespace only: wait for the first visible character
+    if not text.strip():
+        return 0                          # whitespace only: wait for the first visible character
     return best
 
 
