@@ -321,12 +321,13 @@ KEYS: tuple[Key, ...] = (
         "a seeded request gives the same tokens whatever shares its batch (each sequence's tokens run one "
         "per forward; prompts prefill at decode speed)", default=False),
     # OpenAI chat output parsing (LMI's / vLLM's names): handler/http/protocols/tool_parsers.py, reasoning.py.
-    Key("option.tool_call_parser", _enum(["auto", "hermes", "llama3_json", "mistral", "pythonic", "granite"],
+    Key("option.tool_call_parser", _enum(["auto", "hermes", "llama3_json", "mistral", "pythonic", "granite", "qwen3_coder"],
                                          {"llama4_pythonic": "pythonic", "llama3": "llama3_json"}),
         "the format `tool_choice: \"auto\"` parses calls from: `hermes` (Qwen2.5/Qwen3 `<tool_call>{json}"
         "</tool_call>`, or the bare JSON object small Qwen models write), `llama3_json` (Llama 3.1-3.3 "
         "`<|python_tag|>{\"name\", \"parameters\"}`), `mistral` (`[TOOL_CALLS][...]`), `pythonic` "
-        "(`[f(a=1)]`, Llama 3.2/4), `granite` (`<|tool_call|>[...]`); `auto`: the one the chat template "
+        "(`[f(a=1)]`, Llama 3.2/4), `granite` (`<|tool_call|>[...]`), `qwen3_coder` (`<tool_call><function=f>"
+        "<parameter=a>...`); `auto`: the one the chat template "
         "documents (a 400 for `auto` requests when none or several match)", default="auto"),
     Key("option.enable_auto_tool_choice", _bool,
         "accept `tool_choice: \"auto\"` (the default when a request has tools); `false` refuses it with a 400 "

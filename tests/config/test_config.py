@@ -187,7 +187,7 @@ BAD = [
     ("option.max_payload_mb", "0", "is not a positive number of megabytes"),
     ("option.batch_invariant", "sometimes", "is not a boolean; allowed: true, false"),
     ("option.enforce_eager", "eager", "is not a boolean; allowed: true, false"),
-    ("option.tool_call_parser", "qwen9", "is not supported; allowed: auto, hermes, llama3_json, mistral, pythonic, granite"),
+    ("option.tool_call_parser", "qwen9", "is not supported; allowed: auto, hermes, llama3_json, mistral, pythonic, granite, qwen3_coder"),
     ("option.enable_auto_tool_choice", "yes", "is not a boolean; allowed: true, false"),
     ("option.reasoning_parser", "think", "is not supported; allowed: none, deepseek_r1, qwen3"),
     ("option.enable_lora", "yes", "is not a boolean; allowed: true, false"),

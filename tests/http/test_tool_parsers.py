@@ -51,6 +51,10 @@ CASES = [
     # Granite 3.x: <|tool_call|>[{"name": ..., "arguments": {...}}]
     ("granite", '<|tool_call|>[{"arguments": {"city": "Boston"}, "name": "get_weather"}]', None,
      [("get_weather", {"city": "Boston"})]),
+    # Qwen3-Coder's template: <tool_call>\n<function=example_function_name>\n<parameter=example_parameter_1>\nvalue_1\n...
+    ("qwen3_coder", 'Checking.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nNew York\n</parameter>\n'
+                    '<parameter=unit>\n{"scale": "celsius"}\n</parameter>\n</function>\n</tool_call>',
+     "Checking.", [("get_weather", {"city": "New York", "unit": {"scale": "celsius"}})]),
 ]
 
 
@@ -91,6 +95,8 @@ def test_text_that_is_not_a_complete_call_stays_content(family, text):
     ('{% if tools %}[func_name1(params_name1=params_value1, params_name2=params_value2...), func_name2(params)]'
      '{% endif %}', "pythonic"),
     ('{% if tools %}<|start_of_role|>available_tools<|end_of_role|>{{ tools }}{% endif %}<|tool_call|>', "granite"),
+    ('{% if tools %}<tool_call>\n<function=example_function_name>\n<parameter=example_parameter_1>{% endif %}',
+     "qwen3_coder"),
     ('{% for m in messages %}{{ m.content }}{% endfor %}', None),
     ('{% if tools %}<tool_call> or [TOOL_CALLS]{% endif %}', None),       # two formats: ambiguous
 ])

@@ -12,6 +12,8 @@ Each family's format, as its model card / chat template documents it:
   pythonic     Llama 3.2 / Llama 4: `[f(a=1, b="x"), g()]` (Llama 4 may wrap it in <|python_start|> ..
                <|python_end|>); parsed with `ast`, values must be literals (never evaluated).
   granite      Granite 3.x: `<|tool_call|>[{"name": f, "arguments": {...}}]`.
+  qwen3_coder  Qwen3-Coder: `<tool_call>\n<function=f>\n<parameter=a>\nvalue\n</parameter>\n</function>\n</tool_call>`;
+               a value is JSON when it parses as JSON, else the text.
 
 A parser returns None when the text holds no call (it is all content), else (content before the
 calls or None, [{"name", "arguments"}]) with arguments as a JSON object. A malformed call is no
@@ -23,7 +25,7 @@ import ast
 import json
 import re
 
-FAMILIES = ("hermes", "llama3_json", "mistral", "pythonic", "granite")
+FAMILIES = ("hermes", "llama3_json", "mistral", "pythonic", "granite", "qwen3_coder")
 
 Parsed = tuple  # (content | None, [{"name": str, "arguments": dict}])
 
@@ -176,6 +178,27 @@ def granite(text: str, names=None) -> Parsed | None:
     return None
 
 
+_XML_FUNCTION = re.compile(r"<function=([^>\s]+)>(.*?)</function>", re.DOTALL)
+_XML_PARAMETER = re.compile(r"<parameter=([^>\s]+)>\n?(.*?)\n?</parameter>", re.DOTALL)
+
+
+def qwen3_coder(text: str, names=None) -> Parsed | None:
+    if "<tool_call>" not in text:
+        return None
+    calls = []
+    for block in re.findall(r"<tool_call>(.*?)(?:</tool_call>|$)", text, re.DOTALL):
+        fns = _XML_FUNCTION.findall(block)
+        if len(fns) != 1:
+            return None
+        name, body = fns[0]
+        args = {}
+        for key, value in _XML_PARAMETER.findall(body):
+            got = _loads(value)
+            args[key] = value if got is None and value.strip() != "null" else got
+        calls.append({"name": name, "arguments": args})
+    return (_content(text[:text.index("<tool_call>")]), calls) if calls else None
+
+
 def _loads(s: str):
     try:
         return json.loads(s)
@@ -184,7 +207,7 @@ def _loads(s: str):
 
 
 PARSERS = {"hermes": hermes, "llama3_json": llama3_json, "mistral": mistral, "pythonic": pythonic,
-           "granite": granite}
+           "granite": granite, "qwen3_coder": qwen3_coder}
 
 # Where a call may begin: content before it streams, the rest is held until it parses.
 # (marker, only at the start of the answer)
@@ -194,6 +217,7 @@ STARTS = {
     "mistral": (("[TOOL_CALLS]", False),),
     "pythonic": (("[", True), ("<|python_start|>", True)),
     "granite": (("<|tool_call|>", False), ("<tool_call>", False)),
+    "qwen3_coder": (("<tool_call>", False),),
 }
 # Markers that are special tokens in their tokenizers: the text must keep them.
 SPECIAL_MARKERS = {"llama3_json": "<|python_tag|>", "mistral": "[TOOL_CALLS]", "granite": "<|tool_call|>",
@@ -233,6 +257,7 @@ _TEMPLATE_SIGNS = {
     "mistral": ("[TOOL_CALLS]",),
     "pythonic": ("[func_name1(", "<|python_start|>"),
     "granite": ("<|tool_call|>",),
+    "qwen3_coder": ("<function=",),
 }
 
 
@@ -242,8 +267,8 @@ def detect(template: str) -> str | None:
     if "tools" not in template:
         return None
     found = {f for f, signs in _TEMPLATE_SIGNS.items() if any(s in template for s in signs)}
-    if "granite" in found:
-        found.discard("hermes")
+    if "granite" in found or "qwen3_coder" in found:
+        found.discard("hermes")          # their templates show <tool_call> too
     if "pythonic" in found and "llama3_json" in found:
         found.discard("llama3_json")     # Llama 4 / 3.2-pythonic templates keep <|python_tag|> text
     return found.pop() if len(found) == 1 else None
