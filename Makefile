@@ -27,6 +27,9 @@ $(VENV)/.installed-dev: $(VENV)/.installed pyproject.toml
 	$(PY) -m pip install -q -e '.[dev,bench,sagemaker]'
 	# TGI's own client pins huggingface-hub<1 (unused by what the tests call): installed beside it
 	$(PY) -m pip install -q --no-deps 'text-generation==0.7.0'
+	# instructor pins jiter<0.15, openai>=3.4 needs jiter>=0.16 (jiter's from_json, all instructor
+	# uses, is in both): installed beside it, its other dependencies in the dev extras
+	$(PY) -m pip install -q --no-deps 'instructor==1.17.0'
 	touch $@
 
 install: $(VENV)/.installed

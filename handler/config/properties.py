@@ -201,6 +201,9 @@ class ServingConfig:
     http_max_connections: int = default_of("option.http_max_connections")
     enforce_eager: bool = default_of("option.enforce_eager")   # no CUDA graphs (handler/model/cuda_graphs.py)
     engine_step_timeout_s: float = default_of("option.engine_step_timeout")   # the engine watchdog
+    tool_call_parser: str = default_of("option.tool_call_parser")    # handler/http/protocols/tool_parsers.py
+    enable_auto_tool_choice: bool = default_of("option.enable_auto_tool_choice")
+    reasoning_parser: str = default_of("option.reasoning_parser")    # handler/http/protocols/reasoning.py
 
 
 @dataclass

@@ -324,6 +324,23 @@ KEYS: tuple[Key, ...] = (
     Key("option.batch_invariant", _bool,
         "a seeded request gives the same tokens whatever shares its batch (each sequence's tokens run one "
         "per forward; prompts prefill at decode speed)", default=False),
+    # OpenAI chat output parsing (LMI's / vLLM's names): handler/http/protocols/tool_parsers.py, reasoning.py.
+    Key("option.tool_call_parser", _enum(["auto", "hermes", "llama3_json", "mistral", "pythonic", "granite", "qwen3_coder"],
+                                         {"llama4_pythonic": "pythonic", "llama3": "llama3_json"}),
+        "the format `tool_choice: \"auto\"` parses calls from: `hermes` (Qwen2.5/Qwen3 `<tool_call>{json}"
+        "</tool_call>`, or the bare JSON object small Qwen models write), `llama3_json` (Llama 3.1-3.3 "
+        "`<|python_tag|>{\"name\", \"parameters\"}`), `mistral` (`[TOOL_CALLS][...]`), `pythonic` "
+        "(`[f(a=1)]`, Llama 3.2/4), `granite` (`<|tool_call|>[...]`), `qwen3_coder` (`<tool_call><function=f>"
+        "<parameter=a>...`); `auto`: the one the chat template "
+        "documents (a 400 for `auto` requests when none or several match)", default="auto"),
+    Key("option.enable_auto_tool_choice", _bool,
+        "accept `tool_choice: \"auto\"` (the default when a request has tools); `false` refuses it with a 400 "
+        "(`required` and a named function still work)", default=True),
+    Key("option.reasoning_parser", _enum(["none", "deepseek_r1", "qwen3"]),
+        "split `<think>...</think>` from chat answers into `message.reasoning_content` (and "
+        "`delta.reasoning_content` when streamed): `deepseek_r1` (the thinking may start without `<think>`), "
+        "`qwen3` (only a `<think>` at the start opens it); `none`: the thinking stays in `content`",
+        default="none"),
     # Multi-LoRA (LMI's / vLLM's names): adapters from MODEL_DIR/adapters/<name>/ and the routes.
     Key("option.enable_lora", _bool, "serve LoRA adapters (README \"LoRA adapters\")", default=False),
     Key("option.max_loras", _int(1),

@@ -10,9 +10,11 @@ from __future__ import annotations
 
 class IncrementalDetokenizer:
     def __init__(self, tokenizer, prompt_ids: list[int], stop_sequences=(), context: int = 5,
-                 include_stop: bool = True):
+                 include_stop: bool = True, skip_special_tokens: bool = True,
+                 spaces_between_special_tokens: bool = True, min_tokens: int = 0, special_ids=()):
         self.tok = tokenizer
         self.ids = list(prompt_ids[-context:])
+        self.ctx = len(self.ids)         # ids[:ctx] are the prompt's (no space joins them to the output)
         self.prefix = 0                  # ids[prefix:read] is context already emitted
         self.read = len(self.ids)
         self.text = ""                   # generated text emitted so far
@@ -23,16 +25,45 @@ class IncrementalDetokenizer:
         # the start of one is held back (`held`) until it is known not to be.
         self.include_stop = include_stop
         self.held = ""
+        self.skip_special = skip_special_tokens
+        # Special tokens kept in the text: separated by a space from what is next to them (as slow
+        # HF tokenizers and vLLM render them) unless spaces_between_special_tokens is false.
+        self.spaced = not skip_special_tokens and spaces_between_special_tokens
+        self.special = frozenset(special_ids) if self.spaced else frozenset()
+        self.min_tokens, self.added = min_tokens, 0     # stop strings end nothing before min_tokens
 
-    def _decode(self, ids) -> str:
-        return self.tok.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+    def _decode(self, ids, lo: int = 0) -> str:
+        """The text of ids (= self.ids[lo:...])."""
+        if not self.spaced or not self.special.intersection(ids):
+            return self.tok.decode(ids, skip_special_tokens=self.skip_special, clean_up_tokenization_spaces=False)
+        out, run, start = "", [], lo
+
+        def part(text, at):
+            nonlocal out
+            out += (" " if out and at != self.ctx else "") + text
+
+        for k, t in enumerate(ids, lo):
+            if t in self.special or k == self.ctx:      # a special token, or the first generated one
+                if run:
+                    part(self.tok.decode(run, clean_up_tokenization_spaces=False), start)
+                    run = []
+                if t in self.special:
+                    part(self.tok.decode([t], skip_special_tokens=False), k)
+                    continue
+            if not run:
+                start = k
+            run.append(t)
+        if run:
+            part(self.tok.decode(run, clean_up_tokenization_spaces=False), start)
+        return out
 
     def add(self, token_id: int) -> str:
         """Append a generated token; returns the new text it completes ('' if it is pending).
         When a stop sequence appears, the text is cut right after it and `stopped` is set."""
         self.ids.append(token_id)
-        before = self._decode(self.ids[self.prefix:self.read])
-        after = self._decode(self.ids[self.prefix:])
+        self.added += 1
+        before = self._decode(self.ids[self.prefix:self.read], self.prefix)
+        after = self._decode(self.ids[self.prefix:], self.prefix)
         if len(after) <= len(before) or after.endswith("\ufffd"):
             return ""
         new = after[len(before):]
@@ -41,6 +72,7 @@ class IncrementalDetokenizer:
         if len(self.ids) > 64:
             drop = self.prefix
             self.ids, self.prefix, self.read = self.ids[drop:], 0, self.read - drop
+            self.ctx -= drop
         return self._append(new)
 
     def flush(self) -> str:
@@ -49,8 +81,8 @@ class IncrementalDetokenizer:
             return ""
         out = ""
         if self.read < len(self.ids):
-            before = self._decode(self.ids[self.prefix:self.read])
-            after = self._decode(self.ids[self.prefix:])
+            before = self._decode(self.ids[self.prefix:self.read], self.prefix)
+            after = self._decode(self.ids[self.prefix:], self.prefix)
             self.read = len(self.ids)
             out = self._append(after[len(before):]) if len(after) > len(before) else ""
         if self.held and not self.stopped:      # the end came before a stop sequence did
@@ -59,6 +91,10 @@ class IncrementalDetokenizer:
         return out
 
     def _append(self, new: str) -> str:
+        if self.added < self.min_tokens and self.stops and not self.stopped:
+            self.text += self.held + new          # too early for a stop string: plain text
+            out, self.held = self.held + new, ""
+            return out
         if self.stops and not self.stopped and not self.include_stop:
             return self._append_hidden(new)
         if self.stops and not self.stopped:

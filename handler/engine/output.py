@@ -83,6 +83,9 @@ class OutputProcessor:
         self._streams: dict[int, _Stream] = {}
         self._pieces: dict[int, str] = {}
         self._special = frozenset(getattr(tokenizer, "all_special_ids", ()))
+        # Every special token, the added ones (<|im_start|>, ...) included: what spaces_between_special_tokens spaces.
+        added = getattr(tokenizer, "added_tokens_decoder", None) or {}
+        self._all_special = self._special | frozenset(i for i, t in added.items() if getattr(t, "special", False))
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
 
@@ -166,16 +169,25 @@ class OutputProcessor:
         if out.token is None:
             return None
         ch = st.ch
+        p = ch.params
         if st.detok is None:
-            st.detok = IncrementalDetokenizer(self.tokenizer, ch.prompt_ids, ch.params.stop_sequences,
-                                              include_stop=ch.params.include_stop_str_in_output)
+            st.detok = IncrementalDetokenizer(self.tokenizer, ch.prompt_ids, p.stop_sequences,
+                                              include_stop=p.include_stop_str_in_output,
+                                              skip_special_tokens=p.skip_special_tokens,
+                                              spaces_between_special_tokens=p.spaces_between_special_tokens,
+                                              min_tokens=p.min_tokens, special_ids=self._all_special)
         detok = st.detok
-        text = detok.add(out.token)
+        finish = out.finish
+        stop_id = out.token in p.stop_token_ids and st.tokens + 1 >= p.min_tokens
+        if stop_id and finish is None:
+            self._end(ch.seq_id, Finish.STOP)
+            finish = Finish.STOP
+        # The token that ends a sequence (EOS, a stop token id) is not text, kept special or not.
+        text = "" if (stop_id or finish == Finish.EOS) and not p.skip_special_tokens else detok.add(out.token)
         st.tokens += 1
         st.cum_logprob += out.logprob
         if out.prompt_logprobs is not None:
             st.prompt_logprobs = out.prompt_logprobs
-        finish = out.finish
         if detok.stopped:           # the stop string ends it, whatever else this token did
             if finish is None:
                 self._end(ch.seq_id, Finish.STOP)
@@ -184,11 +196,17 @@ class OutputProcessor:
             text += detok.flush()
         done = None
         if finish is not None:
-            prefill = None
+            prefill = prefill_top = None
             if ch.params.decoder_input_details:
-                lps = (None,) + tuple(st.prompt_logprobs)
+                got = tuple(st.prompt_logprobs)
+                if ch.params.prompt_top_n is not None:     # (log-prob, rank, alternatives) each
+                    prefill_top = (None,) + tuple(
+                        (rank, tuple((i, self._piece(i), a) for i, a in alts)) for _lp, rank, alts in got)
+                    got = tuple(x[0] for x in got)
+                lps = (None,) + got
                 prefill = tuple((t, self._piece(t), lp) for t, lp in zip(ch.prompt_ids, lps))
             done = DoneEvent(str(finish), detok.text, st.tokens, len(ch.prompt_ids), prefill=prefill,
+                             prefill_top=prefill_top,
                              cumulative_log_prob=st.cum_logprob, queue_time_s=out.queue_time_s,
                              preemptions=out.preemptions)
         top = tuple((t, self._piece(t), lp) for t, lp in out.top)

@@ -60,6 +60,20 @@ class SamplingParams:
     # A stop sequence that ends the text is part of it (LMI, TGI); OpenAI's routes cut it off
     # (vLLM's include_stop_str_in_output, default false there).
     include_stop_str_in_output: bool = True
+    # vLLM's sampling extras. stop_token_ids end the sequence (finish "stop"); before min_tokens
+    # generated tokens neither EOS nor a stop token id can be sampled (nor a stop string end it);
+    # bad_words are never produced (bad_words_ids: their token sequences, filled in when the
+    # request is tokenized, handler/http/protocols/__init__.py); special tokens' text is kept
+    # unless skip_special_tokens, spaced from its neighbours when spaces_between_special_tokens.
+    stop_token_ids: tuple[int, ...] = ()
+    min_tokens: int = 0
+    bad_words: tuple[str, ...] = ()
+    bad_words_ids: tuple[tuple[int, ...], ...] = ()
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    # Prompt log-probs with this many alternatives per prompt token (vLLM's prompt_logprobs, OpenAI's
+    # echo + logprobs); None = no alternatives. Either way decoder_input_details computes the log-probs.
+    prompt_top_n: int | None = None
 
     @property
     def num_samples(self) -> int:
@@ -78,6 +92,9 @@ MAX_TOP_N_TOKENS = 20               # as OpenAI's top_logprobs
 MAX_STOP_SEQUENCES = 16
 MAX_STOP_LENGTH = 512               # characters per stop sequence
 MAX_SEED = 2**63 - 1
+MAX_TOKEN_ID = (1 << 31) - 1
+MAX_STOP_TOKEN_IDS = 64
+MAX_BAD_WORDS = 64
 
 
 _warned: set[str] = set()
@@ -131,6 +148,26 @@ def check_stops(field: str, v) -> tuple[str, ...]:
     return tuple(v)
 
 
+def check_token_ids(field: str, v) -> tuple[int, ...]:
+    if not isinstance(v, list) or not all(_is_int(t) and 0 <= t <= MAX_TOKEN_ID for t in v):
+        raise RequestError(field, f"must be a list of token ids (non-negative integers), got {show(v)}")
+    if len(v) > MAX_STOP_TOKEN_IDS:
+        raise RequestError(field, f"at most {MAX_STOP_TOKEN_IDS} token ids, got {len(v)}")
+    return tuple(v)
+
+
+def check_bad_words(field: str, v) -> tuple[str, ...]:
+    if isinstance(v, str):
+        v = [v]
+    if not isinstance(v, list) or not all(isinstance(w, str) and w.strip() for w in v):
+        raise RequestError(field, f"must be a list of non-empty strings, got {show(v)}")
+    if len(v) > MAX_BAD_WORDS:
+        raise RequestError(field, f"at most {MAX_BAD_WORDS} bad words, got {len(v)}")
+    if any(len(w) > MAX_STOP_LENGTH for w in v):
+        raise RequestError(field, f"a bad word has at most {MAX_STOP_LENGTH} characters")
+    return tuple(v)
+
+
 def check_top_k(field, v):
     # -1 is vLLM's "off"; a k beyond any vocabulary keeps every token, i.e. is off too (and must
     # never reach the sampler as an int64-overflowing tensor).
@@ -174,6 +211,8 @@ Flag = bool
 Stops = Annotated[tuple[str, ...], _checked(lambda f, v: check_stops(f, v), str | list[str])]
 TopK = Annotated[int, _checked(lambda f, v: check_top_k(f, v), int)]
 LogitBias = Annotated[tuple, _checked(lambda f, v: check_logit_bias(f, v), dict[str, float])]
+TokenIds = Annotated[tuple, _checked(lambda f, v: check_token_ids(f, v), list[int])]
+BadWords = Annotated[tuple, _checked(lambda f, v: check_bad_words(f, v), list[str])]
 
 
 class Parameters(BaseModel):
@@ -202,6 +241,12 @@ class Parameters(BaseModel):
     ignore_eos: Flag = None
     include_stop_str_in_output: Flag = None
     logit_bias: LogitBias = None
+    stop_token_ids: TokenIds = None
+    min_tokens: bounded_int(0, MAX_NEW_TOKENS) = None
+    bad_words: BadWords = None
+    skip_special_tokens: Flag = None
+    spaces_between_special_tokens: Flag = None
+    prompt_logprobs: bounded_int(0, MAX_TOP_N_TOKENS) = None
 
 
 class BenchParameters(Parameters):
@@ -314,6 +359,7 @@ ALIASES = {
     "stop": "stop_sequences",              # vLLM / TGI
     "ignore_eos_token": "ignore_eos",      # LMI's name for vLLM's ignore_eos
     "max_tokens": "max_new_tokens",        # vLLM / OpenAI
+    "truncate_prompt_tokens": "truncate",  # vLLM
 }
 
 
@@ -382,7 +428,13 @@ def parse_params(raw, defaults: SamplingParams = SamplingParams(), where: str = 
     taken = _declared(RequestOptions, opts, where)
     if options is not None:
         options.update(taken)
+    top = values.pop("prompt_logprobs", None)
+    if top is not None:                     # vLLM's prompt_logprobs: N alternatives per prompt token
+        values.update(decoder_input_details=True, prompt_top_n=top)
     p = SamplingParams(**{**defaults.__dict__, **values})
+    if p.min_tokens > p.max_new_tokens:
+        raise RequestError(f"{where}.min_tokens",
+                           f"must be <= max_new_tokens ({p.max_new_tokens}), got {p.min_tokens}")
     if p.best_of is not None and p.best_of < p.n:
         raise RequestError(f"{where}.best_of", f"must be >= n ({p.n}), got {p.best_of}")
     return p

@@ -90,6 +90,9 @@ class DoneEvent:
     prompt_tokens: int
     # decoder_input_details: every prompt token as (id, text, log_prob); the first has None.
     prefill: tuple | None = None
+    # prompt log-probs with alternatives (params.prompt_top_n): per prompt token (rank,
+    # ((id, text, log_prob), ...)); the first is None.
+    prefill_top: tuple | None = None
     cumulative_log_prob: float = 0.0
     queue_time_s: float = 0.0       # submit -> first scheduled
     preemptions: int = 0

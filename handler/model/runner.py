@@ -178,7 +178,7 @@ class ModelRunner:
             from handler.model import quant
             quant.quantize_model(self.model, on_the_fly, head=switch("LMI_QUANT_HEAD"))
         self.eos_token_ids = self._eos_ids()
-        self.sampler = Sampler()
+        self.sampler = Sampler(self.eos_token_ids)
         # Guided decoding (xgrammar; built on first use): handler.engine.types.Guides
         self.guides = Guides(self.tokenizer, self.model.config.get_text_config().vocab_size, self.eos_token_ids)
         self.lora = None        # handler.model.lora.LoraManager once enable_lora() ran

@@ -1,8 +1,9 @@
 """Sampling and log-probs from a step's logits, vectorised across rows with per-row parameters.
 
 Order of operations (that of HF `generate`): penalties on the raw logits (repetition over
-prompt + output; presence/frequency over the output, OpenAI's formula), logit_bias, the guided
-rows' grammar masks (handler/model/guided.py, one batched fill), then the reported
+prompt + output; presence/frequency over the output, OpenAI's formula), logit_bias, the bans
+(EOS and stop_token_ids before min_tokens, the last token of each bad word whose other tokens
+end the output), the guided rows' grammar masks (handler/model/guided.py, one batched fill), then the reported
 log-probs (`log_softmax` of those), then for sampled rows temperature -> top_k -> top_p ->
 min_p -> typical_p (HF's warper order and definitions) and one uniform draw per row from that
 row's own generator. A row whose parameters break the vectorised pass is retried alone; if it
@@ -24,7 +25,8 @@ NEG_INF = float("-inf")
 
 
 class Sampler:
-    def __init__(self):
+    def __init__(self, eos_token_ids=()):
+        self.eos_token_ids = tuple(eos_token_ids)     # banned before a request's min_tokens
         self.generators: dict[int, torch.Generator] = {}
         self.rng = torch.Generator(device="cpu").manual_seed(int.from_bytes(os.urandom(4), "little"))
 
@@ -49,7 +51,8 @@ class Sampler:
         """logits [R, V] float32, one row per sampling item."""
         # Penalties write into the logits: keep the originals for a retry row by row.
         penalized = any(it.params.repetition_penalty != 1.0 or it.params.presence_penalty
-                        or it.params.frequency_penalty or it.params.logit_bias for it in items)
+                        or it.params.frequency_penalty or it.params.logit_bias or it.params.min_tokens
+                        or it.params.bad_words_ids for it in items)
         try:
             return self._sample(logits.clone() if penalized else logits, items)
         except Exception as e:
@@ -72,6 +75,8 @@ class Sampler:
         self._penalize(logits, items)
         if any(it.params.logit_bias for it in items):
             _bias(logits, items)
+        if any(it.params.min_tokens or it.params.bad_words_ids for it in items):
+            self._ban(logits, items)
         if any(it.guide is not None for it in items):
             from handler.model import guided
             guided.apply(logits, [it.guide for it in items])
@@ -113,6 +118,13 @@ class Sampler:
                 logits[r] -= counts.to(logits.dtype) * p.frequency_penalty \
                     + (counts > 0).to(logits.dtype) * p.presence_penalty
 
+    def _ban(self, logits: torch.Tensor, items: list[StepItem]) -> None:
+        vocab = logits.shape[1]
+        for r, it in enumerate(items):
+            ids = [t for t in _bans(it, self.eos_token_ids) if t < vocab]
+            if ids:
+                logits[r, torch.tensor(ids, device=logits.device)] = NEG_INF
+
     def _draw(self, logits: torch.Tensor, items: list[StepItem]) -> torch.Tensor:
         probs = warped_probs(logits, items)
         # One uniform per row from that row's own generator: a seeded request draws the same
@@ -125,6 +137,24 @@ class Sampler:
         # A temperature so small that the logits overflow leaves no distribution: take its limit.
         bad = ~torch.isfinite(cum[:, -1]) | (cum[:, -1] <= 0)
         return torch.where(bad, logits.argmax(dim=-1), pick)
+
+
+def _bans(it: StepItem, eos: tuple) -> list[int]:
+    """Token ids this row may not sample now: EOS and the stop token ids while the output is
+    shorter than min_tokens (unless a grammar decides the end), and the last token of every bad
+    word whose earlier tokens end the output (vLLM's bad_words)."""
+    p = it.params
+    out: list[int] = []
+    produced = len(it.history) - it.num_prompt
+    if p.min_tokens and produced < p.min_tokens and it.guide is None:
+        out += list(eos) + list(p.stop_token_ids)
+    if p.bad_words_ids:
+        tail = it.history[it.num_prompt:]
+        for word in p.bad_words_ids:
+            k = len(word) - 1
+            if k == 0 or (len(tail) >= k and tuple(tail[len(tail) - k:]) == word[:-1]):
+                out.append(word[-1])
+    return out
 
 
 def _bias(logits: torch.Tensor, items: list[StepItem]) -> None:
@@ -196,14 +226,22 @@ def top_tokens(logprobs: torch.Tensor, counts: list[int]) -> list[tuple]:
     return [tuple(zip(idx[r][:c], vals[r][:c])) for r, c in enumerate(counts)]
 
 
-def prompt_logprobs(logits: torch.Tensor, it: StepItem) -> tuple[float, ...]:
+def prompt_logprobs(logits: torch.Tensor, it: StepItem) -> tuple:
     """logits [n, V] for the item's positions start_pos .. start_pos+n-1: the log-prob of each
-    following prompt token (the one at position p+1), as far as it is known."""
+    following prompt token (the one at position p+1), as far as it is known. With
+    params.prompt_top_n set, each is (log-prob, rank, ((id, log-prob), ...) top alternatives)."""
     s, n = it.start_pos, len(it.token_ids)
     targets = it.history[s + 1:s + n + 1]
-    out: list[float] = []
+    top = it.params.prompt_top_n
+    out: list = []
     for a in range(0, len(targets), 256):         # bounded memory: [256, V] at a time
         rows = torch.log_softmax(logits[a:a + 256][:len(targets) - a].float(), dim=-1)
         tgt = torch.tensor(targets[a:a + 256], device=rows.device)
-        out += rows.gather(1, tgt[:, None])[:, 0].tolist()
+        lps = rows.gather(1, tgt[:, None])[:, 0]
+        if top is None:
+            out += lps.tolist()
+            continue
+        ranks = ((rows > lps[:, None]).sum(dim=-1) + 1).tolist()
+        alts = top_tokens(rows, [top] * rows.shape[0])
+        out += list(zip(lps.tolist(), ranks, alts))
     return tuple(out)

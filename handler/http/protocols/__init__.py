@@ -6,6 +6,7 @@ samples (prompt-major, `params.num_samples` per prompt) and streaming them with 
 """
 from __future__ import annotations
 
+import dataclasses
 import queue
 import time
 from dataclasses import dataclass, field
@@ -53,7 +54,20 @@ class Failed(Exception):
         self.status, self.message = event.status, event.message
 
 
+def bad_words_ids(tokenizer, words) -> tuple[tuple[int, ...], ...]:
+    """Each bad word's token sequences, as vLLM makes them: the word alone and after a space."""
+    out: list[tuple[int, ...]] = []
+    for w in words:
+        for text in (w.lstrip(), " " + w.lstrip()):
+            ids = tuple(tokenizer(text, add_special_tokens=False)["input_ids"])
+            if ids and ids not in out:
+                out.append(ids)
+    return tuple(out)
+
+
 def tokenize(tokenizer, gen: Generation) -> list[list[int]]:
+    if gen.params.bad_words and not gen.params.bad_words_ids:
+        gen.params = dataclasses.replace(gen.params, bad_words_ids=bad_words_ids(tokenizer, gen.params.bad_words))
     out = []
     for i, text in enumerate(gen.prompts):
         ids = tokenizer(text, add_special_tokens=gen.add_special_tokens)["input_ids"]

@@ -11,16 +11,32 @@ from __future__ import annotations
 import json
 import time
 import uuid
+from dataclasses import dataclass, field
 
 from pydantic import BaseModel, ConfigDict
 
 from handler.engine import guide
-from handler.engine.request import (MAX_NEW_TOKENS, MAX_SAMPLES, MAX_SEED, MAX_TOP_N_TOKENS, LogitBias, RequestError,
-                                    SamplingParams, Stops, TopK, bounded_float, bounded_int, show,
-                                    validated, warn_once)
-from handler.http.protocols import Generation, Sample, by_prompt, ranked, tools as tooling
+from handler.engine.request import (MAX_NEW_TOKENS, MAX_SAMPLES, MAX_SEED, MAX_TOP_N_TOKENS, BadWords, LogitBias,
+                                    RequestError, SamplingParams, Stops, TokenIds, TopK, bounded_float,
+                                    bounded_int, show, validated, warn_once)
+from handler.http.protocols import Generation, Sample, by_prompt, ranked, reasoning, tools as tooling
 
 FINISH = {"eos_token": "stop", "stop_sequence": "stop", "length": "length"}
+
+
+@dataclass(frozen=True)
+class ServerOptions:
+    """What the server's properties say about chat output: the tool-call format and switch,
+    the reasoning parser (option.tool_call_parser, option.enable_auto_tool_choice,
+    option.reasoning_parser)."""
+    tools: tooling.Options = field(default_factory=tooling.Options)
+    reasoning: str = "none"
+
+    @classmethod
+    def of(cls, cfg) -> "ServerOptions":
+        return cls(tooling.Options(getattr(cfg, "tool_call_parser", "auto"),
+                                   getattr(cfg, "enable_auto_tool_choice", True)),
+                   getattr(cfg, "reasoning_parser", "none"))
 
 
 class StreamOptions(BaseModel):
@@ -51,14 +67,23 @@ class _Fields(BaseModel):
     min_p: bounded_float(0.0, 1.0) = None         # vLLM
     repetition_penalty: bounded_float(0.0, 100.0, lo_open=True) = None   # vLLM
     include_stop_str_in_output: bool = None       # vLLM
+    stop_token_ids: TokenIds = None               # vLLM's sampling extras
+    min_tokens: bounded_int(0, MAX_NEW_TOKENS) = None
+    bad_words: BadWords = None
+    skip_special_tokens: bool = None
+    spaces_between_special_tokens: bool = None
+    truncate_prompt_tokens: bounded_int(1, MAX_NEW_TOKENS) = None
+    prompt_logprobs: bounded_int(0, MAX_TOP_N_TOKENS) = None
 
 
 class ChatFields(_Fields):
     logprobs: bool = None
     top_logprobs: bounded_int(0, MAX_TOP_N_TOKENS) = None
+    chat_template_kwargs: dict = None             # vLLM: extra variables for the chat template
 
 
 class CompletionFields(_Fields):
+    max_tokens: bounded_int(0, MAX_NEW_TOKENS) = None   # 0: the prompt's log-probs only (with echo)
     logprobs: bounded_int(0, 5) = None            # top alternatives per token (legacy completions)
     best_of: bounded_int(1, MAX_SAMPLES) = None
     echo: bool = None
@@ -68,7 +93,10 @@ class CompletionFields(_Fields):
 _TO_PARAMS = {"temperature": "temperature", "top_p": "top_p", "n": "n", "stop": "stop_sequences",
               "seed": "seed", "presence_penalty": "presence_penalty", "frequency_penalty": "frequency_penalty",
               "ignore_eos": "ignore_eos", "top_k": "top_k", "min_p": "min_p",
-              "repetition_penalty": "repetition_penalty", "include_stop_str_in_output": "include_stop_str_in_output"}
+              "repetition_penalty": "repetition_penalty", "include_stop_str_in_output": "include_stop_str_in_output",
+              "stop_token_ids": "stop_token_ids", "min_tokens": "min_tokens", "bad_words": "bad_words",
+              "skip_special_tokens": "skip_special_tokens",
+              "spaces_between_special_tokens": "spaces_between_special_tokens"}
 # Fields that change nothing in the answer (or are parsed elsewhere), accepted quietly.
 _QUIET = {"model", "user", "messages", "prompt", "store", "metadata", "service_tier", "parallel_tool_calls", "tools",
           "tool_choice", "response_format", *guide.PARAMETERS, *guide.QUIET_PARAMETERS}
@@ -155,6 +183,8 @@ def _sampling(f: _Fields, defaults: SamplingParams, lmi: bool) -> tuple[dict, di
         if getattr(f, name) is not None:
             values["max_new_tokens"] = getattr(f, name)
             break
+    if f.prompt_logprobs is not None:            # vLLM: N alternatives per prompt token
+        values.update(decoder_input_details=True, prompt_top_n=f.prompt_logprobs)
     temperature = values.get("temperature", 1.0)
     values["do_sample"] = temperature > 0.0
     if not values["do_sample"]:
@@ -202,7 +232,7 @@ def _tool_calls(i: int, calls) -> list[dict]:
     return out
 
 
-def render_chat(tokenizer, messages, tools: list[dict] | None = None) -> str:
+def render_chat(tokenizer, messages, tools: list[dict] | None = None, kwargs: dict | None = None) -> str:
     if not isinstance(messages, list) or not messages:
         raise RequestError("messages", "must be a non-empty list of {\"role\", \"content\"} objects")
     msgs = []
@@ -220,19 +250,47 @@ def render_chat(tokenizer, messages, tools: list[dict] | None = None) -> str:
         raise RequestError("messages", "this model's tokenizer has no chat template "
                                        "(tokenizer_config.json chat_template); send {\"inputs\": ...} instead")
     try:
-        return tokenizer.apply_chat_template(msgs, tools=tools, tokenize=False, add_generation_prompt=True)
+        return tokenizer.apply_chat_template(msgs, tools=tools, tokenize=False, add_generation_prompt=True,
+                                             **(kwargs or {}))
     except Exception as e:  # a template may raise on roles it does not know (jinja2 exceptions)
         raise RequestError("messages", f"the chat template refused these messages: {str(e)[:100]}") from None
 
 
-def parse_chat(payload, tokenizer, lmi: bool = False) -> Generation:
+# Template variables a request may not set: the ones render_chat passes itself.
+_RESERVED_KWARGS = ("messages", "tools", "tokenize", "add_generation_prompt")
+
+
+def _template_kwargs(f: ChatFields, guided: bool, parser: str) -> dict:
+    """chat_template_kwargs, checked; a guided answer under a reasoning parser is rendered without
+    thinking (Qwen3's enable_thinking=false), since the constraint covers the whole output."""
+    kwargs = dict(f.chat_template_kwargs or {})
+    for k in kwargs:
+        if k in _RESERVED_KWARGS or not isinstance(k, str) or not k.isidentifier():
+            raise RequestError(f"chat_template_kwargs.{k}", "is not a template variable a request may set")
+    if guided and parser != "none":
+        if parser == "deepseek_r1" or kwargs.get("enable_thinking") is True:
+            raise RequestError("response_format", f"an output constraint (response_format, guided_*, tool_choice "
+                                                  f"required or named) cannot be combined with thinking "
+                                                  f"(option.reasoning_parser={parser}): the constraint would cover "
+                                                  f"the thinking too; send chat_template_kwargs "
+                                                  f"{{\"enable_thinking\": false}} with a model that takes it")
+        kwargs["enable_thinking"] = False
+    return kwargs
+
+
+def parse_chat(payload, tokenizer, lmi: bool = False, server: ServerOptions = ServerOptions()) -> Generation:
     """A Chat Completions body (from /v1/chat/completions, or /invocations with `messages`)."""
     payload = _check_object(payload)
     f = _fields(payload, ChatFields)
-    tools = tooling.parse(payload, tokenizer)
-    prompt = render_chat(tokenizer, payload.get("messages"), tools.template_tools())
+    tools = tooling.parse(payload, tokenizer, server.tools)
+    guide_spec = _constraint(payload, tools)
+    kwargs = _template_kwargs(f, guide_spec is not None, server.reasoning)
+    prompt = render_chat(tokenizer, payload.get("messages"), tools.template_tools(), kwargs)
     values, opts = _sampling(f, SamplingParams(), lmi)
-    values["guide"] = _constraint(payload, tools)
+    values["guide"] = guide_spec
+    if tools.choice == "auto" and tools.fmt in tooling.tool_parsers.SPECIAL_MARKERS \
+            and f.skip_special_tokens is None:
+        values["skip_special_tokens"] = False    # the call's marker is a special token: keep it in the text
     values["logit_bias"] = _logit_bias(f.logit_bias, tokenizer)
     logprobs = bool(f.logprobs)
     top = f.top_logprobs
@@ -241,13 +299,17 @@ def parse_chat(payload, tokenizer, lmi: bool = False) -> Generation:
             raise RequestError("top_logprobs", "needs logprobs: true")
         values["top_n_tokens"] = top if logprobs else 0
     params = SamplingParams(**values)
+    if opts["stream"] and f.prompt_logprobs is not None:
+        raise RequestError("stream", "prompt_logprobs works without stream")
     if opts["stream"] and params.num_samples > 1 and lmi:
         raise RequestError("n", "several choices work only without streaming on /invocations")
     no_max = payload.get("max_tokens") is None and payload.get("max_completion_tokens") is None
-    return Generation([prompt], params, opts["stream"], add_special_tokens=False,
+    return Generation([prompt], params, opts["stream"], truncate=f.truncate_prompt_tokens, add_special_tokens=False,
                       fill_max_tokens=no_max and not lmi, fields=["messages"],
                       extra={"kind": "chat", "logprobs": logprobs, "lmi": lmi, "model": payload.get("model"),
                              "tools": tools if tools.active else None,
+                             "reasoning": server.reasoning if server.reasoning != "none" else None,
+                             "prompt_logprobs": f.prompt_logprobs is not None,
                              "include_usage": opts["include_usage"],
                              "fields": {"inputs": "messages", "parameters.max_new_tokens": "max_tokens"}})
 
@@ -266,6 +328,15 @@ def parse_completion(payload, tokenizer=None) -> Generation:
         raise RequestError("prompt", f"must be a non-empty string or list of non-empty strings, got {show(prompt)}")
     values, opts = _sampling(f, SamplingParams(max_new_tokens=16), False)
     values["guide"] = _constraint(payload)
+    echo = bool(f.echo)
+    only_prompt = f.max_tokens == 0          # the prompt's log-probs (eval harnesses): one token, dropped
+    if only_prompt:
+        if not echo and f.prompt_logprobs is None:
+            raise RequestError("max_tokens", "0 works with echo: true or prompt_logprobs (the prompt's log-probs)")
+        values["max_new_tokens"] = 1
+    if echo and f.logprobs is not None:      # OpenAI: log-probs of the prompt tokens too
+        values.update(decoder_input_details=True,
+                      prompt_top_n=max(f.logprobs, values.get("prompt_top_n") or 0))
     values["logit_bias"] = _logit_bias(f.logit_bias, tokenizer)
     lp = f.logprobs
     if lp is not None:
@@ -278,10 +349,14 @@ def parse_completion(payload, tokenizer=None) -> Generation:
     params = SamplingParams(**values)
     if opts["stream"] and params.best_of not in (None, params.n):
         raise RequestError("best_of", "cannot be used with stream")
-    echo = bool(f.echo)
+    if opts["stream"] and (only_prompt or params.decoder_input_details):
+        raise RequestError("stream", "prompt log-probs (echo with logprobs, prompt_logprobs, max_tokens 0) "
+                                     "work without stream")
     fields = [f"prompt[{i}]" if is_list else "prompt" for i in range(len(prompts))]
-    return Generation(list(prompts), params, opts["stream"], is_list, fields=fields,
+    return Generation(list(prompts), params, opts["stream"], is_list, truncate=f.truncate_prompt_tokens,
+                      fields=fields,
                       extra={"kind": "completion", "logprobs": lp is not None, "echo": echo,
+                             "only_prompt": only_prompt, "prompt_logprobs": f.prompt_logprobs is not None,
                              "model": payload.get("model"), "include_usage": opts["include_usage"],
                              "fields": {"inputs": "prompt", "parameters.max_new_tokens": "max_tokens"}})
 
@@ -307,6 +382,41 @@ def _completion_logprobs(tokens, offset: int) -> dict:
     return out
 
 
+def _prompt_logprobs(done) -> list | None:
+    """vLLM's prompt_logprobs: per prompt token None (the first) or {id: {logprob, rank,
+    decoded_token}}, the token itself and its alternatives."""
+    if done.prefill is None or done.prefill_top is None:
+        return None
+    out = []
+    for (tid, text, lp), top in zip(done.prefill, done.prefill_top):
+        if top is None:
+            out.append(None)
+            continue
+        rank, alts = top
+        entry = {str(tid): {"logprob": lp, "rank": rank, "decoded_token": text}}
+        for r, (i, x, a) in enumerate(alts, 1):
+            entry.setdefault(str(i), {"logprob": a, "rank": r, "decoded_token": x})
+        out.append(entry)
+    return out
+
+
+def _echo_logprobs(done, tokens, top: bool) -> dict:
+    """OpenAI's completion log-probs over prompt + completion: the first prompt token's are null."""
+    out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    offset = 0
+    tops = done.prefill_top or (None,) * len(done.prefill or ())
+    for (tid, text, lp), t in zip(done.prefill or (), tops):
+        out["tokens"].append(text)
+        out["token_logprobs"].append(lp)
+        out["top_logprobs"].append(None if t is None else {x: a for _i, x, a in t[1]} if top else None)
+        out["text_offset"].append(offset)
+        offset += len(text)
+    rest = _completion_logprobs(tokens, offset)
+    for k in out:
+        out[k] += rest[k]
+    return out
+
+
 def _finish(gen: Generation, reason: str) -> str:
     return reason if gen.extra.get("lmi") else FINISH.get(reason, reason)
 
@@ -314,7 +424,7 @@ def _finish(gen: Generation, reason: str) -> str:
 def _usage(gen: Generation, samples: list[Sample]) -> dict:
     # prompt tokens once per prompt, as OpenAI counts them for n > 1
     prompt = sum(ss[0].done.prompt_tokens for ss in by_prompt(samples, len(gen.prompts)) if ss)
-    completion = sum(s.done.generated_tokens for s in samples)
+    completion = 0 if gen.extra.get("only_prompt") else sum(s.done.generated_tokens for s in samples)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
@@ -348,11 +458,17 @@ def encode(gen: Generation, samples: list[Sample], model: str) -> dict:
     choices = []
     if gen.extra["kind"] == "chat":
         tools = gen.extra.get("tools")
+        parser = gen.extra.get("reasoning")
         for i, s in enumerate(chosen):
-            message = {"role": "assistant", "content": s.done.generated_text}
+            text, thought = s.done.generated_text, None
+            if parser is not None:          # the thinking never reaches content or a call's arguments
+                thought, text = reasoning.split(parser, text)
+            message = {"role": "assistant", "content": text}
+            if parser is not None:
+                message["reasoning_content"] = thought
             reason = _finish(gen, s.done.finish_reason)
             if tools is not None:
-                content, calls = tooling.parse_output(tools, s.done.generated_text)
+                content, calls = tooling.parse_output(tools, text)
                 message["content"] = content
                 if calls:
                     message["tool_calls"] = calls
@@ -362,19 +478,33 @@ def encode(gen: Generation, samples: list[Sample], model: str) -> dict:
                             if gen.extra["logprobs"] else None,
                             "finish_reason": reason})
         obj = "chat.completion"
+        top = {}
+        if gen.extra.get("prompt_logprobs") and chosen:
+            top["prompt_logprobs"] = _prompt_logprobs(chosen[0].done)
     else:
+        top = {}
+        only_prompt = gen.extra.get("only_prompt")
         for s in chosen:
             prompt = gen.prompts[s.prompt_index]
             head = prompt if gen.extra["echo"] else ""
-            choices.append({"index": s.prompt_index * n + len([c for c in choices
-                                                               if c["_p"] == s.prompt_index]),
-                            "_p": s.prompt_index, "text": head + s.done.generated_text,
-                            "logprobs": _completion_logprobs(s.tokens, len(head)) if gen.extra["logprobs"] else None,
-                            "finish_reason": _finish(gen, s.done.finish_reason)})
+            tokens = [] if only_prompt else s.tokens
+            text = "" if only_prompt else s.done.generated_text
+            if not gen.extra["logprobs"]:
+                logprobs = None
+            elif gen.extra["echo"]:
+                logprobs = _echo_logprobs(s.done, tokens, True)
+            else:
+                logprobs = _completion_logprobs(tokens, 0)
+            choice = {"index": s.prompt_index * n + len([c for c in choices if c["_p"] == s.prompt_index]),
+                      "_p": s.prompt_index, "text": head + text, "logprobs": logprobs,
+                      "finish_reason": "length" if only_prompt else _finish(gen, s.done.finish_reason)}
+            if gen.extra.get("prompt_logprobs"):
+                choice["prompt_logprobs"] = _prompt_logprobs(s.done)
+            choices.append(choice)
         for c in choices:
             del c["_p"]
         obj = "text_completion"
-    return {**ids.head(obj, gen.extra.get("lmi", False)), "choices": choices, "usage": _usage(gen, samples)}
+    return {**ids.head(obj, gen.extra.get("lmi", False)), "choices": choices, "usage": _usage(gen, samples), **top}
 
 
 def stream(gen: Generation, events, model: str, sse: bool = True):
@@ -392,7 +522,8 @@ def stream(gen: Generation, events, model: str, sse: bool = True):
     done: list[Sample] = []
     usage = gen.extra.get("include_usage")
     tools = gen.extra.get("tools") if chat else None
-    streamers: dict[tuple[int, int], tooling.Streamer] = {}
+    parser = gen.extra.get("reasoning") if chat else None
+    streamers: dict[tuple[int, int], ChoiceStream] = {}
     for p, s, ev in events:
         if not hasattr(ev, "id"):                       # ErrorEvent mid-stream
             yield out({"error": {"message": ev.message, "type": "server_error", "param": None,
@@ -400,8 +531,8 @@ def stream(gen: Generation, events, model: str, sse: bool = True):
             break
         index = p * gen.params.n + s
         reason = _finish(gen, ev.done.finish_reason) if ev.done is not None else None
-        if tools is not None:       # tool calls: deltas as the streamer makes them
-            st = streamers.setdefault((p, s), tooling.Streamer(tools))
+        if tools is not None or parser is not None:     # deltas as the choice's streamer makes them
+            st = streamers.setdefault((p, s), ChoiceStream(tools, parser))
             deltas = st.feed(ev.text)
             if ev.done is not None:
                 last, called = st.finish()
@@ -450,6 +581,36 @@ def stream(gen: Generation, events, model: str, sse: bool = True):
             yield out({**ids.head(obj, lmi), "choices": [], "usage": _usage(gen, done)})
     if sse:
         yield "data: [DONE]\n\n"
+
+
+class ChoiceStream:
+    """One chat choice's deltas: the thinking as reasoning_content (reasoning parser), the answer
+    as content or tool-call deltas (tools)."""
+
+    def __init__(self, tools: tooling.Tools | None, parser: str | None):
+        self.split = reasoning.Splitter(parser) if parser else None
+        self.tools = tooling.Streamer(tools) if tools is not None else None
+
+    def _answer(self, text: str) -> list[dict]:
+        if self.tools is not None:
+            return self.tools.feed(text)
+        return [{"content": text}] if text else []
+
+    def _route(self, parts) -> list[dict]:
+        out = []
+        for kind, text in parts:
+            out += [{"reasoning_content": text}] if kind == "reasoning" else self._answer(text)
+        return out
+
+    def feed(self, text: str) -> list[dict]:
+        return self._route(self.split.feed(text)) if self.split else self._answer(text)
+
+    def finish(self) -> tuple[list[dict], bool]:
+        out = self._route(self.split.finish()) if self.split else []
+        if self.tools is None:
+            return out, False
+        last, called = self.tools.finish()
+        return out + last, called
 
 
 def models(model: str, created: int, adapters: list[str] = ()) -> dict:

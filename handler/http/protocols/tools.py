@@ -6,8 +6,10 @@ output; the output -> `message.tool_calls` (or tool-call deltas when streamed).
                    call, each name one of the tools, each arguments valid for its parameters)
   {"function": f}  the output is f's arguments (a grammar: f's parameters schema)
   auto             the tools reach the chat template; calls are parsed from the output in the
-                   format the template documents (Hermes/Qwen `<tool_call>{json}</tool_call>`).
-                   A template with none is a 400: nothing would ever produce a call.
+                   format of option.tool_call_parser, or the one the template documents
+                   (handler/http/protocols/tool_parsers.py: hermes, llama3_json, mistral, pythonic,
+                   granite). A template with none (or more than one) is a 400 unless the option names
+                   the format; option.enable_auto_tool_choice=false refuses `auto` (as vLLM without it).
 """
 from __future__ import annotations
 
@@ -18,10 +20,9 @@ from dataclasses import dataclass, field
 
 from handler.engine import guide
 from handler.engine.errors import RequestError, show
+from handler.http.protocols import tool_parsers
 
 _NAME = re.compile(r"^[A-Za-z0-9_.:-]{1,64}$")
-HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
-_HERMES = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
 
 
 @dataclass
@@ -30,7 +31,11 @@ class Tools:
     functions: list[dict] = field(default_factory=list)   # [{"name", "description"?, "parameters"}]
     choice: str = "none"
     name: str | None = None          # the named function (choice == "named")
-    fmt: str | None = None           # auto: the template's call format ("hermes")
+    fmt: str | None = None           # auto: the call format (tool_parsers.FAMILIES)
+
+    @property
+    def names(self) -> set[str]:
+        return {f["name"] for f in self.functions}
 
     @property
     def active(self) -> bool:
@@ -44,16 +49,23 @@ class Tools:
         return [{"type": "function", "function": f} for f in fns]
 
 
-def template_format(tokenizer) -> str | None:
-    """The tool-call format the chat template documents, or None."""
+@dataclass(frozen=True)
+class Options:
+    """The server's tool settings (option.tool_call_parser, option.enable_auto_tool_choice)."""
+    parser: str = "auto"         # a tool_parsers family, or auto (from the template)
+    enable_auto: bool = True
+
+
+def template_format(tokenizer, parser: str = "auto") -> str | None:
+    """The tool-call format: the configured family, else the one the chat template documents."""
+    if parser != "auto":
+        return parser
     tpl = getattr(tokenizer, "chat_template", None)
     tpl = tpl if isinstance(tpl, str) else json.dumps(tpl or "")
-    if HERMES_OPEN in tpl and "tools" in tpl:
-        return "hermes"
-    return None
+    return tool_parsers.detect(tpl)
 
 
-def parse(payload: dict, tokenizer) -> Tools:
+def parse(payload: dict, tokenizer, options: Options = Options()) -> Tools:
     raw = payload.get("tools")
     choice = payload.get("tool_choice")
     if raw is None or raw == []:
@@ -84,10 +96,15 @@ def parse(payload: dict, tokenizer) -> Tools:
     tools = Tools(fns)
     if choice is None or choice == "auto":
         tools.choice = "auto"
-        tools.fmt = template_format(tokenizer)
+        if not options.enable_auto:
+            raise RequestError("tool_choice", "\"auto\" is off on this server (option.enable_auto_tool_choice="
+                                              "false): use \"required\", {\"type\": \"function\", \"function\": "
+                                              "{\"name\": ...}} or \"none\"")
+        tools.fmt = template_format(tokenizer, options.parser)
         if tools.fmt is None:
-            raise RequestError("tool_choice", "\"auto\" needs a chat template that documents a tool-call "
-                                              "format, and this model's has none: use tool_choice \"required\" "
+            raise RequestError("tool_choice", "\"auto\" needs a tool-call format: set option.tool_call_parser ("
+                                              + ", ".join(tool_parsers.FAMILIES) + "); this model's chat template "
+                                              "documents none (or several). Or use tool_choice \"required\" "
                                               "or {\"type\": \"function\", \"function\": {\"name\": ...}} (the "
                                               "output is then constrained to a call), or \"none\"")
     elif choice in ("none", "required"):
@@ -140,16 +157,11 @@ def parse_output(tools: Tools, text: str) -> tuple[str | None, list[dict]]:
             return None, [call(c["name"], c["arguments"]) for c in items]
         except (ValueError, TypeError, KeyError):
             return text, []
-    if tools.choice == "auto" and tools.fmt == "hermes" and HERMES_OPEN in text:
-        calls = []
-        for body in _HERMES.findall(text):
-            try:
-                obj = json.loads(body)
-                calls.append(call(obj["name"], obj.get("arguments", obj.get("parameters", {}))))
-            except (ValueError, TypeError, KeyError):
-                return text, []
-        content = text[:text.index(HERMES_OPEN)].strip()
-        return content or None, calls
+    if tools.choice == "auto" and tools.fmt is not None:
+        got = tool_parsers.parse(tools.fmt, text, tools.names)
+        if got is not None:
+            content, calls = got
+            return content, [call(c["name"], c["arguments"]) for c in calls]
     return text, []
 
 
@@ -176,11 +188,8 @@ class Streamer:
             if piece:
                 out.append({"tool_calls": [{"index": 0, "function": {"arguments": piece}}]})
             return out
-        if t.choice == "auto":      # content up to the first call marker, a possible marker held back
-            end = self.text.find(HERMES_OPEN)
-            if end < 0:
-                end = len(self.text) - next((k for k in range(len(HERMES_OPEN) - 1, 0, -1)
-                                             if self.text.endswith(HERMES_OPEN[:k])), 0)
+        if t.choice == "auto":      # content up to where a call may begin, the rest held
+            end = tool_parsers.call_start(t.fmt, self.text) if t.fmt else len(self.text)
             new = self.text[self.sent:end] if end > self.sent else ""
             self.sent = max(self.sent, end)
             return [{"content": new}] if new else []
@@ -199,10 +208,13 @@ class Streamer:
         out = []
         if calls:
             if t.choice == "auto":
-                rest = self.text[self.sent:self.text.find(HERMES_OPEN)]
+                rest = self.text[self.sent:tool_parsers.call_start(t.fmt, self.text)]
                 if rest.strip():
                     out.append({"content": rest})
-            out += [{"tool_calls": [{"index": i, **c}]} for i, c in enumerate(calls)]
+            for i, c in enumerate(calls):        # OpenAI's shape: id, type and name, then the arguments
+                out.append({"tool_calls": [{"index": i, "id": c["id"], "type": "function",
+                                            "function": {"name": c["function"]["name"], "arguments": ""}}]})
+                out.append({"tool_calls": [{"index": i, "function": {"arguments": c["function"]["arguments"]}}]})
             return out, True
         rest = self.text[self.sent:]
         return ([{"content": rest}] if rest else []), False

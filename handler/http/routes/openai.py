@@ -1,9 +1,11 @@
-"""OpenAI's routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models."""
+"""OpenAI's routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models; vLLM's
+POST /tokenize and /detokenize (also under /v1/)."""
 from __future__ import annotations
 
 from flask import Blueprint
 
-from handler.http.protocols import openai
+from handler.engine.request import RequestError
+from handler.http.protocols import openai, tokens
 from handler.http.routes.common import (SSE, body_json, current_state, json_response, model_name, openai_error,
                                         run, streamed)
 
@@ -25,7 +27,8 @@ def _route(parse):
 
 @bp.post("/v1/chat/completions")
 def chat_completions():
-    return _route(lambda tok: openai.parse_chat(body_json(), tok))
+    server = openai.ServerOptions.of(current_state().cfg)
+    return _route(lambda tok: openai.parse_chat(body_json(), tok, server=server))
 
 
 @bp.post("/v1/completions")
@@ -39,3 +42,28 @@ def list_models():
     client = state.client
     names = client.adapter_names() if client is not None else []
     return json_response(openai.models(model_name(state.cfg), state.started, names))
+
+
+def _tokens(work):
+    state = current_state()
+    client = state.client
+    if client is None:
+        return openai_error(503, "the model is still loading" if not state.error
+                            else f"the model failed to load: {state.error}")
+    try:
+        return json_response(work(client))
+    except RequestError as e:
+        return openai_error(e.status, e.message, e.field)
+
+
+@bp.post("/tokenize")
+@bp.post("/v1/tokenize")
+def tokenize():
+    server = openai.ServerOptions.of(current_state().cfg)
+    return _tokens(lambda c: tokens.tokenize(body_json(), c.tokenizer, c.max_sequence_len, server))
+
+
+@bp.post("/detokenize")
+@bp.post("/v1/detokenize")
+def detokenize():
+    return _tokens(lambda c: tokens.detokenize(body_json(), c.tokenizer))

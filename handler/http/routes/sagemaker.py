@@ -50,7 +50,7 @@ def invocations(model=None):
     def parse(tokenizer):
         payload = body_json()
         if isinstance(payload, dict) and payload.get("messages") is not None:
-            gen = openai.parse_chat(payload, tokenizer, lmi=True)
+            gen = openai.parse_chat(payload, tokenizer, lmi=True, server=openai.ServerOptions.of(cfg))
             gen.adapter = lmi.adapter_name(payload.get("adapters"), 1)
             if payload.get("stream") is None and formatter in STREAMING_FORMATTERS:
                 gen.stream = True
