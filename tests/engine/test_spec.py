@@ -179,6 +179,51 @@ def test_a_draft_equal_to_the_target_is_accepted_in_full(strategy, demo_model_di
         engine.shutdown()
 
 
+def test_verify_rows_run_in_the_c_layer_stack(demo_model_dir, tmp_path, monkeypatch):
+    """A step of verify rows is a decode step to the CPU kernels: one C call for the layer stack
+    (handler/model/cpu_stack.py), not the Python layers."""
+    from handler.model import cpu_stack
+    seen = []
+    run = cpu_stack.DecodeStack.run
+
+    def spy(self, h, cos, sin, step):
+        ok = run(self, h, cos, sin, step)
+        seen.append((h.shape[0], ok))
+        return ok
+    monkeypatch.setattr(cpu_stack.DecodeStack, "run", spy)
+    engine = spec_engine(demo_model_dir, tmp_path, "paged", {"option.kv_cache_tokens": "2048"})
+    try:
+        if engine.runner.model.decode_stack is None:
+            pytest.skip("the C layer stack does not apply on this host (see the runner's start-up log)")
+        want = hf_greedy(demo_model_dir, PROMPTS[0], 20, ignore_eos=True)
+        engine.scheduler.proposer = Oracle({tuple(engine.tokenize(PROMPTS[0])): want})
+        (ids, _), = run_all(engine, [PROMPTS[0]], [SamplingParams(max_new_tokens=20, ignore_eos=True)])
+        assert ids == want
+        assert seen[1:] and all(ok for _, ok in seen) and seen[1][0] == 5, seen   # k+1 = 5 rows
+    finally:
+        engine.shutdown()
+
+
+def test_n_samples_speculate_each(demo_model_dir, tmp_path):
+    engine = spec_engine(demo_model_dir, tmp_path, "paged", {"option.kv_cache_tokens": "2048"})
+    try:
+        want = hf_greedy(demo_model_dir, PROMPTS[4], 16, ignore_eos=True)
+        engine.scheduler.proposer = Oracle({tuple(engine.tokenize(PROMPTS[4])): want}, wrong=True)
+        chans = engine.submit([engine.tokenize(PROMPTS[4])], SamplingParams(max_new_tokens=16, n=3, ignore_eos=True))
+        for ch in chans:
+            ids = []
+            while True:
+                ev = ch.events.get(timeout=300)
+                ids.append(ev.id)
+                if ev.done:
+                    break
+            assert ids == want
+        assert engine.stats()["spec"]["ngram"]["accepted"] > 0
+        assert_drained(engine)
+    finally:
+        engine.shutdown()
+
+
 def test_guided_requests_and_disable_by_batch_size_do_not_speculate(demo_model_dir, tmp_path):
     from handler.engine.guide import GuideSpec
     engine = spec_engine(demo_model_dir, tmp_path, "rolling", {"option.speculative_disable_by_batch_size": "2"})
@@ -285,3 +330,26 @@ def test_sampled_output_distribution_is_the_targets(demo_model_dir, tmp_path, ba
         assert p > 1e-3, (j, p)
     p = chi_square_p(collections.Counter(o[:2] for o in base), collections.Counter(o[:2] for o in spec))
     assert p > 1e-3, ("pairs", p)
+
+
+def test_stop_string_and_max_tokens_inside_an_accepted_draft(demo_model_dir, tmp_path):
+    """Tokens of an accepted draft are applied in order: a stop string in the middle of one ends
+    the sequence there (the later tokens are not sent), and max_new_tokens bounds the draft."""
+    engine = spec_engine(demo_model_dir, tmp_path, "rolling", {"option.kv_cache_tokens": "2048"})
+    try:
+        tok = engine.tokenizer
+        want = hf_greedy(demo_model_dir, PROMPTS[0], 30, ignore_eos=True)
+        engine.scheduler.proposer = Oracle({tuple(engine.tokenize(PROMPTS[0])): want})
+        # A stop string made of the text of tokens 7..8: reached inside the verify of tokens 6..10.
+        stop = tok.decode(want[7:9])
+        full = tok.decode(want)
+        assert stop and full.find(stop) >= len(tok.decode(want[:6]))
+        (ids, done), = run_all(engine, [PROMPTS[0]], [SamplingParams(max_new_tokens=30, ignore_eos=True,
+                                                                     stop_sequences=(stop,))])
+        assert done.finish_reason == "stop_sequence" and done.generated_text.endswith(stop)
+        assert ids == want[:len(ids)] and len(ids) < 12
+        (ids, done), = run_all(engine, [PROMPTS[0]], [SamplingParams(max_new_tokens=7, ignore_eos=True)])
+        assert ids == want[:7] and done.finish_reason == "length"
+        assert_drained(engine)
+    finally:
+        engine.shutdown()
