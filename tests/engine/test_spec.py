@@ -353,3 +353,23 @@ def test_stop_string_and_max_tokens_inside_an_accepted_draft(demo_model_dir, tmp
         assert_drained(engine)
     finally:
         engine.shutdown()
+
+
+def test_metrics_export_proposed_accepted_mean_length_and_rate():
+    """/metrics (handler/http/metrics.py): the engine's per-method counts, and the two derived gauges."""
+    from handler.http.metrics import Metrics
+    from handler.tools.bench.scrape import parse
+
+    class Client:
+        def stats(self):
+            return {"running": 1, "spec": {"ngram": {"verifies": 10, "proposed": 40, "accepted": 25}}}
+
+        def adapter_counters(self):
+            return {}
+    m = parse(Metrics("m", "paged", get_client=Client).exposition().decode())
+    key = frozenset({"model": "m", "strategy": "paged", "method": "ngram"}.items())
+    assert m["lmi_spec_decode_proposed_total"][key] == 40
+    assert m["lmi_spec_decode_accepted_total"][key] == 25
+    assert m["lmi_spec_decode_verifies_total"][key] == 10
+    assert m["lmi_spec_decode_mean_accepted_length"][key] == pytest.approx(3.5)   # (25 + 10) / 10
+    assert m["lmi_spec_decode_acceptance_rate"][key] == pytest.approx(0.625)
