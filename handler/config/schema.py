@@ -353,7 +353,7 @@ KEYS: tuple[Key, ...] = (
         "requests decode without it. `draft_model` (a second model) is refused at start-up: not built yet. "
         "Not with `option.tensor_parallel_degree` > 1 or `option.batch_invariant`",
         values="JSON object: `method` (`ngram`, `draft_model`), `num_speculative_tokens` (1-32), "
-        "`prompt_lookup_min`/`prompt_lookup_max` (1-64; default 1/4), `model`, `disable_by_batch_size`",
+        "`prompt_lookup_min`/`prompt_lookup_max` (1-64; default 2/4), `model`, `disable_by_batch_size`",
         default_doc="(off)"),
     Key("option.speculative_draft_model", _non_empty,
         "LMI's draft model for speculative decoding (same tokenizer as the target); refused at start-up: "

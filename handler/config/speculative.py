@@ -12,7 +12,7 @@ SPEC_JSON_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_min", "prom
                   "disable_by_batch_size")
 DEFAULT_K = 5                  # LMI's option.speculative_length default
 DEFAULT_LOOKUP_MAX = 4
-DEFAULT_LOOKUP_MIN = 1
+DEFAULT_LOOKUP_MIN = 2            # a 1-gram match proposes noise more often than not
 MAX_K = 32
 
 
@@ -66,6 +66,9 @@ def parse_spec_json(raw: str) -> dict:
     if "prompt_lookup_min" in out and "prompt_lookup_max" not in out:
         hi = max(hi, lo)
         out["prompt_lookup_max"] = hi
+    if "prompt_lookup_max" in out and "prompt_lookup_min" not in out:
+        lo = min(lo, hi)
+        out["prompt_lookup_min"] = lo
     if lo > hi:
         raise SpecConfigError(f"has prompt_lookup_min={lo} > prompt_lookup_max={hi}")
     return out

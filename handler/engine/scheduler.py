@@ -31,6 +31,9 @@ STRATEGIES = ("none", "dynamic", "rolling", "paged")
 # Chunked prefill: the oldest prompt still prefilling gets at least 1/this of the step's token
 # budget; the rest goes to the prompts with the fewest tokens left (Scheduler._prefill_shares).
 OLDEST_PREFILL_SHARE = 4
+# Speculative decoding: after m verify steps in a row that accepted nothing a sequence decodes
+# min(2^m, this) - 1 steps without proposals (its proposals are wasted rows meanwhile).
+MAX_SPEC_BACKOFF = 16
 
 
 @dataclass(frozen=True)
@@ -100,6 +103,11 @@ class Sequence:
     # Guided decoding: this sequence's GuideState (types.py), advanced by every token it accepts.
     # Its state is that of `tokens`, which a preemption keeps: a recompute needs no rewind.
     guide: object = None
+    # Speculative decoding: verify steps in a row that accepted nothing, and decode steps left
+    # without a proposal (backing off exponentially: a sequence that is not copying costs no
+    # verify rows until it may be again).
+    spec_misses: int = 0
+    spec_skip: int = 0
 
     def __post_init__(self):
         if not self.tokens:
@@ -373,6 +381,9 @@ class Scheduler:
         if not spec_on or n != 1 or seq.num_computed + 1 != len(seq.tokens) or seq.num_output == 0 \
                 or seq.guide is not None or seq.params.decoder_input_details:
             return []
+        if seq.spec_skip > 0:
+            seq.spec_skip -= 1
+            return []
         k = min(self.policy.spec.k, seq.params.max_new_tokens - seq.num_output - 1,
                 self.policy.max_model_len - len(seq.tokens) - 1)
         if seq.params.eos_after is not None:
@@ -406,6 +417,8 @@ class Scheduler:
                 st["verifies"] += 1
                 st["proposed"] += len(item.draft)
                 st["accepted"] += accepted
+                seq.spec_misses = 0 if accepted else seq.spec_misses + 1
+                seq.spec_skip = min(2 ** seq.spec_misses, MAX_SPEC_BACKOFF) - 1 if seq.spec_misses else 0
             seq.num_computed += n
             if not item.draft:
                 self.blocks.commit(seq.seq_id, seq.tokens, seq.num_computed)

@@ -16,7 +16,8 @@ Proposers:
           followed its most recent earlier occurrence are the draft. No second model.
   draft_model   a second, small model's greedy tokens: not built yet (refused at start-up).
 
-Speculation is skipped for a step's sequence when it has no proposal, is guided (its grammar
+Speculation is skipped for a step's sequence when it has no proposal, backs off after drafts that
+were wholly rejected (the scheduler's MAX_SPEC_BACKOFF), is guided (its grammar
 matcher cannot be rewound, so proposals are not checked against it: guided sequences decode one
 token a step), wants prompt log-probs, or when `disable_by_batch_size` sequences or more run.
 """

@@ -31,6 +31,30 @@ def test_ngram_proposes_what_followed_the_most_recent_earlier_match():
     assert p.propose([1, 2, 1], 0) == []
 
 
+def test_a_sequence_whose_drafts_are_rejected_backs_off(demo_model_dir, tmp_path):
+    """Drafts wholly rejected m times in a row: the next min(2^m, 16) - 1 decode steps propose nothing
+    (wasted verify rows), and output stays exact."""
+    engine = spec_engine(demo_model_dir, tmp_path, "rolling", {"option.kv_cache_tokens": "2048"})
+    try:
+        want = hf_greedy(demo_model_dir, PROMPTS[0], 40, ignore_eos=True)
+
+        class Wrong:
+            method, calls = "ngram", 0
+
+            def propose(self, tokens, k):
+                self.calls += 1
+                return [(want[len(tokens) - len(prompt)] + 1) % 1000] * k if len(tokens) - len(prompt) < 40 else []
+        prompt = engine.tokenize(PROMPTS[0])
+        engine.scheduler.proposer = wrong = Wrong()
+        (ids, _), = run_all(engine, [PROMPTS[0]], [SamplingParams(max_new_tokens=40, ignore_eos=True)])
+        assert ids == want
+        # 38 decode steps after the first token: proposals at steps 0, 2, 6, 14, 30 (gaps 1, 3, 7, 15).
+        assert wrong.calls == 5, wrong.calls
+        assert engine.stats()["spec"]["ngram"]["accepted"] == 0
+    finally:
+        engine.shutdown()
+
+
 # ---------------------------------------------------------------- properties
 def spec_engine(model_dir, tmp_path, strategy, extra=None):
     return make_engine(model_dir, tmp_path, {**STRATEGIES[strategy], "option.speculative_config": NGRAM,
@@ -47,7 +71,7 @@ def load(tmp_path, model_dir, lines: str):
 def test_properties_resolve_and_refuse_in_one_line(tmp_path, demo_model_dir):
     cfg = load(tmp_path, demo_model_dir, f"option.speculative_config={NGRAM}\n"
                                          "option.speculative_disable_by_batch_size=8\n")
-    assert cfg.speculative == SpecConfig("ngram", 4, 1, 3, 8, None)
+    assert cfg.speculative == SpecConfig("ngram", 4, 2, 3, 8, None)
     cfg = load(tmp_path, demo_model_dir, 'option.speculative_config={"method": "ngram"}\noption.speculative_length=7\n')
     assert cfg.speculative.k == 7
     assert load(tmp_path, demo_model_dir, "").speculative is None
@@ -76,6 +100,8 @@ def test_properties_resolve_and_refuse_in_one_line(tmp_path, demo_model_dir):
 def test_greedy_with_prompt_lookup_equals_generate(strategy, demo_model_dir, tmp_path):
     extra = {"option.kv_cache_tokens": "2048", "option.block_size": "8"} if strategy == "paged" else \
         {"option.kv_cache_tokens": "2048"}
+    # 1-grams too: the random tiny model repeats few longer runs.
+    extra["option.speculative_config"] = NGRAM.replace('"prompt_lookup_max"', '"prompt_lookup_min": 1, "prompt_lookup_max"')
     engine = spec_engine(demo_model_dir, tmp_path, strategy, extra)
     try:
         got = run_all(engine, REPEATS, [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in NEW])
@@ -99,9 +125,13 @@ def test_greedy_with_penalty_stop_and_preemption_equals_generate(demo_model_dir,
     try:
         params = [SamplingParams(max_new_tokens=n, repetition_penalty=1.3 if i % 2 else 1.0)
                   for i, n in enumerate(NEW)]
+        want = {p: hf_greedy(demo_model_dir, p, prm.max_new_tokens, prm.repetition_penalty)
+                for p, prm in zip(REPEATS, params)}
+        engine.scheduler.proposer = Oracle({tuple(engine.tokenize(p)): w for p, w in want.items()}, wrong=True)
         got = run_all(engine, REPEATS, params)
-        for p, prm, (ids, _) in zip(REPEATS, params, got):
-            assert ids == hf_greedy(demo_model_dir, p, prm.max_new_tokens, prm.repetition_penalty), p[:30]
+        for p, (ids, _) in zip(REPEATS, got):
+            assert ids == want[p], p[:30]
+        assert engine.stats()["preemptions"] > 0 and engine.stats()["spec"]["ngram"]["accepted"] > 0
         assert_drained(engine)
     finally:
         engine.shutdown()
@@ -373,3 +403,34 @@ def test_metrics_export_proposed_accepted_mean_length_and_rate():
     assert m["lmi_spec_decode_verifies_total"][key] == 10
     assert m["lmi_spec_decode_mean_accepted_length"][key] == pytest.approx(3.5)   # (25 + 10) / 10
     assert m["lmi_spec_decode_acceptance_rate"][key] == pytest.approx(0.625)
+
+
+def test_lora_rows_of_a_draft_get_their_adapter(demo_model_dir, tmp_path):
+    """A verify item's k+1 rows carry its adapter's update (handler/model/lora.py maps rows by item):
+    base and adapted sequences in one batch, each equal to its merged model's generate."""
+    import os
+    import shutil
+
+    from tests.support.lora import build_adapter, greedy
+    d = str(tmp_path / "model")
+    shutil.copytree(demo_model_dir, d)
+    merged = build_adapter(d, os.path.join(d, "adapters", "a1"), 101, ["q_proj", "v_proj", "down_proj"])
+    tok = engine_tok = None
+    engine = spec_engine(d, tmp_path, "paged", {"option.enable_lora": "true", "option.max_loras": "1",
+                                                "option.kv_cache_tokens": "2048", "option.dtype": "fp32"})
+    try:
+        engine_tok = engine.tokenizer
+        prompts = [PROMPTS[0], PROMPTS[3]]
+        want_base = [hf_greedy(d, p, 20, ignore_eos=True) for p in prompts]
+        tok = engine_tok
+        want_a1 = [greedy(merged, tok, p, 20) for p in prompts]
+        assert want_a1 != want_base
+        # The oracle proposes the base model's continuation: accepted for the base, mostly not for a1.
+        engine.scheduler.proposer = Oracle({tuple(engine.tokenize(p)): w for p, w in zip(prompts, want_base)})
+        a1 = engine.runner.lora.get("a1")
+        got = run_all(engine, prompts * 2, [SamplingParams(max_new_tokens=20, ignore_eos=True)] * 2
+                      + [SamplingParams(max_new_tokens=20, ignore_eos=True, adapter=a1)] * 2)
+        assert [ids for ids, _ in got] == want_base + want_a1
+        assert engine.stats()["spec"]["ngram"]["accepted"] > 0
+    finally:
+        engine.shutdown()
