@@ -451,29 +451,28 @@ class Scheduler:
     def _append(self, seq: Sequence, res: SampleResult, got: list) -> bool:
         """One sampled token onto `seq` (with its length / EOS / grammar checks); False once the
         sequence is finished (the tokens after that are dropped)."""
-        if True:
-            token = res.token
-            if seq.guide is not None and not seq.guide.accept(token):
-                # The sampler masks what the grammar disallows; only a bug gets here.
-                seq.finish_reason = Finish.FAILED
-                got.append((seq, SampleResult(error=(500, f"guided decoding: the grammar rejected "
-                                                          f"sampled token {token}"))))
-                return False
-            seq.tokens.append(token)
-            seq.cum_logprob += res.logprob
-            got.append((seq, res))
-            if seq.num_output == 1 and seq.sample_index == 0 and self.policy.fork_samples:
-                self._fork_waiting(seq)
-            p = seq.params
-            if token in self.policy.eos_token_ids and not p.ignore_eos:
-                seq.finish_reason = Finish.EOS
-            elif p.eos_after is not None and seq.num_output >= p.eos_after:
-                seq.finish_reason = Finish.EOS
-            elif seq.num_output >= p.max_new_tokens or len(seq.tokens) >= self.policy.max_model_len:
-                seq.finish_reason = Finish.LENGTH
-            elif seq.guide is not None and seq.guide.is_terminated():   # its stop token, under ignore_eos
-                seq.finish_reason = Finish.EOS
-            return not seq.finished
+        token = res.token
+        if seq.guide is not None and not seq.guide.accept(token):
+            # The sampler masks what the grammar disallows; only a bug gets here.
+            seq.finish_reason = Finish.FAILED
+            got.append((seq, SampleResult(error=(500, f"guided decoding: the grammar rejected "
+                                                      f"sampled token {token}"))))
+            return False
+        seq.tokens.append(token)
+        seq.cum_logprob += res.logprob
+        got.append((seq, res))
+        if seq.num_output == 1 and seq.sample_index == 0 and self.policy.fork_samples:
+            self._fork_waiting(seq)
+        p = seq.params
+        if token in self.policy.eos_token_ids and not p.ignore_eos:
+            seq.finish_reason = Finish.EOS
+        elif p.eos_after is not None and seq.num_output >= p.eos_after:
+            seq.finish_reason = Finish.EOS
+        elif seq.num_output >= p.max_new_tokens or len(seq.tokens) >= self.policy.max_model_len:
+            seq.finish_reason = Finish.LENGTH
+        elif seq.guide is not None and seq.guide.is_terminated():   # its stop token, under ignore_eos
+            seq.finish_reason = Finish.EOS
+        return not seq.finished
 
     # ---- observability
     def kv_usage(self) -> dict:

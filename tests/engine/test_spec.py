@@ -415,15 +415,12 @@ def test_lora_rows_of_a_draft_get_their_adapter(demo_model_dir, tmp_path):
     d = str(tmp_path / "model")
     shutil.copytree(demo_model_dir, d)
     merged = build_adapter(d, os.path.join(d, "adapters", "a1"), 101, ["q_proj", "v_proj", "down_proj"])
-    tok = engine_tok = None
     engine = spec_engine(d, tmp_path, "paged", {"option.enable_lora": "true", "option.max_loras": "1",
                                                 "option.kv_cache_tokens": "2048", "option.dtype": "fp32"})
     try:
-        engine_tok = engine.tokenizer
         prompts = [PROMPTS[0], PROMPTS[3]]
         want_base = [hf_greedy(d, p, 20, ignore_eos=True) for p in prompts]
-        tok = engine_tok
-        want_a1 = [greedy(merged, tok, p, 20) for p in prompts]
+        want_a1 = [greedy(merged, engine.tokenizer, p, 20) for p in prompts]
         assert want_a1 != want_base
         # The oracle proposes the base model's continuation: accepted for the base, mostly not for a1.
         engine.scheduler.proposer = Oracle({tuple(engine.tokenize(p)): w for p, w in zip(prompts, want_base)})
