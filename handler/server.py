@@ -94,7 +94,8 @@ def engine_for(cfg, runner, on_step=None, waker=None):
                              prefill_token_budget=cfg.max_rolling_batch_prefill_tokens,
                              max_waiting=cfg.job_queue_size, max_model_len=runner.max_model_len,
                              eos_token_ids=runner.eos_token_ids,
-                             max_loras=cfg.max_loras if getattr(cfg, "enable_lora", False) else 0)
+                             max_loras=cfg.max_loras if getattr(cfg, "enable_lora", False) else 0,
+                             spec=getattr(cfg, "speculative", None))
     # What is loaded by now lives as long as the server: out of the collector's generations, so a
     # full collection stops walking the model's ~400k objects (1-2% of a CPU decode step, measured).
     gc.collect()

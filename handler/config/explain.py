@@ -195,6 +195,15 @@ def explain(cfg, g: Geometry, *, device: str, prompt_tokens: int | None = None,
         warnings.append(f"{key}={width} is above the {out['sequences_at_full_length']} sequences the KV "
                         f"cache holds at full length ({max_len} tokens); it helps only when requests "
                         "ask for fewer tokens (pass --prompt-tokens/--max-new-tokens to check your mix)")
+    spec = getattr(cfg, "speculative", None)
+    if spec is not None:
+        out["speculative"] = asdict(spec)
+        notes.append(f"speculative decoding: {spec.method}, k={spec.k}"
+                     + (f", n-grams of {spec.lookup_max} down to {spec.lookup_min} tokens" if spec.method == "ngram" else "")
+                     + (f", off from {spec.disable_by_batch_size} running sequences" if spec.disable_by_batch_size
+                        else ", at every batch size")
+                     + (f"; paged: a verify step holds up to {spec.k} more KV slots per sequence until it is checked"
+                        if cfg.strategy == "paged" else ""))
     out.update(warnings=warnings, notes=notes)
     return out
 

@@ -204,6 +204,11 @@ class ServingConfig:
     tool_call_parser: str = default_of("option.tool_call_parser")    # handler/http/protocols/tool_parsers.py
     enable_auto_tool_choice: bool = default_of("option.enable_auto_tool_choice")
     reasoning_parser: str = default_of("option.reasoning_parser")    # handler/http/protocols/reasoning.py
+    speculative_config: dict | None = None          # option.speculative_config, parsed (vLLM's JSON)
+    speculative_draft_model: str | None = None
+    speculative_length: int | None = None
+    speculative_disable_by_batch_size: int | None = None
+    speculative: object = None    # handler.config.speculative.SpecConfig (None: no speculative decoding)
 
 
 @dataclass
@@ -565,6 +570,39 @@ def _resolve_lora(src: _Sources, tp_degree: int) -> dict:
                 max_cpu_loras=max_cpu)
 
 
+SPEC_KEYS = ("option.speculative_config", "option.speculative_draft_model", "option.speculative_length",
+             "option.speculative_disable_by_batch_size")
+
+
+def _resolve_spec(src: _Sources, tp_degree: int) -> dict:
+    """Speculative decoding's keys -> SpecConfig (handler/config/speculative.py), or one-line refusals."""
+    from handler.config.speculative import SpecConfigError, resolve
+    get, where = src.get, src.where
+    try:
+        spec = resolve(get("option.speculative_config"), get("option.speculative_draft_model"),
+                       get("option.speculative_length"), get("option.speculative_disable_by_batch_size"))
+    except SpecConfigError as e:
+        raise ConfigError(str(e)) from None
+    if spec is None:
+        unused = [k for k in SPEC_KEYS[2:] if k in src.merged]
+        if unused:
+            src.warnings.append(f"ignored without option.speculative_config or option.speculative_draft_model: "
+                                f"{', '.join(unused)}")
+        return dict(speculative=None)
+    key = "option.speculative_config" if "option.speculative_config" in src.merged else \
+        "option.speculative_draft_model"
+    if spec.method == "draft_model":
+        raise ConfigError(f"{where(key)}: speculative decoding with a draft model is not built yet; "
+                          "allowed: option.speculative_config={\"method\": \"ngram\"} (prompt lookup)")
+    if tp_degree > 1:
+        raise ConfigError(f"{where(key)} is not supported with option.tensor_parallel_degree={tp_degree}; "
+                          "use tensor_parallel_degree=1 or drop speculative decoding")
+    if get("option.batch_invariant"):
+        raise ConfigError(f"{where(key)} is not supported with option.batch_invariant=true (it feeds one "
+                          "token per forward); drop one of them")
+    return dict(speculative=spec)
+
+
 def load_config(properties_path: str | None = None, model_dir: str | None = None,
                 env: Mapping[str, str] | None = None, check_model: bool = True,
                 gpu_count: int | None = None) -> ServingConfig:
@@ -576,6 +614,7 @@ def load_config(properties_path: str | None = None, model_dir: str | None = None
     strategy = _resolve_strategy(src)
     devices = _resolve_devices(src, env, gpu_count)
     lora = _resolve_lora(src, devices["tensor_parallel_degree"])
+    spec = _resolve_spec(src, devices["tensor_parallel_degree"])
     model = _resolve_model(src, model_dir, check_model)
     if model["model_dir"] and devices["tensor_parallel_degree"] > 1:
         key = "option.tensor_parallel_degree"
@@ -585,7 +624,7 @@ def load_config(properties_path: str | None = None, model_dir: str | None = None
     direct = {k.field_name: src.resolved(k.name) for k in SCHEMA.values() if k.field_name}
     quant = _resolve_quantize(direct["quantize"], model["model_dir"], devices["device"], gpu_count)
     return ServingConfig(**{
-        **direct, **strategy, **devices, **model, **lora, **quant,
+        **direct, **strategy, **devices, **model, **lora, **quant, **spec,
         "properties_file": os.path.abspath(src.properties_path) if src.properties_path else None,
         "warnings": tuple(src.warnings),
         "properties": {k: v.raw for k, v in sorted(src.merged.items())},

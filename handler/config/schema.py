@@ -115,6 +115,18 @@ def _non_empty(v: str) -> str:
     return v
 
 
+def _spec_json(v: str) -> dict:
+    from handler.config.speculative import SpecConfigError, parse_spec_json
+    try:
+        return parse_spec_json(v)
+    except SpecConfigError as e:
+        raise _Bad(str(e)) from None
+
+
+_spec_json.doc = "JSON object: `method` (`ngram` | `draft_model`), `num_speculative_tokens`, " \
+    "`prompt_lookup_min`, `prompt_lookup_max`, `model`, `disable_by_batch_size`"
+
+
 # --------------------------------------------------------------------------------------
 # The declarations
 # --------------------------------------------------------------------------------------
@@ -353,6 +365,27 @@ KEYS: tuple[Key, ...] = (
     Key("option.enable_lora_management", _bool,
         "the LoRA management routes (`/adapters`, `/models/<m>/adapters`): `false` answers them 404; on "
         "SageMaker anyone allowed to invoke the endpoint can call them", default=True),
+    # Speculative decoding (handler/engine/spec.py, handler/model/spec_verify.py): LMI's and vLLM's names.
+    Key("option.speculative_config", _spec_json,
+        "speculative decoding (vLLM's JSON): `{\"method\": \"ngram\"}` is prompt lookup, the sequence's last "
+        "`prompt_lookup_max`..`prompt_lookup_min` tokens found earlier in its prompt or output propose the "
+        "`num_speculative_tokens` that followed them (no second model); the target verifies them in one step "
+        "(greedy: exact match; sampled: rejection sampling, the output distribution unchanged). Guided "
+        "requests decode without it. `draft_model` (a second model) is refused at start-up: not built yet. "
+        "Not with `option.tensor_parallel_degree` > 1 or `option.batch_invariant`",
+        values="JSON object: `method` (`ngram`, `draft_model`), `num_speculative_tokens` (1-32), "
+        "`prompt_lookup_min`/`prompt_lookup_max` (1-64; default 2/4), `model`, `disable_by_batch_size`",
+        default_doc="(off)"),
+    Key("option.speculative_draft_model", _non_empty,
+        "LMI's draft model for speculative decoding (same tokenizer as the target); refused at start-up: "
+        "a draft model is not built yet (use `option.speculative_config={\"method\": \"ngram\"}`)",
+        values="model dir, `s3://` URL or `.gguf`", default_doc="(none)"),
+    Key("option.speculative_length", _int(1),
+        "LMI's k: tokens proposed per step (`num_speculative_tokens`); with `option.speculative_config` or a "
+        "draft model", unit="tokens", values="1-32", default_doc="5"),
+    Key("option.speculative_disable_by_batch_size", _int(1),
+        "no speculation in a step where this many sequences or more run (at high load the step is "
+        "compute-bound and rejected tokens cost throughput)", unit="sequences", default_doc="(never off)"),
     Key("option.adapter_roots", _adapter_roots,
         "where the management routes may register adapters from, besides `<model dir>/adapters/`: a `src` "
         "outside them (`..`, other absolute paths, symlinks out) is refused before anything is read; an "

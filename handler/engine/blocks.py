@@ -129,6 +129,21 @@ class BlockManager:
             table.append(b)
         return True
 
+    def truncate(self, seq_id: int, n_tokens: int) -> None:
+        """Shrink seq_id's table to the blocks covering n_tokens (speculative decoding: the slots
+        of rejected draft tokens past the end). Only blocks past every registered (full, computed)
+        block go, so a released block never holds a prefix-cache entry."""
+        table = self.tables[seq_id]
+        keep = max(self.blocks_for(n_tokens), len(self.hashes.get(seq_id, ())))
+        while len(table) > keep:
+            b = table.pop()
+            self.ref[b] -= 1
+            if self.ref[b] == 0:
+                if self.block_hash[b] is not None:
+                    self.evictable[b] = None
+                else:
+                    self.free_plain.append(b)
+
     def commit(self, seq_id: int, token_ids: list[int], n_computed: int) -> None:
         """Register the blocks of seq_id that are now full of computed tokens in the prefix cache."""
         if not self.prefix_caching:

@@ -199,7 +199,9 @@ class Engine:
                 # Blocks holding a registered prefix (in use or not) / of those, unreferenced
                 # and reclaimable (len() of a dict is atomic: safe from an HTTP thread).
                 "prefix_cache_blocks_cached": len(self.blocks.cached),
-                "prefix_cache_blocks_evictable": len(self.blocks.evictable)}
+                "prefix_cache_blocks_evictable": len(self.blocks.evictable),
+                # Speculative decoding per method: {"verifies", "proposed", "accepted"} (a copy).
+                "spec": {m: dict(v) for m, v in s.spec_stats.items()}}
 
     # ---- the engine thread
     def _loop(self) -> None:
@@ -281,7 +283,10 @@ class Engine:
             return
         self._step_started = None
         now = time.monotonic()
-        for seq, res in sched.update(plan, results):
+        got = sched.update(plan, results)
+        # A verified draft gives a sequence several tokens in one step: its finish goes on the last.
+        last = {seq.seq_id: i for i, (seq, _) in enumerate(got)}
+        for i, (seq, res) in enumerate(got):
             if res.error is not None:
                 self.counters["failed"] += 1
                 self._end(seq.seq_id, Finish.FAILED, ErrorEvent(*res.error))
@@ -292,12 +297,13 @@ class Engine:
                 with self._lock:
                     self.adapter_counters[p.adapter.name]["generated_tokens"] += 1
             first = seq.num_output == 1
+            final = last[seq.seq_id] == i
             self._out.append(SeqOutput(
-                seq.seq_id, res.token, res.logprob, res.top, seq.finish_reason, time=now,
+                seq.seq_id, res.token, res.logprob, res.top, seq.finish_reason if final else None, time=now,
                 queue_time_s=(seq.first_scheduled or seq.arrival) - seq.arrival,
                 preemptions=seq.preemptions,
                 prompt_logprobs=tuple(seq.prompt_logprobs) if first and p.decoder_input_details else None))
-            if seq.finished:
+            if seq.finished and final:
                 self.counters["finished"] += 1
                 self._end(seq.seq_id, seq.finish_reason, emitted=True)
 

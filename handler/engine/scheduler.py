@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from handler.engine.admission import CapacityError, QueueFull  # noqa: F401
 from handler.engine.blocks import BlockManager
 from handler.engine.request import SamplingParams
+from handler.engine.spec import proposer as spec_proposer
 # The step types live in types.py; imported here also for `from handler.engine.scheduler import ...`.
 from handler.engine.types import Finish, SampleResult, StepItem, StepPlan
 
@@ -30,6 +31,9 @@ STRATEGIES = ("none", "dynamic", "rolling", "paged")
 # Chunked prefill: the oldest prompt still prefilling gets at least 1/this of the step's token
 # budget; the rest goes to the prompts with the fewest tokens left (Scheduler._prefill_shares).
 OLDEST_PREFILL_SHARE = 4
+# Speculative decoding: after m verify steps in a row that accepted nothing a sequence decodes
+# min(2^m, this) - 1 steps without proposals (its proposals are wasted rows meanwhile).
+MAX_SPEC_BACKOFF = 16
 
 
 @dataclass(frozen=True)
@@ -53,6 +57,7 @@ class SchedulerPolicy:
     # (otherwise blocks grow on demand, preempting the newest sequence when they run out)
     fork_samples: bool | None = None    # samples of one prompt share its KV blocks
     max_loras: int = 0                  # distinct LoRA adapters running at once (0: no LoRA)
+    spec: object = None                 # handler.engine.spec.SpecConfig: speculative decoding (None: off)
 
     def __post_init__(self):
         if self.strategy not in STRATEGIES:
@@ -98,6 +103,11 @@ class Sequence:
     # Guided decoding: this sequence's GuideState (types.py), advanced by every token it accepts.
     # Its state is that of `tokens`, which a preemption keeps: a recompute needs no rewind.
     guide: object = None
+    # Speculative decoding: verify steps in a row that accepted nothing, and decode steps left
+    # without a proposal (backing off exponentially: a sequence that is not copying costs no
+    # verify rows until it may be again).
+    spec_misses: int = 0
+    spec_skip: int = 0
 
     def __post_init__(self):
         if not self.tokens:
@@ -129,6 +139,12 @@ class Scheduler:
         self.reset()
         self.stats = {"steps": 0, "prefill_tokens": 0, "decode_tokens": 0, "preemptions": 0,
                       "cached_prompt_tokens": 0, "admitted": 0, "forked_prompt_tokens": 0}
+        # Speculative decoding (handler/engine/spec.py): the proposer, and per method the verify
+        # items run, tokens proposed, tokens accepted (emitted = accepted + one per verify).
+        self.proposer = spec_proposer(policy.spec) if policy.spec is not None else None
+        self.spec_stats: dict[str, dict[str, int]] = {}
+        if self.proposer is not None:
+            self.spec_stats[self.proposer.method] = {"verifies": 0, "proposed": 0, "accepted": 0}
 
     def reset(self) -> None:
         """Forget every sequence and block (after an engine error); the statistics stay."""
@@ -321,6 +337,9 @@ class Scheduler:
         unlimited = not self.policy.chunked_prefill
         shares = {} if unlimited else self._prefill_shares()
         items: list[StepItem] = []
+        spec = self.policy.spec
+        spec_on = self.proposer is not None and (spec.disable_by_batch_size is None
+                                                 or len(self.running) < spec.disable_by_batch_size)
         for seq in sorted(self.running, key=lambda q: q.admitted):
             if seq not in self.running:          # preempted below as a victim
                 continue
@@ -329,6 +348,10 @@ class Scheduler:
                 n = shares.get(seq.seq_id, 0)
                 if n <= 0:
                     continue
+            draft = self._propose(seq, n, spec_on)
+            if draft and not self.policy.reserve_full_length \
+                    and not self.blocks.ensure(seq.seq_id, seq.num_computed + n + len(draft)):
+                draft = []      # no room for the draft's slots: decode one token (preempting as usual)
             if not self.policy.reserve_full_length:
                 while not self.blocks.ensure(seq.seq_id, seq.num_computed + n):
                     victim = max(self.running, key=lambda q: q.admitted)
@@ -339,17 +362,33 @@ class Scheduler:
                 if seq not in self.running:
                     continue
             items.append(StepItem(
-                seq.seq_id, seq.tokens[seq.num_computed:seq.num_computed + n], seq.num_computed,
+                seq.seq_id, seq.tokens[seq.num_computed:seq.num_computed + n] + draft, seq.num_computed,
                 self.blocks.table(seq.seq_id), seq.num_computed + n == len(seq.tokens),
                 seq.params, seq.tokens, len(seq.prompt_ids),
                 seq.params.decoder_input_details
-                and len(seq.prompt_logprobs) < len(seq.prompt_ids) - 1, seq.guide))
+                and len(seq.prompt_logprobs) < len(seq.prompt_ids) - 1, seq.guide, tuple(draft)))
         # Items are planned oldest first and a victim is the newest running sequence, so no
         # planned item is ever preempted after the fact.
         plan = StepPlan(items, preempted)
         if items:
             plan.copies, self._copies = self._copies, []
         return plan
+
+    def _propose(self, seq: Sequence, n: int, spec_on: bool) -> list[int]:
+        """k proposed tokens for a sequence that decodes this step (n == 1 and it samples), or [].
+        k is bounded so that the accepted tokens plus the runner's own stay within max_new_tokens
+        and the model's length (and, under reserve_full_length, within the reserved slots)."""
+        if not spec_on or n != 1 or seq.num_computed + 1 != len(seq.tokens) or seq.num_output == 0 \
+                or seq.guide is not None or seq.params.decoder_input_details:
+            return []
+        if seq.spec_skip > 0:
+            seq.spec_skip -= 1
+            return []
+        k = min(self.policy.spec.k, seq.params.max_new_tokens - seq.num_output - 1,
+                self.policy.max_model_len - len(seq.tokens) - 1)
+        if seq.params.eos_after is not None:
+            k = min(k, seq.params.eos_after - seq.num_output - 1)
+        return self.proposer.propose(seq.tokens, k) if k > 0 else []
 
     def update(self, plan: StepPlan, results: list[SampleResult]) -> list[tuple[Sequence, SampleResult]]:
         """Apply a step's results: one SampleResult per item, in order (Runner.step). Returns
@@ -367,38 +406,73 @@ class Scheduler:
                 seq.finish_reason = Finish.FAILED
                 got.append((seq, res))
                 continue
-            n = len(item.token_ids)
+            n = len(item.token_ids) - len(item.draft)
             self.stats["decode_tokens" if n == 1 and item.sample and seq.num_output else
                        "prefill_tokens"] += n
+            if item.draft:
+                # The accepted draft tokens' KV is computed too; the rejected ones' is past the end.
+                accepted = len(res.more) if res.token is not None else 0
+                n += accepted
+                st = self.spec_stats[self.proposer.method]
+                st["verifies"] += 1
+                st["proposed"] += len(item.draft)
+                st["accepted"] += accepted
+                seq.spec_misses = 0 if accepted else seq.spec_misses + 1
+                seq.spec_skip = min(2 ** seq.spec_misses, MAX_SPEC_BACKOFF) - 1 if seq.spec_misses else 0
             seq.num_computed += n
-            self.blocks.commit(seq.seq_id, seq.tokens, seq.num_computed)
+            if not item.draft:
+                self.blocks.commit(seq.seq_id, seq.tokens, seq.num_computed)
             for k, lp in enumerate(res.prompt_logprobs):    # chunks arrive in order
                 if item.start_pos + k == len(seq.prompt_logprobs) < len(seq.prompt_ids) - 1:
                     seq.prompt_logprobs.append(lp)
             if res.token is None:
                 continue
-            token = res.token
-            if seq.guide is not None and not seq.guide.accept(token):
-                # The sampler masks what the grammar disallows; only a bug gets here.
-                seq.finish_reason = Finish.FAILED
-                got.append((seq, SampleResult(error=(500, f"guided decoding: the grammar rejected "
-                                                          f"sampled token {token}"))))
-                continue
-            seq.tokens.append(token)
-            seq.cum_logprob += res.logprob
-            got.append((seq, res))
-            if seq.num_output == 1 and seq.sample_index == 0 and self.policy.fork_samples:
-                self._fork_waiting(seq)
-            p = seq.params
-            if token in self.policy.eos_token_ids and not p.ignore_eos:
-                seq.finish_reason = Finish.EOS
-            elif p.eos_after is not None and seq.num_output >= p.eos_after:
-                seq.finish_reason = Finish.EOS
-            elif seq.num_output >= p.max_new_tokens or len(seq.tokens) >= self.policy.max_model_len:
-                seq.finish_reason = Finish.LENGTH
-            elif seq.guide is not None and seq.guide.is_terminated():   # its stop token, under ignore_eos
-                seq.finish_reason = Finish.EOS
+            for r in self._each_token(res):
+                if not self._append(seq, r, got):
+                    break
+            if item.draft:
+                # Tokens after a finish are dropped: what is computed is at most what is kept.
+                seq.num_computed = min(seq.num_computed, len(seq.tokens))
+                if not self.policy.reserve_full_length:
+                    self.blocks.truncate(seq.seq_id, len(seq.tokens))
+                self.blocks.commit(seq.seq_id, seq.tokens, seq.num_computed)
         return got
+
+    @staticmethod
+    def _each_token(res: SampleResult):
+        """A result's tokens, one SampleResult each (a verified draft answers several)."""
+        if not res.more:
+            yield res
+            return
+        yield SampleResult(res.token, res.logprob, res.top)
+        for token, logprob, top in res.more:
+            yield SampleResult(token, logprob, top)
+
+    def _append(self, seq: Sequence, res: SampleResult, got: list) -> bool:
+        """One sampled token onto `seq` (with its length / EOS / grammar checks); False once the
+        sequence is finished (the tokens after that are dropped)."""
+        token = res.token
+        if seq.guide is not None and not seq.guide.accept(token):
+            # The sampler masks what the grammar disallows; only a bug gets here.
+            seq.finish_reason = Finish.FAILED
+            got.append((seq, SampleResult(error=(500, f"guided decoding: the grammar rejected "
+                                                      f"sampled token {token}"))))
+            return False
+        seq.tokens.append(token)
+        seq.cum_logprob += res.logprob
+        got.append((seq, res))
+        if seq.num_output == 1 and seq.sample_index == 0 and self.policy.fork_samples:
+            self._fork_waiting(seq)
+        p = seq.params
+        if token in self.policy.eos_token_ids and not p.ignore_eos:
+            seq.finish_reason = Finish.EOS
+        elif p.eos_after is not None and seq.num_output >= p.eos_after:
+            seq.finish_reason = Finish.EOS
+        elif seq.num_output >= p.max_new_tokens or len(seq.tokens) >= self.policy.max_model_len:
+            seq.finish_reason = Finish.LENGTH
+        elif seq.guide is not None and seq.guide.is_terminated():   # its stop token, under ignore_eos
+            seq.finish_reason = Finish.EOS
+        return not seq.finished
 
     # ---- observability
     def kv_usage(self) -> dict:

@@ -37,6 +37,10 @@ class StepItem:
     num_prompt: int = 0         # history[:num_prompt] is the prompt (penalties on the output)
     prompt_logprobs: bool = False   # return log-probs of history[p+1] for every fed position p
     guide: Any = None           # the sequence's GuideState: the sampler masks what it disallows
+    # Speculative decoding (handler/engine/spec.py): k proposed tokens fed after token_ids[0] (the
+    # last sampled token, so token_ids = [last, *draft]); the runner verifies them (logits of all
+    # k+1 positions) and answers the accepted prefix plus one token of its own.
+    draft: tuple = ()
 
 
 @dataclass(frozen=True)
@@ -47,6 +51,9 @@ class SampleResult:
     top: tuple = ()                 # top_n_tokens: ((id, logprob), ...), most likely first
     prompt_logprobs: tuple = ()     # log-probs of history[start_pos+1 ...] when asked for
     error: tuple[int, str] | None = None   # (HTTP status, message): this item alone failed
+    # A verified draft (StepItem.draft): the tokens after `token`, each (token, logprob, top), in
+    # order; `token` is the first accepted one (or the correction when none was).
+    more: tuple = ()
 
 
 @dataclass

@@ -154,6 +154,30 @@ class EngineCollector:
                 for adapter, c in sorted(per_adapter.items()):
                     fam.add_metric(self.labels + [adapter], c[key])
                 yield fam
+        yield from spec_families(stats.get("spec"), self.labels)
+
+
+def spec_families(spec: dict | None, labels: list):
+    """Speculative decoding per method (handler/engine/spec.py; Engine.stats()["spec"]): draft
+    tokens proposed and accepted, verify steps, the mean tokens a verify step emits (accepted + 1)
+    and the acceptance rate (accepted / proposed)."""
+    if not spec:
+        return
+    for key, doc in (("proposed", "Draft tokens proposed"), ("accepted", "Draft tokens accepted"),
+                     ("verifies", "Sequence verify steps (one per sequence per step with a draft)")):
+        fam = CounterMetricFamily(f"lmi_spec_decode_{key}", doc, labels=LABELS + ("method",))
+        for method, c in sorted(spec.items()):
+            fam.add_metric(labels + [method], c[key])
+        yield fam
+    for name, doc, f in (
+            ("lmi_spec_decode_mean_accepted_length", "Tokens emitted per verify step (accepted + 1)",
+             lambda c: (c["accepted"] + c["verifies"]) / c["verifies"] if c["verifies"] else 0.0),
+            ("lmi_spec_decode_acceptance_rate", "Draft tokens accepted / proposed",
+             lambda c: c["accepted"] / c["proposed"] if c["proposed"] else 0.0)):
+        fam = GaugeMetricFamily(name, doc, labels=LABELS + ("method",))
+        for method, c in sorted(spec.items()):
+            fam.add_metric(labels + [method], f(c))
+        yield fam
 
 
 class Metrics:

@@ -74,15 +74,28 @@ def pack_step(items: list[StepItem], bs: int, copies=()) -> tuple[torch.Tensor, 
     qsl = [0]
     seq_lens: list[int] = []
     rows: list[int] = []        # logits kept: each sampling item's last position, and every
-    first_row: list[int] = []   # position of an item that wants prompt log-probs
+    first_row: list[int] = []   # position of an item that wants prompt log-probs or verifies a draft
+    seq_tables: list[list[int]] = []
     for it in items:
         n, start, table = len(it.token_ids), it.start_pos, it.block_table
         ids.extend(it.token_ids)
         pos.extend(range(start, start + n))
         slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
+        first_row.append(len(rows))
+        if it.draft:
+            # A draft's k+1 rows go as k+1 decode rows over the same block table, row j with
+            # context start+j+1: each layer writes every row's KV before any row attends (the
+            # C decode kernel, the reference and Triton alike), so row j sees rows < j, causally,
+            # and the step stays a decode step (kernels/cpu_layer.c's one-call stack).
+            for j in range(n):
+                qsl.append(qsl[-1] + 1)
+                seq_lens.append(start + j + 1)
+                seq_tables.append(table)
+            rows.extend(range(qsl[-1] - n, qsl[-1]))
+            continue
         qsl.append(qsl[-1] + n)
         seq_lens.append(start + n)
-        first_row.append(len(rows))
+        seq_tables.append(table)
         if it.prompt_logprobs:
             rows.extend(range(qsl[-2], qsl[-1]))
         elif it.sample:
@@ -91,11 +104,11 @@ def pack_step(items: list[StepItem], bs: int, copies=()) -> tuple[torch.Tensor, 
         rows.append(len(ids) - 1)
     width = max(-(-s // bs) for s in seq_lens)
     tables: list[int] = []
-    for it in items:
-        t = it.block_table[:width]
+    for table in seq_tables:
+        t = table[:width]
         tables.extend(t)
         tables.extend([0] * (width - len(t)))
-    packed = torch.tensor([len(ids), len(items), width, len(rows), len(copies), *ids, *pos, *slots,
+    packed = torch.tensor([len(ids), len(seq_lens), width, len(rows), len(copies), *ids, *pos, *slots,
                            *qsl, *seq_lens, *tables, *rows, *(a for a, _ in copies),
                            *(b for _, b in copies)], dtype=torch.int64)
     return packed, first_row
@@ -408,6 +421,15 @@ class ModelRunner:
     def release(self, seq_id: int) -> None:
         self.sampler.release(seq_id)
 
+    def _verify(self, logits: torch.Tensor, it: StepItem) -> SampleResult:
+        """A draft's accepted tokens and the runner's own next one; a failure fails this item alone."""
+        from handler.model import spec_verify
+        try:
+            return spec_verify.verify(self.sampler, logits, it)
+        except Exception as e:
+            log.warning("verifying the draft of sequence %d failed", it.seq_id, exc_info=True)
+            return SampleResult(error=(424, f"speculative verification failed: {type(e).__name__}: {e}"))
+
     def _copy_blocks(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         for k_cache, v_cache in self.kv_cache:
             k_cache[dst] = k_cache[src]
@@ -478,6 +500,9 @@ class ModelRunner:
         sample_rows, sample_items, where = [], [], []
         for k, it in enumerate(items):
             r = first_row[k]
+            if it.draft:    # speculative decoding: the draft's k+1 rows (handler/model/spec_verify.py)
+                results[k] = self._verify(logits[r:r + len(it.token_ids)].float(), it)
+                continue
             if it.prompt_logprobs:
                 try:
                     results[k] = SampleResult(prompt_logprobs=sampling.prompt_logprobs(

@@ -202,6 +202,11 @@ BAD = [
     ("option.http_body_timeout", "soon", "is not a positive number of seconds"),
     ("option.http_max_connections", "0", "is not a positive integer"),
     ("option.engine_step_timeout", "-3", "is not a positive number of seconds"),
+    # speculative decoding (handler/config/speculative.py)
+    ("option.speculative_config", '{"method":"eagle"}', "has method 'eagle'; allowed: ngram, draft_model"),
+    ("option.speculative_draft_model", "", "is empty"),
+    ("option.speculative_length", "0", "is not a positive integer"),
+    ("option.speculative_disable_by_batch_size", "x", "is not a positive integer"),
 ]
 
 

@@ -65,6 +65,90 @@ ANSWER_SCHEMA = {"type": "object", "properties": {
     "required": ["topic", "points"], "additionalProperties": False}
 
 
+# The edit workload (input-grounded: most of the answer copies the prompt, as prompt lookup /
+# n-gram speculative decoding exploits): a short Python function in the prompt and a change to make;
+# the model answers with the whole function changed.
+CODE = (
+    """def moving_average(values, window):
+    if window <= 0:
+        raise ValueError("window must be positive")
+    result = []
+    total = 0.0
+    for i, value in enumerate(values):
+        total += value
+        if i >= window:
+            total -= values[i - window]
+        if i >= window - 1:
+            result.append(total / window)
+    return result
+""",
+    """def parse_config(path):
+    settings = {}
+    with open(path) as f:
+        for line in f:
+            line = line.strip()
+            if not line or line.startswith("#"):
+                continue
+            key, _, value = line.partition("=")
+            settings[key.strip()] = value.strip()
+    return settings
+""",
+    """def find_duplicates(items):
+    seen = set()
+    duplicates = []
+    for item in items:
+        if item in seen and item not in duplicates:
+            duplicates.append(item)
+        seen.add(item)
+    return duplicates
+""",
+    """class Stack:
+    def __init__(self):
+        self.items = []
+
+    def push(self, item):
+        self.items.append(item)
+
+    def pop(self):
+        if not self.items:
+            raise IndexError("pop from an empty stack")
+        return self.items.pop()
+
+    def peek(self):
+        return self.items[-1] if self.items else None
+
+    def __len__(self):
+        return len(self.items)
+""",
+    """def merge_sorted(a, b):
+    i, j = 0, 0
+    merged = []
+    while i < len(a) and j < len(b):
+        if a[i] <= b[j]:
+            merged.append(a[i])
+            i += 1
+        else:
+            merged.append(b[j])
+            j += 1
+    merged.extend(a[i:])
+    merged.extend(b[j:])
+    return merged
+""",
+)
+EDITS = (
+    "Add type hints to this Python code. Reply with the complete code only.",
+    "Rename every variable called `result`, `settings`, `duplicates`, `items` or `merged` to `out`. Reply with "
+    "the complete code only.",
+    "Add a docstring to each function in this code. Reply with the complete code only.",
+    "Rewrite this code to use 2-space indentation instead of 4. Reply with the complete code only.",
+    "Add a comment above the return statement explaining what is returned. Reply with the complete code only.",
+)
+
+
+def edit_instruction(rng: random.Random) -> str:
+    return f"{rng.choice(EDITS)}\n\n```python\n{rng.choice(CODE)}```"
+
+
 def chat_prompt(tokenizer, instruction: str) -> str:
     """One user turn in the tokenizer's chat template, ready for the assistant's answer."""
     if not getattr(tokenizer, "chat_template", None):
@@ -105,6 +189,9 @@ class Workload:
     # This share of the requests (spread evenly: with 0.5 every other one) asks for a JSON answer
     # under ANSWER_SCHEMA (guided decoding, parameters.guided_json); the prompts stay the same.
     constrained: float = 0.0
+    # Edit: every prompt is a code-edit instruction with the code (EDITS x CODE) in the chat template,
+    # EOS honoured like chat: the input-grounded workload of speculative decoding (prompt lookup).
+    edit: bool = False
     note: str = ""
 
     @property
@@ -117,18 +204,20 @@ class Workload:
         if self.prompt_tokens and tokenizer is None:
             raise ValueError(f"workload {self.name!r} sizes its prompts in tokens "
                              f"{list(self.prompt_tokens)}: it needs the served model's tokenizer")
-        if self.chat and tokenizer is None:
+        if (self.chat or self.edit) and tokenizer is None:
             raise ValueError(f"workload {self.name!r} wraps instructions in the chat template: it needs the "
                              "served model's tokenizer")
         rng = random.Random(self.seed)
         bodies = []
         for i in range(self.requests):
-            params = {"max_new_tokens": rng.choice(self.max_new_tokens), "ignore_eos": not self.chat,
+            params = {"max_new_tokens": rng.choice(self.max_new_tokens), "ignore_eos": not (self.chat or self.edit),
                       "details": True}
             if self.eos_after is not None:
                 params["eos_after"] = rng.randint(*self.eos_after)
             start, head = (7 * i, f"Request {i}.") if self.unique_prompts else (0, "")
-            if self.chat:
+            if self.edit:
+                prompt = chat_prompt(tokenizer, edit_instruction(rng))
+            elif self.chat:
                 prompt = chat_prompt(tokenizer, rng.choice(INSTRUCTIONS).format(topic=rng.choice(TOPICS)))
             elif self.prompt_tokens:
                 prompt = prompt_to_tokens(tokenizer, rng.choice(self.prompt_tokens), start, head)
@@ -221,6 +310,11 @@ LMI_CPU_QWEN_15B = replace(
          "unique, outputs 8/16/32 (a decode step streams 3-7 GB in fp32), greedy, EOS ignored; 60 requests at "
          "50 clients (1 and 4 clients: the first 16; 16 clients: the first 60); KV 12,800 tokens; the "
          "one-at-a-time servers run the first 8. About 7 minutes per server in fp32 on 2 cores")
+EDIT_CPU_135M = replace(
+    CHAT_CPU_135M, name="edit", requests=150, max_new_tokens=(256,), chat=False, edit=True, serial_requests=20,
+    note="input-grounded: a Python function (5 kinds) in the prompt and an edit to make (5 kinds: type hints, "
+         "renames, docstrings, re-indent, a comment), the whole code asked back, in the model's chat template; "
+         "greedy, EOS honoured, at most 256 tokens; 150 requests, 50 clients; KV 12,800 tokens, at most 64 running")
 
 SMOKE = Workload(
     name="smoke", requests=6, concurrency=2, prompt_words=(4, 12), max_new_tokens=(4, 8),
