@@ -224,6 +224,26 @@ static void quant_row(const void *x, int bf16, int64_t D, int8_t *q, float *sc) 
     }
 }
 
+/* Rows x [T, Hkv, D] (row t's head h at x + t * tok + h * D elements, fp32 or bf16) replaced in
+ * place by what an int8 pool stores of them, dequantized (q * scale, rounded to bf16 for bf16):
+ * a prompt's attention reads the values its decode steps will read back. */
+static void roundtrip_rows(void *x, int bf16, int64_t T, int64_t Hkv, int64_t D, int64_t tok, int8_t *q) {
+    for (int64_t t = 0; t < T; ++t)
+        for (int64_t h = 0; h < Hkv; ++h) {
+            const int64_t at = t * tok + h * D;
+            float sc;
+            if (bf16) {
+                uint16_t *r = (uint16_t *)x + at;
+                quant_row(r, 1, D, q, &sc);
+                for (int64_t d = 0; d < D; ++d) r[d] = f32_to_bf16((float)q[d] * sc);
+            } else {
+                float *r = (float *)x + at;
+                quant_row(r, 0, D, q, &sc);
+                for (int64_t d = 0; d < D; ++d) r[d] = (float)q[d] * sc;
+            }
+        }
+}
+
 /* lmi_write_kv into int8 pools: key/value rows [T, Hkv, D] (fp32, or bf16 when bf16; element
  * strides token / head, D contiguous) quantized per (token, head) row into kc / vc at slots[T]
  * (negative: skipped), each row's scale into ksc / vsc at its element offset / D. -1 (nothing
@@ -363,6 +383,7 @@ int lmi_step_layers(const lmi_layer *layers, int64_t L, void *h, int64_t T, int6
         }
     }
     /* x: normed rows; qkv; attn; o: a projection's output; gu: gate|up; act: silu(g) * u */
+    if (lin < D) lin = D;   /* also an int8 row's room (roundtrip_rows) */
     const int64_t sizes[] = {T * E * es, T * nqkv * es, T * H * D * es, T * E * es, T * 2 * I * es, T * I * es,
                              (int64_t)threads * E * 4, lin};
     int64_t total = 0, off[8];
@@ -397,10 +418,12 @@ int lmi_step_layers(const lmi_layer *layers, int64_t L, void *h, int64_t T, int6
             const int64_t qo = B * nqkv * es, co = B * cs * es;
             lmi_rotary(q + qo, k + qo, (const char *)cos + co, (const char *)sin + co, np, H, Hkv, D, nqkv, nqkv, cs,
                        bf16, threads);
-            if (ly->ksc)    /* int8 pools: the rows stored quantized; the prompt attends to its own exact ones */
+            if (ly->ksc) {  /* int8 pools: the rows stored quantized, and the prompt attends to what they hold */
                 lmi_write_kv_i8(ly->kc, ly->vc, ly->ksc, ly->vsc, k + qo, v + qo, bf16, s_blk, s_tok, s_head, nqkv,
                                 D, nqkv, D, slots + B, np, Hkv, D, bs, nslots);
-            else
+                roundtrip_rows(k + qo, bf16, np, Hkv, D, nqkv, (int8_t *)ws);
+                roundtrip_rows(v + qo, bf16, np, Hkv, D, nqkv, (int8_t *)ws);
+            } else
                 lmi_write_kv(ly->kc, ly->vc, k + qo, v + qo, es, s_blk, s_tok, s_head, nqkv, D, nqkv, D, slots + B,
                              np, Hkv, D, bs, nslots);
             rc = lmi_prefill_attention(q, k, v, nqkv, nqkv, nqkv, D, D, D, attn, H * D, D, bf16, pstarts, plens,

@@ -52,6 +52,15 @@ def dequantize_rows(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return q.float() * scale[..., None]
 
 
+def as_stored(cache: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """rows [T, Hkv, D] as the pool `cache` gives them back: themselves, or for an int8 pool each
+    row quantized and dequantized (in rows' dtype), so that a prompt's own attention reads the
+    values its later steps (and a prefix-cache hit, or a recompute after preemption) read."""
+    if cache.dtype != torch.int8:
+        return rows
+    return dequantize_rows(*quantize_rows(rows)).to(rows.dtype)
+
+
 def write_kv(key_cache: torch.Tensor, value_cache: torch.Tensor, key: torch.Tensor,
              value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """Store key/value [T, Hkv, D] at flat slots slot_mapping [T]; a negative slot is skipped.

@@ -121,7 +121,7 @@ class ModelRunner:
                  max_running: int = 32, gpu_memory_utilization: float = 0.9,
                  max_model_len: int | None = None, trust_remote_code: bool = False,
                  model_impl: str = "auto", quantize: str | None = None, ranks=None, fuse: bool = True,
-                 cpu_kernels: str = "auto"):
+                 cpu_kernels: str = "auto", kv_cache_dtype: str = "auto"):
         """`ranks` (handler.model.distributed.Ranks): this process is one of N tensor-parallel ranks;
         the model is sharded (ours by its parallel layers, transformers' by its plan) and the KV
         pool holds this rank's heads. `model_impl` (option.model_impl): auto (ours for the Llama
@@ -130,13 +130,19 @@ class ModelRunner:
         (handler/model/quant.py). `fuse`: our model's q/k/v and gate/up each as one layer on CPU
         (LlamaFamilyForCausalLM.fuse_projections); False where LoRA will wrap the layers. `cpu_kernels`
         (option.cpu_kernels): the instruction set of the CPU kernels (kernels/isa.py), chosen before the
-        model loads (its linear layers are packed for that backend)."""
+        model loads (its linear layers are packed for that backend). `kv_cache_dtype`
+        (option.kv_cache_dtype): `auto` (the model's dtype) or `int8` on CPU (kernels/reference.py:
+        int8 rows and a scale per (token, head) row)."""
         from transformers import AutoConfig, AutoTokenizer
 
         self.ranks = ranks
         self.quantize = quantize
         self.device = ranks.device if ranks is not None else pick_device(device)
         self.dtype = pick_dtype(dtype, self.device)
+        why = sizing.kv_cache_dtype_refusal(kv_cache_dtype, self.device.type)
+        if why:
+            raise ModelLoadError(f"option.kv_cache_dtype={kv_cache_dtype} {why}")
+        self.kv_cache_dtype = kv_cache_dtype
         if self.device.type == "cpu":
             self._select_cpu_kernels(cpu_kernels)
         try:
@@ -180,11 +186,14 @@ class ModelRunner:
         # Guided decoding (xgrammar; built on first use): handler.engine.types.Guides
         self.guides = Guides(self.tokenizer, self.model.config.get_text_config().vocab_size, self.eos_token_ids)
         self.lora = None        # handler.model.lora.LoraManager once enable_lora() ran
-        log.info("model %s on %s/%s: %d layers, %d kv heads x %d%s; KV pool %d blocks x %d = %d tokens",
+        log.info("model %s on %s/%s: %d layers, %d kv heads x %d%s; KV pool %d blocks x %d = %d tokens "
+                 "(%s, %d bytes a token)",
                  type(self.model).__name__, self.device, str(self.dtype).removeprefix("torch."),
                  layers, kv_heads, head_dim,
                  f" (rank {ranks.rank} of {tp}: 1/{tp} of the heads)" if tp > 1 else "",
-                 self.kv.num_blocks, block_size, self.kv.tokens)
+                 self.kv.num_blocks, block_size, self.kv.tokens,
+                 "int8 + fp32 scale per token and head" if self.kv_cache_dtype == "int8"
+                 else str(self.dtype).removeprefix("torch."), self._bytes_per_token(layers, kv_heads, head_dim))
 
     @staticmethod
     def _select_cpu_kernels(choice: str) -> None:
@@ -307,6 +316,14 @@ class ModelRunner:
         (handler.config.sizing), and a server that never fills it does not hold it."""
         nb, bs, hkv, d = self.kv.num_blocks, self.kv.block_size, self.kv.num_kv_heads, self.kv.head_dim
         from handler.model.cpu import head_major_kv
+        if self.kv_cache_dtype == "int8":   # CPU only (refused elsewhere): int8 rows, their scales alike
+            from kernels import reference
+            hm = head_major_kv()
+            t = _zero_pages((nb, hkv, bs, d) if hm else (nb, bs, hkv, d), torch.int8)
+            sc = _zero_pages((nb, hkv, bs) if hm else (nb, bs, hkv), torch.float32)
+            t, sc = (t.transpose(1, 2), sc.transpose(1, 2)) if hm else (t, sc)
+            setattr(t, reference.KV_SCALE, sc)
+            return t
         if self.device.type == "cpu":
             shape = (nb, hkv, bs, d) if head_major_kv() else (nb, bs, hkv, d)
             t = _zero_pages(shape, self.dtype)
@@ -314,7 +331,7 @@ class ModelRunner:
         return torch.zeros(nb, bs, hkv, d, dtype=self.dtype, device=self.device)
 
     def _bytes_per_token(self, layers, kv_heads, head_dim) -> int:
-        return sizing.bytes_per_token(layers, kv_heads, head_dim, self.dtype.itemsize)
+        return sizing.bytes_per_token(layers, kv_heads, head_dim, self.dtype.itemsize, self.kv_cache_dtype)
 
     def _default_kv_tokens(self, layers, kv_heads, head_dim, wanted, utilization) -> int:
         """handler.config.sizing.default_kv_tokens: on a GPU the rest of `utilization` after the
@@ -407,9 +424,12 @@ class ModelRunner:
         self.sampler.release(seq_id)
 
     def _copy_blocks(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        from kernels.reference import kv_scale
         for k_cache, v_cache in self.kv_cache:
-            k_cache[dst] = k_cache[src]
-            v_cache[dst] = v_cache[src]
+            for pool in (k_cache, v_cache):
+                pool[dst] = pool[src]
+                if kv_scale(pool) is not None:     # an int8 pool's blocks carry their row scales
+                    kv_scale(pool)[dst] = kv_scale(pool)[src]
 
     @torch.inference_mode()
     def forward(self, packed: torch.Tensor) -> torch.Tensor:
