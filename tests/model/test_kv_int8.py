@@ -223,3 +223,24 @@ def test_preemption_and_prefix_caching_over_int8_give_the_unpressed_tokens(demo_
     for name in ("preempted", "cached"):
         agree = [_agreement(a, b) for a, b in zip(runs["plain"], runs[name])]
         assert sum(n == len(a) for n, a in zip(agree, runs["plain"])) >= 7, (name, agree)
+
+
+@pytest.mark.slow
+def test_tensor_parallel_degree_2_over_int8_pools(demo_model_factory, tmp_path):
+    # Two gloo ranks, each with its own heads' int8 pool: every strategy runs, and the prompt
+    # log-probs stay as near the fp32 model's as one rank's int8 cache keeps them (a rank with
+    # wrong scales or blocks would be off by nats).
+    from tests.model.test_tp import _load, _run_parity
+    from tests.support.tp_parity import NEW_TP
+    model_dir = demo_model_factory("llama")
+    out = _run_parity(model_dir, tmp_path, "cpu", "", "int8")
+    assert out["kv_dtype"] == "torch.int8"
+    for strategy in STRATEGIES:
+        assert [len(ids) for ids in out[strategy]] == NEW_TP[:len(out[strategy])]
+    prefill = out["prefill"]
+    ids = [t for t, _, _ in prefill]
+    _, model = _load(model_dir)
+    with torch.no_grad():
+        ref = torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), dim=-1)
+    errs = [abs(lp - ref[i - 1, ids[i]].item()) for i, (_, _, lp) in enumerate(prefill) if i]
+    assert 0 < sum(errs) / len(errs) < 0.05 and max(errs) < 0.2, errs
