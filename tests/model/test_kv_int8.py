@@ -20,6 +20,7 @@ from handler.config import ConfigError, load_config
 from handler.config import sizing
 from handler.engine.request import SamplingParams
 from kernels import cpu_ext, reference
+from tests.model.test_lora import lora_models  # noqa: F401  (the fixture)
 from tests.support.engine import STRATEGIES, assert_drained, make_engine, run_all
 
 BUILD = cpu_ext.current()[0]
@@ -244,3 +245,38 @@ def test_tensor_parallel_degree_2_over_int8_pools(demo_model_factory, tmp_path):
         ref = torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), dim=-1)
     errs = [abs(lp - ref[i - 1, ids[i]].item()) for i, (_, _, lp) in enumerate(prefill) if i]
     assert 0 < sum(errs) / len(errs) < 0.05 and max(errs) < 0.2, errs
+
+
+def test_lora_over_int8_pools_follows_the_merged_models(lora_models, tmp_path):
+    # Adapters in one batch over an int8 cache: each prompt's log-probs (prompt log-probs, every
+    # position) against PEFT's merged model in fp32 without a cache: off by the int8 rounding only,
+    # far less than an adapter moves them. (Greedy tokens are no oracle on the random tiny model:
+    # its near-ties flip under any rounding.)
+    from tests.model.test_lora import PROMPTS as LORA_PROMPTS
+    model_dir, merged, tok = lora_models("llama")
+    eng = make_engine(model_dir, tmp_path, {"option.rolling_batch": "auto", "option.max_rolling_batch_size": 8,
+                                            "option.enable_lora": "true", "option.max_loras": 3,
+                                            "option.dtype": "fp32", "option.device": "cpu",
+                                            "option.kv_cache_dtype": "int8"})
+    try:
+        assert eng.runner.kv_cache[0][0].dtype == torch.int8
+        lora = eng.runner.lora
+        jobs = [(p, name) for p in LORA_PROMPTS[:3] for name in (None, "a1", "a2", "a3")]
+        params = [SamplingParams(max_new_tokens=1, decoder_input_details=True,
+                                 adapter=None if name is None else lora.get(name)) for _, name in jobs]
+        done = [d for _, d in run_all(eng, [p for p, _ in jobs], params)]
+    finally:
+        eng.shutdown()
+
+    def ref(name, ids):
+        with torch.no_grad():
+            lp = torch.log_softmax(merged[name](torch.tensor([ids])).logits[0].float(), -1)
+        return [lp[i - 1, ids[i]].item() for i in range(1, len(ids))]
+
+    for (prompt, name), d in zip(jobs, done):
+        ids = [t for t, _, _ in d.prefill]
+        got = [lp for _, _, lp in d.prefill][1:]
+        err = max(abs(a - b) for a, b in zip(got, ref(name, ids)))
+        assert err < 0.1, (prompt, name, err)
+        if name is not None:      # the adapter moves them more than the cache does
+            assert max(abs(a - b) for a, b in zip(ref(name, ids), ref(None, ids))) > 2 * err, (prompt, name)
