@@ -173,6 +173,10 @@ class ModelRunner:
             num_blocks = ranks.min_across(num_blocks)
         self.kv = KVLayout(layers, kv_heads, head_dim, num_blocks, block_size)
         self.kv_cache = [(self._kv_pool(), self._kv_pool()) for _ in range(layers)]
+        if kv_cache_dtype == "int8" and fuse:    # (fuse is False where LoRA will wrap q/k: their deltas are not rescaled)
+            n = self._rescale_keys(kv_heads, head_dim)
+            if n:
+                log.info("int8 KV: keys' bias channels rescaled in %d layers (queries inversely; q.k unchanged)", n)
         on_the_fly = quantize if quantize and quantize not in AT_LOAD else None  # awq/gptq/gguf: the loader's
         if on_the_fly:
             self._smooth(on_the_fly)
@@ -329,6 +333,45 @@ class ModelRunner:
             t = _zero_pages(shape, self.dtype)
             return t.transpose(1, 2) if head_major_kv() else t
         return torch.zeros(nb, bs, hkv, d, dtype=self.dtype, device=self.device)
+
+    KEY_BIAS_LEVEL = 2.0    # a key channel pair whose bias is above this is divided down to it (int8 KV)
+
+    @torch.no_grad()
+    def _rescale_keys(self, kv_heads: int, head_dim: int) -> int:
+        """For an int8 KV cache: where k_proj has a bias (Qwen2), the bias dominates a few key
+        channels, so one scale per (token, head) row leaves the other channels few steps. Each
+        rotary channel pair (c, c + D/2) of KV head h whose bias magnitude m is above
+        KEY_BIAS_LEVEL gets its key rows (weight and bias) divided by s = m / KEY_BIAS_LEVEL and
+        the matching query rows of the heads that read it multiplied by s: rotary turns a pair as a
+        whole, so q.k is unchanged (up to rounding) while the stored keys lose the outliers. Only
+        plain float q/k projections without q/k norms (the transform would not commute with
+        those); returns how many layers changed."""
+        from torch import nn
+        done = 0
+        for layer in getattr(getattr(self.model, "model", None), "layers", []):
+            att = getattr(layer, "self_attn", None)
+            q, k = getattr(att, "q_proj", None), getattr(att, "k_proj", None)
+            if (type(q) is not nn.Linear or type(k) is not nn.Linear or k.bias is None
+                    or getattr(att, "qk_norm", None) or getattr(att, "q_norm", None) is not None
+                    or not k.weight.is_floating_point() or k.out_features != kv_heads * head_dim
+                    or q.out_features % k.out_features):
+                continue
+            half = head_dim // 2
+            b = k.bias.detach().float().view(kv_heads, head_dim)
+            m = torch.sqrt(b[:, :half] ** 2 + b[:, half:] ** 2)
+            s = torch.clamp(m / self.KEY_BIAS_LEVEL, min=1.0)
+            s = torch.cat([s, s], -1)                                     # [Hkv, D]
+            if bool((s == 1).all()):
+                continue
+            g = q.out_features // k.out_features
+            sq = s.repeat_interleave(g, 0).reshape(-1)                    # query head j reads KV head j // g
+            sk = s.reshape(-1)
+            for lin, f in ((k, 1 / sk), (q, sq)):
+                lin.weight.mul_(f.to(lin.weight.dtype)[:, None])
+                if lin.bias is not None:
+                    lin.bias.mul_(f.to(lin.bias.dtype))
+            done += 1
+        return done
 
     def _bytes_per_token(self, layers, kv_heads, head_dim) -> int:
         return sizing.bytes_per_token(layers, kv_heads, head_dim, self.dtype.itemsize, self.kv_cache_dtype)

@@ -280,3 +280,32 @@ def test_lora_over_int8_pools_follows_the_merged_models(lora_models, tmp_path):
         assert err < 0.1, (prompt, name, err)
         if name is not None:      # the adapter moves them more than the cache does
             assert max(abs(a - b) for a, b in zip(ref(name, ids), ref(None, ids))) > 2 * err, (prompt, name)
+
+
+def test_key_rescaling_keeps_the_logits_and_flattens_the_key_bias(demo_model_factory):
+    # Qwen2's k_proj bias dominates a few key channels; for an int8 cache the runner divides each
+    # rotary pair above ModelRunner.KEY_BIAS_LEVEL down and multiplies the queries that read it:
+    # the same logits (fp32 cache, fp32 rounding), keys without the outlier.
+    from tests.model.test_cpu_stack import _steps
+    from handler.model.runner import ModelRunner
+    path = demo_model_factory("qwen2")
+    r = ModelRunner(path, dtype="fp32", device="cpu", block_size=4, kv_cache_tokens=256, max_running=8, fuse=False,
+                    cpu_kernels=BUILD or "torch")
+    k = r.model.model.layers[1].self_attn.k_proj
+    d = r.kv.head_dim
+    with torch.no_grad():
+        k.bias[3] = 40.0                 # channel pair (3, 3 + D/2) of KV head 0
+        k.bias[3 + d // 2] = -30.0
+    want, _ = _steps(r, [])
+    assert r._rescale_keys(r.kv.num_kv_heads, d) >= 1
+    assert k.bias.abs().max().item() <= ModelRunnerLevel() * 1.001
+    for reset in r.kv_cache:             # a fresh pool for the second run
+        for pool in reset:
+            pool.zero_()
+    got, _ = _steps(r, [])
+    assert all(torch.allclose(g, w, rtol=1e-4, atol=1e-4) for g, w in zip(got, want))
+
+
+def ModelRunnerLevel() -> float:
+    from handler.model.runner import ModelRunner
+    return ModelRunner.KEY_BIAS_LEVEL
