@@ -33,7 +33,8 @@ def build_runner(cfg, on_rank_failure=None):
                   kv_cache_tokens=cfg.kv_cache_tokens, max_running=_width(cfg),
                   gpu_memory_utilization=cfg.gpu_memory_utilization,
                   max_model_len=cfg.max_model_len, trust_remote_code=cfg.trust_remote_code,
-                  model_impl=cfg.model_impl, quantize=cfg.quantize, cpu_kernels=cfg.cpu_kernels)
+                  model_impl=cfg.model_impl, quantize=cfg.quantize, cpu_kernels=cfg.cpu_kernels,
+                  kv_cache_dtype=getattr(cfg, "kv_cache_dtype", "auto"))
     if cfg.tensor_parallel_degree == 1:
         lora = getattr(cfg, "enable_lora", False)
         runner = ModelRunner(**kwargs, fuse=not lora)

@@ -30,7 +30,11 @@ typedef struct {
     const void *norm1, *norm2;  /* RMSNorm weights in the activations' dtype */
     void *kc, *vc;              /* this layer's KV pools */
     int64_t window;             /* sliding window, 0: none */
+    float *ksc, *vsc;           /* int8 KV pools: their per-(token, head) row scales; NULL otherwise */
 } lmi_layer;
+
+/* decode attention's pool kind beside 0 (fp32) and 1 (bf16): int8 rows with fp32 scales */
+enum { KV_I8 = 2 };
 
 /* cpu_gemm.c */
 void lmi_pack_b(const float *W, int64_t N, int64_t K, float *out);
@@ -71,6 +75,15 @@ void lmi_rms_norm_f32(const float *x, const float *w, float *out, int64_t rows, 
 int lmi_decode_attention(const float *q, const void *kc, const void *vc, int kv_bf16, int64_t s_blk, int64_t s_tok,
     int64_t s_head, const int32_t *tables, int64_t tw, const int32_t *lens, int64_t B, int64_t H, int64_t Hkv,
     int64_t D, int64_t bs, float scale, int64_t window, float softcap, float *out, int nthreads);
+int lmi_decode_attention_i8(const float *q, const int8_t *kc, const int8_t *vc, const float *ksc, const float *vsc,
+    int64_t s_blk, int64_t s_tok, int64_t s_head, const int32_t *tables, int64_t tw, const int32_t *lens, int64_t B,
+    int64_t H, int64_t Hkv, int64_t D, int64_t bs, float scale, int64_t window, float softcap, float *out,
+    int nthreads);
+int lmi_decode_fused_i8(void *q, void *k, void *v, int64_t qs, int64_t ks, int64_t vs, const void *cos,
+    const void *sin, int64_t cs, int bf16, int8_t *kc, int8_t *vc, float *ksc, float *vsc, int64_t s_blk,
+    int64_t s_tok, int64_t s_head, const int64_t *slots, int64_t nslots, const int32_t *tables, int64_t tw,
+    const int32_t *lens, int64_t B, int64_t H, int64_t Hkv, int64_t D, int64_t bs, float scale, int64_t window,
+    float softcap, void *out, int nthreads);
 int lmi_write_kv(void *kc, void *vc, const void *key, const void *value, int64_t elem, int64_t s_blk, int64_t s_tok,
     int64_t s_head, int64_t k_tok, int64_t k_head, int64_t v_tok, int64_t v_head, const int64_t *slots, int64_t T,
     int64_t Hkv, int64_t D, int64_t bs, int64_t nslots);
@@ -94,6 +107,9 @@ void lmi_set_sleef_expf16(void *fn);
 int lmi_silu_available(void);
 int lmi_silu_lanes(void);
 void lmi_silu_mul(void *g, const void *u, int64_t n, int bf16, int threads);
+int lmi_write_kv_i8(int8_t *kc, int8_t *vc, float *ksc, float *vsc, const void *key, const void *value, int bf16,
+    int64_t s_blk, int64_t s_tok, int64_t s_head, int64_t k_tok, int64_t k_head, int64_t v_tok, int64_t v_head,
+    const int64_t *slots, int64_t T, int64_t Hkv, int64_t D, int64_t bs, int64_t nslots);
 int lmi_step_layers(const lmi_layer *layers, int64_t L, void *h, int64_t T, int64_t B, int64_t E, int64_t H,
     int64_t Hkv, int64_t D, int64_t I, float eps, int lanes, int bf16, const void *cos, const void *sin, int64_t cs,
     const int64_t *slots, int64_t nslots, const int32_t *tables, int64_t tw, const int32_t *lens, int64_t P,

@@ -8,7 +8,10 @@
  *
  * Pool: [NB, bs, Hkv, D] addressed through element strides (block, token, head) with D
  * contiguous, so both the head-major CPU allocation and the token-major one are read as is.
- * K/V elements are fp32 (kv_bf16 = 0) or bf16 (kv_bf16 = 1).
+ * K/V elements are fp32 (kv_bf16 = 0), bf16 (kv_bf16 = 1) or int8 (KV_I8, the _i8 entry points): an
+ * int8 pool has one fp32 scale per (token, head) row beside it, ksc / vsc, at the row's element
+ * offset / D (the pool's layout with D collapsed), row = q8 * scale (kernels/cpu_layer.c writes
+ * them); its rows are read as int8 and widened in registers, never copied out dequantized.
  * q, out: fp32 [B, H, D] contiguous; tables: int32 [B, tw]; lens: int32 [B] (context length,
  * this step's token included). window > 0: a query at position i sees keys j > i - window;
  * softcap > 0: logits become tanh(s / softcap) * softcap.
@@ -75,6 +78,67 @@ LMI_PV(pv_128, 128)
 LMI_PV(pv_any, D)   /* any other head size (a variable-length accumulator) */
 #undef LMI_PV
 
+/* An int8 pool's out_j[0:D] = sum_t (p[j, t] * vs[t]) v8_t: the row's scale folded into its
+ * weight, the int8 row widened in registers. */
+#define LMI_PV8(NAME, DC)                                                                         \
+    static void NAME(const float *s, int64_t maxlen, const int8_t *vc, const float *vs,           \
+                     const int64_t *offs, int64_t t0, int64_t L, int64_t g, int64_t D, float *ob) { \
+        for (int64_t j = 0; j < g; ++j) {                                                          \
+            float a[DC];                                                                           \
+            for (int64_t d = 0; d < (DC); ++d) a[d] = 0.f;                                         \
+            const float *pj = s + j * maxlen;                                                      \
+            for (int64_t t = t0; t < L; ++t) {                                                     \
+                if (j == 0 && t + PF < L) prefetch_row(vc, 1, offs[t + PF], (DC));                 \
+                const int8_t *v = vc + offs[t];                                                    \
+                const float pt = pj[t] * vs[t];                                                    \
+                _Pragma("omp simd") for (int64_t d = 0; d < (DC); ++d) a[d] += pt * (float)v[d];   \
+            }                                                                                      \
+            memcpy(ob + j * (DC), a, sizeof(float) * (size_t)(DC));                                \
+        }                                                                                          \
+    }
+LMI_PV8(pv8_64, 64)
+LMI_PV8(pv8_128, 128)
+LMI_PV8(pv8_any, D)
+#undef LMI_PV8
+
+/* One (sequence, KV head) item over int8 pools: scores s[j, t] = (q_j . k8_t) * ks[t] * scale,
+ * four keys at a time, into s[:, t0:L]; ks/vs[t0:L]: the rows' scales gathered once. */
+static void scores_i8(const float *qb, const int8_t *kc, const float *ks, const int64_t *offs, int64_t t0,
+                      int64_t L, int64_t g, int64_t D, float scale, float *s, int64_t maxlen) {
+    int64_t t = t0;
+    for (; t + 4 <= L; t += 4) {
+        const int8_t *k0 = kc + offs[t], *k1 = kc + offs[t + 1], *k2 = kc + offs[t + 2], *k3 = kc + offs[t + 3];
+        for (int u = 0; u < 4 && t + PF + u < L; ++u) prefetch_row(kc, 1, offs[t + PF + u], D);
+        for (int64_t j = 0; j < g; ++j) {
+            const float *qj = qb + j * D;
+            float d0 = 0.f, d1 = 0.f, d2 = 0.f, d3 = 0.f;
+#pragma omp simd reduction(+ : d0, d1, d2, d3)
+            for (int64_t d = 0; d < D; ++d) {
+                const float qd = qj[d];
+                d0 += qd * (float)k0[d];
+                d1 += qd * (float)k1[d];
+                d2 += qd * (float)k2[d];
+                d3 += qd * (float)k3[d];
+            }
+            float *sj = s + j * maxlen + t;
+            sj[0] = d0 * (ks[t] * scale);
+            sj[1] = d1 * (ks[t + 1] * scale);
+            sj[2] = d2 * (ks[t + 2] * scale);
+            sj[3] = d3 * (ks[t + 3] * scale);
+        }
+    }
+    for (; t < L; ++t) {
+        const int8_t *k = kc + offs[t];
+        for (int64_t j = 0; j < g; ++j) {
+            const float *qj = qb + j * D;
+            float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+            for (int64_t d = 0; d < D; ++d) dot += qj[d] * (float)k[d];
+            s[j * maxlen + t] = dot * (ks[t] * scale);
+        }
+    }
+}
+
 /* Softmax over t in [t0, L) of each of the g score rows s[j, :] (row stride maxlen), in place;
  * softcap > 0 first maps each logit to tanh(s / softcap) * softcap. */
 static void softmax_rows(float *s, int64_t maxlen, int64_t g, int64_t t0, int64_t L, float softcap) {
@@ -99,13 +163,16 @@ static void softmax_rows(float *s, int64_t maxlen, int64_t g, int64_t t0, int64_
     }
 }
 
-/* q: row b at q + b * q_tok (its H heads contiguous); the rest as lmi_decode_attention. */
+/* q: row b at q + b * q_tok (its H heads contiguous); kv_bf16: 0 fp32, 1 bf16, KV_I8 int8 (with
+ * ksc / vsc); the rest as lmi_decode_attention. */
 static int decode_attention(const float *q, int64_t q_tok, const void *kc, const void *vc, int kv_bf16,
-                            int64_t s_blk, int64_t s_tok, int64_t s_head,
+                            const float *ksc, const float *vsc, int64_t s_blk, int64_t s_tok, int64_t s_head,
                             const int32_t *tables, int64_t tw, const int32_t *lens,
                             int64_t B, int64_t H, int64_t Hkv, int64_t D, int64_t bs,
                             float scale, int64_t window, float softcap, float *out, int nthreads) {
     const int64_t g = H / Hkv;
+    const int i8 = kv_bf16 == KV_I8;
+    if (i8) kv_bf16 = 0;
     const int64_t esz = kv_bf16 ? 2 : 4;
     int64_t maxlen = 0;
     for (int64_t b = 0; b < B; ++b) maxlen = lens[b] > maxlen ? lens[b] : maxlen;
@@ -115,7 +182,8 @@ static int decode_attention(const float *q, int64_t q_tok, const void *kc, const
         /* Per thread: scores [g, maxlen], four fp32 K rows, a bf16 pool's V rows as fp32
          * [maxlen, D], and each key row's element offset (the blocks walked once per item, no
          * division per key). */
-        float *s = malloc(sizeof(float) * (size_t)(g * maxlen + 4 * D + 1 + (kv_bf16 ? maxlen * D : 0)));
+        float *s = malloc(sizeof(float) * (size_t)(g * maxlen + 4 * D + 1 + (kv_bf16 ? maxlen * D : 0)
+                                                   + (i8 ? 2 * maxlen : 0)));
         int64_t *offs = malloc(sizeof(int64_t) * (size_t)(maxlen + 1));
         if (!s || !offs) {
 #pragma omp atomic write
@@ -124,6 +192,7 @@ static int decode_attention(const float *q, int64_t q_tok, const void *kc, const
 #pragma omp barrier
         if (!failed) {
             float *row = s + g * maxlen, *vbuf = row + 4 * D;
+            float *ks = vbuf, *vs = vbuf + maxlen;     /* int8: each visible row's K and V scales */
 #pragma omp for schedule(dynamic, 1)
             for (int64_t item = 0; item < B * Hkv; ++item) {
                 const int64_t b = item / Hkv, kh = item % Hkv;
@@ -139,6 +208,21 @@ static int decode_attention(const float *q, int64_t q_tok, const void *kc, const
                 for (int64_t blk = t0 / bs, t = blk * bs; t < L; ++blk) {
                     const int64_t base = (int64_t)tbl[blk] * s_blk + kh * s_head;
                     for (int64_t o = 0; o < bs && t < L; ++o, ++t) offs[t] = base + o * s_tok;
+                }
+                if (i8) {
+                    for (int64_t t = t0; t < L; ++t) {
+                        ks[t] = ksc[offs[t] / D];
+                        vs[t] = vsc[offs[t] / D];
+                    }
+                    scores_i8(qb, (const int8_t *)kc, ks, offs, t0, L, g, D, scale, s, maxlen);
+                    softmax_rows(s, maxlen, g, t0, L, softcap);
+                    if (D == 64)
+                        pv8_64(s, maxlen, (const int8_t *)vc, vs, offs, t0, L, g, D, ob);
+                    else if (D == 128)
+                        pv8_128(s, maxlen, (const int8_t *)vc, vs, offs, t0, L, g, D, ob);
+                    else
+                        pv8_any(s, maxlen, (const int8_t *)vc, vs, offs, t0, L, g, D, ob);
+                    continue;
                 }
                 /* scores s[j, t] = q_j . k_t * scale, four keys at a time (four independent
                  * accumulators per head keep the FMA units busy across the reductions) */
@@ -208,8 +292,18 @@ int lmi_decode_attention(const float *q, const void *kc, const void *vc, int kv_
                          const int32_t *tables, int64_t tw, const int32_t *lens,
                          int64_t B, int64_t H, int64_t Hkv, int64_t D, int64_t bs,
                          float scale, int64_t window, float softcap, float *out, int nthreads) {
-    return decode_attention(q, H * D, kc, vc, kv_bf16, s_blk, s_tok, s_head, tables, tw, lens, B, H, Hkv, D, bs,
-                            scale, window, softcap, out, nthreads);
+    return decode_attention(q, H * D, kc, vc, kv_bf16, NULL, NULL, s_blk, s_tok, s_head, tables, tw, lens, B, H,
+                            Hkv, D, bs, scale, window, softcap, out, nthreads);
+}
+
+/* lmi_decode_attention over int8 pools kc / vc with their row scales ksc / vsc (see the top). */
+int lmi_decode_attention_i8(const float *q, const int8_t *kc, const int8_t *vc, const float *ksc, const float *vsc,
+                            int64_t s_blk, int64_t s_tok, int64_t s_head,
+                            const int32_t *tables, int64_t tw, const int32_t *lens,
+                            int64_t B, int64_t H, int64_t Hkv, int64_t D, int64_t bs,
+                            float scale, int64_t window, float softcap, float *out, int nthreads) {
+    return decode_attention(q, H * D, kc, vc, KV_I8, ksc, vsc, s_blk, s_tok, s_head, tables, tw, lens, B, H, Hkv,
+                            D, bs, scale, window, softcap, out, nthreads);
 }
 
 /* 1 when every slot is below nslots (negative ones are skipped by the writers) */
@@ -249,18 +343,24 @@ int lmi_write_kv(void *kc, void *vc, const void *key, const void *value, int64_t
  * fp32 (bf16 = 0) or all bf16 (q widened exactly, out rounded to nearest even as torch's
  * .to(bfloat16)). cos/sin [B, D] rows cs apart. Returns 0; -1 (nothing changed) when a slot is
  * past the pool; -2 when scratch could not be allocated. */
-int lmi_decode_fused(void *q, void *k, void *v, int64_t qs, int64_t ks, int64_t vs,
-                     const void *cos, const void *sin, int64_t cs, int bf16,
-                     void *kc, void *vc, int64_t s_blk, int64_t s_tok, int64_t s_head,
-                     const int64_t *slots, int64_t nslots, const int32_t *tables, int64_t tw, const int32_t *lens,
-                     int64_t B, int64_t H, int64_t Hkv, int64_t D, int64_t bs,
-                     float scale, int64_t window, float softcap, void *out, int nthreads) {
+/* lmi_decode_fused's body; ksc / vsc non-NULL: int8 pools with their row scales. */
+static int decode_fused(void *q, void *k, void *v, int64_t qs, int64_t ks, int64_t vs, const void *cos,
+                        const void *sin, int64_t cs, int bf16, void *kc, void *vc, float *ksc, float *vsc,
+                        int64_t s_blk, int64_t s_tok, int64_t s_head, const int64_t *slots, int64_t nslots,
+                        const int32_t *tables, int64_t tw, const int32_t *lens, int64_t B, int64_t H, int64_t Hkv,
+                        int64_t D, int64_t bs, float scale, int64_t window, float softcap, void *out, int nthreads) {
     if (!slots_fit(slots, B, nslots)) return -1;   /* checked before q/k are rotated in place */
     lmi_rotary(q, k, cos, sin, B, H, Hkv, D, qs, ks, cs, bf16, nthreads);
-    lmi_write_kv(kc, vc, k, v, bf16 ? 2 : 4, s_blk, s_tok, s_head, ks, D, vs, D, slots, B, Hkv, D, bs, nslots);
+    const int i8 = ksc != NULL;
+    if (i8)
+        lmi_write_kv_i8(kc, vc, ksc, vsc, k, v, bf16, s_blk, s_tok, s_head, ks, D, vs, D, slots, B, Hkv, D, bs,
+                        nslots);
+    else
+        lmi_write_kv(kc, vc, k, v, bf16 ? 2 : 4, s_blk, s_tok, s_head, ks, D, vs, D, slots, B, Hkv, D, bs, nslots);
+    const int kind = i8 ? KV_I8 : bf16;
     if (!bf16)
-        return decode_attention((const float *)q, qs, kc, vc, 0, s_blk, s_tok, s_head, tables, tw, lens, B, H, Hkv,
-                                D, bs, scale, window, softcap, (float *)out, nthreads) ? -2 : 0;
+        return decode_attention((const float *)q, qs, kc, vc, kind, ksc, vsc, s_blk, s_tok, s_head, tables, tw, lens,
+                                B, H, Hkv, D, bs, scale, window, softcap, (float *)out, nthreads) ? -2 : 0;
     float *qf = malloc(sizeof(float) * (size_t)(2 * B * H * D));
     if (!qf) return -2;
     float *of = qf + B * H * D;
@@ -269,12 +369,35 @@ int lmi_decode_fused(void *q, void *k, void *v, int64_t qs, int64_t ks, int64_t 
 #pragma omp simd
         for (int64_t i = 0; i < H * D; ++i) qf[b * H * D + i] = bf16_to_f32(src[i]);
     }
-    const int rc = decode_attention(qf, H * D, kc, vc, 1, s_blk, s_tok, s_head, tables, tw, lens, B, H, Hkv, D, bs,
-                                    scale, window, softcap, of, nthreads);
+    const int rc = decode_attention(qf, H * D, kc, vc, kind, ksc, vsc, s_blk, s_tok, s_head, tables, tw, lens, B, H,
+                                    Hkv, D, bs, scale, window, softcap, of, nthreads);
     uint16_t *o = (uint16_t *)out;
     for (int64_t i = 0; i < B * H * D; ++i) o[i] = f32_to_bf16(of[i]);
     free(qf);
     return rc ? -2 : 0;
+}
+
+int lmi_decode_fused(void *q, void *k, void *v, int64_t qs, int64_t ks, int64_t vs,
+                     const void *cos, const void *sin, int64_t cs, int bf16,
+                     void *kc, void *vc, int64_t s_blk, int64_t s_tok, int64_t s_head,
+                     const int64_t *slots, int64_t nslots, const int32_t *tables, int64_t tw, const int32_t *lens,
+                     int64_t B, int64_t H, int64_t Hkv, int64_t D, int64_t bs,
+                     float scale, int64_t window, float softcap, void *out, int nthreads) {
+    return decode_fused(q, k, v, qs, ks, vs, cos, sin, cs, bf16, kc, vc, NULL, NULL, s_blk, s_tok, s_head, slots,
+                        nslots, tables, tw, lens, B, H, Hkv, D, bs, scale, window, softcap, out, nthreads);
+}
+
+/* lmi_decode_fused over int8 pools (activations fp32 or bf16, as bf16 says): k and v quantized
+ * per (token, head) row as lmi_write_kv_i8 stores them, attention reading the int8 rows and their
+ * scales ksc / vsc. */
+int lmi_decode_fused_i8(void *q, void *k, void *v, int64_t qs, int64_t ks, int64_t vs,
+                        const void *cos, const void *sin, int64_t cs, int bf16,
+                        int8_t *kc, int8_t *vc, float *ksc, float *vsc, int64_t s_blk, int64_t s_tok, int64_t s_head,
+                        const int64_t *slots, int64_t nslots, const int32_t *tables, int64_t tw, const int32_t *lens,
+                        int64_t B, int64_t H, int64_t Hkv, int64_t D, int64_t bs,
+                        float scale, int64_t window, float softcap, void *out, int nthreads) {
+    return decode_fused(q, k, v, qs, ks, vs, cos, sin, cs, bf16, kc, vc, ksc, vsc, s_blk, s_tok, s_head, slots,
+                        nslots, tables, tw, lens, B, H, Hkv, D, bs, scale, window, softcap, out, nthreads);
 }
 
 /* Llama's RMSNorm of bf16 rows x [rows, H] (contiguous) with weight w [H]:

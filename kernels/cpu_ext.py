@@ -41,6 +41,7 @@ import tempfile
 import torch
 
 from kernels import isa as _isa
+from kernels import reference
 
 log = logging.getLogger("lmi.kernels")
 
@@ -274,8 +275,18 @@ def backend() -> Backend | None:
 
 
 def supports(key_cache: torch.Tensor) -> bool:
-    """Whether the kernel reads this pool: a CPU tensor of fp32/bf16 with the head dim contiguous."""
-    return key_cache.device.type == "cpu" and key_cache.dtype in KV_DTYPES and key_cache.stride(-1) == 1
+    """Whether the kernel reads this pool: a CPU tensor of fp32/bf16, or int8 with its row scales
+    (reference.kv_scale), with the head dim contiguous."""
+    if key_cache.device.type != "cpu" or key_cache.stride(-1) != 1:
+        return False
+    return key_cache.dtype in KV_DTYPES or _i8_pool(key_cache)
+
+
+def _i8_pool(cache: torch.Tensor) -> bool:
+    """An int8 pool [NB, bs, Hkv, D] whose scales [NB, bs, Hkv] lie at its element offsets / D."""
+    sc = reference.kv_scale(cache)
+    return (cache.dtype == torch.int8 and sc is not None and sc.dtype == torch.float32
+            and sc.shape == cache.shape[:3] and all(a * cache.shape[3] == b for a, b in zip(sc.stride(), cache.stride()[:3])))
 
 
 def _plain(t: torch.Tensor, dtype: torch.dtype) -> bool:
@@ -442,6 +453,8 @@ def write_kv(key_cache: torch.Tensor, value_cache: torch.Tensor, key: torch.Tens
     """Store key/value [T, Hkv, D] at slot_mapping [T] (< 0: skip) in place, as
     reference.write_kv does; False (nothing written) when the kernel cannot take these tensors."""
     fn = load()
+    if key_cache.dtype == torch.int8:
+        return _write_kv_i8(fn, key_cache, value_cache, key, value, slot_mapping)
     if (fn is None or not supports(key_cache) or key_cache.stride() != value_cache.stride()
             or key.dtype != key_cache.dtype or value.dtype != key_cache.dtype or key.device.type != "cpu"
             or key.stride(-1) != 1 or value.stride(-1) != 1 or key.shape != value.shape
@@ -456,6 +469,29 @@ def write_kv(key_cache: torch.Tensor, value_cache: torch.Tensor, key: torch.Tens
                      key_cache.element_size(), key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
                      key.stride(0), key.stride(1), value.stride(0), value.stride(1), slots.data_ptr(),
                      t, hkv, d, bs, nb * bs)
+    if rc != 0:
+        raise IndexError(f"write_kv: a slot is past the pool's {nb * bs} slots")
+    return True
+
+
+def _write_kv_i8(fn, key_cache, value_cache, key, value, slot_mapping) -> bool:
+    """write_kv into int8 pools: each (token, head) row quantized with its scale
+    (kernels/cpu_layer.c lmi_write_kv_i8; reference.quantize_rows's bytes)."""
+    if (fn is None or not _i8_pool(key_cache) or not _i8_pool(value_cache) or key_cache.stride() != value_cache.stride()
+            or key.dtype not in KV_DTYPES or value.dtype != key.dtype or key.device.type != "cpu"
+            or key.stride(-1) != 1 or value.stride(-1) != 1 or key.shape != value.shape
+            or key.shape[1:] != key_cache.shape[2:]):
+        return False
+    t, hkv, d = key.shape
+    slots = slot_mapping.to(torch.int64).contiguous()
+    if slots.shape != (t,):
+        return False
+    nb, bs = key_cache.shape[:2]
+    rc = fn.write_kv_i8(key_cache.data_ptr(), value_cache.data_ptr(), reference.kv_scale(key_cache).data_ptr(),
+                        reference.kv_scale(value_cache).data_ptr(), key.data_ptr(), value.data_ptr(),
+                        KV_DTYPES[key.dtype], key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+                        key.stride(0), key.stride(1), value.stride(0), value.stride(1), slots.data_ptr(),
+                        t, hkv, d, bs, nb * bs)
     if rc != 0:
         raise IndexError(f"write_kv: a slot is past the pool's {nb * bs} slots")
     return True
@@ -477,6 +513,18 @@ def decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: 
     tbl = tables.to(torch.int32).contiguous()
     ln = lens.to(torch.int32).contiguous()
     out = torch.empty(b, h, d, dtype=torch.float32)
+    if key_cache.dtype == torch.int8:
+        if not (_i8_pool(key_cache) and _i8_pool(value_cache)):
+            raise ValueError("an int8 KV pool needs its row scales (reference.kv_scale)")
+        rc = fn.decode_attention_i8(q.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(),
+                                    reference.kv_scale(key_cache).data_ptr(), reference.kv_scale(value_cache).data_ptr(),
+                                    key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+                                    tbl.data_ptr(), tbl.shape[1], ln.data_ptr(), b, h, hkv, d, bs, float(scale),
+                                    int(sliding_window or 0), float(soft_cap or 0.0), out.data_ptr(),
+                                    torch.get_num_threads())
+        if rc != 0:
+            raise MemoryError("CPU decode attention: scratch allocation failed")
+        return out
     rc = fn(q.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(), KV_DTYPES[key_cache.dtype],
             key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
             tbl.data_ptr(), tbl.shape[1], ln.data_ptr(), b, h, hkv, d, bs, float(scale),
@@ -498,7 +546,9 @@ def decode_fused(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, co
     None (nothing changed) where the kernel cannot take these tensors."""
     fn = load()
     dt = query.dtype
-    if fn is None or dt not in KV_DTYPES or key_cache.dtype != dt or value_cache.dtype != dt:
+    i8 = key_cache.dtype == torch.int8
+    if (fn is None or dt not in KV_DTYPES or value_cache.dtype != key_cache.dtype
+            or (key_cache.dtype != dt and not (i8 and _i8_pool(key_cache) and _i8_pool(value_cache)))):
         return None
     b, h, d = query.shape
     nb, bs, hkv, _ = key_cache.shape
@@ -511,12 +561,21 @@ def decode_fused(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, co
             or lens.dtype != torch.int32 or lens.shape != (b,) or not lens.is_contiguous()):
         return None
     out = torch.empty(b, h, d, dtype=dt)
-    rc = fn.decode_fused(query.data_ptr(), key.data_ptr(), value.data_ptr(), query.stride(0), key.stride(0),
-                         value.stride(0), cos.data_ptr(), sin.data_ptr(), cos.stride(0), KV_DTYPES[dt],
-                         key_cache.data_ptr(), value_cache.data_ptr(), key_cache.stride(0), key_cache.stride(1),
-                         key_cache.stride(2), slots.data_ptr(), nb * bs, tables.data_ptr(), tables.shape[1],
-                         lens.data_ptr(), b, h, hkv, d, bs, float(scale), int(sliding_window or 0), 0.0,
-                         out.data_ptr(), torch.get_num_threads())
+    if i8:
+        rc = fn.decode_fused_i8(query.data_ptr(), key.data_ptr(), value.data_ptr(), query.stride(0), key.stride(0),
+                                value.stride(0), cos.data_ptr(), sin.data_ptr(), cos.stride(0), KV_DTYPES[dt],
+                                key_cache.data_ptr(), value_cache.data_ptr(), reference.kv_scale(key_cache).data_ptr(),
+                                reference.kv_scale(value_cache).data_ptr(), key_cache.stride(0), key_cache.stride(1),
+                                key_cache.stride(2), slots.data_ptr(), nb * bs, tables.data_ptr(), tables.shape[1],
+                                lens.data_ptr(), b, h, hkv, d, bs, float(scale), int(sliding_window or 0), 0.0,
+                                out.data_ptr(), torch.get_num_threads())
+    else:
+        rc = fn.decode_fused(query.data_ptr(), key.data_ptr(), value.data_ptr(), query.stride(0), key.stride(0),
+                             value.stride(0), cos.data_ptr(), sin.data_ptr(), cos.stride(0), KV_DTYPES[dt],
+                             key_cache.data_ptr(), value_cache.data_ptr(), key_cache.stride(0), key_cache.stride(1),
+                             key_cache.stride(2), slots.data_ptr(), nb * bs, tables.data_ptr(), tables.shape[1],
+                             lens.data_ptr(), b, h, hkv, d, bs, float(scale), int(sliding_window or 0), 0.0,
+                             out.data_ptr(), torch.get_num_threads())
     if rc == -1:
         raise IndexError(f"decode_fused: a slot is past the pool's {nb * bs} slots")
     if rc != 0:

@@ -205,6 +205,69 @@ void lmi_silu_mul(void *g, const void *u, int64_t n, int bf16, int threads) {
 }
 #endif
 
+/* ---------------------------------------------------------------- int8 KV rows */
+/* One row x[0:D] (fp32, or bf16 widened) as int8 q[0:D] and its scale: symmetric, per row,
+ * scale = max|x| / 127, q = round_half_even(x * (127 / max|x|)) (all zeros for a zero row), in
+ * torch's fp32 operations and rounding (this file has no fast-math): kernels/reference.py
+ * quantize_rows gives the same bytes. */
+static void quant_row(const void *x, int bf16, int64_t D, int8_t *q, float *sc) {
+    float m = 0.f;
+    for (int64_t d = 0; d < D; ++d) {
+        const float a = fabsf(bf16 ? bf16_to_f32(((const uint16_t *)x)[d]) : ((const float *)x)[d]);
+        m = a > m ? a : m;
+    }
+    const float inv = m > 0.f ? 127.f / m : 0.f;
+    *sc = m / 127.f;
+    for (int64_t d = 0; d < D; ++d) {
+        const float y = nearbyintf((bf16 ? bf16_to_f32(((const uint16_t *)x)[d]) : ((const float *)x)[d]) * inv);
+        q[d] = (int8_t)(y > 127.f ? 127.f : y < -127.f ? -127.f : y);
+    }
+}
+
+/* Rows x [T, Hkv, D] (row t's head h at x + t * tok + h * D elements, fp32 or bf16) replaced in
+ * place by what an int8 pool stores of them, dequantized (q * scale, rounded to bf16 for bf16):
+ * a prompt's attention reads the values its decode steps will read back. */
+static void roundtrip_rows(void *x, int bf16, int64_t T, int64_t Hkv, int64_t D, int64_t tok, int8_t *q) {
+    for (int64_t t = 0; t < T; ++t)
+        for (int64_t h = 0; h < Hkv; ++h) {
+            const int64_t at = t * tok + h * D;
+            float sc;
+            if (bf16) {
+                uint16_t *r = (uint16_t *)x + at;
+                quant_row(r, 1, D, q, &sc);
+                for (int64_t d = 0; d < D; ++d) r[d] = f32_to_bf16((float)q[d] * sc);
+            } else {
+                float *r = (float *)x + at;
+                quant_row(r, 0, D, q, &sc);
+                for (int64_t d = 0; d < D; ++d) r[d] = (float)q[d] * sc;
+            }
+        }
+}
+
+/* lmi_write_kv into int8 pools: key/value rows [T, Hkv, D] (fp32, or bf16 when bf16; element
+ * strides token / head, D contiguous) quantized per (token, head) row into kc / vc at slots[T]
+ * (negative: skipped), each row's scale into ksc / vsc at its element offset / D. -1 (nothing
+ * written) when a slot is >= nslots. */
+int lmi_write_kv_i8(int8_t *kc, int8_t *vc, float *ksc, float *vsc, const void *key, const void *value, int bf16,
+                    int64_t s_blk, int64_t s_tok, int64_t s_head, int64_t k_tok, int64_t k_head, int64_t v_tok,
+                    int64_t v_head, const int64_t *slots, int64_t T, int64_t Hkv, int64_t D, int64_t bs,
+                    int64_t nslots) {
+    const int64_t es = bf16 ? 2 : 4;
+    for (int64_t t = 0; t < T; ++t)
+        if (slots[t] >= nslots) return -1;
+    for (int64_t t = 0; t < T; ++t) {
+        const int64_t slot = slots[t];
+        if (slot < 0) continue;
+        const int64_t base = (slot / bs) * s_blk + (slot % bs) * s_tok;
+        for (int64_t h = 0; h < Hkv; ++h) {
+            const int64_t at = base + h * s_head;
+            quant_row((const char *)key + (t * k_tok + h * k_head) * es, bf16, D, kc + at, ksc + at / D);
+            quant_row((const char *)value + (t * v_tok + h * v_head) * es, bf16, D, vc + at, vsc + at / D);
+        }
+    }
+    return 0;
+}
+
 /* ---------------------------------------------------------------- the stack */
 static void widen(const uint16_t *x, float *out, int64_t n) {
     for (int64_t i = 0; i < n; ++i) out[i] = bf16_to_f32(x[i]);
@@ -296,7 +359,8 @@ static void norm(const void *h, const void *w, void *out, int64_t B, int64_t E, 
  * of this step: rows pstarts[p] .. pstarts[p] + plens[p] - 1, all >= B; porder: the prompts
  * longest first, as lmi_prefill_attention takes them). cos/sin [T, D] (row stride cs); slots [T];
  * tables [B, tw], lens [B] as lmi_decode_fused takes them; pools share one layout (strides
- * s_blk/s_tok/s_head, elements), nslots slots each. Decode rows: lmi_decode_fused (rotary, KV
+ * s_blk/s_tok/s_head, elements), nslots slots each; a layer with ksc set has int8 pools
+ * (lmi_decode_fused_i8, lmi_write_kv_i8). Decode rows: lmi_decode_fused (rotary, KV
  * write, attention over the pool); prompt rows: lmi_rotary, lmi_write_kv, lmi_prefill_attention
  * over their own keys: what handler/model/llama.py's layer calls for such a step.
  * Returns 0, -1 (a slot past the pool, before anything of the step was written), -2 (no memory). */
@@ -319,6 +383,7 @@ int lmi_step_layers(const lmi_layer *layers, int64_t L, void *h, int64_t T, int6
         }
     }
     /* x: normed rows; qkv; attn; o: a projection's output; gu: gate|up; act: silu(g) * u */
+    if (lin < D) lin = D;   /* also an int8 row's room (roundtrip_rows) */
     const int64_t sizes[] = {T * E * es, T * nqkv * es, T * H * D * es, T * E * es, T * 2 * I * es, T * I * es,
                              (int64_t)threads * E * 4, lin};
     int64_t total = 0, off[8];
@@ -341,7 +406,11 @@ int lmi_step_layers(const lmi_layer *layers, int64_t L, void *h, int64_t T, int6
         linear(&ly->q, x, T, q, nqkv, bf16, ws, threads);
         linear(&ly->k, x, T, q + ly->q.n * es, nqkv, bf16, ws, threads);
         linear(&ly->v, x, T, q + (ly->q.n + ly->k.n) * es, nqkv, bf16, ws, threads);
-        if (B)
+        if (B && ly->ksc)
+            rc = lmi_decode_fused_i8(q, k, v, nqkv, nqkv, nqkv, cos, sin, cs, bf16, ly->kc, ly->vc, ly->ksc, ly->vsc,
+                                     s_blk, s_tok, s_head, slots, nslots, tables, tw, lens, B, H, Hkv, D, bs, scale,
+                                     ly->window, 0.0f, attn, threads);
+        else if (B)
             rc = lmi_decode_fused(q, k, v, nqkv, nqkv, nqkv, cos, sin, cs, bf16, ly->kc, ly->vc, s_blk, s_tok,
                                   s_head, slots, nslots, tables, tw, lens, B, H, Hkv, D, bs, scale, ly->window, 0.0f,
                                   attn, threads);
@@ -349,8 +418,14 @@ int lmi_step_layers(const lmi_layer *layers, int64_t L, void *h, int64_t T, int6
             const int64_t qo = B * nqkv * es, co = B * cs * es;
             lmi_rotary(q + qo, k + qo, (const char *)cos + co, (const char *)sin + co, np, H, Hkv, D, nqkv, nqkv, cs,
                        bf16, threads);
-            lmi_write_kv(ly->kc, ly->vc, k + qo, v + qo, es, s_blk, s_tok, s_head, nqkv, D, nqkv, D, slots + B, np,
-                         Hkv, D, bs, nslots);
+            if (ly->ksc) {  /* int8 pools: the rows stored quantized, and the prompt attends to what they hold */
+                lmi_write_kv_i8(ly->kc, ly->vc, ly->ksc, ly->vsc, k + qo, v + qo, bf16, s_blk, s_tok, s_head, nqkv,
+                                D, nqkv, D, slots + B, np, Hkv, D, bs, nslots);
+                roundtrip_rows(k + qo, bf16, np, Hkv, D, nqkv, (int8_t *)ws);
+                roundtrip_rows(v + qo, bf16, np, Hkv, D, nqkv, (int8_t *)ws);
+            } else
+                lmi_write_kv(ly->kc, ly->vc, k + qo, v + qo, es, s_blk, s_tok, s_head, nqkv, D, nqkv, D, slots + B,
+                             np, Hkv, D, bs, nslots);
             rc = lmi_prefill_attention(q, k, v, nqkv, nqkv, nqkv, D, D, D, attn, H * D, D, bf16, pstarts, plens,
                                        porder, P, H, Hkv, D, scale, threads);
         }

@@ -3,6 +3,10 @@
 Layout (docs/ARCHITECTURE.md, "KV pool and kernels"):
   key_cache, value_cache: [num_blocks, block_size, Hkv, D]
   slot = block_table[pos // block_size] * block_size + pos % block_size
+
+An int8 pool (option.kv_cache_dtype=int8) carries its scales as the attribute `kv_scale`: fp32
+[num_blocks, block_size, Hkv], laid out as the pool with D collapsed (its strides the pool's / D);
+row = int8 row * scale, one symmetric scale per (token, head) row (`quantize_rows`).
 """
 from __future__ import annotations
 
@@ -10,15 +14,69 @@ import torch
 import torch.nn.functional as F
 
 
+KV_SCALE = "kv_scale"   # the attribute of an int8 pool tensor holding its row scales
+
+
+def kv_scale(cache: torch.Tensor) -> torch.Tensor | None:
+    """An int8 pool's row scales [NB, bs, Hkv] (fp32), or None for a pool of another dtype."""
+    return getattr(cache, KV_SCALE, None)
+
+
+def int8_pool(shape: tuple[int, int, int, int], head_major: bool, device=None) -> torch.Tensor:
+    """A zeroed int8 pool [NB, bs, Hkv, D] (a view of [NB, Hkv, bs, D] when head_major) and its
+    zeroed scales, laid out alike, as the pool's `kv_scale`."""
+    nb, bs, hkv, d = shape
+    if head_major:
+        pool = torch.zeros(nb, hkv, bs, d, dtype=torch.int8, device=device).transpose(1, 2)
+        scale = torch.zeros(nb, hkv, bs, dtype=torch.float32, device=device).transpose(1, 2)
+    else:
+        pool = torch.zeros(nb, bs, hkv, d, dtype=torch.int8, device=device)
+        scale = torch.zeros(nb, bs, hkv, dtype=torch.float32, device=device)
+    setattr(pool, KV_SCALE, scale)
+    return pool
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., D] (any float dtype) -> (int8 [..., D], fp32 scales [...]): symmetric per row,
+    scale = max|x| / 127, q = round_half_even(x * (127 / max|x|)), zeros for a zero row; in fp32,
+    the bytes kernels/cpu_layer.c's lmi_write_kv_i8 stores."""
+    xf = x.float()
+    m = xf.abs().amax(-1)
+    inv = torch.where(m > 0, torch.full_like(m, 127.0) / m, torch.zeros_like(m))
+    q = (xf * inv[..., None]).round().clamp_(-127, 127).to(torch.int8)
+    return q, m / 127.0
+
+
+def dequantize_rows(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """int8 rows [..., D] and their scales [...] -> fp32 [..., D]."""
+    return q.float() * scale[..., None]
+
+
+def as_stored(cache: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """rows [T, Hkv, D] as the pool `cache` gives them back: themselves, or for an int8 pool each
+    row quantized and dequantized (in rows' dtype), so that a prompt's own attention reads the
+    values its later steps (and a prefix-cache hit, or a recompute after preemption) read."""
+    if cache.dtype != torch.int8:
+        return rows
+    return dequantize_rows(*quantize_rows(rows)).to(rows.dtype)
+
+
 def write_kv(key_cache: torch.Tensor, value_cache: torch.Tensor, key: torch.Tensor,
              value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Store key/value [T, Hkv, D] at flat slots slot_mapping [T]; a negative slot is skipped."""
+    """Store key/value [T, Hkv, D] at flat slots slot_mapping [T]; a negative slot is skipped.
+    An int8 pool stores each (token, head) row quantized (`quantize_rows`) and its scale."""
     bs = key_cache.shape[1]
     slots = slot_mapping.to(device=key_cache.device, dtype=torch.long)
     keep = slots >= 0
     if not bool(keep.all()):
         slots, key, value = slots[keep], key[keep], value[keep]
     blk, off = slots // bs, slots % bs
+    if key_cache.dtype == torch.int8:
+        for cache, rows in ((key_cache, key), (value_cache, value)):
+            q, sc = quantize_rows(rows)
+            cache[blk, off] = q
+            kv_scale(cache)[blk, off] = sc
+        return
     key_cache[blk, off] = key.to(key_cache.dtype)
     value_cache[blk, off] = value.to(value_cache.dtype)
 
@@ -48,6 +106,15 @@ def _gather(cache: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
         return rows.view(b, hkv, nblk * bs, d)
     rows = F.embedding(tables, cache.reshape(nb, bs * hkv * d))
     return rows.view(b, nblk * bs, hkv, d).transpose(1, 2)
+
+
+def _gather_f32(cache: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
+    """`_gather` as fp32 [B, Hkv, nblk*bs, D]; an int8 pool's rows times their scales."""
+    k = _gather(cache, tables).float()
+    sc = kv_scale(cache)
+    if sc is not None:
+        k = k * _gather(sc.unsqueeze(-1), tables)
+    return k
 
 
 def length_groups(seqs: list[int], nblks: list[int], min_size: int = 8,
@@ -178,8 +245,8 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
         tbl = tables[torch.tensor(group, device=dev), :nblk]
         # Entries past a sequence's last block may be padding (-1 or stale): any valid id will do.
         tbl = tbl.clamp(0, nb - 1)
-        k = _gather(key_cache, tbl).float()   # [B, Hkv, L, D] (float(): a no-op in fp32)
-        v = _gather(value_cache, tbl).float()
+        k = _gather_f32(key_cache, tbl)   # [B, Hkv, L, D] (float(): a no-op in fp32)
+        v = _gather_f32(value_cache, tbl)
         kpos = torch.arange(nblk * bs, device=dev)[None, :]
         valid = kpos < blen[:, None]  # [B, L]
         if sliding_window is not None:
@@ -211,8 +278,8 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
             continue
         nblk = -(-ctx // bs)
         tbl = tables[s:s + 1, :nblk]
-        k = _gather(key_cache, tbl)[0, :, :ctx].float()  # [Hkv, L, D]
-        v = _gather(value_cache, tbl)[0, :, :ctx].float()
+        k = _gather_f32(key_cache, tbl)[0, :, :ctx]  # [Hkv, L, D]
+        v = _gather_f32(value_cache, tbl)[0, :, :ctx]
         qpos = torch.arange(ctx - n, ctx, device=dev)
         kpos = torch.arange(ctx, device=dev)[None, :]
         mask = kpos <= qpos[:, None]  # [n, L]

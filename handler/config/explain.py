@@ -52,7 +52,8 @@ def explain(cfg, g: Geometry, *, device: str, prompt_tokens: int | None = None,
     """Every figure as a plain number, plus `warnings` (settings that cannot help) and `notes`."""
     dtype = resolve_dtype(cfg.dtype, device)
     tp = getattr(cfg, "tensor_parallel_degree", 1)
-    per_tok = kv_bytes_per_token(g, dtype, tp)    # per rank: each rank holds kv_heads / tp heads
+    kvd = getattr(cfg, "kv_cache_dtype", "auto")
+    per_tok = kv_bytes_per_token(g, dtype, tp, kvd)    # per rank: each rank holds kv_heads / tp heads
     bs = cfg.block_size
     max_len = min(cfg.max_model_len or g.max_positions, g.max_positions)
     width = batch_width(cfg)
@@ -60,8 +61,11 @@ def explain(cfg, g: Geometry, *, device: str, prompt_tokens: int | None = None,
     notes: list[str] = []
     out: dict = {"strategy": cfg.strategy, "device": device, "dtype": dtype, "geometry": asdict(g),
                  "kv_bytes_per_token": per_tok,
-                 "kv_bytes_per_token_formula": f"2 * {g.layers} layers * {g.kv_heads} kv heads * "
-                                               f"{g.head_dim} head dim * {DTYPE_BYTES[dtype]} bytes"
+                 "kv_cache_dtype": kvd if kvd != "auto" else dtype,
+                 "kv_bytes_per_token_formula": (f"2 * {g.layers} layers * {g.kv_heads} kv heads * "
+                                                + (f"({g.head_dim} int8 + {sizing.KV_SCALE_BYTES} scale) bytes"
+                                                   if kvd == "int8" else
+                                                   f"{g.head_dim} head dim * {DTYPE_BYTES[dtype]} bytes"))
                                                + (f" / {tp} ranks (per rank)" if tp > 1 else ""),
                  "block_size": bs, "max_model_len": max_len, "batch_width": width}
     if device == "cpu":

@@ -20,7 +20,7 @@ import sys
 from dataclasses import dataclass
 from typing import Iterator, Mapping
 
-from handler.config import hardware
+from handler.config import hardware, sizing
 from handler.config.schema import (ALIASES, DEFAULT_ENTRY_POINT, DEFAULT_MODEL_DIR, ENV_ALIASES, EXTRA_ENV,
                                    IGNORED_KEYS, KNOWN_KEYS, PORT, SCHEMA, TYPED_KEYS, _Bad, default_of)
 from handler.config.sizing import read_heads as model_heads
@@ -191,6 +191,7 @@ class ServingConfig:
     properties: dict = dataclasses.field(hash=False)  # merged raw properties, key -> value
     tgi_compat: bool = default_of("option.tgi_compat")     # TGI's shapes on /invocations
     enable_lora: bool = default_of("option.enable_lora")   # multi-LoRA (handler/model/lora.py)
+    kv_cache_dtype: str = default_of("option.kv_cache_dtype")   # "auto" | "int8" (CPU) | fp8* (refused: no GPU build)
     max_loras: int = default_of("option.max_loras")        # distinct adapters running at once
     max_lora_rank: int = default_of("option.max_lora_rank")
     max_cpu_loras: int = default_of("option.max_loras")    # adapters kept read in memory
@@ -488,6 +489,10 @@ def _resolve_devices(src: _Sources, env: Mapping[str, str], gpu_count: int | Non
             hardware.cpu_kernels(kernels)
         except ValueError as e:
             raise ConfigError(f"{where('option.cpu_kernels')}: {str(e).split(': ', 1)[1]}") from None
+
+    why = sizing.kv_cache_dtype_refusal(get("option.kv_cache_dtype"), "cuda" if on_gpu else "cpu")
+    if why:
+        raise ConfigError(f"{where('option.kv_cache_dtype')} {why}")
 
     port_raw = env.get(PORT.var, "").strip()
     port = PORT.default

@@ -234,6 +234,13 @@ KEYS: tuple[Key, ...] = (
         "(the cgroup's `memory.max` less `memory.current` when a limit is set, else `MemAvailable`) less 512 MiB; "
         "a request that cannot fit is refused (400), never an OOM kill",
         values="tokens, ≥ `option.block_size` and ≥ `option.max_model_len`", default_doc="derived at start-up"),
+    Key("option.kv_cache_dtype", _enum(["auto", "int8", "fp8", "fp8_e4m3", "fp8_e5m2"]),
+        "the KV cache's element type: `auto` the model's dtype; `int8` (CPU) one byte an element and a fp32 "
+        "scale per token and head (symmetric, written by the KV-write kernel, read in place by the attention "
+        "kernels): about half the bytes of bf16, a quarter of fp32, so the same memory holds about twice "
+        "(four times) the tokens; every attention, a prompt's over its own rows too, reads the rows as stored. `fp8`/`fp8_e4m3`/`fp8_e5m2` "
+        "(vLLM's GPU names) are refused in one line: on a CPU, and on CUDA where the Triton kernels do not "
+        "read them yet; `int8` on CUDA likewise", default="auto"),
     Key("option.gpu_memory_utilization", _float(0.0, 1.0, True, "a number in (0, 1]"),
         "share of GPU memory the server may use (sizes the KV cache when `option.kv_cache_tokens` is not set, "
         "to no more than every running sequence at full length needs)",

@@ -144,14 +144,36 @@ def resolve_dtype(dtype: str, device: str, bf16_supported: bool = True) -> str:
 
 
 # ------------------------------------------------------------------ the KV pool
-def bytes_per_token(layers: int, kv_heads: int, head_dim: int, dtype_bytes: int) -> int:
-    """K and V of one token in every layer."""
+KV_CACHE_DTYPES = ("auto", "int8", "fp8", "fp8_e4m3", "fp8_e5m2")   # option.kv_cache_dtype
+KV_SCALE_BYTES = 4      # int8 KV: one fp32 scale per (token, head) row of K and of V
+
+
+def bytes_per_token(layers: int, kv_heads: int, head_dim: int, dtype_bytes: int, kv_cache_dtype: str = "auto") -> int:
+    """K and V of one token in every layer: in the model's dtype (`auto`), or int8 (`int8`: one
+    byte an element and a fp32 scale per head)."""
+    if kv_cache_dtype == "int8":
+        return 2 * layers * kv_heads * (head_dim + KV_SCALE_BYTES)
     return 2 * layers * kv_heads * head_dim * dtype_bytes
 
 
-def kv_bytes_per_token(g: Geometry, dtype: str, tp: int = 1) -> int:
+def kv_bytes_per_token(g: Geometry, dtype: str, tp: int = 1, kv_cache_dtype: str = "auto") -> int:
     """Per rank: with tensor parallelism each rank holds kv_heads / tp heads."""
-    return bytes_per_token(g.layers, g.kv_heads // tp, g.head_dim, DTYPE_BYTES[dtype])
+    return bytes_per_token(g.layers, g.kv_heads // tp, g.head_dim, DTYPE_BYTES[dtype], kv_cache_dtype)
+
+
+def kv_cache_dtype_refusal(kv_cache_dtype: str, device: str) -> str | None:
+    """Why option.kv_cache_dtype cannot run on `device` ("cpu" / "cuda"), as the rest of a line
+    that starts `option.kv_cache_dtype=<value>`; None where it runs."""
+    if kv_cache_dtype == "auto":
+        return None
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        return f"is not supported; allowed: {', '.join(KV_CACHE_DTYPES)}"
+    if device == "cpu" and kv_cache_dtype.startswith("fp8"):
+        return "needs a CUDA GPU (fp8 KV is a GPU format); on a CPU use int8 or auto"
+    if device != "cpu":
+        return ("is not built for CUDA (the Triton kernels read fp32/fp16/bf16 pools only); "
+                "use auto on a GPU, int8 on a CPU")
+    return None
 
 
 def cpu_kv_budget(available: int, weights: int = 0) -> int:

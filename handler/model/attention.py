@@ -41,8 +41,10 @@ def paged_attention_forward(module, query, key, value, attention_mask, scaling=N
     q = query[0].transpose(0, 1)     # [T, H, D]
     k = key[0].transpose(0, 1)       # [T, Hkv, D]
     v = value[0].transpose(0, 1)
-    k, v = k.to(k_cache.dtype), v.to(v_cache.dtype)
+    if k_cache.is_floating_point():   # an int8 pool quantizes the rows as it stores them
+        k, v = k.to(k_cache.dtype), v.to(v_cache.dtype)
     kernels.write_kv(k_cache, v_cache, k, v, lmi_step.slot_mapping)
+    k, v = kernels.reference.as_stored(k_cache, k), kernels.reference.as_stored(v_cache, v)   # int8: as read back
     if scaling is None:
         scaling = q.shape[-1] ** -0.5
     out = kernels.paged_attention(q, k_cache, v_cache, lmi_step.block_tables, lmi_step.seq_lens,

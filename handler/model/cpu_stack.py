@@ -30,7 +30,7 @@ from handler.config.switches import switch
 from handler.model.cpu import Bf16PanelLinear, PanelLinear
 from handler.model.quant import Int8Linear
 import kernels
-from kernels import cpu_ext
+from kernels import cpu_ext, reference
 
 log = logging.getLogger("lmi.cpu")
 
@@ -67,7 +67,7 @@ class DecodeStack:
     def __init__(self, model, kv_cache, layers, lanes: int, keep: list):
         a = model.arch
         self.kv_cache, self.layers, self.lanes, self.keep = kv_cache, layers, lanes, keep
-        self.dtype = kv_cache[0][0].dtype
+        self.dtype = model.model.layers[0].input_layernorm.weight.dtype   # the activations' (an int8 pool's is not)
         # Prompt rows too: their attention is the prompt kernel's, which takes no sliding window
         # (the Python layers send such prompts to SDPA).
         self.prompts = (not any(layer.window for layer in layers)
@@ -112,7 +112,8 @@ def build(model, kv_cache, *, tp_size: int = 1, lora: bool = False) -> tuple[Dec
     if a.qk_norm or a.post_norms or a.residual_scale != 1.0:
         return None, f"{a.family}'s layer (q/k norms, post-norms or residual multipliers)"
     pool = kv_cache[0][0]
-    dtype = pool.dtype
+    i8 = pool.dtype == torch.int8     # option.kv_cache_dtype=int8: the layers' scales go with the pools
+    dtype = model.model.layers[0].input_layernorm.weight.dtype if i8 else pool.dtype
     if dtype not in cpu_ext.KV_DTYPES or not cpu_ext.supports(pool) or cpu_ext.load() is None:
         return None, "the KV pools are not the C kernels'"
     if not cpu_ext.silu_exact(torch.get_num_threads()):
@@ -142,9 +143,11 @@ def build(model, kv_cache, *, tp_size: int = 1, lora: bool = False) -> tuple[Dec
                 or any(x.k != hid for x in (*lins[:3], *lins[4:6]) if x.n)):
             return None, "projections of other shapes than the config's"
         k_cache, v_cache = kv_cache[i]
-        if k_cache.dtype != dtype or k_cache.stride() != pool.stride() or v_cache.stride() != pool.stride():
+        if (k_cache.dtype != pool.dtype or k_cache.stride() != pool.stride() or v_cache.stride() != pool.stride()
+                or (i8 and not (cpu_ext.supports(k_cache) and cpu_ext.supports(v_cache)))):
             return None, "KV pools of different layouts"
+        scales = dict(ksc=reference.kv_scale(k_cache).data_ptr(), vsc=reference.kv_scale(v_cache).data_ptr()) if i8 else {}
         layers[i] = cpu_ext.Layer(*lins, norm1=norms[0].weight.data_ptr(), norm2=norms[1].weight.data_ptr(),
-                                  kc=k_cache.data_ptr(), vc=v_cache.data_ptr(), window=int(att.window or 0))
+                                  kc=k_cache.data_ptr(), vc=v_cache.data_ptr(), window=int(att.window or 0), **scales)
         keep += [n.weight for n in norms]
     return DecodeStack(model, kv_cache, layers, lanes, keep), "ok"

@@ -157,8 +157,10 @@ class Attention(nn.Module):
         if out is not None:
             return self.tp.reduce(self.o_proj(out.view(t, -1)))
         q, k = apply_rotary_(q, k, cos, sin)
-        k, v = k.to(k_cache.dtype), v.to(v_cache.dtype)
+        if k_cache.is_floating_point():   # an int8 pool quantizes the rows as it stores them
+            k, v = k.to(k_cache.dtype), v.to(v_cache.dtype)
         kernels.write_kv(k_cache, v_cache, k, v, step.slot_mapping)
+        k, v = kernels.reference.as_stored(k_cache, k), kernels.reference.as_stored(v_cache, v)   # int8: as read back
         out = kernels.paged_attention(q, k_cache, v_cache, step.block_tables, step.seq_lens, step.query_start_loc,
                                       self.scaling, seq_lens_cpu=step.seq_lens_cpu,
                                       query_start_loc_cpu=step.query_start_loc_cpu, sliding_window=self.window,

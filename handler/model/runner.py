@@ -134,7 +134,7 @@ class ModelRunner:
                  max_running: int = 32, gpu_memory_utilization: float = 0.9,
                  max_model_len: int | None = None, trust_remote_code: bool = False,
                  model_impl: str = "auto", quantize: str | None = None, ranks=None, fuse: bool = True,
-                 cpu_kernels: str = "auto"):
+                 cpu_kernels: str = "auto", kv_cache_dtype: str = "auto"):
         """`ranks` (handler.model.distributed.Ranks): this process is one of N tensor-parallel ranks;
         the model is sharded (ours by its parallel layers, transformers' by its plan) and the KV
         pool holds this rank's heads. `model_impl` (option.model_impl): auto (ours for the Llama
@@ -143,13 +143,19 @@ class ModelRunner:
         (handler/model/quant.py). `fuse`: our model's q/k/v and gate/up each as one layer on CPU
         (LlamaFamilyForCausalLM.fuse_projections); False where LoRA will wrap the layers. `cpu_kernels`
         (option.cpu_kernels): the instruction set of the CPU kernels (kernels/isa.py), chosen before the
-        model loads (its linear layers are packed for that backend)."""
+        model loads (its linear layers are packed for that backend). `kv_cache_dtype`
+        (option.kv_cache_dtype): `auto` (the model's dtype) or `int8` on CPU (kernels/reference.py:
+        int8 rows and a scale per (token, head) row)."""
         from transformers import AutoConfig, AutoTokenizer
 
         self.ranks = ranks
         self.quantize = quantize
         self.device = ranks.device if ranks is not None else pick_device(device)
         self.dtype = pick_dtype(dtype, self.device)
+        why = sizing.kv_cache_dtype_refusal(kv_cache_dtype, self.device.type)
+        if why:
+            raise ModelLoadError(f"option.kv_cache_dtype={kv_cache_dtype} {why}")
+        self.kv_cache_dtype = kv_cache_dtype
         if self.device.type == "cpu":
             self._select_cpu_kernels(cpu_kernels)
         try:
@@ -180,6 +186,10 @@ class ModelRunner:
             num_blocks = ranks.min_across(num_blocks)
         self.kv = KVLayout(layers, kv_heads, head_dim, num_blocks, block_size)
         self.kv_cache = [(self._kv_pool(), self._kv_pool()) for _ in range(layers)]
+        if kv_cache_dtype == "int8" and fuse:    # (fuse is False where LoRA will wrap q/k: their deltas are not rescaled)
+            n = self._rescale_keys(kv_heads, head_dim)
+            if n:
+                log.info("int8 KV: keys' bias channels rescaled in %d layers (queries inversely; q.k unchanged)", n)
         on_the_fly = quantize if quantize and quantize not in AT_LOAD else None  # awq/gptq/gguf: the loader's
         if on_the_fly:
             from handler.model import quant
@@ -195,11 +205,14 @@ class ModelRunner:
         # Guided decoding (xgrammar; built on first use): handler.engine.types.Guides
         self.guides = Guides(self.tokenizer, self.model.config.get_text_config().vocab_size, self.eos_token_ids)
         self.lora = None        # handler.model.lora.LoraManager once enable_lora() ran
-        log.info("model %s on %s/%s: %d layers, %d kv heads x %d%s; KV pool %d blocks x %d = %d tokens",
+        log.info("model %s on %s/%s: %d layers, %d kv heads x %d%s; KV pool %d blocks x %d = %d tokens "
+                 "(%s, %d bytes a token)",
                  type(self.model).__name__, self.device, str(self.dtype).removeprefix("torch."),
                  layers, kv_heads, head_dim,
                  f" (rank {ranks.rank} of {tp}: 1/{tp} of the heads)" if tp > 1 else "",
-                 self.kv.num_blocks, block_size, self.kv.tokens)
+                 self.kv.num_blocks, block_size, self.kv.tokens,
+                 "int8 + fp32 scale per token and head" if self.kv_cache_dtype == "int8"
+                 else str(self.dtype).removeprefix("torch."), self._bytes_per_token(layers, kv_heads, head_dim))
 
     @staticmethod
     def _select_cpu_kernels(choice: str) -> None:
@@ -322,14 +335,61 @@ class ModelRunner:
         (handler.config.sizing), and a server that never fills it does not hold it."""
         nb, bs, hkv, d = self.kv.num_blocks, self.kv.block_size, self.kv.num_kv_heads, self.kv.head_dim
         from handler.model.cpu import head_major_kv
+        if self.kv_cache_dtype == "int8":   # CPU only (refused elsewhere): int8 rows, their scales alike
+            from kernels import reference
+            hm = head_major_kv()
+            t = _zero_pages((nb, hkv, bs, d) if hm else (nb, bs, hkv, d), torch.int8)
+            sc = _zero_pages((nb, hkv, bs) if hm else (nb, bs, hkv), torch.float32)
+            t, sc = (t.transpose(1, 2), sc.transpose(1, 2)) if hm else (t, sc)
+            setattr(t, reference.KV_SCALE, sc)
+            return t
         if self.device.type == "cpu":
             shape = (nb, hkv, bs, d) if head_major_kv() else (nb, bs, hkv, d)
             t = _zero_pages(shape, self.dtype)
             return t.transpose(1, 2) if head_major_kv() else t
         return torch.zeros(nb, bs, hkv, d, dtype=self.dtype, device=self.device)
 
+    KEY_BIAS_LEVEL = 2.0    # a key channel pair whose bias is above this is divided down to it (int8 KV)
+
+    @torch.no_grad()
+    def _rescale_keys(self, kv_heads: int, head_dim: int) -> int:
+        """For an int8 KV cache: where k_proj has a bias (Qwen2), the bias dominates a few key
+        channels, so one scale per (token, head) row leaves the other channels few steps. Each
+        rotary channel pair (c, c + D/2) of KV head h whose bias magnitude m is above
+        KEY_BIAS_LEVEL gets its key rows (weight and bias) divided by s = m / KEY_BIAS_LEVEL and
+        the matching query rows of the heads that read it multiplied by s: rotary turns a pair as a
+        whole, so q.k is unchanged (up to rounding) while the stored keys lose the outliers. Only
+        plain float q/k projections without q/k norms (the transform would not commute with
+        those); returns how many layers changed."""
+        from torch import nn
+        done = 0
+        for layer in getattr(getattr(self.model, "model", None), "layers", []):
+            att = getattr(layer, "self_attn", None)
+            q, k = getattr(att, "q_proj", None), getattr(att, "k_proj", None)
+            if (type(q) is not nn.Linear or type(k) is not nn.Linear or k.bias is None
+                    or getattr(att, "qk_norm", None) or getattr(att, "q_norm", None) is not None
+                    or not k.weight.is_floating_point() or k.out_features != kv_heads * head_dim
+                    or q.out_features % k.out_features):
+                continue
+            half = head_dim // 2
+            b = k.bias.detach().float().view(kv_heads, head_dim)
+            m = torch.sqrt(b[:, :half] ** 2 + b[:, half:] ** 2)
+            s = torch.clamp(m / self.KEY_BIAS_LEVEL, min=1.0)
+            s = torch.cat([s, s], -1)                                     # [Hkv, D]
+            if bool((s == 1).all()):
+                continue
+            g = q.out_features // k.out_features
+            sq = s.repeat_interleave(g, 0).reshape(-1)                    # query head j reads KV head j // g
+            sk = s.reshape(-1)
+            for lin, f in ((k, 1 / sk), (q, sq)):
+                lin.weight.mul_(f.to(lin.weight.dtype)[:, None])
+                if lin.bias is not None:
+                    lin.bias.mul_(f.to(lin.bias.dtype))
+            done += 1
+        return done
+
     def _bytes_per_token(self, layers, kv_heads, head_dim) -> int:
-        return sizing.bytes_per_token(layers, kv_heads, head_dim, self.dtype.itemsize)
+        return sizing.bytes_per_token(layers, kv_heads, head_dim, self.dtype.itemsize, self.kv_cache_dtype)
 
     def _default_kv_tokens(self, layers, kv_heads, head_dim, wanted, utilization) -> int:
         """handler.config.sizing.default_kv_tokens: on a GPU the rest of `utilization` after the
@@ -431,9 +491,12 @@ class ModelRunner:
             return SampleResult(error=(424, f"speculative verification failed: {type(e).__name__}: {e}"))
 
     def _copy_blocks(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        from kernels.reference import kv_scale
         for k_cache, v_cache in self.kv_cache:
-            k_cache[dst] = k_cache[src]
-            v_cache[dst] = v_cache[src]
+            for pool in (k_cache, v_cache):
+                pool[dst] = pool[src]
+                if kv_scale(pool) is not None:     # an int8 pool's blocks carry their row scales
+                    kv_scale(pool)[dst] = kv_scale(pool)[src]
 
     @torch.inference_mode()
     def forward(self, packed: torch.Tensor) -> torch.Tensor:

@@ -2,6 +2,8 @@
 
     python -m handler quality --model-dir DIR [--quantize int8|awq|gptq|gguf] [--dtype fp32]
         [--baseline-dtype fp32] [--baseline-dir DIR] [--max-new-tokens 48] [--out quality.json]
+        [--kv-cache-dtype int8]     (the candidate's KV cache, e.g. `--quantize '' --kv-cache-dtype int8`:
+                                     the same weights over an int8 KV cache against the model's dtype)
 
 Both arms are the server's own engine (paged strategy, in this process, one after the other):
   perplexity   exp(-mean log-prob) of every token of each text but the first, read from the
@@ -96,7 +98,7 @@ CHAT = [
 TEXTS = {"english": ENGLISH, "python": PYTHON}
 
 
-def engine_for(model_dir: str, dtype: str, quantize: str | None):
+def engine_for(model_dir: str, dtype: str, quantize: str | None, kv_cache_dtype: str = "auto"):
     from handler.config import load_config
     from handler.server import build_engine
 
@@ -104,6 +106,8 @@ def engine_for(model_dir: str, dtype: str, quantize: str | None):
              "option.max_rolling_batch_size": "16", "option.max_model_len": "2048"}
     if quantize:
         props["option.quantize"] = quantize
+    if kv_cache_dtype != "auto":
+        props["option.kv_cache_dtype"] = kv_cache_dtype
     with tempfile.TemporaryDirectory() as d:
         path = os.path.join(d, "serving.properties")
         with open(path, "w") as f:
@@ -192,9 +196,10 @@ def weight_bytes(model) -> int:
     return sum(t.numel() * t.element_size() for t in held)
 
 
-def measure(model_dir: str, dtype: str, quantize: str | None, max_new: int, reference=None) -> dict:
+def measure(model_dir: str, dtype: str, quantize: str | None, max_new: int, reference=None,
+            kv_cache_dtype: str = "auto") -> dict:
     """One arm; `reference` (the baseline's answers): also its teacher-forced agreement."""
-    engine = engine_for(model_dir, dtype, quantize)
+    engine = engine_for(model_dir, dtype, quantize, kv_cache_dtype)
     forced = None
     try:
         ppl = {name: perplexity(engine, text) for name, text in TEXTS.items()}
@@ -205,7 +210,7 @@ def measure(model_dir: str, dtype: str, quantize: str | None, max_new: int, refe
         engine.shutdown()
     if reference is not None:
         forced = teacher_forced(engine.runner, prompts, reference)
-    return {"dtype": dtype, "quantize": quantize, "teacher_forced": forced, "perplexity": {k: round(v, 4) for k, (v, _) in ppl.items()},
+    return {"dtype": dtype, "quantize": quantize, "kv_cache_dtype": kv_cache_dtype, "teacher_forced": forced, "perplexity": {k: round(v, 4) for k, (v, _) in ppl.items()},
             "tokens_scored": {k: n for k, (_, n) in ppl.items()}, "answers": answers,
             "weight_bytes": weights}
 
@@ -219,10 +224,12 @@ def main(argv=None) -> int:
     p.add_argument("--baseline-dir", help="the baseline's model (default --model-dir): e.g. the float model an "
                                           "AWQ/GPTQ checkpoint was made from")
     p.add_argument("--max-new-tokens", type=int, default=48)
+    p.add_argument("--kv-cache-dtype", default="auto", help="the candidate's option.kv_cache_dtype (auto, int8)")
     p.add_argument("--out")
     a = p.parse_args(argv)
     base = measure(a.baseline_dir or a.model_dir, a.baseline_dtype, None, a.max_new_tokens)
-    cand = measure(a.model_dir, a.dtype, a.quantize or None, a.max_new_tokens, reference=base["answers"])
+    cand = measure(a.model_dir, a.dtype, a.quantize or None, a.max_new_tokens, reference=base["answers"],
+                   kv_cache_dtype=a.kv_cache_dtype)
     agree = [agreement(b, c) for b, c in zip(base["answers"], cand["answers"])]
     total = sum(len(b) for b in base["answers"])
     result = {
@@ -234,7 +241,8 @@ def main(argv=None) -> int:
         "prompts_identical": sum(b == c for b, c in zip(base["answers"], cand["answers"])),
         "weight_bytes_ratio": round(cand["weight_bytes"] / base["weight_bytes"], 3),
     }
-    print(f"perplexity {base['dtype']}: {base['perplexity']}; {a.quantize or a.dtype}: {cand['perplexity']} "
+    print(f"perplexity {base['dtype']}: {base['perplexity']}; "
+          f"{a.quantize or a.dtype}{' KV ' + a.kv_cache_dtype if a.kv_cache_dtype != 'auto' else ''}: {cand['perplexity']} "
           f"(ratio {result['perplexity_ratio']}); agreement teacher-forced "
           f"{result['teacher_forced_agreement']:.3f}, free-running {result['greedy_agreement']:.3f} "
           f"({result['prompts_identical']}/{len(CHAT)} answers identical); weights {cand['weight_bytes'] / 2**20:.0f} "

@@ -248,7 +248,8 @@ def strategy_keys(strategy: str, *, width: int, prefill: int | None = None, bloc
 
 def kv_bytes_per_token(cfg, geom: sizing.Geometry) -> int:
     """KV bytes per token of `cfg` on this machine (the server's rule: handler.config.sizing)."""
-    return sizing.kv_bytes_per_token(geom, hardware.pick_dtype(cfg.dtype, hardware.pick_device(cfg.device)))
+    return sizing.kv_bytes_per_token(geom, hardware.pick_dtype(cfg.dtype, hardware.pick_device(cfg.device)), 1,
+                                     getattr(cfg, "kv_cache_dtype", "auto"))
 
 
 def propose(tr: Traffic, base_cfg, geom: sizing.Geometry, slo: dict, limit: int, tok=None) -> list[Candidate]:

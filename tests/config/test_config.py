@@ -182,6 +182,7 @@ BAD = [
     ("option.quantization", "awq4", "is not supported; allowed: int8, int8_weight_only, awq, gptq, gguf, fp8, none"),
     ("option.model_impl", "vllm2", "is not supported; allowed: auto, lmi, transformers"),
     ("option.cpu_kernels", "sse4", "is not supported; allowed: auto, avx512, avx2, neon, torch"),
+    ("option.kv_cache_dtype", "q4_0", "is not supported; allowed: auto, int8, fp8, fp8_e4m3, fp8_e5m2"),
     ("option.model_id", "", "is empty"),
     ("graceful_timeout", "-1", "is not a positive number of seconds"),
     ("option.max_payload_mb", "0", "is not a positive number of megabytes"),

@@ -1,7 +1,7 @@
 """The CPU kernels' aarch64 NEON build, cross-compiled here and run under qemu-user against plain C
 references (tests/kernels/arm/check_kernels.c): every kernel the build reports available must be
 checked and pass, bit for bit where the contract is (the panel GEMMs, int8, the 4/8-bit GEMM,
-rotary, KV writes, SiLU, the one-call layer stack), within tolerances of float64 elsewhere.
+rotary, KV writes (int8 ones too), SiLU, the one-call layer stack), within tolerances of float64 elsewhere.
 
 No Arm hardware is needed and no Arm speed is measured: qemu checks values only. The same driver
 also runs natively on the x86 builds this CPU runs (a check of its references against builds the
@@ -30,7 +30,7 @@ needs_cross = pytest.mark.skipif(bool(_missing), reason=f"{' and '.join(_missing
 # Every kernel family the driver knows; each must be reported (available or not).
 FAMILIES = {"gemm", "gemm_bf16w", "gemm_bf16", "gemm_i8", "gemm_q", "silu", "prefill_attention_fp32",
             "prefill_attention_bf16", "step_layers", "step_layers_bf16", "rotary", "write_kv", "rms_norm", "row_stats",
-            "decode_attention"}
+            "decode_attention", "kv_int8"}
 
 
 def _run(cmd, timeout):

@@ -2,10 +2,10 @@
 loads one model once, runs every strategy over it with all prompts submitted at once, prints
 {strategy: [token ids per prompt]} as JSON. Used by tests/model/test_tp.py.
 
-    python -m tests.support.tp_parity MODEL_DIR PROPS_DIR [cpu|cuda] [QUANTIZE]
+    python -m tests.support.tp_parity MODEL_DIR PROPS_DIR [cpu|cuda] [QUANTIZE] [KV_CACHE_DTYPE]
 
 With QUANTIZE (option.quantize, e.g. int8) only the paged strategy runs: each rank quantizes
-its own shards.
+its own shards. KV_CACHE_DTYPE (option.kv_cache_dtype, e.g. int8): every rank's pool in it.
 """
 from __future__ import annotations
 
@@ -37,11 +37,13 @@ def _ids(ch) -> list[int]:
     return [e.id for e in _events(ch)]
 
 
-def main(model_dir: str, props_dir: str, device: str = "cpu", quantize: str = "") -> int:
+def main(model_dir: str, props_dir: str, device: str = "cpu", quantize: str = "", kv_cache_dtype: str = "") -> int:
     logging.basicConfig(level="INFO", format="%(levelname)s %(name)s: %(message)s")
     on_gpu = {"option.device": "cuda", "option.dtype": "fp32"} if device == "cuda" else {}
     if quantize:
         on_gpu["option.quantize"] = quantize
+    if kv_cache_dtype:
+        on_gpu["option.kv_cache_dtype"] = kv_cache_dtype
 
     def cfg_for(strategy: str):
         path = os.path.join(props_dir, f"{strategy}.properties")
@@ -57,7 +59,7 @@ def main(model_dir: str, props_dir: str, device: str = "cpu", quantize: str = ""
     t0 = time.monotonic()
     runner = build_runner(cfg_for("paged"), failed)
     logging.info("loaded in %.1f s", time.monotonic() - t0)
-    out = {"kv_heads_per_rank": runner.kv.num_kv_heads}
+    out = {"kv_heads_per_rank": runner.kv.num_kv_heads, "kv_dtype": str(runner.kv_cache[0][0].dtype)}
     for strategy in ["paged"] if quantize else STRATEGIES:
         engine = engine_for(cfg_for(strategy), runner)
         results = run_all(engine, PROMPTS, [SamplingParams(max_new_tokens=n) for n in NEW_TP])

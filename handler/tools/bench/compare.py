@@ -28,10 +28,12 @@ STRATEGIES = ("none", "dynamic", "rolling", "paged")
 # Quantized cells: a strategy served with option.quantize=<method> (handler/model/quant.py).
 QUANTIZED = {"paged_int8": ("paged", "int8"), "paged_w8a16": ("paged", "int8_weight_only"),
              "paged_gguf": ("paged", "gguf")}     # paged_gguf: a model converted from a .gguf file only
+# A strategy over an int8 KV cache (option.kv_cache_dtype=int8), weights in the run dtype.
+KV_QUANTIZED = {"paged_kv8": ("paged", "int8")}
 # The CPU peers installed in their own directories (install-peer), each a cell in the run's dtype
 # and a cell with int8 weights: OpenVINO GenAI (int8 weight-compressed IR) and llama.cpp (q8_0).
-OPENVINO = (openvino_peer.NAME, *openvino_peer.QUANTIZED)
-LLAMACPP = (llamacpp_peer.NAME, *llamacpp_peer.QUANTIZED)
+OPENVINO = (openvino_peer.NAME, *openvino_peer.QUANTIZED, *openvino_peer.KV_QUANTIZED)
+LLAMACPP = (llamacpp_peer.NAME, *llamacpp_peer.QUANTIZED, *llamacpp_peer.KV_QUANTIZED)
 PEERS = ("hf_naive", "transformers_cb", vllm_cpu.NAME, *OPENVINO, *LLAMACPP)
 ALONE = (vllm_cpu.NAME, *OPENVINO, *LLAMACPP)   # started for their own run only: they own the cores while up
 INSTALL_HINTS = {vllm_cpu.NAME: vllm_cpu.INSTALL_HINT, **{c: openvino_peer.INSTALL_HINT for c in OPENVINO},
@@ -42,7 +44,7 @@ THREADS = len(os.sched_getaffinity(0))
 DTYPES = ("fp32", "bf16")
 TORCH_DTYPE = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 SERIAL = ("none", "hf_naive")          # one request at a time (Workload.serial_requests)
-ALL = STRATEGIES + tuple(QUANTIZED) + PEERS
+ALL = STRATEGIES + tuple(QUANTIZED) + tuple(KV_QUANTIZED) + PEERS
 BLOCK = 16  # tokens per KV block for our servers (option.block_size default) and the CB peer's page
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(HERE)))
@@ -135,9 +137,11 @@ def kv_cache_tokens(workload: Workload, prompt_toks: list[int]) -> int:
 
 # ------------------------------------------------------------------ servers
 def properties(strategy: str, w: Workload, kv_tokens: int, dtype: str | None, tp: int = 1) -> str:
-    quantize = None
+    quantize = kv_dtype = None
     if strategy in QUANTIZED:
         strategy, quantize = QUANTIZED[strategy]
+    elif strategy in KV_QUANTIZED:
+        strategy, kv_dtype = KV_QUANTIZED[strategy]
     lines = {
         "none": ["batch_size=1"],
         "dynamic": [f"batch_size={w.batch_width}", f"max_batch_delay={w.max_batch_delay_ms}"],
@@ -155,6 +159,8 @@ def properties(strategy: str, w: Workload, kv_tokens: int, dtype: str | None, tp
         lines.append(f"option.tensor_parallel_degree={tp}")
     if quantize:
         lines.append(f"option.quantize={quantize}")
+    if kv_dtype:
+        lines.append(f"option.kv_cache_dtype={kv_dtype}")
     return "\n".join(lines) + "\n"
 
 
@@ -265,7 +271,7 @@ def make_servers(names, w: Workload, model_dir: str, kv_tokens: int, run_dir: st
                 servers.append(Server(name, [], log, port, skipped=f"{model_dir} was not converted from a .gguf "
                                                                    "file (its blocks are what paged_gguf serves)"))
                 continue
-        if name in STRATEGIES or name in QUANTIZED:
+        if name in STRATEGIES or name in QUANTIZED or name in KV_QUANTIZED:
             props = os.path.join(run_dir, f"{name}.properties")
             with open(props, "w") as f:
                 f.write(properties(name, w, kv_tokens, dtype, tp))
@@ -294,7 +300,7 @@ def installed_peer(name: str, w: Workload, model_dir: str, kv_tokens: int, log: 
         if mod is openvino_peer:
             ir = openvino_peer.export(where, model_dir, openvino_peer.QUANTIZED.get(name, "fp32"), log=log_fn)
             cmd, env, held = openvino_peer.server(where, ir, model_dir, port, kv_tokens, w.max_rolling_batch_size,
-                                                  w.prefill_tokens, dtype, THREADS)
+                                                  w.prefill_tokens, dtype, THREADS, openvino_peer.KV_QUANTIZED.get(name))
             return Server(name, cmd, log, port, env=env, startup_timeout=openvino_peer.STARTUP_TIMEOUT, held=held)
         layout = peer_dirs.get("llamacpp_kv", "unified")
         slots = w.max_rolling_batch_size
@@ -306,7 +312,7 @@ def installed_peer(name: str, w: Workload, model_dir: str, kv_tokens: int, log: 
                     f"less than the longest sequence ({w_longest(w, tok)} tokens)"))
         gguf = llamacpp_peer.convert(where, model_dir, llamacpp_peer.outtype_of(name, dtype), log=log_fn)
         cmd, env, held = llamacpp_peer.server(where, gguf, port, kv_tokens, slots, w.prefill_tokens, dtype,
-                                              THREADS, layout)
+                                              THREADS, layout, llamacpp_peer.KV_QUANTIZED.get(name))
         return Server(name, cmd, log, port, api=LlamaCppCompletions(tok), env=env, health=llamacpp_peer.HEALTH,
                       startup_timeout=llamacpp_peer.STARTUP_TIMEOUT, held=held)
     except (subprocess.CalledProcessError, OSError, ValueError) as e:
@@ -474,7 +480,7 @@ def run_workload(w: Workload, names, model_dir: str, out_dir: str, reps: int, dt
                          if len(x[0]) == len(bodies) and all(r.error is None for r in x[0])), None)
     add_ratios(entries, ideal := ideal_block(w, bodies, produced))
     out = {
-        "strategies": {k: v for k, v in entries.items() if k in STRATEGIES or k in QUANTIZED},
+        "strategies": {k: v for k, v in entries.items() if k in STRATEGIES or k in QUANTIZED or k in KV_QUANTIZED},
         "peers": {k: v for k, v in entries.items() if k in PEERS},
         "workload": dict(w.to_dict(), prompt_tokens=ptoks, prompt_tokens_drawn=drawn, kv_cache_tokens=kv,
                          block_size=BLOCK, repetitions=reps, dtype=dtype, ideal=ideal),

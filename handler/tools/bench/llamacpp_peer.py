@@ -35,6 +35,7 @@ from handler.tools.bench.vllm_cpu import REPO, resolve_peer_dir   # the peers' s
 
 NAME = "llamacpp"
 QUANTIZED = {"llamacpp_q8": "q8_0"}       # cell -> GGUF outtype
+KV_QUANTIZED = {"llamacpp_kv8": "q8_0"}    # cell -> -ctk/-ctv (weights in the run dtype; a quantized V needs -fa on)
 VERSION = "0.3.36"
 SDIST = f"llama-cpp-python=={VERSION}"
 CONVERT_PACKAGES = ("torch==2.13.0", "transformers==5.23.0", "tokenizers==0.23.3", "safetensors==0.8.0",
@@ -157,7 +158,7 @@ def convert(path: str, model_dir: str, outtype: str, log=print) -> str:
 
 
 def outtype_of(cell: str, dtype: str) -> str:
-    """The GGUF a cell serves: q8_0 for llamacpp_q8, else the run dtype's (f32 or bf16)."""
+    """The GGUF a cell serves: q8_0 for llamacpp_q8, else the run dtype's (f32 or bf16; llamacpp_kv8 too)."""
     if cell in QUANTIZED:
         return QUANTIZED[cell]
     if dtype not in OUTTYPE:
@@ -169,7 +170,7 @@ KV_LAYOUTS = ("unified", "split")
 
 
 def server(path: str, gguf: str, port: int, kv_tokens: int, slots: int, prefill_tokens: int, dtype: str,
-           threads: int = 2, kv_layout: str = "unified") -> tuple[list[str], dict, dict]:
+           threads: int = 2, kv_layout: str = "unified", kv_type: str | None = None) -> tuple[list[str], dict, dict]:
     """(command, environment additions, what was held equal). -c is the whole KV in tokens
     (llama.cpp cells hold one token each: no block rounding); -b the prefill budget.
 
@@ -179,13 +180,14 @@ def server(path: str, gguf: str, port: int, kv_tokens: int, slots: int, prefill_
     slots, e.g. the client count, so that a slot holds the longest sequence)."""
     if kv_layout not in KV_LAYOUTS:
         raise ValueError(f"kv_layout={kv_layout!r}: allowed {', '.join(KV_LAYOUTS)}")
-    kv = KV_TYPE[dtype]
+    kv = kv_type or KV_TYPE[dtype]
     cmd = [binary(path), "-m", gguf, "--host", "127.0.0.1", "--port", str(port), "-np", str(slots),
            "--kv-unified" if kv_layout == "unified" else "--no-kv-unified", "-c", str(kv_tokens),
            "-t", str(threads), "-tb", str(threads), "-b", str(prefill_tokens), "-ctk", kv, "-ctv", kv,
-           "--cache-ram", "0", "--no-warmup"]
+           "--cache-ram", "0", "--no-warmup"] + (["-fa", "on"] if kv_type else [])
     held = {"kv_cache_tokens": kv_tokens, "kv_layout": kv_layout, "slots": slots, "batch_tokens": prefill_tokens,
-            "threads": threads, "kv_cache_type": kv, "gguf": os.path.basename(gguf),
+            "threads": threads, "kv_cache_type": kv, "flash_attn": "on" if kv_type else "default",
+            "gguf": os.path.basename(gguf),
             "prefix_caching": "off per request (cache_prompt false) and --cache-ram 0"}
     if kv_layout == "split":
         held["kv_tokens_per_slot"] = kv_tokens // slots

@@ -35,6 +35,7 @@ from handler.tools.bench.vllm_cpu import REPO, python_of, resolve_peer_dir   # t
 
 NAME = "openvino"
 QUANTIZED = {"openvino_int8": "int8"}     # cell -> IR weight format
+KV_QUANTIZED = {"openvino_kv8": "u8"}     # cell -> KV_CACHE_PRECISION (weights and compute in the run dtype)
 VERSION = "2026.4.1.0"
 PACKAGES = (f"openvino-genai=={VERSION}", "optimum-intel[openvino]==2.2.0", "flask==3.1.3")
 TORCH = "torch==2.13.0"                  # CPU build, a local wheel (FACTS.md): before optimum-intel
@@ -121,20 +122,23 @@ def export(path: str, model_dir: str, weight_format: str, log=print) -> str:
 
 
 def server(path: str, ir: str, model_dir: str, port: int, kv_tokens: int, max_num_seqs: int,
-           prefill_tokens: int, dtype: str, threads: int = 2) -> tuple[list[str], dict, dict]:
+           prefill_tokens: int, dtype: str, threads: int = 2, kv_precision: str | None = None
+           ) -> tuple[list[str], dict, dict]:
     """(command, environment additions, what was held equal) for one front over `ir`.
-    KV: our kv_tokens rounded up to whole 32-token blocks."""
+    KV: our kv_tokens rounded up to whole 32-token blocks; kv_precision (e.g. "u8", the CPU
+    plugin's quantized KV cache) instead of the run dtype's."""
     if dtype not in PRECISION:
         raise ValueError(f"dtype={dtype!r}: allowed {', '.join(PRECISION)}")
     blocks = math.ceil(kv_tokens / BLOCK)
     cmd = [python_of(path), "-m", "handler.tools.bench.openvino_peer", "serve", "--ir", ir,
            "--tokenizer", model_dir, "--port", str(port), "--kv-blocks", str(blocks),
            "--max-num-seqs", str(max_num_seqs), "--max-batched-tokens", str(prefill_tokens),
-           "--dtype", dtype, "--threads", str(threads)]
+           "--dtype", dtype, "--threads", str(threads)] + (["--kv-precision", kv_precision] if kv_precision else [])
     env = {"VIRTUAL_ENV": path, "PYTHONPATH": REPO, "OMP_NUM_THREADS": str(threads)}
     held = {"kv_cache_tokens": blocks * BLOCK, "block_size": BLOCK, "max_num_seqs": max_num_seqs,
             "max_num_batched_tokens": prefill_tokens, "prefix_caching": False, "dynamic_split_fuse": True,
-            "properties": dict(PRECISION[dtype], INFERENCE_NUM_THREADS=threads), "ir": ir,
+            "properties": dict(PRECISION[dtype], INFERENCE_NUM_THREADS=threads,
+                               **({"KV_CACHE_PRECISION": kv_precision} if kv_precision else {})), "ir": ir,
             "front": "handler.tools.bench.openvino_peer (engine thread loops step(); OVMS is not on PyPI)"}
     return cmd, env, held
 
@@ -146,7 +150,7 @@ class Engine:
     wait on their own output; nobody polls)."""
 
     def __init__(self, ir: str, kv_blocks: int, max_num_seqs: int, max_batched_tokens: int, dtype: str,
-                 threads: int):
+                 threads: int, kv_precision: str | None = None):
         import threading
 
         import openvino_genai as ov_genai
@@ -158,6 +162,8 @@ class Engine:
         sc.enable_prefix_caching = False
         sc.dynamic_split_fuse = True
         props = dict(PRECISION[dtype], INFERENCE_NUM_THREADS=threads)
+        if kv_precision:
+            props["KV_CACHE_PRECISION"] = kv_precision
         self.ov = ov_genai
         self.pipe = ov_genai.ContinuousBatchingPipeline(ir, sc, "CPU", props)
         self.cv = threading.Condition()
@@ -241,6 +247,7 @@ def serve(argv: list[str]) -> int:
     ap.add_argument("--max-batched-tokens", type=int, default=4096)
     ap.add_argument("--dtype", choices=tuple(PRECISION), default="fp32")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--kv-precision", help="KV_CACHE_PRECISION instead of the dtype's (u8: quantized KV)")
     a = ap.parse_args(argv)
     from flask import Flask, Response, jsonify, request
     from transformers import AutoTokenizer
@@ -248,7 +255,7 @@ def serve(argv: list[str]) -> int:
     from handler.tools.bench.peers import BadRequest, _reason, final_body, parse_body
 
     tok = AutoTokenizer.from_pretrained(a.tokenizer)
-    eng = Engine(a.ir, a.kv_blocks, a.max_num_seqs, a.max_batched_tokens, a.dtype, a.threads)
+    eng = Engine(a.ir, a.kv_blocks, a.max_num_seqs, a.max_batched_tokens, a.dtype, a.threads, a.kv_precision)
     app = Flask("openvino-peer")
 
     @app.get("/ping")

@@ -315,6 +315,19 @@ EDIT_CPU_135M = replace(
     note="input-grounded: a Python function (5 kinds) in the prompt and an edit to make (5 kinds: type hints, "
          "renames, docstrings, re-indent, a comment), the whole code asked back, in the model's chat template; "
          "greedy, EOS honoured, at most 256 tokens; 150 requests, 50 clients; KV 12,800 tokens, at most 64 running")
+# The int8 KV cache against the model's dtype (bench compare --preset kv-int8): a decode step of a
+# long context reads its whole KV, so at 4k tokens attention, not the weights, dominates it.
+LONG_CONTEXT_1 = Workload(
+    name="long4k", requests=8, concurrency=1, prompt_words=(), prompt_tokens=(4096,), max_new_tokens=(64,),
+    unique_prompts=True, kv_cache_tokens=8 * 4224, max_rolling_batch_size=8, prefill_tokens=4096,
+    note="one client, prompts of about 4,096 tokens (each unique from its first token: no prefix-cache hits), "
+         "64 output tokens, greedy, EOS ignored; 8 requests; KV 33,792 tokens, prefill budget 4,096: TPOT is "
+         "the decode step over a 4k context")
+LMI_CPU_KV = replace(
+    LMI_CPU_135M, name="lmi_kv",
+    note="the CPU comparison's 50-client workload (200 requests, prompts of about 15/60/160 tokens, outputs "
+         "16/32/64) at the same KV capacity (12,800 tokens) for every cell: an int8 cache holds it in about "
+         "half the bytes (`config --explain` gives the tokens each fits in one budget)")
 
 SMOKE = Workload(
     name="smoke", requests=6, concurrency=2, prompt_words=(4, 12), max_new_tokens=(4, 8),
@@ -358,6 +371,10 @@ PRESETS = {
                             description="Qwen2.5-Coder-1.5B-Instruct (as the 0.5B) on CPU at 1, 4, 16 and 50 "
                                         "clients; one server at a time", one_at_a_time=True,
                             clients=(1, 4, 16, 50)),
+    "kv-int8": Preset("kv-int8", (LONG_CONTEXT_1, LMI_CPU_KV), repetitions=2, model="smollm2",
+                      description="the int8 KV cache (paged_kv8) against the model's dtype (paged), beside "
+                                  "OpenVINO GenAI's u8 KV (openvino_kv8) and llama.cpp's q8_0 KV (llamacpp_kv8) "
+                                  "and their unquantized caches; one server at a time", one_at_a_time=True),
     "smoke": Preset("smoke", (SMOKE,), repetitions=1, model="demo",
                     description="seconds-long check that every server answers"),
 }

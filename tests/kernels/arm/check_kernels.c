@@ -803,6 +803,114 @@ static void check_stack_bf16(void) {
                                       : "differs from the kernels one by one");
 }
 
+/* int8 KV: lmi_write_kv_i8 against a plain quantizer (the same fp32 operations: the bytes and the
+ * scales bit for bit; a negative slot skipped, a slot past the pool refused), then
+ * lmi_decode_attention_i8 against float64 over the dequantized rows, and lmi_decode_fused_i8
+ * against rotary + lmi_write_kv_i8 + lmi_decode_attention_i8 called one by one (the same bits). */
+static void ref_quant_row(const float *x, int64_t D, int8_t *q, float *sc) {
+    float m = 0.f;
+    for (int64_t d = 0; d < D; ++d) m = fabsf(x[d]) > m ? fabsf(x[d]) : m;
+    const float inv = m > 0.f ? 127.f / m : 0.f;
+    *sc = m / 127.f;
+    for (int64_t d = 0; d < D; ++d) {
+        const float y = nearbyintf(x[d] * inv);
+        q[d] = (int8_t)(y > 127.f ? 127.f : y < -127.f ? -127.f : y);
+    }
+}
+
+static void check_kv_int8(void) {
+    const int64_t B = 3, H = 8, Hkv = 2, D = 64, bs = 4, NB = 24, tw = 8, g = H / Hkv;
+    /* head-major pool: [NB, Hkv, bs, D]; scales [NB, Hkv, bs] at the element offset / D */
+    const int64_t s_head = bs * D, s_blk = Hkv * bs * D, s_tok = D, rows = NB * bs * Hkv;
+    int8_t *kc = alloc(NB * s_blk), *vc = alloc(NB * s_blk), *kr = alloc(NB * s_blk), *vr = alloc(NB * s_blk);
+    float *ks = alloc(4 * rows), *vs = alloc(4 * rows), *ksr = alloc(4 * rows), *vsr = alloc(4 * rows);
+    memset(kc, 0, NB * s_blk), memset(vc, 0, NB * s_blk), memset(kr, 0, NB * s_blk), memset(vr, 0, NB * s_blk);
+    memset(ks, 0, 4 * rows), memset(vs, 0, 4 * rows), memset(ksr, 0, 4 * rows), memset(vsr, 0, 4 * rows);
+    const int64_t T = NB * bs;
+    float *key = alloc(4 * T * Hkv * D), *val = alloc(4 * T * Hkv * D);
+    fill(key, T * Hkv * D, 3.f);
+    fill(val, T * Hkv * D, 1.f);
+    int64_t *slots = alloc(8 * T);
+    for (int64_t t = 0; t < T; ++t) slots[t] = t == 5 ? -1 : (t * 37) % T;
+    int ok = lmi_write_kv_i8(kc, vc, ks, vs, key, val, 0, s_blk, s_tok, s_head, Hkv * D, D, Hkv * D, D, slots, T,
+                             Hkv, D, bs, NB * bs) == 0;
+    for (int64_t t = 0; t < T; ++t) {
+        if (slots[t] < 0) continue;
+        for (int64_t h = 0; h < Hkv; ++h) {
+            const int64_t at = (slots[t] / bs) * s_blk + (slots[t] % bs) * s_tok + h * s_head;
+            ref_quant_row(key + (t * Hkv + h) * D, D, kr + at, ksr + at / D);
+            ref_quant_row(val + (t * Hkv + h) * D, D, vr + at, vsr + at / D);
+        }
+    }
+    ok = ok && !memcmp(kc, kr, NB * s_blk) && !memcmp(vc, vr, NB * s_blk) && !memcmp(ks, ksr, 4 * rows)
+         && !memcmp(vs, vsr, 4 * rows);
+    const int64_t bad[] = {3, NB * bs};
+    ok = ok && lmi_write_kv_i8(kc, vc, ks, vs, key, val, 0, s_blk, s_tok, s_head, Hkv * D, D, Hkv * D, D, bad, 2, Hkv,
+                               D, bs, NB * bs) == -1 && !memcmp(kc, kr, NB * s_blk);
+    const int32_t lens[] = {1, 13, 29};
+    int32_t tables[3 * 8];
+    for (int64_t i = 0; i < B * tw; ++i) tables[i] = (int32_t)((i * 7 + 3) % NB);
+    float *q = alloc(4 * B * H * D), *out = alloc(4 * B * H * D);
+    fill(q, B * H * D, 1.f);
+    double worst = 0;
+    for (int64_t window = 0; window <= 5; window += 5) {
+        ok = ok && lmi_decode_attention_i8(q, kc, vc, ks, vs, s_blk, s_tok, s_head, tables, tw, lens, B, H, Hkv, D, bs,
+                                           0.125f, window, 0.f, out, 2) == 0;
+        for (int64_t b = 0; b < B; ++b)
+            for (int64_t h = 0; h < H; ++h) {
+                const int64_t kh = h / g, L = lens[b], t0 = window && L > window ? L - window : 0;
+                double s[64], m = -1e300, sum = 0, o[64] = {0};
+                for (int64_t t = t0; t < L; ++t) {
+                    const int64_t at = (int64_t)tables[b * tw + t / bs] * s_blk + (t % bs) * s_tok + kh * s_head;
+                    double d = 0;
+                    for (int64_t i = 0; i < D; ++i) d += (double)q[(b * H + h) * D + i] * kc[at + i] * ks[at / D];
+                    s[t] = d * 0.125;
+                    m = s[t] > m ? s[t] : m;
+                }
+                for (int64_t t = t0; t < L; ++t) sum += (s[t] = exp(s[t] - m));
+                for (int64_t t = t0; t < L; ++t) {
+                    const int64_t at = (int64_t)tables[b * tw + t / bs] * s_blk + (t % bs) * s_tok + kh * s_head;
+                    for (int64_t i = 0; i < D; ++i) o[i] += s[t] / sum * (double)vc[at + i] * vs[at / D];
+                }
+                for (int64_t i = 0; i < D; ++i) {
+                    const double e = fabs(out[(b * H + h) * D + i] - o[i]);
+                    worst = e > worst ? e : worst;
+                }
+            }
+    }
+    /* the fused step (fp32 activations): one row per sequence at position lens[b] - 1 */
+    const int64_t nq = (H + 2 * Hkv) * D;
+    float *qkv = alloc(4 * B * nq), *qkv2 = alloc(4 * B * nq), *cs = alloc(4 * B * D), *sn = alloc(4 * B * D);
+    float *o1 = alloc(4 * B * H * D), *o2 = alloc(4 * B * H * D);
+    fill(qkv, B * nq, 1.f);
+    fill(cs, B * D, 1.f);
+    fill(sn, B * D, 1.f);
+    memcpy(qkv2, qkv, 4 * B * nq);
+    int64_t dslots[3];
+    for (int64_t b = 0; b < B; ++b) dslots[b] = (int64_t)tables[b * tw + (lens[b] - 1) / bs] * bs + (lens[b] - 1) % bs;
+    int8_t *kc2 = alloc(NB * s_blk), *vc2 = alloc(NB * s_blk);
+    float *ks2 = alloc(4 * rows), *vs2 = alloc(4 * rows);
+    memcpy(kc2, kc, NB * s_blk), memcpy(vc2, vc, NB * s_blk), memcpy(ks2, ks, 4 * rows), memcpy(vs2, vs, 4 * rows);
+    ok = ok && lmi_decode_fused_i8(qkv, qkv + H * D, qkv + (H + Hkv) * D, nq, nq, nq, cs, sn, D, 0, kc, vc, ks, vs,
+                                   s_blk, s_tok, s_head, dslots, NB * bs, tables, tw, lens, B, H, Hkv, D, bs, 0.125f, 0,
+                                   0.f, o1, 2) == 0;
+    lmi_rotary(qkv2, qkv2 + H * D, cs, sn, B, H, Hkv, D, nq, nq, D, 0, 1);
+    lmi_write_kv_i8(kc2, vc2, ks2, vs2, qkv2 + H * D, qkv2 + (H + Hkv) * D, 0, s_blk, s_tok, s_head, nq, D, nq, D,
+                    dslots, B, Hkv, D, bs, NB * bs);
+    float *qc = alloc(4 * B * H * D);
+    for (int64_t b = 0; b < B; ++b) memcpy(qc + b * H * D, qkv2 + b * nq, 4 * H * D);
+    lmi_decode_attention_i8(qc, kc2, vc2, ks2, vs2, s_blk, s_tok, s_head, tables, tw, lens, B, H, Hkv, D, bs, 0.125f,
+                            0, 0.f, o2, 2);
+    ok = ok && !memcmp(o1, o2, 4 * B * H * D) && !memcmp(kc, kc2, NB * s_blk) && !memcmp(ks, ks2, 4 * rows);
+    char detail[160];
+    snprintf(detail, sizeof detail, "write = plain quantizer bit for bit; attention max |err| %.2e vs float64 over "
+             "the dequantized rows; fused = one by one", worst);
+    report("kv_int8", ok && worst < 2e-5, detail);
+    free(kc), free(vc), free(kr), free(vr), free(ks), free(vs), free(ksr), free(vsr), free(key), free(val);
+    free(slots), free(q), free(out), free(qkv), free(qkv2), free(cs), free(sn), free(o1), free(o2), free(kc2);
+    free(vc2), free(ks2), free(vs2), free(qc);
+}
+
 int main(void) {
     const int gemm = lmi_gemm_available(), bf16w = lmi_gemm_bf16w_available(), bf16 = lmi_gemm_bf16_available();
     const int i8 = lmi_gemm_i8_available(), q = lmi_gemm_q_available(), silu = lmi_silu_lanes() > 0;
@@ -813,12 +921,14 @@ int main(void) {
     printf("AVAIL step_layers_bf16 %d\n", bf16w && silu);
     /* portable C: always built */
     printf("AVAIL rotary 1\nAVAIL write_kv 1\nAVAIL rms_norm 1\nAVAIL row_stats 1\nAVAIL decode_attention 1\n");
+    printf("AVAIL kv_int8 1\n");
     fflush(stdout);
     check_rotary();
     check_write_kv();
     check_rms_norms();
     check_row_stats();
     check_decode_attention();
+    check_kv_int8();
     if (gemm) check_gemm();
     if (bf16w) check_gemm_bf16w();
     if (bf16) check_gemm_bf16();
