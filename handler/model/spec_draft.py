@@ -103,7 +103,14 @@ class DraftProposer:
             items.append(StepItem(sid, list(tokens[c:]), c, self.blocks.table(sid), True, _GREEDY, tokens))
         step = 0
         while items:
-            results = self.runner.step(items)
+            try:
+                results = self.runner.step(items)
+            except Exception:      # the draft failing costs this step's proposals, not the requests
+                log.warning("draft model step failed; these sequences decode without proposals", exc_info=True)
+                for i in live:
+                    self.release(reqs[i][0])
+                    out[i] = []
+                break
             step += 1
             nxt_live, nxt_items = [], []
             for i, it, res in zip(live, items, results):

@@ -173,3 +173,27 @@ def test_a_missing_or_s3_draft_is_refused_at_config(demo_model_dir, tmp_path):
                     "option.speculative_length=3\n")
     spec = load_config(str(path), demo_model_dir, env={}).speculative
     assert (spec.method, spec.k, spec.draft_model) == ("draft_model", 3, demo_model_dir)
+
+
+def test_a_failing_draft_step_costs_only_its_proposals(demo_model_dir, tmp_path):
+    engine = draft_engine(demo_model_dir, tmp_path, "rolling", demo_model_dir)
+    try:
+        pr = engine.scheduler.proposer
+        calls = []
+        real_step = pr.runner.step
+
+        def flaky(items, copies=()):
+            calls.append(len(items))
+            if len(calls) % 3 == 0:
+                raise RuntimeError("draft broke")
+            return real_step(items, copies)
+        pr.runner.step = flaky
+        prompts = [PROMPTS[0], PROMPTS[3]]
+        got = run_all(engine, prompts, [SamplingParams(max_new_tokens=24, ignore_eos=True)] * 2)
+        for p, (ids, _) in zip(prompts, got):
+            assert ids == hf_greedy(demo_model_dir, p, 24, ignore_eos=True), p[:30]
+        assert len(calls) >= 3 and engine.stats()["spec"]["draft_model"]["accepted"] > 0
+        assert_drained(engine)
+        draft_drained(engine)
+    finally:
+        engine.shutdown()
