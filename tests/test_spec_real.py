@@ -103,3 +103,23 @@ def test_qwen_1_5b_with_the_0_5b_as_draft_greedy_equals_generate(tmp_path):
     assert ids == want
     print("1.5B with the 0.5B as draft:", st)
     assert st["accepted"] > 0, st
+
+
+def test_a_gguf_draft_model_loads_like_the_model(real_model_dir, real_gguf, tmp_path):
+    """The draft given as the .gguf SmolLM2 was converted from (dequantized like a GGUF model id): same
+    tokenizer, so accepted; greedy equal to `generate`."""
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(real_model_dir)
+    prompt = chat_prompt(tok, edit_instruction(random.Random(11)))
+    want = ref.hf_greedy(real_model_dir, prompt, 40)
+    engine = make_engine(real_model_dir, tmp_path, {**STRATEGIES["paged"], "option.dtype": "fp32",
+                                                    "option.kv_cache_tokens": "2048",
+                                                    "option.speculative_draft_model": real_gguf})
+    try:
+        (ids, _), = run_all(engine, [prompt], [SamplingParams(max_new_tokens=40)])
+        st = engine.stats()["spec"]["draft_model"]
+        assert_drained(engine)
+    finally:
+        engine.shutdown()
+    assert ids == want
+    assert st["accepted"] > 0.5 * st["proposed"] > 0, st
