@@ -1,5 +1,5 @@
-"""Speculative decoding (prompt lookup, option.speculative_config={"method": "ngram"}) against plain
-decoding: one paged server per arm on the same model, the input-grounded edit workload and the plain
+"""Speculative decoding (prompt lookup, option.speculative_config={"method": "ngram"}, or a draft model with
+--draft-model) against plain decoding: one paged server per arm on the same model, the input-grounded edit workload and the plain
 chat workload (handler/tools/bench/workloads.py EDIT_CPU_135M, CHAT_CPU_135M), at 1, 4 and 50 clients,
 the arms interleaved per repetition (off, on, on, off, ...) to share the machine's noise. Reports per
 (model, workload, clients, arm): TPOT p50/p90, req/s, output tok/s, and for the speculative arm the
@@ -12,7 +12,11 @@ and mean tokens per verify) over that run; then the on/off ratios. Greedy, EOS h
         [--out benchmarks/results/spec-decode]
 
 --smoke: one model (smollm2), one repetition, 2 requests per point at 1 and 4 clients, 48 tokens.
-A draft model (Qwen2.5-Coder-1.5B with the 0.5B as draft) is not built yet: the server refuses it.
+--draft-model NAME: the speculative arm proposes with that model (one of the --models names, or a
+model dir) instead of prompt lookup; Qwen2.5-Coder-1.5B with the 0.5B as draft:
+
+    HF_HUB_OFFLINE=1 python benchmarks/spec_decode.py --models qwen2.5-coder-1.5b \
+        --draft-model qwen2.5-coder-0.5b --out benchmarks/results/spec-decode-draft
 """
 from __future__ import annotations
 
@@ -113,6 +117,8 @@ def main() -> int:
     ap.add_argument("--lookup-max", type=int, default=4)
     ap.add_argument("--disable-by-batch-size", type=int, default=16,
                     help="disable_by_batch_size of the speculative arm (0: never)")
+    ap.add_argument("--draft-model", default=None,
+                    help="the speculative arm's draft model (a --models name or a model dir); default: prompt lookup")
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "spec-decode"))
     a = ap.parse_args()
@@ -120,7 +126,11 @@ def main() -> int:
         a.models, a.clients, a.requests_per_client, a.min_requests, a.reps = "smollm2", "1,4", 1, 2, 1
         a.max_new_tokens = a.max_new_tokens or 48
     clients = [int(c) for c in a.clients.split(",")]
-    spec = {"method": "ngram", "num_speculative_tokens": a.k, "prompt_lookup_max": a.lookup_max}
+    if a.draft_model:
+        draft = model_dir_of(a.draft_model) if a.draft_model in MODELS else a.draft_model
+        spec = {"method": "draft_model", "num_speculative_tokens": a.k, "model": draft}
+    else:
+        spec = {"method": "ngram", "num_speculative_tokens": a.k, "prompt_lookup_max": a.lookup_max}
     if a.disable_by_batch_size:
         spec["disable_by_batch_size"] = a.disable_by_batch_size
     spec_json = json.dumps(spec)
@@ -160,7 +170,7 @@ def main() -> int:
                                            "requests_per_s", "output_tokens_per_s", "tpot_p50", "tpot_p90",
                                            "ttft_p50", "errors", "output_tokens")}, "spec": acc}
                                 results["runs"].append(row)
-                                ng = acc.get("ngram", {})
+                                ng = acc.get(spec["method"], {})
                                 print(f"{name} {wname} @{c} rep {rep + 1} {arm_name}: "
                                       f"{s['requests_per_s']:.2f} req/s, TPOT p50 "
                                       f"{(s['tpot_p50'] or 0) * 1e3:.1f} ms, {s['errors']} errors"
@@ -190,7 +200,8 @@ def report(results: dict) -> str:
         return sum(xs) / len(xs) if xs else None
 
     h = results["host"]
-    md = (f"# Prompt-lookup speculative decoding vs plain decoding (paged, fp32, CPU)\n\n"
+    method = {"ngram": "Prompt-lookup", "draft_model": "Draft-model"}[results["spec"]["method"]]
+    md = (f"# {method} speculative decoding vs plain decoding (paged, fp32, CPU)\n\n"
           f"Host: {h['processor']} ({h['machine']}), {h['cpus']} CPUs. Speculative arm: "
           f"`option.speculative_config={json.dumps(results['spec'])}`.\n\n"
           "| model | workload | clients | TPOT p50 off / on ms | ratio | req/s off / on | ratio | acceptance | "
@@ -202,7 +213,7 @@ def report(results: dict) -> str:
         off, on = arms.get("off", []), arms.get("on", [])
         t0, t1 = mean(off, "tpot_p50"), mean(on, "tpot_p50")
         r0, r1 = mean(off, "requests_per_s"), mean(on, "requests_per_s")
-        ng = [x["spec"].get("ngram", {}) for x in on]
+        ng = [x["spec"].get(results["spec"]["method"], {}) for x in on]
         prop, acc, ver = (sum(x.get(k, 0) for x in ng) for k in ("proposed", "accepted", "verifies"))
         md += (f"| {model} | {wl} | {c} | {fmt(t0 and t0 * 1e3, '.1f')} / {fmt(t1 and t1 * 1e3, '.1f')} | "
                f"{fmt(t1 / t0 if t0 and t1 else None, '.2f')} | {fmt(r0, '.2f')} / {fmt(r1, '.2f')} | "

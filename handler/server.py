@@ -43,6 +43,9 @@ def build_runner(cfg, on_rank_failure=None):
         runner.prepack_cpu(keep_weights=lora)
         if not cfg.enforce_eager:
             runner.capture_cuda_graphs(_width(cfg))
+        spec = getattr(cfg, "speculative", None)
+        if spec is not None and spec.method == "draft_model":
+            runner.draft_proposer = build_draft(cfg, runner, kwargs)
         return runner
     from handler.model.distributed import RankGroup, check_supported
     from handler.model.runner import ModelLoadError, pick_device
@@ -66,6 +69,30 @@ def build_runner(cfg, on_rank_failure=None):
     runner.ranks.start_heartbeat()
     runner.rank_group = group
     return runner
+
+
+def build_draft(cfg, runner, kwargs):
+    """The draft model of speculative decoding (handler/model/spec_draft.py): loaded like the target,
+    its own KV pool of as many tokens as the target's; a tokenizer that differs is a one-line error."""
+    from handler.model.gguf import hf_dir_for
+    from handler.model.runner import ModelLoadError, ModelRunner
+    from handler.model.spec_draft import DraftProposer, DraftTokenizerMismatch, check_same_tokenizer
+
+    path = cfg.speculative.draft_model
+    try:
+        draft = ModelRunner(**{**kwargs, "model_dir": hf_dir_for(path, cfg.dtype, cfg.device),
+                               "kv_cache_tokens": runner.kv.tokens, "max_model_len": runner.max_model_len,
+                               "quantize": None})
+    except ModelLoadError as e:
+        raise ModelLoadError(f"option.speculative_draft_model={path}: {e}") from None
+    try:
+        check_same_tokenizer(runner.tokenizer, draft.tokenizer)
+    except DraftTokenizerMismatch as e:
+        raise ModelLoadError(f"option.speculative_draft_model={path}: its tokenizer is not the model's ({e}); "
+                             "allowed: a draft model with the same tokenizer") from None
+    draft.prepack_cpu()
+    log.info("speculative decoding: draft model %s proposes %d tokens a step", path, cfg.speculative.k)
+    return DraftProposer(draft)
 
 
 def enable_lora(cfg, runner) -> None:
@@ -103,7 +130,7 @@ def engine_for(cfg, runner, on_step=None, waker=None):
     gc.freeze()
     return Engine(runner, policy, runner.block_size, cfg.enable_prefix_caching,
                   step_timeout_s=getattr(cfg, "engine_step_timeout_s", None), on_step=on_step,
-                  waker=waker).start()
+                  waker=waker, proposer=getattr(runner, "draft_proposer", None)).start()
 
 
 def build_engine(cfg, on_rank_failure=None, on_step=None, waker=None):

@@ -203,7 +203,9 @@ def explain(cfg, g: Geometry, *, device: str, prompt_tokens: int | None = None,
     if spec is not None:
         out["speculative"] = asdict(spec)
         notes.append(f"speculative decoding: {spec.method}, k={spec.k}"
-                     + (f", n-grams of {spec.lookup_max} down to {spec.lookup_min} tokens" if spec.method == "ngram" else "")
+                     + (f", n-grams of {spec.lookup_max} down to {spec.lookup_min} tokens" if spec.method == "ngram" else
+                        f", draft model {spec.draft_model} (loaded beside the model, unquantized, with its own KV pool "
+                        "of as many tokens as the model's; k - 1 draft decode steps after a catch-up chunk per step)")
                      + (f", off from {spec.disable_by_batch_size} running sequences" if spec.disable_by_batch_size
                         else ", at every batch size")
                      + (f"; paged: a verify step holds up to {spec.k} more KV slots per sequence until it is checked"

@@ -597,8 +597,13 @@ def _resolve_spec(src: _Sources, tp_degree: int) -> dict:
     key = "option.speculative_config" if "option.speculative_config" in src.merged else \
         "option.speculative_draft_model"
     if spec.method == "draft_model":
-        raise ConfigError(f"{where(key)}: speculative decoding with a draft model is not built yet; "
-                          "allowed: option.speculative_config={\"method\": \"ngram\"} (prompt lookup)")
+        draft = spec.draft_model
+        if draft[:5].lower() == "s3://":
+            raise ConfigError(f"{where(key)}: a draft model from s3:// is not supported; give the draft model "
+                              "as a local model directory or .gguf file")
+        if not os.path.exists(draft):
+            raise ConfigError(f"{where(key)}: draft model {draft} does not exist; allowed: a local model "
+                              "directory or .gguf file with the model's tokenizer")
     if tp_degree > 1:
         raise ConfigError(f"{where(key)} is not supported with option.tensor_parallel_degree={tp_degree}; "
                           "use tensor_parallel_degree=1 or drop speculative decoding")

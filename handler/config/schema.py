@@ -378,15 +378,17 @@ KEYS: tuple[Key, ...] = (
         "`prompt_lookup_max`..`prompt_lookup_min` tokens found earlier in its prompt or output propose the "
         "`num_speculative_tokens` that followed them (no second model); the target verifies them in one step "
         "(greedy: exact match; sampled: rejection sampling, the output distribution unchanged). Guided "
-        "requests decode without it. `draft_model` (a second model) is refused at start-up: not built yet. "
+        "requests decode without it. `draft_model`: a second, small model (`model`, same tokenizer) proposes its greedy "
+        "tokens from its own KV pool (as many tokens as the model's). "
         "Not with `option.tensor_parallel_degree` > 1 or `option.batch_invariant`",
         values="JSON object: `method` (`ngram`, `draft_model`), `num_speculative_tokens` (1-32), "
         "`prompt_lookup_min`/`prompt_lookup_max` (1-64; default 2/4), `model`, `disable_by_batch_size`",
         default_doc="(off)"),
     Key("option.speculative_draft_model", _non_empty,
-        "LMI's draft model for speculative decoding (same tokenizer as the target); refused at start-up: "
-        "a draft model is not built yet (use `option.speculative_config={\"method\": \"ngram\"}`)",
-        values="model dir, `s3://` URL or `.gguf`", default_doc="(none)"),
+        "LMI's draft model for speculative decoding: loaded at start-up like the model, in its dtype and "
+        "device, unquantized; its tokenizer must be the model's (same vocabulary and special ids: refused at "
+        "start-up otherwise)",
+        values="local model dir or `.gguf` (not `s3://`)", default_doc="(none)"),
     Key("option.speculative_length", _int(1),
         "LMI's k: tokens proposed per step (`num_speculative_tokens`); with `option.speculative_config` or a "
         "draft model", unit="tokens", values="1-32", default_doc="5"),

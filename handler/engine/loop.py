@@ -29,7 +29,8 @@ class Engine:
 
     def __init__(self, runner: Runner, policy: SchedulerPolicy, block_size: int,
                  enable_prefix_caching: bool = False, step_timeout_s: float | None = None,
-                 on_step=None, waker=None):
+                 on_step=None, waker=None, proposer=None):
+        """proposer: speculative decoding's proposer when it holds a model (the draft's; see Scheduler)."""
         self.runner = runner
         # The watchdog's bound on one model step (option.engine_step_timeout); None: no bound.
         self.step_timeout_s = step_timeout_s
@@ -40,7 +41,7 @@ class Engine:
             log.warning("option.enable_prefix_caching has no effect with the %s strategy (it reserves "
                         "every sequence's full length); it works with paged attention", policy.strategy)
         self.blocks = BlockManager(runner.kv.num_blocks, block_size, policy.prefix_caching)
-        self.scheduler = Scheduler(policy, self.blocks)
+        self.scheduler = Scheduler(policy, self.blocks, proposer)
         self.admission = Admission(policy.max_batch_size, policy.max_waiting, policy.max_model_len,
                                    self.blocks.num_blocks * self.blocks.block_size)
         self.output = OutputProcessor(self.tokenizer, self.end, waker)

@@ -133,7 +133,9 @@ class Sequence:
 
 
 class Scheduler:
-    def __init__(self, policy: SchedulerPolicy, blocks: BlockManager):
+    def __init__(self, policy: SchedulerPolicy, blocks: BlockManager, proposer=None):
+        """`proposer`: speculative decoding's proposer when it is not built from policy.spec alone
+        (draft_model: handler.model.spec_draft.DraftProposer, holding a second model)."""
         self.policy = policy
         self.blocks = blocks
         self.reset()
@@ -141,7 +143,8 @@ class Scheduler:
                       "cached_prompt_tokens": 0, "admitted": 0, "forked_prompt_tokens": 0}
         # Speculative decoding (handler/engine/spec.py): the proposer, and per method the verify
         # items run, tokens proposed, tokens accepted (emitted = accepted + one per verify).
-        self.proposer = spec_proposer(policy.spec) if policy.spec is not None else None
+        self.proposer = proposer if proposer is not None else \
+            spec_proposer(policy.spec) if policy.spec is not None else None
         self.spec_stats: dict[str, dict[str, int]] = {}
         if self.proposer is not None:
             self.spec_stats[self.proposer.method] = {"verifies": 0, "proposed": 0, "accepted": 0}
@@ -149,6 +152,9 @@ class Scheduler:
     def reset(self) -> None:
         """Forget every sequence and block (after an engine error); the statistics stay."""
         self.blocks.reset()
+        reset = getattr(getattr(self, "proposer", None), "reset", None)
+        if reset is not None:      # a stateful proposer's per-sequence state (the draft model's KV)
+            reset()
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.seqs: dict[int, Sequence] = {}
@@ -178,7 +184,13 @@ class Scheduler:
             except ValueError:
                 pass
         self.blocks.free(seq_id)
+        self._release_draft(seq_id)
         return seq
+
+    def _release_draft(self, seq_id: int) -> None:
+        release = getattr(self.proposer, "release", None)
+        if release is not None:
+            release(seq_id)
 
     @property
     def has_work(self) -> bool:
@@ -302,6 +314,7 @@ class Scheduler:
     def _preempt(self, victim: Sequence) -> None:
         self.running.remove(victim)
         self.blocks.free(victim.seq_id)
+        self._release_draft(victim.seq_id)
         victim.num_computed = 0
         victim.preemptions += 1
         self.stats["preemptions"] += 1
@@ -340,15 +353,20 @@ class Scheduler:
         spec = self.policy.spec
         spec_on = self.proposer is not None and (spec.disable_by_batch_size is None
                                                  or len(self.running) < spec.disable_by_batch_size)
-        for seq in sorted(self.running, key=lambda q: q.admitted):
-            if seq not in self.running:          # preempted below as a victim
-                continue
+        order = sorted(self.running, key=lambda q: q.admitted)
+        want: dict[int, int] = {}       # seq_id -> tokens fed this step
+        for seq in order:
             n = len(seq.tokens) - seq.num_computed
             if n > 1 and not unlimited:          # prefill chunk: its share of the token budget
                 n = shares.get(seq.seq_id, 0)
-                if n <= 0:
-                    continue
-            draft = self._propose(seq, n, spec_on)
+            if n > 0:
+                want[seq.seq_id] = n
+        drafts = self._proposals([q for q in order if q.seq_id in want], want, spec_on)
+        for seq in order:
+            if seq not in self.running or seq.seq_id not in want:    # preempted below as a victim
+                continue
+            n = want[seq.seq_id]
+            draft = drafts.get(seq.seq_id, [])
             if draft and not self.policy.reserve_full_length \
                     and not self.blocks.ensure(seq.seq_id, seq.num_computed + n + len(draft)):
                 draft = []      # no room for the draft's slots: decode one token (preempting as usual)
@@ -374,21 +392,35 @@ class Scheduler:
             plan.copies, self._copies = self._copies, []
         return plan
 
-    def _propose(self, seq: Sequence, n: int, spec_on: bool) -> list[int]:
-        """k proposed tokens for a sequence that decodes this step (n == 1 and it samples), or [].
+    def _proposals(self, seqs: list[Sequence], want: dict[int, int], spec_on: bool) -> dict[int, list[int]]:
+        """seq_id -> its proposal, for the sequences that speculate this step. A proposer with
+        propose_batch (the draft model) gets them all at once: one draft forward per drafted token."""
+        ks = [(q, self._draft_len(q, want[q.seq_id], spec_on)) for q in seqs]
+        ks = [(q, k) for q, k in ks if k > 0]
+        if not ks:
+            return {}
+        batch = getattr(self.proposer, "propose_batch", None)
+        if batch is not None:
+            got = batch([(q.seq_id, q.tokens, k) for q, k in ks])
+        else:
+            got = [self.proposer.propose(q.tokens, k) for q, k in ks]
+        return {q.seq_id: list(d)[:k] for (q, k), d in zip(ks, got) if d}
+
+    def _draft_len(self, seq: Sequence, n: int, spec_on: bool) -> int:
+        """k, the tokens to propose for a sequence that decodes this step (n == 1 and it samples), or 0.
         k is bounded so that the accepted tokens plus the runner's own stay within max_new_tokens
         and the model's length (and, under reserve_full_length, within the reserved slots)."""
         if not spec_on or n != 1 or seq.num_computed + 1 != len(seq.tokens) or seq.num_output == 0 \
                 or seq.guide is not None or seq.params.decoder_input_details:
-            return []
+            return 0
         if seq.spec_skip > 0:
             seq.spec_skip -= 1
-            return []
+            return 0
         k = min(self.policy.spec.k, seq.params.max_new_tokens - seq.num_output - 1,
                 self.policy.max_model_len - len(seq.tokens) - 1)
         if seq.params.eos_after is not None:
             k = min(k, seq.params.eos_after - seq.num_output - 1)
-        return self.proposer.propose(seq.tokens, k) if k > 0 else []
+        return max(k, 0)
 
     def update(self, plan: StepPlan, results: list[SampleResult]) -> list[tuple[Sequence, SampleResult]]:
         """Apply a step's results: one SampleResult per item, in order (Runner.step). Returns

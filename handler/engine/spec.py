@@ -14,7 +14,13 @@ Proposers:
   ngram   prompt lookup: the longest suffix of the sequence (prompt_lookup_max down to
           prompt_lookup_min tokens) that occurred before in its prompt or output; the tokens that
           followed its most recent earlier occurrence are the draft. No second model.
-  draft_model   a second, small model's greedy tokens: not built yet (refused at start-up).
+  draft_model   a second, small model's greedy tokens, from its own paged KV (handler/model/spec_draft.py:
+          the model's calls live there; the Engine is handed the proposer, built at start-up).
+
+A proposer has `method` and `propose(tokens, k) -> list[int]`; a batched, stateful one also has
+`propose_batch([(seq_id, tokens, k), ...]) -> [proposal, ...]` (the scheduler calls it once a step with
+every speculating sequence), `release(seq_id)` (the sequence finished or was preempted: drop its
+state) and `reset()` (the engine forgot every sequence).
 
 Speculation is skipped for a step's sequence when it has no proposal, backs off after drafts that
 were wholly rejected (the scheduler's MAX_SPEC_BACKOFF), is guided (its grammar
@@ -27,7 +33,10 @@ from handler.config.speculative import DEFAULT_LOOKUP_MAX, DEFAULT_LOOKUP_MIN, S
 
 
 def proposer(spec: SpecConfig):
-    """The proposer of a SpecConfig's method (only ngram is built: config refuses draft_model)."""
+    """The proposer of a SpecConfig's method that needs no model (ngram); draft_model's holds a second
+    model and is handed to the Scheduler (handler.server.build_draft)."""
+    if spec.method != "ngram":
+        raise ValueError(f"speculative method {spec.method} needs its proposer passed to the Scheduler")
     return NgramProposer(spec.lookup_min, spec.lookup_max)
 
 
