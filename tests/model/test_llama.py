@@ -170,6 +170,8 @@ def test_no_module_reads_transformers_source():
     root = pathlib.Path(__file__).resolve().parents[2] / "handler"
     for path in root.rglob("*.py"):
         text = path.read_text()
-        for needle in ("inspect.getsource", "getsource(", "ast.parse("):
+        # parsing source is the model code's concern only (the protocols parse clients' pythonic tool calls)
+        needles = ("inspect.getsource", "getsource(") + (("ast.parse(",) if "model" in path.parts else ())
+        for needle in needles:
             assert needle not in text, f"{path.relative_to(root.parent)} uses {needle}"
     assert os.path.isfile(root / "model" / "llama.py")
