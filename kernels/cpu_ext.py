@@ -455,10 +455,8 @@ def write_kv(key_cache: torch.Tensor, value_cache: torch.Tensor, key: torch.Tens
     fn = load()
     if key_cache.dtype == torch.int8:
         return _write_kv_i8(fn, key_cache, value_cache, key, value, slot_mapping)
-    if (fn is None or not supports(key_cache) or key_cache.stride() != value_cache.stride()
-            or key.dtype != key_cache.dtype or value.dtype != key_cache.dtype or key.device.type != "cpu"
-            or key.stride(-1) != 1 or value.stride(-1) != 1 or key.shape != value.shape
-            or key.shape[1:] != key_cache.shape[2:]):
+    if (fn is None or not supports(key_cache) or key.dtype != key_cache.dtype
+            or not _kv_rows_fit(key_cache, value_cache, key, value)):
         return False
     t, hkv, d = key.shape
     slots = slot_mapping.to(torch.int64).contiguous()
@@ -474,13 +472,20 @@ def write_kv(key_cache: torch.Tensor, value_cache: torch.Tensor, key: torch.Tens
     return True
 
 
+def _kv_rows_fit(key_cache, value_cache, key, value) -> bool:
+    """The checks every KV write makes: pools laid out alike, CPU rows of one dtype, contiguous
+    in the head dimension, shaped [tokens, kv_heads, head_dim] to fit the pool's rows."""
+    return (key_cache.stride() == value_cache.stride() and value.dtype == key.dtype
+            and key.device.type == "cpu" and key.stride(-1) == 1 and value.stride(-1) == 1
+            and key.shape == value.shape and key.shape[1:] == key_cache.shape[2:])
+
+
+
 def _write_kv_i8(fn, key_cache, value_cache, key, value, slot_mapping) -> bool:
     """write_kv into int8 pools: each (token, head) row quantized with its scale
     (kernels/cpu_layer.c lmi_write_kv_i8; reference.quantize_rows's bytes)."""
-    if (fn is None or not _i8_pool(key_cache) or not _i8_pool(value_cache) or key_cache.stride() != value_cache.stride()
-            or key.dtype not in KV_DTYPES or value.dtype != key.dtype or key.device.type != "cpu"
-            or key.stride(-1) != 1 or value.stride(-1) != 1 or key.shape != value.shape
-            or key.shape[1:] != key_cache.shape[2:]):
+    if (fn is None or not _i8_pool(key_cache) or not _i8_pool(value_cache) or key.dtype not in KV_DTYPES
+            or not _kv_rows_fit(key_cache, value_cache, key, value)):
         return False
     t, hkv, d = key.shape
     slots = slot_mapping.to(torch.int64).contiguous()

@@ -338,6 +338,18 @@ def baseline(demo_model_dir, tmp_path_factory):
         engine.shutdown()
 
 
+def assert_same_distribution(base, spec, st):
+    """Both acceptance branches ran, and every position's token (and the first pair) is drawn alike
+    with and without speculation (chi-square, p > 1e-3)."""
+    assert 0.05 * st["proposed"] < st["accepted"] < 0.95 * st["proposed"], st
+    for j in range(NEW_TOKENS):
+        p = chi_square_p(collections.Counter(o[j] for o in base), collections.Counter(o[j] for o in spec))
+        assert p > 1e-3, (j, p)
+    p = chi_square_p(collections.Counter(o[:2] for o in base), collections.Counter(o[:2] for o in spec))
+    assert p > 1e-3, ("pairs", p)
+
+
+
 def test_sampled_output_distribution_is_the_targets(demo_model_dir, tmp_path, baseline):
     """Position by position, the tokens sampled with speculation (drafts of each position's most
     common token, accepted in part) are distributed as without it: chi-square p > 0.001 for each
@@ -354,12 +366,7 @@ def test_sampled_output_distribution_is_the_targets(demo_model_dir, tmp_path, ba
         st = engine.stats()["spec"]["ngram"]
     finally:
         engine.shutdown()
-    assert 0.05 * st["proposed"] < st["accepted"] < 0.95 * st["proposed"], st   # both branches ran
-    for j in range(NEW_TOKENS):
-        p = chi_square_p(collections.Counter(o[j] for o in base), collections.Counter(o[j] for o in spec))
-        assert p > 1e-3, (j, p)
-    p = chi_square_p(collections.Counter(o[:2] for o in base), collections.Counter(o[:2] for o in spec))
-    assert p > 1e-3, ("pairs", p)
+    assert_same_distribution(base, spec, st)
 
 
 def test_stop_string_and_max_tokens_inside_an_accepted_draft(demo_model_dir, tmp_path):
