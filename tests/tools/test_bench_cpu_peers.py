@@ -116,6 +116,30 @@ def test_split_llamacpp_kv_that_cannot_hold_the_longest_sequence_is_a_clear_erro
     assert err.startswith("preparing") is False and "--llamacpp-kv split: 64 KV tokens / 2 slots = 32 per slot" in err
 
 
+def test_llamacpp_gguf_serves_the_file_the_model_was_converted_from_or_is_skipped(tmp_path, demo_model_dir):
+    from handler.tools.bench.compare import installed_peer
+    peer = tmp_path / "peer"
+    (peer / "build" / "bin").mkdir(parents=True)
+    (peer / "build" / "bin" / "llama-server").write_text("#!/bin/sh\n")
+    (peer / "build" / "bin" / "llama-server").chmod(0o755)
+    (peer / llamacpp_peer.MARKER).write_text("{}")
+    w = Workload(name="tiny", requests=2, concurrency=1, prompt_words=(4,), max_new_tokens=(2,))
+    args = (w, demo_model_dir, 128, str(tmp_path / "log"), 1, "fp32", None, {"llamacpp": str(peer)})
+    s = installed_peer("llamacpp_gguf", *args, log_fn=lambda m: None)
+    assert s.cmd == [] and "was not converted from a .gguf file" in s.skipped
+    # a model dir stamped as converted from a .gguf that exists: that very file is served, no conversion
+    src = tmp_path / "q.gguf"
+    src.write_bytes(b"GGUF")
+    conv = tmp_path / "conv"
+    conv.mkdir()
+    for f in os.listdir(demo_model_dir):
+        os.symlink(os.path.join(demo_model_dir, f), conv / f)
+    (conv / "converted_from.json").write_text(json.dumps({"gguf": str(src), "size": 4}))
+    s = installed_peer("llamacpp_gguf", w, str(conv), *args[2:], log_fn=lambda m: None)
+    assert s.cmd[s.cmd.index("-m") + 1] == str(src) and s.held["gguf"] == "q.gguf"
+    assert "llamacpp_gguf" in LLAMACPP and INSTALL_HINTS["llamacpp_gguf"] == "python -m handler bench install-peer llamacpp"
+
+
 def test_llamacpp_converter_copy_renames_only_the_tokenizer_class(tmp_path):
     src = tmp_path / "m"
     src.mkdir()

@@ -236,7 +236,7 @@ def main(argv: list[str]) -> int:
     c.add_argument("--out", required=True, help="directory for results.json/.md/.png, logs and the model")
     c.add_argument("--only", help="comma-separated subset of none,dynamic,rolling,paged,paged_int8,paged_w8a16,paged_gguf,"
                                   "paged_kv8,hf_naive,transformers_cb,vllm_cpu,openvino,openvino_int8,openvino_kv8,llamacpp,"
-                                  "llamacpp_q8,llamacpp_kv8 "
+                                  "llamacpp_q8,llamacpp_gguf,llamacpp_kv8 "
                                   "(default: all; vllm_cpu only without CUDA; an installed peer that is absent "
                                   "is skipped with its install command)")
     c.add_argument("--clients", metavar="C1,C2,..",

@@ -33,7 +33,7 @@ KV_QUANTIZED = {"paged_kv8": ("paged", "int8")}
 # The CPU peers installed in their own directories (install-peer), each a cell in the run's dtype
 # and a cell with int8 weights: OpenVINO GenAI (int8 weight-compressed IR) and llama.cpp (q8_0).
 OPENVINO = (openvino_peer.NAME, *openvino_peer.QUANTIZED, *openvino_peer.KV_QUANTIZED)
-LLAMACPP = (llamacpp_peer.NAME, *llamacpp_peer.QUANTIZED, *llamacpp_peer.KV_QUANTIZED)
+LLAMACPP = (llamacpp_peer.NAME, *llamacpp_peer.QUANTIZED, *llamacpp_peer.SOURCE_GGUF, *llamacpp_peer.KV_QUANTIZED)
 PEERS = ("hf_naive", "transformers_cb", vllm_cpu.NAME, *OPENVINO, *LLAMACPP)
 ALONE = (vllm_cpu.NAME, *OPENVINO, *LLAMACPP)   # started for their own run only: they own the cores while up
 INSTALL_HINTS = {vllm_cpu.NAME: vllm_cpu.INSTALL_HINT, **{c: openvino_peer.INSTALL_HINT for c in OPENVINO},
@@ -310,7 +310,14 @@ def installed_peer(name: str, w: Workload, model_dir: str, kv_tokens: int, log: 
                 return Server(name, [], log, port, prep_error=(
                     f"--llamacpp-kv split: {kv_tokens} KV tokens / {slots} slots = {kv_tokens // slots} per slot, "
                     f"less than the longest sequence ({w_longest(w, tok)} tokens)"))
-        gguf = llamacpp_peer.convert(where, model_dir, llamacpp_peer.outtype_of(name, dtype), log=log_fn)
+        if name in llamacpp_peer.SOURCE_GGUF:
+            from handler.config.quantization import gguf_source
+            gguf = gguf_source(model_dir)
+            if gguf is None:
+                return Server(name, [], log, port, skipped=f"{model_dir} was not converted from a .gguf file "
+                                                           "(llamacpp_gguf serves that file as paged_gguf serves its blocks)")
+        else:
+            gguf = llamacpp_peer.convert(where, model_dir, llamacpp_peer.outtype_of(name, dtype), log=log_fn)
         cmd, env, held = llamacpp_peer.server(where, gguf, port, kv_tokens, slots, w.prefill_tokens, dtype,
                                               THREADS, layout, llamacpp_peer.KV_QUANTIZED.get(name))
         return Server(name, cmd, log, port, api=LlamaCppCompletions(tok), env=env, health=llamacpp_peer.HEALTH,

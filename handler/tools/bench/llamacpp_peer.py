@@ -1,4 +1,4 @@
-"""llama.cpp's own server as a benchmark peer (`llamacpp`, `llamacpp_q8`): the native
+"""llama.cpp's own server as a benchmark peer (`llamacpp`, `llamacpp_q8`, `llamacpp_gguf`): the native
 `llama-server` built from the llama.cpp that PyPI's llama-cpp-python sdist vendors, serving a
 GGUF converted from the same local HF directory our servers load, driven through its
 OpenAI-compatible /v1/completions with the same prompt token ids as every other cell.
@@ -35,6 +35,7 @@ from handler.tools.bench.vllm_cpu import REPO, resolve_peer_dir   # the peers' s
 
 NAME = "llamacpp"
 QUANTIZED = {"llamacpp_q8": "q8_0"}       # cell -> GGUF outtype
+SOURCE_GGUF = ("llamacpp_gguf",)          # the .gguf file the model dir was converted from, as is (paged_gguf's blocks)
 KV_QUANTIZED = {"llamacpp_kv8": "q8_0"}    # cell -> -ctk/-ctv (weights in the run dtype; a quantized V needs -fa on)
 VERSION = "0.3.36"
 SDIST = f"llama-cpp-python=={VERSION}"
