@@ -283,3 +283,9 @@ def test_absent_peer_is_reported_as_not_driven_with_its_install_command(monkeypa
         spec_decode.openvino_arms("/m", w, "ngram", 5, 4, None, str(tmp_path))
     with pytest.raises(spec_decode.NotDriven, match="install-peer llamacpp"):
         spec_decode.llamacpp_arms("/m", w, "ngram", 5, 2, "ngram-simple", None, str(tmp_path), tok=None)
+
+
+def test_openvino_front_refuses_a_draft_pipeline_without_its_ir(capsys):
+    with pytest.raises(SystemExit) as e:
+        openvino_peer.serve(["--ir", "/ir", "--tokenizer", "/m", "--kv-blocks", "4", "--spec", "draft_model"])
+    assert e.value.code == 2 and "--spec draft_model needs --draft-ir" in capsys.readouterr().err
