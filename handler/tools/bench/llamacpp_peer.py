@@ -171,14 +171,18 @@ KV_LAYOUTS = ("unified", "split")
 
 
 def server(path: str, gguf: str, port: int, kv_tokens: int, slots: int, prefill_tokens: int, dtype: str,
-           threads: int = 2, kv_layout: str = "unified", kv_type: str | None = None) -> tuple[list[str], dict, dict]:
+           threads: int = 2, kv_layout: str = "unified", kv_type: str | None = None,
+           spec: tuple[list[str], dict] | None = None, metrics: bool = False) -> tuple[list[str], dict, dict]:
     """(command, environment additions, what was held equal). -c is the whole KV in tokens
     (llama.cpp cells hold one token each: no block rounding); -b the prefill budget.
 
     kv_layout "unified" (--kv-unified): one buffer every slot may fill; each sequence's attention
     then runs over every used cell of the buffer, masked. "split" (--no-kv-unified): each of the
     -np slots owns kv_tokens / slots cells, its attention runs over its own cells only (pass fewer
-    slots, e.g. the client count, so that a slot holds the longest sequence)."""
+    slots, e.g. the client count, so that a slot holds the longest sequence).
+
+    spec: spec_args()'s (flags, what they set), speculation on; metrics: --metrics (its /metrics
+    counts speculation's proposed and accepted tokens: spec_counters())."""
     if kv_layout not in KV_LAYOUTS:
         raise ValueError(f"kv_layout={kv_layout!r}: allowed {', '.join(KV_LAYOUTS)}")
     kv = kv_type or KV_TYPE[dtype]
@@ -186,10 +190,65 @@ def server(path: str, gguf: str, port: int, kv_tokens: int, slots: int, prefill_
            "--kv-unified" if kv_layout == "unified" else "--no-kv-unified", "-c", str(kv_tokens),
            "-t", str(threads), "-tb", str(threads), "-b", str(prefill_tokens), "-ctk", kv, "-ctv", kv,
            "--cache-ram", "0", "--no-warmup"] + (["-fa", "on"] if kv_type else [])
+    cmd += (["--metrics"] if metrics else []) + (list(spec[0]) if spec else [])
     held = {"kv_cache_tokens": kv_tokens, "kv_layout": kv_layout, "slots": slots, "batch_tokens": prefill_tokens,
             "threads": threads, "kv_cache_type": kv, "flash_attn": "on" if kv_type else "default",
             "gguf": os.path.basename(gguf),
             "prefix_caching": "off per request (cache_prompt false) and --cache-ram 0"}
     if kv_layout == "split":
         held["kv_tokens_per_slot"] = kv_tokens // slots
+    if spec:
+        held["speculative"] = dict(spec[1])
     return cmd, {}, held
+
+
+# ------------------------------------------------------------------ speculative decoding
+# llama-server's own speculation (common/arg.cpp, common/speculative.cpp of the vendored llama.cpp):
+# --spec-type picks the proposers; the n-gram ones look the sequence's last n tokens up in its own
+# prompt and output (no second model): ngram-simple proposes the m tokens that followed the latest
+# earlier occurrence (prompt lookup); ngram-map-k keeps a map of n-gram keys. The lookup example's
+# 3-level n-gram cache is the server's ngram-cache (not driven here: its draft length is fixed at 8).
+# A draft model is --spec-type draft-simple with --spec-draft-model (a GGUF of the same vocabulary).
+NGRAM_TYPES = ("ngram-simple", "ngram-map-k")
+SPEC_METRICS = {"proposed": "llamacpp:spec_decode_num_draft_tokens_total",
+                "accepted": "llamacpp:spec_decode_num_accepted_tokens_total",
+                "verifies": "llamacpp:spec_decode_num_drafts_total"}
+
+
+def spec_args(method: str, k: int, *, ngram_n: int = 2, ngram_type: str = "ngram-simple",
+              draft_gguf: str | None = None, kv_type: str = "f32", threads: int = 2) -> tuple[list[str], dict]:
+    """(llama-server flags, what they set) for speculation with `k` proposed tokens a step.
+    method "ngram": `ngram_type` over the last `ngram_n` tokens; "draft_model": `draft_gguf`
+    proposes greedily (p-min 0: always k tokens), its KV in `kv_type`, on `threads` threads."""
+    if not isinstance(k, int) or k < 1:
+        raise ValueError(f"k={k!r}: must be an integer >= 1")
+    if method == "ngram":
+        if ngram_type not in NGRAM_TYPES:
+            raise ValueError(f"ngram_type={ngram_type!r}: allowed {', '.join(NGRAM_TYPES)}")
+        if not isinstance(ngram_n, int) or ngram_n < 1:
+            raise ValueError(f"ngram_n={ngram_n!r}: must be an integer >= 1")
+        key = ngram_type.removeprefix("ngram-")
+        return (["--spec-type", ngram_type, f"--spec-ngram-{key}-size-n", str(ngram_n),
+                 f"--spec-ngram-{key}-size-m", str(k)],
+                {"spec_type": ngram_type, "ngram_n": ngram_n, "draft_tokens": k})
+    if method == "draft_model":
+        if not draft_gguf:
+            raise ValueError("method draft_model needs draft_gguf (the draft model's GGUF)")
+        return (["--spec-type", "draft-simple", "--spec-draft-model", draft_gguf, "--spec-draft-n-max", str(k),
+                 "--spec-draft-n-min", "0", "--spec-draft-p-min", "0", "-ctkd", kv_type, "-ctvd", kv_type,
+                 "-td", str(threads), "-tbd", str(threads)],
+                {"spec_type": "draft-simple", "draft_gguf": os.path.basename(draft_gguf), "draft_tokens": k,
+                 "draft_kv_cache_type": kv_type})
+    raise ValueError(f"method={method!r}: allowed ngram, draft_model")
+
+
+def spec_counters(metrics_text: str) -> dict:
+    """llama-server's /metrics (started with --metrics) -> {proposed, accepted, verifies}: draft
+    tokens offered, accepted, and verification steps, counted since start."""
+    want = {v: k for k, v in SPEC_METRICS.items()}
+    out = {}
+    for line in metrics_text.splitlines():
+        parts = line.split()
+        if len(parts) == 2 and parts[0] in want:
+            out[want[parts[0]]] = float(parts[1])
+    return out

@@ -122,11 +122,12 @@ def export(path: str, model_dir: str, weight_format: str, log=print) -> str:
 
 
 def server(path: str, ir: str, model_dir: str, port: int, kv_tokens: int, max_num_seqs: int,
-           prefill_tokens: int, dtype: str, threads: int = 2, kv_precision: str | None = None
-           ) -> tuple[list[str], dict, dict]:
+           prefill_tokens: int, dtype: str, threads: int = 2, kv_precision: str | None = None,
+           spec: tuple[list[str], dict] | None = None) -> tuple[list[str], dict, dict]:
     """(command, environment additions, what was held equal) for one front over `ir`.
     KV: our kv_tokens rounded up to whole 32-token blocks; kv_precision (e.g. "u8", the CPU
-    plugin's quantized KV cache) instead of the run dtype's."""
+    plugin's quantized KV cache) instead of the run dtype's; spec: spec_args()'s (flags, what
+    they set), speculation on."""
     if dtype not in PRECISION:
         raise ValueError(f"dtype={dtype!r}: allowed {', '.join(PRECISION)}")
     blocks = math.ceil(kv_tokens / BLOCK)
@@ -134,13 +135,44 @@ def server(path: str, ir: str, model_dir: str, port: int, kv_tokens: int, max_nu
            "--tokenizer", model_dir, "--port", str(port), "--kv-blocks", str(blocks),
            "--max-num-seqs", str(max_num_seqs), "--max-batched-tokens", str(prefill_tokens),
            "--dtype", dtype, "--threads", str(threads)] + (["--kv-precision", kv_precision] if kv_precision else [])
+    cmd += list(spec[0]) if spec else []
     env = {"VIRTUAL_ENV": path, "PYTHONPATH": REPO, "OMP_NUM_THREADS": str(threads)}
     held = {"kv_cache_tokens": blocks * BLOCK, "block_size": BLOCK, "max_num_seqs": max_num_seqs,
             "max_num_batched_tokens": prefill_tokens, "prefix_caching": False, "dynamic_split_fuse": True,
             "properties": dict(PRECISION[dtype], INFERENCE_NUM_THREADS=threads,
                                **({"KV_CACHE_PRECISION": kv_precision} if kv_precision else {})), "ir": ir,
             "front": "handler.tools.bench.openvino_peer (engine thread loops step(); OVMS is not on PyPI)"}
+    if spec:
+        held["speculative"] = dict(spec[1])
     return cmd, env, held
+
+
+# ------------------------------------------------------------------ speculative decoding
+# OpenVINO GenAI's pipelines: ContinuousBatchingPipeline built with the property
+# {"prompt_lookup": True} proposes from the request's own prompt and output (the last
+# max_ngram_size..1 tokens looked up, the num_assistant_tokens after the match proposed); with
+# {"draft_model": draft_model(IR, device, ...)} a second model proposes. Either way the request's
+# GenerationConfig carries num_assistant_tokens (and max_ngram_size). The step API does not expose
+# the acceptance counters (only generate()'s perf metrics do): the front counts, per request
+# after its first token, the tokens each step produced (/spec_stats).
+def spec_args(method: str, k: int, *, max_ngram_size: int = 4, draft_ir: str | None = None
+              ) -> tuple[list[str], dict]:
+    """(front flags, what they set) for speculation with `k` proposed tokens a step."""
+    if not isinstance(k, int) or k < 1:
+        raise ValueError(f"k={k!r}: must be an integer >= 1")
+    if method == "ngram":
+        if not isinstance(max_ngram_size, int) or max_ngram_size < 1:
+            raise ValueError(f"max_ngram_size={max_ngram_size!r}: must be an integer >= 1")
+        return (["--spec", "prompt_lookup", "--num-assistant-tokens", str(k), "--max-ngram-size",
+                 str(max_ngram_size)],
+                {"pipeline": "prompt_lookup", "num_assistant_tokens": k, "max_ngram_size": max_ngram_size})
+    if method == "draft_model":
+        if not draft_ir:
+            raise ValueError("method draft_model needs draft_ir (the draft model's OpenVINO IR)")
+        return (["--spec", "draft_model", "--num-assistant-tokens", str(k), "--draft-ir", draft_ir],
+                {"pipeline": "draft_model", "num_assistant_tokens": k, "draft_ir": draft_ir,
+                 "draft_kv": "its own scheduler config, as many blocks as the model's"})
+    raise ValueError(f"method={method!r}: allowed ngram, draft_model")
 
 
 # ------------------------------------------------------------------ the front (peer venv)
@@ -150,7 +182,7 @@ class Engine:
     wait on their own output; nobody polls)."""
 
     def __init__(self, ir: str, kv_blocks: int, max_num_seqs: int, max_batched_tokens: int, dtype: str,
-                 threads: int, kv_precision: str | None = None):
+                 threads: int, kv_precision: str | None = None, spec: dict | None = None):
         import threading
 
         import openvino_genai as ov_genai
@@ -164,11 +196,24 @@ class Engine:
         props = dict(PRECISION[dtype], INFERENCE_NUM_THREADS=threads)
         if kv_precision:
             props["KV_CACHE_PRECISION"] = kv_precision
+        self.spec = spec or {}
+        pipe_props = dict(props)
+        if self.spec.get("pipeline") == "prompt_lookup":
+            pipe_props["prompt_lookup"] = True
+        elif self.spec.get("pipeline") == "draft_model":
+            dsc = ov_genai.SchedulerConfig()
+            for key in ("num_kv_blocks", "max_num_seqs", "max_num_batched_tokens", "enable_prefix_caching",
+                        "dynamic_split_fuse"):
+                setattr(dsc, key, getattr(sc, key))
+            pipe_props["draft_model"] = ov_genai.draft_model(self.spec["draft_ir"], "CPU", scheduler_config=dsc,
+                                                             **props)
         self.ov = ov_genai
-        self.pipe = ov_genai.ContinuousBatchingPipeline(ir, sc, "CPU", props)
+        self.pipe = ov_genai.ContinuousBatchingPipeline(ir, sc, "CPU", pipe_props)
         self.cv = threading.Condition()
         self.next_id = 0
         self.live: dict[int, tuple] = {}      # request id -> (handle, its queue)
+        self.started: set[int] = set()        # requests that produced their first token
+        self.stats = {"decode_steps": 0, "decode_tokens": 0}   # after each request's first token
         threading.Thread(target=self._loop, daemon=True).start()
 
     def _loop(self):
@@ -192,9 +237,14 @@ class Engine:
                 while h.can_read():     # {sequence id: output}: the ids produced since the last read
                     new += [i for o in h.read().values() for i in o.generated_ids]
                 if new:
+                    if rid in self.started:
+                        self.stats["decode_steps"] += 1
+                        self.stats["decode_tokens"] += len(new)
+                    self.started.add(rid)
                     q.put(new)
                 status = h.get_status()
                 if status != running:
+                    self.started.discard(rid)
                     q.put(None if status == self.ov.GenerationStatus.FINISHED
                           else RuntimeError(f"generation ended with status {status}"))
                     with self.cv:
@@ -210,6 +260,10 @@ class Engine:
         cfg = self.ov.GenerationConfig()
         cfg.max_new_tokens = max_new_tokens
         cfg.ignore_eos = ignore_eos
+        if self.spec:
+            cfg.num_assistant_tokens = self.spec["num_assistant_tokens"]
+            if self.spec["pipeline"] == "prompt_lookup":
+                cfg.max_ngram_size = self.spec["max_ngram_size"]
         if eos is not None:
             cfg.eos_token_id = eos
         q: queue.Queue = queue.Queue()
@@ -248,19 +302,33 @@ def serve(argv: list[str]) -> int:
     ap.add_argument("--dtype", choices=tuple(PRECISION), default="fp32")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--kv-precision", help="KV_CACHE_PRECISION instead of the dtype's (u8: quantized KV)")
+    ap.add_argument("--spec", choices=("prompt_lookup", "draft_model"), help="speculative decoding's pipeline")
+    ap.add_argument("--num-assistant-tokens", type=int, default=5, help="with --spec: tokens proposed a step")
+    ap.add_argument("--max-ngram-size", type=int, default=4, help="--spec prompt_lookup: longest n-gram matched")
+    ap.add_argument("--draft-ir", help="--spec draft_model: the draft model's IR directory")
     a = ap.parse_args(argv)
+    if a.spec == "draft_model" and not a.draft_ir:
+        ap.error("--spec draft_model needs --draft-ir")
+    spec = None if a.spec is None else {"pipeline": a.spec, "num_assistant_tokens": a.num_assistant_tokens,
+                                        "max_ngram_size": a.max_ngram_size, "draft_ir": a.draft_ir}
     from flask import Flask, Response, jsonify, request
     from transformers import AutoTokenizer
 
     from handler.tools.bench.peers import BadRequest, _reason, final_body, parse_body
 
     tok = AutoTokenizer.from_pretrained(a.tokenizer)
-    eng = Engine(a.ir, a.kv_blocks, a.max_num_seqs, a.max_batched_tokens, a.dtype, a.threads, a.kv_precision)
+    eng = Engine(a.ir, a.kv_blocks, a.max_num_seqs, a.max_batched_tokens, a.dtype, a.threads, a.kv_precision,
+                 spec)
     app = Flask("openvino-peer")
 
     @app.get("/ping")
     def ping():
         return jsonify({"status": "healthy"})
+
+    @app.get("/spec_stats")
+    def spec_stats():
+        with eng.cv:
+            return jsonify(dict(eng.stats, speculative=a.spec))
 
     @app.post("/invocations")
     def invocations():
