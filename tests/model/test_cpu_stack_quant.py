@@ -59,7 +59,7 @@ FORMATS = {"w8a16": ({8}, {"int8_weight_only"}),
 @pytest.mark.parametrize("source", ["w8a16", "gguf", "awq"])
 def test_stack_over_grouped_weights_gives_the_python_layers_values_bit_for_bit(request, caplog, source, dtype):
     path, quantize = _model(request, source)
-    with caplog.at_level(logging.INFO, logger="lmi.cpu"):
+    with caplog.at_level(logging.INFO, logger="lmi.runner"):
         fast = _runner(path, dtype, quantize)
     slow = _runner(path, dtype, quantize, stack=False)
     assert fast.model.decode_stack is not None and slow.model.decode_stack is None
@@ -117,7 +117,7 @@ def _answers(model_dir: str, quantize: str, stack: bool, monkeypatch, caplog) ->
     from handler.tools import quality
     monkeypatch.setenv("LMI_CPU_DECODE_STACK", "1" if stack else "0")
     caplog.clear()
-    with caplog.at_level(logging.INFO, logger="lmi.cpu"):
+    with caplog.at_level(logging.INFO, logger="lmi.runner"):
         engine = quality.engine_for(model_dir, "fp32", quantize)
     try:
         assert (engine.runner.model.decode_stack is not None) == stack
