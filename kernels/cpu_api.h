@@ -21,7 +21,7 @@ typedef struct {
     const int32_t *wsum;        /* int8: per-column sums of the weight */
     const float *wscale;        /* int8: per-column scales */
     const float *bias;          /* fp32 [n] or NULL */
-    const float *qscale, *qmin; /* LIN_Q (grouped 4/8-bit codes in panels): scales and mins as lmi_gemm_q takes them */
+    const float *qscale, *qmin; /* LIN_Q (grouped 4/8-bit codes in panels): lmi_gemm_q's scales and mins */
     int64_t bits, group;        /* LIN_Q: 4 or 8-bit codes, `group` inputs per scale */
 } lmi_lin;
 

@@ -5,9 +5,10 @@
  *     h += a W_o; x = norm2(h); g|u = x W_gu; h += (silu(g) * u) W_down
  *
  * calling the same kernels the Python layer calls one by one (the panel GEMMs of cpu_gemm.c,
- * cpu_gemm_bf16.c, cpu_gemm_i8.c and cpu_gemm_q4.c, the norms, the fused attention), with the element-wise steps
- * rounded as torch rounds them: the same values bit for bit (tests/model/test_cpu_stack.py), one
- * Python call per step instead of about twenty per layer.
+ * cpu_gemm_bf16.c, cpu_gemm_i8.c and cpu_gemm_q4.c, the norms, the fused attention), with the
+ * element-wise steps rounded as torch rounds them: the same values bit for bit
+ * (tests/model/test_cpu_stack.py, test_cpu_stack_quant.py), one Python call per step instead of
+ * about twenty per layer.
  *
  * SiLU is torch's: torch computes x / (1 + exp(-x)) with Sleef's expf (u10) on whole vectors and
  * glibc's expf on a loop's tail, the loop split across threads in chunks of at::parallel_for. The
@@ -287,7 +288,7 @@ static void linear(const lmi_lin *l, const void *x, int64_t m, void *y, int64_t 
         float *xf = (float *)ws;
         widen(x, xf, m * k);
         lmi_gemm_bf16w(xf, m, k, k, l->panels, n, l->bias, y, ldy, 1, threads);
-    } else if (l->kind == LIN_Q) {  /* Q4Linear: fp32 rows (a bf16 row widened), fp32 out (rounded to bf16 for bf16) */
+    } else if (l->kind == LIN_Q) {  /* Q4Linear: fp32 rows (a bf16 row widened), fp32 out (bf16: rounded) */
         if (!bf16) {
             lmi_gemm_q(x, m, k, k, l->panels, l->qscale, l->qmin, (int)l->bits, l->group, n, l->bias, y, ldy,
                        threads);
