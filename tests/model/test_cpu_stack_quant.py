@@ -64,9 +64,9 @@ def test_stack_over_grouped_weights_gives_the_python_layers_values_bit_for_bit(r
     slow = _runner(path, dtype, quantize, stack=False)
     assert fast.model.decode_stack is not None and slow.model.decode_stack is None
     assert "a step's layers in one C call" in caplog.text and "layers in Python" not in caplog.text
-    lins = [m for layer in fast.model.model.layers for m in layer.modules() if isinstance(m, Q4Linear)]
+    lins = [m for layer in fast.model.model.layers for m in layer.modules() if isinstance(m, torch.nn.Linear)]
     bits, fmts = FORMATS[source]
-    assert len(lins) == 7 * len(fast.model.model.layers)
+    assert lins and all(isinstance(m, Q4Linear) for m in lins)     # (W8A16 fuses q|k|v and gate|up)
     assert {m.bits for m in lins} == bits and {m.fmt for m in lins} == fmts
     assert all(m.panels is not None for m in lins)      # kernels/cpu_gemm_q4.c serves them in Python too
     calls = []
