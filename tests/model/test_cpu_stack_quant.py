@@ -76,8 +76,9 @@ def test_stack_over_grouped_weights_gives_the_python_layers_values_bit_for_bit(r
         assert g.shape == w.shape and torch.equal(g, w), (i, (g.float() - w.float()).abs().max())
     for (gk, gv), (wk, wv) in zip(got_kv, want_kv):
         assert torch.equal(gk, wk) and torch.equal(gv, wv)
-    # prompts, the mixed step and the decode steps all ran in C
-    assert calls == [True] * 8
+    # the decode steps ran in C, and the prompt and mixed steps too where the build's prompt
+    # attention takes the dtype (not bf16 on avx2)
+    assert calls == [fast.model.decode_stack.prompts] * 2 + [True] * 6
 
 
 _OTHER_BUILDS = [b for b in isa.host_isas() if b != BUILD]
