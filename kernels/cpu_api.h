@@ -12,7 +12,7 @@
 #define UNROLL_MR _Pragma("GCC unroll 16")
 
 /* lmi_lin.kind */
-enum { LIN_F32 = 0, LIN_BF16 = 1, LIN_BF16W = 2, LIN_I8 = 3 };
+enum { LIN_F32 = 0, LIN_BF16 = 1, LIN_BF16W = 2, LIN_I8 = 3, LIN_Q = 4 };
 
 /* One packed linear layer (handler/model/cpu_stack.py fills these from the model's modules). */
 typedef struct {
@@ -21,6 +21,8 @@ typedef struct {
     const int32_t *wsum;        /* int8: per-column sums of the weight */
     const float *wscale;        /* int8: per-column scales */
     const float *bias;          /* fp32 [n] or NULL */
+    const float *qscale, *qmin; /* LIN_Q (grouped 4/8-bit codes in panels): lmi_gemm_q's scales and mins */
+    int64_t bits, group;        /* LIN_Q: 4 or 8-bit codes, `group` inputs per scale */
 } lmi_lin;
 
 /* A decoder layer: q/k/v and gate/up either fused (q holds q|k|v, gate holds gate|up; k, v, up

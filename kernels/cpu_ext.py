@@ -778,6 +778,7 @@ def gemm_bf16(x: torch.Tensor, panels: torch.Tensor, n: int, bias: torch.Tensor 
 
 # ---------------------------------------------------------------------------- a decode step's layers (kernels/cpu_layer.c)
 LIN_F32, LIN_BF16, LIN_BF16W, LIN_I8 = (_ENUM[k] for k in ("LIN_F32", "LIN_BF16", "LIN_BF16W", "LIN_I8"))
+LIN_Q = _ENUM["LIN_Q"]          # grouped 4/8-bit codes (handler/model/quant_int4.py Q4Linear)
 Lin = _STRUCTS["lmi_lin"]        # one packed linear layer
 Layer = _STRUCTS["lmi_layer"]    # a decoder layer's weights and KV pools (q|k|v and gate|up fused: k, v, up n = 0)
 

@@ -5,9 +5,10 @@
  *     h += a W_o; x = norm2(h); g|u = x W_gu; h += (silu(g) * u) W_down
  *
  * calling the same kernels the Python layer calls one by one (the panel GEMMs of cpu_gemm.c,
- * cpu_gemm_bf16.c and cpu_gemm_i8.c, the norms, the fused attention), with the element-wise steps
- * rounded as torch rounds them: the same values bit for bit (tests/model/test_cpu_stack.py), one
- * Python call per step instead of about twenty per layer.
+ * cpu_gemm_bf16.c, cpu_gemm_i8.c and cpu_gemm_q4.c, the norms, the fused attention), with the
+ * element-wise steps rounded as torch rounds them: the same values bit for bit
+ * (tests/model/test_cpu_stack.py, test_cpu_stack_quant.py), one Python call per step instead of
+ * about twenty per layer.
  *
  * SiLU is torch's: torch computes x / (1 + exp(-x)) with Sleef's expf (u10) on whole vectors and
  * glibc's expf on a loop's tail, the loop split across threads in chunks of at::parallel_for. The
@@ -287,6 +288,17 @@ static void linear(const lmi_lin *l, const void *x, int64_t m, void *y, int64_t 
         float *xf = (float *)ws;
         widen(x, xf, m * k);
         lmi_gemm_bf16w(xf, m, k, k, l->panels, n, l->bias, y, ldy, 1, threads);
+    } else if (l->kind == LIN_Q) {  /* Q4Linear: fp32 rows (a bf16 row widened), fp32 out (bf16: rounded) */
+        if (!bf16) {
+            lmi_gemm_q(x, m, k, k, l->panels, l->qscale, l->qmin, (int)l->bits, l->group, n, l->bias, y, ldy,
+                       threads);
+            return;
+        }
+        float *xf = (float *)ws, *yf = xf + m * k;
+        widen(x, xf, m * k);
+        lmi_gemm_q(xf, m, k, k, l->panels, l->qscale, l->qmin, (int)l->bits, l->group, n, l->bias, yf, n, threads);
+        for (int64_t r = 0; r < m; ++r)
+            for (int64_t i = 0; i < n; ++i) ((uint16_t *)y)[r * ldy + i] = f32_to_bf16(yf[r * n + i]);
     } else {    /* LIN_I8: rows quantized from fp32 (a bf16 row widened first), the output in fp32 */
         const int64_t kp = (k + 3) / 4 * 4;
         const float *xf = x;
@@ -309,9 +321,10 @@ static void linear(const lmi_lin *l, const void *x, int64_t m, void *y, int64_t 
     }
 }
 
-static int64_t lin_scratch(const lmi_lin *l, int64_t m) {
+static int64_t lin_scratch(const lmi_lin *l, int64_t m, int bf16) {
     const int64_t kp = (l->k + 3) / 4 * 4;
     if (l->kind == LIN_BF16W) return m * l->k * 4;
+    if (l->kind == LIN_Q) return bf16 ? m * (l->k + l->n) * 4 : 0;
     if (l->kind == LIN_I8) return m * l->k * 4 + m * 4 + m * l->n * 4 + m * kp;
     return 0;
 }
@@ -378,7 +391,7 @@ int lmi_step_layers(const lmi_layer *layers, int64_t L, void *h, int64_t T, int6
         const lmi_lin *ls[7] = {&layers[l].q, &layers[l].k, &layers[l].v, &layers[l].o, &layers[l].gate,
                                 &layers[l].up, &layers[l].down};
         for (int j = 0; j < 7; ++j) {
-            const int64_t s = lin_scratch(ls[j], T);
+            const int64_t s = lin_scratch(ls[j], T, bf16);
             if (s > lin) lin = s;
         }
     }

@@ -12,13 +12,13 @@ bit for bit as the Python layers leave them (tests/model/test_cpu_stack.py).
 
 What it takes, checked once at load (`build` returns None and says why otherwise): our Llama
 family without q/k norms, post-norms or residual multipliers; one rank; no LoRA; every linear
-packed for our panel kernels (fp32 panels, bf16 panels either way, int8); Llama-style RMSNorms;
-KV pools the fused attention reads, in the activations' dtype; torch's SiLU reproduced here
-(cpu_ext.silu_exact). And per step (`run` returns False, the Python layers serve): every sequence
-decodes one row (those first) or feeds a whole prompt (its context is its rows of this step:
-`kernels.stack_rows`); prompts only where no layer has a sliding window (the prompt attention
-kernel takes none). A chunk of a longer prompt goes through Python. LMI_CPU_DECODE_STACK=0 turns
-it off.
+packed for our panel kernels (fp32 panels, bf16 panels either way, int8, grouped 4/8-bit codes:
+W8A16, GGUF blocks, AWQ/GPTQ); Llama-style RMSNorms; KV pools the fused attention reads, in the
+activations' dtype; torch's SiLU reproduced here (cpu_ext.silu_exact). And per step (`run`
+returns False, the Python layers serve): every sequence decodes one row (those first) or feeds a
+whole prompt (its context is its rows of this step: `kernels.stack_rows`); prompts only where no
+layer has a sliding window (the prompt attention kernel takes none). A chunk of a longer prompt
+goes through Python. LMI_CPU_DECODE_STACK=0 turns it off.
 """
 from __future__ import annotations
 
@@ -29,6 +29,7 @@ import torch
 from handler.config.switches import switch
 from handler.model.cpu import Bf16PanelLinear, PanelLinear
 from handler.model.quant import Int8Linear
+from handler.model.quant_int4 import Q4Linear
 import kernels
 from kernels import cpu_ext, reference
 
@@ -53,6 +54,13 @@ def _lin(m, dtype: torch.dtype, keep: list) -> cpu_ext.Lin | str:
         kind = cpu_ext.LIN_I8
         extra = {"wsum": m.wsum.data_ptr(), "wscale": m.wscale.data_ptr()}
         keep += [m.wsum, m.wscale]
+    elif type(m) is Q4Linear and m.panels is not None and m.bits in (4, 8):
+        # W8A16, GGUF's blocks, AWQ/GPTQ: kernels/cpu_gemm_q4.c on fp32 rows, as Q4Linear.forward calls it
+        kind = cpu_ext.LIN_Q
+        if not (m.qscales.is_contiguous() and m.qmins.is_contiguous()):
+            return "grouped scales not packed contiguously"
+        extra = {"qscale": m.qscales.data_ptr(), "qmin": m.qmins.data_ptr(), "bits": m.bits, "group": m.group}
+        keep += [m.qscales, m.qmins]
     else:
         return f"a {type(m).__name__} with {dtype} activations"
     keep += [m.panels, bias]
