@@ -106,5 +106,5 @@ def plan_step(block_tables, seq_lens, query_start_loc, block_size: int, *, slot_
         prompts = prompt_table(qsl[b:-1], nq[b:])
     return StepPlan(lens=lens, qsl=qsl, tables=tables, slots=slots, dec=dec,
                     all_decode=len(dec) == len(lens) == t and bool(qsl) and qsl[0] == 0,
-                    dec_rows=dec_rows, dec_tables=dec_tables, dec_lens=dec_lens, chunks=chunks, whole=whole, partial=partial,
-                    prompts=prompts)
+                    dec_rows=dec_rows, dec_tables=dec_tables, dec_lens=dec_lens, chunks=chunks, whole=whole,
+                    partial=partial, prompts=prompts)

@@ -16,8 +16,8 @@ packed for our panel kernels (fp32 panels, bf16 panels either way, int8); Llama-
 KV pools the fused attention reads, in the activations' dtype; torch's SiLU reproduced here
 (cpu_ext.silu_exact). And per step (`run` returns False, the Python layers serve): every sequence
 decodes one row (those first) or feeds a whole prompt (its context is its rows of this step:
-the step plan's `prompts`, kernels/step.py); prompts only where no layer has a sliding window (the prompt attention
-kernel takes none). A chunk of a longer prompt goes through Python. The decode_stack=0 A/B arm
+the step plan's `prompts`, kernels/step.py); prompts only where no layer has a sliding window
+(the prompt attention kernel takes none). A chunk of a longer prompt goes through Python. The decode_stack=0 A/B arm
 (handler/model/cpu.py AB, benchmarks only) turns it off.
 """
 from __future__ import annotations

@@ -43,7 +43,8 @@ def _steps():
          StepItem(3, c, 0, tc, True, p, c)],
         [StepItem(4, d[:5], 0, td, False, p, d)],
         [StepItem(4, d[5:], 5, td, True, p, d), StepItem(1, [4], 10, ta, True, p, a + [17, 4])],
-        [StepItem(1, [5], 11, ta, True, p, []), StepItem(2, [6], 6, tb, True, p, []), StepItem(3, [7], 7, tc, True, p, [])],
+        [StepItem(1, [5], 11, ta, True, p, []), StepItem(2, [6], 6, tb, True, p, []),
+         StepItem(3, [7], 7, tc, True, p, [])],
         [StepItem(1, [8], 12, ta, True, p, []), StepItem(3, [9], 8, tc, True, p, [])],
     ]
 
