@@ -5,8 +5,8 @@
 
 stack: the whole decoder stack in one C call (handler/model/cpu_stack.py, kernels/cpu_layer.c).
 fused: the Python layers, with a decode step's rotary, KV write and attention in one C call per
-layer (`kernels.decode_step`). unfused: that switched off too (it returns None), the model takes
-apply_rotary_ + write_kv + paged_attention. The arms run the same engine and sequences: `rows`
+layer (the CPU backend's `cpu_ext.decode_fused`, kernels/backends.py). unfused: that switched off
+too (it returns None), the backend takes rotary + write_kv + attention. The arms run the same engine and sequences: `rows`
 requests decode together, `steps` iterations per arm, `rounds` alternations; medians per step and
 their ratios.
 """
@@ -20,7 +20,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import kernels  # noqa: E402
+from kernels import cpu_ext  # noqa: E402
 from benchmarks.step_floor import make_engine  # noqa: E402
 from handler.engine.request import SamplingParams  # noqa: E402
 
@@ -40,21 +40,21 @@ def main() -> int:
                   SamplingParams(max_new_tokens=total, ignore_eos=True))
     for _ in range(10):    # the prompts' prefill and a few decode steps
         engine._iteration()
-    real = kernels.decode_step
+    real = cpu_ext.decode_fused
     model = engine.runner.model
     stack = model.decode_stack
     times = {"stack": [], "fused": [], "unfused": []} if stack is not None else {"fused": [], "unfused": []}
     try:
         for _ in range(a.rounds):
             for arm in times:
-                kernels.decode_step = real if arm != "unfused" else (lambda *args, **kw: None)
+                cpu_ext.decode_fused = real if arm != "unfused" else (lambda *args, **kw: None)
                 model.decode_stack = stack if arm == "stack" else None
                 t = time.perf_counter()
                 for _ in range(a.steps):
                     engine._iteration()
                 times[arm].append((time.perf_counter() - t) / a.steps * 1e3)
     finally:
-        kernels.decode_step, model.decode_stack = real, stack
+        cpu_ext.decode_fused, model.decode_stack = real, stack
     for arm, v in times.items():
         print(f"{arm:8s} median {statistics.median(v):6.2f} ms/step  " + " ".join(f"{x:.1f}" for x in v))
     med = {arm: statistics.median(v) for arm, v in times.items()}

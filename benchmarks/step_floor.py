@@ -1,7 +1,7 @@
 """Engine decode step against the bare forward of the same batch (the floor).
 
     python benchmarks/step_floor.py --model-dir DIR [--dtype fp32|bf16] [--batch 32,64]
-        [--prompt-tokens 100] [--steps 16] [--reps 3] [--out step_floor.json]
+        [--prompt-tokens 100] [--steps 16] [--reps 3] [--arm NAME=VALUE ...] [--out step_floor.json]
 
 For each batch size B: B sequences of the same prompt length are prefilled through the
 paged engine (driven in this thread, no HTTP), then `--steps` decode iterations are timed:
@@ -198,10 +198,22 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     p.add_argument("--profile", action="store_true",
                    help="print torch.profiler's top operators of the engine's decode iterations")
+    p.add_argument("--arm", action="append", default=[], metavar="NAME=VALUE",
+                   help="an A/B arm of the CPU paths, repeatable (handler/model/cpu.py Arms: prepack=0, "
+                        "gemm=onednn, bf16_gemm=panels|bf16|fp32, kv_layout=token, decode_stack=0)")
     a = p.parse_args(argv)
+    from handler.model.cpu import AB
+    try:
+        for arm in a.arm:
+            name, eq, value = arm.partition("=")
+            if not eq:
+                raise ValueError(f"--arm {arm!r}: NAME=VALUE")
+            AB.set(**{name.strip(): value})
+    except ValueError as e:
+        p.error(str(e))
     if a.threads:
         torch.set_num_threads(a.threads)
-    results = {"model_dir": a.model_dir, "dtype": a.dtype, "prompt_tokens": a.prompt_tokens,
+    results = {"model_dir": a.model_dir, "dtype": a.dtype, "prompt_tokens": a.prompt_tokens, "arms": a.arm,
                "steps": a.steps, "torch_threads": torch.get_num_threads(), "batches": {}}
     for b in (int(x) for x in a.batch.split(",")):
         per_seq = -(-(a.prompt_tokens + a.steps + 8) // 16) * 16

@@ -42,6 +42,7 @@ import torch
 
 from kernels import isa as _isa
 from kernels import reference
+from kernels.step import prompt_table
 
 log = logging.getLogger("lmi.kernels")
 
@@ -586,13 +587,6 @@ def decode_fused(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, co
     if rc != 0:
         raise MemoryError("CPU decode attention: scratch allocation failed")
     return out
-
-
-def prompt_table(starts: list[int], lens: list[int]) -> torch.Tensor:
-    """Whole prompts as lmi_prefill_attention takes them: int64 [3, P] of first rows, lengths, and
-    the prompts' order longest first (the largest items start first on the thread pool)."""
-    order = sorted(range(len(lens)), key=lambda i: -lens[i])
-    return torch.tensor([list(starts), list(lens), order], dtype=torch.int64).view(3, len(lens))
 
 
 def prefill_attention_available(dtype: torch.dtype) -> bool:

@@ -1,4 +1,5 @@
-"""Plain-torch paged attention: the test oracle and the engine's CPU path.
+"""Plain-torch paged attention and rotary: the test oracle, and the `torch` backend's math
+(kernels/backends.py). Nothing here calls a C kernel.
 
 Layout (docs/ARCHITECTURE.md, "KV pool and kernels"):
   key_cache, value_cache: [num_blocks, block_size, Hkv, D]
@@ -12,6 +13,8 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from kernels.step import StepPlan, plan_step
 
 
 KV_SCALE = "kv_scale"   # the attribute of an int8 pool tensor holding its row scales
@@ -79,12 +82,6 @@ def write_kv(key_cache: torch.Tensor, value_cache: torch.Tensor, key: torch.Tens
         return
     key_cache[blk, off] = key.to(key_cache.dtype)
     value_cache[blk, off] = value.to(value_cache.dtype)
-
-
-def _as_list(x, cpu_list: list[int] | None) -> list[int]:
-    if cpu_list is not None:
-        return [int(v) for v in cpu_list]
-    return x.tolist() if isinstance(x, torch.Tensor) else [int(v) for v in x]
 
 
 def head_major(cache: torch.Tensor) -> bool:
@@ -156,39 +153,15 @@ def _attend(q, k, v, mask, scale, g, soft_cap):
     return o.view(h, n, d)
 
 
-def _plan(block_tables, seq_lens, query_start_loc, seq_lens_cpu, query_start_loc_cpu, bs: int, t: int,
-          dev) -> dict:
-    """A step's row bookkeeping, the same for every layer: context lengths and row offsets as
-    lists, the block tables, which sequences decode one row, and the decode kernel's inputs
-    (their rows, tables cut to the longest and lengths, int32)."""
-    lens = _as_list(seq_lens, seq_lens_cpu)
-    qsl = _as_list(query_start_loc, query_start_loc_cpu)
-    tables = block_tables.to(device=dev, dtype=torch.long) if isinstance(block_tables, torch.Tensor) \
-        else torch.tensor(block_tables, dtype=torch.long, device=dev)
-    nq = [qsl[s + 1] - qsl[s] for s in range(len(lens))]
-    for s, (n, ctx) in enumerate(zip(nq, lens)):
-        if not 0 <= n <= ctx:
-            raise ValueError(f"sequence {s}: {n} query rows do not fit its context length {ctx}")
-    dec = [s for s in range(len(lens)) if nq[s] == 1]
-    p = {"lens": lens, "qsl": qsl, "tables": tables, "dec": dec,
-         "all_decode": len(dec) == len(lens) == t and qsl[0] == 0}
-    if dec:
-        nblk = -(-max(lens[s] for s in dec) // bs)
-        p["dec_rows"] = torch.tensor([qsl[s] for s in dec], device=dev)
-        p["dec_tables"] = tables[torch.tensor(dec, device=dev), :nblk].to(torch.int32).contiguous()
-        p["dec_lens"] = torch.tensor([lens[s] for s in dec], dtype=torch.int32, device=dev)
-    return p
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
 
 
-def step_plan(memo: dict | None, block_tables, seq_lens, query_start_loc, seq_lens_cpu, query_start_loc_cpu,
-              bs: int, t: int, dev) -> dict:
-    """`_plan`, kept in `memo` (a dict per step shared by its layers) after the first layer made it."""
-    p = memo.get(("plan", bs)) if memo is not None else None
-    if p is None:
-        p = _plan(block_tables, seq_lens, query_start_loc, seq_lens_cpu, query_start_loc_cpu, bs, t, dev)
-        if memo is not None:
-            memo[("plan", bs)] = p
-    return p
+def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    """q [T, H, D], k [T, Hkv, D] rotated by cos/sin [T, D] (transformers' formula) -> new (q, k)."""
+    c, s = cos[:, None], sin[:, None]
+    return q * c + rotate_half(q) * s, k * c + rotate_half(k) * s
 
 
 def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
@@ -199,7 +172,7 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
                     soft_cap: float | None = None,
                     key: torch.Tensor | None = None,
                     value: torch.Tensor | None = None,
-                    decode=None, prefill=None, memo: dict | None = None) -> torch.Tensor:
+                    plan: StepPlan | None = None) -> torch.Tensor:
     """Causal attention of packed query rows [T, H, D] over paged KV -> [T, H, D].
 
     Sequence s owns rows qsl[s]:qsl[s+1] (n_s rows) at positions seq_lens[s]-n_s ..
@@ -210,35 +183,38 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
     a query at position i sees keys j > i - W (transformers' convention); `soft_cap`: Gemma 2's
     attention logit soft-capping. `key` / `value` [T, Hkv, D] (optional): this step's own keys
     and values (already written to the pool); a sequence whose whole context is in this step
-    attends to them directly instead of gathering them back. `decode` (optional): a kernel
-    for all decode rows at once, `decode(q [B, H, D], key_cache, value_cache, tables [B, W],
-    lens [B], scale, sliding_window, soft_cap) -> fp32 [B, H, D]` (kernels/cpu_ext.py reads
-    the pool in place); without it they go through the gather below. `prefill` (optional): a
-    kernel for every prompt whose whole context is this step's rows (with `key` / `value` given,
-    no window or soft-cap), `prefill(query, key, value, starts, lens, scale, out) -> bool`, causal,
-    writing those prompts' rows of `out` (kernels/cpu_ext.py); False leaves them to SDPA below. `memo` (optional): a dict
-    shared by the layers of one step, which keeps the step's row bookkeeping (the same for
-    every layer) after the first layer computed it.
+    attends to them directly instead of gathering them back. `plan` (optional): the step's
+    kernels.step.StepPlan, made once per step by the runner; without it the row bookkeeping is
+    worked out here from the arguments above.
     """
     t, h, d = query.shape
-    nb, bs, hkv, _ = key_cache.shape
+    _heads(query, key_cache)
+    if plan is None:
+        plan = plan_step(block_tables, seq_lens, query_start_loc, key_cache.shape[1], rows=t,
+                         seq_lens_cpu=seq_lens_cpu, query_start_loc_cpu=query_start_loc_cpu, device=query.device)
+    out = torch.empty(t, h, d, dtype=query.dtype, device=query.device)   # every row is written below
+    decode_into(out, query, key_cache, value_cache, plan, plan.dec, scale, sliding_window, soft_cap)
+    prompts_into(out, query, key_cache, value_cache, plan, plan.chunks, scale, sliding_window, soft_cap, key, value)
+    return out
+
+
+def _heads(query: torch.Tensor, key_cache: torch.Tensor) -> int:
+    h, hkv = query.shape[1], key_cache.shape[2]
     if h % hkv:
         raise ValueError(f"num query heads {h} is not a multiple of num kv heads {hkv}")
-    g = h // hkv
+    return h // hkv
+
+
+def decode_into(out: torch.Tensor, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                plan: StepPlan, seqs: list[int], scale: float, sliding_window: int | None = None,
+                soft_cap: float | None = None) -> None:
+    """`paged_attention`'s values for the decode rows of sequences `seqs`, written into their rows of out."""
+    g = _heads(query, key_cache)
+    _, h, d = query.shape
+    nb, bs, hkv, _ = key_cache.shape
     dev = query.device
-    p = step_plan(memo, block_tables, seq_lens, query_start_loc, seq_lens_cpu, query_start_loc_cpu, bs, t, dev)
-    lens, qsl, tables, dec = p["lens"], p["qsl"], p["tables"], p["dec"]
-    o = None
-    if decode is not None and dec:
-        q = query if p["all_decode"] else query[p["dec_rows"]]
-        o = decode(q, key_cache, value_cache, p["dec_tables"], p["dec_lens"], scale, sliding_window, soft_cap)
-        if p["all_decode"]:   # one row per sequence, in order: the kernel's output is the answer
-            return o.to(query.dtype)
-        dec = []
-    out = torch.empty(t, h, d, dtype=query.dtype, device=dev)   # every row is written below
-    if o is not None:
-        out[p["dec_rows"]] = o.to(query.dtype)
-    for group in length_groups(dec, [-(-lens[s] // bs) for s in dec]):
+    lens, qsl, tables = plan.lens, plan.qsl, plan.tables
+    for group in length_groups(seqs, [-(-lens[s] // bs) for s in seqs]):
         nblk = -(-max(lens[s] for s in group) // bs)
         rows = torch.tensor([qsl[s] for s in group], device=dev)
         blen = torch.tensor([lens[s] for s in group], device=dev)
@@ -257,16 +233,20 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
         o = _grouped(q, k, v, valid[:, None, None, :], scale, soft_cap)   # [B, Hkv, g, D]
         out[rows] = o.view(len(group), h, d).to(query.dtype)
 
-    done = ()
-    if prefill is not None and key is not None and sliding_window is None and soft_cap is None:
-        whole = [s for s in range(len(lens)) if 1 < qsl[s + 1] - qsl[s] == lens[s]]
-        if whole and prefill(query, key, value, [qsl[s] for s in whole], [lens[s] for s in whole], scale, out):
-            done = set(whole)
-    for s in range(len(lens)):
+
+def prompts_into(out: torch.Tensor, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                 plan: StepPlan, seqs: list[int], scale: float, sliding_window: int | None = None,
+                 soft_cap: float | None = None, key: torch.Tensor | None = None,
+                 value: torch.Tensor | None = None) -> None:
+    """`paged_attention`'s values for the rows of sequences `seqs` (each feeding several rows),
+    written into their rows of out."""
+    g = _heads(query, key_cache)
+    bs = key_cache.shape[1]
+    dev = query.device
+    lens, qsl, tables = plan.lens, plan.qsl, plan.tables
+    for s in seqs:
         a, b = qsl[s], qsl[s + 1]
         n, ctx = b - a, lens[s]
-        if n <= 1 or s in done:
-            continue
         q = query[a:b].transpose(0, 1)  # [H, n, D]
         if ctx == n and key is not None and sliding_window is None and soft_cap is None:
             # The whole context is this step's: attend to its own keys, causally (no gather).
@@ -287,4 +267,3 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
             mask &= kpos > qpos[:, None] - sliding_window
         o = _attend(q.float(), k, v, mask, scale, g, soft_cap)
         out[a:b] = o.transpose(0, 1).to(query.dtype)
-    return out

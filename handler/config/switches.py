@@ -1,5 +1,6 @@
 """The LMI_* environment switches, declared once: name, kind, default, allowed values, one line of
-documentation, and who reads it. `switch(NAME)` reads one from os.environ at call time (or from
+documentation, and who reads it. A/B arms that only benchmarks compare are not switches: a server
+never reads them (handler/model/cpu.py `AB`). `switch(NAME)` reads one from os.environ at call time (or from
 the mapping given), so a test's monkeypatched environment is seen.
 
 Kinds, and what `switch` returns:
@@ -57,24 +58,8 @@ _CPU = "handler/model/cpu.py"
 _TP = "handler/model/distributed.py"
 
 SWITCHES: dict[str, Switch] = {s.name: s for s in (
-    Switch("LMI_CPU_PREPACK", "flag", True, "CPU: linear layers packed for oneDNN or kernels/cpu_gemm.c; "
-           "`0` keeps the plain `nn.Linear`", _CPU),
-    Switch("LMI_CPU_GEMM", "choice", "panels", "CPU: fp32 and bf16 GEMMs by the panel kernels "
-           "(kernels/cpu_gemm.c, kernels/cpu_gemm_bf16.c) where the CPU runs them, or oneDNN's; another value "
-           "warns and keeps `panels`", _CPU,
-           allowed=("panels", "onednn")),
-    Switch("LMI_CPU_BF16_GEMM", "choice", "auto", "CPU, bf16 models: the linear layers multiply in bf16 by "
-           "kernels/cpu_gemm_bf16.c's vdpbf16ps panels (`panels`, where the CPU has AVX512-BF16), in bf16 by "
-           "oneDNN (`bf16`: turns the panels off) or in fp32 over the same values (`fp32`); `auto` times "
-           "each on the model's widest linear", _CPU, allowed=("auto", "panels", "bf16", "fp32")),
-    Switch("LMI_CPU_KV_LAYOUT", "choice", "head", "CPU KV pool: head-major, or token-major like the GPU's",
-           _CPU, allowed=("head", "token")),
     Switch("LMI_CPU_MALLOC", "choice", "tcmalloc", "CPU: `serve` re-executes itself with tcmalloc preloaded "
            "(where installed); `system` keeps the C library's allocator", _CPU, allowed=("tcmalloc", "system")),
-    Switch("LMI_CPU_DECODE_STACK", "flag", True, "CPU, our models: a step's decoder layers (decode rows, whole prompts) in "
-           "one C call (kernels/cpu_layer.c, the Python layers' values bit for bit); `0` runs them layer by layer in "
-           "Python",
-           "handler/model/cpu_stack.py"),
     Switch("LMI_CPU_KERNELS", "choice", "auto", "CPU: the C kernels' instruction set where no `option.cpu_kernels` "
            "is given (kernels used alone: tests, benchmarks); the server maps `option.cpu_kernels` onto it",
            "kernels/cpu_ext.py", allowed=("auto", "avx512", "avx2", "neon", "torch")),

@@ -7,27 +7,29 @@ model object) we fall back to SDPA, so the model stays usable on its own.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 import kernels
+from kernels.step import Step
 
 ATTN_NAME = "lmi_paged"
 
 
-@dataclass
-class StepMeta:
+@dataclass(kw_only=True)
+class StepMeta(Step):
+    """One step's metadata, built once by the runner and read by every layer: the step's tensors
+    and row bookkeeping (kernels.step.Step, its `plan`), the pools and the attention backend
+    chosen at load (kernels/backends.py)."""
     kv_cache: list[tuple[torch.Tensor, torch.Tensor]]   # per layer: [NB, bs, Hkv, D] x 2
-    slot_mapping: torch.Tensor       # [T] int64
-    block_tables: torch.Tensor       # [S, max_blocks] int32
-    seq_lens: torch.Tensor           # [S] int32: context length incl. this step's tokens
-    query_start_loc: torch.Tensor    # [S+1] int32
-    seq_lens_cpu: list[int]
-    query_start_loc_cpu: list[int]
-    memo: dict = field(default_factory=dict)   # per-step bookkeeping the layers share (kernels)
+    backend: kernels.TorchAttention | None = None       # None: the one for the slots' device
+
+    def __post_init__(self):
+        if self.backend is None:
+            self.backend = kernels.backend_for(self.slot_mapping.device)
 
 
 def paged_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
@@ -41,18 +43,10 @@ def paged_attention_forward(module, query, key, value, attention_mask, scaling=N
     q = query[0].transpose(0, 1)     # [T, H, D]
     k = key[0].transpose(0, 1)       # [T, Hkv, D]
     v = value[0].transpose(0, 1)
-    if k_cache.is_floating_point():   # an int8 pool quantizes the rows as it stores them
-        k, v = k.to(k_cache.dtype), v.to(v_cache.dtype)
-    kernels.write_kv(k_cache, v_cache, k, v, lmi_step.slot_mapping)
-    k, v = kernels.reference.as_stored(k_cache, k), kernels.reference.as_stored(v_cache, v)   # int8: as read back
     if scaling is None:
         scaling = q.shape[-1] ** -0.5
-    out = kernels.paged_attention(q, k_cache, v_cache, lmi_step.block_tables, lmi_step.seq_lens,
-                                  lmi_step.query_start_loc, float(scaling),
-                                  seq_lens_cpu=lmi_step.seq_lens_cpu,
-                                  query_start_loc_cpu=lmi_step.query_start_loc_cpu,
-                                  sliding_window=sliding_window, soft_cap=softcap, key=k, value=v,
-                                  memo=lmi_step.memo)
+    out = lmi_step.backend.forward(q, k, v, k_cache, v_cache, lmi_step, float(scaling), window=sliding_window,
+                                   soft_cap=softcap)
     return out.unsqueeze(0), None    # [1, T, H, D]
 
 

@@ -8,12 +8,12 @@ another module shares it (a tied output head keeps the embedding's).
   PackedLinear   oneDNN's blocked layout, packed once (`mkldnn._linear_pointwise`, as vLLM's
                  `onednn_mm` and inductor's freezing do): the same GEMM without a per-call reorder.
   PanelLinear    fp32 (and widened bf16) weights in 32-column panels for kernels/cpu_gemm.c where
-                 it runs (the avx512, avx2 or neon backend, kernels/isa.py; LMI_CPU_GEMM=onednn keeps
+                 it runs (the avx512, avx2 or neon backend, kernels/isa.py; the gemm=onednn arm keeps
                  oneDNN): the next panel
                  streams into L2 while the current one multiplies, so the weight stream hides
                  under the multiplications instead of preceding them. A row's output is its
                  k-ordered FMA sum, independent of the rows beside it.
-  WidenedLinear  bf16 values multiplied in fp32 by oneDNN over an fp32 copy (LMI_CPU_BF16_GEMM=fp32
+  WidenedLinear  bf16 values multiplied in fp32 by oneDNN over an fp32 copy (bf16_gemm=fp32
                  where no widening panel kernel runs): bf16 products are exact in fp32, so only the
                  sum's order differs from a bf16 GEMM. Which way a bf16 model multiplies is a rule
                  on the CPU's instructions (`bf16_gemm_mode`), never a timing.
@@ -29,13 +29,15 @@ Allocator: `python -m handler serve` on a CPU host re-executes itself once with 
 LD_PRELOAD when the system has it (as vLLM's CPU recipe): a step allocates thousands of
 short-lived tensors.
 
-Escape hatches (also the A/B switches of benchmarks/step_floor.py): LMI_CPU_PREPACK=0,
-LMI_CPU_KV_LAYOUT=token
-(token-major CPU KV pool, like the GPU's), LMI_CPU_MALLOC=system, LMI_CPU_BF16_GEMM=panels | bf16 | fp32
-(instead of the rule), LMI_CPU_GEMM=onednn.
+A/B arms (`AB`, benchmark-only: benchmarks/step_floor.py --arm, tests; never read from the
+environment, so every server runs the defaults): prepack=0 (plain `nn.Linear`), gemm=onednn, bf16_gemm=
+panels | bf16 | fp32 (instead of the rule), kv_layout=token (token-major KV pool, like the GPU's),
+decode_stack=0 (handler/model/cpu_stack.py off). The server's own CPU settings are option.cpu_kernels
+and LMI_CPU_MALLOC=system.
 """
 from __future__ import annotations
 
+import dataclasses
 import glob
 import logging
 import os
@@ -111,14 +113,39 @@ class Bf16PanelLinear(nn.Linear):
         return cpu_ext.gemm_bf16(x, self.panels, self.out_features, self.bias32, widen=self.widen)
 
 
-def _switched_off(name: str) -> bool:
-    """An on-by-default switch (LMI_CPU_PREPACK, ...; handler/config/switches.py) set to 0 / false / no / off."""
-    return not switch(name)
+@dataclasses.dataclass
+class Arms:
+    """The CPU paths' A/B arms (module doc); `AB` holds the ones in force."""
+    prepack: bool = True        # linears packed for the panel kernels or oneDNN; False: plain nn.Linear
+    gemm: str = "panels"        # panels: kernels/cpu_gemm*.c where the CPU runs them; onednn: oneDNN's
+    bf16_gemm: str = "auto"     # bf16 models: auto (the rule, bf16_gemm_mode) | panels | bf16 | fp32
+    kv_layout: str = "head"     # CPU KV pool: head-major, or token-major like the GPU's
+    decode_stack: bool = True   # our models: a step's layers in one C call (handler/model/cpu_stack.py)
+
+    CHOICES = {"gemm": ("panels", "onednn"), "bf16_gemm": ("auto", "panels", "bf16", "fp32"),
+               "kv_layout": ("head", "token")}
+
+    def set(self, **arms) -> None:
+        """Set arms by name (strings as a command line gives them: 0/1 for the flags); ValueError
+        naming the arm and its values for anything else."""
+        for name, value in arms.items():
+            if name not in {f.name for f in dataclasses.fields(self)}:
+                raise ValueError(f"no A/B arm {name!r} (arms: {', '.join(f.name for f in dataclasses.fields(self))})")
+            allowed = self.CHOICES.get(name, ("0", "1"))
+            v = str(value).strip().lower()
+            if isinstance(value, bool):
+                v = str(int(value))
+            if v not in allowed:
+                raise ValueError(f"A/B arm {name}={value!r}: allowed {', '.join(allowed)}")
+            setattr(self, name, v if name in self.CHOICES else v == "1")
+
+
+AB = Arms()
 
 
 def head_major_kv() -> bool:
-    """The CPU KV pool's layout: head-major (default) or token-major (LMI_CPU_KV_LAYOUT=token)."""
-    return switch("LMI_CPU_KV_LAYOUT") != "token"
+    """The CPU KV pool's layout: head-major (default) or token-major (the kv_layout=token arm)."""
+    return AB.kv_layout != "token"
 
 
 TCMALLOC_DIRS = ("/usr/lib/x86_64-linux-gnu", "/usr/lib/aarch64-linux-gnu", "/usr/lib64", "/usr/lib",
@@ -182,7 +209,7 @@ BF16_MODES = ("panels", "bf16", "fp32")   # how a bf16 model's linears multiply 
 
 
 def bf16_panels_available() -> bool:
-    """Whether bf16 GEMMs may go to kernels/cpu_gemm_bf16.c: panels are wanted (LMI_CPU_GEMM) and
+    """Whether bf16 GEMMs may go to kernels/cpu_gemm_bf16.c: panels are wanted (the gemm arm) and
     the CPU runs its AVX512-BF16 instructions."""
     return panels_wanted() and cpu_ext.gemm_bf16_available()
 
@@ -201,43 +228,36 @@ def bf16_gemm_mode(model: nn.Module) -> tuple[str, str]:
 
     A rule on what the CPU has, never a timing: the numerics (and so the greedy text) of every
     replica of an endpoint on one kind of instance are the same whatever the load at start-up.
-    LMI_CPU_BF16_GEMM=panels | bf16 | fp32 forces one (A/B runs). `auto`:
+    The bf16_gemm arm (`AB`, A/B runs) forces one. `auto`:
       AMX (amx_bf16)                 oneDNN's bf16: AMX tiles multiply bf16 about twice as fast as fp32
       AVX512-BF16 (kernels built)    panels: vdpbf16ps, half the weight bytes of fp32 per step
       widening kernels built         fp32 over the bf16 weights, widened in registers (no copy)
       otherwise                      oneDNN's bf16 (its own widening where the CPU has no bf16)"""
-    if _switched_off("LMI_CPU_PREPACK"):
-        return "bf16", "LMI_CPU_PREPACK=0: the linear layers stay as the model built them"
-    choice = switch("LMI_CPU_BF16_GEMM")
+    if not AB.prepack:
+        return "bf16", "the prepack=0 arm: the linear layers stay as the model built them"
+    choice = AB.bf16_gemm
     if choice in ("bf16", "fp32"):
-        return choice, f"LMI_CPU_BF16_GEMM={choice}"
+        return choice, f"the bf16_gemm={choice} arm"
     if choice == "panels":
         if bf16_panels_available():
-            return "panels", "LMI_CPU_BF16_GEMM=panels"
-        return "bf16", ("LMI_CPU_BF16_GEMM=panels, but kernels/cpu_gemm_bf16.c does not run here "
-                        "(AVX512-BF16 and LMI_CPU_GEMM=panels needed): oneDNN's bf16")
-    ignored = "" if choice == "auto" else f"; LMI_CPU_BF16_GEMM={choice!r} ignored (auto, panels, bf16 or fp32)"
+            return "panels", "the bf16_gemm=panels arm"
+        return "bf16", ("the bf16_gemm=panels arm, but kernels/cpu_gemm_bf16.c does not run here "
+                        "(AVX512-BF16 and the panels needed): oneDNN's bf16")
     if not any(m.weight.dtype == torch.bfloat16 for _, m in _linears(model)):
-        return "bf16", "no bf16 linear layers" + ignored
+        return "bf16", "no bf16 linear layers"
     if "amx_bf16" in cpu_ext._cpu_flags() and can_prepack(torch.bfloat16):
-        return "bf16", "the CPU has AMX: oneDNN's bf16" + ignored
+        return "bf16", "the CPU has AMX: oneDNN's bf16"
     if bf16_panels_available():
-        return "panels", "the CPU has AVX512-BF16: vdpbf16ps panels" + ignored
+        return "panels", "the CPU has AVX512-BF16: vdpbf16ps panels"
     if widen_in_registers():
-        return "fp32", "no bf16 dot product here: the bf16 weights widened in registers, fp32 FMAs" + ignored
-    return "bf16", "no bf16 panel kernel here: oneDNN's bf16" + ignored
+        return "fp32", "no bf16 dot product here: the bf16 weights widened in registers, fp32 FMAs"
+    return "bf16", "no bf16 panel kernel here: oneDNN's bf16"
 
 
 def panels_wanted() -> bool:
     """Whether fp32 GEMMs (and widened bf16 ones) go to kernels/cpu_gemm.c: it runs on this CPU
-    and LMI_CPU_GEMM is not `onednn` (which keeps bf16 ones off kernels/cpu_gemm_bf16.c too)."""
-    choice = switch("LMI_CPU_GEMM")
-    if choice == "onednn":
-        return False
-    if choice != "panels":
-        log.warning("LMI_CPU_GEMM=%r ignored (allowed: panels, onednn); using panels where the CPU runs them",
-                    choice)
-    return cpu_ext.gemm_available()
+    and the gemm arm is not `onednn` (which keeps bf16 ones off kernels/cpu_gemm_bf16.c too)."""
+    return AB.gemm != "onednn" and cpu_ext.gemm_available()
 
 
 def _onednn_pack(name: str, weight: torch.Tensor, widen: bool) -> torch.Tensor | None:
@@ -264,7 +284,7 @@ def prepack_linears(model: nn.Module, keep_weights: bool = False, widen_bf16: bo
     (LoRA reads their shape and dtype)."""
     tied = {id(p) for name, m in model.named_modules() if not isinstance(m, nn.Linear)
             for p in m.parameters(recurse=False)}
-    if _switched_off("LMI_CPU_PREPACK"):
+    if not AB.prepack:
         return 0
     panels = panels_wanted()
     dot = bf16_panels and not widen_bf16 and panels and cpu_ext.gemm_bf16_available()

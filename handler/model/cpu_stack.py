@@ -16,9 +16,10 @@ packed for our panel kernels (fp32 panels, bf16 panels either way, int8, grouped
 W8A16, GGUF blocks, AWQ/GPTQ); Llama-style RMSNorms; KV pools the fused attention reads, in the
 activations' dtype; torch's SiLU reproduced here (cpu_ext.silu_exact). And per step (`run`
 returns False, the Python layers serve): every sequence decodes one row (those first) or feeds a
-whole prompt (its context is its rows of this step: `kernels.stack_rows`); prompts only where no
-layer has a sliding window (the prompt attention kernel takes none). A chunk of a longer prompt
-goes through Python. LMI_CPU_DECODE_STACK=0 turns it off.
+whole prompt (its context is its rows of this step: the step plan's `prompts`, kernels/step.py);
+prompts only where no layer has a sliding window (the prompt attention kernel takes none). A chunk
+of a longer prompt goes through Python. The decode_stack=0 A/B arm (handler/model/cpu.py AB,
+benchmarks only) turns it off.
 """
 from __future__ import annotations
 
@@ -26,11 +27,9 @@ import logging
 
 import torch
 
-from handler.config.switches import switch
-from handler.model.cpu import Bf16PanelLinear, PanelLinear
+from handler.model.cpu import AB, Bf16PanelLinear, PanelLinear
 from handler.model.quant import Int8Linear
 from handler.model.quant_int4 import Q4Linear
-import kernels
 from kernels import cpu_ext, reference
 
 log = logging.getLogger("lmi.cpu")
@@ -93,15 +92,12 @@ class DecodeStack:
                 or cos.shape != (t, self.head_dim) or sin.shape != cos.shape or cos.stride() != sin.stride()
                 or cos.stride(1) != 1):
             return False
+        plan = step.plan
+        if plan is None or plan.prompts is None or (plan.prompts.shape[1] and not self.prompts):
+            return False
         pool = self.kv_cache[0][0]
-        rows = kernels.stack_rows(step.slot_mapping, step.block_tables, step.seq_lens, step.query_start_loc,
-                                  step.seq_lens_cpu, step.query_start_loc_cpu, pool.shape[1], t, h.device, step.memo)
-        if rows is None:
-            return False
-        slots, tables, lens, prompts = rows
-        if prompts.shape[1] and not self.prompts:
-            return False
-        cpu_ext.step_layers(self.layers, h, cos, sin, slots, tables, lens, prompts, heads=self.heads,
+        tables, lens = plan.stack_tables
+        cpu_ext.step_layers(self.layers, h, cos, sin, plan.slots, tables, lens, plan.prompts, heads=self.heads,
                             kv_heads=self.kv_heads, head_dim=self.head_dim, intermediate=self.intermediate,
                             eps=self.eps, lanes=self.lanes, pool=pool, scale=self.scale)
         return True
@@ -110,8 +106,8 @@ class DecodeStack:
 def build(model, kv_cache, *, tp_size: int = 1, lora: bool = False) -> tuple[DecodeStack | None, str]:
     """The model's DecodeStack, or None and why it does not apply."""
     from handler.model.llama import LlamaFamilyForCausalLM
-    if not switch("LMI_CPU_DECODE_STACK"):
-        return None, "LMI_CPU_DECODE_STACK=0"
+    if not AB.decode_stack:
+        return None, "the decode_stack=0 arm (handler/model/cpu.py AB)"
     if not isinstance(model, LlamaFamilyForCausalLM):
         return None, "not our model"
     a = model.arch

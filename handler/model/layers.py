@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels import cpu_ext
+from kernels import cpu_ext, reference
 
 
 # ---------------------------------------------------------------------------- tensor parallel
@@ -161,15 +161,9 @@ class Rotary:
         return cos, sin
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
 def apply_rotary_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
     """q [T, H, D], k [T, Hkv, D] rotated by cos/sin [T, D]: in place by the C kernel on CPU
     (transformers' rounding), else transformers' formula; returns (q, k)."""
     if q.device.type == "cpu" and cpu_ext.rotary_(q, k, cos, sin):
         return q, k
-    c, s = cos[:, None], sin[:, None]
-    return q * c + rotate_half(q) * s, k * c + rotate_half(k) * s
+    return reference.apply_rotary(q, k, cos, sin)

@@ -28,8 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import kernels
-from handler.model.layers import RMSNorm, Rotary, Shard, TensorParallel, apply_rotary_, shard
+from handler.model.layers import RMSNorm, Rotary, Shard, TensorParallel, shard
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "granite", "phi3", "olmo2")
 
@@ -149,22 +148,9 @@ class Attention(nn.Module):
         if self.qk_norm == "head":
             q, k = self.q_norm(q), self.k_norm(k)
         k_cache, v_cache = step.kv_cache[self.layer_idx]
-        # A CPU decode step: rotary, the KV write and attention in one C call (else None).
-        out = kernels.decode_step(q, k, v, cos, sin, k_cache, v_cache, step.slot_mapping, step.block_tables,
-                                  step.seq_lens, step.query_start_loc, self.scaling,
-                                  seq_lens_cpu=step.seq_lens_cpu, query_start_loc_cpu=step.query_start_loc_cpu,
-                                  sliding_window=self.window, memo=step.memo)
-        if out is not None:
-            return self.tp.reduce(self.o_proj(out.view(t, -1)))
-        q, k = apply_rotary_(q, k, cos, sin)
-        if k_cache.is_floating_point():   # an int8 pool quantizes the rows as it stores them
-            k, v = k.to(k_cache.dtype), v.to(v_cache.dtype)
-        kernels.write_kv(k_cache, v_cache, k, v, step.slot_mapping)
-        k, v = kernels.reference.as_stored(k_cache, k), kernels.reference.as_stored(v_cache, v)   # int8: as read back
-        out = kernels.paged_attention(q, k_cache, v_cache, step.block_tables, step.seq_lens, step.query_start_loc,
-                                      self.scaling, seq_lens_cpu=step.seq_lens_cpu,
-                                      query_start_loc_cpu=step.query_start_loc_cpu, sliding_window=self.window,
-                                      key=k, value=v, memo=step.memo)
+        # rotary, the KV write and attention: the backend chosen at load (kernels/backends.py)
+        out = step.backend.forward(q, k, v, k_cache, v_cache, step, self.scaling, cos=cos, sin=sin,
+                                   window=self.window)
         return self.tp.reduce(self.o_proj(out.reshape(t, -1)))     # row-parallel: partial sums
 
     def fuse(self) -> None:

@@ -20,6 +20,8 @@ from handler.model.guided import Guides
 from handler.model.quant_formats import AT_LOAD           # option.quantize values the loader handles
 from handler.model.quant_int4 import QuantLoadError
 from handler.model.sampling import Sampler
+import kernels
+from kernels.step import plan_step
 from handler.engine.types import SampleResult, StepItem
 
 log = logging.getLogger("lmi.runner")
@@ -114,6 +116,15 @@ def pack_step(items: list[StepItem], bs: int, copies=()) -> tuple[torch.Tensor, 
     return packed, first_row
 
 
+def _windowed(model) -> bool:
+    """Whether a layer of `model` has a sliding window or an attention logit soft-cap."""
+    arch = getattr(model, "arch", None)
+    if arch is not None:
+        return any(w is not None for w in arch.windows)
+    cfg = model.config.get_text_config()
+    return bool(getattr(cfg, "sliding_window", None) or getattr(cfg, "attn_logit_softcapping", None))
+
+
 def _zero_pages(shape: tuple, dtype: torch.dtype) -> torch.Tensor:
     """A CPU tensor of zeros backed by an anonymous mapping (pages committed on first write)."""
     import math
@@ -158,6 +169,7 @@ class ModelRunner:
         self.kv_cache_dtype = kv_cache_dtype
         if self.device.type == "cpu":
             self._select_cpu_kernels(cpu_kernels)
+        self.attention = kernels.backend_for(self.device)   # every layer's attention (kernels/backends.py)
         try:
             self.tokenizer = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
             config = AutoConfig.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
@@ -171,6 +183,10 @@ class ModelRunner:
         except Exception as e:  # one clear line for the operator; details in the debug log
             log.debug("model load failed", exc_info=True)
             raise ModelLoadError(f"cannot load the model from {model_dir}: {type(e).__name__}: {e}") from None
+        # The step's row bookkeeping (kernels/step.py) is built once per step where a layer reads it:
+        # the CPU backends' every layer; on CUDA the layers with windows or soft-caps (the reference's).
+        self.plan_steps = self.attention.needs_plan or _windowed(self.model)
+        log.info("attention: %s", self.attention.describe())
         layers, kv_heads, head_dim, max_pos = model_geometry(self.model.config)
         tp = ranks.world_size if ranks is not None else 1
         kv_heads //= tp      # this rank's KV heads (config checked that the degree divides them)
@@ -526,13 +542,16 @@ class ModelRunner:
             packed.to(self.device, non_blocking=True)[5:].split(sizes)
         if n_copies:
             self._copy_blocks(src, dst)
+        block_tables = tables.view(n_seq, width)
         meta = StepMeta(
-            kv_cache=self.kv_cache,
+            kv_cache=self.kv_cache, backend=self.attention,
             slot_mapping=slots,
-            block_tables=tables.view(n_seq, width).to(torch.int32),
+            block_tables=block_tables.to(torch.int32),
             seq_lens=seq_lens.to(torch.int32),
             query_start_loc=qsl.to(torch.int32),
-            seq_lens_cpu=seq_lens_cpu, query_start_loc_cpu=qsl_cpu)
+            seq_lens_cpu=seq_lens_cpu, query_start_loc_cpu=qsl_cpu,
+            plan=plan_step(block_tables, seq_lens, qsl, self.block_size, slot_mapping=slots,
+                           seq_lens_cpu=seq_lens_cpu, query_start_loc_cpu=qsl_cpu) if self.plan_steps else None)
         if self.own:
             return self.model.step(ids, pos, keep, meta)
         out = self.model(input_ids=ids[None], position_ids=pos[None],

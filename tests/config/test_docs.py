@@ -90,17 +90,18 @@ def test_every_lmi_variable_read_in_the_code_is_a_declared_switch():
 
 
 def test_switch_reads_the_environment_at_call_time(monkeypatch):
-    monkeypatch.delenv("LMI_CPU_PREPACK", raising=False)
-    assert switch("LMI_CPU_PREPACK") is True
+    monkeypatch.delenv("LMI_QUANT_HEAD", raising=False)
+    assert switch("LMI_QUANT_HEAD") is False
+    for on in ("1", " True ", "yes"):
+        monkeypatch.setenv("LMI_QUANT_HEAD", on)
+        assert switch("LMI_QUANT_HEAD") is True
     for off in ("0", " False ", "no", "OFF"):
-        monkeypatch.setenv("LMI_CPU_PREPACK", off)
-        assert switch("LMI_CPU_PREPACK") is False
-    monkeypatch.setenv("LMI_CPU_PREPACK", "yes")
-    assert switch("LMI_CPU_PREPACK") is True
-    monkeypatch.delenv("LMI_CPU_GEMM", raising=False)
-    assert switch("LMI_CPU_GEMM") == "panels"
-    monkeypatch.setenv("LMI_CPU_GEMM", " OneDNN ")
-    assert switch("LMI_CPU_GEMM") == "onednn"
+        monkeypatch.setenv("LMI_QUANT_HEAD", off)
+        assert switch("LMI_QUANT_HEAD") is False
+    monkeypatch.delenv("LMI_CPU_MALLOC", raising=False)
+    assert switch("LMI_CPU_MALLOC") == "tcmalloc"
+    monkeypatch.setenv("LMI_CPU_MALLOC", " System ")
+    assert switch("LMI_CPU_MALLOC") == "system"
     assert switch("LMI_HTTP_WORKER", {"LMI_HTTP_WORKER": ""}) == ""      # the reader decides (gevent)
     assert switch("LMI_TP_TIMEOUT_S", {}) == 600.0
     assert switch("LMI_TP_TIMEOUT_S", {"LMI_TP_TIMEOUT_S": "12.5"}) == 12.5

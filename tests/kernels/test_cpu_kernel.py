@@ -90,14 +90,25 @@ def test_decode_rows_of_the_kernel_equal_the_reference_gather_in_fp32():
                      dtype=torch.float32, max_ctx=200, decode_only=True)
     hm = dict(case, key_cache=_head_major(case["key_cache"]), value_cache=_head_major(case["value_cache"]))
     want = reference.paged_attention(**hm)
-    got = reference.paged_attention(**hm, decode=cpu_ext.decode_attention)
+    got = kernels.CpuAttention(cpu_ext.current()[0]).attend(hm["query"], hm["key_cache"], hm["value_cache"],
+                                                            _step(hm), hm["scale"])
     assert (got - want).abs().max().item() <= 1e-5
+
+
+def _step(case, slots=None):
+    """A kernels.step.Step (and its plan) for a case's tensors."""
+    lens, qsl = case["seq_lens"].tolist(), case["query_start_loc"].tolist()
+    return kernels.Step(slot_mapping=slots, block_tables=case["block_tables"], seq_lens=case["seq_lens"],
+                        query_start_loc=case["query_start_loc"], seq_lens_cpu=lens, query_start_loc_cpu=qsl,
+                        plan=kernels.plan_step(case["block_tables"], case["seq_lens"], case["query_start_loc"],
+                                               case["key_cache"].shape[1], slot_mapping=slots, rows=qsl[-1],
+                                               seq_lens_cpu=lens, query_start_loc_cpu=qsl))
 
 
 def test_torch_backend_turns_the_kernels_off(monkeypatch):
     monkeypatch.setenv("LMI_CPU_KERNELS", "torch")
     assert cpu_ext.load() is None
-    assert kernels._cpu_decode(torch.zeros(1, 2, 8), torch.zeros(2, 4, 2, 8)) is None
+    assert type(kernels.backend_for("cpu")) is kernels.TorchAttention
     with pytest.raises(RuntimeError, match="not available"):
         cpu_ext.decode_attention(torch.zeros(1, 2, 8), torch.zeros(2, 4, 2, 8), torch.zeros(2, 4, 2, 8),
                                  torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, dtype=torch.int32), 1.0)
@@ -111,7 +122,7 @@ def test_failed_build_falls_back_to_the_reference_with_a_warning(monkeypatch, tm
     assert "CPU kernels (" in caplog.text and "unavailable" in caplog.text and "false failed" in caplog.text
     case = make_case(random.Random(4), num_seqs=5, block_size=4, hkv=2, group=2, head_dim=16,
                      dtype=torch.float32, max_ctx=30, decode_only=True)
-    assert kernels._cpu_decode(case["query"], case["key_cache"]) is None
+    assert type(kernels.backend_for("cpu")) is kernels.TorchAttention
     assert rel_err(kernels.paged_attention(**case), naive_attention(**case)) <= 1e-5
     assert list(tmp_path.iterdir()) == []                      # no half-written object left behind
 
@@ -401,8 +412,9 @@ def _fused_inputs(case, rng):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("head_dim", [64, 80])
 def test_fused_decode_step_equals_rotary_write_and_attention(dtype, head_dim):
-    # kernels.decode_step (one C call) against the three calls it replaces, on copies of the same
-    # inputs: the same output bit for bit in fp32 and bf16, the same pools afterwards, q/k rotated alike.
+    # The CPU backend's decode step (one C call) against the three calls it replaces, on copies of
+    # the same inputs: the same output bit for bit in fp32 and bf16, the same pools afterwards, q/k
+    # rotated alike.
     rng = random.Random(f"fused-{dtype}-{head_dim}")
     for num_seqs in (1, 6):
         case = make_case(rng, num_seqs=num_seqs, block_size=rng.choice([4, 16]), hkv=3, group=3,
@@ -414,8 +426,15 @@ def test_fused_decode_step_equals_rotary_write_and_attention(dtype, head_dim):
         common = dict(block_tables=case["block_tables"], seq_lens=case["seq_lens"],
                       query_start_loc=case["query_start_loc"], seq_lens_cpu=case["seq_lens"].tolist(),
                       query_start_loc_cpu=case["query_start_loc"].tolist())
-        got = kernels.decode_step(q, k, v, cos, sin, *pools, slots, scale=case["scale"], memo={}, **common)
-        assert got is not None and got.dtype == dtype
+        fused = []
+        real = cpu_ext.decode_fused
+        cpu_ext.decode_fused = lambda *a: fused.append(1) or real(*a)
+        try:
+            got = kernels.CpuAttention(cpu_ext.current()[0]).forward(q, k, v, *pools, _step(case, slots), case["scale"],
+                                                                     cos=cos, sin=sin)
+        finally:
+            cpu_ext.decode_fused = real
+        assert fused == [1] and got.dtype == dtype
         q2, k2, v2 = (t.view(t.shape[0], -1, head_dim) for t in qkv2.split([q[0].numel(), k[0].numel(), v[0].numel()], -1))
         assert cpu_ext.rotary_(q2, k2, cos, sin)
         kernels.write_kv(case["key_cache"], case["value_cache"], k2, v2, slots)
@@ -430,23 +449,20 @@ def test_fused_decode_step_declines_what_it_does_not_serve():
     case = make_case(rng, num_seqs=3, block_size=4, hkv=1, group=2, head_dim=16, dtype=torch.float32,
                      max_ctx=20, decode_only=True)
     qkv, q, k, v, cos, sin, slots = _fused_inputs(case, rng)
-    common = dict(block_tables=case["block_tables"], seq_lens=case["seq_lens"],
-                  query_start_loc=case["query_start_loc"], seq_lens_cpu=case["seq_lens"].tolist(),
-                  query_start_loc_cpu=case["query_start_loc"].tolist(), scale=case["scale"])
     before = (qkv.clone(), case["key_cache"].clone())
     pools = (case["key_cache"], case["value_cache"])
-    # a step where a sequence feeds more than one row (here: two rows counted for the first)
-    mixed = dict(common, query_start_loc_cpu=[0, 2, 3, 4], seq_lens_cpu=case["seq_lens"].tolist())
-    assert kernels.decode_step(torch.cat([q, q[:1]]), torch.cat([k, k[:1]]), torch.cat([v, v[:1]]),
-                               torch.cat([cos, cos[:1]]), torch.cat([sin, sin[:1]]), *pools,
-                               torch.cat([slots, slots[:1]]), **mixed) is None
-    # K/V in another dtype than the pools: the general path converts, this one declines
-    assert kernels.decode_step(q, k.double(), v.double(), cos, sin, *pools, slots, **common) is None
+    # a step where a sequence feeds more than one row: not a decode step
+    mixed = dict(case, query_start_loc=torch.tensor([0, 2, 3, 4], dtype=torch.int32))
+    assert not _step(mixed).plan.all_decode
+    # K/V in another dtype than the pools: the general path converts, the fused call declines
+    assert cpu_ext.decode_fused(q, k.double(), v.double(), cos, sin, *pools, slots, _step(case).plan.dec_tables,
+                                _step(case).plan.dec_lens, case["scale"]) is None
     assert torch.equal(qkv, before[0]) and torch.equal(case["key_cache"], before[1])
     # a slot past the pool: an error naming it, nothing written
     nslots = case["key_cache"].shape[0] * case["key_cache"].shape[1]
     with pytest.raises(IndexError, match=f"{nslots} slots"):
-        kernels.decode_step(q, k, v, cos, sin, *pools, torch.full_like(slots, nslots), **common)
+        kernels.CpuAttention(cpu_ext.current()[0]).forward(q, k, v, *pools, _step(case, torch.full_like(slots, nslots)),
+                                                           case["scale"], cos=cos, sin=sin)
     assert torch.equal(qkv, before[0]) and torch.equal(case["key_cache"], before[1])
 
 

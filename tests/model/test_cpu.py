@@ -18,7 +18,7 @@ needs_bf16_panels = pytest.mark.skipif(not cpu_ext.gemm_bf16_available(),
 
 
 def _classes(gemm: str):
-    """(the fp32 class, the widened bf16 class) prepack_linears picks under LMI_CPU_GEMM=gemm: a
+    """(the fp32 class, the widened bf16 class) prepack_linears picks under the gemm arm: a
     widened bf16 weight stays bf16 where kernels/cpu_gemm_bf16.c widens it in registers."""
     if gemm != "panels":
         return PackedLinear, WidenedLinear
@@ -35,7 +35,7 @@ def _load(model_dir, dtype=torch.float32):
 def test_prepacked_model_gives_the_plain_models_logits(demo_model_factory, monkeypatch, gemm, dtype, tol):
     if not cpu.can_prepack(dtype):
         pytest.skip(f"oneDNN cannot prepack {dtype} on this CPU")
-    monkeypatch.setenv("LMI_CPU_GEMM", gemm)
+    monkeypatch.setattr(cpu.AB, "gemm", gemm)
     path = demo_model_factory("llama")
     plain, packed = _load(path, dtype), _load(path, dtype)
     n = prepack_linears(packed)
@@ -56,7 +56,7 @@ def test_widened_bf16_linear_is_the_exact_products_summed_and_rounded_once(monke
     # decides a rounding; the bf16 GEMM oneDNN runs obeys the same bound.
     if not cpu.can_prepack(torch.float32):
         pytest.skip("oneDNN cannot prepack on this CPU")
-    monkeypatch.setenv("LMI_CPU_GEMM", gemm)
+    monkeypatch.setattr(cpu.AB, "gemm", gemm)
     g = torch.Generator().manual_seed(5)
     lin = nn.Linear(300, 70, bias=True).to(torch.bfloat16)
     with torch.no_grad():
@@ -85,7 +85,7 @@ def test_widened_model_gives_the_bf16_models_greedy_tokens(demo_model_factory, m
     # Widened and bf16 GEMMs sum in different orders, so an activation may round one bf16 step
     # apart: the logits stay within bf16 noise, and the greedy token differs only where the top
     # two logits are within that noise of each other (random weights give a few such near-ties).
-    monkeypatch.setenv("LMI_CPU_GEMM", gemm)
+    monkeypatch.setattr(cpu.AB, "gemm", gemm)
     path = demo_model_factory(family)
     plain, widened = _load(path, torch.bfloat16), _load(path, torch.bfloat16)
     n = prepack_linears(widened, widen_bf16=True)
@@ -132,7 +132,7 @@ def test_bf16_panels_leave_fp32_layers_and_yield_to_the_switches(monkeypatch):
     assert prepack_linears(mixed, bf16_panels=True) == 2
     assert type(mixed[0]) is _classes("panels" if cpu.panels_wanted() else "onednn")[0]   # fp32 as before
     assert type(mixed[1]) is Bf16PanelLinear
-    monkeypatch.setenv("LMI_CPU_GEMM", "onednn")              # no panel kernels at all
+    monkeypatch.setattr(cpu.AB, "gemm", "onednn")              # no panel kernels at all
     model = nn.Sequential(nn.Linear(32, 48).to(torch.bfloat16))
     prepack_linears(model, bf16_panels=True)
     assert type(model[0]) is not Bf16PanelLinear
@@ -168,7 +168,7 @@ def test_real_model_on_bf16_panels_answers_like_onednn_bf16(real_model_dir, monk
     from handler.engine.request import SamplingParams
     from tests.support.engine import make_engine, run_all
     from tests.support.reference import greedy_ids, model_on, near_tie_divergence
-    monkeypatch.setenv("LMI_CPU_BF16_GEMM", "panels")
+    monkeypatch.setattr(cpu.AB, "bf16_gemm", "panels")
     prompts = ["The capital of France is", "def fibonacci(n):\n", "Write a haiku about the sea.",
                "List three prime numbers:"]
     engine = make_engine(real_model_dir, tmp_path, {"option.rolling_batch": "auto", "option.paged_attention": "true",
@@ -219,19 +219,19 @@ def test_widening_in_registers_gives_the_fp32_copys_logits_bit_for_bit(demo_mode
         assert torch.equal(ours(ids).logits, copy(ids).logits)
 
 
-def test_bf16_gemm_choice_follows_the_switch_then_a_rule_on_the_cpu(monkeypatch):
+def test_bf16_gemm_choice_follows_the_arm_then_a_rule_on_the_cpu(monkeypatch):
     model = nn.Sequential(nn.Linear(64, 96), nn.Linear(96, 64)).to(torch.bfloat16)
     panels_here, widen_here, flags = [True], [False], [set()]
     monkeypatch.setattr(cpu, "bf16_panels_available", lambda: panels_here[0])   # the rule alone, any CPU
     monkeypatch.setattr(cpu, "widen_in_registers", lambda: widen_here[0])
     monkeypatch.setattr(cpu_ext, "_cpu_flags", lambda: flags[0])
     for setting in ("fp32", "bf16", "panels"):
-        monkeypatch.setenv("LMI_CPU_BF16_GEMM", setting)
-        assert cpu.bf16_gemm_mode(model) == (setting, f"LMI_CPU_BF16_GEMM={setting}")
+        monkeypatch.setattr(cpu.AB, "bf16_gemm", setting)
+        assert cpu.bf16_gemm_mode(model) == (setting, f"the bf16_gemm={setting} arm")
     panels_here[0] = False
     got, why = cpu.bf16_gemm_mode(model)
     assert got == "bf16" and "does not run here" in why
-    monkeypatch.setenv("LMI_CPU_BF16_GEMM", "auto")
+    monkeypatch.setattr(cpu.AB, "bf16_gemm", "auto")
     # (panels kernel, widening kernel, AMX) -> the mode, whatever any GEMM's speed
     for panels, widen, amx, want in ((True, True, False, "panels"), (False, True, False, "fp32"),
                                      (False, False, False, "bf16"), (True, True, True, "bf16")):
@@ -242,14 +242,10 @@ def test_bf16_gemm_choice_follows_the_switch_then_a_rule_on_the_cpu(monkeypatch)
         assert got == want, (panels, widen, amx, got, why)
         assert got == cpu.bf16_gemm_mode(model)[0]     # the same answer every time: no timing
     assert cpu.bf16_gemm_mode(nn.Sequential(nn.Linear(4, 4)))[0] == "bf16"   # fp32 model: nothing to decide
-    monkeypatch.setenv("LMI_CPU_BF16_GEMM", "fp16")          # not a choice: said, then the rule
-    panels_here[0], widen_here[0], flags[0] = True, True, set()
+    monkeypatch.setattr(cpu.AB, "bf16_gemm", "fp32")
+    monkeypatch.setattr(cpu.AB, "prepack", False)              # nothing is packed: nothing widens
     got, why = cpu.bf16_gemm_mode(model)
-    assert got == "panels" and "'fp16' ignored (auto, panels, bf16 or fp32)" in why
-    monkeypatch.setenv("LMI_CPU_BF16_GEMM", "fp32")
-    monkeypatch.setenv("LMI_CPU_PREPACK", "0")                # nothing is packed: nothing widens
-    got, why = cpu.bf16_gemm_mode(model)
-    assert got == "bf16" and "LMI_CPU_PREPACK=0" in why
+    assert got == "bf16" and "prepack=0" in why
 
 
 @pytest.mark.parametrize("onednn_bf16", [True, False])
@@ -282,7 +278,7 @@ def test_prepacking_drops_only_weights_nobody_else_holds(demo_model_factory):
 
 
 def test_prepacking_switch(demo_model_factory, monkeypatch):
-    monkeypatch.setenv("LMI_CPU_PREPACK", "0")
+    monkeypatch.setattr(cpu.AB, "prepack", False)
     model = _load(demo_model_factory("llama"))
     assert prepack_linears(model) == 0
     assert not any(type(m) is PackedLinear for m in model.modules())
@@ -297,7 +293,7 @@ def test_runner_pool_is_head_major_on_cpu_and_switchable(demo_model_factory, mon
     k = r.kv_cache[0][0]
     assert k.shape == (16, 4, r.kv.num_kv_heads, r.kv.head_dim)   # every reader's view
     assert head_major(k) and not k.is_contiguous()
-    monkeypatch.setenv("LMI_CPU_KV_LAYOUT", "token")
+    monkeypatch.setattr(cpu.AB, "kv_layout", "token")
     r2 = ModelRunner(path, kv_cache_tokens=64, block_size=4)
     assert r2.kv_cache[0][0].is_contiguous()
 
@@ -340,7 +336,7 @@ def test_server_runs_with_tcmalloc_when_the_system_has_it(demo_model_factory, tm
 
 def _runner(model_dir, dtype, monkeypatch, packed: bool, impl: str = "auto"):
     from handler.model.runner import ModelRunner
-    monkeypatch.setenv("LMI_CPU_PREPACK", "1" if packed else "0")
+    monkeypatch.setattr(cpu.AB, "prepack", packed)
     r = ModelRunner(model_dir, dtype=dtype, device="cpu", block_size=4, kv_cache_tokens=256, max_running=8,
                     model_impl=impl)
     r.prepack_cpu()
@@ -367,7 +363,7 @@ def _step_logits(runner) -> list:
 def test_our_packed_model_equals_transformers_packed_model(demo_model_factory, monkeypatch, family, gemm):
     # The same GEMM kernel on the same weights in both: our forward's logits are transformers'
     # (through the paged attention interface), bit for bit, on every step.
-    monkeypatch.setenv("LMI_CPU_GEMM", gemm)
+    monkeypatch.setattr(cpu.AB, "gemm", gemm)
     path = demo_model_factory(family)
     ours, theirs = _runner(path, "fp32", monkeypatch, True), _runner(path, "fp32", monkeypatch, True, "transformers")
     assert ours.own and not theirs.own
@@ -395,8 +391,8 @@ def test_runner_packs_bf16_linears_as_the_gemm_choice_says(demo_model_factory, m
                                                            widened, gemm):
     if not cpu.can_prepack(torch.bfloat16):
         pytest.skip("oneDNN cannot prepack bf16 on this CPU")
-    monkeypatch.setenv("LMI_CPU_BF16_GEMM", setting)
-    monkeypatch.setenv("LMI_CPU_GEMM", gemm)
+    monkeypatch.setattr(cpu.AB, "bf16_gemm", setting)
+    monkeypatch.setattr(cpu.AB, "gemm", gemm)
     r = _runner(demo_model_factory("llama"), dtype, monkeypatch, True)
     fp32_cls, widened_cls = _classes(gemm)
     want = widened_cls if widened else PackedLinear if dtype == "bf16" else fp32_cls
@@ -405,11 +401,18 @@ def test_runner_packs_bf16_linears_as_the_gemm_choice_says(demo_model_factory, m
     assert all(m.widen is widened for m in linears if type(m) in (PanelLinear, Bf16PanelLinear))
 
 
-def test_gemm_setting_names_its_values_when_it_is_wrong(monkeypatch, caplog):
-    import logging
-    monkeypatch.setenv("LMI_CPU_GEMM", "onednn")
+def test_ab_arms_are_set_by_name_and_refuse_other_values(monkeypatch):
+    # Benchmarks set the arms (benchmarks/step_floor.py --arm); the environment never does.
+    arms = cpu.Arms()
+    arms.set(gemm="OneDNN", prepack="0", decode_stack=False, kv_layout="token")
+    assert (arms.gemm, arms.prepack, arms.decode_stack, arms.kv_layout) == ("onednn", False, False, "token")
+    with pytest.raises(ValueError, match="gemm='mkl': allowed panels, onednn"):
+        arms.set(gemm="mkl")
+    with pytest.raises(ValueError, match="no A/B arm 'attention'"):
+        arms.set(attention="reference")
+    with pytest.raises(ValueError, match="prepack='yes': allowed 0, 1"):
+        arms.set(prepack="yes")
+    monkeypatch.setenv("LMI_CPU_GEMM", "onednn")                # the old switch: read by nobody now
+    assert cpu.Arms().gemm == "panels" and cpu.panels_wanted() is cpu_ext.gemm_available()
+    monkeypatch.setattr(cpu.AB, "gemm", "onednn")
     assert cpu.panels_wanted() is False
-    monkeypatch.setenv("LMI_CPU_GEMM", "mkl")
-    with caplog.at_level(logging.WARNING, logger="lmi.cpu"):
-        assert cpu.panels_wanted() is cpu_ext.gemm_available()
-    assert any("LMI_CPU_GEMM='mkl' ignored (allowed: panels, onednn)" in r.getMessage() for r in caplog.records)

@@ -17,6 +17,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from handler.model import cpu
 from kernels import cpu_ext, isa
 
 BUILD = cpu_ext.current()[0]    # the build under test here (None: torch's operators)
@@ -121,7 +122,7 @@ def _steps(runner, calls: list) -> list:
 def test_decode_stack_gives_the_python_layers_values_bit_for_bit(demo_model_factory, monkeypatch, family, dtype,
                                                                  quantize, window, bf16_gemm):
     if bf16_gemm:
-        monkeypatch.setenv("LMI_CPU_BF16_GEMM", bf16_gemm)
+        monkeypatch.setattr(cpu.AB, "bf16_gemm", bf16_gemm)
     path = demo_model_factory(family)
     fast, slow = _runner(path, dtype, quantize, window=window), _runner(path, dtype, quantize, False, window)
     assert fast.model.decode_stack is not None and slow.model.decode_stack is None
@@ -145,11 +146,11 @@ def test_decode_stack_stays_off_where_it_does_not_apply(demo_model_factory, monk
     llama = _runner(demo_model_factory("llama"))
     stack, why = cpu_stack.build(llama.model, llama.kv_cache, lora=True)
     assert stack is None and why == "LoRA"
-    monkeypatch.setenv("LMI_CPU_DECODE_STACK", "0")
+    monkeypatch.setattr(cpu.AB, "decode_stack", False)
     stack, why = cpu_stack.build(llama.model, llama.kv_cache)
-    assert stack is None and "LMI_CPU_DECODE_STACK=0" in why
-    monkeypatch.setenv("LMI_CPU_PREPACK", "0")      # plain nn.Linear: nothing packed for the C kernels
-    monkeypatch.delenv("LMI_CPU_DECODE_STACK")
+    assert stack is None and "decode_stack=0" in why
+    monkeypatch.setattr(cpu.AB, "prepack", False)   # plain nn.Linear: nothing packed for the C kernels
+    monkeypatch.setattr(cpu.AB, "decode_stack", True)
     assert _runner(demo_model_factory("llama")).model.decode_stack is None
 
 
@@ -199,25 +200,32 @@ def test_stack_takes_long_prompts_and_declines_chunks_and_prompts_before_decodes
     assert calls == [True, True, True, False, False, True]
 
 
-def test_stack_rows_reads_the_step_layout():
-    # Decode rows first, then whole prompts: the C stack's inputs; anything else: None.
-    import kernels
-    bt = torch.tensor([[0, 1], [2, 3], [4, 5]])
+def test_step_plan_reads_the_step_layout():
+    # Decode rows first, then whole prompts: the C stack's inputs (the plan's `prompts`); anything
+    # else: None there, and the decode rows' own inputs wherever they are.
+    from kernels.step import plan_step
+    bt = torch.tensor([[0, 1], [2, 3], [4, 5]], dtype=torch.int32)
 
-    def rows(qsl, lens):
+    def plan(qsl, lens):
         t = qsl[-1]
-        return kernels.stack_rows(torch.arange(t), bt[:len(lens)], torch.tensor(lens), torch.tensor(qsl), lens, qsl,
-                                  4, t, torch.device("cpu"))
-    slots, tables, lens, prompts = rows([0, 1, 2, 7], [6, 3, 5])
-    assert slots.dtype == torch.int64 and slots.tolist() == list(range(7))
-    assert tables.tolist() == [[0, 1], [2, 3]] and lens.tolist() == [6, 3]
-    assert prompts.tolist() == [[2], [5], [0]]
-    _, tables, _, prompts = rows([0, 3, 8], [3, 5])            # prompts only, the longer one first in order
-    assert tables.shape[0] == 0 and prompts.tolist() == [[0, 3], [3, 5], [1, 0]]
-    _, tables, _, prompts = rows([0, 1, 2], [6, 3])             # decode only
-    assert tables.shape[0] == 2 and prompts.shape == (3, 0)
-    assert rows([0, 3, 4], [3, 7]) is None                      # a decode row after a prompt
-    assert rows([0, 1, 3], [6, 5]) is None                      # a chunk of a longer prompt
+        return plan_step(bt[:len(lens)], torch.tensor(lens), torch.tensor(qsl), 4, slot_mapping=torch.arange(t),
+                         seq_lens_cpu=lens, query_start_loc_cpu=qsl)
+    p = plan([0, 1, 2, 7], [6, 3, 5])
+    tables, lens = p.stack_tables
+    assert p.slots.dtype == torch.int64 and p.slots.tolist() == list(range(7))
+    assert tables.dtype == torch.int32 and tables.tolist() == [[0, 1], [2, 3]] and lens.tolist() == [6, 3]
+    assert p.prompts.tolist() == [[2], [5], [0]] and p.whole == [2] and p.partial == [] and not p.all_decode
+    p = plan([0, 3, 8], [3, 5])                                 # prompts only, the longer one first in order
+    assert p.stack_tables[0].shape[0] == 0 and p.prompts.tolist() == [[0, 3], [3, 5], [1, 0]]
+    p = plan([0, 1, 2], [6, 3])                                 # decode only
+    assert p.all_decode and p.stack_tables[0].shape[0] == 2 and p.prompts.shape == (3, 0)
+    assert p.dec_tables.tolist() == [[0, 1], [2, 3]] and p.dec_rows.tolist() == [0, 1]
+    p = plan([0, 3, 4], [3, 7])                                 # a decode row after a prompt
+    assert p.prompts is None and p.dec == [1] and p.dec_rows.tolist() == [3] and p.dec_tables.tolist() == [[2, 3]]
+    p = plan([0, 1, 3], [6, 5])                                 # a chunk of a longer prompt
+    assert p.prompts is None and p.partial == [1] and p.whole == []
+    with pytest.raises(ValueError, match="3 query rows do not fit its context length 2"):
+        plan([0, 3], [2])
 
 
 # torch's vectors of the build's width (Sleef_expf16_u10 / Sleef_expf8_u10): what its SiLU must pair with

@@ -1,0 +1,166 @@
+"""Attention backends: one object per process, chosen at load (`backend_for`), one entry point a layer.
+
+  CpuAttention    the C kernels of the chosen instruction set (kernels/cpu_ext.py): a decode
+                  step's rotary, KV write and attention in one call where every sequence feeds
+                  one row; else decode rows read the pool in place, whole prompts go to the
+                  prompt kernel, and what neither takes (chunks after cached rows, sliding
+                  windows or soft-caps on prompts) to the reference's torch math
+  TorchAttention  plain torch (kernels/reference.py): option.cpu_kernels=torch, a CPU without a
+                  kernel build, or CUDA without triton
+  TritonAttention CUDA with triton (kernels/triton_kernels.py); a sliding window or a logit
+                  soft-cap goes to the reference (the Triton kernel has neither)
+
+`forward(q, k, v, k_cache, v_cache, step, scale, cos=, sin=, window=, soft_cap=)` is the layer's
+attention: q [T, H, D], k/v [T, Hkv, D] (rotated by cos/sin [T, D] first when given: our models;
+transformers' have rotated them), k/v stored at the step's slots, attention over the pools ->
+[T, H, D]. `step` is the runner's step metadata (handler/model/attention.py StepMeta, or
+kernels.step.Step): its tensors and its `plan` (kernels.step.StepPlan, built once per step).
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from kernels import reference
+from kernels.step import StepPlan
+
+
+class TorchAttention:
+    """kernels/reference.py's math on any device."""
+
+    name = "torch"
+    needs_plan = True       # the reference reads the step's row bookkeeping at every layer
+
+    def rotate(self, q, k, cos, sin):
+        return reference.apply_rotary(q, k, cos, sin)
+
+    def write(self, key_cache, value_cache, key, value, slots) -> None:
+        reference.write_kv(key_cache, value_cache, key, value, slots)
+
+    def attend(self, query, key_cache, value_cache, step, scale: float, window=None, soft_cap=None,
+               key=None, value=None) -> torch.Tensor:
+        """Attention of this step's rows over the pools (k/v already stored); `key`/`value` this
+        step's rows as the pools give them back."""
+        return reference.paged_attention(query, key_cache, value_cache, step.block_tables, step.seq_lens,
+                                         step.query_start_loc, scale, seq_lens_cpu=step.seq_lens_cpu,
+                                         query_start_loc_cpu=step.query_start_loc_cpu, sliding_window=window,
+                                         soft_cap=soft_cap, key=key, value=value, plan=step.plan)
+
+    def forward(self, q, k, v, key_cache, value_cache, step, scale: float, *, cos=None, sin=None,
+                window: int | None = None, soft_cap: float | None = None) -> torch.Tensor:
+        if cos is not None:
+            q, k = self.rotate(q, k, cos, sin)
+        if key_cache.is_floating_point():   # an int8 pool quantizes the rows as it stores them
+            k, v = k.to(key_cache.dtype), v.to(value_cache.dtype)
+        self.write(key_cache, value_cache, k, v, step.slot_mapping)
+        k, v = reference.as_stored(key_cache, k), reference.as_stored(value_cache, v)   # int8: as read back
+        return self.attend(q, key_cache, value_cache, step, scale, window, soft_cap, k, v)
+
+    def describe(self) -> str:
+        return "plain torch (kernels/reference.py)"
+
+
+class CpuAttention(TorchAttention):
+    """The C kernels of the build kernels/cpu_ext.py loaded (its backend `isa`)."""
+
+    def __init__(self, isa: str):
+        from kernels import cpu_ext
+        self.name, self.ext = isa, cpu_ext
+
+    def rotate(self, q, k, cos, sin):
+        if self.ext.rotary_(q, k, cos, sin):
+            return q, k
+        return reference.apply_rotary(q, k, cos, sin)
+
+    def write(self, key_cache, value_cache, key, value, slots) -> None:
+        if not self.ext.write_kv(key_cache, value_cache, key, value, slots):
+            reference.write_kv(key_cache, value_cache, key, value, slots)
+
+    def forward(self, q, k, v, key_cache, value_cache, step, scale: float, *, cos=None, sin=None,
+                window: int | None = None, soft_cap: float | None = None) -> torch.Tensor:
+        p: StepPlan = step.plan
+        if cos is not None and p.all_decode and soft_cap is None and self.ext.supports(key_cache):
+            out = self.ext.decode_fused(q, k, v, cos, sin, key_cache, value_cache, p.slots, p.dec_tables,
+                                        p.dec_lens, scale, window)
+            if out is not None:
+                return out
+        return super().forward(q, k, v, key_cache, value_cache, step, scale, cos=cos, sin=sin, window=window,
+                               soft_cap=soft_cap)
+
+    def attend(self, query, key_cache, value_cache, step, scale: float, window=None, soft_cap=None,
+               key=None, value=None) -> torch.Tensor:
+        p: StepPlan = step.plan
+        t, h, d = query.shape
+        dec = p.dec
+        if dec and self.ext.supports(key_cache):    # every decode row in one call, reading the pool in place
+            o = self.ext.decode_attention(query if p.all_decode else query[p.dec_rows], key_cache, value_cache,
+                                          p.dec_tables, p.dec_lens, scale, window, soft_cap)
+            if p.all_decode:    # one row per sequence, in order: the kernel's output is the answer
+                return o.to(query.dtype)
+            out = torch.empty(t, h, d, dtype=query.dtype)
+            out[p.dec_rows] = o.to(query.dtype)
+            dec = []
+        else:
+            out = torch.empty(t, h, d, dtype=query.dtype)
+        reference.decode_into(out, query, key_cache, value_cache, p, dec, scale, window, soft_cap)
+        rest = p.chunks
+        if (p.whole and key is not None and window is None and soft_cap is None
+                and self.ext.prefill_attention(query, key, value, [p.qsl[s] for s in p.whole],
+                                               [p.lens[s] for s in p.whole], scale, out)):
+            rest = p.partial
+        reference.prompts_into(out, query, key_cache, value_cache, p, rest, scale, window, soft_cap, key, value)
+        return out
+
+    def describe(self) -> str:
+        b = self.ext.backend()
+        return f"C kernels, {b.describe() if b is not None else self.name} (kernels/cpu_ext.py)"
+
+
+class TritonAttention(TorchAttention):
+    """CUDA: the Triton kernels; the reference where a layer has a sliding window or a soft-cap."""
+
+    name = "triton"
+    needs_plan = False      # only the reference's layers read it (where the model has windows or soft-caps)
+
+    def write(self, key_cache, value_cache, key, value, slots) -> None:
+        from kernels import triton_kernels
+        triton_kernels.write_kv(key_cache, value_cache, key, value, slots)
+
+    def attend(self, query, key_cache, value_cache, step, scale: float, window=None, soft_cap=None,
+               key=None, value=None) -> torch.Tensor:
+        if window is None and soft_cap is None:
+            from kernels import triton_kernels
+            return triton_kernels.paged_attention(query, key_cache, value_cache, step.block_tables, step.seq_lens,
+                                                  step.query_start_loc, scale)
+        return super().attend(query, key_cache, value_cache, step, scale, window, soft_cap, key, value)
+
+    def describe(self) -> str:
+        return "Triton (kernels/triton_kernels.py)"
+
+
+TORCH = TorchAttention()
+
+
+@functools.lru_cache(maxsize=None)
+def triton_available() -> bool:
+    """True when `kernels.triton_kernels` (hence triton) imports on this machine."""
+    try:
+        from kernels import triton_kernels  # noqa: F401
+    except Exception:  # ImportError, or a triton build that fails at import time
+        return False
+    return True
+
+
+def backend_for(device) -> TorchAttention:
+    """The attention backend for tensors on `device`: Triton on CUDA where it imports; on CPU the
+    C kernels of the build kernels/cpu_ext.py selected, where one loaded; else plain torch."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return TritonAttention() if triton_available() else TORCH
+    if device.type == "cpu":
+        from kernels import cpu_ext
+        fn = cpu_ext.load()
+        if fn is not None:
+            return CpuAttention(fn.backend.isa)
+    return TORCH

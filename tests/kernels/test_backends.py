@@ -1,0 +1,95 @@
+"""kernels/backends.py on any host: which backend a device gets, and where each backend sends a
+layer's attention. The Triton backend's routing is checked on CPU tensors with a stand-in for
+kernels/triton_kernels.py that records its calls and answers with the reference's values (the
+Triton kernels themselves: tests/kernels/test_kernels.py and tests/model/test_gpu.py, on CUDA)."""
+from __future__ import annotations
+
+import random
+import sys
+import types
+
+import torch
+
+import kernels
+from kernels import reference
+from kernels.selfcheck import make_case
+from tests.support.kernels import naive_attention, rel_err
+
+
+def _step(case, slots=None, plan=True):
+    lens, qsl = case["seq_lens"].tolist(), case["query_start_loc"].tolist()
+    return kernels.Step(slot_mapping=slots, block_tables=case["block_tables"], seq_lens=case["seq_lens"],
+                        query_start_loc=case["query_start_loc"], seq_lens_cpu=lens, query_start_loc_cpu=qsl,
+                        plan=kernels.plan_step(case["block_tables"], case["seq_lens"], case["query_start_loc"],
+                                               case["key_cache"].shape[1], rows=qsl[-1], seq_lens_cpu=lens,
+                                               query_start_loc_cpu=qsl) if plan else None)
+
+
+def _fake_triton(monkeypatch) -> list:
+    calls = []
+    fake = types.ModuleType("kernels.triton_kernels")
+
+    def paged_attention(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale):
+        calls.append("attention")
+        return reference.paged_attention(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale)
+
+    def write_kv(key_cache, value_cache, key, value, slots):
+        calls.append("write")
+        reference.write_kv(key_cache, value_cache, key, value, slots)
+    fake.paged_attention, fake.write_kv = paged_attention, write_kv
+    monkeypatch.setitem(sys.modules, "kernels.triton_kernels", fake)
+    monkeypatch.setattr(kernels, "triton_kernels", fake, raising=False)
+    return calls
+
+
+def test_triton_backend_sends_windows_and_soft_caps_to_the_reference(monkeypatch):
+    calls = _fake_triton(monkeypatch)
+    tri = kernels.TritonAttention()
+    assert not tri.needs_plan
+    case = make_case(random.Random(3), num_seqs=4, block_size=4, hkv=2, group=2, head_dim=16,
+                     dtype=torch.float32, max_ctx=30)
+    got = tri.attend(case["query"], case["key_cache"], case["value_cache"], _step(case, plan=False), case["scale"])
+    assert calls == ["attention"] and rel_err(got, naive_attention(**case)) <= 1e-5
+    for options in ({"sliding_window": 3}, {"soft_cap": 2.0}):
+        calls.clear()
+        got = tri.attend(case["query"], case["key_cache"], case["value_cache"], _step(case), case["scale"],
+                         options.get("sliding_window"), options.get("soft_cap"))
+        assert calls == [] and rel_err(got, naive_attention(**case, **options)) <= 1e-5
+    # ... and a step without a plan (the runner builds none on CUDA for a model without windows)
+    got = tri.attend(case["query"], case["key_cache"], case["value_cache"], _step(case, plan=False), case["scale"], 3)
+    assert calls == [] and rel_err(got, naive_attention(**case, sliding_window=3)) <= 1e-5
+
+
+def test_triton_backend_forward_rotates_writes_and_attends(monkeypatch):
+    # transformers' formula for rotary, the KV rows through triton's write, then its attention:
+    # the torch backend's values over the same inputs.
+    calls = _fake_triton(monkeypatch)
+    case = make_case(random.Random(4), num_seqs=3, block_size=4, hkv=1, group=2, head_dim=16,
+                     dtype=torch.float32, max_ctx=20, decode_only=True)
+    b, h, d = case["query"].shape
+    g = torch.Generator().manual_seed(4)
+    k, v = torch.randn(b, 1, d, generator=g), torch.randn(b, 1, d, generator=g)
+    ang = torch.rand(b, d // 2, generator=g)
+    cos, sin = torch.cat([ang, ang], -1).cos(), torch.cat([ang, ang], -1).sin()
+    bs = case["key_cache"].shape[1]
+    tables, lens = case["block_tables"].tolist(), case["seq_lens"].tolist()
+    slots = torch.tensor([tables[s][(n - 1) // bs] * bs + (n - 1) % bs for s, n in enumerate(lens)])
+    pools = (case["key_cache"].clone(), case["value_cache"].clone())
+    got = kernels.TritonAttention().forward(case["query"].clone(), k.clone(), v.clone(), *pools, _step(case, slots),
+                                            case["scale"], cos=cos, sin=sin)
+    assert calls == ["write", "attention"]
+    want = kernels.TorchAttention().forward(case["query"].clone(), k.clone(), v.clone(), case["key_cache"],
+                                            case["value_cache"], _step(case, slots), case["scale"], cos=cos, sin=sin)
+    assert torch.equal(pools[0], case["key_cache"]) and torch.equal(pools[1], case["value_cache"])
+    assert torch.equal(got, want)
+
+
+def test_a_device_gets_its_backend():
+    from kernels import cpu_ext
+    cpu = kernels.backend_for("cpu")
+    if cpu_ext.load() is None:
+        assert type(cpu) is kernels.TorchAttention
+    else:
+        assert type(cpu) is kernels.CpuAttention and cpu.name == cpu_ext.current()[0]
+    assert kernels.backend_for("meta") is kernels.backends.TORCH     # any other device: plain torch
+
