@@ -116,13 +116,14 @@ def qwen_dir() -> str:
 
 def _answers(model_dir: str, quantize: str, stack: bool, monkeypatch, caplog) -> list[list[int]]:
     from handler.tools import quality
-    monkeypatch.setenv("LMI_CPU_DECODE_STACK", "1" if stack else "0")
+    from handler.model import cpu
+    monkeypatch.setattr(cpu.AB, "decode_stack", stack)
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="lmi.runner"):
         engine = quality.engine_for(model_dir, "fp32", quantize)
     try:
         assert (engine.runner.model.decode_stack is not None) == stack
-        said = "a step's layers in one C call" if stack else "layers in Python (LMI_CPU_DECODE_STACK=0)"
+        said = "a step's layers in one C call" if stack else "the decode_stack=0 arm"
         assert said in caplog.text, caplog.text[-2000:]
         assert any(isinstance(m, Q4Linear) for m in engine.runner.model.modules())
         return quality.chat_answers(engine, quality.chat_ids(engine.runner.tokenizer, quality.CHAT[:3]), 16)
