@@ -20,12 +20,12 @@ import pytest
 import torch
 
 from handler.model.quant_int4 import Q4Linear
-from kernels import isa
+from kernels import cpu_ext, isa
 from tests.model.test_cpu_stack import BUILD, _TORCH_CAPABILITY, _runner, _steps, needs_stack
 from tests.model.test_gguf_blocks import KINDS, tiny_qwen2_gguf  # noqa: F401 (a fixture)
 from tests.model.test_quant_int4 import tiny_dir  # noqa: F401 (a fixture)
 
-needs_q = pytest.mark.skipif(not __import__("kernels.cpu_ext").cpu_ext.gemm_q_available(),
+needs_q = pytest.mark.skipif(not cpu_ext.gemm_q_available(),
                              reason=f"no grouped-weight GEMM (kernels/cpu_gemm_q4.c) in the {BUILD} build")
 
 
