@@ -5,7 +5,8 @@
 
 bw     the host's read bandwidth: a C loop of 512-bit (or 256-bit) loads summing a 512 MiB fp32 buffer
        over `threads` OpenMP threads (each a contiguous slice), best of 5; torch's copy_ of the same
-       buffer beside it (handler/tools/bench/floor.py's probe: bytes copied per second)
+       buffer beside it (handler/tools/bench/floor.py's probe: bytes copied per second); the read loop
+       again with software prefetches 8 KiB ahead (read_pf: whether more lines in flight stream faster)
 fp32   kernels/cpu_gemm.c's lmi_gemm on 1 row, per shape: `layers` copies of the weight cycled one per
        call (as a step walks its layers, so they stream from memory, not L3), best of `rounds` rounds;
        GB/s = panel bytes / time per call
@@ -46,7 +47,7 @@ PROBE_C = r"""
 #include <stdint.h>
 #include <immintrin.h>
 #include <omp.h>
-float probe_read(const float *p, int64_t n, int nthreads) {
+float probe_read(const float *p, int64_t n, int nthreads, int64_t pf) {
     float total = 0.f;
 #pragma omp parallel num_threads(nthreads) reduction(+:total)
     {
@@ -55,6 +56,12 @@ float probe_read(const float *p, int64_t n, int nthreads) {
 #if defined(__AVX512F__)
         __m512 s0 = _mm512_setzero_ps(), s1 = s0, s2 = s0, s3 = s0;
         for (int64_t i = lo; i + 64 <= hi; i += 64) {
+            if (pf) {
+                _mm_prefetch((const char *)(p + i + pf), _MM_HINT_T0);
+                _mm_prefetch((const char *)(p + i + pf + 16), _MM_HINT_T0);
+                _mm_prefetch((const char *)(p + i + pf + 32), _MM_HINT_T0);
+                _mm_prefetch((const char *)(p + i + pf + 48), _MM_HINT_T0);
+            }
             s0 = _mm512_add_ps(s0, _mm512_loadu_ps(p + i));
             s1 = _mm512_add_ps(s1, _mm512_loadu_ps(p + i + 16));
             s2 = _mm512_add_ps(s2, _mm512_loadu_ps(p + i + 32));
@@ -80,7 +87,7 @@ def probe_lib():
     subprocess.run(["gcc", "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", src, "-o", so], check=True)
     lib = ctypes.CDLL(so)
     lib.probe_read.restype = ctypes.c_float
-    lib.probe_read.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]
+    lib.probe_read.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_int64]
     return lib
 
 
@@ -91,15 +98,19 @@ def bandwidth(threads: int, mib: int = 512, reps: int = 5) -> dict:
     dst = torch.empty_like(src)
     torch.set_num_threads(threads)
     dst.copy_(src)
-    read, copy = float("inf"), float("inf")
+    read, read_pf, copy = float("inf"), float("inf"), float("inf")
     for _ in range(reps):
         t = time.perf_counter()
-        lib.probe_read(src.data_ptr(), n, threads)
+        lib.probe_read(src.data_ptr(), n, threads, 0)
         read = min(read, time.perf_counter() - t)
+        t = time.perf_counter()
+        lib.probe_read(src.data_ptr(), n, threads, 2048)
+        read_pf = min(read_pf, time.perf_counter() - t)
         t = time.perf_counter()
         dst.copy_(src)
         copy = min(copy, time.perf_counter() - t)
-    return {"threads": threads, "read_gbps": round(n * 4 / read / 1e9, 1), "copy_gbps": round(n * 4 / copy / 1e9, 1)}
+    return {"threads": threads, "read_gbps": round(n * 4 / read / 1e9, 1),
+            "read_pf_gbps": round(n * 4 / read_pf / 1e9, 1), "copy_gbps": round(n * 4 / copy / 1e9, 1)}
 
 
 def weights(shapes, layers: int, kind: str) -> dict:
@@ -185,7 +196,8 @@ def main(argv=None) -> int:
         run = {"threads": threads}
         if "bw" in what:
             run["bw"] = bandwidth(threads)
-            print(f"threads {threads}: read {run['bw']['read_gbps']} GB/s, copy {run['bw']['copy_gbps']} GB/s",
+            print(f"threads {threads}: read {run['bw']['read_gbps']} GB/s (prefetching 8 KiB ahead "
+                  f"{run['bw']['read_pf_gbps']} GB/s), copy {run['bw']['copy_gbps']} GB/s",
                   flush=True)
         for kind in ("fp32", "int8"):
             if kind not in what:
