@@ -50,7 +50,7 @@ int lmi_gemm_available(void) { return 1; }
  * into L2, so the panel's row blocks share the prefetching. */
 /* The L1 prefetch distance in k-rows of the panel: one row streams its panel from memory at the
  * loop's pace (no next-panel prefetch, see gemm_block), so it looks 4 KiB ahead; 1-row decode
- * GEMMs of the 0.5 B Qwen's shapes on 2 Zen 4 cores: 8-10% less time than 8 rows ahead with the
+ * GEMMs of the 0.5 B Qwen's shapes on 2 Zen 4 cores: 5-10% less time (3 of 4 interleaved runs) than 8 ahead with the
  * next-panel L2 prefetch (benchmarks/gemv_stream.py). Bigger blocks read the panel from L2. */
 #define PFD(MR) ((MR) == 1 ? 32 : 8)
 #define KERNEL(MR)                                                                                  \
