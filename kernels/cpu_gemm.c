@@ -48,6 +48,11 @@ int lmi_gemm_available(void) { return 1; }
 /* MR rows of A (row stride lda) x one panel B [K][32] -> C (row stride ldc), ncols <= 32 of them
  * stored. Bn (or NULL): the next panel; this row block prefetches its k-rows pf0, pf0 + pfs, ...
  * into L2, so the panel's row blocks share the prefetching. */
+/* The L1 prefetch distance in k-rows of the panel: one row streams its panel from memory at the
+ * loop's pace (no next-panel prefetch, see gemm_block), so it looks 4 KiB ahead; 1-row decode
+ * GEMMs of the 0.5 B Qwen's shapes on 2 Zen 4 cores: 5-10% less time (3 of 4 interleaved runs) than 8 ahead with the
+ * next-panel L2 prefetch (benchmarks/gemv_stream.py). Bigger blocks read the panel from L2. */
+#define PFD(MR) ((MR) == 1 ? 32 : 8)
 #define KERNEL(MR)                                                                                  \
     static void kern_##MR(const float *A, int64_t lda, const float *B, int64_t K, float *C,         \
                           int64_t ldc, const float *bias, int64_t ncols, const float *Bn,           \
@@ -65,8 +70,8 @@ int lmi_gemm_available(void) { return 1; }
                 pfk += pfs;                                                                         \
             }                                                                                       \
             const __m512 b0 = _mm512_loadu_ps(B + k * NR), b1 = _mm512_loadu_ps(B + k * NR + 16);   \
-            _mm_prefetch((const char *)(B + (k + 8) * NR), _MM_HINT_T0);                            \
-            _mm_prefetch((const char *)(B + (k + 8) * NR + 16), _MM_HINT_T0);                       \
+            _mm_prefetch((const char *)(B + (k + PFD(MR)) * NR), _MM_HINT_T0);                      \
+            _mm_prefetch((const char *)(B + (k + PFD(MR)) * NR + 16), _MM_HINT_T0);                 \
             UNROLL_MR for (int r = 0; r < MR; ++r) {                                                \
                 const __m512 a = _mm512_set1_ps(A[r * lda + k]);                                    \
                 c0[r] = _mm512_fmadd_ps(a, b0, c0[r]);                                              \
@@ -98,6 +103,7 @@ static const kern_t KERNS[MRMAX + 1] = {0, kern_1, kern_2, kern_3, kern_4, kern_
 
 #define MRB MRMAX
 #define KERNB KERNS
+#define PF_NEXT_ROWS 2      /* a 1-row block leaves the next panel to its far L1 prefetch (PFD) */
 #define LMI_GEMM_DRIVER
 #elif (defined(__AVX2__) && defined(__FMA__)) || (defined(__ARM_NEON) && defined(__aarch64__))
 /* AVX2+FMA and aarch64 NEON: one source over cpu_simd.h's 8-lane vectors (a panel row is 4 of them).
@@ -160,6 +166,7 @@ static const kern_t KERNS[MRV + 1] = {0, kv_1, kv_2, kv_3};
 
 #define MRB MRV
 #define KERNB KERNS
+#define PF_NEXT_ROWS 1
 #define LMI_GEMM_DRIVER
 #else
 int lmi_gemm_available(void) { return 0; }
@@ -183,7 +190,8 @@ static void gemm_block(const void *v, int64_t row, int64_t rows, int64_t p, int 
     const gemm_ctx *c = (const gemm_ctx *)v;
     const float *B = c->Bp + p * c->K * NR;
     KERNB[rows](c->A + row * c->lda, c->lda, B, c->K, c->C + row * c->ldc + p * NR, c->ldc,
-                c->bias ? c->bias + p * NR : 0, c->N - p * NR < NR ? c->N - p * NR : NR, next ? B + c->K * NR : 0,
+                c->bias ? c->bias + p * NR : 0, c->N - p * NR < NR ? c->N - p * NR : NR,
+                next && rows >= PF_NEXT_ROWS ? B + c->K * NR : 0,
                 i, nb);
 }
 
