@@ -215,7 +215,7 @@ class ModelRunner:
             self.model.fuse_projections()
         if on_the_fly:
             from handler.model import quant
-            quant.quantize_model(self.model, on_the_fly, head=switch("LMI_QUANT_HEAD"))
+            quant.quantize_model(self.model, on_the_fly, head=quant.head_quantized(on_the_fly, switch("LMI_QUANT_HEAD")))
         self.eos_token_ids = self._eos_ids()
         self.sampler = Sampler(self.eos_token_ids)
         # Guided decoding (xgrammar; built on first use): handler.engine.types.Guides
@@ -338,7 +338,7 @@ class ModelRunner:
                 table = list(range(-(-len(ids) // self.block_size)))
                 item = StepItem(0, ids, 0, table, True, SamplingParams(max_new_tokens=1), ids)
                 self._forward(pack_step([item], self.block_size)[0])
-            n = quant.smooth(self.model, calibrate, head=switch("LMI_QUANT_HEAD"))
+            n = quant.smooth(self.model, calibrate, head=quant.head_quantized(method, switch("LMI_QUANT_HEAD")))
             log.info("%s: %d layer groups smoothed on %d calibration tokens (SmoothQuant, alpha %.2f)",
                      method, n, len(ids), quant.SMOOTH_ALPHA)
 

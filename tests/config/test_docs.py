@@ -90,14 +90,16 @@ def test_every_lmi_variable_read_in_the_code_is_a_declared_switch():
 
 
 def test_switch_reads_the_environment_at_call_time(monkeypatch):
-    monkeypatch.delenv("LMI_QUANT_HEAD", raising=False)
-    assert switch("LMI_QUANT_HEAD") is False
+    monkeypatch.delenv("LMI_BENCH_EOS_AFTER", raising=False)
+    assert switch("LMI_BENCH_EOS_AFTER") is False
     for on in ("1", " True ", "yes"):
-        monkeypatch.setenv("LMI_QUANT_HEAD", on)
-        assert switch("LMI_QUANT_HEAD") is True
+        monkeypatch.setenv("LMI_BENCH_EOS_AFTER", on)
+        assert switch("LMI_BENCH_EOS_AFTER") is True
     for off in ("0", " False ", "no", "OFF"):
-        monkeypatch.setenv("LMI_QUANT_HEAD", off)
-        assert switch("LMI_QUANT_HEAD") is False
+        monkeypatch.setenv("LMI_BENCH_EOS_AFTER", off)
+        assert switch("LMI_BENCH_EOS_AFTER") is False
+    monkeypatch.delenv("LMI_QUANT_HEAD", raising=False)
+    assert switch("LMI_QUANT_HEAD") == "auto"
     monkeypatch.delenv("LMI_CPU_MALLOC", raising=False)
     assert switch("LMI_CPU_MALLOC") == "tcmalloc"
     monkeypatch.setenv("LMI_CPU_MALLOC", " System ")

@@ -4,6 +4,7 @@ with `model.generate` on the same dequantized weights (every strategy, and the t
 property's names, and the quality on the real model beside W8A8's."""
 from __future__ import annotations
 
+import json
 import os
 import shutil
 
@@ -79,7 +80,27 @@ def _runner(model_dir, quantize, **kw):
                        quantize=quantize, **kw)
 
 
-def test_every_linear_but_the_head_is_int8_per_channel_and_unsmoothed(demo_model_dir):
+def test_the_head_is_int8_under_w8a16_unless_told_and_float_under_w8a8():
+    assert quant.head_quantized("int8_weight_only") and quant.head_quantized("w8a16", "auto")
+    assert not quant.head_quantized("int8") and not quant.head_quantized("int8", "auto")
+    assert not quant.head_quantized("int8_weight_only", "0") and quant.head_quantized("int8", "1")
+
+
+def test_the_head_follows_lmi_quant_head(demo_model_dir, monkeypatch):
+    monkeypatch.setenv("LMI_QUANT_HEAD", "auto")
+    r = _runner(demo_model_dir, "int8_weight_only", fuse=False)
+    head = r.model.get_output_embeddings()
+    assert type(head) is Q4Linear and head.bits == 8 and head.fmt == "int8_weight_only"
+    # the embedding keeps its float table (a tied head is untied before quantizing)
+    emb = r.model.get_input_embeddings()
+    assert emb.weight.numel() > 0 and emb.weight.dtype == torch.float32
+    monkeypatch.setenv("LMI_QUANT_HEAD", "0")
+    assert type(_runner(demo_model_dir, "int8_weight_only", fuse=False).model.get_output_embeddings()) \
+        is not Q4Linear
+
+
+def test_every_linear_but_the_head_is_int8_per_channel_and_unsmoothed(demo_model_dir, monkeypatch):
+    monkeypatch.setenv("LMI_QUANT_HEAD", "0")
     r = _runner(demo_model_dir, "int8_weight_only", fuse=False)
     head = r.model.get_output_embeddings()
     body = [m for m in r.model.modules() if isinstance(m, nn.Linear) and m is not head]
@@ -99,8 +120,8 @@ def test_every_linear_but_the_head_is_int8_per_channel_and_unsmoothed(demo_model
 
 
 def _dequantized_dir(src: str, dst: str) -> str:
-    """A float copy of `src` whose linear layers (all but the head and embeddings) hold their W8A16
-    dequantized weights: what `model.generate` runs as the reference."""
+    """A float copy of `src` whose linear layers (the head too, untied; not the embeddings) hold their
+    W8A16 dequantized weights: what `model.generate` runs as the reference."""
     from safetensors.torch import load_file, save_file
     shutil.copytree(src, dst)
     path = os.path.join(dst, "model.safetensors")
@@ -112,6 +133,15 @@ def _dequantized_dir(src: str, dst: str) -> str:
             t[key] = quant.w8a16_grouped(t[key]).dequantize().contiguous()
             changed += 1
     assert changed
+    # the head as W8A16 serves it by default (LMI_QUANT_HEAD=auto): int8 per channel, its own copy
+    cfg_path = os.path.join(dst, "config.json")
+    with open(cfg_path) as f:
+        cfg = json.load(f)
+    head = t.get("lm_head.weight", t["model.embed_tokens.weight"])
+    t["lm_head.weight"] = quant.w8a16_grouped(head).dequantize().contiguous()
+    cfg["tie_word_embeddings"] = False
+    with open(cfg_path, "w") as f:
+        json.dump(cfg, f)
     save_file(t, path, metadata={"format": "pt"})
     return dst
 
