@@ -233,23 +233,29 @@ _TORCH_CAPABILITY = {"avx512": "avx512", "avx2": "avx2"}
 _OTHER_BUILDS = [b for b in isa.host_isas() if b != BUILD]
 
 
+def passed_on_build(build: str, test_file: str, select: str) -> tuple[set[str], str]:
+    """Runs `test_file`'s tests matching `-k select` in a subprocess with LMI_CPU_KERNELS=build (and
+    torch at the build's width); asserts the run passed and returns (the tests that passed, its output)."""
+    env = dict(os.environ, LMI_CPU_KERNELS=build, HF_HUB_OFFLINE="1")
+    env.pop("ATEN_CPU_CAPABILITY", None)
+    if build in _TORCH_CAPABILITY:
+        env["ATEN_CPU_CAPABILITY"] = _TORCH_CAPABILITY[build]
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rA", "-p", "no:cacheprovider",
+                        os.path.abspath(test_file), "-k", select],
+                       env=env, cwd=root, capture_output=True, text=True, timeout=1200)
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, out[-6000:]
+    return set(re.findall(r"^PASSED \S+::(\S+)", r.stdout, re.M)), out
+
+
 @pytest.mark.parametrize("build", _OTHER_BUILDS or [None])
 def test_stack_on_every_other_build_this_cpu_runs(build):
     # The tests above in a subprocess with LMI_CPU_KERNELS=build (and torch at the build's width):
     # they must pass, and the SiLU and fp32 stack tests must have run there, not skipped.
     if build is None:
         pytest.skip(f"this CPU runs no build but {BUILD} (of {', '.join(isa.ISAS)}), tested above")
-    env = dict(os.environ, LMI_CPU_KERNELS=build, HF_HUB_OFFLINE="1")
-    env.pop("ATEN_CPU_CAPABILITY", None)
-    if build in _TORCH_CAPABILITY:
-        env["ATEN_CPU_CAPABILITY"] = _TORCH_CAPABILITY[build]
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rA", "-p", "no:cacheprovider", os.path.abspath(__file__),
-                        "-k", "not every_other_build and not stays_off and not step_layout"],
-                       env=env, cwd=root, capture_output=True, text=True, timeout=1200)
-    out = r.stdout + r.stderr
-    assert r.returncode == 0, out[-6000:]
-    passed = set(re.findall(r"^PASSED \S+::(\S+)", r.stdout, re.M))
+    passed, out = passed_on_build(build, __file__, "not every_other_build and not stays_off and not step_layout")
     for want in ("test_silu_mul_rounds_as_torch[1-dtype0]", "test_silu_mul_rounds_as_torch[2-dtype1]",
                  "test_decode_stack_gives_the_python_layers_values_bit_for_bit[llama-fp32-None-None-None]",
                  "test_stack_takes_long_prompts_and_declines_chunks_and_prompts_before_decodes[fp32]"):

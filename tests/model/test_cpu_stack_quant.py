@@ -11,17 +11,13 @@ does)."""
 from __future__ import annotations
 
 import logging
-import os
-import re
-import subprocess
-import sys
 
 import pytest
 import torch
 
 from handler.model.quant_int4 import Q4Linear
 from kernels import cpu_ext, isa
-from tests.model.test_cpu_stack import BUILD, _TORCH_CAPABILITY, _runner, _steps, needs_stack
+from tests.model.test_cpu_stack import BUILD, _runner, _steps, needs_stack, passed_on_build
 from tests.model.test_gguf_blocks import KINDS, tiny_qwen2_gguf  # noqa: F401 (a fixture)
 from tests.model.test_quant_int4 import tiny_dir  # noqa: F401 (a fixture)
 
@@ -90,17 +86,7 @@ def test_grouped_stack_on_every_other_build_this_cpu_runs(build):
     # must pass there, not skip.
     if build is None:
         pytest.skip(f"this CPU runs no build but {BUILD}, tested above")
-    env = dict(os.environ, LMI_CPU_KERNELS=build, HF_HUB_OFFLINE="1")
-    env.pop("ATEN_CPU_CAPABILITY", None)
-    if build in _TORCH_CAPABILITY:
-        env["ATEN_CPU_CAPABILITY"] = _TORCH_CAPABILITY[build]
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rA", "-p", "no:cacheprovider",
-                        os.path.abspath(__file__), "-k", "bit_for_bit"],
-                       env=env, cwd=root, capture_output=True, text=True, timeout=1200)
-    out = r.stdout + r.stderr
-    assert r.returncode == 0, out[-6000:]
-    passed = set(re.findall(r"^PASSED \S+::(\S+)", r.stdout, re.M))
+    passed, out = passed_on_build(build, __file__, "bit_for_bit")
     for source in ("w8a16", "gguf", "awq"):
         for dtype in ("fp32", "bf16"):
             want = f"test_stack_over_grouped_weights_gives_the_python_layers_values_bit_for_bit[{source}-{dtype}]"
