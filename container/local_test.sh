@@ -117,10 +117,10 @@ else
         CA_ARGS=(-v "$HOST_CA:/etc/ssl/build-ca.crt:ro" --build-arg PIP_CERT=/etc/ssl/build-ca.crt)
         log "pip in the build trusts $HOST_CA"
     fi
-    # The vfs driver stores every layer as a full copy of the image's tree (~3 GB), so
-    # each source change leaves three stale copies behind; a host that builds on every
-    # run (CI keeps its store) fills its disk unless they go. Dangling images are the
-    # earlier builds' layers that no tag uses: this tag's cache chain stays.
+    # The vfs driver stores every layer as a full copy of the image's tree (~2 GB; the
+    # Dockerfile keeps them few), so each source change leaves a stale copy behind; a host
+    # that builds on every run (CI keeps its store) fills its disk unless it goes. Dangling
+    # images are the earlier builds' layers that no tag uses: this tag's cache chain stays.
     prune_stale
     log "building $IMAGE from $BASE_IMAGE ($(store_free) free in podman's store)"
     start=$(date +%s)

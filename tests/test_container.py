@@ -41,18 +41,36 @@ def test_hadolint_clean():
 def test_dockerfile_sagemaker_contract():
     ins = dockerfile_instructions()
     assert ins[0][0] == "ARG" and ins[0][1].startswith("BASE_IMAGE=")
-    assert ("FROM", "${BASE_IMAGE}") in ins
-    assert ("LABEL", "com.amazonaws.sagemaker.capabilities.accept-bind-to-port=true") in ins
-    assert ("EXPOSE", "8080") in ins
-    assert ("ENTRYPOINT", '["/usr/local/bin/serve"]') in ins  # exec form: no shell in between
+    assert ins[1] == ("FROM", "${BASE_IMAGE} AS system")
+    final = len(ins) - [i for i, _ in ins][::-1].index("FROM") - 1
+    assert ins[final] == ("FROM", "system")         # the image is the last stage, on the same system
+    tail = ins[final:]
+    assert ("LABEL", "com.amazonaws.sagemaker.capabilities.accept-bind-to-port=true") in tail
+    assert ("EXPOSE", "8080") in tail
+    assert ("ENTRYPOINT", '["/usr/local/bin/serve"]') in tail  # exec form: no shell in between
     assert [i for i, _ in ins].count("ENTRYPOINT") == 1 and not any(i == "CMD" for i, _ in ins)
-    assert any(i == "COPY" and a == "container/serve /usr/local/bin/serve" for i, a in ins)
+    # the entrypoint is staged with its mode and lands at the ENTRYPOINT's path
+    assert any(i == "COPY" and a == "container/serve /src/serve" for i, a in ins)
+    assert any(i == "RUN" and "install -m 755 /src/serve /out/root/usr/local/bin/serve" in a for i, a in ins)
+    assert tail[-1] == ("COPY", "--from=package /out/root/ /")
+
+
+def test_dockerfile_source_change_rebuilds_one_layer_of_the_image():
+    """With podman's vfs driver every layer of the image is a full copy of its tree (~2 GB):
+    after the RUN that installs torch and the dependencies, only metadata and one COPY."""
+    ins = dockerfile_instructions()
+    final = len(ins) - [i for i, _ in ins][::-1].index("FROM") - 1
+    runs = [k for k in range(final, len(ins)) if ins[k][0] == "RUN"]
+    assert len(runs) == 1 and "torch" in ins[runs[0]][1] and "requirements.txt" in ins[runs[0]][1]
+    after = [i for i, _ in ins[runs[0] + 1:]]
+    assert after.count("COPY") == 1 and set(after) <= {"COPY", "LABEL", "EXPOSE", "WORKDIR", "ENTRYPOINT"}
 
 
 def test_dockerignore_admits_everything_the_dockerfile_copies():
     ignore = (REPO / "container" / "Dockerfile.dockerignore").read_text().splitlines()
     admitted = {line[1:].rstrip("/") for line in ignore if line.startswith("!")}
-    sources = [a.split()[0].rstrip("/") for i, a in dockerfile_instructions() if i == "COPY"]
+    sources = [a.split()[0].rstrip("/") for i, a in dockerfile_instructions()
+               if i == "COPY" and not a.startswith("--from=")]
     assert sources and set(sources) <= admitted, (sources, admitted)
 
 
@@ -86,6 +104,8 @@ def test_serve_entrypoint_execs_the_server(fake_python, args, expected):
 # testing on one machine do not overwrite each other's image.
 IMAGE = "localhost/lmi-serve:test-" + hashlib.sha1(str(REPO).encode()).hexdigest()[:8]
 PODMAN = ["podman", "--storage-driver", "vfs"]
+# runc and explicit rlimits: crun fails on rlimits with these hosts' hybrid cgroups
+RUN_ARGS = ["run", "--rm", "--runtime", "runc", "--ulimit", "nofile=1024:1024", "--ulimit", "nproc=4096:4096"]
 
 
 def _podman_skip_reason() -> str | None:
@@ -134,6 +154,48 @@ def test_local_container_build_run_and_stop(image):
     assert '"generated_text"' in out
     stopped = re.search(r"stopped in ([\d.]+) s, exit code (\d+)", out)
     assert stopped and stopped.group(2) != "137", out[-4000:]
+
+
+def _package_digests(root: Path) -> dict[str, str]:
+    """{relative path: sha256} of the package's Python and C files under root (handler/, kernels/)."""
+    out = {}
+    for top in ("handler", "kernels"):
+        for f in sorted((root / top).rglob("*")):
+            rel = f.relative_to(root).as_posix()
+            if f.suffix in (".py", ".c", ".h") and "__pycache__" not in rel and not rel.startswith("handler/tools/"):
+                out[rel] = hashlib.sha256(f.read_bytes()).hexdigest()
+    return out
+
+
+@pytest.mark.container
+@pytest.mark.slow
+@pytest.mark.skipif(_podman_skip_reason() is not None, reason=str(_podman_skip_reason()))
+def test_image_holds_this_checkouts_package(image):
+    """The package in the image is this checkout's, file for file (a source change rebuilt
+    its layer: the build cache did not serve a stale one), the console script runs, and the
+    CPU image leaves triton out (1 GB that only CUDA uses)."""
+    script = "\n".join([
+        "import hashlib, importlib.util, json, pathlib, sys, sysconfig",
+        "root = pathlib.Path(sysconfig.get_path('purelib'))",
+        "digests = {}",
+        "for top in ('handler', 'kernels'):",
+        "    for f in sorted((root / top).rglob('*')):",
+        "        rel = f.relative_to(root).as_posix()",
+        "        if f.suffix in ('.py', '.c', '.h') and '__pycache__' not in rel:",
+        "            digests[rel] = hashlib.sha256(f.read_bytes()).hexdigest()",
+        "print(json.dumps({'digests': digests, 'triton': importlib.util.find_spec('triton') is not None}))",
+    ])
+    proc = subprocess.run([*PODMAN, *RUN_ARGS, "--user", "1000:1000",
+                           "--entrypoint", "python", image, "-c", script],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    want = _package_digests(REPO)
+    assert want and got["digests"] == want, sorted(set(got["digests"].items()) ^ set(want.items()))[:10]
+    assert got["triton"] is False
+    proc = subprocess.run([*PODMAN, *RUN_ARGS, "--entrypoint", "lmi-serve", image, "--help"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and "serve" in proc.stdout, (proc.stdout + proc.stderr)[-4000:]
 
 
 @pytest.fixture
