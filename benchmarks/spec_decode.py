@@ -233,13 +233,19 @@ def arm_order(names: list[str], rep: int) -> list[str]:
     return list(names) if rep % 2 == 0 else list(reversed(names))
 
 
-def rep_schedule(names: list[str], reps: int, fresh: bool) -> list[tuple[int, list[str], bool]]:
-    """(repetition, arm order, start servers) per repetition. The order alternates (arm_order); with
+def rep_schedule(names: list[str], reps, fresh: bool) -> list[tuple[int, list[str], bool]]:
+    """(repetition, arm order, start servers) per repetition index in `reps`. The order alternates (arm_order); with
     fresh servers every repetition starts its own, in that order, so that neither a server process's
     own luck (where its weights landed in memory, what it shares a cache with) nor being started
     first is counted as its arm's every time: it becomes noise across repetitions, and the A/A arm
     (--control) measures that noise."""
-    return [(rep, arm_order(names, rep), fresh or rep == 0) for rep in range(reps)]
+    return [(rep, arm_order(names, rep), fresh or i == 0) for i, rep in enumerate(reps)]
+
+
+def rep_range(a) -> range:
+    """The repetitions' indices: from --rep-offset, so that runs split over invocations go on alternating."""
+    off = getattr(a, "rep_offset", 0)
+    return range(off, off + a.reps)
 
 
 def start_arms(arms: list["Arm"], bodies: list[dict]) -> None:
@@ -258,7 +264,7 @@ def run_system(arms: list[Arm], name: str, wname: str, bodies: list[dict], clien
                results: dict) -> None:
     by_name = {arm.name: arm for arm in arms}
     try:
-        for rep, names, start in rep_schedule(list(by_name), a.reps, not getattr(a, "keep_servers", False)):
+        for rep, names, start in rep_schedule(list(by_name), rep_range(a), not getattr(a, "keep_servers", False)):
             if start:
                 for arm in arms:
                     arm.server.stop()
@@ -318,6 +324,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--keep-servers", action="store_true",
                     help="start each arm's server once for every repetition (default: fresh servers every "
                          "repetition, started in that repetition's order)")
+    ap.add_argument("--rep-offset", type=int, default=0,
+                    help="the first repetition's index (its arm order): a run split over invocations")
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "spec-decode"))
     a = ap.parse_args(argv)

@@ -105,9 +105,13 @@ def test_keep_servers_starts_each_once(bench):
 
 
 def test_rep_schedule_alternates_and_restarts_unless_kept():
-    sched = spec_decode.rep_schedule(["off", "on"], 3, fresh=True)
+    sched = spec_decode.rep_schedule(["off", "on"], range(3), fresh=True)
     assert sched == [(0, ["off", "on"], True), (1, ["on", "off"], True), (2, ["off", "on"], True)]
-    assert [s for _, _, s in spec_decode.rep_schedule(["off", "on"], 3, fresh=False)] == [True, False, False]
+    assert [s for _, _, s in spec_decode.rep_schedule(["off", "on"], range(3), fresh=False)] == [True, False, False]
+    # A run split over invocations (--rep-offset 1) goes on alternating.
+    a = argparse.Namespace(reps=2, rep_offset=1)
+    assert [(r, o) for r, o, _ in spec_decode.rep_schedule(["off", "on"], spec_decode.rep_range(a), True)] == \
+        [(1, ["on", "off"]), (2, ["off", "on"])]
 
 
 def test_control_arm_is_a_second_plain_server_with_the_plain_properties(tmp_path):
