@@ -278,7 +278,7 @@ def run_system(arms: list[Arm], name: str, wname: str, bodies: list[dict], clien
                     acc = delta(arm.counters(), before)
                     s = summarise(recs, c, dur)
                     row = {"model": name, "workload": wname, "clients": c, "rep": rep, "system": arm.system,
-                           "arm": arm_name, "requests": len(mine), "started": names.index(arm_name),
+                           "arm": arm_name, "requests": len(mine), "position": names.index(arm_name),
                            **{k: s.get(k) for k in (
                                "requests_per_s", "output_tokens_per_s", "tpot_p50", "tpot_p90",
                                "ttft_p50", "errors", "output_tokens")}, "spec": acc}

@@ -6,16 +6,12 @@ these comparisons can tell the two apart)."""
 from __future__ import annotations
 
 import dataclasses
-import os
-import sys
 
 import pytest
 
 from handler.engine.loop import ErrorEvent
 from handler.engine.request import SamplingParams
 from tests.support.engine import PROMPTS, STRATEGIES, make_engine
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 # Room for every prompt at once (no preemption): all are admitted on the first step.
 PAGED = {**STRATEGIES["paged"], "option.kv_cache_tokens": "2048", "option.max_rolling_batch_prefill_tokens": "256"}
@@ -57,14 +53,15 @@ def _engine(model_dir, tmp_path, spec_threshold: int | None):
         props["option.speculative_config"] = NGRAM % spec_threshold
     d = tmp_path / ("off" if spec_threshold is None else f"on{spec_threshold}")
     d.mkdir()
-    engine = make_engine(model_dir, d, props).run_by_hand()
-    return engine
+    return make_engine(model_dir, d, props).run_by_hand()
 
 
 def _drive(engine, prompts, new):
-    """Submit every prompt before the first iteration, run the iterations here; token ids per prompt."""
-    chans = [engine.submit([engine.tokenize(p)], SamplingParams(max_new_tokens=new, ignore_eos=True))[0]
-             for p in prompts]
+    """Submit every prompt before the first iteration (max_new_tokens `new`, one per prompt or one for
+    all), run the iterations here; token ids per prompt."""
+    news = new if isinstance(new, list) else [new] * len(prompts)
+    chans = [engine.submit([engine.tokenize(p)], SamplingParams(max_new_tokens=n, ignore_eos=True))[0]
+             for p, n in zip(prompts, news)]
     out = [[] for _ in prompts]
     live = set(range(len(prompts)))
     while live:
@@ -84,10 +81,8 @@ def test_configured_but_disabled_is_the_plain_engine_step_for_step(demo_model_di
     off, on = _engine(demo_model_dir, tmp_path, None), _engine(demo_model_dir, tmp_path, 1)
     try:
         # The configuration differs in the speculative key alone.
-        cfg = {}
-        for name, e in (("off", off), ("on", on)):
-            cfg[name] = load_config(str(tmp_path / ("off" if name == "off" else "on1") / "serving.properties"),
-                                    demo_model_dir, env={})
+        cfg = {name: load_config(str(tmp_path / d / "serving.properties"), demo_model_dir, env={})
+               for name, d in (("off", "off"), ("on", "on1"))}
         diff = {f.name for f in dataclasses.fields(cfg["off"])
                 if getattr(cfg["off"], f.name) != getattr(cfg["on"], f.name)}
         assert diff <= {"speculative", "speculative_config", "properties", "properties_file"}, diff
@@ -123,24 +118,8 @@ def test_threshold_plans_equal_the_plain_ones_while_reached_and_speculate_below(
     try:
         on.scheduler.proposer = counting = Counting(on.scheduler.proposer)
         rec_off, rec_on = Recorder(off), Recorder(on)
-        prompts = REPEATING
-        chans_new = [12, 20, 28, 36]       # they finish one after another: 4, 3, 2, 1 running
-        outs = []
-        for engine in (off, on):
-            chans = [engine.submit([engine.tokenize(p)], SamplingParams(max_new_tokens=n, ignore_eos=True))[0]
-                     for p, n in zip(prompts, chans_new)]
-            live = set(range(len(prompts)))
-            out = [[] for _ in prompts]
-            while live:
-                engine._iteration()
-                for i in list(live):
-                    while not chans[i].events.empty():
-                        ev = chans[i].events.get()
-                        assert not isinstance(ev, ErrorEvent), ev
-                        out[i].append(ev.id)
-                        if ev.done:
-                            live.discard(i)
-            outs.append(out)
+        new = [12, 20, 28, 36]       # they finish one after another: 4, 3, 2, 1 running
+        outs = [_drive(engine, REPEATING, new) for engine in (off, on)]
         assert outs[0] == outs[1]          # greedy: the same tokens either way
         reached = 0
         for a, b, n in zip(rec_off.steps, rec_on.steps, rec_on.running):

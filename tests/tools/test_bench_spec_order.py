@@ -93,7 +93,7 @@ def test_every_repetition_starts_fresh_servers_in_its_own_arm_order(bench):
     # No arm is the one started first in every repetition.
     firsts = {events[0][1] for events in reps}
     assert len(firsts) > 1
-    assert [(r["rep"], r["arm"], r["started"]) for r in runs if r["rep"] == 1] == \
+    assert [(r["rep"], r["arm"], r["position"]) for r in runs if r["rep"] == 1] == \
         [(1, n, i) for i, n in enumerate(spec_decode.arm_order(names, 1))]
 
 
