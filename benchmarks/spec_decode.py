@@ -21,9 +21,9 @@ model dir) instead of prompt lookup; Qwen2.5-Coder-1.5B with the 0.5B as draft:
 all interleaved with the one plain arm.
 
 Every repetition starts fresh servers, in that repetition's arm order (--keep-servers: once for all):
-a server process's own speed (where its weights landed in memory, being started first) differs by
-a few percent from another's of the same configuration, and kept across repetitions it would be
-counted against its arm every time. --control adds a second plain server (off-b, A/A) whose ratio
+a server process's own speed differs from another's of the same configuration by up to 6-9% here
+(benchmarks/results/spec-decode/README.md; where its memory landed is the likely cause), and a server
+kept across repetitions would carry that offset into its arm every time. --control adds a second plain server (off-b, A/A) whose ratio
 to off is that noise, measured in the same run.
 
 --systems: whose speculation runs, each paired with the same system's plain server, one system at a
@@ -236,9 +236,8 @@ def arm_order(names: list[str], rep: int) -> list[str]:
 def rep_schedule(names: list[str], reps, fresh: bool) -> list[tuple[int, list[str], bool]]:
     """(repetition, arm order, start servers) per repetition index in `reps`. The order alternates (arm_order); with
     fresh servers every repetition starts its own, in that order, so that neither a server process's
-    own luck (where its weights landed in memory, what it shares a cache with) nor being started
-    first is counted as its arm's every time: it becomes noise across repetitions, and the A/A arm
-    (--control) measures that noise."""
+    own speed nor being started first is counted as its arm's every time: it becomes noise across
+    repetitions, and the A/A arm (--control) measures that noise."""
     return [(rep, arm_order(names, rep), fresh or i == 0) for i, rep in enumerate(reps)]
 
 
