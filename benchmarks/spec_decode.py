@@ -20,6 +20,12 @@ model dir) instead of prompt lookup; Qwen2.5-Coder-1.5B with the 0.5B as draft:
 --disable-by-batch-size 4,8,16: one speculative arm of ours per value (on@4, on@8, on@16; 0: never off),
 all interleaved with the one plain arm.
 
+Every repetition starts fresh servers, in that repetition's arm order (--keep-servers: once for all):
+a server process's own speed differs from another's of the same configuration by up to 6-9% here
+(benchmarks/results/spec-decode/README.md; where its memory landed is the likely cause), and a server
+kept across repetitions would carry that offset into its arm every time. --control adds a second plain server (off-b, A/A) whose ratio
+to off is that noise, measured in the same run.
+
 --systems: whose speculation runs, each paired with the same system's plain server, one system at a
 time (its arms up together, interleaved like ours; the systems one after another, so that at most two
 servers hold memory):
@@ -143,10 +149,13 @@ class NotDriven(Exception):
     """A system that cannot run this cell: the message says why (and what would make it run)."""
 
 
-def our_arms(model: str, w, specs: dict[str, dict], out: str, tmp: str) -> list[Arm]:
+CONTROL = "off-b"      # --control: a second plain server, the A/A arm
+
+
+def our_arms(model: str, w, specs: dict[str, dict], out: str, tmp: str, control: bool = False) -> list[Arm]:
     arms = []
     method = next(iter(specs.values()))["method"]
-    for name, spec in {"off": None, **specs}.items():
+    for name, spec in {"off": None, **({CONTROL: None} if control else {}), **specs}.items():
         pf = os.path.join(tmp, f"{name}.properties")
         with open(pf, "w") as f:
             f.write(props(w, json.dumps(spec) if spec else None))
@@ -224,29 +233,52 @@ def arm_order(names: list[str], rep: int) -> list[str]:
     return list(names) if rep % 2 == 0 else list(reversed(names))
 
 
+def rep_schedule(names: list[str], reps, fresh: bool) -> list[tuple[int, list[str], bool]]:
+    """(repetition, arm order, start servers) per repetition index in `reps`. The order alternates (arm_order); with
+    fresh servers every repetition starts its own, in that order, so that neither a server process's
+    own speed nor being started first is counted as its arm's every time: it becomes noise across
+    repetitions, and the A/A arm (--control) measures that noise."""
+    return [(rep, arm_order(names, rep), fresh or i == 0) for i, rep in enumerate(reps)]
+
+
+def rep_range(a) -> range:
+    """The repetitions' indices: from --rep-offset, so that runs split over invocations go on alternating."""
+    off = getattr(a, "rep_offset", 0)
+    return range(off, off + a.reps)
+
+
+def start_arms(arms: list["Arm"], bodies: list[dict]) -> None:
+    """Start `arms` in this order (all up together), wait for each, warm each up (4 short requests)."""
+    for arm in arms:
+        arm.server.start()
+    for arm in arms:
+        arm.server.wait(600)
+        if arm.server.error:
+            raise NotDriven(f"{arm.server.name} did not start: {arm.server.error}")
+        warm = [dict(b, parameters=dict(b["parameters"], max_new_tokens=4)) for b in bodies[:4]]
+        run_load(arm.server.api.url(arm.url), warm, 2, progress=False, api=arm.server.api)
+
+
 def run_system(arms: list[Arm], name: str, wname: str, bodies: list[dict], clients: list[int], a,
                results: dict) -> None:
+    by_name = {arm.name: arm for arm in arms}
     try:
-        for arm in arms:
-            arm.server.start()
-        for arm in arms:
-            arm.server.wait(600)
-            if arm.server.error:
-                raise NotDriven(f"{arm.server.name} did not start: {arm.server.error}")
-            warm = [dict(b, parameters=dict(b["parameters"], max_new_tokens=4)) for b in bodies[:4]]
-            run_load(arm.server.api.url(arm.url), warm, 2, progress=False, api=arm.server.api)
-        by_name = {arm.name: arm for arm in arms}
-        for c in clients:
-            mine = bodies[:max(a.min_requests, a.requests_per_client * c)]
-            for rep in range(a.reps):
-                for arm_name in arm_order(list(by_name), rep):
+        for rep, names, start in rep_schedule(list(by_name), rep_range(a), not getattr(a, "keep_servers", False)):
+            if start:
+                for arm in arms:
+                    arm.server.stop()
+                start_arms([by_name[n] for n in names], bodies)
+            for c in clients:
+                mine = bodies[:max(a.min_requests, a.requests_per_client * c)]
+                for arm_name in names:
                     arm = by_name[arm_name]
                     before = arm.counters()
                     recs, dur = run_load(arm.server.api.url(arm.url), mine, c, progress=False, api=arm.server.api)
                     acc = delta(arm.counters(), before)
                     s = summarise(recs, c, dur)
                     row = {"model": name, "workload": wname, "clients": c, "rep": rep, "system": arm.system,
-                           "arm": arm_name, "requests": len(mine), **{k: s.get(k) for k in (
+                           "arm": arm_name, "requests": len(mine), "position": names.index(arm_name),
+                           **{k: s.get(k) for k in (
                                "requests_per_s", "output_tokens_per_s", "tpot_p50", "tpot_p90",
                                "ttft_p50", "errors", "output_tokens")}, "spec": acc}
                     results["runs"].append(row)
@@ -285,6 +317,14 @@ def main(argv: list[str] | None = None) -> int:
                     help="llama-server's n-gram proposer (--spec-type)")
     ap.add_argument("--llamacpp-ngram-n", type=int, default=2,
                     help="llama-server's n-gram length looked up (one length; ours tries --lookup-max down to 2)")
+    ap.add_argument("--control", action="store_true",
+                    help=f"ours: also a second plain server ({CONTROL}), paired with off like a speculative "
+                         "arm: its ratio is the server-to-server noise (A/A)")
+    ap.add_argument("--keep-servers", action="store_true",
+                    help="start each arm's server once for every repetition (default: fresh servers every "
+                         "repetition, started in that repetition's order)")
+    ap.add_argument("--rep-offset", type=int, default=0,
+                    help="the first repetition's index (its arm order): a run split over invocations")
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "spec-decode"))
     a = ap.parse_args(argv)
@@ -324,7 +364,7 @@ def main(argv: list[str] | None = None) -> int:
                 with tempfile.TemporaryDirectory() as tmp:
                     try:
                         if system == "ours":
-                            arms = our_arms(model, w, specs, a.out, tmp)
+                            arms = our_arms(model, w, specs, a.out, tmp, control=a.control)
                         elif system == "openvino":
                             arms = openvino_arms(model, w, spec["method"], a.k, a.lookup_max, draft, a.out)
                         else:
@@ -393,6 +433,9 @@ def report(results: dict) -> str:
                    f"{fmt(t1 / t0 if t0 and t1 else None, '.2f')} | {fmt(r0, '.2f')} / {fmt(r1, '.2f')} | "
                    f"{fmt(r1 / r0 if r0 and r1 else None, '.2f')} | {fmt(acc / prop if prop else None, '.2f')} | "
                    f"{tpv} |\n")
+    if any(r["arm"] == CONTROL for r in results["runs"]):
+        md += (f"\n{CONTROL}: a second plain server beside off (A/A): its ratios are what two servers of the same "
+               "configuration differ by on this host, the floor under which an arm's ratio is not a finding.\n")
     if any(r.get("system") == "openvino" for r in results["runs"]):
         md += ("\n† OpenVINO GenAI's step API does not expose its proposal counts: tokens per step a request got "
                "after its first token, steps without a proposal included (a lower bound of tokens per verify); "

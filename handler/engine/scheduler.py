@@ -361,7 +361,7 @@ class Scheduler:
                 n = shares.get(seq.seq_id, 0)
             if n > 0:
                 want[seq.seq_id] = n
-        drafts = self._proposals([q for q in order if q.seq_id in want], want, spec_on)
+        drafts = self._proposals([q for q in order if q.seq_id in want], want) if spec_on else {}
         for seq in order:
             if seq not in self.running or seq.seq_id not in want:    # preempted below as a victim
                 continue
@@ -392,10 +392,10 @@ class Scheduler:
             plan.copies, self._copies = self._copies, []
         return plan
 
-    def _proposals(self, seqs: list[Sequence], want: dict[int, int], spec_on: bool) -> dict[int, list[int]]:
+    def _proposals(self, seqs: list[Sequence], want: dict[int, int]) -> dict[int, list[int]]:
         """seq_id -> its proposal, for the sequences that speculate this step. A proposer with
         propose_batch (the draft model) gets them all at once: one draft forward per drafted token."""
-        ks = [(q, self._draft_len(q, want[q.seq_id], spec_on)) for q in seqs]
+        ks = [(q, self._draft_len(q, want[q.seq_id])) for q in seqs]
         ks = [(q, k) for q, k in ks if k > 0]
         if not ks:
             return {}
@@ -406,11 +406,11 @@ class Scheduler:
             got = [self.proposer.propose(q.tokens, k) for q, k in ks]
         return {q.seq_id: list(d)[:k] for (q, k), d in zip(ks, got) if d}
 
-    def _draft_len(self, seq: Sequence, n: int, spec_on: bool) -> int:
+    def _draft_len(self, seq: Sequence, n: int) -> int:
         """k, the tokens to propose for a sequence that decodes this step (n == 1 and it samples), or 0.
         k is bounded so that the accepted tokens plus the runner's own stay within max_new_tokens
         and the model's length (and, under reserve_full_length, within the reserved slots)."""
-        if not spec_on or n != 1 or seq.num_computed + 1 != len(seq.tokens) or seq.num_output == 0 \
+        if n != 1 or seq.num_computed + 1 != len(seq.tokens) or seq.num_output == 0 \
                 or seq.guide is not None or seq.params.decoder_input_details:
             return 0
         if seq.spec_skip > 0:
