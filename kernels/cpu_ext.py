@@ -32,6 +32,7 @@ import dataclasses
 import functools
 import hashlib
 import logging
+import mmap
 import os
 import re
 import shutil
@@ -294,6 +295,117 @@ def _plain(t: torch.Tensor, dtype: torch.dtype) -> bool:
     """A CPU tensor of `dtype` the kernels may take as input: none that autograd tracks (the kernels
     have no backward; weights are only read, so they may be parameters)."""
     return t.dtype == dtype and t.device.type == "cpu" and not t.requires_grad
+
+
+# ---------------------------------------------------------------------------- weights in huge pages
+# A 1-row decode step streams every weight once: ~2 GB of fp32 over ~500k 4 KiB pages, a TLB miss
+# each. Where THP is `madvise` (the common default), only memory advised MADV_HUGEPAGE before its
+# first touch is faulted in 2 MiB pages, so the tensors a step streams are allocated here.
+HUGE_PAGE = 2 << 20
+_HP_OFF = ("0", "false", "no", "off")
+
+
+def hugepages_wanted(env=None) -> bool:
+    """LMI_CPU_HUGEPAGES (auto | 0; handler/config/switches.py): whether the weights a step streams
+    are placed in huge-page-advised memory (auto: on Linux)."""
+    raw = (os.environ if env is None else env).get("LMI_CPU_HUGEPAGES", "auto").strip().lower()
+    return raw not in _HP_OFF and hasattr(mmap, "MADV_HUGEPAGE")
+
+
+def thp_mode(path: str = "/sys/kernel/mm/transparent_hugepage/enabled") -> str | None:
+    """The kernel's THP mode (always | madvise | never; the bracketed word), None where unknown."""
+    try:
+        with open(path) as f:
+            m = re.search(r"\[(\w+)\]", f.read())
+    except OSError:
+        return None
+    return m.group(1) if m else None
+
+
+def empty_hugepage(shape, dtype: torch.dtype = torch.float32, *, advise: bool | None = None) -> torch.Tensor:
+    """An uninitialised contiguous CPU tensor for a weight that is streamed every step. At or over
+    one huge page (2 MiB): its data starts on a 2 MiB boundary of a fresh anonymous mapping whose
+    whole 2 MiB pages are advised MADV_HUGEPAGE (`advise` True; False: MADV_NOHUGEPAGE, 4 KiB pages
+    even where THP is `always`; None: hugepages_wanted()) before anything touches them; the partial
+    tail keeps 4 KiB pages (no huge page half used). Smaller, or where the advice is refused: as
+    torch.empty would place it (hugepage_stats() tells which). The caller writes the values."""
+    shape = tuple(shape) if isinstance(shape, (tuple, list, torch.Size)) else (shape,)
+    n = 1
+    for d in shape:
+        n *= d
+    nbytes = n * torch.empty((), dtype=dtype).element_size()
+    if advise is None:
+        advise = hugepages_wanted()
+    if nbytes < HUGE_PAGE or not hasattr(mmap, "MADV_HUGEPAGE"):
+        return torch.empty(shape, dtype=dtype)
+    # private: an anonymous MAP_SHARED mapping is shmem, which THP `madvise` leaves in 4 KiB pages
+    buf = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)   # 4 KiB aligned
+    base = ctypes.addressof(ctypes.c_char.from_buffer(buf))
+    off = -base % HUGE_PAGE
+    whole = nbytes // HUGE_PAGE * HUGE_PAGE
+    try:
+        buf.madvise(mmap.MADV_HUGEPAGE if advise else mmap.MADV_NOHUGEPAGE, off, whole)
+    except OSError as e:                           # no THP in this kernel
+        _note_refused(e)
+    t = torch.frombuffer(buf, dtype=torch.uint8, count=nbytes, offset=off)   # holds `buf`
+    return t.view(dtype).view(shape)
+
+
+_refused: list[str] = []
+
+
+def _note_refused(e: OSError) -> None:
+    if not _refused:
+        log.info("huge pages: madvise(MADV_HUGEPAGE) refused (%s); weights stay in 4 KiB pages", e)
+    _refused.append(str(e))
+
+
+def hugepage_like(t: torch.Tensor, advise: bool | None = None) -> torch.Tensor:
+    """A copy of CPU tensor t (same shape, dtype, values) in empty_hugepage's memory; t itself
+    where it is under one huge page or huge pages are not wanted."""
+    if advise is None:
+        advise = hugepages_wanted()
+    if not advise or t.device.type != "cpu" or t.numel() * t.element_size() < HUGE_PAGE:
+        return t
+    out = empty_hugepage(t.shape, t.dtype, advise=True)
+    out.copy_(t)
+    return out
+
+
+def smaps_ranges(lo: int, hi: int, path: str = "/proc/self/smaps") -> dict:
+    """Over the mappings of this process that overlap [lo, hi): {"AnonHugePages": KiB, "Rss": KiB,
+    "advised": whether every one carries VmFlags `hg` (MADV_HUGEPAGE)}; {} where smaps cannot be read."""
+    try:
+        with open(path) as f:
+            text = f.read()
+    except OSError:
+        return {}
+    res, inside, seen = {"AnonHugePages": 0, "Rss": 0, "advised": True}, False, False
+    for line in text.splitlines():
+        m = re.match(r"^([0-9a-f]+)-([0-9a-f]+) ", line)
+        if m:
+            a, b = int(m.group(1), 16), int(m.group(2), 16)
+            inside = a < hi and b > lo
+            seen |= inside
+            continue
+        if not inside:
+            continue
+        key, _, val = line.partition(":")
+        if key in ("AnonHugePages", "Rss"):
+            res[key] += int(val.split()[0])
+        elif key == "VmFlags":
+            res["advised"] &= "hg" in val.split()
+    if not seen:
+        res["advised"] = False
+    return res
+
+
+def hugepage_stats(t: torch.Tensor) -> dict:
+    """smaps_ranges over the whole 2 MiB pages of t's data (the ones empty_hugepage advises)."""
+    lo = t.data_ptr()
+    hi = lo + t.numel() * t.element_size()
+    lo2, hi2 = -(-lo // HUGE_PAGE) * HUGE_PAGE, hi // HUGE_PAGE * HUGE_PAGE
+    return smaps_ranges(lo2, hi2) if hi2 > lo2 else {}
 
 
 PANEL = 32   # output columns per panel of a packed weight (kernels/cpu_gemm.c)
