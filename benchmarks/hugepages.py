@@ -63,14 +63,12 @@ def tensors(ws: dict):
 
 
 def placement(ts) -> dict:
-    """Bytes held, resident KiB and AnonHugePages KiB over the arm's whole 2 MiB pages."""
-    held, rss, huge = 0, 0, 0
-    for t in ts:
-        held += t.numel() * t.element_size()
-        s = cpu_ext.hugepage_stats(t)
-        rss, huge = rss + s.get("Rss", 0), huge + s.get("AnonHugePages", 0)
-    return {"MB": round(held / 1e6, 1), "rss_MiB": round(rss / 1024, 1), "huge_MiB": round(huge / 1024, 1),
-            "huge_share": round(huge / rss, 3) if rss else 0.0}
+    """The arm's bytes, and how much of its mappings the kernel placed in huge pages (AnonHugePages
+    over Rss, /proc/self/smaps)."""
+    p = cpu_ext.hugepage_placement(list(ts))
+    return {"MB": round(p["bytes"] / 1e6, 1), "advised_MB": round(p["advised_bytes"] / 1e6, 1),
+            "rss_MiB": round(p["rss_kib"] / 1024, 1), "huge_MiB": round(p["huge_kib"] / 1024, 1),
+            "huge_share": round(p["huge_kib"] / p["rss_kib"], 3) if p["rss_kib"] else 0.0}
 
 
 def step_fn(fn, shapes, layers: int, kind: str, threads: int, ws: dict):
