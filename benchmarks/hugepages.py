@@ -1,6 +1,6 @@
 """Does streaming the weights from 2 MiB (transparent huge) pages speed a 1-row decode step?
 
-    python benchmarks/hugepages.py [--what read,fp32,wread,int8] [--rounds 5] [--read-mib 1024]
+    python benchmarks/hugepages.py [--what read,fp32,wread,int8,w8] [--rounds 5] [--read-mib 1024]
         [--shapes qwen2.5-0.5b] [--layers 24] [--threads 2] [--out FILE.json]
 
 Two arms hold the same bytes, allocated by kernels/cpu_ext.py's empty_hugepage: `huge` (advised
@@ -12,6 +12,8 @@ read   benchmarks/gemv_stream.py's 2-thread read loop of 512-bit loads over a `-
 fp32   a whole step's fp32 1-row GEMMs (kernels/cpu_gemm.c's lmi_gemm; qkv, o, gate|up, down per
        layer, then the head), each layer's weights its own tensors, so they stream from memory
 int8   the same through kernels/cpu_gemm_i8.c (quant_rows + gemm_i8)
+w8     kernels/cpu_gemm_q4.c's 8-bit path with one group per row (W8A16, int8_weight_only): codes,
+       scales and mins
 wread  the read loop over fp32's tensors in the step's order, one call each (what the fp32 GEMMs
        would reach if they streamed as the plain loop does, call and size effects included)
 
@@ -49,6 +51,9 @@ def arm_weights(shapes, layers: int, kind: str, advise: bool) -> dict:
         np_, copies = -(-n // 32), 1 if name == "head" else layers
         if kind == "fp32":
             out[name] = [full(np_ * 32 * k, torch.float32, 0.01) for _ in range(copies)]
+        elif kind == "w8":
+            out[name] = [(full(np_ * 32 * k, torch.uint8, 0x87), full(np_ * 32, torch.float32, 0.01),
+                          full(np_ * 32, torch.float32, -1.28)) for _ in range(copies)]
         else:
             kp = -(-k // 4) * 4
             out[name] = [(full(np_ * 32 * kp, torch.int8, 1), torch.zeros(n, dtype=torch.int32),
@@ -78,6 +83,8 @@ def step_fn(fn, shapes, layers: int, kind: str, threads: int, ws: dict):
         def read(w):
             lib.probe_read(w.data_ptr(), w.numel(), threads, 0)
         calls = {name: read for name, _, _ in shapes}
+    elif kind == "w8":
+        calls = {name: q_caller(fn, k, n, threads) for name, k, n in shapes}
     else:
         calls = {name: caller(fn, kind, k, n, threads) for name, k, n in shapes}
     order = [s[0] for s in shapes if s[0] != "head"]
@@ -88,6 +95,14 @@ def step_fn(fn, shapes, layers: int, kind: str, threads: int, ws: dict):
                 calls[name](ws[name][i])
         calls["head"](ws["head"][0])
     return step
+
+
+def q_caller(fn, k: int, n: int, threads: int):
+    """call((codes, scales, mins)): one 1-row 8-bit kernels/cpu_gemm_q4.c GEMM (one group of K per
+    row, as W8A16 packs it) on preallocated buffers."""
+    x, out = torch.randn(1, k), torch.empty(1, n)
+    return lambda w: fn.gemm_q(x.data_ptr(), 1, k, k, w[0].data_ptr(), w[1].data_ptr(), w[2].data_ptr(), 8,
+                               k, n, None, out.data_ptr(), n, threads)
 
 
 def summarise(rounds: list[dict], nbytes: float) -> dict:
@@ -151,7 +166,7 @@ def run_step(kind: str, shapes, layers: int, threads: int, rounds: int) -> dict:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--what", default="read,fp32,wread,int8")
+    p.add_argument("--what", default="read,fp32,wread,int8,w8")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--read-mib", type=int, default=1024)
     p.add_argument("--shapes", default="qwen2.5-0.5b", choices=sorted(SHAPES))
