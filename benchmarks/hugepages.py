@@ -1,6 +1,6 @@
 """Does streaming the weights from 2 MiB (transparent huge) pages speed a 1-row decode step?
 
-    python benchmarks/hugepages.py [--what read,fp32,wread,int8,w8] [--rounds 5] [--read-mib 1024]
+    python benchmarks/hugepages.py [--what read,fp32,wread,int8,w8,q4,q6] [--rounds 5] [--read-mib 1024]
         [--shapes qwen2.5-0.5b] [--layers 24] [--threads 2] [--out FILE.json]
 
 Two arms hold the same bytes, allocated by kernels/cpu_ext.py's empty_hugepage: `huge` (advised
@@ -14,6 +14,8 @@ fp32   a whole step's fp32 1-row GEMMs (kernels/cpu_gemm.c's lmi_gemm; qkv, o, g
 int8   the same through kernels/cpu_gemm_i8.c (quant_rows + gemm_i8)
 w8     kernels/cpu_gemm_q4.c's 8-bit path with one group per row (W8A16, int8_weight_only): codes,
        scales and mins
+q4     the same kernel's 4-bit path in groups of 32 (GGUF Q4_K / Q4_0, AWQ/GPTQ at g32), random codes
+q6     its 8-bit path in groups of 16 (GGUF Q6_K, q4_k_m's head), random codes
 wread  the read loop over fp32's tensors in the step's order, one call each (what the fp32 GEMMs
        would reach if they streamed as the plain loop does, call and size effects included)
 
@@ -37,6 +39,7 @@ from benchmarks.gemv_stream import LAYERS, SHAPES, caller, probe_lib  # noqa: E4
 from kernels import cpu_ext  # noqa: E402
 
 ARMS = {"huge": True, "4k": False}
+GROUPED = {"q4": (4, 32), "q6": (8, 16)}    # kind: (bits, group) of kernels/cpu_gemm_q4.c
 
 
 def arm_weights(shapes, layers: int, kind: str, advise: bool) -> dict:
@@ -44,6 +47,11 @@ def arm_weights(shapes, layers: int, kind: str, advise: bool) -> dict:
     def full(n, dtype, value):
         t = cpu_ext.empty_hugepage((n,), dtype, advise=advise)
         t.fill_(value)
+        return t
+
+    def rand(n, dtype, scale):
+        t = cpu_ext.empty_hugepage((n,), dtype, advise=advise)
+        t.copy_(torch.randint(0, scale, (n,), dtype=dtype) if dtype == torch.uint8 else torch.rand(n) * scale)
         return t
 
     out = {}
@@ -54,6 +62,11 @@ def arm_weights(shapes, layers: int, kind: str, advise: bool) -> dict:
         elif kind == "w8":
             out[name] = [(full(np_ * 32 * k, torch.uint8, 0x87), full(np_ * 32, torch.float32, 0.01),
                           full(np_ * 32, torch.float32, -1.28)) for _ in range(copies)]
+        elif kind in GROUPED:
+            bits, group = GROUPED[kind]
+            out[name] = [(rand(np_ * k * (16 if bits == 4 else 32), torch.uint8, 1 << bits),
+                          rand(np_ * (k // group) * 32, torch.float32, 0.01),
+                          rand(np_ * (k // group) * 32, torch.float32, -0.05)) for _ in range(copies)]
         else:
             kp = -(-k // 4) * 4
             out[name] = [(full(np_ * 32 * kp, torch.int8, 1), torch.zeros(n, dtype=torch.int32),
@@ -83,8 +96,9 @@ def step_fn(fn, shapes, layers: int, kind: str, threads: int, ws: dict):
         def read(w):
             lib.probe_read(w.data_ptr(), w.numel(), threads, 0)
         calls = {name: read for name, _, _ in shapes}
-    elif kind == "w8":
-        calls = {name: q_caller(fn, k, n, threads) for name, k, n in shapes}
+    elif kind == "w8" or kind in GROUPED:
+        bits, group = GROUPED.get(kind, (8, None))
+        calls = {name: q_caller(fn, k, n, threads, bits, group or k) for name, k, n in shapes}
     else:
         calls = {name: caller(fn, kind, k, n, threads) for name, k, n in shapes}
     order = [s[0] for s in shapes if s[0] != "head"]
@@ -97,12 +111,11 @@ def step_fn(fn, shapes, layers: int, kind: str, threads: int, ws: dict):
     return step
 
 
-def q_caller(fn, k: int, n: int, threads: int):
-    """call((codes, scales, mins)): one 1-row 8-bit kernels/cpu_gemm_q4.c GEMM (one group of K per
-    row, as W8A16 packs it) on preallocated buffers."""
+def q_caller(fn, k: int, n: int, threads: int, bits: int, group: int):
+    """call((codes, scales, mins)): one 1-row kernels/cpu_gemm_q4.c GEMM on preallocated buffers."""
     x, out = torch.randn(1, k), torch.empty(1, n)
-    return lambda w: fn.gemm_q(x.data_ptr(), 1, k, k, w[0].data_ptr(), w[1].data_ptr(), w[2].data_ptr(), 8,
-                               k, n, None, out.data_ptr(), n, threads)
+    return lambda w: fn.gemm_q(x.data_ptr(), 1, k, k, w[0].data_ptr(), w[1].data_ptr(), w[2].data_ptr(), bits,
+                               group, n, None, out.data_ptr(), n, threads)
 
 
 def summarise(rounds: list[dict], nbytes: float) -> dict:
@@ -166,7 +179,7 @@ def run_step(kind: str, shapes, layers: int, threads: int, rounds: int) -> dict:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--what", default="read,fp32,wread,int8,w8")
+    p.add_argument("--what", default="read,fp32,wread,int8,w8,q4,q6")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--read-mib", type=int, default=1024)
     p.add_argument("--shapes", default="qwen2.5-0.5b", choices=sorted(SHAPES))
