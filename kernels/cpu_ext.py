@@ -389,10 +389,10 @@ def _smaps(path: str = "/proc/self/smaps") -> list[tuple[int, int, bool, int, in
 
 
 def hugepage_placement(tensors, maps=None) -> dict:
-    """Where CPU tensors' data sit: {"tensors", "bytes", "advised_bytes" (of those, the bytes in
-    mappings advised MADV_HUGEPAGE), "huge_kib" (AnonHugePages of those mappings: what the kernel
-    did place in 2 MiB pages), "rss_kib"}. One read of /proc/self/smaps; a mapping shared by
-    several tensors counts once."""
+    """Where CPU tensors' data sit: {"tensors", "bytes", "advised_bytes" (the part of those bytes in
+    mappings advised MADV_HUGEPAGE: empty_hugepage's whole 2 MiB pages), "huge_kib" (AnonHugePages
+    of those advised mappings: what the kernel did place in 2 MiB pages), "rss_kib" (of every
+    mapping the tensors touch)}. One read of /proc/self/smaps; a mapping counts once."""
     import bisect
     maps = _smaps() if maps is None else maps
     starts = [m[0] for m in maps]
@@ -401,19 +401,21 @@ def hugepage_placement(tensors, maps=None) -> dict:
     for t in tensors:
         if t is None or t.device.type != "cpu":
             continue
-        nb = t.numel() * t.element_size()
+        lo = t.data_ptr()
+        hi = lo + t.numel() * t.element_size()
         res["tensors"] += 1
-        res["bytes"] += nb
-        i = bisect.bisect_right(starts, t.data_ptr()) - 1
-        if nb == 0 or i < 0 or not maps[i][0] <= t.data_ptr() < maps[i][1]:
-            continue
-        m = maps[i]
-        if m[2] and t.data_ptr() + nb <= m[1] + HUGE_PAGE:   # the advised range (its 4 KiB tail beside it)
-            res["advised_bytes"] += nb
-        if i not in seen:
-            seen.add(i)
-            res["huge_kib"] += m[4]
-            res["rss_kib"] += m[3]
+        res["bytes"] += hi - lo
+        i = max(bisect.bisect_right(starts, lo) - 1, 0)
+        while i < len(maps) and maps[i][0] < hi:
+            a, b, advised, rss, huge = maps[i]
+            if b > lo:
+                if advised:
+                    res["advised_bytes"] += min(b, hi) - max(a, lo)
+                if i not in seen:
+                    seen.add(i)
+                    res["rss_kib"] += rss
+                    res["huge_kib"] += huge if advised else 0
+            i += 1
     return res
 
 

@@ -38,6 +38,8 @@ def _mapped(ptr: int) -> bool:
                                          ((4, 600, 1024), torch.bfloat16), ((2 * MiB,), torch.int8)])
 def test_empty_hugepage_is_an_aligned_writable_tensor_of_the_shape_asked(shape, dtype, advise):
     t = cpu_ext.empty_hugepage(shape, dtype, advise=advise)
+    nb = t.numel() * t.element_size()
+    assert cpu_ext.hugepage_placement([t])["advised_bytes"] == (nb // (2 * MiB) * (2 * MiB) if advise else 0)
     assert t.shape == shape and t.dtype == dtype and t.is_contiguous() and t.device.type == "cpu"
     assert t.data_ptr() % cpu_ext.HUGE_PAGE == 0
     want = (torch.arange(t.numel()) % 251 - 125).to(dtype).view(shape)
@@ -125,9 +127,9 @@ def test_packed_panels_are_the_same_values_in_advised_memory(monkeypatch, n, k):
     huge_i8, huge_sum = cpu_ext.pack_i8((w * 40).round().clamp(-127, 127).to(torch.int8))
     assert torch.equal(plain, huge) and torch.equal(plain_i8, huge_i8) and torch.equal(plain_sum, huge_sum)
     for t_plain, t_huge in ((plain, huge), (plain_i8, huge_i8)):
-        big = t_huge.numel() * t_huge.element_size() >= cpu_ext.HUGE_PAGE
+        nb = t_huge.numel() * t_huge.element_size()
         assert cpu_ext.hugepage_placement([t_plain])["advised_bytes"] == 0
-        assert cpu_ext.hugepage_placement([t_huge])["advised_bytes"] == (t_huge.numel() * t_huge.element_size()
-                                                                         if big else 0)
+        # its whole 2 MiB pages (none under one): the partial tail stays in 4 KiB pages
+        assert cpu_ext.hugepage_placement([t_huge])["advised_bytes"] == nb // (2 * MiB) * (2 * MiB)
     x = torch.randn(1, k, generator=g)
     assert torch.equal(cpu_ext.gemm(x, plain, n, None), cpu_ext.gemm(x, huge, n, None))

@@ -34,6 +34,11 @@ def _nbytes(ts):
     return sum(t.numel() * t.element_size() for t in ts)
 
 
+def _whole_pages(ts):
+    """The bytes of ts in whole 2 MiB pages: what empty_hugepage advises."""
+    return sum(t.numel() * t.element_size() // cpu_ext.HUGE_PAGE * cpu_ext.HUGE_PAGE for t in ts)
+
+
 def _quantized_runner(path, monkeypatch):
     from handler.model.runner import ModelRunner
     monkeypatch.setattr(cpu.AB, "prepack", True)
@@ -62,13 +67,13 @@ def test_streamed_weights_are_advised_and_unchanged_and_the_steps_logits_too(dem
         assert type(head) is Q4Linear
     p_on, p_off = cpu_ext.hugepage_placement(on), cpu_ext.hugepage_placement(off)
     assert p_off["advised_bytes"] == 0
-    assert p_on["advised_bytes"] == _nbytes(big) > 0
+    assert p_on["advised_bytes"] == _whole_pages(big) > 0
     assert all(t.data_ptr() % cpu_ext.HUGE_PAGE == 0 for t in big)
     for got, want in zip(_step_logits(runners["auto"]), _step_logits(runners["0"])):
         assert torch.equal(got, want)
     said = [r.getMessage() for r in caplog.records if "huge pages" in r.getMessage()]   # one line per load
     assert len(said) == 2 and "huge pages: off (LMI_CPU_HUGEPAGES=0)" in said[0]
-    assert f"huge pages: {_nbytes(big) / 1e6:,.0f} of {_nbytes(on) / 1e6:,.0f} MB" in said[1]
+    assert f"huge pages: {_whole_pages(big) / 1e6:,.0f} of {_nbytes(on) / 1e6:,.0f} MB" in said[1]
     assert said[1] == "CPU: " + hugepage_report(runners["auto"].model)
 
 
@@ -98,12 +103,12 @@ def test_greedy_tokens_equal_generates_with_huge_pages_on_and_off(demo_model_fac
 
 
 def test_the_real_models_panels_are_nearly_all_in_advised_memory(real_model_dir, monkeypatch):
-    # SmolLM2-135M fp32: the layers' 7 MiB gate|up and the 113 MB head are advised whole; only the
-    # tensors under 2 MiB (q|k|v, o: 1.3-2 MiB) stay in 4 KiB pages.
+    # SmolLM2-135M fp32: the whole 2 MiB pages of the layers' 7 MiB gate|up, 3.5 MiB down and the
+    # 113 MB head are advised; q|k|v and o (1.3-2 MiB) and the partial tails stay in 4 KiB pages.
     monkeypatch.delenv("LMI_CPU_HUGEPAGES", raising=False)
     r = _runner(real_model_dir, "fp32", monkeypatch, True)
     ts = streamed_tensors(r.model)
     p = cpu_ext.hugepage_placement(ts)
-    assert p["advised_bytes"] == _nbytes(_big(ts)) >= 0.8 * p["bytes"]
+    assert p["advised_bytes"] == _whole_pages(_big(ts)) >= 0.75 * p["bytes"]
     if cpu_ext.thp_mode() in ("always", "madvise"):
         assert p["huge_kib"] > 0
