@@ -22,6 +22,12 @@ another module shares it (a tied output head keeps the embedding's).
                  the weight widened in registers, fp32 FMAs) replaces PanelLinear's fp32 copy of a
                  bf16 weight; or AVX512-BF16 vdpbf16ps (another summation order) where the CPU has it.
 
+Placement: every packed weight (the panels above, quantized codes, scales and mins) is allocated by
+kernels/cpu_ext.py's empty_hugepage: its whole 2 MiB pages advised MADV_HUGEPAGE before they are
+written, so Linux's transparent huge pages hold what a 1-row step streams with 512x fewer TLB
+entries (LMI_CPU_HUGEPAGES=0: torch's allocator; benchmarks/results/hugepages/). `hugepage_report`
+is the load log's line.
+
 Our own models (handler/model/llama.py) run their RMSNorm and rotary through kernels/cpu_ext.py
 themselves; transformers' models (the general path) run their own forwards with these linears.
 
