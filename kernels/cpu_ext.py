@@ -301,7 +301,9 @@ def _plain(t: torch.Tensor, dtype: torch.dtype) -> bool:
 # A 1-row decode step streams every weight once: ~2 GB of fp32 over ~500k 4 KiB pages, a TLB miss
 # each. Where THP is `madvise` (the common default), only memory advised MADV_HUGEPAGE before its
 # first touch is faulted in 2 MiB pages, so the packers below allocate what a step streams here
-# (benchmarks/hugepages.py: the 2-thread read loop +14-41%, the 1-row GEMM step +1-8% on Zen 4).
+# (benchmarks/results/hugepages/: on 2 Zen 4 cores a plain read loop streams 14-41% faster, the
+# 1-row GEMMs of a Qwen 0.5B step 1-10% (fp32) and 8-28% (int8, grouped 4/8-bit)). Faulting them
+# in may compact memory first (defrag=madvise): a slower load, about 1 s per GB at worst here.
 HUGE_PAGE = 2 << 20
 _HP_OFF = ("0", "false", "no", "off")
 _HP_ON = ("auto", "1", "true", "yes", "on", "")
