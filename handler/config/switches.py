@@ -63,6 +63,12 @@ SWITCHES: dict[str, Switch] = {s.name: s for s in (
     Switch("LMI_CPU_KERNELS", "choice", "auto", "CPU: the C kernels' instruction set where no `option.cpu_kernels` "
            "is given (kernels used alone: tests, benchmarks); the server maps `option.cpu_kernels` onto it",
            "kernels/cpu_ext.py", allowed=("auto", "avx512", "avx2", "neon", "torch")),
+    Switch("LMI_CPU_HUGEPAGES", "choice", "auto", "CPU: the packed weights a decode step streams (panels, int8 / "
+           "4-bit codes and scales, the output head) in memory advised MADV_HUGEPAGE before it is written, so "
+           "Linux's transparent huge pages (`madvise` or `always`) hold them in 2 MiB pages (fewer TLB misses "
+           "per step; values unchanged); `0` leaves them to the allocator's 4 KiB pages; elsewhere, or where "
+           "the kernel refuses the advice, it stays off (logged at load)", "kernels/cpu_ext.py",
+           allowed=("auto", "0")),
     Switch("LMI_CPU_EXT_CACHE", "text", None, "where the CPU kernels are built and cached", "kernels/cpu_ext.py",
            values="directory", default_doc="`~/.cache/lmi-serve/kernels`"),
     Switch("LMI_QUANT_HEAD", "choice", "auto", "option.quantize=int8 / int8_weight_only: the output head quantized "

@@ -22,6 +22,12 @@ another module shares it (a tied output head keeps the embedding's).
                  the weight widened in registers, fp32 FMAs) replaces PanelLinear's fp32 copy of a
                  bf16 weight; or AVX512-BF16 vdpbf16ps (another summation order) where the CPU has it.
 
+Placement: every packed weight (the panels above, quantized codes, scales and mins) is allocated by
+kernels/cpu_ext.py's empty_hugepage: its whole 2 MiB pages advised MADV_HUGEPAGE before they are
+written, so Linux's transparent huge pages hold what a 1-row step streams with 512x fewer TLB
+entries (LMI_CPU_HUGEPAGES=0: torch's allocator; benchmarks/results/hugepages/). `hugepage_report`
+is the load log's line.
+
 Our own models (handler/model/llama.py) run their RMSNorm and rotary through kernels/cpu_ext.py
 themselves; transformers' models (the general path) run their own forwards with these linears.
 
@@ -272,6 +278,34 @@ def _onednn_pack(name: str, weight: torch.Tensor, widen: bool) -> torch.Tensor |
     except RuntimeError as e:
         log.debug("not prepacking %s: %s", name, e)
         return None
+
+
+def streamed_tensors(model: nn.Module) -> list[torch.Tensor]:
+    """The packed weights a 1-row step streams (panels of every kind, grouped scales and mins)."""
+    out = []
+    for m in model.modules():
+        for attr in ("panels", "qscales", "qmins"):
+            t = getattr(m, attr, None)
+            if isinstance(t, torch.Tensor) and t.device.type == "cpu":
+                out.append(t)
+    return out
+
+
+def hugepage_report(model: nn.Module) -> str:
+    """One line for the load log: how the packed weights sit in memory (kernels/cpu_ext.py's
+    empty_hugepage; LMI_CPU_HUGEPAGES)."""
+    ts = streamed_tensors(model)
+    if not ts:
+        return "huge pages: no packed weights"
+    p = cpu_ext.hugepage_placement(ts)
+    mb = p["bytes"] / 1e6
+    if not cpu_ext.hugepages_wanted():
+        why = "LMI_CPU_HUGEPAGES=0" if switch("LMI_CPU_HUGEPAGES") in ("0", "false", "no", "off") else \
+            "madvise unavailable or refused"
+        return f"huge pages: off ({why}); {mb:,.0f} MB of packed weights in 4 KiB pages"
+    return (f"huge pages: {p['advised_bytes'] / 1e6:,.0f} of {mb:,.0f} MB of packed weights advised MADV_HUGEPAGE, "
+            f"{p['huge_kib'] / 1024:,.0f} MiB of them in 2 MiB pages (THP {cpu_ext.thp_mode() or 'unknown'}; "
+            "LMI_CPU_HUGEPAGES=0 turns it off)")
 
 
 def prepack_linears(model: nn.Module, keep_weights: bool = False, widen_bf16: bool = False,

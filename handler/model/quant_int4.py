@@ -97,16 +97,20 @@ def pack(w: Grouped) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     q = torch.zeros(npan * PANEL, k, dtype=torch.uint8)
     q[:n] = w.q
     q = q.view(npan, PANEL, k)
-    if w.bits == 4:
-        codes = (q[:, :16] | (q[:, 16:] << 4)).permute(0, 2, 1).contiguous()
-    else:
-        codes = q.permute(0, 2, 1).contiguous()
+    codes = (q[:, :16] | (q[:, 16:] << 4)) if w.bits == 4 else q
     out = []
     for t in (w.scales, w.mins):
         p = torch.zeros(npan * PANEL, g, dtype=torch.float32)
         p[:n] = t
-        out.append(p.view(npan, PANEL, g).permute(0, 2, 1).contiguous())
-    return codes.view(-1), out[0], out[1]
+        out.append(p.view(npan, PANEL, g))
+    # streamed every step: contiguous copies in huge-page-advised memory (kernels/cpu_ext.py)
+    codes, sc, mn = (_streamed(t.permute(0, 2, 1)) for t in (codes, *out))
+    return codes.view(-1), sc, mn
+
+
+def _streamed(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous copy of t where a step's stream reads it (cpu_ext.empty_hugepage)."""
+    return cpu_ext.empty_hugepage(t.shape, t.dtype).copy_(t)
 
 
 class Q4Linear(nn.Linear):

@@ -461,6 +461,8 @@ class ModelRunner:
         gemm = ("kernels/cpu_gemm_bf16.c" if Bf16PanelLinear in kinds else
                 "kernels/cpu_gemm.c" if PanelLinear in kinds else "oneDNN")
         log.info("CPU: %d linear layers packed for %s", n, gemm)
+        from handler.model.cpu import hugepage_report
+        log.info("CPU: %s", hugepage_report(self.model))
         if self.own and self.ranks is None:
             from handler.model import cpu_stack
             self.model.decode_stack, why = cpu_stack.build(self.model, self.kv_cache, lora=self.lora is not None)
