@@ -32,6 +32,7 @@ import torch  # noqa: E402
 
 from benchmarks.step_floor import Timed, make_engine  # noqa: E402
 from handler.engine.request import SamplingParams  # noqa: E402
+from benchmarks.results_json import write_json  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -73,9 +74,7 @@ def main(argv=None) -> int:
         res[name + "_ms_mean"] = round(t.total / max(t.calls, 1) * 1e3, 2)
         res[name + "_calls"] = t.calls
     print(json.dumps(res, indent=1))
-    if a.out:
-        with open(a.out, "w") as f:
-            json.dump(res, f, indent=1)
+    write_json(a.out, res)
     return 0
 
 

@@ -19,7 +19,6 @@ CPU-s / 1k out tok: this process's user + system time over the measured loop.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import random
@@ -33,6 +32,7 @@ from handler.config import ConfigError  # noqa: E402
 from handler.model.cpu import preload_env  # noqa: E402
 from handler.engine.loop import ErrorEvent  # noqa: E402
 from handler.engine.request import SamplingParams  # noqa: E402
+from benchmarks.results_json import write_json  # noqa: E402
 
 
 def draw(n: int, prompt_tokens: list[int], max_new: list[int], vocab: int, seed: int):
@@ -131,9 +131,7 @@ def main(argv=None) -> int:
            "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
                        "ld_preload": os.environ.get("LD_PRELOAD", ""),
                        "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}}
-    if a.out:
-        with open(a.out, "w") as f:
-            json.dump(out, f, indent=1)
+    write_json(a.out, out)
     return 0
 
 

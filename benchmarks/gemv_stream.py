@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import json
 import os
 import subprocess
 import sys
@@ -33,6 +32,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 from kernels import cpu_ext  # noqa: E402
+from benchmarks.results_json import write_json  # noqa: E402
 
 # (name, K, N) of one layer's linears (fused as the server holds them) and the head, per model
 SHAPES = {
@@ -211,9 +211,7 @@ def main(argv=None) -> int:
                     print(f"threads {threads} {kind} {name:>8} K{c['K']} N{c['N']}: {c['us']:>8} us "
                           f"{c['MB']:>7} MB {c['gbps']:>6} GB/s", flush=True)
         out["runs"].append(run)
-    if a.out:
-        with open(a.out, "w") as f:
-            json.dump(out, f, indent=1)
+    write_json(a.out, out)
     return 0
 
 

@@ -25,7 +25,6 @@ memory the kernel did place in huge pages (AnonHugePages over its mappings, /pro
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -37,6 +36,7 @@ import torch  # noqa: E402
 
 from benchmarks.gemv_stream import LAYERS, SHAPES, caller, probe_lib  # noqa: E402
 from kernels import cpu_ext  # noqa: E402
+from benchmarks.results_json import write_json  # noqa: E402
 
 ARMS = {"huge": True, "4k": False}
 GROUPED = {"q4": (4, 32), "q6": (8, 16)}    # kind: (bits, group) of kernels/cpu_gemm_q4.c
@@ -200,10 +200,7 @@ def main(argv=None) -> int:
               f"rounds huge {r['rounds_gbps']['huge']} 4k {r['rounds_gbps']['4k']}); in huge pages: "
               f"huge {r['placement']['huge']['huge_share']:.0%}, 4k {r['placement']['4k']['huge_share']:.0%}; "
               f"fill s {r['fill_s']}", flush=True)
-    if a.out:
-        os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
-        with open(a.out, "w") as f:
-            json.dump(res, f, indent=1)
+    write_json(a.out, res)
     return 0
 
 

@@ -19,6 +19,9 @@ import subprocess
 import sys
 import tempfile
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks.results_json import write_json  # noqa: E402
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 ARMS = {"huge": "auto", "4k": "0"}
 KEYS = ("engine_ms_median", "stack_ms_mean", "head_ms_mean")
@@ -59,10 +62,7 @@ def main(argv=None) -> int:
            "rounds": per, "median": summary, "engine_4k_over_huge_per_round": [round(x, 4) for x in ratio]}
     print(json.dumps({"median": summary, "engine_4k_over_huge_per_round": res["engine_4k_over_huge_per_round"]},
                      indent=1))
-    if a.out:
-        os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
-        with open(a.out, "w") as f:
-            json.dump(res, f, indent=1)
+    write_json(a.out, res)
     return 0
 
 

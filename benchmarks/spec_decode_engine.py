@@ -31,6 +31,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks import spec_decode  # noqa: E402
 from handler.engine.loop import DoneEvent, ErrorEvent, TokenEvent  # noqa: E402
+from benchmarks.results_json import write_json  # noqa: E402
 
 # ServingConfig fields that name where the configuration came from, not what it is.
 PROVENANCE = ("properties", "properties_file", "warnings", "speculative")
@@ -193,9 +194,7 @@ def main(argv: list[str] | None = None) -> int:
            "kv_blocks": kv, "runs": runs,
            "host": {"machine": platform.machine(), "cpus": len(os.sched_getaffinity(0)),
                     "ld_preload": os.environ.get("LD_PRELOAD", "")}}
-    if a.out:
-        with open(a.out, "w") as f:
-            json.dump(out, f, indent=1)
+    write_json(a.out, out)
     return 0
 
 
