@@ -103,13 +103,19 @@ def pack(w: Grouped) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         p = torch.zeros(npan * PANEL, g, dtype=torch.float32)
         p[:n] = t
         out.append(p.view(npan, PANEL, g))
-    # streamed every step: contiguous copies in huge-page-advised memory (kernels/cpu_ext.py)
-    codes, sc, mn = (_streamed(t.permute(0, 2, 1)) for t in (codes, *out))
+    # streamed every step: contiguous copies, in huge-page-advised memory (kernels/cpu_ext.py) where
+    # a row is one group (W8A16). With several groups a row (GGUF blocks, AWQ/GPTQ) the served step
+    # was slower so (Qwen 0.5B q4_k_m at 1 client: 29.2 against 23.0 ms TPOT, one run each; cause not
+    # found, benchmarks/results/hugepages/), so those stay in torch's memory.
+    huge = g == 1
+    codes, sc, mn = (_streamed(t.permute(0, 2, 1), huge) for t in (codes, *out))
     return codes.view(-1), sc, mn
 
 
-def _streamed(t: torch.Tensor) -> torch.Tensor:
-    """A contiguous copy of t where a step's stream reads it (cpu_ext.empty_hugepage)."""
+def _streamed(t: torch.Tensor, huge: bool) -> torch.Tensor:
+    """A contiguous copy of t where a step's stream reads it (cpu_ext.empty_hugepage when huge)."""
+    if not huge:
+        return t.contiguous()
     return cpu_ext.empty_hugepage(t.shape, t.dtype).copy_(t)
 
 

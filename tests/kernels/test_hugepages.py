@@ -133,3 +133,29 @@ def test_packed_panels_are_the_same_values_in_advised_memory(monkeypatch, n, k):
         assert cpu_ext.hugepage_placement([t_huge])["advised_bytes"] == nb // (2 * MiB) * (2 * MiB)
     x = torch.randn(1, k, generator=g)
     assert torch.equal(cpu_ext.gemm(x, plain, n, None), cpu_ext.gemm(x, huge, n, None))
+
+
+@linux_madvise
+@pytest.mark.parametrize("group", [None, 32])
+def test_grouped_codes_are_advised_only_with_one_group_a_row(hugepages_on, group):
+    """W8A16 (one group a row) streams its codes from huge-page-advised memory; with several groups
+    a row (GGUF blocks, AWQ/GPTQ) the codes and scales stay in torch's memory (served slower so)."""
+    from handler.model.quant_int4 import Grouped, pack
+    n, k = 2048, 1536                               # 8-bit codes: 3 MiB
+    gen = torch.Generator().manual_seed(k)
+    g = k if group is None else group
+    w = Grouped(torch.randint(0, 256, (n, k), dtype=torch.uint8, generator=gen),
+                torch.rand(n, k // g, generator=gen), torch.rand(n, k // g, generator=gen), 8, g)
+    codes, scales, mins = pack(w)
+    advised = cpu_ext.hugepage_placement([codes, scales, mins])["advised_bytes"]
+    if group is None:
+        assert advised == codes.numel() // (2 * MiB) * (2 * MiB) > 0
+    else:
+        assert advised == 0
+    monkeypatch_off = pytest.MonkeyPatch()
+    monkeypatch_off.setenv("LMI_CPU_HUGEPAGES", "0")
+    try:
+        for got, want in zip((codes, scales, mins), pack(w)):
+            assert torch.equal(got, want)
+    finally:
+        monkeypatch_off.undo()
