@@ -63,8 +63,8 @@ SWITCHES: dict[str, Switch] = {s.name: s for s in (
     Switch("LMI_CPU_KERNELS", "choice", "auto", "CPU: the C kernels' instruction set where no `option.cpu_kernels` "
            "is given (kernels used alone: tests, benchmarks); the server maps `option.cpu_kernels` onto it",
            "kernels/cpu_ext.py", allowed=("auto", "avx512", "avx2", "neon", "torch")),
-    Switch("LMI_CPU_HUGEPAGES", "choice", "auto", "CPU: the packed weights a decode step streams (panels, int8 / "
-           "4-bit codes and scales, the output head) in memory advised MADV_HUGEPAGE before it is written, so "
+    Switch("LMI_CPU_HUGEPAGES", "choice", "auto", "CPU: the packed weights a decode step streams (fp32/bf16/int8 "
+           "panels, W8A16's codes, the output head; not GGUF/AWQ/GPTQ blocks, served slower so) in memory advised MADV_HUGEPAGE before it is written, so "
            "Linux's transparent huge pages (`madvise` or `always`) hold them in 2 MiB pages (fewer TLB misses "
            "per step; values unchanged); `0` leaves them to the allocator's 4 KiB pages; elsewhere, or where "
            "the kernel refuses the advice, it stays off (logged at load)", "kernels/cpu_ext.py",
