@@ -38,6 +38,7 @@ import re
 import shutil
 import subprocess
 import tempfile
+import weakref
 
 import torch
 
@@ -361,8 +362,25 @@ def empty_hugepage(shape, dtype: torch.dtype = torch.float32, *, advise: bool | 
         if _hp_state["refused"] is None:
             log.info("huge pages: madvise refused (%s); weights stay in 4 KiB pages", e)
         _hp_state["refused"] = str(e)
+    if advise:
+        _advised[base + off] = buf          # the advised range [start, start + whole pages), while buf lives
+        _advised_len[base + off] = nbytes // HUGE_PAGE * HUGE_PAGE
     t = torch.frombuffer(buf, dtype=torch.uint8, count=nbytes, offset=off)   # holds `buf`
     return t.view(dtype).view(shape)
+
+
+# empty_hugepage's live advised ranges: start -> the mapping (weakly: gone with its last tensor), and
+# start -> length. hugepage_placement counts these only: other memory of the process can carry the
+# VMA flag too (seen in a long test run: torch's own tensors in `hg` mappings).
+_advised: "weakref.WeakValueDictionary[int, mmap.mmap]" = weakref.WeakValueDictionary()
+_advised_len: dict[int, int] = {}
+
+
+def _advised_ranges() -> list[tuple[int, int]]:
+    live = sorted(_advised.keys())
+    for start in [s for s in _advised_len if s not in _advised]:
+        del _advised_len[start]
+    return [(s, s + _advised_len[s]) for s in live if s in _advised_len]
 
 
 def _smaps(path: str = "/proc/self/smaps") -> list[tuple[int, int, bool, int, int]]:
@@ -398,6 +416,7 @@ def hugepage_placement(tensors, maps=None) -> dict:
     import bisect
     maps = _smaps() if maps is None else maps
     starts = [m[0] for m in maps]
+    ours = [r for r in _advised_ranges() if any(a <= r[0] < b and adv for a, b, adv, *_ in maps)]
     res = {"tensors": 0, "bytes": 0, "advised_bytes": 0, "huge_kib": 0, "rss_kib": 0}
     seen: set[int] = set()
     for t in tensors:
@@ -407,16 +426,17 @@ def hugepage_placement(tensors, maps=None) -> dict:
         hi = lo + t.numel() * t.element_size()
         res["tensors"] += 1
         res["bytes"] += hi - lo
+        for a, b in ours:
+            if a < hi and b > lo:
+                res["advised_bytes"] += min(b, hi) - max(a, lo)
         i = max(bisect.bisect_right(starts, lo) - 1, 0)
         while i < len(maps) and maps[i][0] < hi:
             a, b, advised, rss, huge = maps[i]
-            if b > lo:
-                if advised:
-                    res["advised_bytes"] += min(b, hi) - max(a, lo)
-                if i not in seen:
-                    seen.add(i)
-                    res["rss_kib"] += rss
-                    res["huge_kib"] += huge if advised else 0
+            if b > lo and i not in seen:
+                seen.add(i)
+                res["rss_kib"] += rss
+                mine = advised and any(x < b and y > a for x, y in ours)
+                res["huge_kib"] += huge if mine else 0
             i += 1
     return res
 

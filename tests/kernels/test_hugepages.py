@@ -159,3 +159,18 @@ def test_grouped_codes_are_advised_only_with_one_group_a_row(hugepages_on, group
             assert torch.equal(got, want)
     finally:
         monkeypatch_off.undo()
+
+
+@linux_madvise
+def test_placement_counts_only_its_own_advised_mappings():
+    """Memory advised MADV_HUGEPAGE by anyone else (here by hand) is not empty_hugepage's: a tensor
+    there counts no advised bytes, so the switch-off arm of a long-lived process reads 0."""
+    buf = mmap.mmap(-1, 6 * MiB, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    buf.madvise(mmap.MADV_HUGEPAGE)
+    foreign = torch.frombuffer(buf, dtype=torch.uint8, count=4 * MiB, offset=0)
+    foreign.fill_(1)
+    ours = cpu_ext.empty_hugepage((4 * MiB,), torch.uint8, advise=True)
+    ours.fill_(1)
+    assert cpu_ext.hugepage_placement([foreign])["advised_bytes"] == 0
+    assert cpu_ext.hugepage_placement([ours])["advised_bytes"] == 4 * MiB
+    del foreign
