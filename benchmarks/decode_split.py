@@ -19,7 +19,6 @@ final norm and the Python around them; runner - forward - sample the packing.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -32,17 +31,13 @@ import torch  # noqa: E402
 
 from benchmarks.step_floor import Timed, make_engine  # noqa: E402
 from handler.engine.request import SamplingParams  # noqa: E402
-from benchmarks.results_json import write_json  # noqa: E402
+from benchmarks.script_common import model_parser, write_json  # noqa: E402
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model-dir", required=True)
-    p.add_argument("--dtype", default="fp32")
-    p.add_argument("--quantize")
+    p = model_parser(__doc__)
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--prompt-tokens", type=int, default=60)
-    p.add_argument("--out")
     a = p.parse_args(argv)
     engine = make_engine(a.model_dir, a.dtype, 4, 1024, quantize=a.quantize)
     engine.submit([list(range(100, 100 + a.prompt_tokens))],

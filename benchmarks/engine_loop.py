@@ -32,7 +32,7 @@ from handler.config import ConfigError  # noqa: E402
 from handler.model.cpu import preload_env  # noqa: E402
 from handler.engine.loop import ErrorEvent  # noqa: E402
 from handler.engine.request import SamplingParams  # noqa: E402
-from benchmarks.results_json import write_json  # noqa: E402
+from benchmarks.script_common import write_json  # noqa: E402
 
 
 def draw(n: int, prompt_tokens: list[int], max_new: list[int], vocab: int, seed: int):

@@ -36,7 +36,7 @@ import torch  # noqa: E402
 
 from benchmarks.gemv_stream import LAYERS, SHAPES, caller, probe_lib  # noqa: E402
 from kernels import cpu_ext  # noqa: E402
-from benchmarks.results_json import write_json  # noqa: E402
+from benchmarks.script_common import write_json  # noqa: E402
 
 ARMS = {"huge": True, "4k": False}
 GROUPED = {"q4": (4, 32), "q6": (8, 16)}    # kind: (bits, group) of kernels/cpu_gemm_q4.c

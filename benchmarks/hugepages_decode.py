@@ -11,7 +11,6 @@ GEMMs), their medians over the rounds, and off/on per round.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -20,7 +19,7 @@ import sys
 import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks.results_json import write_json  # noqa: E402
+from benchmarks.script_common import model_parser, write_json  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ARMS = {"huge": "auto", "4k": "0"}
@@ -41,13 +40,9 @@ def one(model_dir: str, dtype: str, quantize: str | None, steps: int, setting: s
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model-dir", required=True)
-    p.add_argument("--dtype", default="fp32")
-    p.add_argument("--quantize")
+    p = model_parser(__doc__)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--steps", type=int, default=30)
-    p.add_argument("--out")
     a = p.parse_args(argv)
     per = {arm: {k: [] for k in KEYS} for arm in ARMS}
     for r in range(a.rounds):

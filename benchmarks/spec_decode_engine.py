@@ -31,7 +31,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks import spec_decode  # noqa: E402
 from handler.engine.loop import DoneEvent, ErrorEvent, TokenEvent  # noqa: E402
-from benchmarks.results_json import write_json  # noqa: E402
+from benchmarks.script_common import write_json  # noqa: E402
 
 # ServingConfig fields that name where the configuration came from, not what it is.
 PROVENANCE = ("properties", "properties_file", "warnings", "speculative")
