@@ -36,14 +36,14 @@ def kernels(x: torch.Tensor, layers: list, n: int, bits: int, group: int, thread
     fn = cpu_ext.load()
     m, k = x.shape
     out = torch.empty(m, n)
-    ptrs = [tuple(t.data_ptr() for t in layer) for layer in layers]
 
     def q(i):
-        p, s, mn, _ = ptrs[i % len(ptrs)]
-        fn.gemm_q(x.data_ptr(), m, k, k, p, s, mn, bits, group, n, None, out.data_ptr(), n, threads)
+        w = layers[i % len(layers)][0]
+        fn.gemm_q(x.data_ptr(), m, k, k, w.codes.data_ptr(), w.s.data_ptr(), w.m.data_ptr(), None, None, w.smode,
+                  w.sg, w.bits, w.group, n, None, out.data_ptr(), n, threads)
 
     def fp32(i):
-        fn.gemm(x.data_ptr(), m, k, k, ptrs[i % len(ptrs)][3], n, None, out.data_ptr(), n, threads)
+        fn.gemm(x.data_ptr(), m, k, k, layers[i % len(layers)][1].data_ptr(), n, None, out.data_ptr(), n, threads)
     return {"q": q, "fp32": fp32}
 
 
@@ -78,7 +78,7 @@ def main(argv=None) -> int:
                     g = -(-k // a.group)
                     w = Grouped(torch.randint(0, 2 ** a.bits, (n, k), generator=gen).to(torch.uint8),
                                 torch.rand(n, g, generator=gen), torch.rand(n, g, generator=gen), a.bits, a.group)
-                    layers.append((*pack(w), cpu_ext.pack_panels(w.dequantize())))
+                    layers.append((pack(w), cpu_ext.pack_panels(w.dequantize())))
                 for m in (int(r) for r in a.rows.split(",")):
                     x = torch.randn(m, k, generator=gen)
                     best = best_of(kernels(x, layers, n, a.bits, a.group, a.threads), a.rounds, a.calls, clock)

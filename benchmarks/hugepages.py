@@ -112,10 +112,11 @@ def step_fn(fn, shapes, layers: int, kind: str, threads: int, ws: dict):
 
 
 def q_caller(fn, k: int, n: int, threads: int, bits: int, group: int):
-    """call((codes, scales, mins)): one 1-row kernels/cpu_gemm_q4.c GEMM on preallocated buffers."""
+    """call((codes, scales, mins)): one 1-row kernels/cpu_gemm_q4.c GEMM on preallocated buffers
+    (fp32 scales and mins: the layout's QS_F32)."""
     x, out = torch.randn(1, k), torch.empty(1, n)
-    return lambda w: fn.gemm_q(x.data_ptr(), 1, k, k, w[0].data_ptr(), w[1].data_ptr(), w[2].data_ptr(), bits,
-                               group, n, None, out.data_ptr(), n, threads)
+    return lambda w: fn.gemm_q(x.data_ptr(), 1, k, k, w[0].data_ptr(), w[1].data_ptr(), w[2].data_ptr(), None, None,
+                               cpu_ext.QS_F32, 1, bits, group, n, None, out.data_ptr(), n, threads)
 
 
 def summarise(rounds: list[dict], nbytes: float) -> dict:

@@ -21,8 +21,10 @@ typedef struct {
     const int32_t *wsum;        /* int8: per-column sums of the weight */
     const float *wscale;        /* int8: per-column scales */
     const float *bias;          /* fp32 [n] or NULL */
-    const float *qscale, *qmin; /* LIN_Q (grouped 4/8-bit codes in panels): lmi_gemm_q's scales and mins */
-    int64_t bits, group;        /* LIN_Q: 4 or 8-bit codes, `group` inputs per scale */
+    const void *qscale, *qmin;  /* LIN_Q (grouped 4/5/6/8-bit codes in panels): lmi_gemm_q's S and Mn */
+    const float *qd, *qe;       /* LIN_Q, QS_I8: the superblock scales D and E */
+    int64_t bits, group;        /* LIN_Q: 4, 5, 6 or 8-bit codes, `group` inputs per scale */
+    int64_t qsmode, qsg;        /* LIN_Q: lmi_gemm_q's smode and sg */
 } lmi_lin;
 
 /* A decoder layer: q/k/v and gate/up either fused (q holds q|k|v, gate holds gate|up; k, v, up
@@ -62,10 +64,12 @@ int lmi_gemm_i8_available(void);
 void lmi_gemm_i8(const uint8_t *Aq, int64_t M, int64_t Kp, const float *sa, const int8_t *Bp, const int32_t *wsum,
     const float *sw, int64_t N, const float *bias, float *C, int64_t ldc, int nthreads);
 
-/* cpu_gemm_q4.c */
+/* cpu_gemm_q4.c; lmi_gemm_q's smode: how S and Mn hold the scales and mins (see the file's top) */
+enum { QS_F32 = 0, QS_F16 = 1, QS_I8 = 2 };
 int lmi_gemm_q_available(void);
-void lmi_gemm_q(const float *A, int64_t M, int64_t K, int64_t lda, const uint8_t *Bp, const float *S,
-    const float *Mn, int bits, int64_t g, int64_t N, const float *bias, float *C, int64_t ldc, int nthreads);
+void lmi_gemm_q(const float *A, int64_t M, int64_t K, int64_t lda, const uint8_t *Bp, const void *S,
+    const void *Mn, const float *D, const float *E, int smode, int64_t sg, int bits, int64_t g, int64_t N,
+    const float *bias, float *C, int64_t ldc, int nthreads);
 
 /* cpu_exact.c */
 void lmi_rotary(void *q, void *k, const void *cos, const void *sin, int64_t T, int64_t H, int64_t Hkv, int64_t D,

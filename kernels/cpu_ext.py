@@ -819,10 +819,37 @@ def gemm_q_available() -> bool:
     return fn is not None and fn.gemm_q_available
 
 
-def gemm_q(x: torch.Tensor, panels: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, bits: int,
-           group: int, n: int, bias: torch.Tensor | None) -> torch.Tensor:
-    """x [..., K] fp32 @ the grouped quantized weight's transpose (+ bias [N] fp32) -> [..., N] fp32;
-    panels / scales / mins as handler/model/quant_int4.py packs them."""
+@dataclasses.dataclass(frozen=True)
+class QPack:
+    """A grouped weight in kernels/cpu_gemm_q4.c's layout (its top comment; handler/model/quant_int4.py
+    packs it): codes [np][K][row bytes] flat uint8; s, m [np][G][32] in fp32 / fp16 / int8 by smode;
+    QS_I8's superblock scales d, e [np][ceil(G / sg)][32] fp32 (None otherwise)."""
+    codes: torch.Tensor
+    s: torch.Tensor
+    m: torch.Tensor
+    d: torch.Tensor | None
+    e: torch.Tensor | None
+    smode: int
+    sg: int         # groups per superblock (QS_I8), else 1
+    bits: int       # code width: 4, 5, 6 or 8
+    group: int      # inputs per group
+
+    def tensors(self) -> list[torch.Tensor]:
+        """What a step streams."""
+        out = []
+        for t in (self.codes, self.s, self.m, self.d, self.e):
+            if t is not None and not any(t is o for o in out):     # s and m may be one table (Q6_K)
+                out.append(t)
+        return out
+
+
+def q_row_bytes(bits: int) -> int:
+    """Bytes of one packed row k of a 32-column panel (ROW_BYTES in kernels/cpu_gemm_q4.c)."""
+    return 32 if bits == 8 else 16 + 4 * (bits - 4)
+
+
+def gemm_q(x: torch.Tensor, w: QPack, n: int, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [..., K] fp32 @ the grouped quantized weight's transpose (+ bias [N] fp32) -> [..., N] fp32."""
     k = x.shape[-1]
     a = x.reshape(-1, k)
     m = a.shape[0]
@@ -830,14 +857,18 @@ def gemm_q(x: torch.Tensor, panels: torch.Tensor, scales: torch.Tensor, mins: to
         a = a.contiguous()
     out = torch.empty(m, n, dtype=torch.float32)
     if m and k:
-        load().gemm_q(a.data_ptr(), m, k, a.stride(0) if m > 1 else k, panels.data_ptr(), scales.data_ptr(),
-                      mins.data_ptr(), bits, group, n, None if bias is None else bias.data_ptr(), out.data_ptr(),
-                      n, torch.get_num_threads())
+        load().gemm_q(a.data_ptr(), m, k, a.stride(0) if m > 1 else k, w.codes.data_ptr(), w.s.data_ptr(),
+                      w.m.data_ptr(), _ptr(w.d), _ptr(w.e), w.smode, w.sg, w.bits, w.group, n, _ptr(bias),
+                      out.data_ptr(), n, torch.get_num_threads())
     elif m:
         out.zero_()
         if bias is not None:
             out += bias
     return out.view(*x.shape[:-1], n)
+
+
+def _ptr(t: torch.Tensor | None):
+    return None if t is None else t.data_ptr()
 
 
 # ---------------------------------------------------------------------------- bf16 (kernels/cpu_gemm_bf16.c)
@@ -917,7 +948,8 @@ def gemm_bf16(x: torch.Tensor, panels: torch.Tensor, n: int, bias: torch.Tensor 
 
 # ---------------------------------------------------------------------------- a decode step's layers (kernels/cpu_layer.c)
 LIN_F32, LIN_BF16, LIN_BF16W, LIN_I8 = (_ENUM[k] for k in ("LIN_F32", "LIN_BF16", "LIN_BF16W", "LIN_I8"))
-LIN_Q = _ENUM["LIN_Q"]          # grouped 4/8-bit codes (handler/model/quant_int4.py Q4Linear)
+LIN_Q = _ENUM["LIN_Q"]          # grouped 4/5/6/8-bit codes (handler/model/quant_int4.py Q4Linear)
+QS_F32, QS_F16, QS_I8 = (_ENUM[k] for k in ("QS_F32", "QS_F16", "QS_I8"))   # lmi_gemm_q's scale modes
 Lin = _STRUCTS["lmi_lin"]        # one packed linear layer
 Layer = _STRUCTS["lmi_layer"]    # a decoder layer's weights and KV pools (q|k|v and gate|up fused: k, v, up n = 0)
 

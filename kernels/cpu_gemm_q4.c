@@ -1,39 +1,51 @@
-/* Grouped 4-bit (and 8-bit) weight GEMM for CPU linear layers (AWQ, GPTQ, GGUF Q4_0/Q4_1/Q8_0):
- * C[M, N] = A[M, K] @ W^T (+ bias), fp32 activations (W4A16), with
+/* Grouped low-bit weight GEMM for CPU linear layers (AWQ, GPTQ, GGUF's blocks, W8A16):
+ * C[M, N] = A[M, K] @ W^T (+ bias), fp32 activations, with
  *
- *   W[n, k] = q[n, k] * S[n, k / g] + Mn[n, k / g]        q in 0..15 (4-bit) or 0..255 (8-bit)
+ *   W[n, k] = q[n, k] * S[n, k / g] + Mn[n, k / g]        q of 4, 5, 6 or 8 bits
  *
  * one scale and one offset ("min", = -zero * scale for AWQ/GPTQ) per output channel n and group
  * of g consecutive k (handler/model/quant_int4.py maps every format to this one).
  *
  * Layout (packed in handler/model/quant_int4.py): panels of 32 output columns as in
- * kernels/cpu_gemm.c. 4-bit: [ceil(N/32)][K][16] bytes, byte j of row k holding column j in its
- * low nibble and column j + 16 in its high nibble; 8-bit: [ceil(N/32)][K][32] bytes. S and Mn:
- * [ceil(N/32)][G][32] fp32 (G = ceil(K/g)), zero padded.
+ * kernels/cpu_gemm.c, [ceil(N/32)][K][RB] bytes, RB bytes a row k:
+ *   4-bit (RB 16): byte j holds column j in its low nibble and column j + 16 in its high nibble;
+ *   5/6-bit (RB 20/24): those 16 bytes (the codes' low 4 bits), then one 32-bit plane per higher
+ *     bit (bit 4, then bit 5), bit j of a plane (little endian) belonging to column j;
+ *   8-bit (RB 32): byte j, column j.
+ * Scales and mins (smode), G = ceil(K/g) groups, zero padded:
+ *   QS_F32: S, Mn fp32 [ceil(N/32)][G][32];
+ *   QS_F16: S, Mn fp16 [ceil(N/32)][G][32] (formats whose scale and min fp16 holds exactly: GGUF's
+ *     32-blocks, whose d is fp16 and min -8d / -16d / -128d or an fp16 m);
+ *   QS_I8: two levels, as GGUF's K-quants store them: S, Mn int8 [ceil(N/32)][G][32] sub-scales
+ *     times D, E fp32 [ceil(N/32)][ceil(G/sg)][32], one per sg groups (a 256-input superblock):
+ *     s = D * S, m = E * Mn (an fp16 d times a 6/8-bit integer: exact in fp32).
+ * Every mode yields the same fp32 s and m for a group, so the same weights bit for bit; the compact
+ * ones only stream fewer bytes (Q4_K: 4.75 bits a weight against 6 with fp32 scales and mins;
+ * Q6_K: 6.75 against 12 with byte codes and fp32 scales).
  *
  * Microkernel: up to 12 rows x 32 columns of fp32 accumulators in 24 zmm registers; for each k,
- * one 16-byte load widened to 16 int32 lanes, the two nibbles split by a mask and a shift,
- * converted to fp32 and dequantized by one FMA each with the group's scale/min (held in 4
- * registers for the group), then two FMAs per row. The dequantized weight is fma(q, s, m), exact
- * for every format served (q * s has at most 4 + 11 significant bits from an fp16 scale, and
- * q * s + m is itself the format's weight rounded once, as numpy's / torch's dequantization
- * rounds it), and each output is summed in k order by FMAs from 0, then + bias: the same
- * operations, in the same order, as kernels/cpu_gemm.c on the dequantized fp32 weights. So a
+ * one 16-byte load widened to 16 int32 lanes, the two nibbles split by a mask and a shift (5/6-bit:
+ * each plane's bits ORed in under a mask register), converted to fp32 and dequantized by one FMA
+ * each with the group's scale/min (held in registers for the group), then two FMAs per row. The
+ * dequantized weight is fma(q, s, m), exact for every format served (q * s has at most 8 + 11 + 8
+ * significant bits, and q * s + m is the format's weight rounded once, as numpy's / torch's
+ * dequantization rounds it), and each output is summed in k order by FMAs from 0, then + bias: the
+ * same operations, in the same order, as kernels/cpu_gemm.c on the dequantized fp32 weights. So a
  * quantized model computes bit for bit what its dequantized fp32 model computes on this path.
  * A row's result depends only on that row.
  *
- * The weight stream is 1/8 of fp32's (plus 8 bytes per group of 32 columns' scale/min), so a
- * decode step, which streams every weight once, reads 8x fewer bytes; the dequantization costs
- * about 8 instructions per k per 32 columns, shared by the row block. Past one row block (M > 12)
- * each panel is instead dequantized once into a per-thread fp32 buffer (K x 32, in L2) and every
- * row block runs kernels/cpu_gemm.c's fp32 microkernel over it (the same values, the same
- * order), so compute-bound prefill steps pay one dequantization per panel, not one per row block.
+ * A decode step streams every weight once, so its time is the code and scale bytes; the
+ * dequantization costs about 8-14 instructions per k per 32 columns, shared by the row block. Past
+ * one row block (M > 12) each panel is instead dequantized once into a per-thread fp32 buffer
+ * (K x 32, in L2) and every row block runs kernels/cpu_gemm.c's fp32 microkernel over it (the same
+ * values, the same order), so compute-bound prefill steps pay one dequantization per panel.
  *
- * Builds (kernels/isa.py): avx512 as above; AVX2+FMA and aarch64 NEON over 8-lane vectors (register
- * kernel up to 2 rows, dequantized panels past that), the same values bit for bit. Elsewhere
- * lmi_gemm_q_available() returns 0 and the caller dequantizes in torch instead.
+ * Builds (kernels/isa.py): avx512 as above; AVX2+FMA(+F16C) and aarch64 NEON over 8-lane vectors
+ * (register kernel up to 2 rows, dequantized panels past that), the same values bit for bit.
+ * Elsewhere lmi_gemm_q_available() returns 0 and the caller dequantizes in torch instead.
  */
 #include <stdint.h>
+#include <string.h>
 
 #include "cpu_api.h"
 #include <stdlib.h>
@@ -41,35 +53,102 @@
 #define NR 32
 #define MRMAX 12
 
+/* bytes of one packed row k of a panel */
+#define ROW_BYTES(BITS) ((BITS) == 8 ? 32 : 16 + 4 * ((BITS) - 4))
+
+/* One panel's scale source (see the top). */
+typedef struct {
+    int mode;
+    const uint8_t *s, *m;
+    const float *d, *e;
+    int64_t sg;
+} qsrc;
+
+static inline qsrc qsrc_panel(int mode, const void *S, const void *Mn, const float *D, const float *E, int64_t sg,
+                              int64_t G, int64_t p) {
+    const int64_t es = mode == QS_F32 ? 4 : mode == QS_F16 ? 2 : 1;
+    const int64_t GS = mode == QS_I8 ? (G + sg - 1) / sg : 0;
+    qsrc c = {mode, (const uint8_t *)S + p * G * NR * es, (const uint8_t *)Mn + p * G * NR * es,
+              mode == QS_I8 ? D + p * GS * NR : 0, mode == QS_I8 ? E + p * GS * NR : 0, sg > 0 ? sg : 1};
+    return c;
+}
+
+/* The cache-line step of the codes stream: true for the one row k of each 64-byte line that starts
+ * in the line's first RB bytes (every line holds at least two rows' starts for RB <= 32). */
+#define LINE_START(k, RB) ((((k) * (RB)) & 63) < (RB))
+
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #include <omp.h>
 
 int lmi_gemm_q_available(void) { return 1; }
 
-/* MR rows of A x one panel (B: its packed weight, S/Mn: its [G][32] scales and mins) -> C.
- * Bn (or NULL): the next panel's weight, Bn_bytes long; row block pf0 of pfs prefetches every
- * pfs-th cache line of it into L2 so the panel's row blocks share the prefetching. */
+/* Group gi's 32 scales (s0: columns 0-15, s1: 16-31) and mins (n0, n1), in registers. */
+static inline void qs_group(const qsrc *c, int64_t gi, __m512 *s0, __m512 *s1, __m512 *n0, __m512 *n1) {
+    if (c->mode == QS_F32) {
+        const float *s = (const float *)c->s + gi * NR, *m = (const float *)c->m + gi * NR;
+        *s0 = _mm512_loadu_ps(s), *s1 = _mm512_loadu_ps(s + 16);
+        *n0 = _mm512_loadu_ps(m), *n1 = _mm512_loadu_ps(m + 16);
+    } else if (c->mode == QS_F16) {
+        const uint16_t *s = (const uint16_t *)c->s + gi * NR, *m = (const uint16_t *)c->m + gi * NR;
+        *s0 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)s));
+        *s1 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(s + 16)));
+        *n0 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)m));
+        *n1 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(m + 16)));
+    } else {
+        const int8_t *a = (const int8_t *)c->s + gi * NR, *b = (const int8_t *)c->m + gi * NR;
+        const float *d = c->d + gi / c->sg * NR, *e = c->e + gi / c->sg * NR;
+        const __m512 a0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)a)));
+        const __m512 a1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(a + 16))));
+        const __m512 b0 = a == b ? a0 : _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)b)));
+        const __m512 b1 = a == b ? a1
+                                 : _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(b + 16))));
+        *s0 = _mm512_mul_ps(_mm512_loadu_ps(d), a0), *s1 = _mm512_mul_ps(_mm512_loadu_ps(d + 16), a1);
+        *n0 = _mm512_mul_ps(_mm512_loadu_ps(e), b0), *n1 = _mm512_mul_ps(_mm512_loadu_ps(e + 16), b1);
+    }
+}
+
+/* Row k's codes (b: its RB bytes) -> columns 0-15 (*q0) and 16-31 (*q1) as int32 lanes. */
+static inline void q_codes(const uint8_t *b, int bits, __m512i *q0, __m512i *q1) {
+    if (bits == 8) {
+        *q0 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)b));
+        *q1 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(b + 16)));
+        return;
+    }
+    const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)b));
+    __m512i lo = _mm512_and_si512(q, _mm512_set1_epi32(0xF)), hi = _mm512_srli_epi32(q, 4);
+    for (int p = 0; p < bits - 4; ++p) {
+        uint32_t w;
+        memcpy(&w, b + 16 + 4 * p, 4);
+        const __m512i bit = _mm512_set1_epi32(16 << p);
+        lo = _mm512_mask_or_epi32(lo, (__mmask16)w, lo, bit);
+        hi = _mm512_mask_or_epi32(hi, (__mmask16)(w >> 16), hi, bit);
+    }
+    *q0 = lo, *q1 = hi;
+}
+
+/* MR rows of A x one panel (B: its packed codes, c: its scales and mins) -> C.
+ * Bn (or NULL): the next panel's codes, Bn_lines cache lines long; row block pf0 of pfs prefetches
+ * every pfs-th cache line of it into L2 so the panel's row blocks share the prefetching. */
 #define KERNEL(BITS, MR)                                                                              \
     static void kq##BITS##_##MR(const float *A, int64_t lda, const uint8_t *B, int64_t K, int64_t g, \
-                                const float *S, const float *Mn, float *C, int64_t ldc,              \
+                                const qsrc *c, float *C, int64_t ldc,                                 \
                                 const float *bias, int64_t ncols, const uint8_t *Bn,                  \
                                 int64_t Bn_lines, int64_t pf0, int64_t pfs) {                        \
-        const int64_t RB = BITS == 4 ? 16 : 32; /* bytes per k */                                     \
+        const int64_t RB = ROW_BYTES(BITS);                                                           \
         __m512 c0[MR], c1[MR];                                                                        \
         UNROLL_MR for (int r = 0; r < MR; ++r) {                                                      \
             c0[r] = _mm512_setzero_ps();                                                              \
             c1[r] = _mm512_setzero_ps();                                                              \
         }                                                                                             \
-        const __m512i lo4 = _mm512_set1_epi32(0xF);                                                   \
         int64_t pfl = Bn ? pf0 : Bn_lines;                                                            \
         for (int64_t k0 = 0, gi = 0; k0 < K; k0 += g, ++gi) {                                         \
-            const __m512 s0 = _mm512_loadu_ps(S + gi * NR), s1 = _mm512_loadu_ps(S + gi * NR + 16);   \
-            const __m512 n0 = _mm512_loadu_ps(Mn + gi * NR), n1 = _mm512_loadu_ps(Mn + gi * NR + 16); \
+            __m512 s0, s1, n0, n1;                                                                    \
+            qs_group(c, gi, &s0, &s1, &n0, &n1);                                                      \
             const int64_t k1 = k0 + g < K ? k0 + g : K;                                               \
             for (int64_t k = k0; k < k1; ++k) {                                                       \
                 const uint8_t *b = B + k * RB;                                                        \
-                if ((k * RB & 63) == 0) {                                                             \
+                if (LINE_START(k, RB)) {                                                              \
                     const int64_t line = k * RB >> 6;                                                 \
                     if (line == pfl) {                                                                \
                         _mm_prefetch((const char *)(Bn + line * 64), _MM_HINT_T1);                    \
@@ -78,14 +157,7 @@ int lmi_gemm_q_available(void) { return 1; }
                     _mm_prefetch((const char *)(b + 512), _MM_HINT_T0);                               \
                 }                                                                                     \
                 __m512i q0, q1;                                                                       \
-                if (BITS == 4) {                                                                      \
-                    const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)b));      \
-                    q0 = _mm512_and_si512(q, lo4);                                                    \
-                    q1 = _mm512_srli_epi32(q, 4);                                                     \
-                } else {                                                                              \
-                    q0 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)b));                   \
-                    q1 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(b + 16)));            \
-                }                                                                                     \
+                q_codes(b, BITS, &q0, &q1);                                                           \
                 const __m512 w0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q0), s0, n0);                    \
                 const __m512 w1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q1), s1, n1);                    \
                 UNROLL_MR for (int r = 0; r < MR; ++r) {                                              \
@@ -110,10 +182,10 @@ int lmi_gemm_q_available(void) { return 1; }
             _mm512_mask_storeu_ps(C + r * ldc + 16, m1, c1[r]);                                       \
         }                                                                                             \
     }
-KERNEL(4, 1) KERNEL(4, 2) KERNEL(4, 3) KERNEL(4, 4) KERNEL(4, 5) KERNEL(4, 6)
-KERNEL(4, 7) KERNEL(4, 8) KERNEL(4, 9) KERNEL(4, 10) KERNEL(4, 11) KERNEL(4, 12)
-KERNEL(8, 1) KERNEL(8, 2) KERNEL(8, 3) KERNEL(8, 4) KERNEL(8, 5) KERNEL(8, 6)
-KERNEL(8, 7) KERNEL(8, 8) KERNEL(8, 9) KERNEL(8, 10) KERNEL(8, 11) KERNEL(8, 12)
+#define KERNELS(BITS) KERNEL(BITS, 1) KERNEL(BITS, 2) KERNEL(BITS, 3) KERNEL(BITS, 4) KERNEL(BITS, 5)      \
+    KERNEL(BITS, 6) KERNEL(BITS, 7) KERNEL(BITS, 8) KERNEL(BITS, 9) KERNEL(BITS, 10) KERNEL(BITS, 11)       \
+    KERNEL(BITS, 12)
+KERNELS(4) KERNELS(5) KERNELS(6) KERNELS(8)
 
 /* MR rows x one dequantized panel W [K][32] fp32 (in L1/L2) -> C: kernels/cpu_gemm.c's microkernel
  * (k-ordered FMAs from 0, then + bias), for row counts that span several row blocks. */
@@ -155,96 +227,42 @@ static const kf_t KF[MRMAX + 1] = {0, kf_1, kf_2, kf_3, kf_4, kf_5, kf_6, kf_7, 
 
 /* One panel's weights dequantized into W [K][32] fp32, exactly as the register kernels compute
  * them (fma(q, s, m)); the next panel's codes (Bn, or NULL) prefetched into L2 meanwhile. */
-static void dequant_panel(const uint8_t *B, int64_t K, int64_t g, const float *S, const float *Mn, int bits,
-                          float *W, const uint8_t *Bn) {
-    const int64_t RB = bits == 4 ? 16 : 32;
-    const __m512i lo4 = _mm512_set1_epi32(0xF);
+static void dequant_panel(const uint8_t *B, int64_t K, int64_t g, const qsrc *c, int bits, float *W,
+                          const uint8_t *Bn) {
+    const int64_t RB = ROW_BYTES(bits);
     for (int64_t k0 = 0, gi = 0; k0 < K; k0 += g, ++gi) {
-        const __m512 s0 = _mm512_loadu_ps(S + gi * NR), s1 = _mm512_loadu_ps(S + gi * NR + 16);
-        const __m512 n0 = _mm512_loadu_ps(Mn + gi * NR), n1 = _mm512_loadu_ps(Mn + gi * NR + 16);
+        __m512 s0, s1, n0, n1;
+        qs_group(c, gi, &s0, &s1, &n0, &n1);
         const int64_t k1 = k0 + g < K ? k0 + g : K;
         for (int64_t k = k0; k < k1; ++k) {
             const uint8_t *b = B + k * RB;
-            if (Bn && (k * RB & 63) == 0) _mm_prefetch((const char *)(Bn + k * RB), _MM_HINT_T1);
+            if (Bn && LINE_START(k, RB)) _mm_prefetch((const char *)(Bn + k * RB), _MM_HINT_T1);
             __m512i q0, q1;
-            if (bits == 4) {
-                const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)b));
-                q0 = _mm512_and_si512(q, lo4);
-                q1 = _mm512_srli_epi32(q, 4);
-            } else {
-                q0 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)b));
-                q1 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(b + 16)));
-            }
+            q_codes(b, bits, &q0, &q1);
             _mm512_store_ps(W + k * NR, _mm512_fmadd_ps(_mm512_cvtepi32_ps(q0), s0, n0));
             _mm512_store_ps(W + k * NR + 16, _mm512_fmadd_ps(_mm512_cvtepi32_ps(q1), s1, n1));
         }
     }
 }
 
-typedef void (*kq_t)(const float *, int64_t, const uint8_t *, int64_t, int64_t, const float *, const float *,
-                     float *, int64_t, const float *, int64_t, const uint8_t *, int64_t, int64_t, int64_t);
-static const kq_t KQ4[MRMAX + 1] = {0, kq4_1, kq4_2, kq4_3, kq4_4, kq4_5, kq4_6,
-                                    kq4_7, kq4_8, kq4_9, kq4_10, kq4_11, kq4_12};
-static const kq_t KQ8[MRMAX + 1] = {0, kq8_1, kq8_2, kq8_3, kq8_4, kq8_5, kq8_6,
-                                    kq8_7, kq8_8, kq8_9, kq8_10, kq8_11, kq8_12};
-
-/* A [M, K] fp32 at row stride lda (K contiguous); Bp, S, Mn as packed (see the top); bits 4 or 8;
- * g the group size along K; bias [N] or NULL; C [M, N] at row stride ldc. Threads own contiguous
- * ranges of panels; rows go in chunks whose A slice stays in L2 (about 1 MiB). */
-void lmi_gemm_q(const float *A, int64_t M, int64_t K, int64_t lda, const uint8_t *Bp, const float *S,
-                const float *Mn, int bits, int64_t g, int64_t N, const float *bias, float *C, int64_t ldc,
-                int nthreads) {
-    const int64_t np = (N + NR - 1) / NR, G = (K + g - 1) / g;
-    const int64_t pbytes = K * (bits == 4 ? 16 : 32);
-    const kq_t *kern = bits == 4 ? KQ4 : KQ8;
-    int64_t chunk = ((1 << 20) / (K * 4)) / MRMAX * MRMAX;
-    if (chunk < MRMAX) chunk = MRMAX;
-    if (nthreads > np) nthreads = (int)np;
-    if (nthreads < 1) nthreads = 1;
-#pragma omp parallel num_threads(nthreads)
-    {
-        const int t = omp_get_thread_num(), nt = omp_get_num_threads();
-        const int64_t p0 = np * t / nt, p1 = np * (t + 1) / nt;
-        /* Several row blocks: each panel dequantized once into W (K x 128 bytes, L2), then the plain
-         * fp32 microkernel per row block; one row block: dequantized in registers as it multiplies. */
-        float *W = M > MRMAX ? (float *)aligned_alloc(64, (size_t)K * NR * sizeof(float)) : 0;
-        for (int64_t m0 = 0; m0 < M; m0 += chunk) {
-            const int64_t Mc = M - m0 < chunk ? M - m0 : chunk;
-            const int64_t nb = (Mc + MRMAX - 1) / MRMAX;
-            for (int64_t p = p0; p < p1; ++p) {
-                const uint8_t *B = Bp + p * pbytes;
-                const uint8_t *Bn = p + 1 < p1 ? B + pbytes : 0;
-                const int64_t ncols = N - p * NR < NR ? N - p * NR : NR;
-                if (nb > 1 && W) {
-                    dequant_panel(B, K, g, S + p * G * NR, Mn + p * G * NR, bits, W, Bn);
-                    for (int64_t i = 0; i < nb; ++i) {
-                        const int64_t lo = Mc * i / nb, hi = Mc * (i + 1) / nb;
-                        KF[hi - lo](A + (m0 + lo) * lda, lda, W, K, C + (m0 + lo) * ldc + p * NR, ldc,
-                                    bias ? bias + p * NR : 0, ncols);
-                    }
-                    continue;
-                }
-                for (int64_t i = 0; i < nb; ++i) {
-                    const int64_t lo = Mc * i / nb, hi = Mc * (i + 1) / nb;
-                    kern[hi - lo](A + (m0 + lo) * lda, lda, B, K, g, S + p * G * NR, Mn + p * G * NR,
-                                  C + (m0 + lo) * ldc + p * NR, ldc, bias ? bias + p * NR : 0, ncols, Bn,
-                                  pbytes >> 6, i, nb);
-                }
-            }
-        }
-        free(W);
-    }
-}
+typedef void (*kq_t)(const float *, int64_t, const uint8_t *, int64_t, int64_t, const qsrc *, float *, int64_t,
+                     const float *, int64_t, const uint8_t *, int64_t, int64_t, int64_t);
+#define KTABLE(BITS) {0, kq##BITS##_1, kq##BITS##_2, kq##BITS##_3, kq##BITS##_4, kq##BITS##_5, kq##BITS##_6, \
+                      kq##BITS##_7, kq##BITS##_8, kq##BITS##_9, kq##BITS##_10, kq##BITS##_11, kq##BITS##_12}
+static const kq_t KQ[4][MRMAX + 1] = {KTABLE(4), KTABLE(5), KTABLE(6), KTABLE(8)};
+#define MRQ MRMAX
+#define MRF MRMAX
 #elif (defined(__AVX2__) && defined(__FMA__)) || (defined(__ARM_NEON) && defined(__aarch64__))
 /* AVX2+FMA and aarch64 NEON: the same packing, and per output the same operations in the same
  * order (weights fma(q, s, m); FMAs in k order from 0; then + bias), so the AVX-512 build's values
  * bit for bit. Vectors of 8 lanes (one ymm, or two NEON q registers); the 8 codes of a vector are
- * 8 bytes of a k's row: 4-bit bytes 0-7 hold columns 0-7 (low nibbles) and 16-23 (high), bytes
- * 8-15 columns 8-15 and 24-31. Up to MRQ rows run a whole panel in registers (4 accumulators a row:
- * 4 independent FMA chains, so one row is not held to the FMA latency); past that each panel is
- * dequantized once into W [K][32] fp32 and MRF-row blocks run over it (kernels/cpu_gemm.c's AVX2
- * block shape, 3 rows x 32 columns, the panel loads folded into the FMAs). On the AVX2 build's 16
- * ymm registers 3 rows in registers spilled, and the dequantized panel beat them at 3 rows. */
+ * 8 bytes of a k's row: bytes 0-7 hold columns 0-7 (low nibbles) and 16-23 (high), bytes 8-15
+ * columns 8-15 and 24-31; byte i of a bit plane holds columns 8i..8i+7. Up to MRQ rows run a whole
+ * panel in registers (4 accumulators a row: 4 independent FMA chains, so one row is not held to the
+ * FMA latency); past that each panel is dequantized once into W [K][32] fp32 and MRF-row blocks run
+ * over it (kernels/cpu_gemm.c's AVX2 block shape, 3 rows x 32 columns, the panel loads folded into
+ * the FMAs). On the AVX2 build's 16 ymm registers 3 rows in registers spilled, and the dequantized
+ * panel beat them at 3 rows. */
 #include <omp.h>
 
 #define MRQ 2
@@ -260,6 +278,7 @@ static inline qf qf_set1(float x) { return _mm256_set1_ps(x); }
 static inline qf qf_load(const float *p) { return _mm256_loadu_ps(p); }
 static inline void qf_store(float *p, qf v) { _mm256_storeu_ps(p, v); }
 static inline qf qf_add(qf a, qf b) { return _mm256_add_ps(a, b); }
+static inline qf qf_mul(qf a, qf b) { return _mm256_mul_ps(a, b); }
 static inline qf qf_fma(qf a, qf b, qf c) { return _mm256_fmadd_ps(a, b, c); }    /* a * b + c, fused */
 static inline __m256i q_mask(int n) {
     return _mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
@@ -271,25 +290,33 @@ static inline void qf_store_n(float *p, qf v, int n) {
     if (n >= 8) _mm256_storeu_ps(p, v);
     else if (n > 0) _mm256_maskstore_ps(p, q_mask(n), v);
 }
-/* 8 bytes of 4-bit codes: low nibbles -> *lo = fma(q, s0, m0), high nibbles -> *hi = fma(q, s1, m1) */
-static inline void q_deq4(const uint8_t *b, qf s0, qf m0, qf s1, qf m1, qf *lo, qf *hi) {
-    const __m256i x = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)b));
-    *lo = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(x, _mm256_set1_epi32(0xF))), s0, m0);
-    *hi = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(x, 4)), s1, m1);
+static inline qf qf_f16(const uint16_t *p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)); }
+static inline qf qf_i8(const int8_t *p) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
 }
-/* 8 bytes of 8-bit codes -> fma(q, s, m) */
-static inline qf q_deq8(const uint8_t *b, qf s, qf m) {
-    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)b))), s, m);
+/* 8 code bytes b: low nibbles (shift 0) or high (shift 4), bit 4 + i from plane byte pl[4 i]. */
+static inline qf q_nib(const uint8_t *b, int shift, const uint8_t *pl, int planes) {
+    __m256i x = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)b));
+    x = shift ? _mm256_srli_epi32(x, 4) : _mm256_and_si256(x, _mm256_set1_epi32(0xF));
+    const __m256i sel = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+    for (int i = 0; i < planes; ++i) {
+        const __m256i on = _mm256_cmpeq_epi32(_mm256_and_si256(_mm256_set1_epi32(pl[4 * i]), sel), sel);
+        x = _mm256_or_si256(x, _mm256_and_si256(on, _mm256_set1_epi32(16 << i)));
+    }
+    return _mm256_cvtepi32_ps(x);
+}
+static inline qf q_byte8(const uint8_t *b) {      /* 8 bytes of 8-bit codes */
+    return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)b)));
 }
 #else
 #include <arm_neon.h>
-#include <string.h>
 typedef struct { float32x4_t lo, hi; } qf;
 static inline qf qf_zero(void) { qf r = {vdupq_n_f32(0.f), vdupq_n_f32(0.f)}; return r; }
 static inline qf qf_set1(float x) { qf r = {vdupq_n_f32(x), vdupq_n_f32(x)}; return r; }
 static inline qf qf_load(const float *p) { qf r = {vld1q_f32(p), vld1q_f32(p + 4)}; return r; }
 static inline void qf_store(float *p, qf v) { vst1q_f32(p, v.lo); vst1q_f32(p + 4, v.hi); }
 static inline qf qf_add(qf a, qf b) { qf r = {vaddq_f32(a.lo, b.lo), vaddq_f32(a.hi, b.hi)}; return r; }
+static inline qf qf_mul(qf a, qf b) { qf r = {vmulq_f32(a.lo, b.lo), vmulq_f32(a.hi, b.hi)}; return r; }
 static inline qf qf_fma(qf a, qf b, qf c) { qf r = {vfmaq_f32(c.lo, a.lo, b.lo), vfmaq_f32(c.hi, a.hi, b.hi)}; return r; }
 static inline qf qf_load_n(const float *p, int n) {
     if (n >= 8) return qf_load(p);
@@ -306,43 +333,82 @@ static inline void qf_store_n(float *p, qf v, int n) {
         memcpy(p, t, (size_t)n * 4);
     }
 }
-static inline qf q_cvt8(uint8x8_t x, qf s, qf m) {     /* 8 codes -> fma(q, s, m) */
-    const uint16x8_t w = vmovl_u8(x);
-    qf r = {vfmaq_f32(m.lo, vcvtq_f32_u32(vmovl_u16(vget_low_u16(w))), s.lo),
-            vfmaq_f32(m.hi, vcvtq_f32_u32(vmovl_high_u16(w)), s.hi)};
+static inline qf qf_f16(const uint16_t *p) {
+    qf r = {vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(p))), vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(p + 4)))};
     return r;
 }
-static inline void q_deq4(const uint8_t *b, qf s0, qf m0, qf s1, qf m1, qf *lo, qf *hi) {
-    const uint8x8_t x = vld1_u8(b);
-    *lo = q_cvt8(vand_u8(x, vdup_n_u8(0xF)), s0, m0);
-    *hi = q_cvt8(vshr_n_u8(x, 4), s1, m1);
+static inline qf qf_i8(const int8_t *p) {
+    const int16x8_t w = vmovl_s8(vld1_s8(p));
+    qf r = {vcvtq_f32_s32(vmovl_s16(vget_low_s16(w))), vcvtq_f32_s32(vmovl_high_s16(w))};
+    return r;
 }
-static inline qf q_deq8(const uint8_t *b, qf s, qf m) { return q_cvt8(vld1_u8(b), s, m); }
+static inline qf q_u8f(uint8x8_t x) {             /* 8 codes -> fp32 */
+    const uint16x8_t w = vmovl_u8(x);
+    qf r = {vcvtq_f32_u32(vmovl_u16(vget_low_u16(w))), vcvtq_f32_u32(vmovl_high_u16(w))};
+    return r;
+}
+static inline qf q_nib(const uint8_t *b, int shift, const uint8_t *pl, int planes) {
+    uint8x8_t x = vld1_u8(b);
+    x = shift ? vshr_n_u8(x, 4) : vand_u8(x, vdup_n_u8(0xF));
+    static const uint8_t SEL[8] = {1, 2, 4, 8, 16, 32, 64, 128};
+    for (int i = 0; i < planes; ++i)
+        x = vorr_u8(x, vand_u8(vtst_u8(vdup_n_u8(pl[4 * i]), vld1_u8(SEL)), vdup_n_u8((uint8_t)(16 << i))));
+    return q_u8f(x);
+}
+static inline qf q_byte8(const uint8_t *b) { return q_u8f(vld1_u8(b)); }
 #endif
 
-/* MR rows of A x one panel (B: its codes, S/Mn: its [G][32] scales and mins) -> C. Bn (or NULL): the
- * next panel's codes, Bn_lines cache lines; row block pf0 of pfs prefetches every pfs-th line of it
+/* Group gi's scales and mins, 4 vectors each (see the top's modes). */
+static inline void qs_group(const qsrc *c, int64_t gi, qf *s, qf *m) {
+    for (int v = 0; v < 4; ++v) {
+        if (c->mode == QS_F32) {
+            s[v] = qf_load((const float *)c->s + gi * NR + 8 * v);
+            m[v] = qf_load((const float *)c->m + gi * NR + 8 * v);
+        } else if (c->mode == QS_F16) {
+            s[v] = qf_f16((const uint16_t *)c->s + gi * NR + 8 * v);
+            m[v] = qf_f16((const uint16_t *)c->m + gi * NR + 8 * v);
+        } else {
+            s[v] = qf_mul(qf_load(c->d + gi / c->sg * NR + 8 * v), qf_i8((const int8_t *)c->s + gi * NR + 8 * v));
+            m[v] = qf_mul(qf_load(c->e + gi / c->sg * NR + 8 * v), qf_i8((const int8_t *)c->m + gi * NR + 8 * v));
+        }
+    }
+}
+
+/* Row k's codes (b: its RB bytes) dequantized: w[v] = fma(q, s[v], m[v]) for columns 8v..8v+7. */
+static inline void q_deq(const uint8_t *b, int bits, const qf *s, const qf *m, qf *w) {
+    if (bits == 8) {
+        for (int v = 0; v < 4; ++v) w[v] = qf_fma(q_byte8(b + 8 * v), s[v], m[v]);
+        return;
+    }
+    const int planes = bits - 4;
+    w[0] = qf_fma(q_nib(b, 0, b + 16, planes), s[0], m[0]);
+    w[1] = qf_fma(q_nib(b + 8, 0, b + 17, planes), s[1], m[1]);
+    w[2] = qf_fma(q_nib(b, 4, b + 18, planes), s[2], m[2]);
+    w[3] = qf_fma(q_nib(b + 8, 4, b + 19, planes), s[3], m[3]);
+}
+
+/* MR rows of A x one panel (B: its codes, c: its scales and mins) -> C. Bn (or NULL): the next
+ * panel's codes, Bn_lines cache lines; row block pf0 of pfs prefetches every pfs-th line of it
  * into L2. A whole panel per pass: one row's 4 accumulators are 4 independent FMA chains, so one
  * row is not held to one FMA latency per 16 columns. */
 #define KERNEL(BITS, MR)                                                                              \
     static void kq##BITS##_##MR(const float *A, int64_t lda, const uint8_t *B, int64_t K, int64_t g, \
-                                const float *S, const float *Mn, float *C, int64_t ldc,              \
+                                const qsrc *c, float *C, int64_t ldc,                                 \
                                 const float *bias, int64_t ncols, const uint8_t *Bn,                  \
                                 int64_t Bn_lines, int64_t pf0, int64_t pfs) {                        \
-        const int64_t RB = BITS == 4 ? 16 : 32; /* bytes per k */                                     \
+        const int64_t RB = ROW_BYTES(BITS);                                                           \
         qf x[MR][4];                                                                                  \
         UNROLL_MR for (int r = 0; r < MR; ++r) {                                                      \
             UNROLL_MR for (int v = 0; v < 4; ++v) x[r][v] = qf_zero();                                \
         }                                                                                             \
         int64_t pfl = Bn ? pf0 : Bn_lines;                                                            \
         for (int64_t k0 = 0, gi = 0; k0 < K; k0 += g, ++gi) {                                         \
-            const float *sg = S + gi * NR, *mg = Mn + gi * NR;                                        \
-            const qf s0 = qf_load(sg), s1 = qf_load(sg + 8), s2 = qf_load(sg + 16), s3 = qf_load(sg + 24); \
-            const qf n0 = qf_load(mg), n1 = qf_load(mg + 8), n2 = qf_load(mg + 16), n3 = qf_load(mg + 24); \
+            qf s[4], n[4];                                                                            \
+            qs_group(c, gi, s, n);                                                                    \
             const int64_t k1 = k0 + g < K ? k0 + g : K;                                               \
             for (int64_t k = k0; k < k1; ++k) {                                                       \
                 const uint8_t *b = B + k * RB;                                                        \
-                if ((k * RB & 63) == 0) {                                                             \
+                if (LINE_START(k, RB)) {                                                              \
                     const int64_t line = k * RB >> 6;                                                 \
                     if (line == pfl) {                                                                \
                         __builtin_prefetch(Bn + line * 64, 0, 2);                                     \
@@ -351,13 +417,7 @@ static inline qf q_deq8(const uint8_t *b, qf s, qf m) { return q_cvt8(vld1_u8(b)
                     __builtin_prefetch(b + 512, 0, 3);                                                \
                 }                                                                                     \
                 qf w[4];                                                                              \
-                if (BITS == 4) {                                                                      \
-                    q_deq4(b, s0, n0, s2, n2, &w[0], &w[2]);                                          \
-                    q_deq4(b + 8, s1, n1, s3, n3, &w[1], &w[3]);                                      \
-                } else {                                                                              \
-                    w[0] = q_deq8(b, s0, n0), w[1] = q_deq8(b + 8, s1, n1);                           \
-                    w[2] = q_deq8(b + 16, s2, n2), w[3] = q_deq8(b + 24, s3, n3);                     \
-                }                                                                                     \
+                q_deq(b, BITS, s, n, w);                                                              \
                 UNROLL_MR for (int r = 0; r < MR; ++r) {                                              \
                     const qf a = qf_set1(A[r * lda + k]);                                             \
                     UNROLL_MR for (int v = 0; v < 4; ++v) x[r][v] = qf_fma(a, w[v], x[r][v]);         \
@@ -365,16 +425,16 @@ static inline qf q_deq8(const uint8_t *b, qf s, qf m) { return q_cvt8(vld1_u8(b)
             }                                                                                         \
         }                                                                                             \
         UNROLL_MR for (int v = 0; v < 4; ++v) {                                                       \
-            const int n = ncols - 8 * v >= 8 ? 8 : ncols > 8 * v ? (int)(ncols - 8 * v) : 0;          \
+            const int nn = ncols - 8 * v >= 8 ? 8 : ncols > 8 * v ? (int)(ncols - 8 * v) : 0;         \
             if (bias) {                                                                               \
-                const qf bb = qf_load_n(bias + 8 * v, n);                                             \
+                const qf bb = qf_load_n(bias + 8 * v, nn);                                            \
                 UNROLL_MR for (int r = 0; r < MR; ++r) x[r][v] = qf_add(x[r][v], bb);                 \
             }                                                                                         \
-            UNROLL_MR for (int r = 0; r < MR; ++r) qf_store_n(C + r * ldc + 8 * v, x[r][v], n);       \
+            UNROLL_MR for (int r = 0; r < MR; ++r) qf_store_n(C + r * ldc + 8 * v, x[r][v], nn);      \
         }                                                                                             \
     }
-KERNEL(4, 1) KERNEL(4, 2)
-KERNEL(8, 1) KERNEL(8, 2)
+KERNEL(4, 1) KERNEL(4, 2) KERNEL(5, 1) KERNEL(5, 2)
+KERNEL(6, 1) KERNEL(6, 2) KERNEL(8, 1) KERNEL(8, 2)
 
 /* MR rows x one dequantized panel W [K][32] fp32 -> C: k-ordered FMAs from 0, then + bias. */
 #define KERNF(MR)                                                                                     \
@@ -407,43 +467,39 @@ static const kf_t KF[MRF + 1] = {0, kf_1, kf_2, kf_3};
 
 /* One panel's weights dequantized into W [K][32] fp32 as the register kernels compute them; the
  * next panel's codes (Bn, or NULL) prefetched into L2 meanwhile. */
-static void dequant_panel(const uint8_t *B, int64_t K, int64_t g, const float *S, const float *Mn, int bits,
-                          float *W, const uint8_t *Bn) {
-    const int64_t RB = bits == 4 ? 16 : 32;
+static void dequant_panel(const uint8_t *B, int64_t K, int64_t g, const qsrc *c, int bits, float *W,
+                          const uint8_t *Bn) {
+    const int64_t RB = ROW_BYTES(bits);
     for (int64_t k0 = 0, gi = 0; k0 < K; k0 += g, ++gi) {
-        const float *s = S + gi * NR, *m = Mn + gi * NR;
-        const qf s0 = qf_load(s), s1 = qf_load(s + 8), s2 = qf_load(s + 16), s3 = qf_load(s + 24);
-        const qf n0 = qf_load(m), n1 = qf_load(m + 8), n2 = qf_load(m + 16), n3 = qf_load(m + 24);
+        qf s[4], n[4];
+        qs_group(c, gi, s, n);
         const int64_t k1 = k0 + g < K ? k0 + g : K;
         for (int64_t k = k0; k < k1; ++k) {
-            const uint8_t *b = B + k * RB;
-            float *w = W + k * NR;
-            if (Bn && (k * RB & 63) == 0) __builtin_prefetch(Bn + k * RB, 0, 2);
-            if (bits == 4) {
-                qf w0, w1, w2, w3;
-                q_deq4(b, s0, n0, s2, n2, &w0, &w2);
-                q_deq4(b + 8, s1, n1, s3, n3, &w1, &w3);
-                qf_store(w, w0), qf_store(w + 8, w1), qf_store(w + 16, w2), qf_store(w + 24, w3);
-            } else {
-                qf_store(w, q_deq8(b, s0, n0)), qf_store(w + 8, q_deq8(b + 8, s1, n1));
-                qf_store(w + 16, q_deq8(b + 16, s2, n2)), qf_store(w + 24, q_deq8(b + 24, s3, n3));
-            }
+            if (Bn && LINE_START(k, RB)) __builtin_prefetch(Bn + k * RB, 0, 2);
+            qf w[4];
+            q_deq(B + k * RB, bits, s, n, w);
+            for (int v = 0; v < 4; ++v) qf_store(W + k * NR + 8 * v, w[v]);
         }
     }
 }
 
-typedef void (*kq_t)(const float *, int64_t, const uint8_t *, int64_t, int64_t, const float *, const float *,
-                     float *, int64_t, const float *, int64_t, const uint8_t *, int64_t, int64_t, int64_t);
-static const kq_t KQ4[MRQ + 1] = {0, kq4_1, kq4_2};
-static const kq_t KQ8[MRQ + 1] = {0, kq8_1, kq8_2};
+typedef void (*kq_t)(const float *, int64_t, const uint8_t *, int64_t, int64_t, const qsrc *, float *, int64_t,
+                     const float *, int64_t, const uint8_t *, int64_t, int64_t, int64_t);
+static const kq_t KQ[4][MRQ + 1] = {{0, kq4_1, kq4_2}, {0, kq5_1, kq5_2}, {0, kq6_1, kq6_2}, {0, kq8_1, kq8_2}};
+#endif
 
-/* As the AVX-512 lmi_gemm_q: up to MRQ rows in registers, more over each panel dequantized once. */
-void lmi_gemm_q(const float *A, int64_t M, int64_t K, int64_t lda, const uint8_t *Bp, const float *S,
-                const float *Mn, int bits, int64_t g, int64_t N, const float *bias, float *C, int64_t ldc,
-                int nthreads) {
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__)) || (defined(__ARM_NEON) && defined(__aarch64__))
+/* A [M, K] fp32 at row stride lda (K contiguous); Bp, S, Mn, D, E as packed (see the top), smode
+ * and sg their mode; bits 4, 5, 6 or 8; g the group size along K; bias [N] or NULL; C [M, N] at row
+ * stride ldc. Threads own contiguous ranges of panels; rows go in chunks whose A slice stays in L2
+ * (about 1 MiB). Up to MRQ rows a chunk: dequantized in registers as they multiply; more: each
+ * panel dequantized once into W (K x 128 bytes, L2), then the fp32 microkernel per MRF rows. */
+void lmi_gemm_q(const float *A, int64_t M, int64_t K, int64_t lda, const uint8_t *Bp, const void *S,
+                const void *Mn, const float *D, const float *E, int smode, int64_t sg, int bits, int64_t g,
+                int64_t N, const float *bias, float *C, int64_t ldc, int nthreads) {
     const int64_t np = (N + NR - 1) / NR, G = (K + g - 1) / g;
-    const int64_t pbytes = K * (bits == 4 ? 16 : 32);
-    const kq_t *kern = bits == 4 ? KQ4 : KQ8;
+    const int64_t pbytes = K * ROW_BYTES(bits);
+    const kq_t *kern = KQ[bits == 8 ? 3 : bits - 4];
     const int64_t mr = M > MRQ ? MRF : MRQ;
     int64_t chunk = ((1 << 20) / (K * 4)) / mr * mr;
     if (chunk < mr) chunk = mr;
@@ -456,13 +512,14 @@ void lmi_gemm_q(const float *A, int64_t M, int64_t K, int64_t lda, const uint8_t
         float *W = M > MRQ ? (float *)aligned_alloc(64, (size_t)K * NR * sizeof(float)) : 0;
         for (int64_t m0 = 0; m0 < M; m0 += chunk) {
             const int64_t Mc = M - m0 < chunk ? M - m0 : chunk;
-            const int64_t nb = (Mc + mr - 1) / mr;
             for (int64_t p = p0; p < p1; ++p) {
                 const uint8_t *B = Bp + p * pbytes;
                 const uint8_t *Bn = p + 1 < p1 ? B + pbytes : 0;
                 const int64_t ncols = N - p * NR < NR ? N - p * NR : NR;
-                if (W) {
-                    dequant_panel(B, K, g, S + p * G * NR, Mn + p * G * NR, bits, W, Bn);
+                const qsrc c = qsrc_panel(smode, S, Mn, D, E, sg, G, p);
+                if (W && Mc > MRQ) {
+                    const int64_t nb = (Mc + MRF - 1) / MRF;
+                    dequant_panel(B, K, g, &c, bits, W, Bn);
                     for (int64_t i = 0; i < nb; ++i) {
                         const int64_t lo = Mc * i / nb, hi = Mc * (i + 1) / nb;
                         KF[hi - lo](A + (m0 + lo) * lda, lda, W, K, C + (m0 + lo) * ldc + p * NR, ldc,
@@ -473,9 +530,8 @@ void lmi_gemm_q(const float *A, int64_t M, int64_t K, int64_t lda, const uint8_t
                 const int64_t nq = (Mc + MRQ - 1) / MRQ;   /* (more than one block only if W's allocation failed) */
                 for (int64_t i = 0; i < nq; ++i) {
                     const int64_t lo = Mc * i / nq, hi = Mc * (i + 1) / nq;
-                    kern[hi - lo](A + (m0 + lo) * lda, lda, B, K, g, S + p * G * NR, Mn + p * G * NR,
-                                  C + (m0 + lo) * ldc + p * NR, ldc, bias ? bias + p * NR : 0, ncols, Bn,
-                                  pbytes >> 6, i, nq);
+                    kern[hi - lo](A + (m0 + lo) * lda, lda, B, K, g, &c, C + (m0 + lo) * ldc + p * NR, ldc,
+                                  bias ? bias + p * NR : 0, ncols, Bn, pbytes >> 6, i, nq);
                 }
             }
         }
@@ -485,10 +541,10 @@ void lmi_gemm_q(const float *A, int64_t M, int64_t K, int64_t lda, const uint8_t
 #else
 int lmi_gemm_q_available(void) { return 0; }
 
-void lmi_gemm_q(const float *A, int64_t M, int64_t K, int64_t lda, const uint8_t *Bp, const float *S,
-                const float *Mn, int bits, int64_t g, int64_t N, const float *bias, float *C, int64_t ldc,
-                int nthreads) {
-    (void)A; (void)M; (void)K; (void)lda; (void)Bp; (void)S; (void)Mn; (void)bits; (void)g; (void)N;
-    (void)bias; (void)C; (void)ldc; (void)nthreads;
+void lmi_gemm_q(const float *A, int64_t M, int64_t K, int64_t lda, const uint8_t *Bp, const void *S,
+                const void *Mn, const float *D, const float *E, int smode, int64_t sg, int bits, int64_t g,
+                int64_t N, const float *bias, float *C, int64_t ldc, int nthreads) {
+    (void)A; (void)M; (void)K; (void)lda; (void)Bp; (void)S; (void)Mn; (void)D; (void)E; (void)smode; (void)sg;
+    (void)bits; (void)g; (void)N; (void)bias; (void)C; (void)ldc; (void)nthreads;
 }
 #endif

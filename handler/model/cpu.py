@@ -284,7 +284,7 @@ def streamed_tensors(model: nn.Module) -> list[torch.Tensor]:
     """The packed weights a 1-row step streams (panels of every kind, grouped scales and mins)."""
     out = []
     for m in model.modules():
-        for attr in ("panels", "qscales", "qmins"):
+        for attr in ("panels", "qscales", "qmins", "qd", "qe"):
             t = getattr(m, attr, None)
             if isinstance(t, torch.Tensor) and t.device.type == "cpu":
                 out.append(t)

@@ -53,13 +53,15 @@ def _lin(m, dtype: torch.dtype, keep: list) -> cpu_ext.Lin | str:
         kind = cpu_ext.LIN_I8
         extra = {"wsum": m.wsum.data_ptr(), "wscale": m.wscale.data_ptr()}
         keep += [m.wsum, m.wscale]
-    elif type(m) is Q4Linear and m.panels is not None and m.bits in (4, 8):
+    elif type(m) is Q4Linear and m.qpack is not None:
         # W8A16, GGUF's blocks, AWQ/GPTQ: kernels/cpu_gemm_q4.c on fp32 rows, as Q4Linear.forward calls it
         kind = cpu_ext.LIN_Q
-        if not (m.qscales.is_contiguous() and m.qmins.is_contiguous()):
+        p = m.qpack
+        if not all(t.is_contiguous() for t in p.tensors()):
             return "grouped scales not packed contiguously"
-        extra = {"qscale": m.qscales.data_ptr(), "qmin": m.qmins.data_ptr(), "bits": m.bits, "group": m.group}
-        keep += [m.qscales, m.qmins]
+        extra = {"qscale": p.s.data_ptr(), "qmin": p.m.data_ptr(), "qd": _ptr(p.d), "qe": _ptr(p.e),
+                 "qsmode": p.smode, "qsg": p.sg, "bits": p.bits, "group": p.group}
+        keep += p.tensors()
     else:
         return f"a {type(m).__name__} with {dtype} activations"
     keep += [m.panels, bias]

@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from handler.config.quantization import CheckpointQuant, checkpoint_quant, gguf_source, read_quantization_config
-from handler.model.quant_int4 import Grouped, QuantLoadError, install, use_kernel
+from handler.model.quant_int4 import Grouped, QuantLoadError, Sub, install, use_kernel
 
 log = logging.getLogger("lmi.quant")
 
@@ -219,7 +219,8 @@ def gguf_blocks(kind: str, raw: np.ndarray, n: int, k: int) -> Grouped:
             hi = (qh.reshape(n, -1, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 1, 4, 1)) & 3
             q = lo.reshape(n, -1, 8, 32) | (hi.reshape(n, -1, 8, 32) << 4)
             s = d[..., None] * sc                                                         # exact: 11 + 8 bits
-            return _grouped(q.reshape(n, k), s.reshape(n, -1), -32.0 * s.reshape(n, -1), 8, 16)
+            sub = _sub(d, sc, -32.0 * d, sc, 16)                      # min -32 d sc: the same sub-scale
+            return _grouped(q.reshape(n, k), s.reshape(n, -1), -32.0 * s.reshape(n, -1), 8, 16, sub)
         d, dmin = _f16(b[..., 0:2]), _f16(b[..., 2:4])
         sc, mn = _k_scale_min(b[..., 4:16])
         if kind == "Q4_K":
@@ -233,7 +234,7 @@ def gguf_blocks(kind: str, raw: np.ndarray, n: int, k: int) -> Grouped:
             q = lo.reshape(n, -1, 8, 32) | (hi << 4)
         s = d[..., None] * sc.astype(np.float32)
         m = -(dmin[..., None] * mn.astype(np.float32))
-        return _grouped(q.reshape(n, k), s.reshape(n, -1), m.reshape(n, -1), bits, 32)
+        return _grouped(q.reshape(n, k), s.reshape(n, -1), m.reshape(n, -1), bits, 32, _sub(d, sc, -dmin, mn, 8))
     nb = k // 32
     b = a.reshape(n, nb, -1)
     d = _f16(b[..., 0:2])                                                                 # [N, nb]
@@ -252,10 +253,23 @@ def gguf_blocks(kind: str, raw: np.ndarray, n: int, k: int) -> Grouped:
     return _grouped(q.reshape(n, k), d, (-8.0 if kind == "Q4_0" else -16.0) * d, bits, 32)
 
 
-def _grouped(q: np.ndarray, s: np.ndarray, m: np.ndarray, bits: int, group: int) -> Grouped:
+def _grouped(q: np.ndarray, s: np.ndarray, m: np.ndarray, bits: int, group: int, sub: Sub | None = None) -> Grouped:
     return Grouped(torch.from_numpy(np.ascontiguousarray(q, dtype=np.uint8)),
                    torch.from_numpy(np.ascontiguousarray(s, dtype=np.float32)),
-                   torch.from_numpy(np.ascontiguousarray(m, dtype=np.float32)), bits, group)
+                   torch.from_numpy(np.ascontiguousarray(m, dtype=np.float32)), bits, group, sub)
+
+
+def _sub(d: np.ndarray, a: np.ndarray, e: np.ndarray, b: np.ndarray, sg: int) -> Sub:
+    """A K-quant's two levels: superblock scales d, e [N, nb] and integer sub-scales a, b [N, nb, sg]."""
+    n = d.shape[0]
+
+    def f32(x):
+        return torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32).reshape(n, -1))
+
+    def i8(x):
+        return torch.from_numpy(np.ascontiguousarray(x).astype(np.int8).reshape(n, -1))
+
+    return Sub(f32(d), i8(a), f32(e), i8(b), sg)
 
 
 def _unpermute_rows(n: int, heads: int) -> torch.Tensor:

@@ -8,7 +8,17 @@ q: uint8 [N, K] holding 4-bit (0..15) or 8-bit (0..255) codes; scales, mins: fp3
 G = ceil(K / g). AWQ/GPTQ's w = (q - z) * s is mins = -z * s; GGUF Q4_1's w = d * q + m is
 scales = d, mins = m; Q4_0's d * (q - 8) is mins = -8 d; Q8_0's d * q (q signed) is codes q + 128
 with mins = -128 d. For every one of them q * s is exact in fp32 (an fp16 scale times a code of
-at most 8 bits) and q * s + m rounds once: the weight the format defines, bit for bit.
+at most 8 bits) and q * s + m rounds once: the weight the format defines, bit for bit. GGUF's
+K-quants also keep their two levels (`Sub`: an fp16 superblock scale times 6/8-bit sub-scales), so
+the kernel can stream those instead of fp32 scales and mins.
+
+What the kernel streams (`pack`, kernels/cpu_gemm_q4.c's layout): 4-bit codes as nibbles, wider
+ones as bytes (or packed to 5/6 bits under LMI_QUANT_PACKED_CODES=1: fewer bytes, more instructions,
+slower on a 2-core host), and the scales and mins as the two levels where a weight has them, as
+fp16 where fp16 holds them exactly (GGUF's 32-blocks), else fp32. Bits a weight (GGUF's own):
+Q4_K 4.75 (4.5), Q5_0 9 (5.5; packed 6), Q6_K 8.75 (6.56; packed 6.75), Q8_0 9 (8.5), against
+6 / 10 / 12 / 10 with fp32 scales and mins. Each mode gives the kernel the same fp32 scale and
+min, so the same weights.
 
 Q4Linear is an `nn.Linear` whose class is swapped in (as quant.Int8Linear), so the model around it,
 LoRA's wrapper (which reads `weight` for its dtype/device: an empty tensor is kept) and tensor-
@@ -43,13 +53,37 @@ class QuantLoadError(ValueError):
 
 
 @dataclass
+class Sub:
+    """Two-level scales: scales = d[:, j // sg] * a[:, j] and mins = e[:, j // sg] * b[:, j] for
+    group j, exactly in fp32 (GGUF's K-quants: d an fp16 value, a and b 6/8-bit integers)."""
+    d: torch.Tensor         # fp32 [N, ceil(G / sg)]
+    a: torch.Tensor         # int8 [N, G]
+    e: torch.Tensor         # fp32 [N, ceil(G / sg)]
+    b: torch.Tensor         # int8 [N, G]
+    sg: int                 # groups per superblock
+
+    def rows(self, idx) -> "Sub":
+        return Sub(self.d[idx], self.a[idx], self.e[idx], self.b[idx], self.sg)
+
+    def chunk(self, size: int, rank: int, dim: int) -> "Sub":
+        return Sub(*(t.chunk(size, dim)[rank] for t in (self.d, self.a, self.e, self.b)), self.sg)
+
+    def expand(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(scales, mins) fp32 [N, G]."""
+        g = self.a.shape[1]
+        return ((self.d.repeat_interleave(self.sg, dim=1)[:, :g] * self.a.float()),
+                (self.e.repeat_interleave(self.sg, dim=1)[:, :g] * self.b.float()))
+
+
+@dataclass
 class Grouped:
     """A weight in the internal grouped format (see the module doc)."""
     q: torch.Tensor         # uint8 [N, K]
     scales: torch.Tensor    # fp32 [N, G]
     mins: torch.Tensor      # fp32 [N, G]
-    bits: int               # 4 or 8
+    bits: int               # 4 or 8 (codes above 15: 8)
     group: int              # g
+    sub: Sub | None = None  # the same scales and mins in two levels, where the source has them
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -64,14 +98,16 @@ class Grouped:
 
     def rows(self, idx: torch.Tensor) -> "Grouped":
         """Output channels reordered / selected by idx (e.g. GGUF's q/k row permutation undone)."""
-        return Grouped(self.q[idx], self.scales[idx], self.mins[idx], self.bits, self.group)
+        return Grouped(self.q[idx], self.scales[idx], self.mins[idx], self.bits, self.group,
+                       None if self.sub is None else self.sub.rows(idx))
 
     def cut(self, kind: str | None, rank: int, size: int, name: str = "") -> "Grouped":
         """This rank's piece: "column" along N, "row" along K in whole groups (module doc)."""
         if size == 1 or kind is None:
             return self
         if kind == "column":
-            return Grouped(*(t.chunk(size, 0)[rank] for t in (self.q, self.scales, self.mins)), self.bits, self.group)
+            return Grouped(*(t.chunk(size, 0)[rank] for t in (self.q, self.scales, self.mins)), self.bits, self.group,
+                           None if self.sub is None else self.sub.chunk(size, rank, 0))
         if kind == "row":
             n, k = self.q.shape
             g_count = self.scales.shape[1]
@@ -79,37 +115,131 @@ class Grouped:
                 raise QuantLoadError(f"{name}: {k} inputs in {g_count} groups of {self.group} cannot be cut in "
                                      f"whole groups across {size} ranks; allowed: a tensor_parallel_degree "
                                      f"dividing {g_count}")
-            return Grouped(*(t.chunk(size, 1)[rank] for t in (self.q, self.scales, self.mins)), self.bits, self.group)
+            sub = self.sub          # kept where each rank gets whole superblocks
+            if sub is not None and (g_count // size) % sub.sg:
+                sub = None
+            return Grouped(*(t.chunk(size, 1)[rank] for t in (self.q, self.scales, self.mins)), self.bits, self.group,
+                           None if sub is None else sub.chunk(size, rank, 1))
         raise QuantLoadError(f"{name}: shard kind {kind!r} is not supported for quantized weights")
 
     def cat_rows(parts: list["Grouped"]) -> "Grouped":   # noqa: N805 (used as Grouped.cat_rows)
         a = parts[0]
+        sub = None
+        if all(p.sub is not None and p.sub.sg == a.sub.sg for p in parts):
+            sub = Sub(*(torch.cat([getattr(p.sub, f) for p in parts]) for f in "daeb"), a.sub.sg)
         return Grouped(torch.cat([p.q for p in parts]), torch.cat([p.scales for p in parts]),
-                       torch.cat([p.mins for p in parts]), a.bits, a.group)
+                       torch.cat([p.mins for p in parts]), a.bits, a.group, sub)
 
 
-def pack(w: Grouped) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The kernel's layout (kernels/cpu_gemm_q4.c): codes [np][K][16] (4-bit: column j low nibble,
-    j + 16 high) or [np][K][32] bytes; scales and mins [np][G][32] fp32; zero padded to np * 32 columns."""
+def code_bits(w: Grouped, packed: bool = True) -> int:
+    """The code width the kernel streams: 4 for 4-bit codes; else the fewest of 5, 6, 8 bits that hold
+    every code where `packed`, 8 otherwise."""
+    if w.bits == 4:
+        return 4
+    top = int(w.q.max()) if w.q.numel() else 0
+    return 5 if packed and top < 32 else 6 if packed and top < 64 else 8
+
+
+def packed_codes() -> bool:
+    """LMI_QUANT_PACKED_CODES (handler/config/switches.py): 5/6-bit codes packed, or as bytes."""
+    from handler.config.switches import switch
+    raw = switch("LMI_QUANT_PACKED_CODES")
+    if raw not in ("0", "1"):
+        log.warning("LMI_QUANT_PACKED_CODES=%r: allowed values are 0, 1; using 0", raw)
+    return raw == "1"
+
+
+def pack(w: Grouped, bits: int | None = None, flat: bool = False) -> cpu_ext.QPack:
+    """The kernel's layout (kernels/cpu_gemm_q4.c's top): codes [np][K][row bytes]; scales and mins
+    [np][G][32] as two levels (w.sub), fp16 where it holds them exactly, else fp32; zero padded to
+    np * 32 columns. `bits`: the code width (default: code_bits under LMI_QUANT_PACKED_CODES);
+    `flat`: fp32 scales and mins (the layout before the compact ones, for comparisons)."""
     n, k = w.q.shape
     g = w.scales.shape[1]
     npan = -(-n // PANEL)
+    need = code_bits(w)
+    bits = bits or code_bits(w, packed_codes())
+    if bits not in (4, 5, 6, 8) or bits < need or (w.bits == 4) != (bits == 4):
+        raise ValueError(f"code width {bits} for codes that need {need} bits; allowed: 4 for 4-bit codes, "
+                         "else 5, 6 or 8 holding every code")
     q = torch.zeros(npan * PANEL, k, dtype=torch.uint8)
     q[:n] = w.q
     q = q.view(npan, PANEL, k)
-    codes = (q[:, :16] | (q[:, 16:] << 4)) if w.bits == 4 else q
-    out = []
-    for t in (w.scales, w.mins):
-        p = torch.zeros(npan * PANEL, g, dtype=torch.float32)
-        p[:n] = t
-        out.append(p.view(npan, PANEL, g))
+    if bits == 8:
+        codes = q.permute(0, 2, 1)
+    else:
+        lo = q & 0xF
+        parts = [(lo[:, :16] | (lo[:, 16:] << 4)).permute(0, 2, 1)]          # [np, K, 16]
+        for p in range(bits - 4):          # a 32-bit plane per higher bit: byte i, bit t = column 8i + t
+            bit = ((q >> (4 + p)) & 1).view(npan, 4, 8, k)
+            byte = bit[:, :, 0].clone()
+            for t in range(1, 8):
+                byte |= bit[:, :, t] << t
+            parts.append(byte.permute(0, 2, 1))                                  # [np, K, 4]
+        codes = torch.cat(parts, dim=2)
+    smode, sg, tabs = (cpu_ext.QS_F32, 1, [w.scales, w.mins]) if flat else _scale_tables(w)
+    tabs = [_panels(t, npan) for t in tabs]
+    if smode == cpu_ext.QS_I8 and torch.equal(tabs[0], tabs[1]):
+        tabs[1] = tabs[0]           # Q6_K: its min is -32 d times the scale's own sub-scale: stream one table
     # streamed every step: contiguous copies, in huge-page-advised memory (kernels/cpu_ext.py) where
     # a row is one group (W8A16). With several groups a row (GGUF blocks, AWQ/GPTQ) the served step
     # was slower so (Qwen 0.5B q4_k_m at 1 client: 29.2 against 23.0 ms TPOT, one run each; cause not
     # found, benchmarks/results/hugepages/), so those stay in torch's memory.
     huge = g == 1
-    codes, sc, mn = (_streamed(t.permute(0, 2, 1), huge) for t in (codes, *out))
-    return codes.view(-1), sc, mn
+    codes = _streamed(codes, huge).view(-1)
+    s = _streamed(tabs[0], huge)
+    m = s if tabs[1] is tabs[0] else _streamed(tabs[1], huge)
+    d, e = (_streamed(t, huge) for t in tabs[2:]) if len(tabs) == 4 else (None, None)
+    return cpu_ext.QPack(codes, s, m, d, e, smode, sg, bits, w.group)
+
+
+def _scale_tables(w: Grouped) -> tuple[int, int, list[torch.Tensor]]:
+    """(smode, sg, [s, m] or [a, b, d, e]) per output column: the most compact form that gives back
+    w's fp32 scales and mins exactly."""
+    sub = w.sub
+    if sub is not None:
+        s, m = sub.expand()
+        if torch.equal(s, w.scales) and torch.equal(m, w.mins):
+            return cpu_ext.QS_I8, sub.sg, [sub.a, sub.b, sub.d, sub.e]
+        log.warning("two-level scales do not give back the weight's scales exactly: packing them flat")
+    s16, m16 = w.scales.half(), w.mins.half()
+    if torch.equal(s16.float(), w.scales) and torch.equal(m16.float(), w.mins):
+        return cpu_ext.QS_F16, 1, [s16, m16]
+    return cpu_ext.QS_F32, 1, [w.scales, w.mins]
+
+
+def _panels(t: torch.Tensor, npan: int) -> torch.Tensor:
+    """[N, G] -> [np, G, 32], zero padded."""
+    p = torch.zeros(npan * PANEL, t.shape[1], dtype=t.dtype)
+    p[:t.shape[0]] = t
+    return p.view(npan, PANEL, -1).permute(0, 2, 1)
+
+
+def unpack(p: cpu_ext.QPack, n: int, k: int) -> Grouped:
+    """pack's inverse: the Grouped weight (its two levels too) from the kernel's layout."""
+    npan = -(-n // PANEL)
+    c = p.codes.view(npan, k, cpu_ext.q_row_bytes(p.bits))
+    if p.bits == 8:
+        q = c.clone()
+    else:
+        nib = c[..., :16]
+        q = torch.cat([nib & 0xF, nib >> 4], dim=2)
+        shifts = torch.arange(8, dtype=torch.uint8)
+        for i in range(p.bits - 4):
+            plane = c[..., 16 + 4 * i:20 + 4 * i]                              # [np, K, 4]
+            q |= (((plane[..., None] >> shifts) & 1) << (4 + i)).reshape(npan, k, PANEL)
+    q = q.permute(0, 2, 1).reshape(npan * PANEL, k)[:n].contiguous()
+
+    def cols(t):
+        return t.permute(0, 2, 1).reshape(npan * PANEL, t.shape[1])[:n].contiguous()
+
+    sub = None
+    if p.smode == cpu_ext.QS_I8:
+        sub = Sub(cols(p.d), cols(p.s), cols(p.e), cols(p.m), p.sg)
+        s, m = sub.expand()
+    else:
+        s, m = cols(p.s).float(), cols(p.m).float()
+    return Grouped(q, s, m, 4 if p.bits == 4 else 8, p.group, sub)
 
 
 def _streamed(t: torch.Tensor, huge: bool) -> torch.Tensor:
@@ -123,10 +253,13 @@ class Q4Linear(nn.Linear):
     """y = x @ W^T + b with W held grouped (the module doc); `fmt` names the source format."""
 
     grouped: Grouped | None     # kept where the kernel does not serve (the torch path)
-    panels: torch.Tensor | None
-    qscales: torch.Tensor | None
-    qmins: torch.Tensor | None
-    bits: int
+    qpack: cpu_ext.QPack | None  # the kernel's (kernels/cpu_gemm_q4.c); its tensors also as the attributes:
+    panels: torch.Tensor | None  # its codes (not None: the kernel path)
+    qscales: torch.Tensor | None  # its s (CUDA: fp32 scales [N, G])
+    qmins: torch.Tensor | None  # its m (CUDA: fp32 mins [N, G])
+    qd: torch.Tensor | None     # its d and e (two-level scales) or None
+    qe: torch.Tensor | None
+    bits: int                   # the codes' width as held (kernel: 4, 5, 6 or 8)
     group: int
     bias32: torch.Tensor | None
     fmt: str
@@ -134,8 +267,7 @@ class Q4Linear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.panels is not None:
             dt = x.dtype
-            y = cpu_ext.gemm_q(x.float(), self.panels, self.qscales, self.qmins, self.bits, self.group,
-                               self.out_features, self.bias32)
+            y = cpu_ext.gemm_q(x.float(), self.qpack, self.out_features, self.bias32)
             return y.to(dt)
         if getattr(self, "qbytes", None) is not None:     # CUDA: kernels/triton_q4.py
             from kernels import triton_q4
@@ -160,9 +292,10 @@ def install(m: nn.Linear, w: Grouped, fmt: str, kernel: bool) -> Q4Linear:
     m.bits, m.group, m.fmt = w.bits, w.group, fmt
     m.bias32 = None if m.bias is None else m.bias.detach().float().contiguous()
     dev = m.weight.device
-    m.qbytes = None
+    m.qbytes = m.qpack = m.qd = m.qe = None
     if kernel:
-        m.panels, m.qscales, m.qmins = pack(w)
+        p = m.qpack = pack(w)
+        m.panels, m.qscales, m.qmins, m.qd, m.qe, m.bits = p.codes, p.s, p.m, p.d, p.e, p.bits
         m.grouped = None
     elif dev.type == "cuda" and w.bits == 4 and _triton():
         from kernels.triton_q4 import pack_k   # two codes per byte along K; scales / mins [N, G]
@@ -191,18 +324,7 @@ def grouped_of(m: Q4Linear) -> Grouped:
         b = m.qbytes
         q = torch.stack([b & 0xF, b >> 4], dim=2).reshape(b.shape[0], -1)[:, :m.in_features]
         return Grouped(q.contiguous(), m.qscales, m.qmins, m.bits, m.group)
-    n, k = m.out_features, m.in_features
-    npan = -(-n // PANEL)
-    g_count = m.qscales.shape[1]      # qscales / qmins: [np, G, 32]
-    codes = m.panels.view(npan, k, -1)
-    if m.bits == 4:
-        q = torch.cat([codes & 0xF, codes >> 4], dim=2)
-    else:
-        q = codes
-    q = q.permute(0, 2, 1).reshape(npan * PANEL, k)[:n]
-    s, mn = (t.view(npan, g_count, PANEL).permute(0, 2, 1).reshape(npan * PANEL, g_count)[:n]
-             for t in (m.qscales, m.qmins))
-    return Grouped(q.contiguous(), s.contiguous(), mn.contiguous(), m.bits, m.group)
+    return unpack(m.qpack, m.out_features, m.in_features)
 
 
 def dequantize_model(model: nn.Module, dtype: torch.dtype) -> int:
@@ -213,7 +335,8 @@ def dequantize_model(model: nn.Module, dtype: torch.dtype) -> int:
         if isinstance(m, Q4Linear):
             w = grouped_of(m).dequantize(torch.float32)
             dev = m.weight.device
-            for a in ("grouped", "panels", "qbytes", "qscales", "qmins", "bits", "group", "bias32", "fmt"):
+            for a in ("grouped", "qpack", "panels", "qbytes", "qscales", "qmins", "qd", "qe", "bits", "group",
+                      "bias32", "fmt"):
                 m.__dict__.pop(a, None)
             m.__class__ = nn.Linear
             m.weight = nn.Parameter(w.to(device=dev, dtype=dtype), requires_grad=False)

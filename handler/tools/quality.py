@@ -187,7 +187,7 @@ def weight_bytes(model) -> int:
     import torch
     held = [p for p in model.parameters()]
     held += [t for m in model.modules()
-             for t in (getattr(m, a, None) for a in ("panels", "qweight", "packed", "qscales", "qmins"))
+             for t in (getattr(m, a, None) for a in ("panels", "qweight", "packed", "qscales", "qmins", "qd", "qe"))
              if isinstance(t, torch.Tensor)]
     for m in model.modules():   # grouped layers on the torch path (quant_int4.Q4Linear without the kernel)
         g = getattr(m, "grouped", None)

@@ -146,8 +146,9 @@ def test_grouped_codes_are_advised_only_with_one_group_a_row(hugepages_on, group
     g = k if group is None else group
     w = Grouped(torch.randint(0, 256, (n, k), dtype=torch.uint8, generator=gen),
                 torch.rand(n, k // g, generator=gen), torch.rand(n, k // g, generator=gen), 8, g)
-    codes, scales, mins = pack(w)
-    advised = cpu_ext.hugepage_placement([codes, scales, mins])["advised_bytes"]
+    packed = pack(w)
+    codes = packed.codes
+    advised = cpu_ext.hugepage_placement(packed.tensors())["advised_bytes"]
     if group is None:
         assert advised == codes.numel() // (2 * MiB) * (2 * MiB) > 0
     else:
@@ -155,7 +156,7 @@ def test_grouped_codes_are_advised_only_with_one_group_a_row(hugepages_on, group
     monkeypatch_off = pytest.MonkeyPatch()
     monkeypatch_off.setenv("LMI_CPU_HUGEPAGES", "0")
     try:
-        for got, want in zip((codes, scales, mins), pack(w)):
+        for got, want in zip(packed.tensors(), pack(w).tensors()):
             assert torch.equal(got, want)
     finally:
         monkeypatch_off.undo()

@@ -89,7 +89,7 @@ def test_kernel_on_k_quant_groups_is_the_fp32_panel_gemm_bit_for_bit(each_build)
         pw = cpu_ext.pack_panels(w.dequantize())
         for m in (1, 3, 37):
             x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
-            got = cpu_ext.gemm_q(x, *pack(w), w.bits, w.group, n, None)
+            got = cpu_ext.gemm_q(x, pack(w), n, None)
             assert torch.equal(got, cpu_ext.gemm(x, pw, n, None)), (kind, m)
 
 
@@ -150,14 +150,22 @@ def _tokens(model_dir, tmp_path, props):
     try:
         model = engine.runner.model
         served = {n: m.fmt for n, m in model.named_modules() if isinstance(m, Q4Linear)}
+        widths = {m.bits for m in model.modules() if isinstance(m, Q4Linear) and m.qpack is not None}
+        if widths and os.environ.get("LMI_QUANT_PACKED_CODES") == "1":
+            assert {5, 6} <= widths, widths          # Q5_*'s and Q6_K's codes streamed packed
+        elif widths:
+            assert widths == {4, 8}, widths
         results = run_all(engine, PROMPTS[:4], [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in NEW[:4]])
         return served, [ids for ids, _ in results]
     finally:
         engine.shutdown()
 
 
-@pytest.mark.parametrize("strategy", ["paged", "rolling"])
-def test_tiny_qwen2_gguf_serves_the_tokens_of_its_dequantized_fp32_model(tiny_qwen2_gguf, tmp_path, strategy):
+@pytest.mark.parametrize("strategy,packed", [("paged", "0"), ("rolling", "0"), ("paged", "1")])
+def test_tiny_qwen2_gguf_serves_the_tokens_of_its_dequantized_fp32_model(tiny_qwen2_gguf, tmp_path, strategy,
+                                                                         packed, monkeypatch):
+    # packed "1": the 5/6-bit codes as bit planes (LMI_QUANT_PACKED_CODES), through the C layer stack too
+    monkeypatch.setenv("LMI_QUANT_PACKED_CODES", packed)
     props = {**STRATEGIES[strategy], "option.dtype": "fp32"}
     served, got = _tokens(tiny_qwen2_gguf, tmp_path, {**props, "option.quantize": "gguf"})
     plain, want = _tokens(tiny_qwen2_gguf, tmp_path, props)

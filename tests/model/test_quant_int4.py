@@ -48,8 +48,7 @@ def test_kernel_against_float64_of_the_dequantized_weights(each_build, m, n, k, 
     w = _grouped(n, k, g, bits, seed=m)
     gen = torch.Generator().manual_seed(1)
     x, b = torch.randn(m, k, generator=gen), torch.randn(n, generator=gen)
-    panels, s, mn = pack(w)
-    got = cpu_ext.gemm_q(x, panels, s, mn, bits, g, n, b).double()
+    got = cpu_ext.gemm_q(x, pack(w), n, b).double()
     wd = w.dequantize().double()
     want = x.double() @ wd.T + b.double()
     # fp32 summation of k products: |error| <= k * 2^-24 * sum|x w| (+ the bias's rounding); a wrong
@@ -70,7 +69,7 @@ def test_kernel_is_bit_for_bit_the_fp32_panel_gemm_on_the_dequantized_weights(ea
             x = torch.randn(m, k, generator=torch.Generator().manual_seed(2))
             b = torch.randn(n, generator=torch.Generator().manual_seed(3))
             for bias in (None, b):
-                got = cpu_ext.gemm_q(x, *pack(w), bits, g, n, bias)
+                got = cpu_ext.gemm_q(x, pack(w), n, bias)
                 ref = cpu_ext.gemm(x, pw, n, bias)
                 assert torch.equal(got, ref), (n, k, g, bits, m, bias is None)
 
@@ -87,13 +86,13 @@ def test_avx2_grouped_kernel_is_the_avx512_builds_values(bits):
                            (12, 70, 77, 7), (13, 1536, 576, 32), (50, 97, 203, 64), (128, 65, 130, 128),
                            (300, 45, 61, 16)]:
             w = _grouped(n, k, g, bits, seed=m)
-            panels, s, mn = pack(w)
+            p = pack(w)
             x, b = torch.randn(m, k, generator=gen), torch.randn(n, generator=gen)
             got = {}
             for build in ("avx512", "avx2"):
                 cpu_ext.select(build)
                 assert cpu_ext.gemm_q_available(), build
-                got[build] = [cpu_ext.gemm_q(x, panels, s, mn, bits, g, n, bias) for bias in (None, b)]
+                got[build] = [cpu_ext.gemm_q(x, p, n, bias) for bias in (None, b)]
             for a, c in zip(got["avx512"], got["avx2"]):
                 assert torch.equal(a, c), (m, n, k, g)
     finally:

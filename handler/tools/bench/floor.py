@@ -56,7 +56,7 @@ def step_bytes(model) -> dict:
     seen, total, table = set(), 0, 0
     for m in model.modules():
         tensors = list(m.parameters(recurse=False)) + list(m.buffers(recurse=False))
-        tensors += [t for a in ("panels", "packed", "qweight", "qscales", "qmins", "wsum", "wscale", "bias32",
+        tensors += [t for a in ("panels", "packed", "qweight", "qscales", "qmins", "qd", "qe", "wsum", "wscale", "bias32",
                                 "qbytes") for t in [getattr(m, a, None)] if isinstance(t, torch.Tensor)]
         g = getattr(m, "grouped", None)
         if g is not None:

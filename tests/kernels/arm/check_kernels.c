@@ -52,9 +52,9 @@ void lmi_set_sleef_expf(void *fn, int lanes);
 void lmi_silu_mul(void *g, const void *u, int64_t n, int bf16, int threads);
 void lmi_bf16_rows(const float *A, int64_t M, int64_t K, int64_t lda, uint16_t *out, int64_t ldo, int nthreads);
 void lmi_pack_i8(const int8_t *W, int64_t N, int64_t K, int8_t *out, int32_t *wsum);
-void lmi_gemm_q(const float *A, int64_t M, int64_t K, int64_t lda, const uint8_t *Bp, const float *S,
-                const float *Mn, int bits, int64_t g, int64_t N, const float *bias, float *C, int64_t ldc,
-                int nthreads);
+void lmi_gemm_q(const float *A, int64_t M, int64_t K, int64_t lda, const uint8_t *Bp, const void *S,
+                const void *Mn, const float *D, const float *E, int smode, int64_t sg, int bits, int64_t g, int64_t N,
+                const float *bias, float *C, int64_t ldc, int nthreads);
 int lmi_decode_attention(const float *q, const void *kc, const void *vc, int kv_bf16, int64_t s_blk, int64_t s_tok,
                          int64_t s_head, const int32_t *tables, int64_t tw, const int32_t *lens, int64_t B, int64_t H,
                          int64_t Hkv, int64_t D, int64_t bs, float scale, int64_t window, float softcap, float *out,
@@ -280,51 +280,90 @@ static void check_gemm_i8(void) {
     report("gemm_i8", ok, detail);
 }
 
-/* ---------------------------------------------------------------- grouped 4/8-bit */
+/* ---------------------------------------------------------------- grouped 4/5/6/8-bit */
+static uint16_t f16_bits(float x) {     /* a positive or negative normal fp16 value, exactly */
+    uint32_t u;
+    memcpy(&u, &x, 4);
+    return (uint16_t)(((u >> 16) & 0x8000) | ((((u >> 23) & 0xFF) - 112) << 10) | ((u >> 13) & 0x3FF));
+}
+
+/* kernels/cpu_gemm_q4.c's layouts (codes: nibbles, bit planes, bytes; scales: fp32, fp16, two levels)
+ * against ref_gemm over fma(q, s, m), bit for bit. */
 static void check_gemm_q(void) {
     static const int64_t MS[] = {1, 3, 12, 13, 40};
+    static const int BITS[] = {4, 5, 6, 8};
     int ok = 1, cases = 0;
     char detail[160] = "";
-    for (int bits = 4; bits <= 8; bits += 4)
-        for (size_t b = 0; b < 5; ++b) {
-            const int64_t M = MS[b], K = 128, N = 45, g = 32, G = K / g, np = (N + 31) / 32;
-            const int64_t row = bits == 4 ? 16 : 32;
-            float *A = alloc(4 * M * K), *S = alloc(4 * np * G * 32), *Mn = alloc(4 * np * G * 32);
-            float *Wf = alloc(4 * N * K), *bias = alloc(4 * N), *C = alloc(4 * M * N), *R = alloc(4 * M * N);
-            uint8_t *q = alloc(N * K), *P = alloc(np * K * row);
-            fill(A, M * K, 2.f);
-            fill(bias, N, 1.f);
-            for (int64_t i = 0; i < N * K; ++i) q[i] = (uint8_t)((frand() + 1.f) * (bits == 4 ? 7.99f : 127.99f));
-            for (int64_t n = 0; n < np * 32; ++n)
-                for (int64_t gi = 0; gi < G; ++gi) {
-                    const int64_t at = ((n / 32) * G + gi) * 32 + n % 32;
-                    S[at] = n < N ? 0.0625f * (1.f + 0.5f * frand()) : 0.f;
-                    Mn[at] = n < N ? -8.f * S[at] : 0.f;
+    for (int bi = 0; bi < 4; ++bi)
+        for (int smode = 0; smode < 3; ++smode)
+            for (size_t b = 0; b < 5; ++b) {
+                const int bits = BITS[bi];
+                const int64_t M = MS[b], K = 128, N = 45, g = 32, G = K / g, np = (N + 31) / 32, sg = 2;
+                const int64_t row = bits == 8 ? 32 : 16 + 4 * (bits - 4), tab = np * G * 32;
+                float *A = alloc(4 * M * K), *Sf = alloc(4 * tab), *Mf = alloc(4 * tab);
+                float *D = alloc(4 * np * (G / sg) * 32), *E = alloc(4 * np * (G / sg) * 32);
+                uint16_t *S16 = alloc(2 * tab), *M16 = alloc(2 * tab);
+                int8_t *Sa = alloc(tab), *Mb = alloc(tab);
+                float *Wf = alloc(4 * N * K), *bias = alloc(4 * N), *C = alloc(4 * M * N), *R = alloc(4 * M * N);
+                uint8_t *q = alloc(N * K), *P = alloc(np * K * row);
+                fill(A, M * K, 2.f);
+                fill(bias, N, 1.f);
+                for (int64_t i = 0; i < N * K; ++i) q[i] = (uint8_t)((frand() + 1.f) * 0.4999f * (float)(1 << bits));
+                for (int64_t i = 0; i < np * (G / sg) * 32; ++i) {
+                    D[i] = 0.0078125f * (1.f + 0.5f * frand());
+                    E[i] = -0.25f * D[i];
                 }
-            for (int64_t n = 0; n < N; ++n)
-                for (int64_t k = 0; k < K; ++k) {
-                    const int64_t at = ((n / 32) * G + k / g) * 32 + n % 32;
-                    Wf[n * K + k] = fmaf((float)q[n * K + k], S[at], Mn[at]);
-                }
-            for (int64_t p = 0; p < np; ++p)   /* handler/model/quant_int4.py's pack */
-                for (int64_t k = 0; k < K; ++k)
-                    for (int64_t j = 0; j < row; ++j) {
-                        const int64_t n0 = p * 32 + j, n1 = n0 + 16;
-                        const uint8_t lo = n0 < N ? q[n0 * K + k] : 0, hi = (bits == 4 && n1 < N) ? q[n1 * K + k] : 0;
-                        P[(p * K + k) * row + j] = bits == 4 ? (uint8_t)(lo | (hi << 4)) : lo;
+                for (int64_t n = 0; n < np * 32; ++n)
+                    for (int64_t gi = 0; gi < G; ++gi) {
+                        const int64_t at = ((n / 32) * G + gi) * 32 + n % 32, dt = ((n / 32) * (G / sg) + gi / sg) * 32 + n % 32;
+                        Sa[at] = (int8_t)(n < N ? 8 + (int)(7.9f * frand()) : 0);
+                        Mb[at] = (int8_t)(n < N ? (int)(60.f * frand()) : 0);
+                        if (smode == 2) {
+                            Sf[at] = D[dt] * (float)Sa[at];
+                            Mf[at] = E[dt] * (float)Mb[at];
+                        } else {   /* fp16-exact values: 1/16 .. 3/32 in steps of 2^-14, their min -8x */
+                            Sf[at] = n < N ? 0.0625f + (float)(int)(256.f * (frand() + 1.f)) * 0x1p-14f : 0.f;
+                            Mf[at] = -8.f * Sf[at];
+                        }
+                        S16[at] = Sf[at] == 0.f ? 0 : f16_bits(Sf[at]);
+                        M16[at] = Mf[at] == 0.f ? 0 : f16_bits(Mf[at]);
                     }
-            ref_gemm(A, M, K, K, Wf, N, bias, R);
-            for (int t = 0; t < 2; ++t) {
-                lmi_gemm_q(A, M, K, K, P, S, Mn, bits, g, N, bias, C, N, THREADS[t]);
-                ++cases;
-                if (memcmp(C, R, 4 * M * N) && ok) {
-                    ok = 0;
-                    snprintf(detail, sizeof detail, "bits=%d M=%ld: not bit-equal to fmaf over fma(q, s, m)", bits,
-                             (long)M);
+                for (int64_t n = 0; n < N; ++n)
+                    for (int64_t k = 0; k < K; ++k) {
+                        const int64_t at = ((n / 32) * G + k / g) * 32 + n % 32;
+                        Wf[n * K + k] = fmaf((float)q[n * K + k], Sf[at], Mf[at]);
+                    }
+                for (int64_t p = 0; p < np; ++p)   /* handler/model/quant_int4.py's pack */
+                    for (int64_t k = 0; k < K; ++k) {
+                        uint8_t *r = P + (p * K + k) * row;
+                        memset(r, 0, (size_t)row);
+                        for (int64_t j = 0; j < 32; ++j) {
+                            const int64_t n = p * 32 + j;
+                            const uint8_t c = n < N ? q[n * K + k] : 0;
+                            if (bits == 8) {
+                                r[j] = c;
+                                continue;
+                            }
+                            r[j % 16] |= (uint8_t)((c & 15) << (j < 16 ? 0 : 4));
+                            for (int pl = 0; pl < bits - 4; ++pl)
+                                r[16 + 4 * pl + j / 8] |= (uint8_t)(((c >> (4 + pl)) & 1) << (j % 8));
+                        }
+                    }
+                ref_gemm(A, M, K, K, Wf, N, bias, R);
+                const void *S = smode == 0 ? (const void *)Sf : smode == 1 ? (const void *)S16 : (const void *)Sa;
+                const void *Mn = smode == 0 ? (const void *)Mf : smode == 1 ? (const void *)M16 : (const void *)Mb;
+                for (int t = 0; t < 2; ++t) {
+                    lmi_gemm_q(A, M, K, K, P, S, Mn, D, E, smode, sg, bits, g, N, bias, C, N, THREADS[t]);
+                    ++cases;
+                    if (memcmp(C, R, 4 * M * N) && ok) {
+                        ok = 0;
+                        snprintf(detail, sizeof detail, "bits=%d smode=%d M=%ld: not bit-equal to fmaf over fma(q, s, m)",
+                                 bits, smode, (long)M);
+                    }
                 }
+                free(A), free(Sf), free(Mf), free(D), free(E), free(S16), free(M16), free(Sa), free(Mb);
+                free(Wf), free(bias), free(C), free(R), free(q), free(P);
             }
-            free(A), free(S), free(Mn), free(Wf), free(bias), free(C), free(R), free(q), free(P);
-        }
     if (ok) snprintf(detail, sizeof detail, "%d cases bit-equal to the fp32 GEMM over the dequantized weight", cases);
     report("gemm_q", ok, detail);
 }
