@@ -813,6 +813,15 @@ def gemm_i8(x: torch.Tensor, panels: torch.Tensor, wsum: torch.Tensor, scales: t
 
 
 # ---------------------------------------------------------------------------- grouped 4/8-bit (kernels/cpu_gemm_q4.c)
+def stream_read(x: torch.Tensor) -> float | None:
+    """Sum a contiguous fp32 tensor with kernels/cpu_gemm.c's read-stream probe over torch's threads
+    (what `bench floor` times); None where the C kernels do not load."""
+    fn = load()
+    if fn is None:
+        return None
+    return fn.stream_read(x.data_ptr(), x.numel(), torch.get_num_threads())
+
+
 def gemm_q_available() -> bool:
     """Whether kernels/cpu_gemm_q4.c's grouped-weight GEMM runs here (the avx512, avx2 and neon builds)."""
     fn = load()

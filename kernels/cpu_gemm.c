@@ -203,3 +203,24 @@ void lmi_gemm(const float *A, int64_t M, int64_t K, int64_t lda, const float *Bp
     lmi_panel_drive(M, (N + NR - 1) / NR, lmi_panel_chunk(K * 4, MRB), MRB, nthreads, gemm_block, 0, &c);
 }
 #endif
+
+/* The read-stream probe `bench floor` measures the memory floor with (handler/tools/bench/floor.py):
+ * n floats summed over nthreads threads, each a contiguous share, in 16 independent lanes (so the
+ * compiler vectorises it without reassociating: wide loads, nothing written). Returns the sum, so
+ * the loads cannot be dropped. */
+#include <omp.h>
+float lmi_stream_read(const float *x, int64_t n, int nthreads) {
+    float total = 0.f;
+#pragma omp parallel num_threads(nthreads > 0 ? nthreads : 1) reduction(+ : total)
+    {
+        const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+        const int64_t lo = n * t / nt / 16 * 16, hi = t + 1 == nt ? n : n * (t + 1) / nt / 16 * 16;
+        float acc[16] = {0};
+        int64_t i = lo;
+        for (; i + 16 <= hi; i += 16)
+            for (int j = 0; j < 16; ++j) acc[j] += x[i + j];
+        for (; i < hi; ++i) acc[0] += x[i];
+        for (int j = 0; j < 16; ++j) total += acc[j];
+    }
+    return total;
+}

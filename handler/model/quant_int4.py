@@ -348,7 +348,17 @@ def describe(model: nn.Module) -> str:
     layers = [m for m in model.modules() if isinstance(m, Q4Linear)]
     if not layers:
         return "no grouped quantized layers"
-    fmts = sorted({f"{m.fmt} ({m.bits}-bit, group {m.group})" for m in layers})
+    fmts = sorted({f"{m.fmt} ({m.bits}-bit, group {m.group}{_scales_said(m)})" for m in layers})
     path = ("kernels/cpu_gemm_q4.c" if layers[0].panels is not None else "kernels/triton_q4.py"
             if getattr(layers[0], "qbytes", None) is not None else "dequantize + torch matmul (no kernel here)")
-    return f"{len(layers)} linear layers served grouped: {', '.join(fmts)}, by {path}"
+    held = sum(t.numel() * t.element_size() for m in layers if m.qpack is not None for t in m.qpack.tensors())
+    size = f", {held / 2 ** 20:,.0f} MiB streamed a step" if held else ""
+    return f"{len(layers)} linear layers served grouped: {', '.join(fmts)}, by {path}{size}"
+
+
+def _scales_said(m: Q4Linear) -> str:
+    p = getattr(m, "qpack", None)
+    if p is None:
+        return ""
+    return {cpu_ext.QS_F32: ", fp32 scales", cpu_ext.QS_F16: ", fp16 scales",
+            cpu_ext.QS_I8: f", two-level scales ({p.sg} groups a superblock)"}[p.smode]

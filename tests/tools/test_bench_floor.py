@@ -54,3 +54,15 @@ def test_qwen_presets_run_the_load_curve_with_prefixes_of_one_list():
         (w,) = p.workloads
         points = [curve_requests(w, c) for c in p.clients]
         assert points[-1] == w.requests and all(0 < n <= w.requests for n in points)
+
+
+def test_read_probe_reads_every_element_and_measures_a_rate():
+    import pytest
+    from kernels import cpu_ext
+    x = torch.arange(1000 * 16 + 7, dtype=torch.float32) % 5       # a tail past the 16 lanes and the threads' cuts
+    got = cpu_ext.stream_read(x)
+    if got is None:
+        pytest.skip("the C kernels do not load here (no compiler or no kernel build for this CPU): no read probe")
+    assert got == pytest.approx(float(x.double().sum()), rel=1e-6)
+    assert torch.equal(x, torch.arange(1000 * 16 + 7, dtype=torch.float32) % 5)      # read only
+    assert floor.read_bandwidth(mib=8, reps=2) > 0
