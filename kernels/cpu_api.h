@@ -69,6 +69,7 @@ void lmi_gemm_i8(const uint8_t *Aq, int64_t M, int64_t Kp, const float *sa, cons
 /* cpu_gemm_q4.c; lmi_gemm_q's smode: how S and Mn hold the scales and mins (see the file's top) */
 enum { QS_F32 = 0, QS_F16 = 1, QS_I8 = 2 };
 int lmi_gemm_q_available(void);
+int lmi_set_q_act8(int on);
 void lmi_gemm_q(const float *A, int64_t M, int64_t K, int64_t lda, const uint8_t *Bp, const void *S,
     const void *Mn, const float *D, const float *E, int smode, int64_t sg, int bits, int64_t g, int64_t N,
     const float *bias, float *C, int64_t ldc, int nthreads);

@@ -233,6 +233,8 @@ def _load(isa: str):
     fn.gemm_available = bool(lib.lmi_gemm_available())
     fn.gemm_i8_available = bool(lib.lmi_gemm_i8_available())
     fn.gemm_q_available = bool(lib.lmi_gemm_q_available())
+    fn.q_act8_available = bool(lib.lmi_set_q_act8(int(q_act8_wanted())))
+    fn.q_act8 = fn.q_act8_available and q_act8_wanted()
     flags = _cpu_flags()
     fn.gemm_bf16_available = bool(lib.lmi_gemm_bf16_available()) and (isa != "avx512" or "avx512_bf16" in flags)
     fn.gemm_bf16w_available = bool(lib.lmi_gemm_bf16w_available())
@@ -820,6 +822,31 @@ def stream_read(x: torch.Tensor) -> float | None:
     if fn is None:
         return None
     return fn.stream_read(x.data_ptr(), x.numel(), torch.get_num_threads())
+
+
+def q_act8_wanted(env=None) -> bool:
+    """LMI_CPU_Q_ACT8 (handler/config/switches.py): `1` multiplies grouped weights by int8-quantized
+    activations (kernels/cpu_gemm_q4.c's HAVE_Q_A8); `0` (default) keeps the exact path."""
+    raw = (os.environ if env is None else env).get("LMI_CPU_Q_ACT8", "0").strip().lower()
+    if raw not in ("0", "1"):
+        log.warning("LMI_CPU_Q_ACT8=%r: allowed values are 0, 1; using 0", raw)
+    return raw == "1"
+
+
+def set_q_act8(on: bool) -> bool:
+    """Turn the int8-activation one-row path on or off in the loaded library (the process's setting);
+    returns whether this build has it (avx512 with VNNI and VBMI)."""
+    fn = load()
+    if fn is None:
+        return False
+    fn.q_act8 = bool(fn.set_q_act8(int(on))) and bool(on)
+    return fn.q_act8_available
+
+
+def q_act8_on() -> bool:
+    """Whether the grouped products run with int8 activations now (set_q_act8 / LMI_CPU_Q_ACT8)."""
+    fn = load()
+    return fn is not None and fn.q_act8
 
 
 def gemm_q_available() -> bool:

@@ -252,6 +252,158 @@ typedef void (*kq_t)(const float *, int64_t, const uint8_t *, int64_t, int64_t, 
 static const kq_t KQ[4][MRMAX + 1] = {KTABLE(4), KTABLE(5), KTABLE(6), KTABLE(8)};
 #define MRQ MRMAX
 #define MRF MRMAX
+
+#if defined(__AVX512VNNI__) && defined(__AVX512VBMI__) && defined(__AVX512BW__)
+/* Int8 activations (lmi_set_q_act8), for every row count (so a request's tokens do not depend on what
+ * it is batched with): each row quantized per group as llama.cpp's Q8 blocks,
+ *   aq[k] = round_even(a[k] * 127 / amax_g),  da_g = amax_g / 127,  sa_g = da_g * sum_k aq[k],
+ * and each group's codes multiplied by aq with vpdpbusd (4 codes x 4 int8 per lane, exact int32 sums),
+ *   y += s * (float(sum_k q aq) * da_g) + m * sa_g        (fp32, per group, in group order)
+ * So the codes stream through ~7 vector instructions per 128 weights instead of ~36 for the exact fp32
+ * dequantization; the result is not bit for bit the dequantized model's (the activations are rounded
+ * to 8 bits per group). Codes of 4 bits (nibbles) and 8 (bytes); 4 rows k..k+3 are transposed into one
+ * 4-code dword per column by one vpermb (4-bit: the 64 bytes of the 4 rows; 8-bit: vpermt2b over 128). */
+#define HAVE_Q_A8 1
+static int q_act8 = 0;
+
+static void a8_row(const float *a, int64_t K, int64_t g, int8_t *aq, float *da, float *sa) {
+    const __m512 sign = _mm512_castsi512_ps(_mm512_set1_epi32(0x7FFFFFFF));
+    for (int64_t k0 = 0, gi = 0; k0 < K; k0 += g, ++gi) {
+        __m512 mx = _mm512_setzero_ps();
+        for (int64_t i = 0; i < g; i += 16) {
+            const __mmask16 mk = g - i >= 16 ? 0xFFFF : (__mmask16)((1u << (g - i)) - 1);
+            mx = _mm512_max_ps(mx, _mm512_and_ps(_mm512_maskz_loadu_ps(mk, a + k0 + i), sign));
+        }
+        const float amax = _mm512_reduce_max_ps(mx), id = amax > 0.f ? 127.f / amax : 0.f;
+        __m512i sum = _mm512_setzero_si512();
+        for (int64_t i = 0; i < g; i += 16) {
+            const __mmask16 mk = g - i >= 16 ? 0xFFFF : (__mmask16)((1u << (g - i)) - 1);
+            const __m512i q = _mm512_maskz_cvtps_epi32(mk, _mm512_mul_ps(_mm512_maskz_loadu_ps(mk, a + k0 + i),
+                                                                         _mm512_set1_ps(id)));
+            _mm512_mask_cvtepi32_storeu_epi8(aq + k0 + i, mk, q);
+            sum = _mm512_add_epi32(sum, q);
+        }
+        da[gi] = amax / 127.f;
+        sa[gi] = da[gi] * (float)_mm512_reduce_add_epi32(sum);
+    }
+}
+
+/* vpermb indices: output byte 4j + r <- row r's byte j (4-bit: rows of 16 bytes in one zmm; 8-bit: rows
+ * of 32 bytes over two zmm, columns j (half 0) or 16 + j (half 1)). */
+static __m512i a8_perm(int bits, int half) {
+    uint8_t ix[64];
+    for (int j = 0; j < 16; ++j)
+        for (int r = 0; r < 4; ++r) ix[4 * j + r] = (uint8_t)(bits == 4 ? 16 * r + j : 32 * r + 16 * half + j);
+    return _mm512_loadu_si512(ix);
+}
+
+/* MR rows (their quantized activations aq at row stride K, da / sa at stride G) x one panel -> C. */
+#define KA8(BITS, MR)                                                                                 \
+    static void ka8_##BITS##_##MR(const int8_t *aq, const float *da, const float *sa, int64_t G,       \
+                                  const uint8_t *B, int64_t K, int64_t g, const qsrc *c, float *C,    \
+                                  int64_t ldc, const float *bias, int64_t ncols, const uint8_t *Bn,   \
+                                  __m512i p0, __m512i p1) {                                           \
+        const int64_t RB = ROW_BYTES(BITS);                                                           \
+        const __m512i lo4 = _mm512_set1_epi8(0x0F);                                                   \
+        __m512 y0[MR], y1[MR];                                                                        \
+        UNROLL_MR for (int r = 0; r < MR; ++r) y0[r] = y1[r] = _mm512_setzero_ps();                   \
+        for (int64_t k0 = 0, gi = 0; k0 < K; k0 += g, ++gi) {                                         \
+            __m512i acc0[MR], acc1[MR];                                                               \
+            UNROLL_MR for (int r = 0; r < MR; ++r) acc0[r] = acc1[r] = _mm512_setzero_si512();        \
+            for (int64_t k = k0; k < k0 + g; k += 4) {                                                \
+                const uint8_t *b = B + k * RB;                                                        \
+                if (Bn) _mm_prefetch((const char *)(Bn + k * RB), _MM_HINT_T1);                       \
+                _mm_prefetch((const char *)(b + 1024), _MM_HINT_T0);                                  \
+                __m512i w0, w1;                                                                       \
+                if (BITS == 4) {                                                                      \
+                    const __m512i t = _mm512_permutexvar_epi8(p0, _mm512_loadu_si512(b));             \
+                    w0 = _mm512_and_si512(t, lo4);                                                    \
+                    w1 = _mm512_and_si512(_mm512_srli_epi16(t, 4), lo4);                              \
+                } else {                                                                              \
+                    if (Bn) _mm_prefetch((const char *)(Bn + k * RB + 64), _MM_HINT_T1);              \
+                    const __m512i z0 = _mm512_loadu_si512(b), z1 = _mm512_loadu_si512(b + 64);       \
+                    w0 = _mm512_permutex2var_epi8(z0, p0, z1);                                        \
+                    w1 = _mm512_permutex2var_epi8(z0, p1, z1);                                        \
+                }                                                                                     \
+                UNROLL_MR for (int r = 0; r < MR; ++r) {                                              \
+                    int32_t a4;                                                                       \
+                    memcpy(&a4, aq + r * K + k, 4);                                                   \
+                    const __m512i av = _mm512_set1_epi32(a4);                                         \
+                    acc0[r] = _mm512_dpbusd_epi32(acc0[r], w0, av);                                   \
+                    acc1[r] = _mm512_dpbusd_epi32(acc1[r], w1, av);                                   \
+                }                                                                                     \
+            }                                                                                         \
+            __m512 s0, s1, n0, n1;                                                                    \
+            qs_group(c, gi, &s0, &s1, &n0, &n1);                                                      \
+            UNROLL_MR for (int r = 0; r < MR; ++r) {                                                  \
+                const __m512 d = _mm512_set1_ps(da[r * G + gi]), sm = _mm512_set1_ps(sa[r * G + gi]); \
+                y0[r] = _mm512_fmadd_ps(n0, sm, _mm512_fmadd_ps(s0, _mm512_mul_ps(_mm512_cvtepi32_ps(acc0[r]), d), y0[r])); \
+                y1[r] = _mm512_fmadd_ps(n1, sm, _mm512_fmadd_ps(s1, _mm512_mul_ps(_mm512_cvtepi32_ps(acc1[r]), d), y1[r])); \
+            }                                                                                         \
+        }                                                                                             \
+        const __mmask16 m0 = ncols >= 16 ? 0xFFFF : (__mmask16)((1u << ncols) - 1);                   \
+        const __mmask16 m1 = ncols >= 32 ? 0xFFFF : ncols <= 16 ? 0                                   \
+                                                  : (__mmask16)((1u << (ncols - 16)) - 1);            \
+        const __m512 bb0 = bias ? _mm512_maskz_loadu_ps(m0, bias) : _mm512_setzero_ps();              \
+        const __m512 bb1 = bias ? _mm512_maskz_loadu_ps(m1, bias + 16) : _mm512_setzero_ps();         \
+        UNROLL_MR for (int r = 0; r < MR; ++r) {                                                      \
+            _mm512_mask_storeu_ps(C + r * ldc, m0, bias ? _mm512_add_ps(y0[r], bb0) : y0[r]);         \
+            _mm512_mask_storeu_ps(C + r * ldc + 16, m1, bias ? _mm512_add_ps(y1[r], bb1) : y1[r]);    \
+        }                                                                                             \
+    }
+#define MRA 6       /* rows a pass: 2 int32 + 2 fp32 accumulators a row in 24 zmm */
+#define KA8S(BITS) KA8(BITS, 1) KA8(BITS, 2) KA8(BITS, 3) KA8(BITS, 4) KA8(BITS, 5) KA8(BITS, 6)
+KA8S(4) KA8S(8)
+typedef void (*ka8_t)(const int8_t *, const float *, const float *, int64_t, const uint8_t *, int64_t, int64_t,
+                      const qsrc *, float *, int64_t, const float *, int64_t, const uint8_t *, __m512i, __m512i);
+static const ka8_t KA8T[2][MRA + 1] = {{0, ka8_4_1, ka8_4_2, ka8_4_3, ka8_4_4, ka8_4_5, ka8_4_6},
+                                       {0, ka8_8_1, ka8_8_2, ka8_8_3, ka8_8_4, ka8_8_5, ka8_8_6}};
+
+/* Every row with int8 activations over all panels (the caller checked a8_serves): the rows quantized
+ * once, then per panel every MRA-row block (a row's result depends on that row only). */
+static void gemm_q_a8(const float *A, int64_t M, int64_t K, int64_t lda, const uint8_t *Bp, const void *S,
+                      const void *Mn, const float *D, const float *E, int smode, int64_t sg, int bits, int64_t g,
+                      int64_t N, const float *bias, float *C, int64_t ldc, int nthreads) {
+    const int64_t np = (N + NR - 1) / NR, G = K / g, pbytes = K * ROW_BYTES(bits);
+    int8_t *aq = (int8_t *)malloc((size_t)(M * K + 64));
+    float *da = (float *)malloc((size_t)(M * G * 2) * sizeof(float));
+    if (!aq || !da) {
+        free(aq), free(da);
+        return;
+    }
+    float *sa = da + M * G;
+    for (int64_t r = 0; r < M; ++r) a8_row(A + r * lda, K, g, aq + r * K, da + r * G, sa + r * G);
+    const __m512i p0 = a8_perm(bits, 0), p1 = a8_perm(bits, 1);
+    const ka8_t *kern = KA8T[bits == 4 ? 0 : 1];
+    int64_t chunk = ((1 << 19) / K) / MRA * MRA;     /* rows whose int8 activations stay in L2 */
+    if (chunk < MRA) chunk = MRA;
+    if (nthreads > np) nthreads = (int)np;
+    if (nthreads < 1) nthreads = 1;
+#pragma omp parallel num_threads(nthreads)
+    {
+        const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+        const int64_t q0 = np * t / nt, q1 = np * (t + 1) / nt;
+        for (int64_t m0 = 0; m0 < M; m0 += chunk) {
+            const int64_t m1 = M - m0 < chunk ? M : m0 + chunk;
+            for (int64_t p = q0; p < q1; ++p) {
+                const qsrc c = qsrc_panel(smode, S, Mn, D, E, sg, G, p);
+                const uint8_t *B = Bp + p * pbytes, *Bn = p + 1 < q1 ? B + pbytes : 0;
+                const int64_t ncols = N - p * NR < NR ? N - p * NR : NR;
+                for (int64_t r0 = m0; r0 < m1; r0 += MRA) {
+                    const int64_t mr = m1 - r0 < MRA ? m1 - r0 : MRA;
+                    kern[mr](aq + r0 * K, da + r0 * G, sa + r0 * G, G, B, K, g, &c, C + r0 * ldc + p * NR, ldc,
+                             bias ? bias + p * NR : 0, ncols, r0 == m0 ? Bn : 0, p0, p1);
+                }
+            }
+        }
+    }
+    free(aq), free(da);
+}
+
+static int a8_serves(int64_t M, int64_t K, int bits, int64_t g) {
+    return q_act8 && M >= 1 && (bits == 4 || bits == 8) && g % 4 == 0 && g <= 256 && K % g == 0;
+}
+#endif
 #elif (defined(__AVX2__) && defined(__FMA__)) || (defined(__ARM_NEON) && defined(__aarch64__))
 /* AVX2+FMA and aarch64 NEON: the same packing, and per output the same operations in the same
  * order (weights fma(q, s, m); FMAs in k order from 0; then + bias), so the AVX-512 build's values
@@ -497,6 +649,12 @@ static const kq_t KQ[4][MRQ + 1] = {{0, kq4_1, kq4_2}, {0, kq5_1, kq5_2}, {0, kq
 void lmi_gemm_q(const float *A, int64_t M, int64_t K, int64_t lda, const uint8_t *Bp, const void *S,
                 const void *Mn, const float *D, const float *E, int smode, int64_t sg, int bits, int64_t g,
                 int64_t N, const float *bias, float *C, int64_t ldc, int nthreads) {
+#ifdef HAVE_Q_A8
+    if (a8_serves(M, K, bits, g)) {
+        gemm_q_a8(A, M, K, lda, Bp, S, Mn, D, E, smode, sg, bits, g, N, bias, C, ldc, nthreads);
+        return;
+    }
+#endif
     const int64_t np = (N + NR - 1) / NR, G = (K + g - 1) / g;
     const int64_t pbytes = K * ROW_BYTES(bits);
     const kq_t *kern = KQ[bits == 8 ? 3 : bits - 4];
@@ -548,3 +706,15 @@ void lmi_gemm_q(const float *A, int64_t M, int64_t K, int64_t lda, const uint8_t
     (void)bits; (void)g; (void)N; (void)bias; (void)C; (void)ldc; (void)nthreads;
 }
 #endif
+
+/* lmi_set_q_act8: the grouped products with int8 activations (see HAVE_Q_A8 above) on or off; returns
+ * whether this build has them (avx512 with VNNI and VBMI). */
+int lmi_set_q_act8(int on) {
+#ifdef HAVE_Q_A8
+    q_act8 = on != 0;
+    return 1;
+#else
+    (void)on;
+    return 0;
+#endif
+}

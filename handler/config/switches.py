@@ -81,6 +81,12 @@ SWITCHES: dict[str, Switch] = {s.name: s for s in (
            "instructions a weight: on a 2-core AMD EPYC Zen 4 a Qwen 1.5B q4_k_m decode step took 61.7 ms "
            "packed, 52.9 ms as bytes (benchmarks/results/gguf-bytes/); for hosts whose weight stream is the "
            "bound (many cores sharing memory bandwidth)", "handler/model/quant_int4.py", allowed=("0", "1")),
+    Switch("LMI_CPU_Q_ACT8", "choice", "0", "CPU, grouped weights with groups of at most 256 (GGUF blocks, "
+           "AWQ/GPTQ) and 4- or 8-bit codes: `1` multiplies them by int8 activations, each row quantized per "
+           "group as llama.cpp's Q8 blocks, with VNNI dot products (avx512 build with VNNI and VBMI; elsewhere "
+           "ignored, logged at load): faster, not bit for bit the dequantized model; `0` keeps the exact fp32 "
+           "dequantization",
+           "kernels/cpu_ext.py", allowed=("0", "1")),
     Switch("LMI_CGROUP_ROOT", "text", "/sys/fs/cgroup", "CPU: where the container's memory limit is read "
            "(`memory.max` / `memory.current`, or cgroup v1's) to size the default KV pool",
            "handler/config/hardware.py", values="directory"),

@@ -353,7 +353,12 @@ def describe(model: nn.Module) -> str:
             if getattr(layers[0], "qbytes", None) is not None else "dequantize + torch matmul (no kernel here)")
     held = sum(t.numel() * t.element_size() for m in layers if m.qpack is not None for t in m.qpack.tensors())
     size = f", {held / 2 ** 20:,.0f} MiB streamed a step" if held else ""
-    return f"{len(layers)} linear layers served grouped: {', '.join(fmts)}, by {path}{size}"
+    act = ""
+    if layers[0].panels is not None and cpu_ext.q_act8_wanted():
+        act = ("; int8 activations where groups are at most 256 and codes 4 or 8 bits (LMI_CPU_Q_ACT8=1: VNNI "
+               "dot products, not bit for bit the dequantized model)" if cpu_ext.q_act8_on() else
+               "; LMI_CPU_Q_ACT8=1 ignored: this build has no int8-activation path (avx512 with VNNI and VBMI)")
+    return f"{len(layers)} linear layers served grouped: {', '.join(fmts)}, by {path}{size}{act}"
 
 
 def _scales_said(m: Q4Linear) -> str:

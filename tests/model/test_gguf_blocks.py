@@ -173,3 +173,30 @@ def test_tiny_qwen2_gguf_serves_the_tokens_of_its_dequantized_fp32_model(tiny_qw
     assert len(served) == 3 * len(LEAVES) + 1 and served["lm_head"] == "gguf Q6_K"
     assert {f.removeprefix("gguf ") for f in served.values()} == set(KINDS)
     assert got == want, strategy
+
+
+def test_tiny_qwen2_gguf_with_int8_activations_serves_batch_invariant_tokens(tiny_qwen2_gguf, tmp_path, caplog):
+    """LMI_CPU_Q_ACT8=1 (kernels/cpu_gemm_q4.c's int8-activation path): the load log says so, and each
+    request's tokens are the same whether it runs beside the others or alone (rows are quantized one by
+    one), through the C layer stack."""
+    import logging
+    if not cpu_ext.gemm_q_available() or not cpu_ext.set_q_act8(True):
+        cpu_ext.set_q_act8(False)
+        pytest.skip("the int8-activation path needs the avx512 build with VNNI and VBMI; this CPU's build has none")
+    props = {**STRATEGIES["paged"], "option.dtype": "fp32", "option.quantize": "gguf"}
+    try:
+        os.environ["LMI_CPU_Q_ACT8"] = "1"
+        with caplog.at_level(logging.INFO, logger="lmi"):
+            engine = make_engine(tiny_qwen2_gguf, tmp_path, props)
+        try:
+            assert any("int8 activations" in r.getMessage() for r in caplog.records)
+            params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in NEW[:4]]
+            together = [ids for ids, _ in run_all(engine, PROMPTS[:4], params)]
+            alone = [run_all(engine, [p], [sp])[0][0] for p, sp in zip(PROMPTS[:4], params)]
+        finally:
+            engine.shutdown()
+    finally:
+        os.environ.pop("LMI_CPU_Q_ACT8", None)
+        cpu_ext.set_q_act8(False)
+    assert together == alone
+    assert [len(t) for t in together] == list(NEW[:4])
