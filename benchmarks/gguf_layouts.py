@@ -9,6 +9,8 @@ weights bit for bit (tests/model/test_grouped_layouts.py):
   flat     fp32 scales and mins, 5/6/8-bit codes as bytes (the layout before the compact ones)
   compact  GGUF's two-level scales (K-quants) or fp16 ones (32-blocks), codes as bytes (the default)
   packed   compact scales, 5/6-bit codes as nibbles plus bit planes (LMI_QUANT_PACKED_CODES=1)
+  act8     (with --act8, where the build has it) the compact layout times int8 activations
+           (LMI_CPU_Q_ACT8=1: not the same results, kernels/cpu_gemm_q4.c's HAVE_Q_A8)
 
 A step calls the 1-row GEMM over every tensor in file order (the weights, larger than the caches,
 come from memory each time); the arms alternate within each repetition. Printed per arm: the bytes
@@ -42,6 +44,7 @@ def main(argv=None) -> int:
     p.add_argument("--gguf", required=True)
     p.add_argument("--reps", type=int, default=8)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--act8", action="store_true", help="add the int8-activation arm (LMI_CPU_Q_ACT8)")
     p.add_argument("--out")
     a = p.parse_args(argv)
     from gguf import GGUFReader
@@ -50,6 +53,9 @@ def main(argv=None) -> int:
         return 2
     torch.set_num_threads(a.threads)
     arms: dict[str, list] = {"flat": [], "compact": [], "packed": []}
+    if a.act8 and not cpu_ext.set_q_act8(False):
+        print("error: --act8: this build has no int8-activation path (avx512 with VNNI and VBMI)", file=sys.stderr)
+        return 2
     kinds: dict[str, int] = {}
     for t in GGUFReader(a.gguf).tensors:
         if t.name == "token_embd.weight" or len(t.shape) != 2 or t.tensor_type.name not in qf.GGUF_SERVED:
@@ -59,13 +65,17 @@ def main(argv=None) -> int:
         kinds[t.tensor_type.name] = kinds.get(t.tensor_type.name, 0) + n * k
         for name, packed in layouts(w).items():
             arms[name].append((packed, n, torch.randn(1, k)))
+    if a.act8:
+        arms["act8"] = arms["compact"]
     times: dict[str, list[float]] = {name: [] for name in arms}
     for _ in range(a.reps):
         for name, layers in arms.items():
+            cpu_ext.set_q_act8(name == "act8")
             t0 = time.perf_counter()
             for packed, n, x in layers:
                 cpu_ext.gemm_q(x, packed, n, None)
             times[name].append(time.perf_counter() - t0)
+    cpu_ext.set_q_act8(False)
     res = {"gguf": os.path.basename(a.gguf), "threads": a.threads, "reps": a.reps, "isa": cpu_ext.backend().isa,
            "weights_by_kind": kinds, "arms": {}}
     for name, layers in arms.items():
