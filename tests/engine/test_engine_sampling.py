@@ -268,7 +268,9 @@ def test_stop_sequence_is_the_recorded_finish_and_an_engine_error_resets_cleanly
                 recorded[sid] = seq.finish_reason
             return seq
         engine.scheduler.finish = finish
-        ch = engine.submit([ids], SamplingParams(max_new_tokens=12, stop_sequences=(stop,)))[0]
+        # Room to run on (no length or EOS finish of its own for ~200 steps): the engine must be told
+        # to stop, however far the output processor lags behind it on a loaded host.
+        ch = engine.submit([ids], SamplingParams(max_new_tokens=200, ignore_eos=True, stop_sequences=(stop,)))[0]
         done = events(ch)[-1].done
         assert done.finish_reason == "stop_sequence" and done.generated_text.endswith(stop)
         # The output processor found the stop string and ended the sequence in the engine, which
