@@ -233,8 +233,9 @@ def _load(isa: str):
     fn.gemm_available = bool(lib.lmi_gemm_available())
     fn.gemm_i8_available = bool(lib.lmi_gemm_i8_available())
     fn.gemm_q_available = bool(lib.lmi_gemm_q_available())
-    fn.q_act8_available = bool(lib.lmi_set_q_act8(int(q_act8_wanted())))
-    fn.q_act8 = fn.q_act8_available and q_act8_wanted()
+    wanted = q_act8_wanted()
+    fn.q_act8_available = bool(lib.lmi_set_q_act8(int(wanted)))
+    fn.q_act8 = fn.q_act8_available and wanted
     flags = _cpu_flags()
     fn.gemm_bf16_available = bool(lib.lmi_gemm_bf16_available()) and (isa != "avx512" or "avx512_bf16" in flags)
     fn.gemm_bf16w_available = bool(lib.lmi_gemm_bf16w_available())

@@ -83,6 +83,11 @@ static inline qsrc qsrc_panel(int mode, const void *S, const void *Mn, const flo
 
 int lmi_gemm_q_available(void) { return 1; }
 
+/* The first n of 16 lanes (none for n <= 0, all for n >= 16): a panel's partial columns, a group's tail. */
+static inline __mmask16 lanes16(int64_t n) {
+    return n >= 16 ? (__mmask16)0xFFFF : n <= 0 ? (__mmask16)0 : (__mmask16)((1u << n) - 1);
+}
+
 /* Group gi's 32 scales (s0: columns 0-15, s1: 16-31) and mins (n0, n1), in registers. */
 static inline void qs_group(const qsrc *c, int64_t gi, __m512 *s0, __m512 *s1, __m512 *n0, __m512 *n1) {
     if (c->mode == QS_F32) {
@@ -167,9 +172,7 @@ static inline void q_codes(const uint8_t *b, int bits, __m512i *q0, __m512i *q1)
                 }                                                                                     \
             }                                                                                         \
         }                                                                                             \
-        const __mmask16 m0 = ncols >= 16 ? 0xFFFF : (__mmask16)((1u << ncols) - 1);                   \
-        const __mmask16 m1 = ncols >= 32 ? 0xFFFF : ncols <= 16 ? 0                                   \
-                                                  : (__mmask16)((1u << (ncols - 16)) - 1);            \
+        const __mmask16 m0 = lanes16(ncols), m1 = lanes16(ncols - 16);                                \
         if (bias) {                                                                                   \
             const __m512 bb0 = _mm512_maskz_loadu_ps(m0, bias), bb1 = _mm512_maskz_loadu_ps(m1, bias + 16); \
             UNROLL_MR for (int r = 0; r < MR; ++r) {                                                        \
@@ -205,9 +208,7 @@ KERNELS(4) KERNELS(5) KERNELS(6) KERNELS(8)
                 c1[r] = _mm512_fmadd_ps(a, b1, c1[r]);                                                \
             }                                                                                         \
         }                                                                                             \
-        const __mmask16 m0 = ncols >= 16 ? 0xFFFF : (__mmask16)((1u << ncols) - 1);                   \
-        const __mmask16 m1 = ncols >= 32 ? 0xFFFF : ncols <= 16 ? 0                                   \
-                                                  : (__mmask16)((1u << (ncols - 16)) - 1);            \
+        const __mmask16 m0 = lanes16(ncols), m1 = lanes16(ncols - 16);                                \
         if (bias) {                                                                                   \
             const __m512 bb0 = _mm512_maskz_loadu_ps(m0, bias), bb1 = _mm512_maskz_loadu_ps(m1, bias + 16); \
             UNROLL_MR for (int r = 0; r < MR; ++r) {                                                        \
@@ -271,13 +272,13 @@ static void a8_row(const float *a, int64_t K, int64_t g, int8_t *aq, float *da, 
     for (int64_t k0 = 0, gi = 0; k0 < K; k0 += g, ++gi) {
         __m512 mx = _mm512_setzero_ps();
         for (int64_t i = 0; i < g; i += 16) {
-            const __mmask16 mk = g - i >= 16 ? 0xFFFF : (__mmask16)((1u << (g - i)) - 1);
+            const __mmask16 mk = lanes16(g - i);
             mx = _mm512_max_ps(mx, _mm512_and_ps(_mm512_maskz_loadu_ps(mk, a + k0 + i), sign));
         }
         const float amax = _mm512_reduce_max_ps(mx), id = amax > 0.f ? 127.f / amax : 0.f;
         __m512i sum = _mm512_setzero_si512();
         for (int64_t i = 0; i < g; i += 16) {
-            const __mmask16 mk = g - i >= 16 ? 0xFFFF : (__mmask16)((1u << (g - i)) - 1);
+            const __mmask16 mk = lanes16(g - i);
             const __m512i q = _mm512_maskz_cvtps_epi32(mk, _mm512_mul_ps(_mm512_maskz_loadu_ps(mk, a + k0 + i),
                                                                          _mm512_set1_ps(id)));
             _mm512_mask_cvtepi32_storeu_epi8(aq + k0 + i, mk, q);
@@ -341,9 +342,7 @@ static __m512i a8_perm(int bits, int half) {
                 y1[r] = _mm512_fmadd_ps(n1, sm, _mm512_fmadd_ps(s1, _mm512_mul_ps(_mm512_cvtepi32_ps(acc1[r]), d), y1[r])); \
             }                                                                                         \
         }                                                                                             \
-        const __mmask16 m0 = ncols >= 16 ? 0xFFFF : (__mmask16)((1u << ncols) - 1);                   \
-        const __mmask16 m1 = ncols >= 32 ? 0xFFFF : ncols <= 16 ? 0                                   \
-                                                  : (__mmask16)((1u << (ncols - 16)) - 1);            \
+        const __mmask16 m0 = lanes16(ncols), m1 = lanes16(ncols - 16);                                \
         const __m512 bb0 = bias ? _mm512_maskz_loadu_ps(m0, bias) : _mm512_setzero_ps();              \
         const __m512 bb1 = bias ? _mm512_maskz_loadu_ps(m1, bias + 16) : _mm512_setzero_ps();         \
         UNROLL_MR for (int r = 0; r < MR; ++r) {                                                      \
@@ -360,8 +359,9 @@ static const ka8_t KA8T[2][MRA + 1] = {{0, ka8_4_1, ka8_4_2, ka8_4_3, ka8_4_4, k
                                        {0, ka8_8_1, ka8_8_2, ka8_8_3, ka8_8_4, ka8_8_5, ka8_8_6}};
 
 /* Every row with int8 activations over all panels (the caller checked a8_serves): the rows quantized
- * once, then per panel every MRA-row block (a row's result depends on that row only). */
-static void gemm_q_a8(const float *A, int64_t M, int64_t K, int64_t lda, const uint8_t *Bp, const void *S,
+ * once, then per panel every MRA-row block (a row's result depends on that row only). Returns 0, C
+ * untouched, where the quantized rows cannot be allocated (the caller then takes the exact path). */
+static int gemm_q_a8(const float *A, int64_t M, int64_t K, int64_t lda, const uint8_t *Bp, const void *S,
                       const void *Mn, const float *D, const float *E, int smode, int64_t sg, int bits, int64_t g,
                       int64_t N, const float *bias, float *C, int64_t ldc, int nthreads) {
     const int64_t np = (N + NR - 1) / NR, G = K / g, pbytes = K * ROW_BYTES(bits);
@@ -369,7 +369,7 @@ static void gemm_q_a8(const float *A, int64_t M, int64_t K, int64_t lda, const u
     float *da = (float *)malloc((size_t)(M * G * 2) * sizeof(float));
     if (!aq || !da) {
         free(aq), free(da);
-        return;
+        return 0;
     }
     float *sa = da + M * G;
     for (int64_t r = 0; r < M; ++r) a8_row(A + r * lda, K, g, aq + r * K, da + r * G, sa + r * G);
@@ -398,10 +398,11 @@ static void gemm_q_a8(const float *A, int64_t M, int64_t K, int64_t lda, const u
         }
     }
     free(aq), free(da);
+    return 1;
 }
 
-static int a8_serves(int64_t M, int64_t K, int bits, int64_t g) {
-    return q_act8 && M >= 1 && (bits == 4 || bits == 8) && g % 4 == 0 && g <= 256 && K % g == 0;
+static int a8_serves(int64_t K, int bits, int64_t g) {
+    return q_act8 && (bits == 4 || bits == 8) && g % 4 == 0 && g <= 256 && K % g == 0;
 }
 #endif
 #elif (defined(__AVX2__) && defined(__FMA__)) || (defined(__ARM_NEON) && defined(__aarch64__))
@@ -650,10 +651,9 @@ void lmi_gemm_q(const float *A, int64_t M, int64_t K, int64_t lda, const uint8_t
                 const void *Mn, const float *D, const float *E, int smode, int64_t sg, int bits, int64_t g,
                 int64_t N, const float *bias, float *C, int64_t ldc, int nthreads) {
 #ifdef HAVE_Q_A8
-    if (a8_serves(M, K, bits, g)) {
-        gemm_q_a8(A, M, K, lda, Bp, S, Mn, D, E, smode, sg, bits, g, N, bias, C, ldc, nthreads);
+    if (a8_serves(K, bits, g) && gemm_q_a8(A, M, K, lda, Bp, S, Mn, D, E, smode, sg, bits, g, N, bias, C, ldc,
+                                           nthreads))
         return;
-    }
 #endif
     const int64_t np = (N + NR - 1) / NR, G = (K + g - 1) / g;
     const int64_t pbytes = K * ROW_BYTES(bits);

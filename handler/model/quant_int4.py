@@ -136,8 +136,10 @@ def code_bits(w: Grouped, packed: bool = True) -> int:
     every code where `packed`, 8 otherwise."""
     if w.bits == 4:
         return 4
+    if not packed:
+        return 8
     top = int(w.q.max()) if w.q.numel() else 0
-    return 5 if packed and top < 32 else 6 if packed and top < 64 else 8
+    return 5 if top < 32 else 6 if top < 64 else 8
 
 
 def packed_codes() -> bool:
@@ -157,11 +159,11 @@ def pack(w: Grouped, bits: int | None = None, flat: bool = False) -> cpu_ext.QPa
     n, k = w.q.shape
     g = w.scales.shape[1]
     npan = -(-n // PANEL)
-    need = code_bits(w)
-    bits = bits or code_bits(w, packed_codes())
-    if bits not in (4, 5, 6, 8) or bits < need or (w.bits == 4) != (bits == 4):
-        raise ValueError(f"code width {bits} for codes that need {need} bits; allowed: 4 for 4-bit codes, "
-                         "else 5, 6 or 8 holding every code")
+    if bits is None:
+        bits = code_bits(w, packed_codes())
+    elif bits not in (4, 5, 6, 8) or (w.bits == 4) != (bits == 4) or bits < code_bits(w):
+        raise ValueError(f"code width {bits} for codes that need {code_bits(w)} bits; allowed: 4 for 4-bit "
+                         "codes, else 5, 6 or 8 holding every code")
     q = torch.zeros(npan * PANEL, k, dtype=torch.uint8)
     q[:n] = w.q
     q = q.view(npan, PANEL, k)

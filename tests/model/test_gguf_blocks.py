@@ -175,7 +175,8 @@ def test_tiny_qwen2_gguf_serves_the_tokens_of_its_dequantized_fp32_model(tiny_qw
     assert got == want, strategy
 
 
-def test_tiny_qwen2_gguf_with_int8_activations_serves_batch_invariant_tokens(tiny_qwen2_gguf, tmp_path, caplog):
+def test_tiny_qwen2_gguf_with_int8_activations_serves_batch_invariant_tokens(tiny_qwen2_gguf, tmp_path, caplog,
+                                                                             monkeypatch):
     """LMI_CPU_Q_ACT8=1 (kernels/cpu_gemm_q4.c's int8-activation path): the load log says so, and each
     request's tokens are the same whether it runs beside the others or alone (rows are quantized one by
     one), through the C layer stack."""
@@ -184,8 +185,8 @@ def test_tiny_qwen2_gguf_with_int8_activations_serves_batch_invariant_tokens(tin
         cpu_ext.set_q_act8(False)
         pytest.skip("the int8-activation path needs the avx512 build with VNNI and VBMI; this CPU's build has none")
     props = {**STRATEGIES["paged"], "option.dtype": "fp32", "option.quantize": "gguf"}
+    monkeypatch.setenv("LMI_CPU_Q_ACT8", "1")
     try:
-        os.environ["LMI_CPU_Q_ACT8"] = "1"
         with caplog.at_level(logging.INFO, logger="lmi"):
             engine = make_engine(tiny_qwen2_gguf, tmp_path, props)
         try:
@@ -196,7 +197,6 @@ def test_tiny_qwen2_gguf_with_int8_activations_serves_batch_invariant_tokens(tin
         finally:
             engine.shutdown()
     finally:
-        os.environ.pop("LMI_CPU_Q_ACT8", None)
         cpu_ext.set_q_act8(False)
     assert together == alone
     assert [len(t) for t in together] == list(NEW[:4])
