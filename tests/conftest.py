@@ -12,6 +12,21 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 REAL_MODEL_DIR = Path(__file__).resolve().parents[1] / ".cache" / "models" / "smollm2"
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _model_cache(tmp_path_factory):
+    """The session's own LMI_MODEL_CACHE (GGUF conversions, s3 downloads), for this process and the
+    servers it starts: a run leaves no models in the default /tmp/lmi-serve/models, and none from
+    an earlier run (or another checkout) is found there instead of being built. A cache the caller
+    set is kept."""
+    if os.environ.get("LMI_MODEL_CACHE"):
+        yield os.environ["LMI_MODEL_CACHE"]
+        return
+    with pytest.MonkeyPatch.context() as mp:
+        cache = str(tmp_path_factory.mktemp("model-cache"))
+        mp.setenv("LMI_MODEL_CACHE", cache)
+        yield cache
+
+
 @pytest.fixture(scope="session")
 def demo_model_factory(tmp_path_factory):
     from handler.tools.demo_model import build_demo_model

@@ -52,7 +52,42 @@ def hf_dir_for(model_dir: str, dtype: str = "auto", device: str = "auto") -> str
     name = os.path.basename(path).removesuffix(".gguf")
     out = os.path.join(switch("LMI_MODEL_CACHE"), "gguf", f"{name}-{fingerprint}-{dtype}")
     log.info("model %s is a GGUF file: dequantizing it to %s in %s (once)", path, dtype, out)
-    return convert_gguf(path, out, dtype)
+    out = convert_gguf(path, out, dtype)
+    drop_stale_conversions(os.path.dirname(out), path, f"{name}-{fingerprint}-")
+    return out
+
+
+def drop_stale_conversions(cache: str, gguf_path: str, current: str) -> list[str]:
+    """Remove the conversions in `cache` of the file at `gguf_path` made before it changed (another
+    size or mtime: a directory whose name does not start with `current`, the live fingerprint). Each
+    is a whole dequantized model (0.5 GB for 135 M parameters, 6 GB for 1.5 B in fp32) that nothing
+    can load again, so without this the cache grows by one model every time the file is replaced.
+    Returns the removed directories."""
+    import shutil
+
+    src = os.path.abspath(gguf_path)
+    prefix = current.rsplit("-", 2)[0] + "-"
+    removed = []
+    try:
+        entries = sorted(os.listdir(cache))
+    except OSError:
+        return removed
+    for entry in entries:
+        if not entry.startswith(prefix) or entry.startswith(current):
+            continue
+        d = os.path.join(cache, entry)
+        try:
+            with open(os.path.join(d, "converted_from.json")) as f:
+                if json.load(f).get("gguf") != src:
+                    continue
+        except (OSError, ValueError, AttributeError):
+            continue      # not a finished conversion of ours (or another file's): left alone
+        shutil.rmtree(d, ignore_errors=True)
+        removed.append(d)
+    if removed:
+        log.info("removed %d stale conversion(s) of %s from the model cache: %s", len(removed), src,
+                 ", ".join(os.path.basename(d) for d in removed))
+    return removed
 
 
 def convert_gguf(gguf_path: str, out_dir: str, dtype: str = "fp32") -> str:

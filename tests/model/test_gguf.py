@@ -47,6 +47,43 @@ def test_an_unreadable_gguf_is_one_clear_error(tmp_path, monkeypatch):
     assert "error: transformers cannot read broken.gguf" in r.stderr and "Traceback" not in r.stderr
 
 
+def test_a_replaced_gguf_file_leaves_no_stale_conversion_in_the_cache(tmp_path, monkeypatch):
+    # Conversions are keyed by the file's path, size and mtime; once the file at a path changes, its
+    # earlier conversions are unreachable whole models and go. Another file's conversions, the
+    # current one in every dtype, and directories that are not finished conversions stay.
+    import json
+    import os
+
+    src = tmp_path / "models" / "m-v.Q4_0.gguf"
+    src.parent.mkdir()
+    src.write_bytes(b"GGUF" + b"\0" * 60)
+    other = tmp_path / "other" / "m-v.Q4_0.gguf"       # the same name elsewhere: not ours to drop
+    other.parent.mkdir()
+    other.write_bytes(b"GGUF")
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("LMI_MODEL_CACHE", str(cache))
+
+    def entry(name: str, gguf, dtype="fp32", size=None) -> str:
+        d = cache / "gguf" / name
+        d.mkdir(parents=True)
+        if gguf is not None:
+            stamp = {"gguf": str(gguf), "size": size if size is not None else os.path.getsize(gguf), "dtype": dtype}
+            (d / "converted_from.json").write_text(json.dumps(stamp))
+        return str(d)
+
+    old = [entry("m-v.Q4_0-aaaaaaaaaaaa-fp32", src, size=3), entry("m-v.Q4_0-bbbbbbbbbbbb-bf16", src, "bf16", 3)]
+    kept = [entry("m-v.Q4_0-cccccccccccc-fp32", other), entry("m-v.Q4_0-dddddddddddd-fp32", None)]
+    # the live conversion, finished (its stamp matches): hf_dir_for reuses it without converting
+    from handler.model import gguf as gguf_mod
+    st = os.stat(src)
+    fp = gguf_mod.hashlib.sha256(f"{src}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:12]
+    live = entry(f"m-v.Q4_0-{fp}-fp32", src)
+    live_bf16 = entry(f"m-v.Q4_0-{fp}-bf16", src, "bf16")
+    assert hf_dir_for(str(src), "fp32", "cpu") == live
+    assert not any(os.path.exists(d) for d in old)
+    assert all(os.path.isdir(d) for d in kept + [live, live_bf16])
+
+
 def test_conversion_stops_at_every_end_of_generation_token(real_gguf, tmp_path):
     # A GGUF file names one EOS (SmolLM2's <|im_end|>); the converted generation_config.json lists it
     # first, then the vocabulary's other end-of-generation special tokens (<|endoftext|>), as
