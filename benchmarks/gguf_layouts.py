@@ -54,7 +54,7 @@ def main(argv=None) -> int:
     torch.set_num_threads(a.threads)
     arms: dict[str, list] = {"flat": [], "compact": [], "packed": []}
     if a.act8 and not cpu_ext.set_q_act8(False):
-        print("error: --act8: this build has no int8-activation path (avx512 with VNNI and VBMI)", file=sys.stderr)
+        print("error: --act8: this build has no int8-activation path (avx512 with VNNI and VBMI, or avx2)", file=sys.stderr)
         return 2
     kinds: dict[str, int] = {}
     for t in GGUFReader(a.gguf).tensors:

@@ -836,7 +836,7 @@ def q_act8_wanted(env=None) -> bool:
 
 def set_q_act8(on: bool) -> bool:
     """Turn the int8-activation one-row path on or off in the loaded library (the process's setting);
-    returns whether this build has it (avx512 with VNNI and VBMI)."""
+    returns whether this build has it (avx512 with VNNI and VBMI, or avx2)."""
     fn = load()
     if fn is None:
         return False

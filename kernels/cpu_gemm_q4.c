@@ -41,7 +41,8 @@
  * values, the same order), so compute-bound prefill steps pay one dequantization per panel.
  *
  * Builds (kernels/isa.py): avx512 as above; AVX2+FMA(+F16C) and aarch64 NEON over 8-lane vectors
- * (register kernel up to 2 rows, dequantized panels past that), the same values bit for bit.
+ * (register kernel up to 2 rows, dequantized panels past that), the same values bit for bit. The
+ * opt-in int8-activation products (HAVE_Q_A8): avx512 with VNNI and VBMI, and avx2, the same values.
  * Elsewhere lmi_gemm_q_available() returns 0 and the caller dequantizes in torch instead.
  */
 #include <stdint.h>
@@ -76,6 +77,23 @@ static inline qsrc qsrc_panel(int mode, const void *S, const void *Mn, const flo
 /* The cache-line step of the codes stream: true for the one row k of each 64-byte line that starts
  * in the line's first RB bytes (every line holds at least two rows' starts for RB <= 32). */
 #define LINE_START(k, RB) ((((k) * (RB)) & 63) < (RB))
+
+/* Rows a chunk: whole blocks of mr rows whose row_bytes each fit in budget (at least one block). */
+static inline int64_t rows_in(int64_t budget, int64_t row_bytes, int64_t mr) {
+    const int64_t c = budget / row_bytes / mr * mr;
+    return c < mr ? mr : c;
+}
+
+/* Threads for np panels: at most one a panel, at least one. */
+static inline int team(int nthreads, int64_t np) {
+    return nthreads > np ? (int)np : nthreads < 1 ? 1 : nthreads;
+}
+
+/* An int8-activation kernel (HAVE_Q_A8 below): MR rows' quantized activations aq (row stride K), their
+ * per-group da, sa and integer sums si (stride G) x one panel -> C; Bn: the next panel's codes or NULL. */
+typedef void (*ka8_t)(const int8_t *aq, const float *da, const float *sa, const int32_t *si, int64_t G,
+                      const uint8_t *B, int64_t K, int64_t g, const qsrc *c, float *C, int64_t ldc,
+                      const float *bias, int64_t ncols, const uint8_t *Bn);
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -267,7 +285,7 @@ static const kq_t KQ[4][MRMAX + 1] = {KTABLE(4), KTABLE(5), KTABLE(6), KTABLE(8)
 #define HAVE_Q_A8 1
 static int q_act8 = 0;
 
-static void a8_row(const float *a, int64_t K, int64_t g, int8_t *aq, float *da, float *sa) {
+static void a8_row(const float *a, int64_t K, int64_t g, int8_t *aq, float *da, float *sa, int32_t *si) {
     const __m512 sign = _mm512_castsi512_ps(_mm512_set1_epi32(0x7FFFFFFF));
     for (int64_t k0 = 0, gi = 0; k0 < K; k0 += g, ++gi) {
         __m512 mx = _mm512_setzero_ps();
@@ -284,28 +302,30 @@ static void a8_row(const float *a, int64_t K, int64_t g, int8_t *aq, float *da, 
             _mm512_mask_cvtepi32_storeu_epi8(aq + k0 + i, mk, q);
             sum = _mm512_add_epi32(sum, q);
         }
+        si[gi] = _mm512_reduce_add_epi32(sum);
         da[gi] = amax / 127.f;
-        sa[gi] = da[gi] * (float)_mm512_reduce_add_epi32(sum);
+        sa[gi] = da[gi] * (float)si[gi];
     }
 }
 
 /* vpermb indices: output byte 4j + r <- row r's byte j (4-bit: rows of 16 bytes in one zmm; 8-bit: rows
  * of 32 bytes over two zmm, columns j (half 0) or 16 + j (half 1)). */
-static __m512i a8_perm(int bits, int half) {
-    uint8_t ix[64];
-    for (int j = 0; j < 16; ++j)
-        for (int r = 0; r < 4; ++r) ix[4 * j + r] = (uint8_t)(bits == 4 ? 16 * r + j : 32 * r + 16 * half + j);
-    return _mm512_loadu_si512(ix);
-}
+#define P4(j) 0 + (j), 16 + (j), 32 + (j), 48 + (j)
+#define P8(j) 0 + (j), 32 + (j), 64 + (j), 96 + (j)
+#define P16(P, o) P(o + 0), P(o + 1), P(o + 2), P(o + 3), P(o + 4), P(o + 5), P(o + 6), P(o + 7), P(o + 8), \
+                  P(o + 9), P(o + 10), P(o + 11), P(o + 12), P(o + 13), P(o + 14), P(o + 15)
+static const uint8_t A8_PERM[3][64] = {{P16(P4, 0)}, {P16(P8, 0)}, {P16(P8, 16)}};
 
 /* MR rows (their quantized activations aq at row stride K, da / sa at stride G) x one panel -> C. */
 #define KA8(BITS, MR)                                                                                 \
-    static void ka8_##BITS##_##MR(const int8_t *aq, const float *da, const float *sa, int64_t G,       \
-                                  const uint8_t *B, int64_t K, int64_t g, const qsrc *c, float *C,    \
-                                  int64_t ldc, const float *bias, int64_t ncols, const uint8_t *Bn,   \
-                                  __m512i p0, __m512i p1) {                                           \
+    static void ka8_##BITS##_##MR(const int8_t *aq, const float *da, const float *sa, const int32_t *si, \
+                                  int64_t G, const uint8_t *B, int64_t K, int64_t g, const qsrc *c,   \
+                                  float *C, int64_t ldc, const float *bias, int64_t ncols,            \
+                                  const uint8_t *Bn) {                                                \
+        (void)si;                                                                                     \
         const int64_t RB = ROW_BYTES(BITS);                                                           \
         const __m512i lo4 = _mm512_set1_epi8(0x0F);                                                   \
+        const __m512i p0 = _mm512_loadu_si512(A8_PERM[BITS == 4 ? 0 : 1]), p1 = _mm512_loadu_si512(A8_PERM[2]); \
         __m512 y0[MR], y1[MR];                                                                        \
         UNROLL_MR for (int r = 0; r < MR; ++r) y0[r] = y1[r] = _mm512_setzero_ps();                   \
         for (int64_t k0 = 0, gi = 0; k0 < K; k0 += g, ++gi) {                                         \
@@ -353,57 +373,8 @@ static __m512i a8_perm(int bits, int half) {
 #define MRA 6       /* rows a pass: 2 int32 + 2 fp32 accumulators a row in 24 zmm */
 #define KA8S(BITS) KA8(BITS, 1) KA8(BITS, 2) KA8(BITS, 3) KA8(BITS, 4) KA8(BITS, 5) KA8(BITS, 6)
 KA8S(4) KA8S(8)
-typedef void (*ka8_t)(const int8_t *, const float *, const float *, int64_t, const uint8_t *, int64_t, int64_t,
-                      const qsrc *, float *, int64_t, const float *, int64_t, const uint8_t *, __m512i, __m512i);
 static const ka8_t KA8T[2][MRA + 1] = {{0, ka8_4_1, ka8_4_2, ka8_4_3, ka8_4_4, ka8_4_5, ka8_4_6},
                                        {0, ka8_8_1, ka8_8_2, ka8_8_3, ka8_8_4, ka8_8_5, ka8_8_6}};
-
-/* Every row with int8 activations over all panels (the caller checked a8_serves): the rows quantized
- * once, then per panel every MRA-row block (a row's result depends on that row only). Returns 0, C
- * untouched, where the quantized rows cannot be allocated (the caller then takes the exact path). */
-static int gemm_q_a8(const float *A, int64_t M, int64_t K, int64_t lda, const uint8_t *Bp, const void *S,
-                      const void *Mn, const float *D, const float *E, int smode, int64_t sg, int bits, int64_t g,
-                      int64_t N, const float *bias, float *C, int64_t ldc, int nthreads) {
-    const int64_t np = (N + NR - 1) / NR, G = K / g, pbytes = K * ROW_BYTES(bits);
-    int8_t *aq = (int8_t *)malloc((size_t)(M * K + 64));
-    float *da = (float *)malloc((size_t)(M * G * 2) * sizeof(float));
-    if (!aq || !da) {
-        free(aq), free(da);
-        return 0;
-    }
-    float *sa = da + M * G;
-    for (int64_t r = 0; r < M; ++r) a8_row(A + r * lda, K, g, aq + r * K, da + r * G, sa + r * G);
-    const __m512i p0 = a8_perm(bits, 0), p1 = a8_perm(bits, 1);
-    const ka8_t *kern = KA8T[bits == 4 ? 0 : 1];
-    int64_t chunk = ((1 << 19) / K) / MRA * MRA;     /* rows whose int8 activations stay in L2 */
-    if (chunk < MRA) chunk = MRA;
-    if (nthreads > np) nthreads = (int)np;
-    if (nthreads < 1) nthreads = 1;
-#pragma omp parallel num_threads(nthreads)
-    {
-        const int t = omp_get_thread_num(), nt = omp_get_num_threads();
-        const int64_t q0 = np * t / nt, q1 = np * (t + 1) / nt;
-        for (int64_t m0 = 0; m0 < M; m0 += chunk) {
-            const int64_t m1 = M - m0 < chunk ? M : m0 + chunk;
-            for (int64_t p = q0; p < q1; ++p) {
-                const qsrc c = qsrc_panel(smode, S, Mn, D, E, sg, G, p);
-                const uint8_t *B = Bp + p * pbytes, *Bn = p + 1 < q1 ? B + pbytes : 0;
-                const int64_t ncols = N - p * NR < NR ? N - p * NR : NR;
-                for (int64_t r0 = m0; r0 < m1; r0 += MRA) {
-                    const int64_t mr = m1 - r0 < MRA ? m1 - r0 : MRA;
-                    kern[mr](aq + r0 * K, da + r0 * G, sa + r0 * G, G, B, K, g, &c, C + r0 * ldc + p * NR, ldc,
-                             bias ? bias + p * NR : 0, ncols, r0 == m0 ? Bn : 0, p0, p1);
-                }
-            }
-        }
-    }
-    free(aq), free(da);
-    return 1;
-}
-
-static int a8_serves(int64_t K, int bits, int64_t g) {
-    return q_act8 && (bits == 4 || bits == 8) && g % 4 == 0 && g <= 256 && K % g == 0;
-}
 #endif
 #elif (defined(__AVX2__) && defined(__FMA__)) || (defined(__ARM_NEON) && defined(__aarch64__))
 /* AVX2+FMA and aarch64 NEON: the same packing, and per output the same operations in the same
@@ -639,6 +610,241 @@ static void dequant_panel(const uint8_t *B, int64_t K, int64_t g, const qsrc *c,
 typedef void (*kq_t)(const float *, int64_t, const uint8_t *, int64_t, int64_t, const qsrc *, float *, int64_t,
                      const float *, int64_t, const uint8_t *, int64_t, int64_t, int64_t);
 static const kq_t KQ[4][MRQ + 1] = {{0, kq4_1, kq4_2}, {0, kq5_1, kq5_2}, {0, kq6_1, kq6_2}, {0, kq8_1, kq8_2}};
+#if defined(__AVX2__) && defined(__FMA__)
+/* Int8 activations on AVX2 (lmi_set_q_act8; the AVX-512 section gives the definition): the same quantized
+ * rows and the same per-group fp32 operations in the same order, so the avx512 build's values bit for bit.
+ * 4 rows k..k+3 become one 4-code dword per column (4-bit: two unpacks, two vpermq and two pshufb a 32
+ * columns; 8-bit: eight in-lane unpacks, and each group's int32 sums put back in column order by their
+ * 128-bit halves), and vpmaddubsw + vpmaddwd add 4 products into an int32 lane. 8-bit codes go in as
+ * q - 128 with its sign moved onto the activation (2 x 128 x 127 < 2^15: vpmaddubsw's int16 pairs never
+ * saturate), plus 128 x the group's activation sum. Rows in blocks of 2 (16 ymm registers). */
+#define HAVE_Q_A8 1
+static int q_act8 = 0;
+
+static inline float a8_hmax(__m256 v) {
+    __m128 x = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    x = _mm_max_ps(x, _mm_movehl_ps(x, x));
+    return _mm_cvtss_f32(_mm_max_ss(x, _mm_movehdup_ps(x)));
+}
+
+static inline int32_t a8_hsum(__m256i v) {
+    __m128i x = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    x = _mm_add_epi32(x, _mm_shuffle_epi32(x, 0x4E));
+    return _mm_cvtsi128_si32(_mm_add_epi32(x, _mm_shuffle_epi32(x, 0xB1)));
+}
+
+static void a8_row(const float *a, int64_t K, int64_t g, int8_t *aq, float *da, float *sa, int32_t *si) {
+    const __m256 sign = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+    for (int64_t k0 = 0, gi = 0; k0 < K; k0 += g, ++gi) {
+        __m256 mx = _mm256_setzero_ps();
+        int64_t i = 0;
+        for (; i + 8 <= g; i += 8) mx = _mm256_max_ps(mx, _mm256_and_ps(_mm256_loadu_ps(a + k0 + i), sign));
+        float amax = a8_hmax(mx);
+        for (; i < g; ++i) {
+            const float v = a[k0 + i] < 0.f ? -a[k0 + i] : a[k0 + i];
+            amax = v > amax ? v : amax;
+        }
+        const float id = amax > 0.f ? 127.f / amax : 0.f;
+        __m256i sum = _mm256_setzero_si256();
+        for (i = 0; i + 8 <= g; i += 8) {
+            const __m256i q = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(a + k0 + i), _mm256_set1_ps(id)));
+            const __m128i w = _mm_packs_epi32(_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1));
+            _mm_storel_epi64((__m128i *)(aq + k0 + i), _mm_packs_epi16(w, w));
+            sum = _mm256_add_epi32(sum, q);
+        }
+        int32_t s = a8_hsum(sum);
+        for (; i < g; ++i) {            /* cvtss2si rounds as cvtps2dq: to nearest, ties to even */
+            const int32_t q = _mm_cvtss_si32(_mm_set_ss(a[k0 + i] * id));
+            aq[k0 + i] = (int8_t)q;
+            s += q;
+        }
+        si[gi] = s;
+        da[gi] = amax / 127.f;
+        sa[gi] = da[gi] * (float)s;
+    }
+}
+
+/* pshufb after vpermq 0xD8 of a 4-bit unpack: dword t of each lane <- rows 0-3's byte t (see a8_w4) */
+static const uint8_t A8_SHUF4[32] = {0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15,
+                                     0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15};
+
+/* Rows k..k+3 of 4-bit codes (64 bytes at b) -> w[v]: columns 8v..8v+7, one dword (rows 0-3) each. */
+static inline void a8_w4(const uint8_t *b, __m256i sh, __m256i *w) {
+    const __m256i x0 = _mm256_loadu_si256((const __m256i *)b), x1 = _mm256_loadu_si256((const __m256i *)(b + 32));
+    /* lane 0: rows 0/2 interleaved, lane 1: rows 1/3; vpermq puts rows 0/2 and 1/3 of 4 bytes in one lane */
+    const __m256i t0 = _mm256_shuffle_epi8(_mm256_permute4x64_epi64(_mm256_unpacklo_epi8(x0, x1), 0xD8), sh);
+    const __m256i t1 = _mm256_shuffle_epi8(_mm256_permute4x64_epi64(_mm256_unpackhi_epi8(x0, x1), 0xD8), sh);
+    const __m256i lo4 = _mm256_set1_epi8(0x0F);
+    w[0] = _mm256_and_si256(t0, lo4);                              /* bytes 0-7 low: columns 0-7 */
+    w[1] = _mm256_and_si256(t1, lo4);                              /* bytes 8-15 low: columns 8-15 */
+    w[2] = _mm256_and_si256(_mm256_srli_epi16(t0, 4), lo4);        /* high nibbles: columns 16-23 */
+    w[3] = _mm256_and_si256(_mm256_srli_epi16(t1, 4), lo4);        /* 24-31 */
+}
+
+/* Rows k..k+3 of 8-bit codes (128 bytes at b) -> w[v] = q - 128 as int8, dwords for columns
+ * {0-3 | 16-19}, {4-7 | 20-23}, {8-11 | 24-27}, {12-15 | 28-31} (v = 0..3; lane 0 | lane 1). */
+static inline void a8_w8(const uint8_t *b, __m256i *w) {
+    const __m256i r0 = _mm256_loadu_si256((const __m256i *)b), r1 = _mm256_loadu_si256((const __m256i *)(b + 32));
+    const __m256i r2 = _mm256_loadu_si256((const __m256i *)(b + 64)), r3 = _mm256_loadu_si256((const __m256i *)(b + 96));
+    const __m256i l01 = _mm256_unpacklo_epi8(r0, r1), h01 = _mm256_unpackhi_epi8(r0, r1);
+    const __m256i l23 = _mm256_unpacklo_epi8(r2, r3), h23 = _mm256_unpackhi_epi8(r2, r3);
+    const __m256i off = _mm256_set1_epi8((char)0x80);
+    w[0] = _mm256_xor_si256(_mm256_unpacklo_epi16(l01, l23), off);
+    w[1] = _mm256_xor_si256(_mm256_unpackhi_epi16(l01, l23), off);
+    w[2] = _mm256_xor_si256(_mm256_unpacklo_epi16(h01, h23), off);
+    w[3] = _mm256_xor_si256(_mm256_unpackhi_epi16(h01, h23), off);
+}
+
+#define KA8(BITS, MR, NAME, FROM_T)                                                                   \
+    static void NAME##_##BITS##_##MR(const int8_t *aq, const float *da, const float *sa, const int32_t *si, \
+                                  int64_t G, const uint8_t *B, int64_t K, int64_t g, const qsrc *c,   \
+                                  float *C, int64_t ldc, const float *bias, int64_t ncols,            \
+                                  const uint8_t *Bn) {                                                \
+        const int64_t RB = ROW_BYTES(BITS);                                                           \
+        const __m256i ones = _mm256_set1_epi16(1), sh = _mm256_loadu_si256((const __m256i *)A8_SHUF4); \
+        (void)sh;                                                                                     \
+        qf y[MR][4];                                                                                  \
+        UNROLL_MR for (int r = 0; r < MR; ++r) {                                                      \
+            UNROLL_MR for (int v = 0; v < 4; ++v) y[r][v] = qf_zero();                                \
+        }                                                                                             \
+        for (int64_t k0 = 0, gi = 0; k0 < K; k0 += g, ++gi) {                                         \
+            __m256i acc[MR][4];                                                                       \
+            UNROLL_MR for (int r = 0; r < MR; ++r) {                                                  \
+                UNROLL_MR for (int v = 0; v < 4; ++v) acc[r][v] = _mm256_setzero_si256();             \
+            }                                                                                         \
+            for (int64_t k = k0; k < k0 + g; k += 4) {                                                \
+                __m256i w[4];                                                                         \
+                if (FROM_T) {     /* B: the panel as a8_tpanel left it, 4 vectors a 4 rows */         \
+                    for (int v = 0; v < 4; ++v) w[v] = _mm256_load_si256((const __m256i *)B + k + v); \
+                } else {                                                                              \
+                    const uint8_t *b = B + k * RB;                                                    \
+                    if (Bn) {                                                                         \
+                        _mm_prefetch((const char *)(Bn + k * RB), _MM_HINT_T1);                       \
+                        if (BITS == 8) _mm_prefetch((const char *)(Bn + k * RB + 64), _MM_HINT_T1);   \
+                    }                                                                                 \
+                    _mm_prefetch((const char *)(b + 1024), _MM_HINT_T0);                              \
+                    if (BITS == 4) a8_w4(b, sh, w);                                                   \
+                    else a8_w8(b, w);                                                                 \
+                }                                                                                     \
+                UNROLL_MR for (int v = 0; v < 4; ++v) {                                               \
+                    const __m256i aw = BITS == 4 ? w[v] : _mm256_abs_epi8(w[v]);                      \
+                    UNROLL_MR for (int r = 0; r < MR; ++r) {                                          \
+                        int32_t a4;                                                                   \
+                        memcpy(&a4, aq + r * K + k, 4);                                               \
+                        const __m256i av = BITS == 4 ? _mm256_set1_epi32(a4)                          \
+                                                     : _mm256_sign_epi8(_mm256_set1_epi32(a4), w[v]);  \
+                        acc[r][v] = _mm256_add_epi32(acc[r][v],                                       \
+                                                     _mm256_madd_epi16(_mm256_maddubs_epi16(aw, av), ones)); \
+                    }                                                                                 \
+                }                                                                                     \
+            }                                                                                         \
+            qf s[4], n[4];                                                                            \
+            qs_group(c, gi, s, n);                                                                    \
+            UNROLL_MR for (int r = 0; r < MR; ++r) {                                                  \
+                if (BITS == 8) {  /* column order back, and + 128 x the activations' sum */           \
+                    const __m256i o = _mm256_set1_epi32(128 * si[r * G + gi]);                        \
+                    const __m256i a0 = acc[r][0], a1 = acc[r][1], a2 = acc[r][2], a3 = acc[r][3];     \
+                    acc[r][0] = _mm256_add_epi32(_mm256_permute2x128_si256(a0, a1, 0x20), o);         \
+                    acc[r][1] = _mm256_add_epi32(_mm256_permute2x128_si256(a2, a3, 0x20), o);         \
+                    acc[r][2] = _mm256_add_epi32(_mm256_permute2x128_si256(a0, a1, 0x31), o);         \
+                    acc[r][3] = _mm256_add_epi32(_mm256_permute2x128_si256(a2, a3, 0x31), o);         \
+                }                                                                                     \
+                const qf d = qf_set1(da[r * G + gi]), sm = qf_set1(sa[r * G + gi]);                   \
+                UNROLL_MR for (int v = 0; v < 4; ++v)                                                 \
+                    y[r][v] = qf_fma(n[v], sm, qf_fma(s[v], qf_mul(_mm256_cvtepi32_ps(acc[r][v]), d), y[r][v])); \
+            }                                                                                         \
+        }                                                                                             \
+        UNROLL_MR for (int v = 0; v < 4; ++v) {                                                       \
+            const int nn = ncols - 8 * v >= 8 ? 8 : ncols > 8 * v ? (int)(ncols - 8 * v) : 0;         \
+            const qf bb = bias ? qf_load_n(bias + 8 * v, nn) : qf_zero();                             \
+            UNROLL_MR for (int r = 0; r < MR; ++r) qf_store_n(C + r * ldc + 8 * v, bias ? qf_add(y[r][v], bb) : y[r][v], nn); \
+        }                                                                                             \
+    }
+#define MRA 2
+KA8(4, 1, ka8, 0) KA8(4, 2, ka8, 0) KA8(8, 1, ka8, 0) KA8(8, 2, ka8, 0)
+static const ka8_t KA8T[2][MRA + 1] = {{0, ka8_4_1, ka8_4_2}, {0, ka8_8_1, ka8_8_2}};
+
+/* More than MRA rows (a prefill): each panel is transposed once into T (K x 32 bytes, L2), and blocks of
+ * A8_TRANSPOSED rows run over it, so the transposition is paid once per panel, not once per 2 rows. The
+ * same integer sums and epilogue: the same values as the register kernels (a row's result still depends
+ * on that row only). */
+#define A8_TRANSPOSED 3
+static void a8_tpanel(const uint8_t *B, int64_t K, int bits, __m256i *T, const uint8_t *Bn) {
+    const __m256i sh = _mm256_loadu_si256((const __m256i *)A8_SHUF4);
+    const int64_t RB = ROW_BYTES(bits);
+    for (int64_t k = 0; k < K; k += 4) {
+        if (Bn) _mm_prefetch((const char *)(Bn + k * RB), _MM_HINT_T1);
+        if (bits == 4) a8_w4(B + k * RB, sh, T + k);
+        else a8_w8(B + k * RB, T + k);
+    }
+}
+KA8(4, 1, kt8, 1) KA8(4, 2, kt8, 1) KA8(4, 3, kt8, 1) KA8(8, 1, kt8, 1) KA8(8, 2, kt8, 1) KA8(8, 3, kt8, 1)
+static const ka8_t KT8T[2][A8_TRANSPOSED + 1] = {{0, kt8_4_1, kt8_4_2, kt8_4_3}, {0, kt8_8_1, kt8_8_2, kt8_8_3}};
+#endif
+#endif
+
+#ifdef HAVE_Q_A8
+/* Every row with int8 activations over all panels (the caller checked a8_serves): the rows quantized
+ * once, then per panel every MRA-row block (a row's result depends on that row only). Returns 0, C
+ * untouched, where the quantized rows cannot be allocated (the caller then takes the exact path). */
+static int gemm_q_a8(const float *A, int64_t M, int64_t K, int64_t lda, const uint8_t *Bp, const void *S,
+                      const void *Mn, const float *D, const float *E, int smode, int64_t sg, int bits, int64_t g,
+                      int64_t N, const float *bias, float *C, int64_t ldc, int nthreads) {
+    const int64_t np = (N + NR - 1) / NR, G = K / g, pbytes = K * ROW_BYTES(bits);
+    int8_t *aq = (int8_t *)malloc((size_t)(M * K + 64));
+    float *da = (float *)malloc((size_t)(M * G * 3) * sizeof(float));
+    if (!aq || !da) {
+        free(aq), free(da);
+        return 0;
+    }
+    float *sa = da + M * G;
+    int32_t *si = (int32_t *)(sa + M * G);
+    for (int64_t r = 0; r < M; ++r) a8_row(A + r * lda, K, g, aq + r * K, da + r * G, sa + r * G, si + r * G);
+    const ka8_t *kern = KA8T[bits == 4 ? 0 : 1];
+    const int64_t chunk = rows_in(1 << 19, K, MRA);     /* rows whose int8 activations stay in L2 */
+#pragma omp parallel num_threads(team(nthreads, np))
+    {
+        const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+        const int64_t q0 = np * t / nt, q1 = np * (t + 1) / nt;
+#ifdef A8_TRANSPOSED
+        __m256i *T = M > MRA ? (__m256i *)aligned_alloc(64, (size_t)K * 32) : 0;    /* K % 4 == 0 */
+#endif
+        for (int64_t m0 = 0; m0 < M; m0 += chunk) {
+            const int64_t m1 = M - m0 < chunk ? M : m0 + chunk;
+            for (int64_t p = q0; p < q1; ++p) {
+                const qsrc c = qsrc_panel(smode, S, Mn, D, E, sg, G, p);
+                const uint8_t *B = Bp + p * pbytes, *Bn = p + 1 < q1 ? B + pbytes : 0;
+                const int64_t ncols = N - p * NR < NR ? N - p * NR : NR;
+#ifdef A8_TRANSPOSED
+                if (T) {          /* (the register kernels below if T's allocation failed: the same values) */
+                    a8_tpanel(B, K, bits, T, Bn);
+                    for (int64_t r0 = m0; r0 < m1; r0 += A8_TRANSPOSED) {
+                        const int64_t mr = m1 - r0 < A8_TRANSPOSED ? m1 - r0 : A8_TRANSPOSED;
+                        KT8T[bits == 4 ? 0 : 1][mr](aq + r0 * K, da + r0 * G, sa + r0 * G, si + r0 * G, G,
+                                                    (const uint8_t *)T, K, g, &c, C + r0 * ldc + p * NR, ldc,
+                                                    bias ? bias + p * NR : 0, ncols, 0);
+                    }
+                    continue;
+                }
+#endif
+                for (int64_t r0 = m0; r0 < m1; r0 += MRA) {
+                    const int64_t mr = m1 - r0 < MRA ? m1 - r0 : MRA;
+                    kern[mr](aq + r0 * K, da + r0 * G, sa + r0 * G, si + r0 * G, G, B, K, g, &c,
+                             C + r0 * ldc + p * NR, ldc, bias ? bias + p * NR : 0, ncols, r0 == m0 ? Bn : 0);
+                }
+            }
+        }
+#ifdef A8_TRANSPOSED
+        free(T);
+#endif
+    }
+    free(aq), free(da);
+    return 1;
+}
+
+static int a8_serves(int64_t K, int bits, int64_t g) {
+    return q_act8 && (bits == 4 || bits == 8) && g % 4 == 0 && g <= 256 && K % g == 0;
+}
 #endif
 
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__)) || (defined(__ARM_NEON) && defined(__aarch64__))
@@ -659,11 +865,8 @@ void lmi_gemm_q(const float *A, int64_t M, int64_t K, int64_t lda, const uint8_t
     const int64_t pbytes = K * ROW_BYTES(bits);
     const kq_t *kern = KQ[bits == 8 ? 3 : bits - 4];
     const int64_t mr = M > MRQ ? MRF : MRQ;
-    int64_t chunk = ((1 << 20) / (K * 4)) / mr * mr;
-    if (chunk < mr) chunk = mr;
-    if (nthreads > np) nthreads = (int)np;
-    if (nthreads < 1) nthreads = 1;
-#pragma omp parallel num_threads(nthreads)
+    const int64_t chunk = rows_in(1 << 20, K * 4, mr);
+#pragma omp parallel num_threads(team(nthreads, np))
     {
         const int t = omp_get_thread_num(), nt = omp_get_num_threads();
         const int64_t p0 = np * t / nt, p1 = np * (t + 1) / nt;
@@ -708,7 +911,7 @@ void lmi_gemm_q(const float *A, int64_t M, int64_t K, int64_t lda, const uint8_t
 #endif
 
 /* lmi_set_q_act8: the grouped products with int8 activations (see HAVE_Q_A8 above) on or off; returns
- * whether this build has them (avx512 with VNNI and VBMI). */
+ * whether this build has them (avx512 with VNNI and VBMI, or avx2). */
 int lmi_set_q_act8(int on) {
 #ifdef HAVE_Q_A8
     q_act8 = on != 0;

@@ -357,9 +357,10 @@ def describe(model: nn.Module) -> str:
     size = f", {held / 2 ** 20:,.0f} MiB streamed a step" if held else ""
     act = ""
     if layers[0].panels is not None and cpu_ext.q_act8_wanted():
-        act = ("; int8 activations where groups are at most 256 and codes 4 or 8 bits (LMI_CPU_Q_ACT8=1: VNNI "
+        act = ("; int8 activations where groups are at most 256 and codes 4 or 8 bits (LMI_CPU_Q_ACT8=1: integer "
                "dot products, not bit for bit the dequantized model)" if cpu_ext.q_act8_on() else
-               "; LMI_CPU_Q_ACT8=1 ignored: this build has no int8-activation path (avx512 with VNNI and VBMI)")
+               "; LMI_CPU_Q_ACT8=1 ignored: this build has no int8-activation path (avx512 with VNNI and VBMI, "
+               "or avx2)")
     return f"{len(layers)} linear layers served grouped: {', '.join(fmts)}, by {path}{size}{act}"
 
 

@@ -183,7 +183,8 @@ def test_tiny_qwen2_gguf_with_int8_activations_serves_batch_invariant_tokens(tin
     import logging
     if not cpu_ext.gemm_q_available() or not cpu_ext.set_q_act8(True):
         cpu_ext.set_q_act8(False)
-        pytest.skip("the int8-activation path needs the avx512 build with VNNI and VBMI; this CPU's build has none")
+        pytest.skip("the int8-activation path needs the avx512 build with VNNI and VBMI or the avx2 build; this "
+                    "CPU's build has none")
     props = {**STRATEGIES["paged"], "option.dtype": "fp32", "option.quantize": "gguf"}
     monkeypatch.setenv("LMI_CPU_Q_ACT8", "1")
     try:

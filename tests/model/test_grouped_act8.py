@@ -1,8 +1,9 @@
-"""Grouped weights times int8 activations (LMI_CPU_Q_ACT8=1, kernels/cpu_gemm_q4.c's HAVE_Q_A8): the
-kernel against the definition written out here in numpy (each row quantized per group, integer sums,
-then s * (sum * da) + m * (da * sum aq)), for 4- and 8-bit codes and every scale form; a row's result
-does not depend on the rows beside it; what it does not serve (5/6-bit codes, W8A16's one group a
-row) stays exact; and the switch off gives the exact results back."""
+"""Grouped weights times int8 activations (LMI_CPU_Q_ACT8=1, kernels/cpu_gemm_q4.c's HAVE_Q_A8), on each
+kernel build this CPU runs that has the path (avx512 with VNNI and VBMI; avx2): the kernel against the
+definition written out here in numpy (each row quantized per group, integer sums, then
+s * (sum * da) + m * (da * sum aq)), for 4- and 8-bit codes and every scale form; the avx2 build equals
+the avx512 build bit for bit; a row's result does not depend on the rows beside it; what it does not serve
+(5/6-bit codes, W8A16's one group a row) stays exact; and the switch off gives the exact results back."""
 from __future__ import annotations
 
 import numpy as np
@@ -11,19 +12,21 @@ import torch
 
 from handler.model.quant_int4 import Grouped, pack
 from kernels import cpu_ext
+from tests.support.kernels import both_x86, each_build_fixture
 
 pytest.importorskip("gguf", reason="the gguf package reads GGUF files: pip install -e '.[gguf]'")
 from tests.model.test_grouped_layouts import _gguf  # noqa: E402
 
+each_build = each_build_fixture("gemm_q_available", "grouped-weight kernel")
+
 
 @pytest.fixture
-def act8():
-    if not cpu_ext.gemm_q_available() or not cpu_ext.set_q_act8(True):
-        cpu_ext.set_q_act8(False)
-        pytest.skip("the int8-activation path needs the avx512 build with VNNI and VBMI (AMD Zen 4, Intel Ice "
-                    "Lake or later); this CPU's build has no such path")
+def act8(each_build):
+    if not cpu_ext.set_q_act8(True):
+        pytest.skip(f"the {each_build} build has no int8-activation path (the avx512 build on a CPU with VNNI and "
+                    f"VBMI, such as AMD Zen 4 or Intel Ice Lake and later; the avx2 build)")
     try:
-        yield
+        yield each_build
     finally:
         cpu_ext.set_q_act8(False)
 
@@ -66,6 +69,53 @@ def test_kernel_is_the_int8_activation_product_it_defines(act8, kind, n, k):
             exact = (x.double() @ w.dequantize().double().T).numpy() + (0 if bias is None else b.double().numpy())
             err = np.abs(got - exact) / scale
             assert err.max() < 0.02 and err.max() > 1e-7, (kind, m, err.max())
+
+
+@pytest.mark.parametrize("bits,g,n,k", [(4, 20, 37, 100), (8, 12, 33, 96), (4, 4, 40, 64)])
+def test_groups_that_are_not_whole_vectors(act8, bits, g, n, k):
+    # AWQ/GPTQ-style groups that a vector does not divide (the quantized row's scalar tail), codes at both ends.
+    gen = torch.Generator().manual_seed(g * 100 + n)
+    q = torch.randint(0, 2 ** bits, (n, k), dtype=torch.uint8, generator=gen)
+    q[0], q[1] = 0, 2 ** bits - 1
+    s = torch.rand(n, k // g, generator=gen) * 0.01 + 1e-3
+    m = -s * torch.randint(0, 2 ** bits, (n, k // g), generator=gen)
+    w = Grouped(q, s, m, bits, g)
+    p = pack(w)
+    x = torch.randn(5, k, generator=gen)
+    x[2] = 0                                              # an all-zero row: scale 0, no division by it
+    got = cpu_ext.gemm_q(x, p, n, None).double().numpy()
+    want = _reference(x, w)
+    scale = np.abs(x.double().numpy()) @ np.abs(w.dequantize().double().numpy().T) + 1e-30
+    assert np.all(np.abs(got - want) <= 1e-5 * scale + 1e-6), np.max(np.abs(got - want) / scale)
+    assert not got[2].any()
+
+
+@both_x86
+@pytest.mark.parametrize("kind,n,k", [("Q4_K", 70, 512), ("Q6_K", 40, 512), ("Q8_0", 33, 256), ("Q4_1", 45, 96)])
+def test_the_avx2_build_equals_the_avx512_build(kind, n, k):
+    # The same quantized rows and per-group fp32 operations in the same order: equal bit for bit, on row
+    # counts that cover both builds' blocks (avx2: 2 rows, avx512: 6) and ragged last panels. Q8_0's codes
+    # reach 255, the avx2 kernel's offset path.
+    w = _gguf(kind, n, k)
+    p = pack(w)
+    gen = torch.Generator().manual_seed(k + n)
+    xs = [torch.randn(m, k, generator=gen) for m in (1, 2, 3, 7, 13)]
+    bias = torch.randn(n, generator=gen)
+    got = {}
+    try:
+        for build in ("avx512", "avx2"):
+            cpu_ext.select(build)
+            if not cpu_ext.set_q_act8(True):
+                pytest.skip(f"the {build} build has no int8-activation path on this CPU (avx512 needs VNNI and VBMI)")
+            got[build] = [cpu_ext.gemm_q(x, p, n, b) for x in xs for b in (None, bias)]
+            cpu_ext.set_q_act8(False)
+            exact = cpu_ext.gemm_q(xs[0], p, n, None)
+            assert not torch.equal(exact, got[build][0]), build        # the switch took: not the exact path
+    finally:
+        cpu_ext.set_q_act8(False)
+        cpu_ext.select(None)
+    for i, (a, b) in enumerate(zip(got["avx512"], got["avx2"])):
+        assert torch.equal(a, b), (kind, i, (a - b).abs().max())
 
 
 def test_a_rows_result_does_not_depend_on_the_rows_beside_it(act8):
