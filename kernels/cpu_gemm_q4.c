@@ -498,6 +498,17 @@ static inline void qs_group(const qsrc *c, int64_t gi, qf *s, qf *m) {
     }
 }
 
+/* MR rows' sums Y[r][v] (columns 8v..8v+7) + bias (or none) -> C, the panel's first ncols columns. */
+#define Q_STORE_ROWS(Y, MR)                                                                           \
+    UNROLL_MR for (int v = 0; v < 4; ++v) {                                                           \
+        const int nn = ncols - 8 * v >= 8 ? 8 : ncols > 8 * v ? (int)(ncols - 8 * v) : 0;             \
+        if (bias) {                                                                                   \
+            const qf bb = qf_load_n(bias + 8 * v, nn);                                                \
+            UNROLL_MR for (int r = 0; r < MR; ++r) Y[r][v] = qf_add(Y[r][v], bb);                     \
+        }                                                                                             \
+        UNROLL_MR for (int r = 0; r < MR; ++r) qf_store_n(C + r * ldc + 8 * v, Y[r][v], nn);          \
+    }
+
 /* Row k's codes (b: its RB bytes) dequantized: w[v] = fma(q, s[v], m[v]) for columns 8v..8v+7. */
 static inline void q_deq(const uint8_t *b, int bits, const qf *s, const qf *m, qf *w) {
     if (bits == 8) {
@@ -548,14 +559,7 @@ static inline void q_deq(const uint8_t *b, int bits, const qf *s, const qf *m, q
                 }                                                                                     \
             }                                                                                         \
         }                                                                                             \
-        UNROLL_MR for (int v = 0; v < 4; ++v) {                                                       \
-            const int nn = ncols - 8 * v >= 8 ? 8 : ncols > 8 * v ? (int)(ncols - 8 * v) : 0;         \
-            if (bias) {                                                                               \
-                const qf bb = qf_load_n(bias + 8 * v, nn);                                            \
-                UNROLL_MR for (int r = 0; r < MR; ++r) x[r][v] = qf_add(x[r][v], bb);                 \
-            }                                                                                         \
-            UNROLL_MR for (int r = 0; r < MR; ++r) qf_store_n(C + r * ldc + 8 * v, x[r][v], nn);      \
-        }                                                                                             \
+        Q_STORE_ROWS(x, MR);                                                                          \
     }
 KERNEL(4, 1) KERNEL(4, 2) KERNEL(5, 1) KERNEL(5, 2)
 KERNEL(6, 1) KERNEL(6, 2) KERNEL(8, 1) KERNEL(8, 2)
@@ -576,14 +580,7 @@ KERNEL(6, 1) KERNEL(6, 2) KERNEL(8, 1) KERNEL(8, 2)
                 UNROLL_MR for (int r = 0; r < MR; ++r) c[r][v] = qf_fma(a[r], b, c[r][v]);            \
             }                                                                                         \
         }                                                                                             \
-        UNROLL_MR for (int v = 0; v < 4; ++v) {                                                       \
-            const int n = ncols - 8 * v >= 8 ? 8 : ncols > 8 * v ? (int)(ncols - 8 * v) : 0;          \
-            if (bias) {                                                                               \
-                const qf bb = qf_load_n(bias + 8 * v, n);                                             \
-                UNROLL_MR for (int r = 0; r < MR; ++r) c[r][v] = qf_add(c[r][v], bb);                 \
-            }                                                                                         \
-            UNROLL_MR for (int r = 0; r < MR; ++r) qf_store_n(C + r * ldc + 8 * v, c[r][v], n);       \
-        }                                                                                             \
+        Q_STORE_ROWS(c, MR);                                                                          \
     }
 KERNF(1) KERNF(2) KERNF(3)
 typedef void (*kf_t)(const float *, int64_t, const float *, int64_t, float *, int64_t, const float *, int64_t);
@@ -684,8 +681,9 @@ static inline void a8_w4(const uint8_t *b, __m256i sh, __m256i *w) {
 /* Rows k..k+3 of 8-bit codes (128 bytes at b) -> w[v] = q - 128 as int8, dwords for columns
  * {0-3 | 16-19}, {4-7 | 20-23}, {8-11 | 24-27}, {12-15 | 28-31} (v = 0..3; lane 0 | lane 1). */
 static inline void a8_w8(const uint8_t *b, __m256i *w) {
-    const __m256i r0 = _mm256_loadu_si256((const __m256i *)b), r1 = _mm256_loadu_si256((const __m256i *)(b + 32));
-    const __m256i r2 = _mm256_loadu_si256((const __m256i *)(b + 64)), r3 = _mm256_loadu_si256((const __m256i *)(b + 96));
+    const __m256i *row = (const __m256i *)b;
+    const __m256i r0 = _mm256_loadu_si256(row), r1 = _mm256_loadu_si256(row + 1);
+    const __m256i r2 = _mm256_loadu_si256(row + 2), r3 = _mm256_loadu_si256(row + 3);
     const __m256i l01 = _mm256_unpacklo_epi8(r0, r1), h01 = _mm256_unpackhi_epi8(r0, r1);
     const __m256i l23 = _mm256_unpacklo_epi8(r2, r3), h23 = _mm256_unpackhi_epi8(r2, r3);
     const __m256i off = _mm256_set1_epi8((char)0x80);
@@ -754,11 +752,7 @@ static inline void a8_w8(const uint8_t *b, __m256i *w) {
                     y[r][v] = qf_fma(n[v], sm, qf_fma(s[v], qf_mul(_mm256_cvtepi32_ps(acc[r][v]), d), y[r][v])); \
             }                                                                                         \
         }                                                                                             \
-        UNROLL_MR for (int v = 0; v < 4; ++v) {                                                       \
-            const int nn = ncols - 8 * v >= 8 ? 8 : ncols > 8 * v ? (int)(ncols - 8 * v) : 0;         \
-            const qf bb = bias ? qf_load_n(bias + 8 * v, nn) : qf_zero();                             \
-            UNROLL_MR for (int r = 0; r < MR; ++r) qf_store_n(C + r * ldc + 8 * v, bias ? qf_add(y[r][v], bb) : y[r][v], nn); \
-        }                                                                                             \
+        Q_STORE_ROWS(y, MR);                                                                          \
     }
 #define MRA 2
 KA8(4, 1, ka8, 0) KA8(4, 2, ka8, 0) KA8(8, 1, ka8, 0) KA8(8, 2, ka8, 0)

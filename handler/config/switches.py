@@ -84,8 +84,8 @@ SWITCHES: dict[str, Switch] = {s.name: s for s in (
     Switch("LMI_CPU_Q_ACT8", "choice", "0", "CPU, grouped weights with groups of at most 256 (GGUF blocks, "
            "AWQ/GPTQ) and 4- or 8-bit codes: `1` multiplies them by int8 activations, each row quantized per "
            "group as llama.cpp's Q8 blocks, with integer dot products (the avx512 build with VNNI and VBMI, and "
-           "the avx2 build, the same values; neon ignores it, logged at load): faster, not bit for bit the dequantized model; `0` keeps the exact fp32 "
-           "dequantization",
+           "the avx2 build, the same values; neon ignores it, logged at load): faster, not bit for bit the "
+           "dequantized model; `0` keeps the exact fp32 dequantization",
            "kernels/cpu_ext.py", allowed=("0", "1")),
     Switch("LMI_CGROUP_ROOT", "text", "/sys/fs/cgroup", "CPU: where the container's memory limit is read "
            "(`memory.max` / `memory.current`, or cgroup v1's) to size the default KV pool",

@@ -47,26 +47,32 @@ def hf_dir_for(model_dir: str, dtype: str = "auto", device: str = "auto") -> str
     from handler.config.switches import switch
 
     dtype = hardware.pick_dtype(dtype, hardware.pick_device(device))
-    st = os.stat(path)
-    fingerprint = hashlib.sha256(f"{os.path.abspath(path)}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:12]
-    name = os.path.basename(path).removesuffix(".gguf")
-    out = os.path.join(switch("LMI_MODEL_CACHE"), "gguf", f"{name}-{fingerprint}-{dtype}")
+    name, fingerprint = conversion_key(path)
+    cache = os.path.join(switch("LMI_MODEL_CACHE"), "gguf")
+    out = os.path.join(cache, f"{name}-{fingerprint}-{dtype}")
     log.info("model %s is a GGUF file: dequantizing it to %s in %s (once)", path, dtype, out)
     out = convert_gguf(path, out, dtype)
-    drop_stale_conversions(os.path.dirname(out), path, f"{name}-{fingerprint}-")
+    drop_stale_conversions(cache, path, name, fingerprint)
     return out
 
 
-def drop_stale_conversions(cache: str, gguf_path: str, current: str) -> list[str]:
+def conversion_key(path: str) -> tuple[str, str]:
+    """(name, fingerprint) of a GGUF file's conversions, <name>-<fingerprint>-<dtype>: the fingerprint
+    changes with the file's path, size and mtime."""
+    st = os.stat(path)
+    fingerprint = hashlib.sha256(f"{os.path.abspath(path)}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:12]
+    return os.path.basename(path).removesuffix(".gguf"), fingerprint
+
+
+def drop_stale_conversions(cache: str, gguf_path: str, name: str, fingerprint: str) -> list[str]:
     """Remove the conversions in `cache` of the file at `gguf_path` made before it changed (another
-    size or mtime: a directory whose name does not start with `current`, the live fingerprint). Each
-    is a whole dequantized model (0.5 GB for 135 M parameters, 6 GB for 1.5 B in fp32) that nothing
-    can load again, so without this the cache grows by one model every time the file is replaced.
-    Returns the removed directories."""
+    size or mtime: another fingerprint). Each is a whole dequantized model (0.5 GB for 135 M
+    parameters, 6 GB for 1.5 B in fp32) that nothing can load again, so without this the cache grows
+    by one model every time the file is replaced. Returns the removed directories."""
     import shutil
 
     src = os.path.abspath(gguf_path)
-    prefix = current.rsplit("-", 2)[0] + "-"
+    prefix, current = f"{name}-", f"{name}-{fingerprint}-"
     removed = []
     try:
         entries = sorted(os.listdir(cache))

@@ -74,9 +74,9 @@ def test_a_replaced_gguf_file_leaves_no_stale_conversion_in_the_cache(tmp_path, 
     old = [entry("m-v.Q4_0-aaaaaaaaaaaa-fp32", src, size=3), entry("m-v.Q4_0-bbbbbbbbbbbb-bf16", src, "bf16", 3)]
     kept = [entry("m-v.Q4_0-cccccccccccc-fp32", other), entry("m-v.Q4_0-dddddddddddd-fp32", None)]
     # the live conversion, finished (its stamp matches): hf_dir_for reuses it without converting
-    from handler.model import gguf as gguf_mod
-    st = os.stat(src)
-    fp = gguf_mod.hashlib.sha256(f"{src}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:12]
+    from handler.model.gguf import conversion_key
+    name, fp = conversion_key(str(src))
+    assert name == "m-v.Q4_0"
     live = entry(f"m-v.Q4_0-{fp}-fp32", src)
     live_bf16 = entry(f"m-v.Q4_0-{fp}-bf16", src, "bf16")
     assert hf_dir_for(str(src), "fp32", "cpu") == live
