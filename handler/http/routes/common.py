@@ -22,7 +22,7 @@ from handler.engine.request import RequestError, show
 from handler.http import protocols as api
 from handler.http.guard import ClientDisconnected, MalformedBody, PayloadTooLarge, SlowBody, read_body
 from handler.http.metrics import RequestTrace, request_id
-from handler.http.protocols import lmi, openai, tgi
+from handler.http.protocols import anthropic, lmi, openai, tgi
 
 log = logging.getLogger("lmi.http")
 
@@ -189,6 +189,8 @@ def record_response(resp):
 
 
 def _route_error(status, message):
+    if request.path.startswith("/v1/messages"):
+        return json_response(anthropic.error_body(status, message), anthropic.status(status))
     if request.path.startswith("/v1/"):
         return openai_error(status, message)
     return error_response(status, message)
@@ -196,7 +198,8 @@ def _route_error(status, message):
 
 def not_found(_e):
     return _route_error(404, f"no route {request.path}; use GET /ping, POST /invocations, "
-                             "POST /v1/chat/completions, POST /v1/completions or POST /generate")
+                             "POST /v1/chat/completions, POST /v1/completions, POST /v1/messages, "
+                             "POST /v1/responses or POST /generate")
 
 
 def bad_method(_e):
