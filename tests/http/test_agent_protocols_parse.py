@@ -80,7 +80,8 @@ def test_messages_become_the_chat_the_template_gets():
         {"role": "system", "content": "be brief"},
         {"role": "user", "content": "weather in Paris?"},
         {"role": "assistant", "content": "checking", "tool_calls": [
-            {"id": "toolu_1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
+            {"id": "toolu_1", "type": "function",
+             "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
         {"role": "tool", "content": "Error: down", "tool_call_id": "toolu_1"},
         {"role": "user", "content": "try again"}]
     assert tok.tools == [{"type": "function", "function": {"name": "get_weather", "parameters": SCHEMA,
@@ -138,6 +139,20 @@ def test_bad_messages_name_the_field(change, field):
     with pytest.raises(RequestError) as e:
         anthropic.parse(body, Tok())
     assert e.value.field.startswith(field) and e.value.status == 400, (e.value.field, e.value.message)
+
+
+def test_without_sampling_fields_the_generation_config_decides(tmp_path):
+    from handler.http.protocols import answer
+    body = {"max_tokens": 5, "messages": [{"role": "user", "content": "hi"}]}
+    greedy = answer.model_sampling(str(tmp_path))             # no generation_config.json: transformers' default
+    assert greedy == {"temperature": 0.0} and not anthropic.parse(body, Tok(), sampling=greedy).params.do_sample
+    (tmp_path / "s").mkdir()
+    (tmp_path / "s" / "generation_config.json").write_text(json.dumps(
+        {"do_sample": True, "temperature": 0.7, "top_p": 0.8, "top_k": 20}))
+    p = anthropic.parse(body, Tok(), sampling=answer.model_sampling(str(tmp_path / "s"))).params
+    assert p.do_sample and (p.temperature, p.top_p, p.top_k) == (0.7, 0.8, 20)
+    p = anthropic.parse({**body, "top_k": 3}, Tok(), sampling=greedy).params    # a field given: Anthropic's defaults
+    assert p.do_sample and p.temperature == 1.0 and p.top_k == 3
 
 
 def test_count_tokens_needs_no_max_tokens():

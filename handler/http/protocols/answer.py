@@ -13,7 +13,9 @@ Streamed, `blocks` turns the engine's events into block events, in order:
 from __future__ import annotations
 
 import json
+import os
 import re
+from functools import lru_cache
 from typing import Annotated, Union
 
 from pydantic import BeforeValidator
@@ -29,6 +31,22 @@ def text_or(parts, text_type: str):
     def wrap(v):
         return [{"type": text_type, "text": v}] if isinstance(v, str) else v
     return Annotated[list[parts], BeforeValidator(wrap, json_schema_input_type=Union[str, list[parts]])]
+
+
+@lru_cache(maxsize=4)
+def model_sampling(model_dir: str) -> dict:
+    """The sampling the model's generation_config.json asks for, as Chat Completions fields:
+    {"temperature": 0} (greedy: transformers' default, do_sample false) or its temperature / top_p /
+    top_k. For clients that send none (the anthropic SDK 2.x types none of them)."""
+    try:
+        with open(os.path.join(model_dir, "generation_config.json")) as f:
+            gc = json.load(f)
+    except (OSError, ValueError):
+        gc = {}
+    if not isinstance(gc, dict) or gc.get("do_sample") is not True:
+        return {"temperature": 0.0}
+    out = {"temperature": gc.get("temperature", 1.0), "top_p": gc.get("top_p", 1.0), "top_k": gc.get("top_k", 50)}
+    return {k: v for k, v in out.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
 
 
 def checked(model, values: dict, tags: tuple[str, ...]):

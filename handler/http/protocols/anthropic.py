@@ -206,8 +206,10 @@ def _check(payload, model: type[CountTokensRequest]) -> CountTokensRequest:
 
 
 def parse(payload, tokenizer, server: openai.ServerOptions = openai.ServerOptions(),
-          count: bool = False) -> Generation:
-    """A Messages body (count: a count_tokens body, which has no max_tokens) -> Generation."""
+          count: bool = False, sampling: dict | None = None) -> Generation:
+    """A Messages body (count: a count_tokens body, which has no max_tokens) -> Generation.
+    sampling: what a body without temperature, top_p and top_k gets (answer.model_sampling:
+    the model's generation config); None: Anthropic's default, temperature 1."""
     req = _check(payload, CountTokensRequest if count else MessagesRequest)
     chat: dict = {"messages": _chat_messages(req), "model": req.model,
                   "max_tokens": 1 if count else req.max_tokens}
@@ -221,8 +223,10 @@ def parse(payload, tokenizer, server: openai.ServerOptions = openai.ServerOption
     if req.thinking is not None and server.reasoning != "none":
         chat["chat_template_kwargs"] = {"enable_thinking": req.thinking.type != "disabled"}
     if not count:
-        chat.update({k: getattr(req, k) for k in ("temperature", "top_p", "top_k", "stream")
-                     if getattr(req, k) is not None})
+        given = {k: getattr(req, k) for k in ("temperature", "top_p", "top_k") if getattr(req, k) is not None}
+        chat.update(given or sampling or {})
+        if req.stream is not None:
+            chat["stream"] = req.stream
         if req.stop_sequences:
             chat["stop"] = req.stop_sequences
     try:

@@ -152,7 +152,8 @@ _QUIET = {"include", "service_tier", "prompt_cache_key", "safety_identifier", "m
 def _text(parts, where: str) -> str:
     for k, p in enumerate(parts):
         if isinstance(p, MediaPart):
-            raise RequestError(f"{where}[{k}]", f"{p.type} parts are not supported: this server's model reads text only")
+            raise RequestError(f"{where}[{k}]", f"{p.type} parts are not supported: this server's model reads "
+                                                f"text only")
     return "\n".join(p.text for p in parts)
 
 
@@ -305,12 +306,13 @@ class Head:
             "top_p": req.top_p if req.top_p is not None else 1.0, "truncation": req.truncation or "disabled",
             "user": req.user, "background": False, "error": None, "incomplete_details": None}
 
-    def response(self, status: str, output: list, done=None, called: bool = False, prompt: int = 0) -> dict:
+    def response(self, status: str, output: list, done=None, called: bool = False) -> dict:
         out = {**self.fields, "status": status, "output": output, "usage": None}
         if done is not None:
             if done.finish_reason == "length" and not called:
                 out["status"], out["incomplete_details"] = "incomplete", {"reason": "max_output_tokens"}
-            out["usage"] = {"input_tokens": done.prompt_tokens, "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
+            out["usage"] = {"input_tokens": done.prompt_tokens,
+                            "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
                             "output_tokens": done.generated_tokens,
                             "output_tokens_details": {"reasoning_tokens": 0},
                             "total_tokens": done.prompt_tokens + done.generated_tokens}

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from flask import Blueprint
 
-from handler.engine.request import RequestError
 from handler.http import protocols as api
-from handler.http.protocols import anthropic, openai
-from handler.http.routes.common import SSE, body_json, current_state, json_response, model_name, run, streamed
+from handler.http.protocols import anthropic, answer, openai
+from handler.http.routes.common import (SSE, body_json, current_state, json_response, model_name, run, streamed,
+                                        with_client)
 
 bp = Blueprint("anthropic", __name__)
 
@@ -33,19 +33,17 @@ def respond_with(state):
 def messages():
     state = current_state()
     server = openai.ServerOptions.of(state.cfg)
-    return run(lambda tok: anthropic.parse(body_json(), tok, server), anthropic_error, *respond_with(state))
+    sampling = answer.model_sampling(state.cfg.model_dir)
+    return run(lambda tok: anthropic.parse(body_json(), tok, server, sampling=sampling), anthropic_error,
+               *respond_with(state))
 
 
 @bp.post("/v1/messages/count_tokens")
 def count_tokens():
-    state = current_state()
-    client = state.client
-    if client is None:
-        return anthropic_error(503, "the model is still loading" if not state.error
-                               else f"the model failed to load: {state.error}")
-    try:
-        gen = anthropic.parse(body_json(), client.tokenizer, openai.ServerOptions.of(state.cfg), count=True)
-        ids = api.tokenize(client.tokenizer, gen)
-    except RequestError as e:
-        return anthropic_error(e.status, e.message, e.field)
-    return json_response(anthropic.count_tokens(len(ids[0])))
+    server = openai.ServerOptions.of(current_state().cfg)
+
+    def count(client):
+        gen = anthropic.parse(body_json(), client.tokenizer, server, count=True)
+        return anthropic.count_tokens(len(api.tokenize(client.tokenizer, gen)[0]))
+
+    return with_client(anthropic_error, count)

@@ -123,6 +123,22 @@ def pick_adapter(client, gen, cfg) -> None:
     gen.params = dataclasses.replace(gen.params, adapter=adapter)
 
 
+def _loading(state) -> str:
+    return "the model is still loading" if not state.error else f"the model failed to load: {state.error}"
+
+
+def with_client(error, work):
+    """work(client) -> a JSON body, for routes that use the model's tokenizer but generate nothing;
+    error(status, message, field) while the model loads, or for a RequestError."""
+    state = current_state()
+    if state.client is None:
+        return error(503, _loading(state))
+    try:
+        return json_response(work(state.client))
+    except RequestError as e:
+        return error(e.status, e.message, e.field)
+
+
 def run(parse, error, respond, stream):
     """parse(tokenizer) -> Generation; error(status, message, field) -> Response;
     respond(gen, samples) -> Response; stream(gen, events) -> Response."""
@@ -131,8 +147,7 @@ def run(parse, error, respond, stream):
     client = state.client
     if client is None:
         g.trace.reason = "loading"
-        return error(503, "the model is still loading" if not state.error
-                     else f"the model failed to load: {state.error}")
+        return error(503, _loading(state))
     try:
         gen = parse(client.tokenizer)
         pick_adapter(client, gen, cfg)
