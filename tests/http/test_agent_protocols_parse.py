@@ -262,6 +262,7 @@ def test_responses_text_format_is_guided_decoding():
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
      "input[0].content[0]", 400),
     ({"input": [{"type": "item_reference", "id": "x"}]}, "input[0]", 400),
+    ({"input": [{"content": "no role, no type"}]}, "input[0]", 400),
     ({"input": "x", "tools": [{"type": "web_search"}]}, "tools[0].type", 400),
     ({"input": "x", "background": True}, "background", 400),
     ({"input": "x", "max_output_tokens": 0}, "max_output_tokens", 400),
@@ -274,6 +275,7 @@ def test_bad_responses_name_the_field(body, field, status):
     with pytest.raises(RequestError) as e:
         responses.parse(body, Tok())
     assert e.value.field.startswith(field) and e.value.status == status, (e.value.field, e.value.message)
+    assert "\n" not in e.value.message and "Input tag" not in e.value.message and "Unable to" not in e.value.message
 
 
 # ---- Responses: answer -> response / events (the SDK's types), the store

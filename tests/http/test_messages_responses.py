@@ -258,8 +258,7 @@ def test_agents_sdk_runner_completes_a_tool_loop(srv):
     set_tracing_disabled(True)
     called = []
 
-    # offered once (the SDK's is_enabled): this 0.5B model, still offered the tool, calls it again rather than answer
-    @function_tool(is_enabled=lambda _ctx, _agent: not called)
+    @function_tool
     def weather(city: str) -> str:
         """The current weather in a city."""
         called.append(city)

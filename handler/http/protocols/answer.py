@@ -60,6 +60,8 @@ def checked(model, values: dict, tags: tuple[str, ...]):
         message = e.message
         if message.startswith("Input tag "):
             message = f"has an unknown type; allowed: {', '.join(tags)}, got {message.split(chr(39))[1]!r}"
+        elif message.startswith("Unable to extract tag"):
+            message = f"needs a `type`: one of {', '.join(tags)}"
         raise RequestError(field, message, e.status) from None
 
 
