@@ -133,3 +133,18 @@ def test_completions_token_id_prompts(app, demo_model_dir):
     assert by_ids.status_code == 200, by_ids.get_data(as_text=True)
     assert [c["text"] for c in by_ids.get_json()["choices"]] == [by_text.get_json()["choices"][0]["text"]] * 2
     assert by_ids.get_json()["usage"]["prompt_tokens"] == 2 * len(ids)
+
+
+def test_a_full_queue_is_anthropics_overloaded_on_messages(demo_model_dir, tmp_path):
+    state, client = make_app(demo_model_dir, tmp_path, "option.rolling_batch=auto\noption.max_rolling_batch_size=1\n"
+                                                       "job_queue_size=1\n")
+    try:
+        while state.admission.enter():      # every place taken, as by requests in flight
+            pass
+        r = client.post("/v1/messages", json={"max_tokens": 2, "messages": MSG})
+        assert r.status_code == 529 and r.get_json()["error"]["type"] == "overloaded_error"
+        assert "job_queue_size" in r.get_json()["error"]["message"]
+        lmi = client.post("/invocations", json={"inputs": "x"})
+        assert lmi.status_code == 503 and "job_queue_size" in lmi.get_json()["error"]
+    finally:
+        state.engine.shutdown()

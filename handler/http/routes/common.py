@@ -243,9 +243,16 @@ def admitting(wsgi_app, state):
     enters the counter or is refused with a prepared 503 before Flask builds a request, reads
     the body, parses or tokenizes (the cheapest refusal this process can make). An admitted
     request leaves when its response is closed, i.e. after the last byte of a stream."""
-    refusal = json.dumps({"code": 503, "error": f"the queue is full ({state.admission.capacity} "
-                          "requests in flight: running + job_queue_size); retry later"}).encode()
-    headers = [("Content-Type", "application/json"), ("Content-Length", str(len(refusal)))]
+    message = (f"the queue is full ({state.admission.capacity} requests in flight: running + job_queue_size); "
+               "retry later")
+
+    def prepared(body: dict, status: str):
+        data = json.dumps(body).encode()
+        return status, [("Content-Type", "application/json"), ("Content-Length", str(len(data)))], [data]
+
+    refusal = prepared({"code": 503, "error": message}, "503 SERVICE UNAVAILABLE")
+    # Anthropic's clients read their own shape and code (529 overloaded_error) on /v1/messages
+    overloaded = prepared(anthropic.error_body(503, message), f"{anthropic.status(503)} OVERLOADED")
 
     def app(environ, start_response):
         if environ.get("REQUEST_METHOD") != "POST":
@@ -253,8 +260,10 @@ def admitting(wsgi_app, state):
         if not state.admission.enter():
             state.count(503)
             state.metrics.count("queue_full", 503)
-            start_response("503 SERVICE UNAVAILABLE", headers)
-            return [refusal]
+            status, headers, body = overloaded if environ.get("PATH_INFO", "").startswith("/v1/messages") \
+                else refusal
+            start_response(status, headers)
+            return body
         try:
             return ClosingIterator(wsgi_app(environ, start_response), state.admission.leave)
         except BaseException:
