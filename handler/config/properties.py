@@ -205,6 +205,8 @@ class ServingConfig:
     tool_call_parser: str = default_of("option.tool_call_parser")    # handler/http/protocols/tool_parsers.py
     enable_auto_tool_choice: bool = default_of("option.enable_auto_tool_choice")
     reasoning_parser: str = default_of("option.reasoning_parser")    # handler/http/protocols/reasoning.py
+    responses_store_max_items: int = default_of("option.responses_store_max_items")   # handler/http/protocols/store.py
+    responses_store_max_mb: float = default_of("option.responses_store_max_mb")
     speculative_config: dict | None = None          # option.speculative_config, parsed (vLLM's JSON)
     speculative_draft_model: str | None = None
     speculative_length: int | None = None

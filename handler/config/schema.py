@@ -360,6 +360,14 @@ KEYS: tuple[Key, ...] = (
         "`delta.reasoning_content` when streamed): `deepseek_r1` (the thinking may start without `<think>`), "
         "`qwen3` (only a `<think>` at the start opens it); `none`: the thinking stays in `content`",
         default="none"),
+    # The Responses API's store (handler/http/protocols/store.py): previous_response_id, GET /v1/responses/<id>.
+    Key("option.responses_store_max_items", _int(0),
+        "responses kept for `previous_response_id` and `GET /v1/responses/<id>` (in this process's memory, least "
+        "recently used evicted first); `0` keeps none (every `previous_response_id` is then a 404)",
+        default=1000, unit="responses"),
+    Key("option.responses_store_max_mb", _float(0.0, None, False, "a number of megabytes >= 0"),
+        "the stored responses' size at most (their JSON, conversation included); past it the least recently used "
+        "are evicted, and a response larger than this alone is not stored", default=64.0, unit="MB (10^6 bytes)"),
     # Multi-LoRA (LMI's / vLLM's names): adapters from MODEL_DIR/adapters/<name>/ and the routes.
     Key("option.enable_lora", _bool, "serve LoRA adapters (README \"LoRA adapters\")", default=False),
     Key("option.max_loras", _int(1),

@@ -21,6 +21,7 @@ class IncrementalDetokenizer:
         self.stops = tuple(stop_sequences)
         self._longest_stop = max((len(s) for s in self.stops), default=0)
         self.stopped = False
+        self.matched: str | None = None  # the stop sequence that ended the text (vLLM's stop_reason)
         # include_stop=False (OpenAI): the text ends before the stop sequence. Text that may be
         # the start of one is held back (`held`) until it is known not to be.
         self.include_stop = include_stop
@@ -100,9 +101,10 @@ class IncrementalDetokenizer:
         if self.stops and not self.stopped:
             start = max(0, len(self.text) - self._longest_stop + 1)
             window = self.text[start:] + new
-            hits = [window.find(s) + len(s) for s in self.stops if s in window]
+            hits = [(window.find(s) + len(s), s) for s in self.stops if s in window]
             if hits:
-                cut = start + min(hits) - len(self.text)   # where the stop sequence ends in `new`
+                end, self.matched = min(hits)
+                cut = start + end - len(self.text)   # where the stop sequence ends in `new`
                 new = new[:cut]
                 self.stopped = True
         self.text += new
@@ -112,9 +114,10 @@ class IncrementalDetokenizer:
         """_append when the stop sequence is cut off: emit up to the earliest stop sequence, or
         all but the longest tail that some stop sequence starts with (held back)."""
         buf = self.held + new
-        hits = [i for i in (buf.find(s) for s in self.stops) if i >= 0]
+        hits = [(buf.find(s), s) for s in self.stops if s in buf]
         if hits:
-            out, self.held, self.stopped = buf[:min(hits)], "", True
+            at, self.matched = min(hits)
+            out, self.held, self.stopped = buf[:at], "", True
         else:
             keep = max((k for s in self.stops for k in range(min(len(s) - 1, len(buf)), 0, -1)
                         if buf.endswith(s[:k])), default=0)

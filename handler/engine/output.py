@@ -208,7 +208,7 @@ class OutputProcessor:
             done = DoneEvent(str(finish), detok.text, st.tokens, len(ch.prompt_ids), prefill=prefill,
                              prefill_top=prefill_top,
                              cumulative_log_prob=st.cum_logprob, queue_time_s=out.queue_time_s,
-                             preemptions=out.preemptions)
+                             preemptions=out.preemptions, stop_string=detok.matched)
         top = tuple((t, self._piece(t), lp) for t, lp in out.top)
         return TokenEvent(out.token, text, out.logprob, done, special=out.token in self._special,
                           top_tokens=top, time=out.time)

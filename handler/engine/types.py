@@ -103,6 +103,7 @@ class DoneEvent:
     cumulative_log_prob: float = 0.0
     queue_time_s: float = 0.0       # submit -> first scheduled
     preemptions: int = 0
+    stop_string: str | None = None  # the stop sequence that ended it (finish_reason stop_sequence)
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,7 @@ from flask import Flask
 from handler.engine.client import EngineClient
 from handler.http.guard import Admission, check_prompt, longest_token_chars
 from handler.http.metrics import Metrics
+from handler.http.protocols.store import ResponseStore
 from handler.http.routes import BLUEPRINTS, common
 from handler.http.routes.common import model_name, running_width
 
@@ -41,6 +42,8 @@ class ServerState:
         self.admission = Admission(running_width(cfg) + cfg.job_queue_size)
         self._max_prompt_chars: int | None = None
         self.metrics = Metrics(model_name(cfg), cfg.strategy, lambda: self.client, self.http_stats)
+        # The Responses API's stored responses (previous_response_id, GET /v1/responses/<id>).
+        self.responses = ResponseStore(cfg.responses_store_max_items, int(cfg.responses_store_max_mb * 1e6))
         # The gevent worker's hub.HubWaker (set by server.create_state); None: threads block.
         self.waker = None
 

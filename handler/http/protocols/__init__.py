@@ -29,6 +29,8 @@ class Generation:
     extra: dict = field(default_factory=dict)         # protocol-specific options
     adapter: str | None = None         # the LoRA adapter the body names (None: the base model)
     adapter_field: str = "adapters"    # where the body names it (errors)
+    prompt_ids: list[list[int]] | None = None   # token-id prompts as sent (`prompts`: their text)
+    prompt_tokens: list[int] = field(default_factory=list)   # per prompt, once tokenized
 
 
 @dataclass
@@ -70,13 +72,17 @@ def tokenize(tokenizer, gen: Generation) -> list[list[int]]:
         gen.params = dataclasses.replace(gen.params, bad_words_ids=bad_words_ids(tokenizer, gen.params.bad_words))
     out = []
     for i, text in enumerate(gen.prompts):
-        ids = tokenizer(text, add_special_tokens=gen.add_special_tokens)["input_ids"]
+        if gen.prompt_ids is not None:
+            ids = list(gen.prompt_ids[i])
+        else:
+            ids = tokenizer(text, add_special_tokens=gen.add_special_tokens)["input_ids"]
         if gen.truncate is not None:
             ids = ids[-gen.truncate:]
         if not ids:
             where = gen.fields[i] if i < len(gen.fields) else "inputs"
             raise RequestError(where, "encodes to no tokens")
         out.append(ids)
+    gen.prompt_tokens = [len(ids) for ids in out]
     return out
 
 

@@ -315,17 +315,44 @@ def parse_chat(payload, tokenizer, lmi: bool = False, server: ServerOptions = Se
 
 
 # ---- completions
+_PROMPT = ("must be a non-empty string, a list of non-empty strings, a non-empty list of token ids or a list "
+           "of those")
+
+
+def _is_id(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _prompts(prompt, tokenizer) -> tuple[list[str], bool, list[list[int]] | None]:
+    """OpenAI's prompt forms -> (texts, is_list, token ids or None): "text", ["text", ...], [id, ...]
+    or [[id, ...], ...] (what eval harnesses send). Token-id prompts' texts are their decoding."""
+    if isinstance(prompt, list) and prompt and all(_is_id(t) for t in prompt):
+        prompt, is_list = [prompt], False
+    else:
+        is_list = isinstance(prompt, list)
+        prompt = prompt if is_list else [prompt]
+    if not prompt or not (all(isinstance(p, str) and p for p in prompt)
+                          or all(isinstance(p, list) and p and all(_is_id(t) for t in p) for p in prompt)):
+        raise RequestError("prompt", f"{_PROMPT}, got {show(prompt if is_list else prompt[0])}")
+    if isinstance(prompt[0], str):
+        return prompt, is_list, None
+    vocab = len(tokenizer)
+    for i, ids in enumerate(prompt):
+        bad = next((t for t in ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise RequestError(f"prompt[{i}]" if is_list else "prompt",
+                               f"token id {bad} is not in this model's vocabulary (0..{vocab - 1})")
+    texts = [tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False) for ids in prompt]
+    return texts, is_list, [list(ids) for ids in prompt]
+
+
 def parse_completion(payload, tokenizer=None) -> Generation:
     payload = _check_object(payload)
     f = _fields(payload, CompletionFields)
     if payload.get("tools"):
         raise RequestError("tools", "tools work on /v1/chat/completions; completions take response_format "
                                     "or guided_json / guided_regex / guided_choice / guided_grammar")
-    prompt = payload.get("prompt")
-    is_list = isinstance(prompt, list)
-    prompts = prompt if is_list else [prompt]
-    if not prompts or not all(isinstance(p, str) and p for p in prompts):
-        raise RequestError("prompt", f"must be a non-empty string or list of non-empty strings, got {show(prompt)}")
+    prompts, is_list, prompt_ids = _prompts(payload.get("prompt"), tokenizer)
     values, opts = _sampling(f, SamplingParams(max_new_tokens=16), False)
     values["guide"] = _constraint(payload)
     echo = bool(f.echo)
@@ -354,7 +381,7 @@ def parse_completion(payload, tokenizer=None) -> Generation:
                                      "work without stream")
     fields = [f"prompt[{i}]" if is_list else "prompt" for i in range(len(prompts))]
     return Generation(list(prompts), params, opts["stream"], is_list, truncate=f.truncate_prompt_tokens,
-                      fields=fields,
+                      fields=fields, prompt_ids=prompt_ids,
                       extra={"kind": "completion", "logprobs": lp is not None, "echo": echo,
                              "only_prompt": only_prompt, "prompt_logprobs": f.prompt_logprobs is not None,
                              "model": payload.get("model"), "include_usage": opts["include_usage"],

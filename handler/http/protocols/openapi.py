@@ -1,8 +1,9 @@
 """GET /openapi.json: the generation routes' request bodies, from the declared models.
 
-The sampling parameters (handler/engine/request.Parameters) and OpenAI's scalar fields
-(handler/http/protocols/openai.ChatFields, CompletionFields) are pydantic models; their JSON
-schemas are the document's components. The free-form parts (`messages`, `tools`, the guided-
+The sampling parameters (handler/engine/request.Parameters), OpenAI's scalar fields
+(handler/http/protocols/openai.ChatFields, CompletionFields) and the Messages and Responses bodies
+(anthropic.MessagesRequest, responses.ResponsesRequest: whole, blocks and items included) are
+pydantic models; their JSON schemas are the document's components. The free-form parts (`messages`, `tools`, the guided-
 decoding parameters) are described by docs/API.md and checked by their own parsers.
 """
 from __future__ import annotations
@@ -12,11 +13,15 @@ from functools import lru_cache
 
 from handler.engine import guide
 from handler.engine.request import ALIASES, Parameters, RequestOptions
+from handler.http.protocols.anthropic import CountTokensRequest, MessagesRequest
 from handler.http.protocols.lmi import LmiRequest
 from handler.http.protocols.openai import ChatFields, CompletionFields
+from handler.http.protocols.responses import ResponsesRequest
 
 _TEXT_OR_LIST = {"anyOf": [{"type": "string", "minLength": 1},
                            {"type": "array", "items": {"type": "string", "minLength": 1}, "minItems": 1}]}
+_IDS = {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}
+_PROMPT = {"anyOf": [*_TEXT_OR_LIST["anyOf"], _IDS, {"type": "array", "items": _IDS, "minItems": 1}]}
 
 
 def _parameters_schema() -> dict:
@@ -42,14 +47,29 @@ def _body(schema: dict, required: list[str], extra: dict) -> dict:
     return s
 
 
-def _post(summary: str, ref: str) -> dict:
+_STATUS = {"200": {"description": "the generated text (or a stream)"},
+           "400": {"description": "a bad request: one line naming the field"},
+           "424": {"description": "the model failed"},
+           "503": {"description": "the queue is full, or the model is loading"}}
+# Anthropic's codes for ours (handler/http/protocols/anthropic.status)
+_ANTHROPIC = {"200": _STATUS["200"], "400": _STATUS["400"], "500": _STATUS["424"], "529": _STATUS["503"]}
+
+
+def _post(summary: str, ref: str, statuses: dict = _STATUS) -> dict:
     return {"post": {"summary": summary,
                      "requestBody": {"required": True, "content": {"application/json": {
                          "schema": {"$ref": f"#/components/schemas/{ref}"}}}},
-                     "responses": {"200": {"description": "the generated text (or a stream)"},
-                                   "400": {"description": "a bad request: one line naming the field"},
-                                   "424": {"description": "the model failed"},
-                                   "503": {"description": "the queue is full, or the model is loading"}}}}
+                     "responses": dict(statuses)}}
+
+
+def _stored() -> dict:
+    """GET / DELETE /v1/responses/{response_id}."""
+    param = [{"name": "response_id", "in": "path", "required": True, "schema": {"type": "string"}}]
+    found = {"404": {"description": "no stored response of that id"}}
+    return {"get": {"summary": "A stored response", "parameters": param,
+                    "responses": {"200": {"description": "the response object"}, **found}},
+            "delete": {"summary": "Delete a stored response", "parameters": param,
+                       "responses": {"200": {"description": "{id, object, deleted: true}"}, **found}}}
 
 
 @lru_cache(maxsize=1)
@@ -68,9 +88,12 @@ def document() -> dict:
                  {"messages": {"type": "array", "minItems": 1, "items": {"type": "object"}},
                   "model": {"type": "string"}, "tools": {"type": "array"}, "response_format": {"type": "object"}})
     completion = _body(CompletionFields.model_json_schema(), ["prompt"],
-                       {"prompt": _TEXT_OR_LIST, "model": {"type": "string"}, "response_format": {"type": "object"}})
+                       {"prompt": _PROMPT, "model": {"type": "string"}, "response_format": {"type": "object"}})
     schemas = {"Parameters": params, "LMIRequest": lmi, "TGIRequest": tgi,
-               "ChatCompletionRequest": chat, "CompletionRequest": completion}
+               "ChatCompletionRequest": chat, "CompletionRequest": completion,
+               "MessagesRequest": MessagesRequest.model_json_schema(),
+               "CountTokensRequest": CountTokensRequest.model_json_schema(),
+               "ResponsesRequest": ResponsesRequest.model_json_schema()}
     for s in list(schemas.values()):    # nested models' definitions, moved to components
         for name, d in s.pop("$defs", {}).items():
             schemas.setdefault(name, d)
@@ -78,6 +101,12 @@ def document() -> dict:
            "paths": {"/invocations": _post("LMI / SageMaker generation", "LMIRequest"),
                      "/v1/chat/completions": _post("OpenAI Chat Completions", "ChatCompletionRequest"),
                      "/v1/completions": _post("OpenAI Completions", "CompletionRequest"),
+                     "/v1/messages": _post("Anthropic Messages", "MessagesRequest", _ANTHROPIC),
+                     "/v1/messages/count_tokens": _post("Anthropic Messages: count a prompt's tokens",
+                                                        "CountTokensRequest", _ANTHROPIC),
+                     "/v1/responses": _post("OpenAI Responses", "ResponsesRequest",
+                                            {**_STATUS, "404": {"description": "unknown previous_response_id"}}),
+                     "/v1/responses/{response_id}": _stored(),
                      "/generate": _post("TGI generation", "TGIRequest"),
                      "/generate_stream": _post("TGI streamed generation", "TGIRequest")},
            "components": {"schemas": schemas}}

@@ -3,11 +3,13 @@
   sagemaker  GET /ping, GET /execution-parameters, POST /invocations, POST /predictions/<model>
   adapters   LoRA adapter management: /adapters[/<name>], /models/<model>/adapters[/<name>]
   openai     POST /v1/chat/completions, POST /v1/completions, GET /v1/models
+  anthropic  POST /v1/messages, POST /v1/messages/count_tokens
+  responses  POST /v1/responses, GET / DELETE /v1/responses/<id>
   tgi        POST /generate, POST /generate_stream, POST /
   ops        GET /metrics, GET /openapi.json
 """
 from __future__ import annotations
 
-from handler.http.routes import adapters, ops, openai, sagemaker, tgi
+from handler.http.routes import adapters, anthropic, ops, openai, responses, sagemaker, tgi
 
-BLUEPRINTS = (sagemaker.bp, adapters.bp, openai.bp, tgi.bp, ops.bp)
+BLUEPRINTS = (sagemaker.bp, adapters.bp, openai.bp, anthropic.bp, responses.bp, tgi.bp, ops.bp)

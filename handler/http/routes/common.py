@@ -22,7 +22,7 @@ from handler.engine.request import RequestError, show
 from handler.http import protocols as api
 from handler.http.guard import ClientDisconnected, MalformedBody, PayloadTooLarge, SlowBody, read_body
 from handler.http.metrics import RequestTrace, request_id
-from handler.http.protocols import lmi, openai, tgi
+from handler.http.protocols import anthropic, lmi, openai, tgi
 
 log = logging.getLogger("lmi.http")
 
@@ -123,6 +123,22 @@ def pick_adapter(client, gen, cfg) -> None:
     gen.params = dataclasses.replace(gen.params, adapter=adapter)
 
 
+def _loading(state) -> str:
+    return "the model is still loading" if not state.error else f"the model failed to load: {state.error}"
+
+
+def with_client(error, work):
+    """work(client) -> a JSON body, for routes that use the model's tokenizer but generate nothing;
+    error(status, message, field) while the model loads, or for a RequestError."""
+    state = current_state()
+    if state.client is None:
+        return error(503, _loading(state))
+    try:
+        return json_response(work(state.client))
+    except RequestError as e:
+        return error(e.status, e.message, e.field)
+
+
 def run(parse, error, respond, stream):
     """parse(tokenizer) -> Generation; error(status, message, field) -> Response;
     respond(gen, samples) -> Response; stream(gen, events) -> Response."""
@@ -131,8 +147,7 @@ def run(parse, error, respond, stream):
     client = state.client
     if client is None:
         g.trace.reason = "loading"
-        return error(503, "the model is still loading" if not state.error
-                     else f"the model failed to load: {state.error}")
+        return error(503, _loading(state))
     try:
         gen = parse(client.tokenizer)
         pick_adapter(client, gen, cfg)
@@ -189,6 +204,8 @@ def record_response(resp):
 
 
 def _route_error(status, message):
+    if request.path.startswith("/v1/messages"):
+        return json_response(anthropic.error_body(status, message), anthropic.status(status))
     if request.path.startswith("/v1/"):
         return openai_error(status, message)
     return error_response(status, message)
@@ -196,7 +213,8 @@ def _route_error(status, message):
 
 def not_found(_e):
     return _route_error(404, f"no route {request.path}; use GET /ping, POST /invocations, "
-                             "POST /v1/chat/completions, POST /v1/completions or POST /generate")
+                             "POST /v1/chat/completions, POST /v1/completions, POST /v1/messages, "
+                             "POST /v1/responses or POST /generate")
 
 
 def bad_method(_e):
@@ -225,9 +243,16 @@ def admitting(wsgi_app, state):
     enters the counter or is refused with a prepared 503 before Flask builds a request, reads
     the body, parses or tokenizes (the cheapest refusal this process can make). An admitted
     request leaves when its response is closed, i.e. after the last byte of a stream."""
-    refusal = json.dumps({"code": 503, "error": f"the queue is full ({state.admission.capacity} "
-                          "requests in flight: running + job_queue_size); retry later"}).encode()
-    headers = [("Content-Type", "application/json"), ("Content-Length", str(len(refusal)))]
+    message = (f"the queue is full ({state.admission.capacity} requests in flight: running + job_queue_size); "
+               "retry later")
+
+    def prepared(body: dict, status: str):
+        data = json.dumps(body).encode()
+        return status, [("Content-Type", "application/json"), ("Content-Length", str(len(data)))], [data]
+
+    refusal = prepared({"code": 503, "error": message}, "503 SERVICE UNAVAILABLE")
+    # Anthropic's clients read their own shape and code (529 overloaded_error) on /v1/messages
+    overloaded = prepared(anthropic.error_body(503, message), f"{anthropic.status(503)} OVERLOADED")
 
     def app(environ, start_response):
         if environ.get("REQUEST_METHOD") != "POST":
@@ -235,8 +260,10 @@ def admitting(wsgi_app, state):
         if not state.admission.enter():
             state.count(503)
             state.metrics.count("queue_full", 503)
-            start_response("503 SERVICE UNAVAILABLE", headers)
-            return [refusal]
+            status, headers, body = overloaded if environ.get("PATH_INFO", "").startswith("/v1/messages") \
+                else refusal
+            start_response(status, headers)
+            return body
         try:
             return ClosingIterator(wsgi_app(environ, start_response), state.admission.leave)
         except BaseException:

@@ -4,10 +4,9 @@ from __future__ import annotations
 
 from flask import Blueprint
 
-from handler.engine.request import RequestError
 from handler.http.protocols import openai, tokens
 from handler.http.routes.common import (SSE, body_json, current_state, json_response, model_name, openai_error,
-                                        run, streamed)
+                                        run, streamed, with_client)
 
 bp = Blueprint("openai", __name__)
 
@@ -45,15 +44,7 @@ def list_models():
 
 
 def _tokens(work):
-    state = current_state()
-    client = state.client
-    if client is None:
-        return openai_error(503, "the model is still loading" if not state.error
-                            else f"the model failed to load: {state.error}")
-    try:
-        return json_response(work(client))
-    except RequestError as e:
-        return openai_error(e.status, e.message, e.field)
+    return with_client(openai_error, work)
 
 
 @bp.post("/tokenize")

@@ -7,6 +7,7 @@ from flask import Blueprint
 
 from handler.engine.request import SamplingParams
 from handler.http.protocols import lmi, openai
+from handler.http.routes import attributes
 from handler.http.routes.common import (JSONLINES, SSE, STREAMING_FORMATTERS, body_json, current_state,
                                         error_response, json_response, model_name, run, running_width,
                                         streamed)
@@ -39,6 +40,9 @@ def execution_parameters():
 @bp.post("/invocations")
 @bp.post("/predictions/<model>")
 def invocations(model=None):
+    picked = attributes.dispatch()       # X-Amzn-SageMaker-Custom-Attributes: protocol=...
+    if picked is not None:
+        return picked
     state = current_state()
     cfg = state.cfg
     formatter = cfg.output_formatter
