@@ -248,6 +248,7 @@ def _gunicorn_app(cfg, host: str, port: int, threads: int, worker: str = "gevent
 
 def main(argv: list[str]) -> int:
     from handler.config import ConfigError, check_tp_heads, load_config
+    from handler.config.compat import describe as describe_line
 
     p = argparse.ArgumentParser(prog="python -m handler serve", description="Serve a causal LM "
                                 "behind SageMaker's HTTP contract (/ping, /invocations).")
@@ -288,6 +289,7 @@ def main(argv: list[str]) -> int:
         return 2
     for w in cfg.warnings:
         log.warning("%s", w)
+    log.info("%s", describe_line(cfg.lmi_compat))
     port = a.port or cfg.port
     width = max(cfg.batch_size, cfg.max_rolling_batch_size)
     threads = a.threads or min(1024, max(64, width + cfg.job_queue_size // 4 + 8))

@@ -20,7 +20,7 @@ import sys
 from dataclasses import dataclass
 from typing import Iterator, Mapping
 
-from handler.config import hardware, sizing
+from handler.config import compat, hardware, sizing
 from handler.config.schema import (ALIASES, DEFAULT_ENTRY_POINT, DEFAULT_MODEL_DIR, ENV_ALIASES, EXTRA_ENV,
                                    IGNORED_KEYS, KNOWN_KEYS, PORT, SCHEMA, TYPED_KEYS, _Bad, default_of)
 from handler.config.sizing import read_heads as model_heads
@@ -166,6 +166,7 @@ class ServingConfig:
     request_timeout_s: float
     graceful_timeout_s: float     # SIGTERM -> in-flight work may finish for this long
     rolling_batch: str            # "disable" | "auto" | "scheduler" | "lmi-dist" | "vllm"
+    lmi_compat: str               # the LMI behaviour line: "current" | "0.31" | "0.26" (handler/config/compat.py)
     paged_attention: bool
     max_rolling_batch_size: int
     max_rolling_batch_prefill_tokens: int
@@ -393,10 +394,12 @@ def _resolve_strategy(src: _Sources) -> dict:
     """LMI semantics: batch_size / rolling_batch / paged_attention -> strategy, and the
     settings that only make sense with some strategies. Returns ServingConfig fields."""
     get, where, warnings = src.get, src.where, src.warnings
+    line = compat.LINES[get("option.lmi_compat")]
     batch_size = get("batch_size")
-    rolling_batch = get("option.rolling_batch")
+    # Absent: the line's default; batch_size > 1 means dynamic batching (as LMI's recommender).
+    rolling_batch = get("option.rolling_batch", line.rolling_batch if batch_size == 1 else "disable")
     paged = get("option.paged_attention")
-    max_rolling = get("option.max_rolling_batch_size")
+    max_rolling = get("option.max_rolling_batch_size", line.max_rolling_batch_size)
     if rolling_batch == "disable":
         strategy = "dynamic" if batch_size > 1 else "none"
         if paged:
@@ -452,14 +455,15 @@ def _resolve_strategy(src: _Sources) -> dict:
     return dict(strategy=strategy, batch_size=batch_size, rolling_batch=rolling_batch,
                 paged_attention=paged, max_rolling_batch_size=max_rolling,
                 output_formatter=output_formatter, block_size=block_size,
-                kv_cache_tokens=kv_tokens, max_model_len=max_model_len, entry_point=entry_point)
+                kv_cache_tokens=kv_tokens, max_model_len=max_model_len, entry_point=entry_point,
+                lmi_compat=line.name)
 
 
 def _resolve_devices(src: _Sources, env: Mapping[str, str], gpu_count: int | None) -> dict:
     """Device, tensor-parallel degree and port; torch is asked only when the answer matters."""
     get, where = src.get, src.where
     device = get("option.device")
-    tp = get("option.tensor_parallel_degree")
+    tp = get("option.tensor_parallel_degree", compat.LINES[get("option.lmi_compat")].tensor_parallel_degree)
     if tp == "max" or tp > 1 or device == "cuda":
         if gpu_count is None:
             gpu_count = hardware.visible_gpus()
@@ -470,6 +474,14 @@ def _resolve_devices(src: _Sources, env: Mapping[str, str], gpu_count: int | Non
         # All GPUs; on a CPU one rank: ranks on one host share its cores and its memory, so a
         # degree > 1 on CPU buys nothing but gloo all-reduces (it is for correctness runs).
         tp = gpu_count if on_gpu else 1
+    if tp > 1 and "option.tensor_parallel_degree" not in src.merged:
+        # The line's default (every GPU) yields to what cannot be sharded; an explicit degree is refused.
+        single = [k for k in ("option.enable_lora", "option.speculative_config", "option.speculative_draft_model",
+                              "option.batch_invariant") if get(k)]
+        if single:
+            src.warnings.append(f"option.tensor_parallel_degree defaults to 1 here, not {tp} (every GPU): "
+                                f"{', '.join(single)} runs on one rank; set the degree to silence this")
+            tp = 1
     if tp > 1:
         if on_gpu and tp > gpu_count:
             raise ConfigError(f"{where('option.tensor_parallel_degree')} needs {tp} GPUs (one rank per GPU), "
@@ -613,6 +625,20 @@ def _resolve_spec(src: _Sources, tp_degree: int) -> dict:
     return dict(speculative=spec)
 
 
+def _dividing_degree(src: _Sources, model_dir: str, gpus: int) -> int:
+    """The largest degree <= gpus dividing the model's attention and KV heads (a warning when < gpus)."""
+    found = model_heads(model_dir)
+    if found is None:
+        return gpus
+    arch, heads, kv = found
+    degree = next(d for d in range(gpus, 0, -1) if heads % d == 0 and kv % d == 0)
+    if degree < gpus:
+        src.warnings.append(f"option.tensor_parallel_degree defaults to {degree}, not {gpus} (every GPU): "
+                            f"{degree} is the most ranks that divide the heads of {arch} "
+                            f"(num_attention_heads={heads}, num_key_value_heads={kv})")
+    return degree
+
+
 def load_config(properties_path: str | None = None, model_dir: str | None = None,
                 env: Mapping[str, str] | None = None, check_model: bool = True,
                 gpu_count: int | None = None) -> ServingConfig:
@@ -628,6 +654,9 @@ def load_config(properties_path: str | None = None, model_dir: str | None = None
     model = _resolve_model(src, model_dir, check_model)
     if model["model_dir"] and devices["tensor_parallel_degree"] > 1:
         key = "option.tensor_parallel_degree"
+        if key not in src.merged:      # the line's default (every GPU): the most GPUs that divide the heads
+            devices["tensor_parallel_degree"] = _dividing_degree(src, model["model_dir"],
+                                                                 devices["tensor_parallel_degree"])
         check_tp_heads(model["model_dir"], devices["tensor_parallel_degree"],
                        src.merged[key].source if key in src.merged else "option.tensor_parallel_degree=max")
     # Every key with a field: its value, an alias's, or the default; the stages' results over them.

@@ -109,6 +109,17 @@ def _adapter_roots(v: str) -> tuple[str, ...]:
 _adapter_roots.doc = "comma-separated absolute directories and `s3://bucket/prefix`es"
 
 
+def _lmi_line(v: str) -> str:
+    from handler.config.compat import line_of
+    try:
+        return line_of(v)
+    except ValueError as e:
+        raise _Bad(str(e)) from None
+
+
+_lmi_line.allowed = ("current", "0.31", "0.26")
+
+
 def _non_empty(v: str) -> str:
     if not v:
         raise _Bad("is empty")
@@ -216,14 +227,23 @@ KEYS: tuple[Key, ...] = (
     Key("option.s3url", _non_empty,
         "LMI's older name for an S3 `option.model_id` (used when `option.model_id` is absent)",
         values="`s3://bucket/prefix`", alias_of="option.model_id"),
+    Key("option.lmi_compat", _lmi_line,
+        "the LMI release line this endpoint behaves as: the defaults of absent keys and how `/invocations` "
+        "reads a body (the table \"LMI version lines\" below lists every difference); the start-up log "
+        "names the line in force", default="current",
+        values="`current`, `0.31`, `0.26` (or an LMI version: ≤ 0.26, 0.27-0.31, ≥ 0.32 is `current`)"),
     Key("option.rolling_batch", _enum(ROLLING_BATCH_VALUES),
-        "iteration-level (continuous) batching on/off; see the strategy table", default="disable"),
+        "iteration-level (continuous) batching on/off; see the strategy table",
+        default_doc="`auto` (`disable` with `option.lmi_compat=0.26`, or with `batch_size` > 1)",
+        summary_default="`auto` (0.26: `disable`)"),
     Key("option.paged_attention", _bool,
         "paged KV cache (strategy `paged`) vs contiguous (strategy `rolling`)",
         default_doc="`true` for `auto`/`lmi-dist`/`vllm`, `false` for `scheduler`",
         summary_default="`true` (`false` for `scheduler`)"),
-    Key("option.max_rolling_batch_size", _int(1), "rolling/paged: most sequences decoded together",
-        default=32, unit="sequences", env=("MAX_BATCH_SIZE",)),
+    Key("option.max_rolling_batch_size", _int(1),
+        "rolling/paged: most sequences decoded together (the KV pool bounds how many run at full length: "
+        "`config --explain`)", unit="sequences", env=("MAX_BATCH_SIZE",),
+        default_doc="256 (32 with `option.lmi_compat=0.26`)", summary_default="256 (0.26: 32)"),
     Key("option.max_rolling_batch_prefill_tokens", _int(1), "rolling/paged: prompt tokens admitted per step",
         default=4096, unit="tokens", env=("MAX_BATCH_PREFILL_TOKENS",)),
     Key("option.block_size", _block_size, "paged: tokens per KV block", default=16, unit="tokens"),
@@ -258,7 +278,8 @@ KEYS: tuple[Key, ...] = (
         "count warns). Refused in one line: more ranks than GPUs, a degree that does not divide "
         "`num_attention_heads` and `num_key_value_heads`, an architecture without a transformers "
         "tensor-parallel plan (e.g. GPT-2)",
-        default=1, values="ranks, ≥ 1, or `max` (= visible GPUs; 1 on a CPU host)",
+        default_doc="`max` (1 with `option.lmi_compat=0.26`)", summary_default="`max` (0.26: 1)",
+        values="ranks, ≥ 1, or `max` (= visible GPUs; 1 on a CPU host)",
         env=("TENSOR_PARALLEL_DEGREE", "SM_NUM_GPUS")),
     Key("option.trust_remote_code", _bool, "allow model code shipped in the model directory", default=False,
         env=("HF_MODEL_TRUST_REMOTE_CODE",)),

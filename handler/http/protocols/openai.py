@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 from pydantic import BaseModel, ConfigDict
 
+from handler.config import compat
 from handler.engine import guide
 from handler.engine.request import (MAX_NEW_TOKENS, MAX_SAMPLES, MAX_SEED, MAX_TOP_N_TOKENS, BadWords, LogitBias,
                                     RequestError, SamplingParams, Stops, TokenIds, TopK, bounded_float,
@@ -28,15 +29,17 @@ FINISH = {"eos_token": "stop", "stop_sequence": "stop", "length": "length"}
 class ServerOptions:
     """What the server's properties say about chat output: the tool-call format and switch,
     the reasoning parser (option.tool_call_parser, option.enable_auto_tool_choice,
-    option.reasoning_parser)."""
+    option.reasoning_parser); and how /invocations reads an OpenAI body (option.lmi_compat's
+    line: chat without max_tokens to the context limit, lax numbers)."""
     tools: tooling.Options = field(default_factory=tooling.Options)
     reasoning: str = "none"
+    line: compat.Line = compat.LINES[compat.DEFAULT]
 
     @classmethod
     def of(cls, cfg) -> "ServerOptions":
         return cls(tooling.Options(getattr(cfg, "tool_call_parser", "auto"),
                                    getattr(cfg, "enable_auto_tool_choice", True)),
-                   getattr(cfg, "reasoning_parser", "none"))
+                   getattr(cfg, "reasoning_parser", "none"), compat.line(cfg))
 
 
 class StreamOptions(BaseModel):
@@ -157,8 +160,9 @@ def _logit_bias(bias: tuple | None, tokenizer) -> tuple:
     return bias
 
 
-def _fields(payload: dict, model: type[_Fields]) -> _Fields:
-    """The body's declared fields, checked (nulls are absent); the others warned about once."""
+def _fields(payload: dict, model: type[_Fields], lax: bool = False) -> _Fields:
+    """The body's declared fields, checked (nulls are absent; lax: numbers in strings coerced, as
+    vLLM's models on LMI's /invocations); the others warned about once."""
     body = {k: v for k, v in payload.items() if v is not None}
     for name, v in body.items():
         if name in model.model_fields or name in _QUIET:
@@ -169,7 +173,7 @@ def _fields(payload: dict, model: type[_Fields]) -> _Fields:
         else:
             warn_once(f"openai:{name[:100]}", f"unknown request field {show(name)} dropped")
     return validated(model, {k: v for k, v in body.items() if k in model.model_fields}, "",
-                     {k: k for k in body})
+                     {k: k for k in body}, lax=lax)
 
 
 def _sampling(f: _Fields, defaults: SamplingParams, lmi: bool) -> tuple[dict, dict]:
@@ -281,7 +285,7 @@ def _template_kwargs(f: ChatFields, guided: bool, parser: str) -> dict:
 def parse_chat(payload, tokenizer, lmi: bool = False, server: ServerOptions = ServerOptions()) -> Generation:
     """A Chat Completions body (from /v1/chat/completions, or /invocations with `messages`)."""
     payload = _check_object(payload)
-    f = _fields(payload, ChatFields)
+    f = _fields(payload, ChatFields, lax=lmi and server.line.lax_numbers)
     tools = tooling.parse(payload, tokenizer, server.tools)
     guide_spec = _constraint(payload, tools)
     kwargs = _template_kwargs(f, guide_spec is not None, server.reasoning)
@@ -305,7 +309,7 @@ def parse_chat(payload, tokenizer, lmi: bool = False, server: ServerOptions = Se
         raise RequestError("n", "several choices work only without streaming on /invocations")
     no_max = payload.get("max_tokens") is None and payload.get("max_completion_tokens") is None
     return Generation([prompt], params, opts["stream"], truncate=f.truncate_prompt_tokens, add_special_tokens=False,
-                      fill_max_tokens=no_max and not lmi, fields=["messages"],
+                      fill_max_tokens=no_max and (not lmi or server.line.chat_to_context), fields=["messages"],
                       extra={"kind": "chat", "logprobs": logprobs, "lmi": lmi, "model": payload.get("model"),
                              "tools": tools if tools.active else None,
                              "reasoning": server.reasoning if server.reasoning != "none" else None,
@@ -315,9 +319,10 @@ def parse_chat(payload, tokenizer, lmi: bool = False, server: ServerOptions = Se
 
 
 # ---- completions
-def parse_completion(payload, tokenizer=None) -> Generation:
+def parse_completion(payload, tokenizer=None, lax: bool = False) -> Generation:
+    """A Completions body (from /v1/completions, or /invocations with `prompt`; lax: see _fields)."""
     payload = _check_object(payload)
-    f = _fields(payload, CompletionFields)
+    f = _fields(payload, CompletionFields, lax)
     if payload.get("tools"):
         raise RequestError("tools", "tools work on /v1/chat/completions; completions take response_format "
                                     "or guided_json / guided_regex / guided_choice / guided_grammar")

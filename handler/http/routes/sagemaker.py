@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from flask import Blueprint
 
+from handler.config import compat
 from handler.engine.request import SamplingParams
 from handler.http.protocols import lmi, openai
 from handler.http.routes.common import (JSONLINES, SSE, STREAMING_FORMATTERS, body_json, current_state,
@@ -46,9 +47,13 @@ def invocations(model=None):
     chat_out = formatter.endswith("_chat")
     sse = formatter in ("sse", "sse_chat") or (tgi_compat and formatter == "json")
     tgi_shape = tgi_compat and formatter in ("json", "sse")
+    line = compat.line(cfg)
 
     def parse(tokenizer):
+        # The body's shape picks its API (current LMI: prompt, inputs, messages, in that order).
         payload = body_json()
+        if line.prompt_as_completion and isinstance(payload, dict) and payload.get("prompt") is not None:
+            return openai.parse_completion(payload, tokenizer, lax=line.lax_numbers)
         if isinstance(payload, dict) and payload.get("messages") is not None:
             gen = openai.parse_chat(payload, tokenizer, lmi=True, server=openai.ServerOptions.of(cfg))
             gen.adapter = lmi.adapter_name(payload.get("adapters"), 1)
@@ -57,19 +62,20 @@ def invocations(model=None):
             return gen
         defaults = SamplingParams(details=True) if tgi_shape else SamplingParams()
         gen = lmi.parse(payload, default_stream=formatter in STREAMING_FORMATTERS,
-                        max_batch_inputs=cfg.job_queue_size, defaults=defaults)
+                        max_batch_inputs=cfg.job_queue_size, defaults=defaults,
+                        lax=line.lax_numbers, infer_sampling=line.infer_sampling)
         if chat_out:
             gen.extra = {"kind": "chat", "logprobs": False, "lmi": True, "include_usage": False}
         return gen
 
     def respond(gen, samples):
-        if gen.extra.get("kind") == "chat":
+        if gen.extra.get("kind") in ("chat", "completion"):
             return json_response(openai.encode(gen, samples, model_name(cfg)))
         return json_response(lmi.encode(gen, samples, tgi=tgi_shape))
 
     def stream(gen, events):
         mimetype = SSE if sse else JSONLINES
-        if gen.extra.get("kind") == "chat":
+        if gen.extra.get("kind") in ("chat", "completion"):
             return streamed(state, openai.stream(gen, events, model_name(cfg), sse=sse), events, mimetype)
         return streamed(state, lmi.stream(gen, events, sse, tgi=tgi_shape), events, mimetype)
 
