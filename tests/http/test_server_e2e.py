@@ -29,7 +29,7 @@ PROMPTS = [
 NEW_TOKENS = [5, 17, 33, 2, 24, 9, 40, 12]
 
 STRATEGY_FILES = {
-    "none": "engine=Python\n",
+    "none": "engine=Python\noption.rolling_batch=disable\n",
     "dynamic": "engine=Python\nbatch_size=4\nmax_batch_delay=50\n",
     "rolling": "engine=MPI\noption.rolling_batch=auto\noption.paged_attention=false\n"
                "option.max_rolling_batch_size=4\noption.max_rolling_batch_prefill_tokens=64\n"
