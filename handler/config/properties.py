@@ -446,9 +446,9 @@ def _resolve_strategy(src: _Sources) -> dict:
                           f"option.max_model_len={max_model_len}; raise it or lower max_model_len")
 
     entry_point = get("option.entryPoint")
-    if entry_point != DEFAULT_ENTRY_POINT:
-        warnings.append(f"{where('option.entryPoint')} is not run: this server always uses its "
-                        f"built-in Hugging Face engine ({DEFAULT_ENTRY_POINT})")
+    if entry_point != DEFAULT_ENTRY_POINT and not entry_point.endswith(".py"):    # a .py: handler/http/custom.py
+        warnings.append(f"{where('option.entryPoint')} is not run: this server uses its built-in engine "
+                        f"({DEFAULT_ENTRY_POINT}) and the model directory's model.py formatters, if any")
     if get("engine") not in ("Python", "MPI"):
         warnings.append(f"{where('engine')}: this server runs its built-in engine for every LMI "
                         f"engine name (Python and MPI are the same here)")

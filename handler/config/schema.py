@@ -297,8 +297,11 @@ KEYS: tuple[Key, ...] = (
         "start-up log and `config --explain` name the choice and why. Ignored on a GPU", default="auto",
         env=("LMI_CPU_KERNELS",)),
     Key("option.entryPoint", _non_empty,
-        "LMI handler; any other value warns that the built-in engine is used anyway",
-        default=DEFAULT_ENTRY_POINT, values="module name", field="entry_point"),
+        "LMI handler: a `.py` file (relative to the model directory) whose `handle(inputs)` answers "
+        "`/invocations` (LMI's custom handler; the model directory's `model.py` is used without this key); "
+        "a module name runs the built-in engine (another than the default warns), with `model.py`'s "
+        "`@input_formatter`/`@output_formatter` if any (docs/API.md \"Custom code\")",
+        default=DEFAULT_ENTRY_POINT, values="`.py` file or module name", field="entry_point"),
     Key("option.output_formatter", _enum(["json", "jsonlines", "sse", "json_chat", "jsonlines_chat", "sse_chat"]),
         "default response format of `/invocations` (`jsonlines`/`sse` stream tokens; `*_chat` answer in "
         "Chat Completions objects)", default="json"),

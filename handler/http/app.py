@@ -43,6 +43,8 @@ class ServerState:
         self.metrics = Metrics(model_name(cfg), cfg.strategy, lambda: self.client, self.http_stats)
         # The gevent worker's hub.HubWaker (set by server.create_state); None: threads block.
         self.waker = None
+        # The model directory's model.py (handler.http.custom.CustomCode), loaded at start-up; None: none.
+        self.custom = None
 
     @property
     def engine(self):

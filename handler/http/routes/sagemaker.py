@@ -3,12 +3,14 @@
 option.tgi_compat choose."""
 from __future__ import annotations
 
-from flask import Blueprint
+from flask import Blueprint, Response, request
 
 from handler.config import compat
 from handler.engine.request import SamplingParams
+from handler.engine.request import RequestError
+from handler.http.custom import CustomCallError
 from handler.http.protocols import lmi, openai
-from handler.http.routes.common import (JSONLINES, SSE, STREAMING_FORMATTERS, body_json, current_state,
+from handler.http.routes.common import (JSONLINES, SSE, STREAMING_FORMATTERS, body_bytes, body_json, current_state,
                                         error_response, json_response, model_name, run, running_width,
                                         streamed)
 
@@ -42,6 +44,9 @@ def execution_parameters():
 def invocations(model=None):
     state = current_state()
     cfg = state.cfg
+    custom = state.custom       # model.py (handler/http/custom.py): its handle() or formatters
+    if custom is not None and custom.handle is not None:
+        return _custom_handle(state, custom)
     formatter = cfg.output_formatter
     tgi_compat = getattr(cfg, "tgi_compat", False)
     chat_out = formatter.endswith("_chat")
@@ -52,6 +57,11 @@ def invocations(model=None):
     def parse(tokenizer):
         # The body's shape picks its API (current LMI: prompt, inputs, messages, in that order).
         payload = body_json()
+        if custom is not None and custom.input_formatter is not None:
+            try:
+                payload = custom.format_input(payload, tokenizer)
+            except CustomCallError as e:
+                raise RequestError("body", f"Custom formatter failed: {e}", status=424) from None
         if line.prompt_as_completion and isinstance(payload, dict) and payload.get("prompt") is not None:
             return openai.parse_completion(payload, tokenizer, lax=line.lax_numbers)
         if isinstance(payload, dict) and payload.get("messages") is not None:
@@ -70,13 +80,37 @@ def invocations(model=None):
 
     def respond(gen, samples):
         if gen.extra.get("kind") in ("chat", "completion"):
-            return json_response(openai.encode(gen, samples, model_name(cfg)))
-        return json_response(lmi.encode(gen, samples, tgi=tgi_shape))
+            body = openai.encode(gen, samples, model_name(cfg))
+        else:
+            body = lmi.encode(gen, samples, tgi=tgi_shape)
+        if custom is not None:
+            try:
+                body = custom.format_output(body)
+            except CustomCallError as e:
+                return error_response(424, f"Custom formatter failed: {e}")
+        return json_response(body)
 
     def stream(gen, events):
         mimetype = SSE if sse else JSONLINES
         if gen.extra.get("kind") in ("chat", "completion"):
-            return streamed(state, openai.stream(gen, events, model_name(cfg), sse=sse), events, mimetype)
-        return streamed(state, lmi.stream(gen, events, sse, tgi=tgi_shape), events, mimetype)
+            lines = openai.stream(gen, events, model_name(cfg), sse=sse)
+        else:
+            lines = lmi.stream(gen, events, sse, tgi=tgi_shape)
+        return streamed(state, custom.format_lines(lines, sse) if custom is not None else lines, events, mimetype)
 
     return run(parse, error_response, respond, stream)
+
+
+def _custom_handle(state, custom) -> Response:
+    """model.py's handle() answers the request (LMI's custom handler): its Output's code, content and
+    content type; a raise or a wrong return is a 424 naming the function, file and line."""
+    from handler.http.custom import model_properties
+    try:
+        body = body_bytes()
+    except RequestError as e:
+        return error_response(e.status, e.message, e.field)
+    try:
+        status, data, ctype = custom.invoke(body, dict(request.headers), model_properties(state.cfg.properties))
+    except CustomCallError as e:
+        return error_response(424, str(e))
+    return Response(data, status=status, mimetype=None, content_type=ctype)
