@@ -278,6 +278,13 @@ def main(argv: list[str]) -> int:
             except S3ModelError as e:
                 raise ConfigError(str(e)) from None
             check_tp_heads(cfg.model_dir, cfg.tensor_parallel_degree, cfg.model_id)
+        elif not cfg.model_dir:     # a hub model id (handler/config/properties.py is_hub_id)
+            from handler.model.hf_hub import HubModelError, resolve_model_dir as hub_model_dir
+            try:
+                cfg = replace(cfg, model_dir=hub_model_dir(cfg.model_id, cfg.revision))
+            except HubModelError as e:
+                raise ConfigError(str(e)) from None
+            check_tp_heads(cfg.model_dir, cfg.tensor_parallel_degree, cfg.model_id)
         # model.py sits in the model directory (a .gguf file's: the file's), not in its conversion
         code_dir = os.path.dirname(cfg.model_dir) if os.path.isfile(cfg.model_dir) else cfg.model_dir
         from handler.model.gguf import GGUFError, hf_dir_for

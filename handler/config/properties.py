@@ -183,6 +183,7 @@ class ServingConfig:
     cpu_kernels: str              # "auto" | "avx512" | "avx2" | "neon" | "torch" (kernels/isa.py)
     quantize: str | None          # None | "int8" (handler/model/quant.py) | awq | gptq | gguf | none (quant_int4.py)
     entry_point: str
+    revision: str | None          # a hub model id's branch, tag or commit (handler/model/hf_hub.py)
     output_formatter: str         # "json" | "jsonlines" | "sse" | "json_chat" | "jsonlines_chat" | "sse_chat"
     max_payload_mb: float         # request bodies above this are refused (413)
     batch_invariant: bool         # numerics independent of what shares the batch
@@ -278,6 +279,16 @@ def check_tp_heads(model_dir: str, degree: int, origin: str) -> None:
         raise ConfigError(f"{origin}: option.tensor_parallel_degree={degree} does not divide the heads of "
                           f"{arch} in {model_dir} (num_attention_heads={heads}, num_key_value_heads={kv}); "
                           "use a degree that divides both")
+
+
+# huggingface_hub's validate_repo_id: [org/]name of letters, digits, '-', '_', '.', not '--' or '..'.
+_REPO_ID = re.compile(r"(?:[A-Za-z0-9][\w.-]{0,95}/)?[A-Za-z0-9][\w.-]{0,95}")
+
+
+def is_hub_id(model_id: str) -> bool:
+    """A model id as the hub spells them (`org/name` or `name`), not a path (handler/model/hf_hub.py)."""
+    return bool(_REPO_ID.fullmatch(model_id)) and "--" not in model_id and ".." not in model_id \
+        and not model_id.endswith((".", ".git"))
 
 
 _S3_URI = re.compile(r"s3://[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9](/.*)?", re.IGNORECASE)
@@ -533,12 +544,14 @@ def _resolve_model(src: _Sources, model_dir: str, check_model: bool) -> dict:
             candidates = [path] if os.path.isabs(path) else \
                 [os.path.join(b, path) for b in bases + [os.getcwd()]]
             local = next((os.path.abspath(c) for c in candidates if os.path.isdir(c) or _is_gguf_file(c)), None)
-            if local is None:
+            if local is None and mkey == "option.model_id" and is_hub_id(model_id):
+                local = ""      # a hub id: fetched at start-up (handler/model/hf_hub.py), as LMI
+            elif local is None:
                 raise ConfigError(
-                    f"{where(mkey)} is neither a local directory nor an s3:// URI; this container "
-                    "has no model hub access: put the model (config.json + *.safetensors) in the "
+                    f"{where(mkey)} is neither a local directory, an s3:// URI nor a hub model id "
+                    "(org/name): put the model (config.json + *.safetensors) in the "
                     f"model directory (--model-dir, default {DEFAULT_MODEL_DIR}) or set "
-                    "option.model_id to a local directory or s3://bucket/prefix")
+                    "option.model_id to a local directory, s3://bucket/prefix or org/name")
     else:
         model_id = local = model_dir
         if check_model and not (os.path.isdir(model_dir) or _is_gguf_file(model_dir)):

@@ -222,8 +222,14 @@ KEYS: tuple[Key, ...] = (
         "working directory. A `.gguf` file (or a directory holding one) is converted once into "
         "`LMI_MODEL_CACHE` (config, tokenizer, dequantized tensors); a Llama-family model then serves its "
         "Q4_0/Q4_1/Q8_0 linear weights as they are (`option.quantize=gguf`, the default; `none` keeps the "
-        "dequantized ones). No model hub: a hub id is an error",
-        values="local dir, `.gguf` file or `s3://bucket/prefix`", env=("HF_MODEL_ID",), default_doc="the model dir"),
+        "dequantized ones). A hub id (`org/name`, as LMI and the SageMaker SDK's `HF_MODEL_ID`) is fetched at "
+        "start-up with huggingface_hub (safetensors, config, tokenizer, chat template only) into "
+        "`LMI_MODEL_CACHE`/hub; `HF_TOKEN`, `HF_ENDPOINT` (a mirror) and `HF_HUB_OFFLINE` apply; an unknown "
+        "id or an unreachable hub without a cached copy stops the start-up in one line",
+        values="local dir, `.gguf` file, `s3://bucket/prefix` or hub id `org/name`", env=("HF_MODEL_ID",),
+        default_doc="the model dir"),
+    Key("option.revision", _non_empty, "a hub model id's branch, tag or commit", values="git revision",
+        default_doc="`main`", env=("HF_REVISION",)),
     Key("option.s3url", _non_empty,
         "LMI's older name for an S3 `option.model_id` (used when `option.model_id` is absent)",
         values="`s3://bucket/prefix`", alias_of="option.model_id"),
@@ -448,7 +454,7 @@ IGNORED: tuple[str, ...] = (
     "cpu.maxWorkers", "load_on_devices", "required_memory_mb", "reserved_memory_mb",
     "log_model_metric", "metrics_aggregation", "translatorFactory",
     "option.max_input_len", "option.max_output_len", "option.task",
-    "option.revision", "option.model_loading_timeout", "option.low_cpu_mem_usage",
+    "option.model_loading_timeout", "option.low_cpu_mem_usage",
     "option.device_map", "option.load_in_8bit", "option.load_in_4bit", "option.mpi_mode",
     "option.parallel_loading", "option.disable_flash_attn",
     "option.pipeline_parallel_degree", "option.rolling_batch_strategy",

@@ -186,6 +186,7 @@ BAD = [
     ("option.cpu_kernels", "sse4", "is not supported; allowed: auto, avx512, avx2, neon, torch"),
     ("option.kv_cache_dtype", "q4_0", "is not supported; allowed: auto, int8, fp8, fp8_e4m3, fp8_e5m2"),
     ("option.model_id", "", "is empty"),
+    ("option.revision", "", "is empty"),
     ("graceful_timeout", "-1", "is not a positive number of seconds"),
     ("option.max_payload_mb", "0", "is not a positive number of megabytes"),
     ("option.batch_invariant", "sometimes", "is not a boolean; allowed: true, false"),
@@ -556,10 +557,12 @@ def test_bad_s3_uri(load):
     assert "is not a valid s3://bucket/prefix URI" in error_of(load, "option.model_id=s3://x\n")
 
 
-def test_hub_id_is_a_clear_error(load):
-    msg = error_of(load, "option.model_id=meta-llama/Llama-2-7b-hf\n")
-    assert "option.model_id=meta-llama/Llama-2-7b-hf is neither a local directory nor an s3:// URI" in msg
-    assert "no model hub access" in msg and "--model-dir" in msg
+def test_hub_id_is_fetched_at_start_up_and_a_missing_path_is_a_clear_error(load):
+    cfg = load("option.model_id=meta-llama/Llama-2-7b-hf\noption.revision=main\n")   # handler/model/hf_hub.py
+    assert (cfg.model_id, cfg.model_dir, cfg.revision) == ("meta-llama/Llama-2-7b-hf", "", "main")
+    msg = error_of(load, "option.model_id=./meta-llama/Llama-2-7b-hf\n")
+    assert "option.model_id=./meta-llama/Llama-2-7b-hf is neither a local directory, an s3:// URI nor a hub " \
+           "model id (org/name)" in msg and "--model-dir" in msg
 
 
 def test_model_dir_checks(tmp_path, load):
