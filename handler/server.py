@@ -117,6 +117,8 @@ def engine_for(cfg, runner, on_step=None, waker=None):
 
     width = _width(cfg)
     runner.batch_invariant = cfg.batch_invariant
+    if getattr(cfg, "chat_template", None) and runner.tokenizer is not None:
+        runner.tokenizer.chat_template = cfg.chat_template     # option.chat_template replaces the tokenizer's
     policy = SchedulerPolicy(cfg.strategy, max_batch_size=width,
                              max_batch_delay_s=cfg.max_batch_delay_ms / 1000.0,
                              prefill_token_budget=cfg.max_rolling_batch_prefill_tokens,

@@ -207,6 +207,8 @@ class ServingConfig:
     tool_call_parser: str = default_of("option.tool_call_parser")    # handler/http/protocols/tool_parsers.py
     enable_auto_tool_choice: bool = default_of("option.enable_auto_tool_choice")
     reasoning_parser: str = default_of("option.reasoning_parser")    # handler/http/protocols/reasoning.py
+    chat_template: str | None = None      # option.chat_template's text (a file's, read at start-up)
+    chat_template_content_format: str = default_of("option.chat_template_content_format")
     speculative_config: dict | None = None          # option.speculative_config, parsed (vLLM's JSON)
     speculative_draft_model: str | None = None
     speculative_length: int | None = None
@@ -638,6 +640,36 @@ def _resolve_spec(src: _Sources, tp_degree: int) -> dict:
     return dict(speculative=spec)
 
 
+def _resolve_chat_template(src: _Sources, model_dir: str) -> dict:
+    """option.chat_template: a file (read now) or the template's text; compiled to catch syntax errors."""
+    value = src.get("option.chat_template")
+    if value is None:
+        return {}
+    key = "option.chat_template"
+    bases = [os.path.dirname(os.path.abspath(src.properties_path))] if src.properties_path else []
+    path = os.path.expanduser(value.strip())
+    candidates = [path] if os.path.isabs(path) else [os.path.join(b, path) for b in bases + [model_dir, os.getcwd()]]
+    found = next((c for c in candidates if os.path.isfile(c)), None)
+    if found is not None:
+        try:
+            with open(found, encoding="utf-8") as f:
+                text = f.read()
+        except (OSError, UnicodeDecodeError) as e:
+            raise ConfigError(f"{src.where(key)}: cannot read {found}: {e}") from None
+        origin = found
+    elif "{{" in value or "{%" in value:
+        text, origin = value, src.merged[key].source
+    else:
+        raise ConfigError(f"{src.where(key)} is neither a file (looked in {', '.join(candidates)}) nor a Jinja "
+                          "template; give a template file or the template text")
+    import jinja2
+    try:
+        jinja2.Environment().parse(text)
+    except jinja2.TemplateSyntaxError as e:
+        raise ConfigError(f"{src.where(key)}: {origin}, template line {e.lineno}: {e.message}") from None
+    return dict(chat_template=text)
+
+
 def _dividing_degree(src: _Sources, model_dir: str, gpus: int) -> int:
     """The largest degree <= gpus dividing the model's attention and KV heads (a warning when < gpus)."""
     found = model_heads(model_dir)
@@ -675,8 +707,15 @@ def load_config(properties_path: str | None = None, model_dir: str | None = None
     # Every key with a field: its value, an alias's, or the default; the stages' results over them.
     direct = {k.field_name: src.resolved(k.name) for k in SCHEMA.values() if k.field_name}
     quant = _resolve_quantize(direct["quantize"], model["model_dir"], devices["device"], gpu_count)
+    template = _resolve_chat_template(src, model["model_dir"] or model_dir)
+    if src.get("option.enable_reasoning") is not None:      # LMI's switch over option.reasoning_parser
+        if src.get("option.enable_reasoning") and direct["reasoning_parser"] == "none":
+            raise ConfigError(f"{src.where('option.enable_reasoning')} needs option.reasoning_parser; allowed: "
+                              + ", ".join(a for a in SCHEMA["option.reasoning_parser"].allowed if a != "none"))
+        if not src.get("option.enable_reasoning"):
+            direct["reasoning_parser"] = "none"
     return ServingConfig(**{
-        **direct, **strategy, **devices, **model, **lora, **quant, **spec,
+        **direct, **strategy, **devices, **model, **lora, **quant, **spec, **template,
         "properties_file": os.path.abspath(src.properties_path) if src.properties_path else None,
         "warnings": tuple(src.warnings),
         "properties": {k: v.raw for k, v in sorted(src.merged.items())},

@@ -375,7 +375,9 @@ KEYS: tuple[Key, ...] = (
         "per forward; prompts prefill at decode speed)", default=False),
     # OpenAI chat output parsing (LMI's / vLLM's names): handler/http/protocols/tool_parsers.py, reasoning.py.
     Key("option.tool_call_parser", _enum(["auto", "hermes", "llama3_json", "mistral", "pythonic", "granite", "qwen3_coder"],
-                                         {"llama4_pythonic": "pythonic", "llama3": "llama3_json"}),
+                                         {"llama4_pythonic": "pythonic", "llama3": "llama3_json",
+                                          # vLLM's other names for the same formats (one parser class each there)
+                                          "llama4_json": "llama3_json", "qwen3_xml": "qwen3_coder"}),
         "the format `tool_choice: \"auto\"` parses calls from: `hermes` (Qwen2.5/Qwen3 `<tool_call>{json}"
         "</tool_call>`, or the bare JSON object small Qwen models write), `llama3_json` (Llama 3.1-3.3 "
         "`<|python_tag|>{\"name\", \"parameters\"}`), `mistral` (`[TOOL_CALLS][...]`), `pythonic` "
@@ -385,11 +387,25 @@ KEYS: tuple[Key, ...] = (
     Key("option.enable_auto_tool_choice", _bool,
         "accept `tool_choice: \"auto\"` (the default when a request has tools); `false` refuses it with a 400 "
         "(`required` and a named function still work)", default=True),
+    Key("option.chat_template", _non_empty,
+        "the chat template chat requests render with, replacing the tokenizer's (vLLM's `--chat-template`): "
+        "a Jinja file (absolute, or relative to the properties file's directory, the model directory or the "
+        "working directory) or the template text itself; checked at start-up (a syntax error names its line); "
+        "tool-format detection (`option.tool_call_parser=auto`) reads it too",
+        values="file path or Jinja text", default_doc="(the tokenizer's)", field=None),
+    Key("option.chat_template_content_format", _enum(["auto", "string", "openai"]),
+        "how a message's `content` reaches the template: `string` the text (parts joined with newlines), "
+        "`openai` a list of `{\"type\": \"text\", \"text\"}` parts (templates that loop over parts); "
+        "`auto` `openai` when the template loops over `content`, else `string`", default="auto"),
     Key("option.reasoning_parser", _enum(["none", "deepseek_r1", "qwen3"]),
         "split `<think>...</think>` from chat answers into `message.reasoning_content` (and "
         "`delta.reasoning_content` when streamed): `deepseek_r1` (the thinking may start without `<think>`), "
         "`qwen3` (only a `<think>` at the start opens it); `none`: the thinking stays in `content`",
         default="none"),
+    Key("option.enable_reasoning", _bool,
+        "LMI's switch for `option.reasoning_parser` (vLLM's older `--enable-reasoning`): `true` needs a parser, "
+        "`false` keeps the thinking in `content` whatever the parser", default_doc="(the parser decides)",
+        field=None),
     # Multi-LoRA (LMI's / vLLM's names): adapters from MODEL_DIR/adapters/<name>/ and the routes.
     Key("option.enable_lora", _bool, "serve LoRA adapters (README \"LoRA adapters\")", default=False),
     Key("option.max_loras", _int(1),
