@@ -160,7 +160,7 @@ def check_model_readable(model_dir: str) -> None:
                                   f"({type(e).__name__}: {e})") from None
 
 
-def create_state(cfg, load_async: bool = True, hub: bool = False, custom=None):
+def create_state(cfg, load_async: bool = True, hub: bool = False, custom=None, adapter_custom=None):
     """The app's state; the engine is built in a background thread so /ping answers meanwhile.
     hub: requests are greenlets of this thread's gevent hub (the gevent worker), which the engine
     wakes once per step (handler/http/hub.py)."""
@@ -168,6 +168,7 @@ def create_state(cfg, load_async: bool = True, hub: bool = False, custom=None):
 
     state = ServerState(cfg)
     state.custom = custom
+    state.adapter_custom = adapter_custom or {}
     if hub:
         from handler.http.hub import HubWaker
         state.waker = HubWaker()
@@ -215,7 +216,7 @@ def http_worker(env) -> str:
 
 
 def _gunicorn_app(cfg, host: str, port: int, threads: int, worker: str = "gevent",
-                  connections: int = 1000, custom=None):
+                  connections: int = 1000, custom=None, adapter_custom=None):
     from gunicorn.app.base import BaseApplication
 
     from handler.http import worker as http_worker_mod
@@ -244,7 +245,8 @@ def _gunicorn_app(cfg, host: str, port: int, threads: int, worker: str = "gevent
             from handler.http.metrics import configure_logging
 
             configure_logging(cfg.log_format)      # gunicorn's own log handlers exist by now
-            return create_app(create_state(cfg, hub=worker == "gevent", custom=custom))
+            return create_app(create_state(cfg, hub=worker == "gevent", custom=custom,
+                                           adapter_custom=adapter_custom))
 
     return App()
 
@@ -296,10 +298,11 @@ def main(argv: list[str]) -> int:
             raise ConfigError(str(e)) from None
         check_model_readable(cfg.model_dir)
         worker = http_worker(os.environ)
-        from handler.http.custom import CustomCodeError, load as load_custom, model_properties
+        from handler.http.custom import CustomCodeError, load as load_custom, load_adapters, model_properties
         try:    # model.py: imported once here (the worker forks after), a bad one is one line
             custom = load_custom(code_dir, cfg.entry_point, "option.entryPoint" in cfg.properties,
                                  model_properties(cfg.properties))
+            adapter_custom = load_adapters(code_dir, model_properties(cfg.properties)) if cfg.enable_lora else {}
         except CustomCodeError as e:
             raise ConfigError(str(e)) from None
     except ConfigError as e:
@@ -308,8 +311,8 @@ def main(argv: list[str]) -> int:
     for w in cfg.warnings:
         log.warning("%s", w)
     log.info("%s", describe_line(cfg.lmi_compat))
-    if custom is not None:
-        log.info("%s", custom.describe())
+    for code in ([custom] if custom is not None else []) + list(adapter_custom.values()):
+        log.info("%s", code.describe())
     port = a.port or cfg.port
     width = max(cfg.batch_size, cfg.max_rolling_batch_size)
     threads = a.threads or min(1024, max(64, width + cfg.job_queue_size // 4 + 8))
@@ -320,5 +323,5 @@ def main(argv: list[str]) -> int:
              f"{threads} threads" if worker == "gthread" else
              f"up to {connections} connections, headers within {cfg.http_header_timeout_s:g} s, "
              f"bodies within {cfg.http_body_timeout_s:g} s")
-    _gunicorn_app(cfg, a.host, port, threads, worker, connections, custom).run()
+    _gunicorn_app(cfg, a.host, port, threads, worker, connections, custom, adapter_custom).run()
     return 0

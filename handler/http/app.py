@@ -45,6 +45,8 @@ class ServerState:
         self.waker = None
         # The model directory's model.py (handler.http.custom.CustomCode), loaded at start-up; None: none.
         self.custom = None
+        # Adapter name -> the formatters of MODEL_DIR/adapters/<name>/model.py (LMI: over the model's).
+        self.adapter_custom: dict = {}
 
     @property
     def engine(self):

@@ -171,12 +171,31 @@ def find(model_dir: str, entry_point: str, explicit: bool) -> tuple[str | None, 
     return path, not explicit
 
 
+def load_adapters(model_dir: str, properties: dict) -> dict[str, CustomCode]:
+    """The formatters of each MODEL_DIR/adapters/<name>/model.py (LMI: they apply to that adapter's
+    requests instead of the model's; a handle() there is not run)."""
+    root = os.path.join(model_dir, "adapters")
+    out = {}
+    for name in sorted(os.listdir(root)) if os.path.isdir(root) else ():
+        path = os.path.join(root, name, "model.py")
+        if os.path.isfile(path):
+            code = _load(path, False, properties, "an adapter's model.py gives formatters only")
+            if code is not None:
+                out[name] = code
+    return out
+
+
 def load(model_dir: str, entry_point: str, explicit: bool, properties: dict) -> CustomCode | None:
     """Import model.py once and run its handle() start-up call; None when there is none.
     CustomCodeError: one line naming the file and line."""
     path, use_handle = find(model_dir, entry_point, explicit)
     if path is None:
         return None
+    return _load(path, use_handle, properties, f"option.entryPoint={entry_point} names a module (its formatters "
+                                               "apply)")
+
+
+def _load(path: str, use_handle: bool, properties: dict, why_no_handle: str) -> CustomCode | None:
     folder = os.path.dirname(os.path.abspath(path))
     if folder not in sys.path:          # model.py imports its neighbours (LMI puts the model dir first)
         sys.path.insert(0, folder)
@@ -204,8 +223,7 @@ def load(model_dir: str, entry_point: str, explicit: bool, properties: dict) -> 
     if handle is not None and not callable(handle):
         handle = None
     if handle is not None and not use_handle:
-        log.warning("%s: handle() is not run: option.entryPoint=%s names a module (its formatters apply)",
-                    path, entry_point)
+        log.warning("%s: handle() is not run: %s", path, why_no_handle)
         handle = None
     code = CustomCode(path, Hook(handle, _where(handle)) if handle else None,
                       marked("is_input_formatter"), marked("is_output_formatter"))

@@ -29,7 +29,7 @@ REPO = pathlib.Path(__file__).resolve().parents[2]
 def app(demo_model_factory, tmp_path_factory):
     """One app (fake runner) whose custom code each test sets."""
     state, client = make_app(demo_model_factory("llama"), tmp_path_factory.mktemp("custom"), "",
-                             max_model_len=512)
+                             max_model_len=1024)
     yield state, client
     state.engine.runner.hold.set()
     state.engine.shutdown()
@@ -68,6 +68,31 @@ def test_documented_base_formatters(app):
     r = post(client, {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
     assert r.status_code == 200 and "custom_formatter_applied" not in r.get_json()
     state.custom = None
+
+
+def test_documented_adapter_formatters_replace_the_models(app, monkeypatch):
+    from handler.http.routes import common
+    state, client = app
+    use(state, "formatters_base")
+    state.adapter_custom = custom.load_adapters(str(EXAMPLES / "formatters_base"), {})
+    assert list(state.adapter_custom) == ["my_adapter"]
+    seen = []
+    # LoRA is off in this app: the request runs on the base model, the choice of formatters is what is tested.
+    monkeypatch.setattr(common, "pick_adapter", lambda client_, gen, cfg: seen.append((gen.prompts, gen.params)))
+    r = post(client, {"inputs": "hi", "adapters": "my_adapter"})
+    assert r.status_code == 200, r.get_data(as_text=True)
+    out = r.get_json()
+    assert seen[0][0] == ["[ADAPTER_PREFIX] hi"] and seen[0][1].max_new_tokens == 512
+    assert seen[0][1].temperature == 0.7 and seen[0][1].do_sample       # current LMI: temperature samples
+    assert out["adapter_name"] == "my_adapter" and out["generated_text"].startswith("[ADAPTER] ")
+    assert "custom_formatter_applied" not in out
+    # SageMaker's adapter header picks it too; another adapter (or none) gets the model's formatters.
+    r = post(client, {"inputs": "hi", "parameters": {"max_new_tokens": 2}},
+             headers={"X-Amzn-SageMaker-Adapter-Identifier": "my_adapter"})
+    assert r.get_json()["adapter_name"] == "my_adapter"
+    r = post(client, {"inputs": "hi", "adapters": "other", "parameters": {"max_new_tokens": 2}})
+    assert r.get_json()["custom_formatter_applied"] is True and "adapter_name" not in r.get_json()
+    state.custom, state.adapter_custom = None, {}
 
 
 @pytest.mark.parametrize("example, message", [

@@ -10,7 +10,7 @@ from handler.engine.request import SamplingParams
 from handler.engine.request import RequestError
 from handler.http.custom import CustomCallError
 from handler.http.protocols import lmi, openai
-from handler.http.routes.common import (JSONLINES, SSE, STREAMING_FORMATTERS, body_bytes, body_json, current_state,
+from handler.http.routes.common import (ADAPTER_HEADER, JSONLINES, SSE, STREAMING_FORMATTERS, body_bytes, body_json, current_state,
                                         error_response, json_response, model_name, run, running_width,
                                         streamed)
 
@@ -53,13 +53,19 @@ def invocations(model=None):
     sse = formatter in ("sse", "sse_chat") or (tgi_compat and formatter == "json")
     tgi_shape = tgi_compat and formatter in ("json", "sse")
     line = compat.line(cfg)
+    code = custom       # the formatters in force: the adapter's model.py over the model's (LMI)
 
     def parse(tokenizer):
+        nonlocal code
         # The body's shape picks its API (current LMI: prompt, inputs, messages, in that order).
         payload = body_json()
-        if custom is not None and custom.input_formatter is not None:
+        if state.adapter_custom:
+            name = payload.get("adapters") if isinstance(payload, dict) else None
+            code = state.adapter_custom.get(name if isinstance(name, str) else request.headers.get(ADAPTER_HEADER),
+                                            custom)
+        if code is not None and code.input_formatter is not None:
             try:
-                payload = custom.format_input(payload, tokenizer)
+                payload = code.format_input(payload, tokenizer)
             except CustomCallError as e:
                 raise RequestError("body", f"Custom formatter failed: {e}", status=424) from None
         if line.prompt_as_completion and isinstance(payload, dict) and payload.get("prompt") is not None:
@@ -83,9 +89,9 @@ def invocations(model=None):
             body = openai.encode(gen, samples, model_name(cfg))
         else:
             body = lmi.encode(gen, samples, tgi=tgi_shape)
-        if custom is not None:
+        if code is not None:
             try:
-                body = custom.format_output(body)
+                body = code.format_output(body)
             except CustomCallError as e:
                 return error_response(424, f"Custom formatter failed: {e}")
         return json_response(body)
@@ -96,7 +102,7 @@ def invocations(model=None):
             lines = openai.stream(gen, events, model_name(cfg), sse=sse)
         else:
             lines = lmi.stream(gen, events, sse, tgi=tgi_shape)
-        return streamed(state, custom.format_lines(lines, sse) if custom is not None else lines, events, mimetype)
+        return streamed(state, code.format_lines(lines, sse) if code is not None else lines, events, mimetype)
 
     return run(parse, error_response, respond, stream)
 
