@@ -22,7 +22,8 @@ from typing import Iterator, Mapping
 
 from handler.config import compat, hardware, sizing
 from handler.config.schema import (ALIASES, DEFAULT_ENTRY_POINT, DEFAULT_MODEL_DIR, ENV_ALIASES, EXTRA_ENV,
-                                   IGNORED_KEYS, KNOWN_KEYS, PORT, SCHEMA, TYPED_KEYS, _Bad, default_of)
+                                   IGNORED_KEYS, KNOWN_KEYS, LMI_ENTRY_POINTS, PORT, SCHEMA, TYPED_KEYS, _Bad,
+                                   default_of)
 from handler.config.sizing import read_heads as model_heads
 
 
@@ -459,7 +460,7 @@ def _resolve_strategy(src: _Sources) -> dict:
                           f"option.max_model_len={max_model_len}; raise it or lower max_model_len")
 
     entry_point = get("option.entryPoint")
-    if entry_point != DEFAULT_ENTRY_POINT and not entry_point.endswith(".py"):    # a .py: handler/http/custom.py
+    if entry_point not in LMI_ENTRY_POINTS and not entry_point.endswith(".py"):    # a .py: handler/http/custom.py
         warnings.append(f"{where('option.entryPoint')} is not run: this server uses its built-in engine "
                         f"({DEFAULT_ENTRY_POINT}) and the model directory's model.py formatters, if any")
     if get("engine") not in ("Python", "MPI"):

@@ -15,6 +15,9 @@ from typing import Callable, Mapping
 
 DEFAULT_MODEL_DIR = "/opt/ml/model"
 DEFAULT_ENTRY_POINT = "djl_python.huggingface"
+# LMI's own handler modules: each is what the built-in engine does here (no warning).
+LMI_ENTRY_POINTS = (DEFAULT_ENTRY_POINT, "djl_python.lmi_vllm.vllm_async_service", "djl_python.lmi_dist",
+                    "djl_python.vllm", "djl_python.lmi_trtllm.trtllm_async_service", "djl_python.tensorrt_llm")
 
 
 # --------------------------------------------------------------------------------------

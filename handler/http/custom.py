@@ -30,10 +30,6 @@ from dataclasses import dataclass
 
 log = logging.getLogger("lmi.custom")
 
-LMI_MODULES = ("djl_python.huggingface", "djl_python.lmi_vllm.vllm_async_service",
-               "djl_python.lmi_trtllm.trtllm_async_service")
-
-
 class CustomCodeError(Exception):
     """model.py cannot be used: str(e) is one line naming the file and line."""
 

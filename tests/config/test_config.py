@@ -462,8 +462,9 @@ def test_file_keys_match_known_keys_case_insensitively(load):
 
 
 def test_other_entry_point_warns(load):
-    cfg = load("option.entryPoint=djl_python.lmi_vllm.vllm_async_service\n")
-    assert any("option.entryPoint=djl_python.lmi_vllm.vllm_async_service is not run" in w for w in cfg.warnings)
+    cfg = load("option.entryPoint=my_company.handler\n")
+    assert any("option.entryPoint=my_company.handler is not run" in w for w in cfg.warnings)
+    assert load("option.entryPoint=djl_python.lmi_vllm.vllm_async_service\n").warnings == ()   # LMI's own: ours
     cfg = load("option.entryPoint=model.py\n")     # a file: its handle() runs (handler/http/custom.py)
     assert cfg.entry_point == "model.py" and cfg.warnings == ()
 
