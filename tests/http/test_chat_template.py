@@ -9,6 +9,7 @@ import pytest
 from handler.config import ConfigError, load_config
 from handler.engine.request import RequestError
 from handler.http.protocols import openai
+from tests.config.test_config import model_dir  # noqa: F401  (the fixture: a directory that passes the checks)
 from tests.support.server import Server
 
 # A template that loops over OpenAI content parts (as multimodal templates do) and one that takes text.
@@ -19,16 +20,11 @@ MESSAGES = [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type":
 
 
 @pytest.fixture
-def load(tmp_path):
-    model = tmp_path / "model"
-    model.mkdir()
-    (model / "config.json").write_text("{}")
-    (model / "model.safetensors").write_bytes(b"")
-
+def load(tmp_path, model_dir):
     def _load(text: str, **kw):
         p = tmp_path / "serving.properties"
         p.write_text(text)
-        return load_config(str(p), str(model), env={}, gpu_count=0, **kw)
+        return load_config(str(p), model_dir, env={}, gpu_count=0, **kw)
     return _load
 
 
