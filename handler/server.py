@@ -117,6 +117,8 @@ def engine_for(cfg, runner, on_step=None, waker=None):
 
     width = _width(cfg)
     runner.batch_invariant = cfg.batch_invariant
+    if getattr(cfg, "chat_template", None) and runner.tokenizer is not None:
+        runner.tokenizer.chat_template = cfg.chat_template     # option.chat_template replaces the tokenizer's
     policy = SchedulerPolicy(cfg.strategy, max_batch_size=width,
                              max_batch_delay_s=cfg.max_batch_delay_ms / 1000.0,
                              prefill_token_budget=cfg.max_rolling_batch_prefill_tokens,
@@ -158,13 +160,15 @@ def check_model_readable(model_dir: str) -> None:
                                   f"({type(e).__name__}: {e})") from None
 
 
-def create_state(cfg, load_async: bool = True, hub: bool = False):
+def create_state(cfg, load_async: bool = True, hub: bool = False, custom=None, adapter_custom=None):
     """The app's state; the engine is built in a background thread so /ping answers meanwhile.
     hub: requests are greenlets of this thread's gevent hub (the gevent worker), which the engine
     wakes once per step (handler/http/hub.py)."""
     from handler.http.app import ServerState
 
     state = ServerState(cfg)
+    state.custom = custom
+    state.adapter_custom = adapter_custom or {}
     if hub:
         from handler.http.hub import HubWaker
         state.waker = HubWaker()
@@ -212,7 +216,7 @@ def http_worker(env) -> str:
 
 
 def _gunicorn_app(cfg, host: str, port: int, threads: int, worker: str = "gevent",
-                  connections: int = 1000):
+                  connections: int = 1000, custom=None, adapter_custom=None):
     from gunicorn.app.base import BaseApplication
 
     from handler.http import worker as http_worker_mod
@@ -241,13 +245,15 @@ def _gunicorn_app(cfg, host: str, port: int, threads: int, worker: str = "gevent
             from handler.http.metrics import configure_logging
 
             configure_logging(cfg.log_format)      # gunicorn's own log handlers exist by now
-            return create_app(create_state(cfg, hub=worker == "gevent"))
+            return create_app(create_state(cfg, hub=worker == "gevent", custom=custom,
+                                           adapter_custom=adapter_custom))
 
     return App()
 
 
 def main(argv: list[str]) -> int:
     from handler.config import ConfigError, check_tp_heads, load_config
+    from handler.config.compat import describe as describe_line
 
     p = argparse.ArgumentParser(prog="python -m handler serve", description="Serve a causal LM "
                                 "behind SageMaker's HTTP contract (/ping, /invocations).")
@@ -276,6 +282,15 @@ def main(argv: list[str]) -> int:
             except S3ModelError as e:
                 raise ConfigError(str(e)) from None
             check_tp_heads(cfg.model_dir, cfg.tensor_parallel_degree, cfg.model_id)
+        elif not cfg.model_dir:     # a hub model id (handler/config/properties.py is_hub_id)
+            from handler.model.hf_hub import HubModelError, resolve_model_dir as hub_model_dir
+            try:
+                cfg = replace(cfg, model_dir=hub_model_dir(cfg.model_id, cfg.revision))
+            except HubModelError as e:
+                raise ConfigError(str(e)) from None
+            check_tp_heads(cfg.model_dir, cfg.tensor_parallel_degree, cfg.model_id)
+        # model.py sits in the model directory (a .gguf file's: the file's), not in its conversion
+        code_dir = os.path.dirname(cfg.model_dir) if os.path.isfile(cfg.model_dir) else cfg.model_dir
         from handler.model.gguf import GGUFError, hf_dir_for
         try:    # a GGUF model converted once, here: a bad file is one line and exit 2, not a worker boot error
             cfg = replace(cfg, model_dir=hf_dir_for(cfg.model_dir, cfg.dtype, cfg.device))
@@ -283,11 +298,21 @@ def main(argv: list[str]) -> int:
             raise ConfigError(str(e)) from None
         check_model_readable(cfg.model_dir)
         worker = http_worker(os.environ)
+        from handler.http.custom import CustomCodeError, load as load_custom, load_adapters, model_properties
+        try:    # model.py: imported once here (the worker forks after), a bad one is one line
+            custom = load_custom(code_dir, cfg.entry_point, "option.entryPoint" in cfg.properties,
+                                 model_properties(cfg.properties))
+            adapter_custom = load_adapters(code_dir, model_properties(cfg.properties)) if cfg.enable_lora else {}
+        except CustomCodeError as e:
+            raise ConfigError(str(e)) from None
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     for w in cfg.warnings:
         log.warning("%s", w)
+    log.info("%s", describe_line(cfg.lmi_compat))
+    for code in ([custom] if custom is not None else []) + list(adapter_custom.values()):
+        log.info("%s", code.describe())
     port = a.port or cfg.port
     width = max(cfg.batch_size, cfg.max_rolling_batch_size)
     threads = a.threads or min(1024, max(64, width + cfg.job_queue_size // 4 + 8))
@@ -298,5 +323,5 @@ def main(argv: list[str]) -> int:
              f"{threads} threads" if worker == "gthread" else
              f"up to {connections} connections, headers within {cfg.http_header_timeout_s:g} s, "
              f"bodies within {cfg.http_body_timeout_s:g} s")
-    _gunicorn_app(cfg, a.host, port, threads, worker, connections).run()
+    _gunicorn_app(cfg, a.host, port, threads, worker, connections, custom, adapter_custom).run()
     return 0

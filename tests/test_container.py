@@ -157,9 +157,9 @@ def test_local_container_build_run_and_stop(image):
 
 
 def _package_digests(root: Path) -> dict[str, str]:
-    """{relative path: sha256} of the package's Python and C files under root (handler/, kernels/)."""
+    """{relative path: sha256} of the package's Python and C files under root (handler/, kernels/, djl_python/)."""
     out = {}
-    for top in ("handler", "kernels"):
+    for top in ("handler", "kernels", "djl_python"):
         for f in sorted((root / top).rglob("*")):
             rel = f.relative_to(root).as_posix()
             if f.suffix in (".py", ".c", ".h") and "__pycache__" not in rel and not rel.startswith("handler/tools/"):
@@ -178,7 +178,7 @@ def test_image_holds_this_checkouts_package(image):
         "import hashlib, importlib.util, json, pathlib, sys, sysconfig",
         "root = pathlib.Path(sysconfig.get_path('purelib'))",
         "digests = {}",
-        "for top in ('handler', 'kernels'):",
+        "for top in ('handler', 'kernels', 'djl_python'):",
         "    for f in sorted((root / top).rglob('*')):",
         "        rel = f.relative_to(root).as_posix()",
         "        if f.suffix in ('.py', '.c', '.h') and '__pycache__' not in rel:",

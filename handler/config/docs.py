@@ -18,6 +18,7 @@ import re
 import sys
 from typing import Callable
 
+from handler.config import compat
 from handler.config.schema import ALIASES, IGNORED, KEYS, PORT, SCHEMA, Key
 from handler.config.switches import SWITCHES
 
@@ -110,11 +111,20 @@ def render_switches_table() -> str:
     return "\n".join(rows)
 
 
+def render_lmi_lines() -> str:
+    """docs/PROPERTIES.md's table of what each option.lmi_compat line changes."""
+    names = list(compat.LINES)
+    rows = ["| behaviour | " + " | ".join(_code(n) for n in names) + " |", "|---|" + "---|" * len(names)]
+    for what, by_line in compat.DIFFERENCES:
+        rows.append(_row(what, *(by_line[n] for n in names)))
+    return "\n".join(rows)
+
+
 # file (relative to the repository root) -> block name -> renderer; `required`: a file whose
 # markers must exist (README.md's block is filled only once its markers are there).
 BLOCKS: dict[str, dict[str, Callable[[], str]]] = {
     "docs/PROPERTIES.md": {"properties": render_properties_table, "ignored-keys": render_ignored_keys,
-                           "switches": render_switches_table},
+                           "switches": render_switches_table, "lmi-lines": render_lmi_lines},
     "README.md": {"properties-summary": render_properties_summary},
 }
 REQUIRED = {"docs/PROPERTIES.md"}

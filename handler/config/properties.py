@@ -20,9 +20,10 @@ import sys
 from dataclasses import dataclass
 from typing import Iterator, Mapping
 
-from handler.config import hardware, sizing
+from handler.config import compat, hardware, sizing
 from handler.config.schema import (ALIASES, DEFAULT_ENTRY_POINT, DEFAULT_MODEL_DIR, ENV_ALIASES, EXTRA_ENV,
-                                   IGNORED_KEYS, KNOWN_KEYS, PORT, SCHEMA, TYPED_KEYS, _Bad, default_of)
+                                   IGNORED_KEYS, KNOWN_KEYS, LMI_ENTRY_POINTS, PORT, SCHEMA, TYPED_KEYS, _Bad,
+                                   default_of)
 from handler.config.sizing import read_heads as model_heads
 
 
@@ -166,6 +167,7 @@ class ServingConfig:
     request_timeout_s: float
     graceful_timeout_s: float     # SIGTERM -> in-flight work may finish for this long
     rolling_batch: str            # "disable" | "auto" | "scheduler" | "lmi-dist" | "vllm"
+    lmi_compat: str               # the LMI behaviour line: "current" | "0.31" | "0.26" (handler/config/compat.py)
     paged_attention: bool
     max_rolling_batch_size: int
     max_rolling_batch_prefill_tokens: int
@@ -182,6 +184,7 @@ class ServingConfig:
     cpu_kernels: str              # "auto" | "avx512" | "avx2" | "neon" | "torch" (kernels/isa.py)
     quantize: str | None          # None | "int8" (handler/model/quant.py) | awq | gptq | gguf | none (quant_int4.py)
     entry_point: str
+    revision: str | None          # a hub model id's branch, tag or commit (handler/model/hf_hub.py)
     output_formatter: str         # "json" | "jsonlines" | "sse" | "json_chat" | "jsonlines_chat" | "sse_chat"
     max_payload_mb: float         # request bodies above this are refused (413)
     batch_invariant: bool         # numerics independent of what shares the batch
@@ -207,6 +210,8 @@ class ServingConfig:
     reasoning_parser: str = default_of("option.reasoning_parser")    # handler/http/protocols/reasoning.py
     responses_store_max_items: int = default_of("option.responses_store_max_items")   # handler/http/protocols/store.py
     responses_store_max_mb: float = default_of("option.responses_store_max_mb")
+    chat_template: str | None = None      # option.chat_template's text (a file's, read at start-up)
+    chat_template_content_format: str = default_of("option.chat_template_content_format")
     speculative_config: dict | None = None          # option.speculative_config, parsed (vLLM's JSON)
     speculative_draft_model: str | None = None
     speculative_length: int | None = None
@@ -279,6 +284,16 @@ def check_tp_heads(model_dir: str, degree: int, origin: str) -> None:
         raise ConfigError(f"{origin}: option.tensor_parallel_degree={degree} does not divide the heads of "
                           f"{arch} in {model_dir} (num_attention_heads={heads}, num_key_value_heads={kv}); "
                           "use a degree that divides both")
+
+
+# huggingface_hub's validate_repo_id: [org/]name of letters, digits, '-', '_', '.', not '--' or '..'.
+_REPO_ID = re.compile(r"(?:[A-Za-z0-9][\w.-]{0,95}/)?[A-Za-z0-9][\w.-]{0,95}")
+
+
+def is_hub_id(model_id: str) -> bool:
+    """A model id as the hub spells them (`org/name` or `name`), not a path (handler/model/hf_hub.py)."""
+    return bool(_REPO_ID.fullmatch(model_id)) and "--" not in model_id and ".." not in model_id \
+        and not model_id.endswith((".", ".git"))
 
 
 _S3_URI = re.compile(r"s3://[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9](/.*)?", re.IGNORECASE)
@@ -395,10 +410,12 @@ def _resolve_strategy(src: _Sources) -> dict:
     """LMI semantics: batch_size / rolling_batch / paged_attention -> strategy, and the
     settings that only make sense with some strategies. Returns ServingConfig fields."""
     get, where, warnings = src.get, src.where, src.warnings
+    line = compat.LINES[get("option.lmi_compat")]
     batch_size = get("batch_size")
-    rolling_batch = get("option.rolling_batch")
+    # Absent: the line's default; batch_size > 1 means dynamic batching (as LMI's recommender).
+    rolling_batch = get("option.rolling_batch", line.rolling_batch if batch_size == 1 else "disable")
     paged = get("option.paged_attention")
-    max_rolling = get("option.max_rolling_batch_size")
+    max_rolling = get("option.max_rolling_batch_size", line.max_rolling_batch_size)
     if rolling_batch == "disable":
         strategy = "dynamic" if batch_size > 1 else "none"
         if paged:
@@ -445,23 +462,24 @@ def _resolve_strategy(src: _Sources) -> dict:
                           f"option.max_model_len={max_model_len}; raise it or lower max_model_len")
 
     entry_point = get("option.entryPoint")
-    if entry_point != DEFAULT_ENTRY_POINT:
-        warnings.append(f"{where('option.entryPoint')} is not run: this server always uses its "
-                        f"built-in Hugging Face engine ({DEFAULT_ENTRY_POINT})")
+    if entry_point not in LMI_ENTRY_POINTS and not entry_point.endswith(".py"):    # a .py: handler/http/custom.py
+        warnings.append(f"{where('option.entryPoint')} is not run: this server uses its built-in engine "
+                        f"({DEFAULT_ENTRY_POINT}) and the model directory's model.py formatters, if any")
     if get("engine") not in ("Python", "MPI"):
         warnings.append(f"{where('engine')}: this server runs its built-in engine for every LMI "
                         f"engine name (Python and MPI are the same here)")
     return dict(strategy=strategy, batch_size=batch_size, rolling_batch=rolling_batch,
                 paged_attention=paged, max_rolling_batch_size=max_rolling,
                 output_formatter=output_formatter, block_size=block_size,
-                kv_cache_tokens=kv_tokens, max_model_len=max_model_len, entry_point=entry_point)
+                kv_cache_tokens=kv_tokens, max_model_len=max_model_len, entry_point=entry_point,
+                lmi_compat=line.name)
 
 
 def _resolve_devices(src: _Sources, env: Mapping[str, str], gpu_count: int | None) -> dict:
     """Device, tensor-parallel degree and port; torch is asked only when the answer matters."""
     get, where = src.get, src.where
     device = get("option.device")
-    tp = get("option.tensor_parallel_degree")
+    tp = get("option.tensor_parallel_degree", compat.LINES[get("option.lmi_compat")].tensor_parallel_degree)
     if tp == "max" or tp > 1 or device == "cuda":
         if gpu_count is None:
             gpu_count = hardware.visible_gpus()
@@ -472,6 +490,14 @@ def _resolve_devices(src: _Sources, env: Mapping[str, str], gpu_count: int | Non
         # All GPUs; on a CPU one rank: ranks on one host share its cores and its memory, so a
         # degree > 1 on CPU buys nothing but gloo all-reduces (it is for correctness runs).
         tp = gpu_count if on_gpu else 1
+    if tp > 1 and "option.tensor_parallel_degree" not in src.merged:
+        # The line's default (every GPU) yields to what cannot be sharded; an explicit degree is refused.
+        single = [k for k in ("option.enable_lora", "option.speculative_config", "option.speculative_draft_model",
+                              "option.batch_invariant") if get(k)]
+        if single:
+            src.warnings.append(f"option.tensor_parallel_degree defaults to 1 here, not {tp} (every GPU): "
+                                f"{', '.join(single)} runs on one rank; set the degree to silence this")
+            tp = 1
     if tp > 1:
         if on_gpu and tp > gpu_count:
             raise ConfigError(f"{where('option.tensor_parallel_degree')} needs {tp} GPUs (one rank per GPU), "
@@ -523,12 +549,14 @@ def _resolve_model(src: _Sources, model_dir: str, check_model: bool) -> dict:
             candidates = [path] if os.path.isabs(path) else \
                 [os.path.join(b, path) for b in bases + [os.getcwd()]]
             local = next((os.path.abspath(c) for c in candidates if os.path.isdir(c) or _is_gguf_file(c)), None)
-            if local is None:
+            if local is None and mkey == "option.model_id" and is_hub_id(model_id):
+                local = ""      # a hub id: fetched at start-up (handler/model/hf_hub.py), as LMI
+            elif local is None:
                 raise ConfigError(
-                    f"{where(mkey)} is neither a local directory nor an s3:// URI; this container "
-                    "has no model hub access: put the model (config.json + *.safetensors) in the "
+                    f"{where(mkey)} is neither a local directory, an s3:// URI nor a hub model id "
+                    "(org/name): put the model (config.json + *.safetensors) in the "
                     f"model directory (--model-dir, default {DEFAULT_MODEL_DIR}) or set "
-                    "option.model_id to a local directory or s3://bucket/prefix")
+                    "option.model_id to a local directory, s3://bucket/prefix or org/name")
     else:
         model_id = local = model_dir
         if check_model and not (os.path.isdir(model_dir) or _is_gguf_file(model_dir)):
@@ -615,6 +643,50 @@ def _resolve_spec(src: _Sources, tp_degree: int) -> dict:
     return dict(speculative=spec)
 
 
+def _resolve_chat_template(src: _Sources, model_dir: str) -> dict:
+    """option.chat_template: a file (read now) or the template's text; compiled to catch syntax errors."""
+    value = src.get("option.chat_template")
+    if value is None:
+        return {}
+    key = "option.chat_template"
+    bases = [os.path.dirname(os.path.abspath(src.properties_path))] if src.properties_path else []
+    path = os.path.expanduser(value.strip())
+    candidates = [path] if os.path.isabs(path) else [os.path.join(b, path) for b in bases + [model_dir, os.getcwd()]]
+    found = next((c for c in candidates if os.path.isfile(c)), None)
+    if found is not None:
+        try:
+            with open(found, encoding="utf-8") as f:
+                text = f.read()
+        except (OSError, UnicodeDecodeError) as e:
+            raise ConfigError(f"{src.where(key)}: cannot read {found}: {e}") from None
+        origin = found
+    elif "{{" in value or "{%" in value:
+        text, origin = value, src.merged[key].source
+    else:
+        raise ConfigError(f"{src.where(key)} is neither a file (looked in {', '.join(candidates)}) nor a Jinja "
+                          "template; give a template file or the template text")
+    import jinja2
+    try:
+        jinja2.Environment().parse(text)
+    except jinja2.TemplateSyntaxError as e:
+        raise ConfigError(f"{src.where(key)}: {origin}, template line {e.lineno}: {e.message}") from None
+    return dict(chat_template=text)
+
+
+def _dividing_degree(src: _Sources, model_dir: str, gpus: int) -> int:
+    """The largest degree <= gpus dividing the model's attention and KV heads (a warning when < gpus)."""
+    found = model_heads(model_dir)
+    if found is None:
+        return gpus
+    arch, heads, kv = found
+    degree = next(d for d in range(gpus, 0, -1) if heads % d == 0 and kv % d == 0)
+    if degree < gpus:
+        src.warnings.append(f"option.tensor_parallel_degree defaults to {degree}, not {gpus} (every GPU): "
+                            f"{degree} is the most ranks that divide the heads of {arch} "
+                            f"(num_attention_heads={heads}, num_key_value_heads={kv})")
+    return degree
+
+
 def load_config(properties_path: str | None = None, model_dir: str | None = None,
                 env: Mapping[str, str] | None = None, check_model: bool = True,
                 gpu_count: int | None = None) -> ServingConfig:
@@ -630,13 +702,23 @@ def load_config(properties_path: str | None = None, model_dir: str | None = None
     model = _resolve_model(src, model_dir, check_model)
     if model["model_dir"] and devices["tensor_parallel_degree"] > 1:
         key = "option.tensor_parallel_degree"
+        if key not in src.merged:      # the line's default (every GPU): the most GPUs that divide the heads
+            devices["tensor_parallel_degree"] = _dividing_degree(src, model["model_dir"],
+                                                                 devices["tensor_parallel_degree"])
         check_tp_heads(model["model_dir"], devices["tensor_parallel_degree"],
                        src.merged[key].source if key in src.merged else "option.tensor_parallel_degree=max")
     # Every key with a field: its value, an alias's, or the default; the stages' results over them.
     direct = {k.field_name: src.resolved(k.name) for k in SCHEMA.values() if k.field_name}
     quant = _resolve_quantize(direct["quantize"], model["model_dir"], devices["device"], gpu_count)
+    template = _resolve_chat_template(src, model["model_dir"] or model_dir)
+    if src.get("option.enable_reasoning") is not None:      # LMI's switch over option.reasoning_parser
+        if src.get("option.enable_reasoning") and direct["reasoning_parser"] == "none":
+            raise ConfigError(f"{src.where('option.enable_reasoning')} needs option.reasoning_parser; allowed: "
+                              + ", ".join(a for a in SCHEMA["option.reasoning_parser"].allowed if a != "none"))
+        if not src.get("option.enable_reasoning"):
+            direct["reasoning_parser"] = "none"
     return ServingConfig(**{
-        **direct, **strategy, **devices, **model, **lora, **quant, **spec,
+        **direct, **strategy, **devices, **model, **lora, **quant, **spec, **template,
         "properties_file": os.path.abspath(src.properties_path) if src.properties_path else None,
         "warnings": tuple(src.warnings),
         "properties": {k: v.raw for k, v in sorted(src.merged.items())},

@@ -15,6 +15,9 @@ from typing import Callable, Mapping
 
 DEFAULT_MODEL_DIR = "/opt/ml/model"
 DEFAULT_ENTRY_POINT = "djl_python.huggingface"
+# LMI's own handler modules: each is what the built-in engine does here (no warning).
+LMI_ENTRY_POINTS = (DEFAULT_ENTRY_POINT, "djl_python.lmi_vllm.vllm_async_service", "djl_python.lmi_dist",
+                    "djl_python.vllm", "djl_python.lmi_trtllm.trtllm_async_service", "djl_python.tensorrt_llm")
 
 
 # --------------------------------------------------------------------------------------
@@ -107,6 +110,17 @@ def _adapter_roots(v: str) -> tuple[str, ...]:
 
 
 _adapter_roots.doc = "comma-separated absolute directories and `s3://bucket/prefix`es"
+
+
+def _lmi_line(v: str) -> str:
+    from handler.config.compat import line_of
+    try:
+        return line_of(v)
+    except ValueError as e:
+        raise _Bad(str(e)) from None
+
+
+_lmi_line.allowed = ("current", "0.31", "0.26")
 
 
 def _non_empty(v: str) -> str:
@@ -211,19 +225,34 @@ KEYS: tuple[Key, ...] = (
         "working directory. A `.gguf` file (or a directory holding one) is converted once into "
         "`LMI_MODEL_CACHE` (config, tokenizer, dequantized tensors); a Llama-family model then serves its "
         "Q4_0/Q4_1/Q8_0 linear weights as they are (`option.quantize=gguf`, the default; `none` keeps the "
-        "dequantized ones). No model hub: a hub id is an error",
-        values="local dir, `.gguf` file or `s3://bucket/prefix`", env=("HF_MODEL_ID",), default_doc="the model dir"),
+        "dequantized ones). A hub id (`org/name`, as LMI and the SageMaker SDK's `HF_MODEL_ID`) is fetched at "
+        "start-up with huggingface_hub (safetensors, config, tokenizer, chat template only) into "
+        "`LMI_MODEL_CACHE`/hub; `HF_TOKEN`, `HF_ENDPOINT` (a mirror) and `HF_HUB_OFFLINE` apply; an unknown "
+        "id or an unreachable hub without a cached copy stops the start-up in one line",
+        values="local dir, `.gguf` file, `s3://bucket/prefix` or hub id `org/name`", env=("HF_MODEL_ID",),
+        default_doc="the model dir"),
+    Key("option.revision", _non_empty, "a hub model id's branch, tag or commit", values="git revision",
+        default_doc="`main`", env=("HF_REVISION",)),
     Key("option.s3url", _non_empty,
         "LMI's older name for an S3 `option.model_id` (used when `option.model_id` is absent)",
         values="`s3://bucket/prefix`", alias_of="option.model_id"),
+    Key("option.lmi_compat", _lmi_line,
+        "the LMI release line this endpoint behaves as: the defaults of absent keys and how `/invocations` "
+        "reads a body (the table \"LMI version lines\" below lists every difference); the start-up log "
+        "names the line in force", default="current",
+        values="`current`, `0.31`, `0.26` (or an LMI version: ≤ 0.26, 0.27-0.31, ≥ 0.32 is `current`)"),
     Key("option.rolling_batch", _enum(ROLLING_BATCH_VALUES),
-        "iteration-level (continuous) batching on/off; see the strategy table", default="disable"),
+        "iteration-level (continuous) batching on/off; see the strategy table",
+        default_doc="`auto` (`disable` with `option.lmi_compat=0.26`, or with `batch_size` > 1)",
+        summary_default="`auto` (0.26: `disable`)"),
     Key("option.paged_attention", _bool,
         "paged KV cache (strategy `paged`) vs contiguous (strategy `rolling`)",
         default_doc="`true` for `auto`/`lmi-dist`/`vllm`, `false` for `scheduler`",
         summary_default="`true` (`false` for `scheduler`)"),
-    Key("option.max_rolling_batch_size", _int(1), "rolling/paged: most sequences decoded together",
-        default=32, unit="sequences", env=("MAX_BATCH_SIZE",)),
+    Key("option.max_rolling_batch_size", _int(1),
+        "rolling/paged: most sequences decoded together (the KV pool bounds how many run at full length: "
+        "`config --explain`)", unit="sequences", env=("MAX_BATCH_SIZE",),
+        default_doc="256 (32 with `option.lmi_compat=0.26`)", summary_default="256 (0.26: 32)"),
     Key("option.max_rolling_batch_prefill_tokens", _int(1), "rolling/paged: prompt tokens admitted per step",
         default=4096, unit="tokens", env=("MAX_BATCH_PREFILL_TOKENS",)),
     Key("option.block_size", _block_size, "paged: tokens per KV block", default=16, unit="tokens"),
@@ -258,7 +287,8 @@ KEYS: tuple[Key, ...] = (
         "count warns). Refused in one line: more ranks than GPUs, a degree that does not divide "
         "`num_attention_heads` and `num_key_value_heads`, an architecture without a transformers "
         "tensor-parallel plan (e.g. GPT-2)",
-        default=1, values="ranks, ≥ 1, or `max` (= visible GPUs; 1 on a CPU host)",
+        default_doc="`max` (1 with `option.lmi_compat=0.26`)", summary_default="`max` (0.26: 1)",
+        values="ranks, ≥ 1, or `max` (= visible GPUs; 1 on a CPU host)",
         env=("TENSOR_PARALLEL_DEGREE", "SM_NUM_GPUS")),
     Key("option.trust_remote_code", _bool, "allow model code shipped in the model directory", default=False,
         env=("HF_MODEL_TRUST_REMOTE_CODE",)),
@@ -276,8 +306,11 @@ KEYS: tuple[Key, ...] = (
         "start-up log and `config --explain` name the choice and why. Ignored on a GPU", default="auto",
         env=("LMI_CPU_KERNELS",)),
     Key("option.entryPoint", _non_empty,
-        "LMI handler; any other value warns that the built-in engine is used anyway",
-        default=DEFAULT_ENTRY_POINT, values="module name", field="entry_point"),
+        "LMI handler: a `.py` file (relative to the model directory) whose `handle(inputs)` answers "
+        "`/invocations` (LMI's custom handler; the model directory's `model.py` is used without this key); "
+        "a module name runs the built-in engine (another than the default warns), with `model.py`'s "
+        "`@input_formatter`/`@output_formatter` if any (docs/API.md \"Custom code\")",
+        default=DEFAULT_ENTRY_POINT, values="`.py` file or module name", field="entry_point"),
     Key("option.output_formatter", _enum(["json", "jsonlines", "sse", "json_chat", "jsonlines_chat", "sse_chat"]),
         "default response format of `/invocations` (`jsonlines`/`sse` stream tokens; `*_chat` answer in "
         "Chat Completions objects)", default="json"),
@@ -345,7 +378,9 @@ KEYS: tuple[Key, ...] = (
         "per forward; prompts prefill at decode speed)", default=False),
     # OpenAI chat output parsing (LMI's / vLLM's names): handler/http/protocols/tool_parsers.py, reasoning.py.
     Key("option.tool_call_parser", _enum(["auto", "hermes", "llama3_json", "mistral", "pythonic", "granite", "qwen3_coder"],
-                                         {"llama4_pythonic": "pythonic", "llama3": "llama3_json"}),
+                                         {"llama4_pythonic": "pythonic", "llama3": "llama3_json",
+                                          # vLLM's other names for the same formats (one parser class each there)
+                                          "llama4_json": "llama3_json", "qwen3_xml": "qwen3_coder"}),
         "the format `tool_choice: \"auto\"` parses calls from: `hermes` (Qwen2.5/Qwen3 `<tool_call>{json}"
         "</tool_call>`, or the bare JSON object small Qwen models write), `llama3_json` (Llama 3.1-3.3 "
         "`<|python_tag|>{\"name\", \"parameters\"}`), `mistral` (`[TOOL_CALLS][...]`), `pythonic` "
@@ -355,6 +390,16 @@ KEYS: tuple[Key, ...] = (
     Key("option.enable_auto_tool_choice", _bool,
         "accept `tool_choice: \"auto\"` (the default when a request has tools); `false` refuses it with a 400 "
         "(`required` and a named function still work)", default=True),
+    Key("option.chat_template", _non_empty,
+        "the chat template chat requests render with, replacing the tokenizer's (vLLM's `--chat-template`): "
+        "a Jinja file (absolute, or relative to the properties file's directory, the model directory or the "
+        "working directory) or the template text itself; checked at start-up (a syntax error names its line); "
+        "tool-format detection (`option.tool_call_parser=auto`) reads it too",
+        values="file path or Jinja text", default_doc="(the tokenizer's)", field=None),
+    Key("option.chat_template_content_format", _enum(["auto", "string", "openai"]),
+        "how a message's `content` reaches the template: `string` the text (parts joined with newlines), "
+        "`openai` a list of `{\"type\": \"text\", \"text\"}` parts (templates that loop over parts); "
+        "`auto` `openai` when the template loops over `content`, else `string`", default="auto"),
     Key("option.reasoning_parser", _enum(["none", "deepseek_r1", "qwen3"]),
         "split `<think>...</think>` from chat answers into `message.reasoning_content` (and "
         "`delta.reasoning_content` when streamed): `deepseek_r1` (the thinking may start without `<think>`), "
@@ -368,6 +413,10 @@ KEYS: tuple[Key, ...] = (
     Key("option.responses_store_max_mb", _float(0.0, None, False, "a number of megabytes >= 0"),
         "the stored responses' size at most (their JSON, conversation included); past it the least recently used "
         "are evicted, and a response larger than this alone is not stored", default=64.0, unit="MB (10^6 bytes)"),
+    Key("option.enable_reasoning", _bool,
+        "LMI's switch for `option.reasoning_parser` (vLLM's older `--enable-reasoning`): `true` needs a parser, "
+        "`false` keeps the thinking in `content` whatever the parser", default_doc="(the parser decides)",
+        field=None),
     # Multi-LoRA (LMI's / vLLM's names): adapters from MODEL_DIR/adapters/<name>/ and the routes.
     Key("option.enable_lora", _bool, "serve LoRA adapters (README \"LoRA adapters\")", default=False),
     Key("option.max_loras", _int(1),
@@ -432,7 +481,7 @@ IGNORED: tuple[str, ...] = (
     "cpu.maxWorkers", "load_on_devices", "required_memory_mb", "reserved_memory_mb",
     "log_model_metric", "metrics_aggregation", "translatorFactory",
     "option.max_input_len", "option.max_output_len", "option.task",
-    "option.revision", "option.model_loading_timeout", "option.low_cpu_mem_usage",
+    "option.model_loading_timeout", "option.low_cpu_mem_usage",
     "option.device_map", "option.load_in_8bit", "option.load_in_4bit", "option.mpi_mode",
     "option.parallel_loading", "option.disable_flash_attn",
     "option.pipeline_parallel_degree", "option.rolling_batch_strategy",

@@ -98,8 +98,9 @@ SWITCHES: dict[str, Switch] = {s.name: s for s in (
     Switch("LMI_LOG_LEVEL", "text", "INFO", "log level of the server and of the tensor-parallel ranks",
            "handler/server.py, " + _TP, values="`DEBUG`, `INFO`, `WARNING`, `ERROR`"),
     Switch("LMI_MODEL_CACHE", "text", "/tmp/lmi-serve/models", "root of the cache an `s3://` model is "
-           "downloaded to (`<root>/<bucket>/<prefix>`) and a `.gguf` model is dequantized into "
-           "(`<root>/gguf/<name>-<fingerprint>-<dtype>`)", "handler/model/s3.py, handler/model/gguf.py",
+           "downloaded to (`<root>/<bucket>/<prefix>`), a hub model id is fetched into (`<root>/hub`, the hub's "
+           "cache layout) and a `.gguf` model is dequantized into (`<root>/gguf/<name>-<fingerprint>-<dtype>`)",
+           "handler/model/s3.py, handler/model/hf_hub.py, handler/model/gguf.py",
            values="directory"),
     Switch("LMI_TP_MASTER_ADDR", "text", "127.0.0.1", "tensor parallelism: the address rank 0 listens on for "
            "the other ranks", _TP, values="host"),

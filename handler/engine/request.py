@@ -197,9 +197,21 @@ class Refused(Exception):
         self.error = error
 
 
+def lax_int(v):
+    """An integer as vLLM's (lax) pydantic models take it: "50" and 50.0 are 50; anything else as it is."""
+    if isinstance(v, str) and v.strip().lstrip("+-").isdigit():
+        return int(v)
+    if isinstance(v, float) and v.is_integer():
+        return int(v)
+    return v
+
+
 def _checked(check, schema_type=Any):
-    """A field checked by `check(field, value)`: its RequestError is the field's error."""
+    """A field checked by `check(field, value)`: its RequestError is the field's error. In a lax
+    validation (validated(..., lax=True)) an integer field takes "50" and 50.0 first."""
     def validate(v, info: ValidationInfo):
+        if schema_type is int and (info.context or {}).get("lax"):
+            v = lax_int(v)
         try:
             return check(info.field_name, v)
         except RequestError as e:
@@ -319,11 +331,15 @@ def render(model: type[BaseModel], err: dict, where: str, values) -> RequestErro
 
 
 def validated(model: type[BaseModel], values: dict, where: str, names: dict | None = None,
-              context: dict | None = None) -> BaseModel:
+              context: dict | None = None, lax: bool = False) -> BaseModel:
     """model(**values), or the RequestError of its first bad field. names: field -> the name
-    the body used for it (an alias), in the body's order: errors name it, the first one first."""
+    the body used for it (an alias), in the body's order: errors name it, the first one first.
+    lax: pydantic's lax mode over the model's strict one ("50" and 50.0 are 50, "0.5" is 0.5,
+    "true" is true), as vLLM's request models read LMI's parameters (option.lmi_compat=current)."""
     names = names or {}
     try:
+        if lax:
+            return model.model_validate(values, context={**(context or {}), "lax": True}, strict=False)
         return model.model_validate(values, context=context)
     except Refused as r:
         err, field = r.error, r.error.field.split(".")[0].split("[")[0]
@@ -341,15 +357,15 @@ def validated(model: type[BaseModel], values: dict, where: str, names: dict | No
     raise err from None
 
 
-def _declared(model: type[BaseModel], given: dict[str, list], where: str) -> dict:
+def _declared(model: type[BaseModel], given: dict[str, list], where: str, lax: bool = False) -> dict:
     """field -> [(name in the body, value), ...] -> {field: checked value}; two names of one
     field (an alias and its canonical name) must agree."""
     names = {k: pairs[0][0] for k, pairs in given.items()}
-    checked = validated(model, {k: pairs[0][1] for k, pairs in given.items()}, where, names)
+    checked = validated(model, {k: pairs[0][1] for k, pairs in given.items()}, where, names, lax=lax)
     out = {k: getattr(checked, k) for k in given}
     for k, pairs in given.items():
         for name, v in pairs[1:]:
-            if getattr(validated(model, {k: v}, where, {k: name}), k) != out[k]:
+            if getattr(validated(model, {k: v}, where, {k: name}, lax=lax), k) != out[k]:
                 raise RequestError(f"{where}.{name}", f"conflicts with {where}.{pairs[0][0]} (the same parameter)")
     return out
 
@@ -391,9 +407,17 @@ def check_logit_bias(field: str, v) -> tuple[tuple[int, float], ...]:
     return tuple(sorted(out.items()))
 
 
+# Parameters that ask for sampling, and their values that do not (option.lmi_compat=current infers
+# do_sample from them, as LMI 0.32+: lmi_input_output_schema.md "GenerationParameters").
+SAMPLING_ASKED = {"temperature": lambda v: v > 0.0, "top_p": lambda v: v < 1.0, "top_k": lambda v: v > 1,
+                  "min_p": lambda v: v > 0.0, "typical_p": lambda v: v < 1.0}
+
+
 def parse_params(raw, defaults: SamplingParams = SamplingParams(), where: str = "parameters",
-                 options: dict | None = None) -> SamplingParams:
-    """A `parameters` object -> SamplingParams. Request options (`truncate`) go into `options`."""
+                 options: dict | None = None, lax: bool = False, infer_sampling: bool = False) -> SamplingParams:
+    """A `parameters` object -> SamplingParams. Request options (`truncate`) go into `options`.
+    lax: numbers and flags as strings coerced (validated()); infer_sampling: without `do_sample`,
+    a sampling parameter at a value that samples turns sampling on."""
     if raw is None:
         return defaults
     if not isinstance(raw, dict):
@@ -424,8 +448,11 @@ def parse_params(raw, defaults: SamplingParams = SamplingParams(), where: str = 
             warn_once(f"param:{name[:MAX_SHOWN]}",
                       f"unknown request parameter {show(name)} dropped (as LMI does); known: "
                       + ", ".join(ALLOWED_PARAMETERS))
-    values.update(_declared(model, params, where))
-    taken = _declared(RequestOptions, opts, where)
+    values.update(_declared(model, params, where, lax))
+    taken = _declared(RequestOptions, opts, where, lax)
+    if infer_sampling and values.get("do_sample") is None \
+            and any(values.get(k) is not None and asks(values[k]) for k, asks in SAMPLING_ASKED.items()):
+        values["do_sample"] = True
     if options is not None:
         options.update(taken)
     top = values.pop("prompt_logprobs", None)

@@ -46,6 +46,10 @@ class ServerState:
         self.responses = ResponseStore(cfg.responses_store_max_items, int(cfg.responses_store_max_mb * 1e6))
         # The gevent worker's hub.HubWaker (set by server.create_state); None: threads block.
         self.waker = None
+        # The model directory's model.py (handler.http.custom.CustomCode), loaded at start-up; None: none.
+        self.custom = None
+        # Adapter name -> the formatters of MODEL_DIR/adapters/<name>/model.py (LMI: over the model's).
+        self.adapter_custom: dict = {}
 
     @property
     def engine(self):

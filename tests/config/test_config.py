@@ -17,6 +17,8 @@ from tests.support.properties import REF_CONTINUOUS, REF_DYNAMIC, REF_PAGED
 REPO = pathlib.Path(__file__).resolve().parents[2]
 PY = str(REPO / ".venv" / "bin" / "python") if (REPO / ".venv" / "bin" / "python").exists() else sys.executable
 
+LMI_LINES = ("is not an LMI version line; allowed: current, 0.31, 0.26 (or any 0.N version: up to 0.26 behaves "
+             "as 0.26, 0.27-0.31 as 0.31, 0.32 and later as current)")
 REFERENCES = [("dynamic", REF_DYNAMIC), ("rolling", REF_CONTINUOUS), ("paged", REF_PAGED)]
 
 
@@ -184,6 +186,10 @@ BAD = [
     ("option.cpu_kernels", "sse4", "is not supported; allowed: auto, avx512, avx2, neon, torch"),
     ("option.kv_cache_dtype", "q4_0", "is not supported; allowed: auto, int8, fp8, fp8_e4m3, fp8_e5m2"),
     ("option.model_id", "", "is empty"),
+    ("option.revision", "", "is empty"),
+    ("option.chat_template", "", "is empty"),
+    ("option.chat_template_content_format", "json", "is not supported; allowed: auto, string, openai"),
+    ("option.enable_reasoning", "yes", "is not a boolean; allowed: true, false"),
     ("graceful_timeout", "-1", "is not a positive number of seconds"),
     ("option.max_payload_mb", "0", "is not a positive number of megabytes"),
     ("option.batch_invariant", "sometimes", "is not a boolean; allowed: true, false"),
@@ -196,6 +202,8 @@ BAD = [
     ("option.max_lora_rank", "-8", "is not a positive integer"),
     ("option.max_cpu_loras", "many", "is not a positive integer"),
     ("option.enable_lora_management", "off", "is not a boolean; allowed: true, false"),
+    ("option.lmi_compat", "0.2x", LMI_LINES),
+    ("option.lmi_compat", "1.0", LMI_LINES),
     ("option.adapter_roots", "adapters", "has 'adapters': each root is an absolute directory (no '..') or "
                                          "s3://bucket/prefix"),
     ("option.adapter_roots", "s3://b", "has 's3://b', not a valid s3://bucket/prefix"),
@@ -234,8 +242,13 @@ def test_value_with_control_characters_is_shown_on_one_line(load):
 
 # ---- strategy resolution -------------------------------------------------------------
 @pytest.mark.parametrize("text, strategy, paged", [
-    ("", "none", False),
-    ("batch_size=1\n", "none", False),
+    ("", "paged", True),                                   # current LMI: absent = auto
+    ("batch_size=1\n", "paged", True),
+    ("option.lmi_compat=0.31\n", "paged", True),
+    ("option.lmi_compat=0.26\n", "none", False),          # LMI <= 0.26: absent = disable
+    ("option.lmi_compat=0.26\nbatch_size=1\n", "none", False),
+    ("option.lmi_compat=0.26\noption.rolling_batch=auto\n", "paged", True),
+    ("option.rolling_batch=disable\n", "none", False),
     ("batch_size=2\n", "dynamic", False),
     ("batch_size=8\noption.rolling_batch=disable\n", "dynamic", False),
     ("option.rolling_batch=auto\n", "paged", True),
@@ -254,14 +267,77 @@ def test_strategy(text, strategy, paged, load):
 
 def test_no_properties_file_gives_defaults(load, model_dir):
     cfg = load(None)
-    assert cfg.properties_file is None and cfg.strategy == "none"
+    assert cfg.properties_file is None and cfg.strategy == "paged" and cfg.lmi_compat == "current"
     assert (cfg.batch_size, cfg.max_batch_delay_ms, cfg.job_queue_size, cfg.max_idle_time_s) == (1, 100, 1000, 60)
-    assert (cfg.request_timeout_s, cfg.max_rolling_batch_size, cfg.max_rolling_batch_prefill_tokens) == (600.0, 32, 4096)
+    assert (cfg.request_timeout_s, cfg.max_rolling_batch_size, cfg.max_rolling_batch_prefill_tokens) == (600.0, 256, 4096)
     assert (cfg.block_size, cfg.enable_prefix_caching, cfg.kv_cache_tokens, cfg.max_model_len) == (16, False, None, None)
     assert (cfg.gpu_memory_utilization, cfg.dtype, cfg.device, cfg.tensor_parallel_degree) == (0.9, "auto", "auto", 1)
     assert (cfg.trust_remote_code, cfg.entry_point, cfg.output_formatter, cfg.port) == (
         False, "djl_python.huggingface", "json", 8080)
-    assert cfg.engine == "Python" and cfg.rolling_batch == "disable" and cfg.warnings == ()
+    assert cfg.engine == "Python" and cfg.rolling_batch == "auto" and cfg.paged_attention and cfg.warnings == ()
+
+
+# ---- option.lmi_compat: the LMI release line's defaults --------------------------------------
+@pytest.mark.parametrize("value, line, strategy, width, tp", [
+    (None, "current", "paged", 256, 4),
+    ("current", "current", "paged", 256, 4),
+    ("latest", "current", "paged", 256, 4),
+    ("0.33.0", "current", "paged", 256, 4),
+    ("v0.32", "current", "paged", 256, 4),
+    ("0.31", "0.31", "paged", 256, 4),
+    ("0.28.0", "0.31", "paged", 256, 4),
+    ("0.27", "0.31", "paged", 256, 4),
+    ("0.26", "0.26", "none", 32, 1),
+    ("0.25.0", "0.26", "none", 32, 1),
+])
+def test_lmi_compat_line_sets_the_defaults(value, line, strategy, width, tp, load):
+    text = "" if value is None else f"option.lmi_compat={value}\n"
+    cfg = load(text, gpu_count=4)
+    assert (cfg.lmi_compat, cfg.strategy, cfg.max_rolling_batch_size, cfg.tensor_parallel_degree) == \
+        (line, strategy, width, tp)
+    # From the environment as any key; explicit keys win over every line's defaults.
+    assert load(None, env={"OPTION_LMI_COMPAT": value or "current"}, gpu_count=4).lmi_compat == line
+    cfg = load(text + "option.rolling_batch=scheduler\noption.max_rolling_batch_size=8\n"
+               "option.tensor_parallel_degree=2\n", gpu_count=4)
+    assert (cfg.strategy, cfg.max_rolling_batch_size, cfg.tensor_parallel_degree) == ("rolling", 8, 2)
+
+
+def test_lmi_compat_keeps_batch_size_dynamic(load):
+    # LMI's recommender: batch_size > 1 turns rolling batch off, whatever the line.
+    for line in ("current", "0.31", "0.26"):
+        cfg = load(f"option.lmi_compat={line}\nbatch_size=8\n")
+        assert (cfg.strategy, cfg.rolling_batch) == ("dynamic", "disable"), line
+
+
+@pytest.mark.parametrize("env", [{"SM_NUM_GPUS": "2"}, {"TENSOR_PARALLEL_DEGREE": "2"}])
+def test_default_degree_takes_lmi_environment(env, load):
+    assert load(None, env=env, gpu_count=4).tensor_parallel_degree == 2
+
+
+@pytest.mark.parametrize("setting", ["option.enable_lora=true", "option.batch_invariant=true",
+                                     'option.speculative_config={"method": "ngram"}'])
+def test_default_degree_yields_to_single_rank_features(setting, load):
+    cfg = load(f"{setting}\n", gpu_count=4)
+    assert cfg.tensor_parallel_degree == 1
+    assert any("option.tensor_parallel_degree defaults to 1 here, not 4" in w and setting.split("=")[0] in w
+               for w in cfg.warnings)
+    # An explicit degree is refused as before (one line naming both keys).
+    if "lora" in setting or "speculative" in setting:
+        msg = error_of(load, f"{setting}\noption.tensor_parallel_degree=4\n", gpu_count=4)
+        assert "option.tensor_parallel_degree" in msg and "=4" in msg
+
+
+def test_default_degree_divides_the_heads(tmp_path, load):
+    d = tmp_path / "heads"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "num_attention_heads": 9,
+                                               "num_key_value_heads": 3}))
+    (d / "model.safetensors").write_bytes(b"")
+    cfg = load(None, gpu_count=4, model_dir=str(d))
+    assert cfg.tensor_parallel_degree == 3
+    assert any("defaults to 3, not 4 (every GPU)" in w and "num_attention_heads=9" in w for w in cfg.warnings)
+    msg = error_of(load, "option.tensor_parallel_degree=4\n", gpu_count=4, model_dir=str(d))
+    assert "does not divide the heads" in msg
 
 
 def test_scheduler_with_paged_attention_is_an_error(load):
@@ -276,7 +352,8 @@ def test_rolling_batch_ignores_batch_size_with_a_warning(load):
 
 
 def test_paged_attention_without_rolling_batch_warns(load):
-    cfg = load("option.paged_attention=true\n")
+    assert load("option.paged_attention=true\n").strategy == "paged"    # absent: auto (current LMI)
+    cfg = load("option.rolling_batch=disable\noption.paged_attention=true\n")
     assert cfg.strategy == "none" and cfg.paged_attention is False
     assert any("option.paged_attention=true has no effect" in w for w in cfg.warnings)
 
@@ -295,7 +372,7 @@ def test_keys_of_another_strategy_are_named_in_one_warning(load):
 def test_streaming_with_dynamic_batching_is_an_error(setting, load):
     msg = error_of(load, f"batch_size=8\n{setting}\n")
     assert setting in msg and "dynamic batching" in msg
-    assert load(f"batch_size=1\n{setting}\n").strategy == "none"
+    assert load(f"batch_size=1\noption.rolling_batch=disable\n{setting}\n").strategy == "none"
     assert load(f"option.rolling_batch=auto\n{setting}\n").strategy == "paged"
 
 
@@ -385,9 +462,11 @@ def test_file_keys_match_known_keys_case_insensitively(load):
 
 
 def test_other_entry_point_warns(load):
-    cfg = load("option.entryPoint=model.py\n")
-    assert cfg.entry_point == "model.py"
-    assert any("option.entryPoint=model.py is not run" in w for w in cfg.warnings)
+    cfg = load("option.entryPoint=my_company.handler\n")
+    assert any("option.entryPoint=my_company.handler is not run" in w for w in cfg.warnings)
+    assert load("option.entryPoint=djl_python.lmi_vllm.vllm_async_service\n").warnings == ()   # LMI's own: ours
+    cfg = load("option.entryPoint=model.py\n")     # a file: its handle() runs (handler/http/custom.py)
+    assert cfg.entry_point == "model.py" and cfg.warnings == ()
 
 
 # ---- environment ---------------------------------------------------------------------
@@ -407,7 +486,7 @@ def test_other_entry_point_warns(load):
     ({"HF_MODEL_TRUST_REMOTE_CODE": "true"}, "trust_remote_code", True),
     ({"SAGEMAKER_MODEL_SERVER_TIMEOUT": "90"}, "request_timeout_s", 90.0),
     ({"SAGEMAKER_BIND_TO_PORT": "9000"}, "port", 9000),
-    ({"OPTION_ROLLING_BATCH": ""}, "strategy", "none"),  # empty means unset
+    ({"OPTION_ROLLING_BATCH": "", "OPTION_LMI_COMPAT": "0.26"}, "strategy", "none"),  # empty means unset
 ])
 def test_environment(env, field, expected, load):
     assert getattr(load(None, env=env), field) == expected
@@ -439,7 +518,7 @@ def test_explicit_option_variable_wins_over_alias(load):
 
 def test_unrelated_environment_is_ignored(load):
     cfg = load(None, env={"PATH": "/bin", "HOME": "/root", "BATCH_SIZE": "8", "OPTIONAL": "x"})
-    assert cfg.strategy == "none" and cfg.warnings == () and cfg.properties == {}
+    assert cfg.strategy == "paged" and cfg.warnings == () and cfg.properties == {}
 
 
 def test_normalised_known_keys_are_distinct():
@@ -482,10 +561,12 @@ def test_bad_s3_uri(load):
     assert "is not a valid s3://bucket/prefix URI" in error_of(load, "option.model_id=s3://x\n")
 
 
-def test_hub_id_is_a_clear_error(load):
-    msg = error_of(load, "option.model_id=meta-llama/Llama-2-7b-hf\n")
-    assert "option.model_id=meta-llama/Llama-2-7b-hf is neither a local directory nor an s3:// URI" in msg
-    assert "no model hub access" in msg and "--model-dir" in msg
+def test_hub_id_is_fetched_at_start_up_and_a_missing_path_is_a_clear_error(load):
+    cfg = load("option.model_id=meta-llama/Llama-2-7b-hf\noption.revision=main\n")   # handler/model/hf_hub.py
+    assert (cfg.model_id, cfg.model_dir, cfg.revision) == ("meta-llama/Llama-2-7b-hf", "", "main")
+    msg = error_of(load, "option.model_id=./meta-llama/Llama-2-7b-hf\n")
+    assert "option.model_id=./meta-llama/Llama-2-7b-hf is neither a local directory, an s3:// URI nor a hub " \
+           "model id (org/name)" in msg and "--model-dir" in msg
 
 
 def test_model_dir_checks(tmp_path, load):

@@ -44,7 +44,7 @@ def test_readme_without_markers_is_skipped_and_a_stale_block_is_named(tmp_path):
 def test_docs_cli(tmp_path, capsys):
     assert docs.main(["--check"]) == 0
     assert docs.main(["--print", "properties-summary"]) == 0
-    assert "| `option.max_rolling_batch_size` | `32` | `OPTION_MAX_ROLLING_BATCH_SIZE`, `MAX_BATCH_SIZE` |" \
+    assert "| `option.max_rolling_batch_size` | 256 (0.26: 32) | `OPTION_MAX_ROLLING_BATCH_SIZE`, `MAX_BATCH_SIZE` |" \
         in capsys.readouterr().out
 
 

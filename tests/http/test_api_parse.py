@@ -7,6 +7,7 @@ import logging
 
 import pytest
 
+from handler.config import compat
 from handler.engine import request as reqmod
 from handler.http.protocols import Generation, Sample, lmi, openai, tgi
 from handler.engine.loop import DoneEvent, TokenEvent
@@ -153,7 +154,9 @@ def test_chat_uses_the_template_and_openai_sampling_defaults(tok):
     assert p.greedy and p.n == 3 and p.stop_sequences == ("x",) and p.seed == 5 and p.top_n_tokens == 2
     assert p.max_new_tokens == 6 and g.extra["logprobs"]
     assert openai.parse_chat({"messages": msgs}, tok).fill_max_tokens         # vLLM: up to the model length
-    assert not openai.parse_chat({"messages": msgs}, tok, lmi=True).fill_max_tokens   # LMI default 30
+    assert openai.parse_chat({"messages": msgs}, tok, lmi=True).fill_max_tokens   # current LMI: the model's length
+    old = openai.ServerOptions(line=compat.LINES["0.31"])
+    assert not openai.parse_chat({"messages": msgs}, tok, lmi=True, server=old).fill_max_tokens   # LMI <= 0.31: 30
 
 
 @pytest.mark.parametrize("body,field", [

@@ -22,7 +22,7 @@ NEW = [20, 7, 31, 3, 14, 25]
 
 
 STRATEGIES = {
-    "none": {},
+    "none": {"option.rolling_batch": "disable"},   # one at a time: LMI 0.27+ defaults to auto (option.lmi_compat)
     "dynamic": {"batch_size": "4", "max_batch_delay": "20"},
     "rolling": {"option.rolling_batch": "auto", "option.paged_attention": "false",
                 "option.max_rolling_batch_size": "4", "option.max_rolling_batch_prefill_tokens": "40",

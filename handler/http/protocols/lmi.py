@@ -92,8 +92,10 @@ class LmiRequest(BaseModel):
 
 
 def parse(payload, *, default_stream: bool = False, max_batch_inputs: int = 1000,
-          defaults: SamplingParams = SamplingParams(), require_string: bool = False) -> Generation:
-    """An LMI (or TGI) body without `messages` -> Generation."""
+          defaults: SamplingParams = SamplingParams(), require_string: bool = False,
+          lax: bool = False, infer_sampling: bool = False) -> Generation:
+    """An LMI (or TGI) body without `messages` -> Generation. lax / infer_sampling: the
+    `parameters` as LMI 0.32+ reads them (handler.engine.request.parse_params)."""
     if not isinstance(payload, dict):
         raise RequestError("body", 'must be a JSON object like {"inputs": "...", "parameters": {...}}')
     for k in payload:
@@ -113,7 +115,7 @@ def parse(payload, *, default_stream: bool = False, max_batch_inputs: int = 1000
     if stream and is_list:
         raise RequestError("stream", "streaming needs a single string in inputs, not a list")
     options: dict = {}
-    params = parse_params(body.parameters, defaults, options=options)
+    params = parse_params(body.parameters, defaults, options=options, lax=lax, infer_sampling=infer_sampling)
     if stream and params.num_samples > 1:
         raise RequestError("parameters.n" if params.n > 1 else "parameters.best_of",
                            "several samples per prompt (n, best_of) work only without streaming")

@@ -8,19 +8,24 @@ Sampling as OpenAI: temperature defaults to 1 (sampling); temperature 0 is greed
 """
 from __future__ import annotations
 
+import functools
 import json
+import re
 import time
 import uuid
 from dataclasses import dataclass, field
+from typing import Annotated
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
+from handler.config import compat
 from handler.engine import guide
 from handler.engine.request import (MAX_NEW_TOKENS, MAX_SAMPLES, MAX_SEED, MAX_TOP_N_TOKENS, BadWords, LogitBias,
                                     RequestError, SamplingParams, Stops, TokenIds, TopK, bounded_float,
                                     bounded_int, show, validated, warn_once)
 from handler.http.protocols import Generation, Sample, by_prompt, ranked, reasoning, tools as tooling
 
+MAX_TEMPLATE_CHARS = 65536         # a request's own chat_template (vLLM's ChatCompletionRequest.chat_template)
 FINISH = {"eos_token": "stop", "stop_sequence": "stop", "length": "length"}
 
 
@@ -28,15 +33,19 @@ FINISH = {"eos_token": "stop", "stop_sequence": "stop", "length": "length"}
 class ServerOptions:
     """What the server's properties say about chat output: the tool-call format and switch,
     the reasoning parser (option.tool_call_parser, option.enable_auto_tool_choice,
-    option.reasoning_parser)."""
+    option.reasoning_parser); and how /invocations reads an OpenAI body (option.lmi_compat's
+    line: chat without max_tokens to the context limit, lax numbers)."""
     tools: tooling.Options = field(default_factory=tooling.Options)
     reasoning: str = "none"
+    line: compat.Line = compat.LINES[compat.DEFAULT]
+    content_format: str = "auto"        # option.chat_template_content_format
 
     @classmethod
     def of(cls, cfg) -> "ServerOptions":
         return cls(tooling.Options(getattr(cfg, "tool_call_parser", "auto"),
                                    getattr(cfg, "enable_auto_tool_choice", True)),
-                   getattr(cfg, "reasoning_parser", "none"))
+                   getattr(cfg, "reasoning_parser", "none"), compat.line(cfg),
+                   getattr(cfg, "chat_template_content_format", "auto"))
 
 
 class StreamOptions(BaseModel):
@@ -80,6 +89,7 @@ class ChatFields(_Fields):
     logprobs: bool = None
     top_logprobs: bounded_int(0, MAX_TOP_N_TOKENS) = None
     chat_template_kwargs: dict = None             # vLLM: extra variables for the chat template
+    chat_template: Annotated[str, Field(min_length=1, max_length=MAX_TEMPLATE_CHARS)] = None   # vLLM: this request's
 
 
 class CompletionFields(_Fields):
@@ -157,8 +167,9 @@ def _logit_bias(bias: tuple | None, tokenizer) -> tuple:
     return bias
 
 
-def _fields(payload: dict, model: type[_Fields]) -> _Fields:
-    """The body's declared fields, checked (nulls are absent); the others warned about once."""
+def _fields(payload: dict, model: type[_Fields], lax: bool = False) -> _Fields:
+    """The body's declared fields, checked (nulls are absent; lax: numbers in strings coerced, as
+    vLLM's models on LMI's /invocations); the others warned about once."""
     body = {k: v for k, v in payload.items() if v is not None}
     for name, v in body.items():
         if name in model.model_fields or name in _QUIET:
@@ -169,7 +180,7 @@ def _fields(payload: dict, model: type[_Fields]) -> _Fields:
         else:
             warn_once(f"openai:{name[:100]}", f"unknown request field {show(name)} dropped")
     return validated(model, {k: v for k, v in body.items() if k in model.model_fields}, "",
-                     {k: k for k in body})
+                     {k: k for k in body}, lax=lax)
 
 
 def _sampling(f: _Fields, defaults: SamplingParams, lmi: bool) -> tuple[dict, dict]:
@@ -194,12 +205,25 @@ def _sampling(f: _Fields, defaults: SamplingParams, lmi: bool) -> tuple[dict, di
 
 
 # ---- chat
-def _content(i: int, content) -> str:
+# A template that loops over a message's content takes OpenAI's list of parts (vLLM's "auto" detection).
+_LOOPS_OVER_CONTENT = re.compile(r"\{%-?\s*for\s+\w+\s+in\s+\w+(?:\[['\"]content['\"]\]|\.content\b)")
+
+
+@functools.lru_cache(maxsize=16)
+def content_format(template: str | None, configured: str = "auto") -> str:
+    """option.chat_template_content_format for this template: `string` or `openai`."""
+    if configured != "auto":
+        return configured
+    return "openai" if template and _LOOPS_OVER_CONTENT.search(template) else "string"
+
+
+def _content(i: int, content, parts: bool = False):
+    """A message's content: its text (parts joined, as LMI), or with `parts` OpenAI's list of text parts."""
     where = f"messages[{i}].content"
     if content is None:
-        return ""
+        return [] if parts else ""
     if isinstance(content, str):
-        return content
+        return [{"type": "text", "text": content}] if parts else content
     if isinstance(content, list):
         texts = []
         for j, part in enumerate(content):
@@ -207,6 +231,8 @@ def _content(i: int, content) -> str:
                 kind = part.get("type") if isinstance(part, dict) else None
                 raise RequestError(f"{where}[{j}]", f"only text parts are supported, got type {show(kind)}")
             texts.append(part["text"])
+        if parts:
+            return [{"type": "text", "text": t} for t in texts]
         return "\n".join(texts)       # as LMI joins text parts
     raise RequestError(where, f"must be a string or a list of text parts, got {show(content)}")
 
@@ -232,32 +258,38 @@ def _tool_calls(i: int, calls) -> list[dict]:
     return out
 
 
-def render_chat(tokenizer, messages, tools: list[dict] | None = None, kwargs: dict | None = None) -> str:
+def render_chat(tokenizer, messages, tools: list[dict] | None = None, kwargs: dict | None = None,
+                template: str | None = None, fmt: str = "auto") -> str:
+    """messages -> the prompt text: the tokenizer's chat template (option.chat_template's when set), or a
+    request's own `template`; content as text or OpenAI parts per `fmt` (content_format())."""
     if not isinstance(messages, list) or not messages:
         raise RequestError("messages", "must be a non-empty list of {\"role\", \"content\"} objects")
+    parts = content_format(template or getattr(tokenizer, "chat_template", None), fmt) == "openai"
     msgs = []
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise RequestError(f"messages[{i}]", f"must be an object with a string role, got {show(m)}")
-        msg = {"role": m["role"], "content": _content(i, m.get("content"))}
+        msg = {"role": m["role"], "content": _content(i, m.get("content"), parts)}
         if m.get("tool_calls"):
             msg["tool_calls"] = _tool_calls(i, m["tool_calls"])
         for k in ("tool_call_id", "name"):
             if isinstance(m.get(k), str):
                 msg[k] = m[k]
         msgs.append(msg)
-    if not getattr(tokenizer, "chat_template", None):
-        raise RequestError("messages", "this model's tokenizer has no chat template "
-                                       "(tokenizer_config.json chat_template); send {\"inputs\": ...} instead")
+    if not template and not getattr(tokenizer, "chat_template", None):
+        raise RequestError("messages", "this model's tokenizer has no chat template (tokenizer_config.json "
+                                       "chat_template; or set option.chat_template); send {\"inputs\": ...} instead")
     try:
+        own = {"chat_template": template} if template else {}
         return tokenizer.apply_chat_template(msgs, tools=tools, tokenize=False, add_generation_prompt=True,
-                                             **(kwargs or {}))
+                                             **own, **(kwargs or {}))
     except Exception as e:  # a template may raise on roles it does not know (jinja2 exceptions)
-        raise RequestError("messages", f"the chat template refused these messages: {str(e)[:100]}") from None
+        field = "chat_template" if template else "messages"
+        raise RequestError(field, f"the chat template refused these messages: {str(e)[:100]}") from None
 
 
 # Template variables a request may not set: the ones render_chat passes itself.
-_RESERVED_KWARGS = ("messages", "tools", "tokenize", "add_generation_prompt")
+_RESERVED_KWARGS = ("messages", "tools", "tokenize", "add_generation_prompt", "chat_template")
 
 
 def _template_kwargs(f: ChatFields, guided: bool, parser: str) -> dict:
@@ -281,11 +313,12 @@ def _template_kwargs(f: ChatFields, guided: bool, parser: str) -> dict:
 def parse_chat(payload, tokenizer, lmi: bool = False, server: ServerOptions = ServerOptions()) -> Generation:
     """A Chat Completions body (from /v1/chat/completions, or /invocations with `messages`)."""
     payload = _check_object(payload)
-    f = _fields(payload, ChatFields)
+    f = _fields(payload, ChatFields, lax=lmi and server.line.lax_numbers)
     tools = tooling.parse(payload, tokenizer, server.tools)
     guide_spec = _constraint(payload, tools)
     kwargs = _template_kwargs(f, guide_spec is not None, server.reasoning)
-    prompt = render_chat(tokenizer, payload.get("messages"), tools.template_tools(), kwargs)
+    prompt = render_chat(tokenizer, payload.get("messages"), tools.template_tools(), kwargs, f.chat_template,
+                         server.content_format)
     values, opts = _sampling(f, SamplingParams(), lmi)
     values["guide"] = guide_spec
     if tools.choice == "auto" and tools.fmt in tooling.tool_parsers.SPECIAL_MARKERS \
@@ -305,7 +338,7 @@ def parse_chat(payload, tokenizer, lmi: bool = False, server: ServerOptions = Se
         raise RequestError("n", "several choices work only without streaming on /invocations")
     no_max = payload.get("max_tokens") is None and payload.get("max_completion_tokens") is None
     return Generation([prompt], params, opts["stream"], truncate=f.truncate_prompt_tokens, add_special_tokens=False,
-                      fill_max_tokens=no_max and not lmi, fields=["messages"],
+                      fill_max_tokens=no_max and (not lmi or server.line.chat_to_context), fields=["messages"],
                       extra={"kind": "chat", "logprobs": logprobs, "lmi": lmi, "model": payload.get("model"),
                              "tools": tools if tools.active else None,
                              "reasoning": server.reasoning if server.reasoning != "none" else None,
@@ -346,9 +379,10 @@ def _prompts(prompt, tokenizer) -> tuple[list[str], bool, list[list[int]] | None
     return texts, is_list, [list(ids) for ids in prompt]
 
 
-def parse_completion(payload, tokenizer=None) -> Generation:
+def parse_completion(payload, tokenizer=None, lax: bool = False) -> Generation:
+    """A Completions body (from /v1/completions, or /invocations with `prompt`; lax: see _fields)."""
     payload = _check_object(payload)
-    f = _fields(payload, CompletionFields)
+    f = _fields(payload, CompletionFields, lax)
     if payload.get("tools"):
         raise RequestError("tools", "tools work on /v1/chat/completions; completions take response_format "
                                     "or guided_json / guided_regex / guided_choice / guided_grammar")

@@ -30,7 +30,8 @@ def tokenize(body, tokenizer, max_model_len: int, server: openai.ServerOptions) 
         kwargs = body.get("chat_template_kwargs") or {}
         if not isinstance(kwargs, dict):
             raise RequestError("chat_template_kwargs", f"must be a JSON object, got {show(kwargs)}")
-        prompt = openai.render_chat(tokenizer, body["messages"], tools.template_tools(), kwargs)
+        prompt = openai.render_chat(tokenizer, body["messages"], tools.template_tools(), kwargs,
+                                    fmt=server.content_format)
         special = body.get("add_special_tokens", False)
     if not isinstance(special, bool):
         raise RequestError("add_special_tokens", f"must be true or false, got {show(special)}")

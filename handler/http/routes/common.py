@@ -80,6 +80,11 @@ def streamed(state, lines, events, mimetype) -> Response:
 # ---- requests
 def body_json():
     """The request's body, read within option.max_payload_mb and decoded (lmi.decode_body)."""
+    return lmi.decode_body(body_bytes(), request.content_type)
+
+
+def body_bytes() -> bytes:
+    """The request's body, read within option.max_payload_mb."""
     state = current_state()
     cfg = state.cfg
     try:
@@ -94,7 +99,7 @@ def body_json():
     except ClientDisconnected:
         state.disconnected()
         raise RequestError("body", "the client closed the connection before sending its body") from None
-    return lmi.decode_body(body, request.content_type)
+    return body
 
 
 def pick_adapter(client, gen, cfg) -> None:

@@ -143,7 +143,7 @@ def properties(strategy: str, w: Workload, kv_tokens: int, dtype: str | None, tp
     elif strategy in KV_QUANTIZED:
         strategy, kv_dtype = KV_QUANTIZED[strategy]
     lines = {
-        "none": ["batch_size=1"],
+        "none": ["batch_size=1", "option.rolling_batch=disable"],   # absent is auto (option.lmi_compat)
         "dynamic": [f"batch_size={w.batch_width}", f"max_batch_delay={w.max_batch_delay_ms}"],
         "rolling": ["option.rolling_batch=auto", "option.paged_attention=false",
                     f"option.max_rolling_batch_size={w.max_rolling_batch_size}"],
