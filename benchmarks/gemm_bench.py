@@ -22,7 +22,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from kernels import cpu_ext  # noqa: E402
+from kernels import cpu as cpu_ext  # noqa: E402
 
 LAYERS, HIDDEN, INTER, KV, VOCAB = 30, 576, 1536, 192, 49152
 SHAPES = [(HIDDEN, HIDDEN), (KV, HIDDEN), (KV, HIDDEN), (HIDDEN, HIDDEN), (INTER, HIDDEN), (INTER, HIDDEN),

@@ -28,7 +28,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from kernels import cpu_ext  # noqa: E402
+from kernels import cpu as cpu_ext  # noqa: E402
 
 SHAPES = [(576, 576), (576, 192), (576, 1536), (1536, 576), (576, 49152)]   # (K, N)
 

@@ -29,7 +29,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from kernels import cpu_ext, isa  # noqa: E402
+from kernels import cpu as cpu_ext, isa  # noqa: E402
+from kernels.cpu import lib as cpu_lib  # noqa: E402
 
 SHAPES = {   # (K, N): q/o, k/v, gate/up, down
     "smollm2": [(576, 576), (576, 192), (576, 1536), (1536, 576)],
@@ -52,7 +53,7 @@ def main(argv=None) -> int:
     builds = [b for b in a.isa.split(",") if b]
     libs = {}
     for b in builds:
-        fn = cpu_ext._load(b) if isa.runs(b) else None
+        fn = cpu_lib._load(b) if isa.runs(b) else None
         if fn is None or not (fn.gemm_bf16w_available if bf else fn.gemm_available):
             print(f"error: the {b} build's {'widened bf16' if bf else 'fp32'} panel GEMM does not run here "
                   f"(this CPU runs: {', '.join(isa.host_isas()) or 'none'})", file=sys.stderr)

@@ -29,7 +29,7 @@ import torch  # noqa: E402
 from benchmarks.script_common import write_json  # noqa: E402
 from handler.model import quant_formats as qf  # noqa: E402
 from handler.model.quant_int4 import code_bits, pack  # noqa: E402
-from kernels import cpu_ext  # noqa: E402
+from kernels import cpu as cpu_ext  # noqa: E402
 
 
 def layouts(w) -> dict:

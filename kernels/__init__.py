@@ -1,4 +1,4 @@
-"""Paged-attention kernels: Triton on CUDA tensors, the C kernels (kernels/cpu_ext.py) or the
+"""Paged-attention kernels: Triton on CUDA tensors, the C kernels (kernels/cpu/) or the
 plain-torch reference (kernels/reference.py) on CPU, behind one backend object per process
 (kernels/backends.py: the runner picks it at load, the layers call its `forward`).
 

@@ -1,6 +1,6 @@
 """Attention backends: one object per process, chosen at load (`backend_for`), one entry point a layer.
 
-  CpuAttention    the C kernels of the chosen instruction set (kernels/cpu_ext.py): a decode
+  CpuAttention    the C kernels of the chosen instruction set (kernels/cpu/): a decode
                   step's rotary, KV write and attention in one call where every sequence feeds
                   one row; else decode rows read the pool in place, whole prompts go to the
                   prompt kernel, and what neither takes (chunks after cached rows, sliding
@@ -62,10 +62,10 @@ class TorchAttention:
 
 
 class CpuAttention(TorchAttention):
-    """The C kernels of the build kernels/cpu_ext.py loaded (its backend `isa`)."""
+    """The C kernels of the build kernels/cpu/ loaded (its backend `isa`)."""
 
     def __init__(self, isa: str):
-        from kernels import cpu_ext
+        from kernels import cpu as cpu_ext
         self.name, self.ext = isa, cpu_ext
 
     def rotate(self, q, k, cos, sin):
@@ -114,7 +114,7 @@ class CpuAttention(TorchAttention):
 
     def describe(self) -> str:
         b = self.ext.backend()
-        return f"C kernels, {b.describe() if b is not None else self.name} (kernels/cpu_ext.py)"
+        return f"C kernels, {b.describe() if b is not None else self.name} (kernels/cpu/)"
 
 
 class TritonAttention(TorchAttention):
@@ -154,12 +154,12 @@ def triton_available() -> bool:
 
 def backend_for(device) -> TorchAttention:
     """The attention backend for tensors on `device`: Triton on CUDA where it imports; on CPU the
-    C kernels of the build kernels/cpu_ext.py selected, where one loaded; else plain torch."""
+    C kernels of the build kernels/cpu/ selected, where one loaded; else plain torch."""
     device = torch.device(device)
     if device.type == "cuda":
         return TritonAttention() if triton_available() else TORCH
     if device.type == "cpu":
-        from kernels import cpu_ext
+        from kernels import cpu as cpu_ext
         fn = cpu_ext.load()
         if fn is not None:
             return CpuAttention(fn.backend.isa)

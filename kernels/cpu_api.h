@@ -1,5 +1,5 @@
 /* Every entry point of the CPU kernels' library, declared once. Each C source includes this
- * header, so the compiler checks each definition against its declaration here, and kernels/cpu_ext.py
+ * header, so the compiler checks each definition against its declaration here, and kernels/cpu/
  * derives its ctypes bindings (argument and result types, and the lmi_lin / lmi_layer structures)
  * from this text: the Python side cannot drift from the C prototypes. Keep one declaration per
  * entry point, parameters as `type name`, pointers as `type *name`. */
@@ -110,15 +110,17 @@ int lmi_prefill_attention(const void *q, const void *k, const void *v, int64_t q
     const int64_t *lens, const int64_t *order, int64_t P, int64_t H, int64_t Hkv, int64_t D, float scale,
     int nthreads);
 
+/* cpu_kv.c: the int8 KV pool (kernels/cpu_kv.h) */
+int lmi_write_kv_i8(int8_t *kc, int8_t *vc, float *ksc, float *vsc, const void *key, const void *value, int bf16,
+    int64_t s_blk, int64_t s_tok, int64_t s_head, int64_t k_tok, int64_t k_head, int64_t v_tok, int64_t v_head,
+    const int64_t *slots, int64_t T, int64_t Hkv, int64_t D, int64_t bs, int64_t nslots);
+
 /* cpu_layer.c */
 void lmi_set_sleef_expf(void *fn, int lanes);
 void lmi_set_sleef_expf16(void *fn);
 int lmi_silu_available(void);
 int lmi_silu_lanes(void);
 void lmi_silu_mul(void *g, const void *u, int64_t n, int bf16, int threads);
-int lmi_write_kv_i8(int8_t *kc, int8_t *vc, float *ksc, float *vsc, const void *key, const void *value, int bf16,
-    int64_t s_blk, int64_t s_tok, int64_t s_head, int64_t k_tok, int64_t k_head, int64_t v_tok, int64_t v_head,
-    const int64_t *slots, int64_t T, int64_t Hkv, int64_t D, int64_t bs, int64_t nslots);
 int lmi_step_layers(const lmi_layer *layers, int64_t L, void *h, int64_t T, int64_t B, int64_t E, int64_t H,
     int64_t Hkv, int64_t D, int64_t I, float eps, int lanes, int bf16, const void *cos, const void *sin, int64_t cs,
     const int64_t *slots, int64_t nslots, const int32_t *tables, int64_t tw, const int32_t *lens, int64_t P,

@@ -23,12 +23,12 @@ another module shares it (a tied output head keeps the embedding's).
                  bf16 weight; or AVX512-BF16 vdpbf16ps (another summation order) where the CPU has it.
 
 Placement: every packed weight (the panels above, quantized codes, scales and mins) is allocated by
-kernels/cpu_ext.py's empty_hugepage: its whole 2 MiB pages advised MADV_HUGEPAGE before they are
+kernels/cpu/'s empty_hugepage: its whole 2 MiB pages advised MADV_HUGEPAGE before they are
 written, so Linux's transparent huge pages hold what a 1-row step streams with 512x fewer TLB
 entries (LMI_CPU_HUGEPAGES=0: torch's allocator; benchmarks/results/hugepages/). `hugepage_report`
 is the load log's line.
 
-Our own models (handler/model/llama.py) run their RMSNorm and rotary through kernels/cpu_ext.py
+Our own models (handler/model/llama.py) run their RMSNorm and rotary through kernels/cpu/
 themselves; transformers' models (the general path) run their own forwards with these linears.
 
 Allocator: `python -m handler serve` on a CPU host re-executes itself once with tcmalloc in
@@ -53,7 +53,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from handler.config.switches import switch
-from kernels import cpu_ext
+from kernels import cpu as cpu_ext
 
 log = logging.getLogger("lmi.cpu")
 
@@ -181,7 +181,7 @@ def preload_env(env, dirs=TCMALLOC_DIRS, cpu_kernels: str = "auto", flags: set[s
         lib = find_tcmalloc(dirs)
         if lib is not None:
             new["LD_PRELOAD"] = f"{lib}:{preload}" if preload else lib
-    flags = cpu_ext._cpu_flags() if flags is None else flags
+    flags = cpu_ext.cpu_flags() if flags is None else flags
     if cpu_kernels == "avx2" and "avx512f" in flags and not env.get("ATEN_CPU_CAPABILITY"):
         new["ATEN_CPU_CAPABILITY"] = "avx2"
     return None if new == dict(env) else new
@@ -251,7 +251,7 @@ def bf16_gemm_mode(model: nn.Module) -> tuple[str, str]:
                         "(AVX512-BF16 and the panels needed): oneDNN's bf16")
     if not any(m.weight.dtype == torch.bfloat16 for _, m in _linears(model)):
         return "bf16", "no bf16 linear layers"
-    if "amx_bf16" in cpu_ext._cpu_flags() and can_prepack(torch.bfloat16):
+    if "amx_bf16" in cpu_ext.cpu_flags() and can_prepack(torch.bfloat16):
         return "bf16", "the CPU has AMX: oneDNN's bf16"
     if bf16_panels_available():
         return "panels", "the CPU has AVX512-BF16: vdpbf16ps panels"
@@ -292,7 +292,7 @@ def streamed_tensors(model: nn.Module) -> list[torch.Tensor]:
 
 
 def hugepage_report(model: nn.Module) -> str:
-    """One line for the load log: how the packed weights sit in memory (kernels/cpu_ext.py's
+    """One line for the load log: how the packed weights sit in memory (kernels/cpu/'s
     empty_hugepage; LMI_CPU_HUGEPAGES)."""
     ts = streamed_tensors(model)
     if not ts:

@@ -30,7 +30,7 @@ import torch
 from handler.model.cpu import AB, Bf16PanelLinear, PanelLinear
 from handler.model.quant import Int8Linear
 from handler.model.quant_int4 import Q4Linear
-from kernels import cpu_ext, reference
+from kernels import cpu as cpu_ext, reference
 
 log = logging.getLogger("lmi.cpu")
 

@@ -36,7 +36,7 @@ import logging
 import torch
 from torch import nn
 
-from kernels import cpu_ext
+from kernels import cpu as cpu_ext
 
 log = logging.getLogger("lmi.quant")
 

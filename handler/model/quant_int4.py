@@ -41,7 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels import cpu_ext
+from kernels import cpu as cpu_ext
 
 log = logging.getLogger("lmi.quant")
 
@@ -183,7 +183,7 @@ def pack(w: Grouped, bits: int | None = None, flat: bool = False) -> cpu_ext.QPa
     tabs = [_panels(t, npan) for t in tabs]
     if smode == cpu_ext.QS_I8 and torch.equal(tabs[0], tabs[1]):
         tabs[1] = tabs[0]           # Q6_K: its min is -32 d times the scale's own sub-scale: stream one table
-    # streamed every step: contiguous copies, in huge-page-advised memory (kernels/cpu_ext.py) where
+    # streamed every step: contiguous copies, in huge-page-advised memory (kernels/cpu/) where
     # a row is one group (W8A16). With several groups a row (GGUF blocks, AWQ/GPTQ) the served step
     # was slower so (Qwen 0.5B q4_k_m at 1 client: 29.2 against 23.0 ms TPOT, one run each; cause not
     # found, benchmarks/results/hugepages/), so those stay in torch's memory.

@@ -234,7 +234,7 @@ class ModelRunner:
     def _select_cpu_kernels(choice: str) -> None:
         """Build (or find cached) the chosen backend's kernels now, not in a request; one log line
         names it and why."""
-        from kernels import cpu_ext
+        from kernels import cpu as cpu_ext
         try:
             isa, why = cpu_ext.select(choice)
         except ValueError as e:

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import kernels
-from kernels import cpu_ext, reference
+from kernels import cpu as cpu_ext, reference
 from kernels.selfcheck import make_case
 from tests.support.kernels import _head_major, each_build_fixture, naive_attention, rel_err
 

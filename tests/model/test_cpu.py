@@ -9,7 +9,7 @@ from torch import nn
 from handler.model import cpu
 from handler.model.cpu import (Bf16PanelLinear, PackedLinear, PanelLinear, WidenedLinear, find_tcmalloc, preload_env,
                                prepack_linears)
-from kernels import cpu_ext
+from kernels import cpu as cpu_ext
 
 needs_panels = pytest.mark.skipif(not cpu_ext.gemm_available(),
                                   reason="kernels/cpu_gemm.c is not built here (the torch backend, or no C compiler)")
@@ -224,7 +224,7 @@ def test_bf16_gemm_choice_follows_the_arm_then_a_rule_on_the_cpu(monkeypatch):
     panels_here, widen_here, flags = [True], [False], [set()]
     monkeypatch.setattr(cpu, "bf16_panels_available", lambda: panels_here[0])   # the rule alone, any CPU
     monkeypatch.setattr(cpu, "widen_in_registers", lambda: widen_here[0])
-    monkeypatch.setattr(cpu_ext, "_cpu_flags", lambda: flags[0])
+    monkeypatch.setattr(cpu_ext, "cpu_flags", lambda: flags[0])
     for setting in ("fp32", "bf16", "panels"):
         monkeypatch.setattr(cpu.AB, "bf16_gemm", setting)
         assert cpu.bf16_gemm_mode(model) == (setting, f"the bf16_gemm={setting} arm")

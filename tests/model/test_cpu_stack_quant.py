@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from handler.model.quant_int4 import Q4Linear
-from kernels import cpu_ext, isa
+from kernels import cpu as cpu_ext, isa
 from tests.model.test_cpu_stack import BUILD, _runner, _steps, needs_stack, passed_on_build
 from tests.model.test_gguf_blocks import KINDS, tiny_qwen2_gguf  # noqa: F401 (a fixture)
 from tests.model.test_quant_int4 import tiny_dir  # noqa: F401 (a fixture)

@@ -17,7 +17,7 @@ import torch
 from handler.engine.request import SamplingParams
 from handler.model import quant_formats as qf
 from handler.model.quant_int4 import Q4Linear, pack
-from kernels import cpu_ext
+from kernels import cpu as cpu_ext
 from tests.support.engine import NEW, PROMPTS, STRATEGIES, make_engine, run_all
 from tests.support.kernels import each_build_fixture
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from handler.model.quant_int4 import Grouped, pack
-from kernels import cpu_ext
+from kernels import cpu as cpu_ext
 from tests.support.kernels import both_x86, each_build_fixture
 
 pytest.importorskip("gguf", reason="the gguf package reads GGUF files: pip install -e '.[gguf]'")

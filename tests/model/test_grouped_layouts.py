@@ -12,7 +12,7 @@ import torch
 
 from handler.model import quant_formats as qf
 from handler.model.quant_int4 import Grouped, Sub, code_bits, pack, unpack
-from kernels import cpu_ext
+from kernels import cpu as cpu_ext
 from tests.support.kernels import each_build_fixture
 
 gguf = pytest.importorskip("gguf", reason="the gguf package reads GGUF files: pip install -e '.[gguf]'")

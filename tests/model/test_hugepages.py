@@ -1,4 +1,4 @@
-"""The packed weights a step streams sit in huge-page-advised memory (kernels/cpu_ext.py
+"""The packed weights a step streams sit in huge-page-advised memory (kernels/cpu/
 empty_hugepage, LMI_CPU_HUGEPAGES): fp32 panels, W8A16's codes and scales, the output head; the
 values, the step's logits and greedy tokens are the same with the switch on and off."""
 from __future__ import annotations
@@ -13,12 +13,13 @@ from handler.engine.request import SamplingParams
 from handler.model import cpu
 from handler.model.cpu import hugepage_report, streamed_tensors
 from handler.model.quant_int4 import Q4Linear
-from kernels import cpu_ext
+from kernels import cpu as cpu_ext
+from kernels.cpu import memory as cpu_memory
 from tests.model.test_cpu import _runner, _step_logits
 from tests.support.engine import NEW, PROMPTS, STRATEGIES, make_engine, run_all
 
 pytestmark = [
-    pytest.mark.skipif(not hasattr(mmap, "MADV_HUGEPAGE") or not cpu_ext._smaps(),
+    pytest.mark.skipif(not hasattr(mmap, "MADV_HUGEPAGE") or not cpu_memory._smaps(),
                        reason="needs Linux's madvise(MADV_HUGEPAGE) and /proc/self/smaps"),
     pytest.mark.skipif(not cpu_ext.gemm_available() or not cpu_ext.gemm_q_available(),
                        reason="kernels/cpu_gemm.c and cpu_gemm_q4.c are not built here (the torch backend, "

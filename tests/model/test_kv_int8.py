@@ -19,7 +19,8 @@ import torch
 from handler.config import ConfigError, load_config
 from handler.config import sizing
 from handler.engine.request import SamplingParams
-from kernels import cpu_ext, reference
+from kernels import cpu as cpu_ext, reference
+from kernels.cpu import elementwise as cpu_elementwise
 from tests.model.test_lora import lora_models  # noqa: F401  (the fixture)
 from tests.support.engine import STRATEGIES, assert_drained, make_engine, run_all
 
@@ -115,7 +116,7 @@ def _pools_equal(a, b) -> bool:
                for (ak, av), (bk, bv) in zip(a.kv_cache, b.kv_cache) for x, y in ((ak, bk), (av, bv)))
 
 
-_STACK_WHY = "" if BUILD and cpu_ext.gemm_available() and cpu_ext._silu_ready() and cpu_ext.silu_exact(
+_STACK_WHY = "" if BUILD and cpu_ext.gemm_available() and cpu_elementwise._silu_ready() and cpu_ext.silu_exact(
     torch.get_num_threads()) else f"the one-call C stack does not run on this build ({BUILD})"
 
 

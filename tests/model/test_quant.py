@@ -13,7 +13,8 @@ from torch import nn
 from handler.engine.request import SamplingParams
 from handler.model import quant
 from handler.model.runner import ModelRunner
-from kernels import cpu_ext, isa
+from kernels import cpu as cpu_ext, isa
+from kernels.cpu import build as cpu_build
 from tests.support.kernels import each_build_fixture, both_x86
 from tests.support.engine import NEW, PROMPTS, STRATEGIES, make_engine, run_all
 
@@ -118,7 +119,7 @@ def test_avx2_int8_is_the_avx512_builds_bytes_and_values(bias):
 
 
 @pytest.mark.skipif(not {"avx512", "avx2"} <= set(isa.host_isas()) or not {"avx512_vnni", "avx512vl"} <= isa.cpu_flags()
-                    or cpu_ext._compiler() is None,
+                    or cpu_build.compiler() is None,
                     reason="runs the avx2 build's AVX-VNNI int8 path through its EVEX twin: needs AVX512-VNNI/VL, "
                            "the avx512 build to compare with, and a C compiler")
 def test_avx_vnni_int8_path_is_the_avx512_builds_values(tmp_path):
@@ -128,8 +129,8 @@ def test_avx_vnni_int8_path_is_the_avx512_builds_values(tmp_path):
     import ctypes
     import subprocess
     so = str(tmp_path / "i8_vnni.so")
-    src = os.path.join(cpu_ext._HERE, "cpu_gemm_i8.c")
-    r = subprocess.run([cpu_ext._compiler(), *cpu_ext.EXACT_FLAGS, "-march=x86-64-v3", "-mtune=generic",
+    src = os.path.join(cpu_build.SRC_DIR, "cpu_gemm_i8.c")
+    r = subprocess.run([cpu_build.compiler(), *cpu_build.EXACT_FLAGS, "-march=x86-64-v3", "-mtune=generic",
                         "-DLMI_I8_CHECK_EVEX_VNNI", "-shared", src, "-o", so, "-lm"], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr[-2000:]
     lib = ctypes.CDLL(so)

@@ -18,7 +18,7 @@ from handler.config import ConfigError, load_config
 from handler.engine.request import SamplingParams
 from handler.model import quant_formats as qf
 from handler.model.quant_int4 import Grouped, Q4Linear, QuantLoadError, grouped_of, pack
-from kernels import cpu_ext
+from kernels import cpu as cpu_ext
 from tests.support.kernels import each_build_fixture, both_x86
 from tests.support.engine import NEW, PROMPTS, STRATEGIES, make_engine, run_all
 

@@ -17,7 +17,7 @@ from handler.engine.request import SamplingParams
 from handler.model import quant
 from handler.model.quant_int4 import Q4Linear, grouped_of, pack
 from handler.model.runner import ModelRunner
-from kernels import cpu_ext
+from kernels import cpu as cpu_ext
 from tests.support.engine import NEW, PROMPTS, STRATEGIES, make_engine, run_all
 from tests.support.kernels import each_build_fixture
 
@@ -179,7 +179,7 @@ def test_torch_backend_serves_the_same_tokens(reference_dir, tmp_path):
         results = run_all(engine, PROMPTS[:3], [SamplingParams(max_new_tokens=n) for n in NEW[:3]])
     finally:
         engine.shutdown()
-        from kernels import cpu_ext as ce
+        from kernels import cpu as ce
         ce.select(None)
     for p, n, (ids, _) in zip(PROMPTS, NEW, results):
         assert ids == hf_greedy(ref, p, n), p[:20]

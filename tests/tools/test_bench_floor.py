@@ -58,7 +58,7 @@ def test_qwen_presets_run_the_load_curve_with_prefixes_of_one_list():
 
 def test_read_probe_reads_every_element_and_measures_a_rate():
     import pytest
-    from kernels import cpu_ext
+    from kernels import cpu as cpu_ext
     x = torch.arange(1000 * 16 + 7, dtype=torch.float32) % 5       # a tail past the 16 lanes and the threads' cuts
     got = cpu_ext.stream_read(x)
     if got is None:

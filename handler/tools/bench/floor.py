@@ -53,7 +53,7 @@ def read_bandwidth(mib: int = PROBE_MIB, reps: int = 5) -> float | None:
     """Bytes read per second by kernels/cpu_gemm.c's read-stream probe over the process's threads
     (best of `reps`); None where the C kernels do not load."""
     import torch
-    from kernels import cpu_ext
+    from kernels import cpu as cpu_ext
     src = torch.ones(mib * 2 ** 20 // 4, dtype=torch.float32)
     if cpu_ext.stream_read(src) is None:
         return None

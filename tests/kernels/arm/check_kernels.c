@@ -1,5 +1,5 @@
 /* The CPU kernels' aarch64 NEON build against plain C references, run under qemu-user by
- * tests/kernels/test_arm_neon.py (linked with the kernels' C sources, built as kernels/cpu_ext.py builds them).
+ * tests/kernels/test_arm_neon.py (linked with the kernels' C sources, built as kernels/cpu/ builds them).
  *
  * Prints one line per kernel family:
  *   AVAIL <name> 0|1          what the build says it provides (lmi_*_available)
