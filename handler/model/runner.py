@@ -21,6 +21,7 @@ from handler.model.quant_formats import AT_LOAD           # option.quantize valu
 from handler.model.quant_int4 import QuantLoadError
 from handler.model.sampling import Sampler
 import kernels
+from kernels.pool import KVPool, allocate as pool_alloc
 from kernels.step import plan_step
 from handler.engine.types import SampleResult, StepItem
 
@@ -125,17 +126,6 @@ def _windowed(model) -> bool:
     return bool(getattr(cfg, "sliding_window", None) or getattr(cfg, "attn_logit_softcapping", None))
 
 
-def _zero_pages(shape: tuple, dtype: torch.dtype) -> torch.Tensor:
-    """A CPU tensor of zeros backed by an anonymous mapping (pages committed on first write)."""
-    import math
-    import mmap
-    n = math.prod(shape)
-    if n == 0:
-        return torch.zeros(shape, dtype=dtype)
-    buf = mmap.mmap(-1, n * dtype.itemsize)
-    return torch.frombuffer(buf, dtype=dtype, count=n).view(shape)   # the tensor keeps `buf` alive
-
-
 class ModelRunner:
     batch_invariant = False   # option.batch_invariant: see handler/model/batch_invariant.py
     graphs = None             # handler.model.cuda_graphs.DecodeGraphs once capture_cuda_graphs() ran
@@ -155,7 +145,7 @@ class ModelRunner:
         (LlamaFamilyForCausalLM.fuse_projections); False where LoRA will wrap the layers. `cpu_kernels`
         (option.cpu_kernels): the instruction set of the CPU kernels (kernels/isa.py), chosen before the
         model loads (its linear layers are packed for that backend). `kv_cache_dtype`
-        (option.kv_cache_dtype): `auto` (the model's dtype) or `int8` on CPU (kernels/reference.py:
+        (option.kv_cache_dtype): `auto` (the model's dtype) or `int8` on CPU (kernels/pool.py:
         int8 rows and a scale per (token, head) row)."""
         from transformers import AutoConfig, AutoTokenizer
 
@@ -342,28 +332,19 @@ class ModelRunner:
             log.info("%s: %d layer groups smoothed on %d calibration tokens (SmoothQuant, alpha %.2f)",
                      method, n, len(ids), quant.SMOOTH_ALPHA)
 
-    def _kv_pool(self) -> torch.Tensor:
-        """One layer's keys or values, [NB, bs, Hkv, D] to every reader. On CPU that is a view of
-        a head-major [NB, Hkv, bs, D] allocation, so that the attention's gather of a batch's
-        blocks is one copy into the [B, Hkv, L, D] it multiplies (kernels/reference.py); the
-        Triton kernels read strides and take either. On CPU the memory is anonymous zero pages
-        (mmap), committed as blocks are first written: the pool is sized from the memory available
-        (handler.config.sizing), and a server that never fills it does not hold it."""
-        nb, bs, hkv, d = self.kv.num_blocks, self.kv.block_size, self.kv.num_kv_heads, self.kv.head_dim
+    def _kv_pool(self) -> KVPool:
+        """One layer's keys or values (kernels/pool.py), [NB, bs, Hkv, D] to every reader. On CPU a
+        view of a head-major [NB, Hkv, bs, D] allocation, so that the attention's gather of a batch's
+        blocks is one copy into the [B, Hkv, L, D] it multiplies (kernels/reference.py); the Triton
+        kernels read strides and take either. On CPU the memory is anonymous zero pages (mmap),
+        committed as blocks are first written: the pool is sized from the memory available
+        (handler.config.sizing), and a server that never fills it does not hold it. An int8 pool
+        (CPU only: refused elsewhere) carries its row scales, laid out alike."""
+        shape = (self.kv.num_blocks, self.kv.block_size, self.kv.num_kv_heads, self.kv.head_dim)
         from handler.model.cpu import head_major_kv
-        if self.kv_cache_dtype == "int8":   # CPU only (refused elsewhere): int8 rows, their scales alike
-            from kernels import reference
-            hm = head_major_kv()
-            t = _zero_pages((nb, hkv, bs, d) if hm else (nb, bs, hkv, d), torch.int8)
-            sc = _zero_pages((nb, hkv, bs) if hm else (nb, bs, hkv), torch.float32)
-            t, sc = (t.transpose(1, 2), sc.transpose(1, 2)) if hm else (t, sc)
-            setattr(t, reference.KV_SCALE, sc)
-            return t
-        if self.device.type == "cpu":
-            shape = (nb, hkv, bs, d) if head_major_kv() else (nb, bs, hkv, d)
-            t = _zero_pages(shape, self.dtype)
-            return t.transpose(1, 2) if head_major_kv() else t
-        return torch.zeros(nb, bs, hkv, d, dtype=self.dtype, device=self.device)
+        dtype = torch.int8 if self.kv_cache_dtype == "int8" else self.dtype
+        cpu = self.device.type == "cpu"
+        return pool_alloc(shape, dtype, head_major=cpu and head_major_kv(), device=self.device, lazy=cpu)
 
     KEY_BIAS_LEVEL = 2.0    # a key channel pair whose bias is above this is divided down to it (int8 KV)
 
@@ -509,12 +490,9 @@ class ModelRunner:
             return SampleResult(error=(424, f"speculative verification failed: {type(e).__name__}: {e}"))
 
     def _copy_blocks(self, src: torch.Tensor, dst: torch.Tensor) -> None:
-        from kernels.reference import kv_scale
-        for k_cache, v_cache in self.kv_cache:
-            for pool in (k_cache, v_cache):
-                pool[dst] = pool[src]
-                if kv_scale(pool) is not None:     # an int8 pool's blocks carry their row scales
-                    kv_scale(pool)[dst] = kv_scale(pool)[src]
+        for k_pool, v_pool in self.kv_cache:
+            k_pool.copy_blocks(src, dst)
+            v_pool.copy_blocks(src, dst)
 
     @torch.inference_mode()
     def forward(self, packed: torch.Tensor) -> torch.Tensor:

@@ -7,46 +7,46 @@ import ctypes
 
 import torch
 
-from kernels import reference
 from kernels.cpu.args import KV_DTYPES, plain as _plain
 from kernels.cpu.lib import load
+from kernels.pool import KVPool, as_pool
 from kernels.step import prompt_table
 
 
-def supports(key_cache: torch.Tensor) -> bool:
-    """Whether the kernel reads this pool: a CPU tensor of fp32/bf16, or int8 with its row scales
-    (reference.kv_scale), with the head dim contiguous."""
-    if key_cache.device.type != "cpu" or key_cache.stride(-1) != 1:
-        return False
-    return key_cache.dtype in KV_DTYPES or _i8_pool(key_cache)
+def supports(key_cache: KVPool | torch.Tensor) -> bool:
+    """Whether the kernels read this pool: on the CPU, fp32/bf16, or int8 with its row scales, the
+    head dim contiguous."""
+    pool = as_pool(key_cache)
+    return (pool.device.type == "cpu" and pool.data.stride(-1) == 1
+            and (pool.dtype in KV_DTYPES or pool.int8))
 
 
-def _i8_pool(cache: torch.Tensor) -> bool:
-    """An int8 pool [NB, bs, Hkv, D] whose scales [NB, bs, Hkv] lie at its element offsets / D."""
-    sc = reference.kv_scale(cache)
-    return (cache.dtype == torch.int8 and sc is not None and sc.dtype == torch.float32
-            and sc.shape == cache.shape[:3] and all(a * cache.shape[3] == b for a, b in zip(sc.stride(), cache.stride()[:3])))
-
-
-def write_kv(key_cache: torch.Tensor, value_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-             slot_mapping: torch.Tensor) -> bool:
+def write_kv(key_cache: KVPool | torch.Tensor, value_cache: KVPool | torch.Tensor, key: torch.Tensor,
+             value: torch.Tensor, slot_mapping: torch.Tensor) -> bool:
     """Store key/value [T, Hkv, D] at slot_mapping [T] (< 0: skip) in place, as
-    reference.write_kv does; False (nothing written) when the kernel cannot take these tensors."""
+    reference.write_kv does; False (nothing written) when the kernel cannot take these tensors.
+    An int8 pool stores each (token, head) row quantized with its scale (kernels/cpu_kv.c)."""
     fn = load()
-    if key_cache.dtype == torch.int8:
-        return _write_kv_i8(fn, key_cache, value_cache, key, value, slot_mapping)
-    if (fn is None or not supports(key_cache) or key.dtype != key_cache.dtype
-            or not _kv_rows_fit(key_cache, value_cache, key, value)):
+    kp, vp = as_pool(key_cache), as_pool(value_cache)
+    kc, vc = kp.data, vp.data
+    if (fn is None or not supports(kp) or kp.int8 != vp.int8 or key.dtype not in KV_DTYPES
+            or (not kp.int8 and key.dtype != kc.dtype) or not _kv_rows_fit(kc, vc, key, value)):
         return False
     t, hkv, d = key.shape
     slots = slot_mapping.to(torch.int64).contiguous()
     if slots.shape != (t,):
         return False
-    nb, bs = key_cache.shape[:2]
-    rc = fn.write_kv(key_cache.data_ptr(), value_cache.data_ptr(), key.data_ptr(), value.data_ptr(),
-                     key_cache.element_size(), key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
-                     key.stride(0), key.stride(1), value.stride(0), value.stride(1), slots.data_ptr(),
-                     t, hkv, d, bs, nb * bs)
+    nb, bs = kc.shape[:2]
+    if kp.int8:
+        rc = fn.write_kv_i8(kc.data_ptr(), vc.data_ptr(), kp.scales.data_ptr(), vp.scales.data_ptr(), key.data_ptr(),
+                            value.data_ptr(), KV_DTYPES[key.dtype], kc.stride(0), kc.stride(1), kc.stride(2),
+                            key.stride(0), key.stride(1), value.stride(0), value.stride(1), slots.data_ptr(),
+                            t, hkv, d, bs, nb * bs)
+    else:
+        rc = fn.write_kv(kc.data_ptr(), vc.data_ptr(), key.data_ptr(), value.data_ptr(),
+                         kc.element_size(), kc.stride(0), kc.stride(1), kc.stride(2),
+                         key.stride(0), key.stride(1), value.stride(0), value.stride(1), slots.data_ptr(),
+                         t, hkv, d, bs, nb * bs)
     if rc != 0:
         raise IndexError(f"write_kv: a slot is past the pool's {nb * bs} slots")
     return True
@@ -60,28 +60,7 @@ def _kv_rows_fit(key_cache, value_cache, key, value) -> bool:
             and key.shape == value.shape and key.shape[1:] == key_cache.shape[2:])
 
 
-def _write_kv_i8(fn, key_cache, value_cache, key, value, slot_mapping) -> bool:
-    """write_kv into int8 pools: each (token, head) row quantized with its scale
-    (kernels/cpu_layer.c lmi_write_kv_i8; reference.quantize_rows's bytes)."""
-    if (fn is None or not _i8_pool(key_cache) or not _i8_pool(value_cache) or key.dtype not in KV_DTYPES
-            or not _kv_rows_fit(key_cache, value_cache, key, value)):
-        return False
-    t, hkv, d = key.shape
-    slots = slot_mapping.to(torch.int64).contiguous()
-    if slots.shape != (t,):
-        return False
-    nb, bs = key_cache.shape[:2]
-    rc = fn.write_kv_i8(key_cache.data_ptr(), value_cache.data_ptr(), reference.kv_scale(key_cache).data_ptr(),
-                        reference.kv_scale(value_cache).data_ptr(), key.data_ptr(), value.data_ptr(),
-                        KV_DTYPES[key.dtype], key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
-                        key.stride(0), key.stride(1), value.stride(0), value.stride(1), slots.data_ptr(),
-                        t, hkv, d, bs, nb * bs)
-    if rc != 0:
-        raise IndexError(f"write_kv: a slot is past the pool's {nb * bs} slots")
-    return True
-
-
-def decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+def decode_attention(query: torch.Tensor, key_cache: KVPool | torch.Tensor, value_cache: KVPool | torch.Tensor,
                      tables: torch.Tensor, lens: torch.Tensor, scale: float,
                      sliding_window: int | None = None, soft_cap: float | None = None) -> torch.Tensor:
     """query [B, H, D] (one row per sequence), pools [NB, bs, Hkv, D], tables [B, W] (block ids,
@@ -89,37 +68,36 @@ def decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: 
     fn = load()
     if fn is None:
         raise RuntimeError("the CPU decode-attention kernel is not available")
+    kp, vp = as_pool(key_cache), as_pool(value_cache)
+    kc, vc = kp.data, vp.data
     b, h, d = query.shape
-    nb, bs, hkv, _ = key_cache.shape
-    if key_cache.stride() != value_cache.stride() or key_cache.dtype != value_cache.dtype:
+    nb, bs, hkv, _ = kc.shape
+    if kc.stride() != vc.stride() or kc.dtype != vc.dtype:
         raise ValueError("key and value pools must share dtype and layout")
     q = query.to(torch.float32).contiguous()
     tbl = tables.to(torch.int32).contiguous()
     ln = lens.to(torch.int32).contiguous()
     out = torch.empty(b, h, d, dtype=torch.float32)
-    if key_cache.dtype == torch.int8:
-        if not (_i8_pool(key_cache) and _i8_pool(value_cache)):
-            raise ValueError("an int8 KV pool needs its row scales (reference.kv_scale)")
-        rc = fn.decode_attention_i8(q.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(),
-                                    reference.kv_scale(key_cache).data_ptr(), reference.kv_scale(value_cache).data_ptr(),
-                                    key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+    if kp.int8:
+        rc = fn.decode_attention_i8(q.data_ptr(), kc.data_ptr(), vc.data_ptr(), kp.scales.data_ptr(),
+                                    vp.scales.data_ptr(), kc.stride(0), kc.stride(1), kc.stride(2),
                                     tbl.data_ptr(), tbl.shape[1], ln.data_ptr(), b, h, hkv, d, bs, float(scale),
                                     int(sliding_window or 0), float(soft_cap or 0.0), out.data_ptr(),
                                     torch.get_num_threads())
-        if rc != 0:
-            raise MemoryError("CPU decode attention: scratch allocation failed")
-        return out
-    rc = fn.decode_attention(q.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(), KV_DTYPES[key_cache.dtype],
-                             key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
-                             tbl.data_ptr(), tbl.shape[1], ln.data_ptr(), b, h, hkv, d, bs, float(scale),
-                             int(sliding_window or 0), float(soft_cap or 0.0), out.data_ptr(), torch.get_num_threads())
+    else:
+        rc = fn.decode_attention(q.data_ptr(), kc.data_ptr(), vc.data_ptr(), KV_DTYPES[kc.dtype],
+                                 kc.stride(0), kc.stride(1), kc.stride(2),
+                                 tbl.data_ptr(), tbl.shape[1], ln.data_ptr(), b, h, hkv, d, bs, float(scale),
+                                 int(sliding_window or 0), float(soft_cap or 0.0), out.data_ptr(),
+                                 torch.get_num_threads())
     if rc != 0:
         raise MemoryError("CPU decode attention: scratch allocation failed")
     return out
 
 
 def decode_fused(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cos: torch.Tensor,
-                 sin: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, slots: torch.Tensor,
+                 sin: torch.Tensor, key_cache: KVPool | torch.Tensor, value_cache: KVPool | torch.Tensor,
+                 slots: torch.Tensor,
                  tables: torch.Tensor, lens: torch.Tensor, scale: float,
                  sliding_window: int | None = None) -> torch.Tensor | None:
     """One decode step's attention for one layer, in one call: rotary_(query, key, cos, sin) in
@@ -130,13 +108,14 @@ def decode_fused(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, co
     None (nothing changed) where the kernel cannot take these tensors."""
     fn = load()
     dt = query.dtype
-    i8 = key_cache.dtype == torch.int8
-    if (fn is None or dt not in KV_DTYPES or value_cache.dtype != key_cache.dtype
-            or (key_cache.dtype != dt and not (i8 and _i8_pool(key_cache) and _i8_pool(value_cache)))):
+    kp, vp = as_pool(key_cache), as_pool(value_cache)
+    kc, vc = kp.data, vp.data
+    if (fn is None or dt not in KV_DTYPES or vc.dtype != kc.dtype or kp.int8 != vp.int8
+            or (kc.dtype != dt and not kp.int8)):
         return None
     b, h, d = query.shape
-    nb, bs, hkv, _ = key_cache.shape
-    if (not all(_plain(x, dt) for x in (query, key, value, cos, sin)) or key_cache.stride() != value_cache.stride()
+    nb, bs, hkv, _ = kc.shape
+    if (not all(_plain(x, dt) for x in (query, key, value, cos, sin)) or kc.stride() != vc.stride()
             or key.shape != (b, hkv, d) or value.shape != key.shape or cos.shape != (b, d) or sin.shape != (b, d)
             or cos.stride() != sin.stride() or cos.stride(1) != 1 or d % 2 or h % hkv
             or any(x.stride()[1:] != (d, 1) for x in (query, key, value))
@@ -145,19 +124,18 @@ def decode_fused(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, co
             or lens.dtype != torch.int32 or lens.shape != (b,) or not lens.is_contiguous()):
         return None
     out = torch.empty(b, h, d, dtype=dt)
-    if i8:
+    if kp.int8:
         rc = fn.decode_fused_i8(query.data_ptr(), key.data_ptr(), value.data_ptr(), query.stride(0), key.stride(0),
                                 value.stride(0), cos.data_ptr(), sin.data_ptr(), cos.stride(0), KV_DTYPES[dt],
-                                key_cache.data_ptr(), value_cache.data_ptr(), reference.kv_scale(key_cache).data_ptr(),
-                                reference.kv_scale(value_cache).data_ptr(), key_cache.stride(0), key_cache.stride(1),
-                                key_cache.stride(2), slots.data_ptr(), nb * bs, tables.data_ptr(), tables.shape[1],
+                                kc.data_ptr(), vc.data_ptr(), kp.scales.data_ptr(), vp.scales.data_ptr(),
+                                kc.stride(0), kc.stride(1), kc.stride(2), slots.data_ptr(), nb * bs, tables.data_ptr(), tables.shape[1],
                                 lens.data_ptr(), b, h, hkv, d, bs, float(scale), int(sliding_window or 0), 0.0,
                                 out.data_ptr(), torch.get_num_threads())
     else:
         rc = fn.decode_fused(query.data_ptr(), key.data_ptr(), value.data_ptr(), query.stride(0), key.stride(0),
                              value.stride(0), cos.data_ptr(), sin.data_ptr(), cos.stride(0), KV_DTYPES[dt],
-                             key_cache.data_ptr(), value_cache.data_ptr(), key_cache.stride(0), key_cache.stride(1),
-                             key_cache.stride(2), slots.data_ptr(), nb * bs, tables.data_ptr(), tables.shape[1],
+                             kc.data_ptr(), vc.data_ptr(), kc.stride(0), kc.stride(1),
+                             kc.stride(2), slots.data_ptr(), nb * bs, tables.data_ptr(), tables.shape[1],
                              lens.data_ptr(), b, h, hkv, d, bs, float(scale), int(sliding_window or 0), 0.0,
                              out.data_ptr(), torch.get_num_threads())
     if rc == -1:
@@ -207,7 +185,8 @@ def prefill_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
 
 def step_layers(layers, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor,
                 tables: torch.Tensor, lens: torch.Tensor, prompts: torch.Tensor, *, heads: int, kv_heads: int,
-                head_dim: int, intermediate: int, eps: float, lanes: int, pool: torch.Tensor, scale: float) -> None:
+                head_dim: int, intermediate: int, eps: float, lanes: int, pool: KVPool | torch.Tensor,
+                scale: float) -> None:
     """Every decoder layer of one step, in place on the residual stream h [T, E] (kernels/cpu_layer.c):
     B = tables.shape[0] decoding sequences in rows 0 .. B-1 (one row each) and whole prompts after
     them. `layers` a ctypes array of Layer, cos/sin [T, D], slots int64 [T], tables int32 [B, W], lens
@@ -215,6 +194,7 @@ def step_layers(layers, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, s
     prefill_attention's), `pool` one of the layers' KV pools (their shared layout), `lanes`
     rms_norm_f32's summing width (fp32). The caller checked every shape and dtype."""
     fn = load()
+    pool = as_pool(pool).data
     t, e = h.shape
     nb, bs = pool.shape[:2]
     rc = fn.step_layers(ctypes.addressof(layers), len(layers), h.data_ptr(), t, tables.shape[0], e, heads, kv_heads,

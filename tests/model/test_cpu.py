@@ -290,12 +290,12 @@ def test_runner_pool_is_head_major_on_cpu_and_switchable(demo_model_factory, mon
 
     path = demo_model_factory("llama")
     r = ModelRunner(path, kv_cache_tokens=64, block_size=4)
-    k = r.kv_cache[0][0]
+    k = r.kv_cache[0][0].data
     assert k.shape == (16, 4, r.kv.num_kv_heads, r.kv.head_dim)   # every reader's view
     assert head_major(k) and not k.is_contiguous()
     monkeypatch.setattr(cpu.AB, "kv_layout", "token")
     r2 = ModelRunner(path, kv_cache_tokens=64, block_size=4)
-    assert r2.kv_cache[0][0].is_contiguous()
+    assert r2.kv_cache[0][0].data.is_contiguous()
 
 
 def test_preload_env(tmp_path):

@@ -108,7 +108,7 @@ def _steps(runner, calls: list) -> list:
             toks[s] = toks[s] + [t]
         steps.append(items)
     out = [runner.forward(pack_step(items, 4)[0]).clone() for items in steps]
-    return out, [(k.clone(), v.clone()) for k, v in runner.kv_cache]
+    return out, [(k.data.clone(), v.data.clone()) for k, v in runner.kv_cache]
 
 
 @needs_stack
@@ -162,7 +162,7 @@ def _run_steps(runner, steps: list, calls: list) -> tuple[list, list]:
         real = stack.run
         stack.run = lambda *a: calls.append(real(*a)) or calls[-1]
     out = [runner.forward(pack_step(items, 4)[0]).clone() for items in steps]
-    return out, [(k.clone(), v.clone()) for k, v in runner.kv_cache]
+    return out, [(k.data.clone(), v.data.clone()) for k, v in runner.kv_cache]
 
 
 @needs_stack
