@@ -62,14 +62,14 @@ SWITCHES: dict[str, Switch] = {s.name: s for s in (
            "(where installed); `system` keeps the C library's allocator", _CPU, allowed=("tcmalloc", "system")),
     Switch("LMI_CPU_KERNELS", "choice", "auto", "CPU: the C kernels' instruction set where no `option.cpu_kernels` "
            "is given (kernels used alone: tests, benchmarks); the server maps `option.cpu_kernels` onto it",
-           "kernels/cpu/", allowed=("auto", "avx512", "avx2", "neon", "torch")),
+           "kernels/cpu/lib.py", allowed=("auto", "avx512", "avx2", "neon", "torch")),
     Switch("LMI_CPU_HUGEPAGES", "choice", "auto", "CPU: the packed weights a decode step streams (fp32/bf16/int8 "
            "panels, W8A16's codes, the output head; not GGUF/AWQ/GPTQ blocks, served slower so) in memory advised MADV_HUGEPAGE before it is written, so "
            "Linux's transparent huge pages (`madvise` or `always`) hold them in 2 MiB pages (fewer TLB misses "
            "per step; values unchanged); `0` leaves them to the allocator's 4 KiB pages; elsewhere, or where "
-           "the kernel refuses the advice, it stays off (logged at load)", "kernels/cpu/",
+           "the kernel refuses the advice, it stays off (logged at load)", "kernels/cpu/memory.py",
            allowed=("auto", "0")),
-    Switch("LMI_CPU_EXT_CACHE", "text", None, "where the CPU kernels are built and cached", "kernels/cpu/",
+    Switch("LMI_CPU_EXT_CACHE", "text", None, "where the CPU kernels are built and cached", "kernels/cpu/build.py",
            values="directory", default_doc="`~/.cache/lmi-serve/kernels`"),
     Switch("LMI_QUANT_HEAD", "choice", "auto", "option.quantize=int8 / int8_weight_only: the output head quantized "
            "too (`1`; under int8 also smoothed) or kept in the model's dtype (`0`); `auto`: quantized under "
@@ -86,7 +86,7 @@ SWITCHES: dict[str, Switch] = {s.name: s for s in (
            "group as llama.cpp's Q8 blocks, with integer dot products (the avx512 build with VNNI and VBMI, and "
            "the avx2 build, the same values; neon ignores it, logged at load): faster, not bit for bit the "
            "dequantized model; `0` keeps the exact fp32 dequantization",
-           "kernels/cpu/", allowed=("0", "1")),
+           "kernels/cpu/lib.py", allowed=("0", "1")),
     Switch("LMI_CGROUP_ROOT", "text", "/sys/fs/cgroup", "CPU: where the container's memory limit is read "
            "(`memory.max` / `memory.current`, or cgroup v1's) to size the default KV pool",
            "handler/config/hardware.py", values="directory"),

@@ -66,3 +66,32 @@ def test_read_probe_reads_every_element_and_measures_a_rate():
     assert got == pytest.approx(float(x.double().sum()), rel=1e-6)
     assert torch.equal(x, torch.arange(1000 * 16 + 7, dtype=torch.float32) % 5)      # read only
     assert floor.read_bandwidth(mib=8, reps=2) > 0
+
+
+def test_probes_read_memory_placed_as_the_weights_are():
+    # The probe buffers come from the weights' allocator: where huge pages are advised for packed
+    # weights, they are for the probe too (a 4 KiB-page probe put the floor above served TPOTs).
+    from kernels.cpu import memory
+    buf = floor._probe_buffer(8)
+    assert buf.dtype == torch.float32 and buf.numel() == 8 * 2 ** 20 // 4 and bool((buf == 1).all())
+    placed = memory.hugepage_placement([buf])
+    if memory.hugepages_wanted():
+        assert placed["advised_bytes"] == 8 * 2 ** 20
+    else:
+        assert placed["advised_bytes"] == 0
+
+
+def test_weights_read_streams_the_served_tensors_where_they_lie():
+    import pytest
+    from kernels import cpu as cpu_ext
+    m = _Tiny(tied=False)
+    m.head.panels = torch.zeros(100 * 8 + 1, dtype=torch.float32)
+    m.head.qbytes = torch.zeros(4 * 1000 + 3, dtype=torch.uint8)       # a 3-byte tail the probe skips
+    read, table = floor.step_tensors(m)
+    assert table == 100 * 8 * 4 and any(t is m.head.panels for t in read) and all(t is not m.embed.weight for t in read)
+    got = floor.weights_read(read, reps=2)
+    if cpu_ext.load() is None:
+        assert got is None
+        pytest.skip("the C kernels do not load here: no read probe")
+    want = sum(t.numel() * t.element_size() // 4 * 4 for t in read)
+    assert got["bytes"] == want and got["ms"] > 0
