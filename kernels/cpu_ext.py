@@ -233,9 +233,7 @@ def _load(isa: str):
     fn.gemm_available = bool(lib.lmi_gemm_available())
     fn.gemm_i8_available = bool(lib.lmi_gemm_i8_available())
     fn.gemm_q_available = bool(lib.lmi_gemm_q_available())
-    wanted = q_act8_wanted()
-    fn.q_act8_available = bool(lib.lmi_set_q_act8(int(wanted)))
-    fn.q_act8 = fn.q_act8_available and wanted
+    fn.q_act8_available = bool(lib.lmi_gemm_q_act8_available())
     flags = _cpu_flags()
     fn.gemm_bf16_available = bool(lib.lmi_gemm_bf16_available()) and (isa != "avx512" or "avx512_bf16" in flags)
     fn.gemm_bf16w_available = bool(lib.lmi_gemm_bf16w_available())
@@ -825,29 +823,11 @@ def stream_read(x: torch.Tensor) -> float | None:
     return fn.stream_read(x.data_ptr(), x.numel(), torch.get_num_threads())
 
 
-def q_act8_wanted(env=None) -> bool:
-    """LMI_CPU_Q_ACT8 (handler/config/switches.py): `1` multiplies grouped weights by int8-quantized
-    activations (kernels/cpu_gemm_q4.c's HAVE_Q_A8); `0` (default) keeps the exact path."""
-    raw = (os.environ if env is None else env).get("LMI_CPU_Q_ACT8", "0").strip().lower()
-    if raw not in ("0", "1"):
-        log.warning("LMI_CPU_Q_ACT8=%r: allowed values are 0, 1; using 0", raw)
-    return raw == "1"
-
-
-def set_q_act8(on: bool) -> bool:
-    """Turn the int8-activation one-row path on or off in the loaded library (the process's setting);
-    returns whether this build has it (avx512 with VNNI and VBMI, or avx2)."""
+def q_act8_available() -> bool:
+    """Whether this build multiplies grouped weights by int8 activations where a QPack asks for
+    them (`act8`, option.cpu_grouped_activations=int8): avx512 with VNNI and VBMI, or avx2."""
     fn = load()
-    if fn is None:
-        return False
-    fn.q_act8 = bool(fn.set_q_act8(int(on))) and bool(on)
-    return fn.q_act8_available
-
-
-def q_act8_on() -> bool:
-    """Whether the grouped products run with int8 activations now (set_q_act8 / LMI_CPU_Q_ACT8)."""
-    fn = load()
-    return fn is not None and fn.q_act8
+    return fn is not None and fn.q_act8_available
 
 
 def gemm_q_available() -> bool:
@@ -870,6 +850,7 @@ class QPack:
     sg: int         # groups per superblock (QS_I8), else 1
     bits: int       # code width: 4, 5, 6 or 8
     group: int      # inputs per group
+    act8: bool = False  # int8 activations (option.cpu_grouped_activations=int8; lmi_gemm_q's act8)
 
     def tensors(self) -> list[torch.Tensor]:
         """What a step streams."""
@@ -896,7 +877,7 @@ def gemm_q(x: torch.Tensor, w: QPack, n: int, bias: torch.Tensor | None) -> torc
     if m and k:
         load().gemm_q(a.data_ptr(), m, k, a.stride(0) if m > 1 else k, w.codes.data_ptr(), w.s.data_ptr(),
                       w.m.data_ptr(), _ptr(w.d), _ptr(w.e), w.smode, w.sg, w.bits, w.group, n, _ptr(bias),
-                      out.data_ptr(), n, torch.get_num_threads())
+                      out.data_ptr(), n, int(w.act8), torch.get_num_threads())
     elif m:
         out.zero_()
         if bias is not None:
@@ -985,7 +966,7 @@ def gemm_bf16(x: torch.Tensor, panels: torch.Tensor, n: int, bias: torch.Tensor 
 
 # ---------------------------------------------------------------------------- a decode step's layers (kernels/cpu_layer.c)
 LIN_F32, LIN_BF16, LIN_BF16W, LIN_I8 = (_ENUM[k] for k in ("LIN_F32", "LIN_BF16", "LIN_BF16W", "LIN_I8"))
-LIN_Q = _ENUM["LIN_Q"]          # grouped 4/5/6/8-bit codes (handler/model/quant_int4.py Q4Linear)
+LIN_Q = _ENUM["LIN_Q"]          # grouped 4/5/6/8-bit codes (handler/model/quant_int4.py GroupedPack)
 QS_F32, QS_F16, QS_I8 = (_ENUM[k] for k in ("QS_F32", "QS_F16", "QS_I8"))   # lmi_gemm_q's scale modes
 Lin = _STRUCTS["lmi_lin"]        # one packed linear layer
 Layer = _STRUCTS["lmi_layer"]    # a decoder layer's weights and KV pools (q|k|v and gate|up fused: k, v, up n = 0)
