@@ -1,5 +1,5 @@
 """The one-call C layer stack (handler/model/cpu_stack.py, kernels/cpu_layer.c) over grouped 4/8-bit
-weights (handler/model/quant_int4.py Q4Linear, kernels/cpu_gemm_q4.c: lmi_lin kind LIN_Q): W8A16
+weights (handler/model/quant_int4.py GroupedPack, kernels/cpu_gemm_q4.c: lmi_lin kind LIN_Q): W8A16
 (option.quantize=int8_weight_only), GGUF's blocks (K-quants, Q5_0/Q5_1, Q4_0, Q8_0) and AWQ, in fp32
 and bf16 activations, give the Python layers' logits and KV pools bit for bit; on Qwen2.5-Coder-0.5B
 the stack serves W8A16 and Qwen's q4_k_m GGUF with the Python layers' greedy answers, and start-up
