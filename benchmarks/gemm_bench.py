@@ -1,5 +1,5 @@
-"""The CPU linear layers' GEMM: oneDNN (prepacked, as PackedLinear) against kernels/cpu_gemm.c
-(PanelLinear), on a 135 M Llama's weight shapes, interleaved.
+"""The CPU linear layers' GEMM: oneDNN (prepacked, as OneDnnPack) against kernels/cpu_gemm.c
+(PanelPack), on a 135 M Llama's weight shapes, interleaved.
 
     python benchmarks/gemm_bench.py [--rows 1,8,16,36,50,64,128,256,512,1024] [--rounds 5]
         [--out benchmarks/results/gemm_bench.json]

@@ -6,7 +6,7 @@ other and against torch, at decode and prompt row counts, on SmolLM2-135M and Qw
 
 fp32: kernels/cpu_gemm.c (lmi_gemm); bf16: kernels/cpu_gemm_bf16.c's widened kernel (lmi_gemm_bf16w, bf16
 weight, fp32 input, bf16 out), the kernel every build has. Beside them torch's F.linear and oneDNN's
-prepacked linear (torch.ops.mkldnn._linear_pointwise, as PackedLinear; absent where oneDNN refuses the
+prepacked linear (torch.ops.mkldnn._linear_pointwise, as OneDnnPack; absent where oneDNN refuses the
 dtype on this CPU). torch runs at the ISA it chose at start-up: for an AVX2 comparison on an AVX-512
 host, run with ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2 in the environment.
 

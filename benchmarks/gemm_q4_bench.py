@@ -41,7 +41,7 @@ def kernels(x: torch.Tensor, layers: list, n: int, bits: int, group: int, thread
     def q(i):
         w = layers[i % len(layers)][0]
         fn.gemm_q(x.data_ptr(), m, k, k, w.codes.data_ptr(), w.s.data_ptr(), w.m.data_ptr(), None, None, w.smode,
-                  w.sg, w.bits, w.group, n, None, out.data_ptr(), n, threads)
+                  w.sg, w.bits, w.group, n, None, out.data_ptr(), n, int(w.act8), threads)
 
     def fp32(i):
         fn.gemm(x.data_ptr(), m, k, k, layers[i % len(layers)][1].data_ptr(), n, None, out.data_ptr(), n, threads)

@@ -116,7 +116,7 @@ def q_caller(fn, k: int, n: int, threads: int, bits: int, group: int):
     (fp32 scales and mins: the layout's QS_F32)."""
     x, out = torch.randn(1, k), torch.empty(1, n)
     return lambda w: fn.gemm_q(x.data_ptr(), 1, k, k, w[0].data_ptr(), w[1].data_ptr(), w[2].data_ptr(), None, None,
-                               cpu_ext.QS_F32, 1, bits, group, n, None, out.data_ptr(), n, threads)
+                               cpu_ext.QS_F32, 1, bits, group, n, None, out.data_ptr(), n, 0, threads)
 
 
 def summarise(rounds: list[dict], nbytes: float) -> dict:

@@ -25,6 +25,7 @@ typedef struct {
     const float *qd, *qe;       /* LIN_Q, QS_I8: the superblock scales D and E */
     int64_t bits, group;        /* LIN_Q: 4, 5, 6 or 8-bit codes, `group` inputs per scale */
     int64_t qsmode, qsg;        /* LIN_Q: lmi_gemm_q's smode and sg */
+    int64_t act8;               /* LIN_Q: lmi_gemm_q's act8 (option.cpu_grouped_activations=int8) */
 } lmi_lin;
 
 /* A decoder layer: q/k/v and gate/up either fused (q holds q|k|v, gate holds gate|up; k, v, up
@@ -69,10 +70,11 @@ void lmi_gemm_i8(const uint8_t *Aq, int64_t M, int64_t Kp, const float *sa, cons
 /* cpu_gemm_q4.c; lmi_gemm_q's smode: how S and Mn hold the scales and mins (see the file's top) */
 enum { QS_F32 = 0, QS_F16 = 1, QS_I8 = 2 };
 int lmi_gemm_q_available(void);
-int lmi_set_q_act8(int on);
+int lmi_gemm_q_act8_available(void);
+/* act8: int8 activations where the build has them (lmi_gemm_q_act8_available) and the weight qualifies */
 void lmi_gemm_q(const float *A, int64_t M, int64_t K, int64_t lda, const uint8_t *Bp, const void *S,
     const void *Mn, const float *D, const float *E, int smode, int64_t sg, int bits, int64_t g, int64_t N,
-    const float *bias, float *C, int64_t ldc, int nthreads);
+    const float *bias, float *C, int64_t ldc, int act8, int nthreads);
 
 /* cpu_exact.c */
 void lmi_rotary(void *q, void *k, const void *cos, const void *sin, int64_t T, int64_t H, int64_t Hkv, int64_t D,

@@ -229,13 +229,13 @@ static void linear(const lmi_lin *l, const void *x, int64_t m, void *y, int64_t 
     } else if (l->kind == LIN_Q) {  /* Q4Linear: fp32 rows (a bf16 row widened), fp32 out (bf16: rounded) */
         if (!bf16) {
             lmi_gemm_q(x, m, k, k, l->panels, l->qscale, l->qmin, l->qd, l->qe, (int)l->qsmode, l->qsg, (int)l->bits,
-                       l->group, n, l->bias, y, ldy, threads);
+                       l->group, n, l->bias, y, ldy, (int)l->act8, threads);
             return;
         }
         float *xf = (float *)ws, *yf = xf + m * k;
         widen(x, xf, m * k);
         lmi_gemm_q(xf, m, k, k, l->panels, l->qscale, l->qmin, l->qd, l->qe, (int)l->qsmode, l->qsg, (int)l->bits,
-                   l->group, n, l->bias, yf, n, threads);
+                   l->group, n, l->bias, yf, n, (int)l->act8, threads);
         for (int64_t r = 0; r < m; ++r)
             for (int64_t i = 0; i < n; ++i) ((uint16_t *)y)[r * ldy + i] = f32_to_bf16(yf[r * n + i]);
     } else {    /* LIN_I8: rows quantized from fp32 (a bf16 row widened first), the output in fp32 */

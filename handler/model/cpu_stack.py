@@ -27,9 +27,8 @@ import logging
 
 import torch
 
-from handler.model.cpu import AB, Bf16PanelLinear, PanelLinear
-from handler.model.quant import Int8Linear
-from handler.model.quant_int4 import Q4Linear
+from handler.model.cpu import AB
+from handler.model.linear import CpuLinear
 from kernels import cpu as cpu_ext
 
 log = logging.getLogger("lmi.cpu")
@@ -40,33 +39,18 @@ def _ptr(t: torch.Tensor | None) -> int | None:
 
 
 def _lin(m, dtype: torch.dtype, keep: list) -> cpu_ext.Lin | str:
-    """The lmi_lin of a packed linear layer for activations of `dtype`, or why not."""
-    bias = getattr(m, "bias32", None)
+    """The lmi_lin of a packed linear layer for activations of `dtype` (the kind its pack says), or why not."""
+    if not isinstance(m, CpuLinear):
+        return f"a {type(m).__name__} with {dtype} activations"
+    bias = m.bias32
     if bias is not None and not (bias.dtype == torch.float32 and bias.is_contiguous()):
         return "a bias not in fp32"
-    extra = {}
-    if type(m) is PanelLinear and not m.widen and dtype == torch.float32:
-        kind = cpu_ext.LIN_F32
-    elif type(m) is Bf16PanelLinear and dtype == torch.bfloat16:
-        kind = cpu_ext.LIN_BF16W if m.widen else cpu_ext.LIN_BF16
-    elif type(m) is Int8Linear and m.panels is not None and m.wscale.is_contiguous():
-        kind = cpu_ext.LIN_I8
-        extra = {"wsum": m.wsum.data_ptr(), "wscale": m.wscale.data_ptr()}
-        keep += [m.wsum, m.wscale]
-    elif type(m) is Q4Linear and m.qpack is not None:
-        # W8A16, GGUF's blocks, AWQ/GPTQ: kernels/cpu_gemm_q4.c on fp32 rows, as Q4Linear.forward calls it
-        kind = cpu_ext.LIN_Q
-        p = m.qpack
-        if not all(t.is_contiguous() for t in p.tensors()):
-            return "grouped scales not packed contiguously"
-        extra = {"qscale": p.s.data_ptr(), "qmin": p.m.data_ptr(), "qd": _ptr(p.d), "qe": _ptr(p.e),
-                 "qsmode": p.smode, "qsg": p.sg, "bits": p.bits, "group": p.group}
-        keep += p.tensors()
-    else:
-        return f"a {type(m).__name__} with {dtype} activations"
-    keep += [m.panels, bias]
-    return cpu_ext.Lin(kind=kind, n=m.out_features, k=m.in_features, panels=m.panels.data_ptr(),
-                       bias=_ptr(bias), **extra)
+    got = m.pack.lin(dtype)
+    if isinstance(got, str):
+        return got
+    kind, fields, tensors = got
+    keep += [*tensors, bias]
+    return cpu_ext.Lin(kind=kind, n=m.out_features, k=m.in_features, bias=_ptr(bias), **fields)
 
 
 class DecodeStack:

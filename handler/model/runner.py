@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from handler.config import hardware, sizing
-from handler.config.switches import switch
+from handler.config.numerics import Numerics
 from handler.model import batch_invariant, sampling
 from handler.model.attention import ATTN_NAME, StepMeta  # importing it registers the attention function
 from handler.model.guided import Guides
@@ -135,7 +135,7 @@ class ModelRunner:
                  max_running: int = 32, gpu_memory_utilization: float = 0.9,
                  max_model_len: int | None = None, trust_remote_code: bool = False,
                  model_impl: str = "auto", quantize: str | None = None, ranks=None, fuse: bool = True,
-                 cpu_kernels: str = "auto", kv_cache_dtype: str = "auto"):
+                 cpu_kernels: str = "auto", kv_cache_dtype: str = "auto", numerics: dict | None = None):
         """`ranks` (handler.model.distributed.Ranks): this process is one of N tensor-parallel ranks;
         the model is sharded (ours by its parallel layers, transformers' by its plan) and the KV
         pool holds this rank's heads. `model_impl` (option.model_impl): auto (ours for the Llama
@@ -151,6 +151,7 @@ class ModelRunner:
 
         self.ranks = ranks
         self.quantize = quantize
+        self.numerics = Numerics(**(numerics or {}))
         self.device = ranks.device if ranks is not None else pick_device(device)
         self.dtype = pick_dtype(dtype, self.device)
         why = sizing.kv_cache_dtype_refusal(kv_cache_dtype, self.device.type)
@@ -205,7 +206,8 @@ class ModelRunner:
             self.model.fuse_projections()
         if on_the_fly:
             from handler.model import quant
-            quant.quantize_model(self.model, on_the_fly, head=quant.head_quantized(on_the_fly, switch("LMI_QUANT_HEAD")))
+            quant.quantize_model(self.model, on_the_fly, head=quant.head_quantized(on_the_fly, self.numerics.quantize_head),
+                                 numerics=self.numerics)
         self.eos_token_ids = self._eos_ids()
         self.sampler = Sampler(self.eos_token_ids)
         # Guided decoding (xgrammar; built on first use): handler.engine.types.Guides
@@ -248,7 +250,8 @@ class ModelRunner:
         max_pos = sizing.geometry(config).max_positions
         try:
             model = llama.load(model_dir, config, dtype=self.dtype, device=self.device, tp=tp,
-                               max_positions=min(max_model_len or max_pos, max_pos), quantize=self.quantize)
+                               max_positions=min(max_model_len or max_pos, max_pos), quantize=self.quantize,
+                               numerics=self.numerics)
         except llama.Unsupported as e:
             if impl == "lmi":
                 raise ModelLoadError(f"option.model_impl=lmi: {model_dir} is outside our own implementation "
@@ -328,7 +331,7 @@ class ModelRunner:
                 table = list(range(-(-len(ids) // self.block_size)))
                 item = StepItem(0, ids, 0, table, True, SamplingParams(max_new_tokens=1), ids)
                 self._forward(pack_step([item], self.block_size)[0])
-            n = quant.smooth(self.model, calibrate, head=quant.head_quantized(method, switch("LMI_QUANT_HEAD")))
+            n = quant.smooth(self.model, calibrate, head=quant.head_quantized(method, self.numerics.quantize_head))
             log.info("%s: %d layer groups smoothed on %d calibration tokens (SmoothQuant, alpha %.2f)",
                      method, n, len(ids), quant.SMOOTH_ALPHA)
 
@@ -429,7 +432,8 @@ class ModelRunner:
         ranks each pack their own shards; transformers' tensor-parallel shards (DTensors) stay."""
         if self.device.type != "cpu" or (self.ranks is not None and not self.own):
             return
-        from handler.model.cpu import Bf16PanelLinear, PanelLinear, bf16_gemm_mode, prepack_linears
+        from handler.model.cpu import Bf16PanelPack, PanelPack, bf16_gemm_mode, prepack_linears
+        from handler.model.linear import packs
         mode = "bf16"
         if self.dtype == torch.bfloat16:
             mode, why = bf16_gemm_mode(self.model)
@@ -438,9 +442,9 @@ class ModelRunner:
                 "panels": "bf16 by kernels/cpu_gemm_bf16.c (vdpbf16ps panels)",
                 "bf16": "bf16"}[mode], why)
         n = prepack_linears(self.model, keep_weights, widen_bf16=mode == "fp32", bf16_panels=mode == "panels")
-        kinds = {type(m) for m in self.model.modules()}
-        gemm = ("kernels/cpu_gemm_bf16.c" if Bf16PanelLinear in kinds else
-                "kernels/cpu_gemm.c" if PanelLinear in kinds else "oneDNN")
+        kinds = {type(p) for p in packs(self.model)}
+        gemm = ("kernels/cpu_gemm_bf16.c" if Bf16PanelPack in kinds else
+                "kernels/cpu_gemm.c" if PanelPack in kinds else "oneDNN")
         log.info("CPU: %d linear layers packed for %s", n, gemm)
         from handler.model.cpu import hugepage_report
         log.info("CPU: %s", hugepage_report(self.model))

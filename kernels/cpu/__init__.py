@@ -25,10 +25,10 @@ from kernels.cpu.bindings import (LIN_BF16, LIN_BF16W, LIN_F32, LIN_I8, LIN_Q, Q
                                   Lin)
 from kernels.cpu.elementwise import (rms_norm_bf16, rms_norm_f32, rms_norm_f32_lanes, rotary_, row_stats,
                                      silu_exact, silu_mul_, stream_read)
-from kernels.cpu.lib import Backend, CpuLib, backend, cpu_flags, current, load, q_act8_wanted
+from kernels.cpu.lib import Backend, CpuLib, backend, cpu_flags, current, load
 from kernels.cpu.linear import (PANEL, QPack, gemm, gemm_available, gemm_bf16, gemm_bf16_available,
                                 gemm_bf16w_available, gemm_i8, gemm_i8_available, gemm_q, gemm_q_available,
-                                pack_bf16, pack_i8, pack_panels, q_act8_on, q_row_bytes, set_q_act8)
+                                pack_bf16, pack_i8, pack_panels, q_act8_available, q_row_bytes)
 from kernels.cpu.memory import HUGE_PAGE, empty_hugepage, hugepage_placement, hugepages_wanted, thp_mode
 
 
@@ -45,8 +45,8 @@ __all__ = [
     "step_layers", "supports", "write_kv", "LIN_BF16", "LIN_BF16W", "LIN_F32", "LIN_I8", "LIN_Q", "QS_F16",
     "QS_F32", "QS_I8", "Layer", "Lin", "rms_norm_bf16", "rms_norm_f32", "rms_norm_f32_lanes", "rotary_",
     "row_stats", "silu_exact", "silu_mul_", "stream_read", "Backend", "CpuLib", "backend", "cpu_flags", "current",
-    "load", "q_act8_wanted", "PANEL", "QPack", "gemm", "gemm_available", "gemm_bf16", "gemm_bf16_available",
+    "load", "PANEL", "QPack", "gemm", "gemm_available", "gemm_bf16", "gemm_bf16_available",
     "gemm_bf16w_available", "gemm_i8", "gemm_i8_available", "gemm_q", "gemm_q_available", "pack_bf16",
-    "pack_i8", "pack_panels", "q_act8_on", "q_row_bytes", "set_q_act8", "HUGE_PAGE", "empty_hugepage",
+    "pack_i8", "pack_panels", "q_act8_available", "q_row_bytes", "HUGE_PAGE", "empty_hugepage",
     "hugepage_placement", "hugepages_wanted", "thp_mode", "select",
 ]

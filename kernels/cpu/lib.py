@@ -89,9 +89,7 @@ class CpuLib:
         self.gemm_available = bool(self.dll.lmi_gemm_available())
         self.gemm_i8_available = bool(self.dll.lmi_gemm_i8_available())
         self.gemm_q_available = bool(self.dll.lmi_gemm_q_available())
-        wanted = q_act8_wanted()
-        self.q_act8_available = bool(self.dll.lmi_set_q_act8(int(wanted)))
-        self.q_act8 = self.q_act8_available and wanted
+        self.q_act8_available = bool(self.dll.lmi_gemm_q_act8_available())
         self.gemm_bf16_available = (bool(self.dll.lmi_gemm_bf16_available())
                                     and (isa != "avx512" or "avx512_bf16" in cpu_flags()))
         self.gemm_bf16w_available = bool(self.dll.lmi_gemm_bf16w_available())
@@ -133,11 +131,3 @@ def backend() -> Backend | None:
     fn = load()
     return None if fn is None else fn.backend
 
-
-def q_act8_wanted(env=None) -> bool:
-    """LMI_CPU_Q_ACT8 (handler/config/switches.py): `1` multiplies grouped weights by int8-quantized
-    activations (kernels/cpu_gemm_q4.c's HAVE_Q_A8); `0` (default) keeps the exact path."""
-    raw = (os.environ if env is None else env).get("LMI_CPU_Q_ACT8", "0").strip().lower()
-    if raw not in ("0", "1"):
-        log.warning("LMI_CPU_Q_ACT8=%r: allowed values are 0, 1; using 0", raw)
-    return raw == "1"

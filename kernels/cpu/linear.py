@@ -92,20 +92,11 @@ def gemm_i8(x: torch.Tensor, panels: torch.Tensor, wsum: torch.Tensor, scales: t
 
 
 # ---------------------------------------------------------------------------- grouped 4/8-bit (kernels/cpu_gemm_q4.c)
-def set_q_act8(on: bool) -> bool:
-    """Turn the int8-activation one-row path on or off in the loaded library (the process's setting);
-    returns whether this build has it (avx512 with VNNI and VBMI, or avx2)."""
+def q_act8_available() -> bool:
+    """Whether this build multiplies grouped weights by int8 activations where a QPack asks for
+    them (`act8`, option.cpu_grouped_activations=int8): avx512 with VNNI and VBMI, or avx2."""
     fn = load()
-    if fn is None:
-        return False
-    fn.q_act8 = bool(fn.set_q_act8(int(on))) and bool(on)
-    return fn.q_act8_available
-
-
-def q_act8_on() -> bool:
-    """Whether the grouped products run with int8 activations now (set_q_act8 / LMI_CPU_Q_ACT8)."""
-    fn = load()
-    return fn is not None and fn.q_act8
+    return fn is not None and fn.q_act8_available
 
 
 def gemm_q_available() -> bool:
@@ -128,6 +119,7 @@ class QPack:
     sg: int         # groups per superblock (QS_I8), else 1
     bits: int       # code width: 4, 5, 6 or 8
     group: int      # inputs per group
+    act8: bool = False  # int8 activations (option.cpu_grouped_activations=int8; lmi_gemm_q's act8)
 
     def tensors(self) -> list[torch.Tensor]:
         """What a step streams."""
@@ -154,7 +146,7 @@ def gemm_q(x: torch.Tensor, w: QPack, n: int, bias: torch.Tensor | None) -> torc
     if m and k:
         load().gemm_q(a.data_ptr(), m, k, a.stride(0) if m > 1 else k, w.codes.data_ptr(), w.s.data_ptr(),
                       w.m.data_ptr(), _ptr(w.d), _ptr(w.e), w.smode, w.sg, w.bits, w.group, n, _ptr(bias),
-                      out.data_ptr(), n, torch.get_num_threads())
+                      out.data_ptr(), n, int(w.act8), torch.get_num_threads())
     elif m:
         out.zero_()
         if bias is not None:

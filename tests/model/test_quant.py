@@ -12,6 +12,7 @@ from torch import nn
 
 from handler.engine.request import SamplingParams
 from handler.model import quant
+from handler.model.linear import CpuLinear
 from handler.model.runner import ModelRunner
 from kernels import cpu as cpu_ext, isa
 from kernels.cpu import build as cpu_build
@@ -196,7 +197,7 @@ def test_quantized_model_swaps_every_linear_but_the_head(demo_model_dir):
     head = r.model.get_output_embeddings()
     assert type(head) is nn.Linear and head.weight.numel() > 0
     body = [m for m in linears if m is not head]
-    assert body and all(type(m) is quant.Int8Linear for m in body)
+    assert body and all(isinstance(m, CpuLinear) and isinstance(m.pack, quant.Int8Pack) for m in body)
     assert all(m.weight.numel() == 0 for m in body)           # the float copy is gone
     layer = r.model.model.layers[0]    # smoothed: those after a norm or up_proj; o_proj is not
     for name in ("self_attn.q_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.down_proj"):
@@ -267,7 +268,7 @@ def test_int8_serves_under_every_strategy(demo_model_dir, tmp_path):
     for name, props in STRATEGIES.items():
         engine = make_engine(demo_model_dir, tmp_path, {**props, "option.quantize": "int8"})
         try:
-            assert type(engine.runner.model.model.layers[0].mlp.down_proj) is quant.Int8Linear
+            assert isinstance(engine.runner.model.model.layers[0].mlp.down_proj.pack, quant.Int8Pack)
             results = run_all(engine, PROMPTS, [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in NEW])
             assert [len(ids) for ids, _ in results] == NEW, name
         finally:

@@ -4,6 +4,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from handler.model.cpu import PanelPack
+from handler.model.linear import CpuLinear
 from handler.tools.bench import floor
 from handler.tools.bench.compare import curve_requests
 from handler.tools.bench.workloads import PRESETS
@@ -31,7 +33,8 @@ def test_step_bytes_leave_out_the_gathered_table_unless_the_head_reads_it():
     tied = floor.step_bytes(_Tiny(tied=True))           # the head multiplies by the table itself
     assert tied == {"weight_bytes_per_step": (100 * 8 + 8 + 8) * 4, "embedding_table_bytes": 0}
     m = _Tiny(tied=False)
-    m.head.panels = torch.zeros(100 * 8, dtype=torch.float32)     # a packed copy is what the GEMM reads
+    m.head = CpuLinear(m.head, PanelPack(torch.zeros(100 * 8, dtype=torch.float32), False), keep_weight=True)
+    # a packed copy is what the GEMM reads
     assert floor.step_bytes(m)["weight_bytes_per_step"] == (2 * 100 * 8 + 16) * 4
 
 

@@ -84,15 +84,13 @@ def step_tensors(model) -> tuple[list, int]:
     emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     head_reads_table = (head is not None and emb is not None and getattr(head, "weight", None) is emb.weight
-                        and all(getattr(head, a, None) is None for a in ("panels", "packed", "qweight")))
+                        and getattr(head, "pack", None) is None)      # a packed head reads its own copy
     seen, read, table = set(), [], 0
     for m in model.modules():
         tensors = list(m.parameters(recurse=False)) + list(m.buffers(recurse=False))
-        tensors += [t for a in ("panels", "packed", "qweight", "qscales", "qmins", "qd", "qe", "wsum", "wscale", "bias32",
-                                "qbytes") for t in [getattr(m, a, None)] if isinstance(t, torch.Tensor)]
-        g = getattr(m, "grouped", None)
-        if g is not None:
-            tensors += [g.q, g.scales, g.mins]
+        pack = getattr(m, "pack", None)      # a handler/model/linear.py CpuLinear: what its pack holds
+        if pack is not None:
+            tensors += [t for t in (*pack.held(), m.bias32) if isinstance(t, torch.Tensor)]
         for t in tensors:
             if id(t) in seen or not t.is_floating_point() and t.dtype not in (torch.int8, torch.uint8, torch.int32):
                 continue
