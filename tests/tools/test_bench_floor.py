@@ -88,10 +88,11 @@ def test_weights_read_streams_the_served_tensors_where_they_lie():
     import pytest
     from kernels import cpu as cpu_ext
     m = _Tiny(tied=False)
-    m.head.panels = torch.zeros(100 * 8 + 1, dtype=torch.float32)
-    m.head.qbytes = torch.zeros(4 * 1000 + 3, dtype=torch.uint8)       # a 3-byte tail the probe skips
+    panels = torch.zeros(100 * 8 + 1, dtype=torch.float32)
+    m.head = CpuLinear(m.head, PanelPack(panels, False), keep_weight=True)
+    m.norm.register_buffer("codes", torch.zeros(4 * 1000 + 3, dtype=torch.uint8))   # a 3-byte tail the probe skips
     read, table = floor.step_tensors(m)
-    assert table == 100 * 8 * 4 and any(t is m.head.panels for t in read) and all(t is not m.embed.weight for t in read)
+    assert table == 100 * 8 * 4 and any(t is panels for t in read) and all(t is not m.embed.weight for t in read)
     got = floor.weights_read(read, reps=2)
     if cpu_ext.load() is None:
         assert got is None
