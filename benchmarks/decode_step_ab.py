@@ -20,7 +20,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from kernels import cpu_ext  # noqa: E402
+from kernels import cpu as cpu_ext  # noqa: E402
 from benchmarks.step_floor import make_engine  # noqa: E402
 from handler.engine.request import SamplingParams  # noqa: E402
 

@@ -1,5 +1,5 @@
-"""The CPU linear layers' GEMM: oneDNN (prepacked, as PackedLinear) against kernels/cpu_gemm.c
-(PanelLinear), on a 135 M Llama's weight shapes, interleaved.
+"""The CPU linear layers' GEMM: oneDNN (prepacked, as OneDnnPack) against kernels/cpu_gemm.c
+(PanelPack), on a 135 M Llama's weight shapes, interleaved.
 
     python benchmarks/gemm_bench.py [--rows 1,8,16,36,50,64,128,256,512,1024] [--rounds 5]
         [--out benchmarks/results/gemm_bench.json]
@@ -22,7 +22,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from kernels import cpu_ext  # noqa: E402
+from kernels import cpu as cpu_ext  # noqa: E402
 
 LAYERS, HIDDEN, INTER, KV, VOCAB = 30, 576, 1536, 192, 49152
 SHAPES = [(HIDDEN, HIDDEN), (KV, HIDDEN), (KV, HIDDEN), (HIDDEN, HIDDEN), (INTER, HIDDEN), (INTER, HIDDEN),

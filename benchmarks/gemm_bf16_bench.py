@@ -1,7 +1,7 @@
 """bf16 GEMMs of the CPU linear layers, interleaved, on a 135 M Llama's weight shapes: our bf16
-panels by vdpbf16ps and widened in registers (kernels/cpu_gemm_bf16.c, Bf16PanelLinear's two
-modes), oneDNN's bf16 GEMM (prepacked, as PackedLinear) and the fp32 panels over an fp32 copy
-(kernels/cpu_gemm.c, PanelLinear with widen: what a bf16 model used on an AVX-512 BF16 host
+panels by vdpbf16ps and widened in registers (kernels/cpu_gemm_bf16.c, Bf16PanelPack's two
+modes), oneDNN's bf16 GEMM (prepacked, as OneDnnPack) and the fp32 panels over an fp32 copy
+(kernels/cpu_gemm.c, PanelPack with widen: what a bf16 model used on an AVX-512 BF16 host
 without AMX before kernels/cpu_gemm_bf16.c).
 
     python benchmarks/gemm_bf16_bench.py [--rows 1,16,64,256,1024] [--rounds 5] [--copies 8]
@@ -12,7 +12,7 @@ output head) and row count: `copies` distinct weights of the shape run back to b
 one), so the weights stream from memory as a model's do instead of sitting in L2; each side's
 best of `rounds` rounds, the sides alternating within a round so a burst of other load falls on
 all. Input and output bf16 (the fp32-copy side widens the input and rounds its output, as
-PanelLinear does). GFLOP/s = 2 * rows * K * N / seconds per weight; ratios: the other side's
+PanelPack does). GFLOP/s = 2 * rows * K * N / seconds per weight; ratios: the other side's
 time over the bf16 panels'.
 """
 from __future__ import annotations
@@ -28,7 +28,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from kernels import cpu_ext  # noqa: E402
+from kernels import cpu as cpu_ext  # noqa: E402
 
 SHAPES = [(576, 576), (576, 192), (576, 1536), (1536, 576), (576, 49152)]   # (K, N)
 

@@ -31,7 +31,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 from handler.model.quant import quantize_rows  # noqa: E402
-from kernels import cpu_ext, isa  # noqa: E402
+from kernels import cpu as cpu_ext, isa  # noqa: E402
+from kernels.cpu import build as cpu_build  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -41,7 +42,7 @@ def build(src_text: str, target: list[str], out_dir: str, name: str, defines=())
     with open(src, "w") as f:
         f.write(src_text)
     so = os.path.join(out_dir, f"{name}.so")
-    cmd = [cpu_ext._compiler(), *cpu_ext.EXACT_FLAGS, *target, *(f"-D{d}" for d in defines),
+    cmd = [cpu_build.compiler(), *cpu_build.EXACT_FLAGS, *target, *(f"-D{d}" for d in defines),
            "-I", os.path.join(ROOT, "kernels"), "-shared", src, "-o", so, "-lm"]
     r = subprocess.run(cmd, capture_output=True, text=True)
     if r.returncode != 0:

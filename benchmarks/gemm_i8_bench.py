@@ -26,7 +26,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 from handler.model.quant import quantize_rows  # noqa: E402
-from kernels import cpu_ext, isa  # noqa: E402
+from kernels import cpu as cpu_ext, isa  # noqa: E402
+from kernels.cpu import build as cpu_build  # noqa: E402
 
 # (K, N) of one linear layer: the MLP's gate (or up) projection of each model
 SHAPES = {"smollm2": [(576, 1536)], "qwen2.5-0.5b": [(896, 4864)],
@@ -124,7 +125,7 @@ def main(argv=None) -> int:
         with open(a.out, "w") as f:
             json.dump({"threads": a.threads, "rounds": a.rounds, "calls": a.calls, "layers": a.layers,
                        "timing": "best round, " + ("process CPU time" if a.threads == 1 else "wall time"),
-                       "cpu": next((ln.split(":", 1)[1].strip() for ln in cpu_ext._cpu_signature().splitlines()
+                       "cpu": next((ln.split(":", 1)[1].strip() for ln in cpu_build.cpu_signature().splitlines()
                                 if ln.startswith("model name")), ""), "cells": cells,
                        "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}, f, indent=1)
     return 0

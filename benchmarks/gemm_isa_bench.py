@@ -6,7 +6,7 @@ other and against torch, at decode and prompt row counts, on SmolLM2-135M and Qw
 
 fp32: kernels/cpu_gemm.c (lmi_gemm); bf16: kernels/cpu_gemm_bf16.c's widened kernel (lmi_gemm_bf16w, bf16
 weight, fp32 input, bf16 out), the kernel every build has. Beside them torch's F.linear and oneDNN's
-prepacked linear (torch.ops.mkldnn._linear_pointwise, as PackedLinear; absent where oneDNN refuses the
+prepacked linear (torch.ops.mkldnn._linear_pointwise, as OneDnnPack; absent where oneDNN refuses the
 dtype on this CPU). torch runs at the ISA it chose at start-up: for an AVX2 comparison on an AVX-512
 host, run with ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2 in the environment.
 
@@ -29,7 +29,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from kernels import cpu_ext, isa  # noqa: E402
+from kernels import cpu as cpu_ext, isa  # noqa: E402
+from kernels.cpu import lib as cpu_lib  # noqa: E402
 
 SHAPES = {   # (K, N): q/o, k/v, gate/up, down
     "smollm2": [(576, 576), (576, 192), (576, 1536), (1536, 576)],
@@ -52,7 +53,7 @@ def main(argv=None) -> int:
     builds = [b for b in a.isa.split(",") if b]
     libs = {}
     for b in builds:
-        fn = cpu_ext._load(b) if isa.runs(b) else None
+        fn = cpu_lib._load(b) if isa.runs(b) else None
         if fn is None or not (fn.gemm_bf16w_available if bf else fn.gemm_available):
             print(f"error: the {b} build's {'widened bf16' if bf else 'fp32'} panel GEMM does not run here "
                   f"(this CPU runs: {', '.join(isa.host_isas()) or 'none'})", file=sys.stderr)

@@ -28,7 +28,8 @@ import torch  # noqa: E402
 
 from benchmarks.gemm_i8_bench import SHAPES, best_of  # noqa: E402
 from handler.model.quant_int4 import Grouped, pack  # noqa: E402
-from kernels import cpu_ext, isa  # noqa: E402
+from kernels import cpu as cpu_ext, isa  # noqa: E402
+from kernels.cpu import build as cpu_build  # noqa: E402
 
 
 def kernels(x: torch.Tensor, layers: list, n: int, bits: int, group: int, threads: int) -> dict:
@@ -40,7 +41,7 @@ def kernels(x: torch.Tensor, layers: list, n: int, bits: int, group: int, thread
     def q(i):
         w = layers[i % len(layers)][0]
         fn.gemm_q(x.data_ptr(), m, k, k, w.codes.data_ptr(), w.s.data_ptr(), w.m.data_ptr(), None, None, w.smode,
-                  w.sg, w.bits, w.group, n, None, out.data_ptr(), n, threads)
+                  w.sg, w.bits, w.group, n, None, out.data_ptr(), n, int(w.act8), threads)
 
     def fp32(i):
         fn.gemm(x.data_ptr(), m, k, k, layers[i % len(layers)][1].data_ptr(), n, None, out.data_ptr(), n, threads)
@@ -103,7 +104,7 @@ def main(argv=None) -> int:
             json.dump({"threads": a.threads, "rounds": a.rounds, "calls": a.calls, "layers": a.layers,
                        "group": a.group, "bits": a.bits,
                        "timing": "best round, " + ("process CPU time" if a.threads == 1 else "wall time"),
-                       "cpu": next((ln.split(":", 1)[1].strip() for ln in cpu_ext._cpu_signature().splitlines()
+                       "cpu": next((ln.split(":", 1)[1].strip() for ln in cpu_build.cpu_signature().splitlines()
                                     if ln.startswith("model name")), ""),
                        "cells": cells, "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}, f, indent=1)
     return 0

@@ -31,7 +31,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from kernels import cpu_ext  # noqa: E402
+from kernels import cpu as cpu_ext  # noqa: E402
 from benchmarks.script_common import write_json  # noqa: E402
 
 # (name, K, N) of one layer's linears (fused as the server holds them) and the head, per model

@@ -8,9 +8,9 @@ weights bit for bit (tests/model/test_grouped_layouts.py):
 
   flat     fp32 scales and mins, 5/6/8-bit codes as bytes (the layout before the compact ones)
   compact  GGUF's two-level scales (K-quants) or fp16 ones (32-blocks), codes as bytes (the default)
-  packed   compact scales, 5/6-bit codes as nibbles plus bit planes (LMI_QUANT_PACKED_CODES=1)
+  packed   compact scales, 5/6-bit codes as nibbles plus bit planes (option.grouped_code_layout=packed)
   act8     (with --act8, where the build has it) the compact layout times int8 activations
-           (LMI_CPU_Q_ACT8=1: not the same results, kernels/cpu_gemm_q4.c's HAVE_Q_A8)
+           (option.cpu_grouped_activations=int8: not the same results, kernels/cpu_gemm_q4.c's HAVE_Q_A8)
 
 A step calls the 1-row GEMM over every tensor in file order (the weights, larger than the caches,
 come from memory each time); the arms alternate within each repetition. Printed per arm: the bytes
@@ -18,6 +18,7 @@ streamed, the trimmed mean step time, and the bytes per second it implies.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 import time
@@ -29,7 +30,7 @@ import torch  # noqa: E402
 from benchmarks.script_common import write_json  # noqa: E402
 from handler.model import quant_formats as qf  # noqa: E402
 from handler.model.quant_int4 import code_bits, pack  # noqa: E402
-from kernels import cpu_ext  # noqa: E402
+from kernels import cpu as cpu_ext  # noqa: E402
 
 
 def layouts(w) -> dict:
@@ -44,7 +45,8 @@ def main(argv=None) -> int:
     p.add_argument("--gguf", required=True)
     p.add_argument("--reps", type=int, default=8)
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--act8", action="store_true", help="add the int8-activation arm (LMI_CPU_Q_ACT8)")
+    p.add_argument("--act8", action="store_true",
+                   help="add the int8-activation arm (option.cpu_grouped_activations=int8)")
     p.add_argument("--out")
     a = p.parse_args(argv)
     from gguf import GGUFReader
@@ -53,7 +55,7 @@ def main(argv=None) -> int:
         return 2
     torch.set_num_threads(a.threads)
     arms: dict[str, list] = {"flat": [], "compact": [], "packed": []}
-    if a.act8 and not cpu_ext.set_q_act8(False):
+    if a.act8 and not cpu_ext.q_act8_available():
         print("error: --act8: this build has no int8-activation path (avx512 with VNNI and VBMI, or avx2)", file=sys.stderr)
         return 2
     kinds: dict[str, int] = {}
@@ -66,16 +68,14 @@ def main(argv=None) -> int:
         for name, packed in layouts(w).items():
             arms[name].append((packed, n, torch.randn(1, k)))
     if a.act8:
-        arms["act8"] = arms["compact"]
+        arms["act8"] = [(dataclasses.replace(p, act8=True), n, x) for p, n, x in arms["compact"]]
     times: dict[str, list[float]] = {name: [] for name in arms}
     for _ in range(a.reps):
         for name, layers in arms.items():
-            cpu_ext.set_q_act8(name == "act8")
             t0 = time.perf_counter()
             for packed, n, x in layers:
                 cpu_ext.gemm_q(x, packed, n, None)
             times[name].append(time.perf_counter() - t0)
-    cpu_ext.set_q_act8(False)
     res = {"gguf": os.path.basename(a.gguf), "threads": a.threads, "reps": a.reps, "isa": cpu_ext.backend().isa,
            "weights_by_kind": kinds, "arms": {}}
     for name, layers in arms.items():

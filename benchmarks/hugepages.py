@@ -3,7 +3,7 @@
     python benchmarks/hugepages.py [--what read,fp32,wread,int8,w8,q4,q6] [--rounds 5] [--read-mib 1024]
         [--shapes qwen2.5-0.5b] [--layers 24] [--threads 2] [--out FILE.json]
 
-Two arms hold the same bytes, allocated by kernels/cpu_ext.py's empty_hugepage: `huge` (advised
+Two arms hold the same bytes, allocated by kernels/cpu/'s empty_hugepage: `huge` (advised
 MADV_HUGEPAGE before the first touch) and `4k` (advised MADV_NOHUGEPAGE), both filled before timing.
 Arms alternate within each round (the order flips every round), and each round's figure is one pass:
 
@@ -35,7 +35,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 from benchmarks.gemv_stream import LAYERS, SHAPES, caller, probe_lib  # noqa: E402
-from kernels import cpu_ext  # noqa: E402
+from kernels import cpu as cpu_ext  # noqa: E402
 from benchmarks.script_common import write_json  # noqa: E402
 
 ARMS = {"huge": True, "4k": False}
@@ -116,7 +116,7 @@ def q_caller(fn, k: int, n: int, threads: int, bits: int, group: int):
     (fp32 scales and mins: the layout's QS_F32)."""
     x, out = torch.randn(1, k), torch.empty(1, n)
     return lambda w: fn.gemm_q(x.data_ptr(), 1, k, k, w[0].data_ptr(), w[1].data_ptr(), w[2].data_ptr(), None, None,
-                               cpu_ext.QS_F32, 1, bits, group, n, None, out.data_ptr(), n, threads)
+                               cpu_ext.QS_F32, 1, bits, group, n, None, out.data_ptr(), n, 0, threads)
 
 
 def summarise(rounds: list[dict], nbytes: float) -> dict:

@@ -16,7 +16,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.engine_loop import closed_loop, draw   # noqa: E402
 from benchmarks.step_floor import make_engine          # noqa: E402
-from kernels import cpu_ext                            # noqa: E402
+from kernels import cpu as cpu_ext                            # noqa: E402
 
 
 def main() -> None:

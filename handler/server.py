@@ -4,6 +4,7 @@ with LMI_HTTP_WORKER=gthread: handler/http/worker.py)."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import logging
@@ -13,6 +14,7 @@ import sys
 import threading
 from dataclasses import replace
 
+from handler.config.numerics import Numerics
 from handler.config.sizing import running_width as _width  # sequences the strategy runs at once
 from handler.config.switches import switch
 
@@ -34,7 +36,8 @@ def build_runner(cfg, on_rank_failure=None):
                   gpu_memory_utilization=cfg.gpu_memory_utilization,
                   max_model_len=cfg.max_model_len, trust_remote_code=cfg.trust_remote_code,
                   model_impl=cfg.model_impl, quantize=cfg.quantize, cpu_kernels=cfg.cpu_kernels,
-                  kv_cache_dtype=getattr(cfg, "kv_cache_dtype", "auto"))
+                  kv_cache_dtype=getattr(cfg, "kv_cache_dtype", "auto"),
+                  numerics=dataclasses.asdict(Numerics.of(cfg)))
     if cfg.tensor_parallel_degree == 1:
         lora = getattr(cfg, "enable_lora", False)
         runner = ModelRunner(**kwargs, fuse=not lora)

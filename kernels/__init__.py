@@ -1,4 +1,4 @@
-"""Paged-attention kernels: Triton on CUDA tensors, the C kernels (kernels/cpu_ext.py) or the
+"""Paged-attention kernels: Triton on CUDA tensors, the C kernels (kernels/cpu/) or the
 plain-torch reference (kernels/reference.py) on CPU, behind one backend object per process
 (kernels/backends.py: the runner picks it at load, the layers call its `forward`).
 
@@ -12,19 +12,20 @@ import torch
 
 from . import reference
 from .backends import CpuAttention, TorchAttention, TritonAttention, backend_for, triton_available
+from .pool import KVPool
 from .step import Step, StepPlan, plan_step
 
-__all__ = ["write_kv", "paged_attention", "triton_available", "backend_for", "plan_step", "Step", "StepPlan",
+__all__ = ["KVPool", "write_kv", "paged_attention", "triton_available", "backend_for", "plan_step", "Step", "StepPlan",
            "CpuAttention", "TorchAttention", "TritonAttention"]
 
 
-def write_kv(key_cache: torch.Tensor, value_cache: torch.Tensor, key: torch.Tensor,
+def write_kv(key_cache: KVPool | torch.Tensor, value_cache: KVPool | torch.Tensor, key: torch.Tensor,
              value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """In place: key/value [T, Hkv, D] -> caches [NB, bs, Hkv, D] at slot_mapping [T] (< 0: skip)."""
+    """In place: key/value [T, Hkv, D] -> pools [NB, bs, Hkv, D] (kernels/pool.py) at slot_mapping [T] (< 0: skip)."""
     backend_for(key_cache.device).write(key_cache, value_cache, key, value, slot_mapping)
 
 
-def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+def paged_attention(query: torch.Tensor, key_cache: KVPool | torch.Tensor, value_cache: KVPool | torch.Tensor,
                     block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
                     scale: float, *, seq_lens_cpu: list[int] | None = None,
                     query_start_loc_cpu: list[int] | None = None,

@@ -1,6 +1,6 @@
 """Attention backends: one object per process, chosen at load (`backend_for`), one entry point a layer.
 
-  CpuAttention    the C kernels of the chosen instruction set (kernels/cpu_ext.py): a decode
+  CpuAttention    the C kernels of the chosen instruction set (kernels/cpu/): a decode
                   step's rotary, KV write and attention in one call where every sequence feeds
                   one row; else decode rows read the pool in place, whole prompts go to the
                   prompt kernel, and what neither takes (chunks after cached rows, sliding
@@ -12,8 +12,8 @@
 
 `forward(q, k, v, k_cache, v_cache, step, scale, cos=, sin=, window=, soft_cap=)` is the layer's
 attention: q [T, H, D], k/v [T, Hkv, D] (rotated by cos/sin [T, D] first when given: our models;
-transformers' have rotated them), k/v stored at the step's slots, attention over the pools ->
-[T, H, D]. `step` is the runner's step metadata (handler/model/attention.py StepMeta, or
+transformers' have rotated them), k/v stored at the step's slots, attention over the pools (kernels/pool.py
+KVPool records; a float pool may be a bare tensor) -> [T, H, D]. `step` is the runner's step metadata (handler/model/attention.py StepMeta, or
 kernels.step.Step): its tensors and its `plan` (kernels.step.StepPlan, built once per step).
 """
 from __future__ import annotations
@@ -23,6 +23,7 @@ import functools
 import torch
 
 from kernels import reference
+from kernels.pool import as_pool, as_stored
 from kernels.step import StepPlan
 
 
@@ -51,21 +52,22 @@ class TorchAttention:
                 window: int | None = None, soft_cap: float | None = None) -> torch.Tensor:
         if cos is not None:
             q, k = self.rotate(q, k, cos, sin)
-        if key_cache.is_floating_point():   # an int8 pool quantizes the rows as it stores them
-            k, v = k.to(key_cache.dtype), v.to(value_cache.dtype)
-        self.write(key_cache, value_cache, k, v, step.slot_mapping)
-        k, v = reference.as_stored(key_cache, k), reference.as_stored(value_cache, v)   # int8: as read back
-        return self.attend(q, key_cache, value_cache, step, scale, window, soft_cap, k, v)
+        kp, vp = as_pool(key_cache), as_pool(value_cache)
+        if not kp.int8:   # an int8 pool quantizes the rows as it stores them
+            k, v = k.to(kp.dtype), v.to(vp.dtype)
+        self.write(kp, vp, k, v, step.slot_mapping)
+        k, v = as_stored(kp, k), as_stored(vp, v)   # int8: as read back
+        return self.attend(q, kp, vp, step, scale, window, soft_cap, k, v)
 
     def describe(self) -> str:
         return "plain torch (kernels/reference.py)"
 
 
 class CpuAttention(TorchAttention):
-    """The C kernels of the build kernels/cpu_ext.py loaded (its backend `isa`)."""
+    """The C kernels of the build kernels/cpu/ loaded (its backend `isa`)."""
 
     def __init__(self, isa: str):
-        from kernels import cpu_ext
+        from kernels import cpu as cpu_ext
         self.name, self.ext = isa, cpu_ext
 
     def rotate(self, q, k, cos, sin):
@@ -114,7 +116,7 @@ class CpuAttention(TorchAttention):
 
     def describe(self) -> str:
         b = self.ext.backend()
-        return f"C kernels, {b.describe() if b is not None else self.name} (kernels/cpu_ext.py)"
+        return f"C kernels, {b.describe() if b is not None else self.name} (kernels/cpu/)"
 
 
 class TritonAttention(TorchAttention):
@@ -125,13 +127,14 @@ class TritonAttention(TorchAttention):
 
     def write(self, key_cache, value_cache, key, value, slots) -> None:
         from kernels import triton_kernels
-        triton_kernels.write_kv(key_cache, value_cache, key, value, slots)
+        triton_kernels.write_kv(as_pool(key_cache).data, as_pool(value_cache).data, key, value, slots)
 
     def attend(self, query, key_cache, value_cache, step, scale: float, window=None, soft_cap=None,
                key=None, value=None) -> torch.Tensor:
         if window is None and soft_cap is None:
             from kernels import triton_kernels
-            return triton_kernels.paged_attention(query, key_cache, value_cache, step.block_tables, step.seq_lens,
+            return triton_kernels.paged_attention(query, as_pool(key_cache).data, as_pool(value_cache).data,
+                                                  step.block_tables, step.seq_lens,
                                                   step.query_start_loc, scale)
         return super().attend(query, key_cache, value_cache, step, scale, window, soft_cap, key, value)
 
@@ -154,12 +157,12 @@ def triton_available() -> bool:
 
 def backend_for(device) -> TorchAttention:
     """The attention backend for tensors on `device`: Triton on CUDA where it imports; on CPU the
-    C kernels of the build kernels/cpu_ext.py selected, where one loaded; else plain torch."""
+    C kernels of the build kernels/cpu/ selected, where one loaded; else plain torch."""
     device = torch.device(device)
     if device.type == "cuda":
         return TritonAttention() if triton_available() else TORCH
     if device.type == "cpu":
-        from kernels import cpu_ext
+        from kernels import cpu as cpu_ext
         fn = cpu_ext.load()
         if fn is not None:
             return CpuAttention(fn.backend.isa)

@@ -1,5 +1,5 @@
 /* Every entry point of the CPU kernels' library, declared once. Each C source includes this
- * header, so the compiler checks each definition against its declaration here, and kernels/cpu_ext.py
+ * header, so the compiler checks each definition against its declaration here, and kernels/cpu/
  * derives its ctypes bindings (argument and result types, and the lmi_lin / lmi_layer structures)
  * from this text: the Python side cannot drift from the C prototypes. Keep one declaration per
  * entry point, parameters as `type name`, pointers as `type *name`. */
@@ -25,6 +25,7 @@ typedef struct {
     const float *qd, *qe;       /* LIN_Q, QS_I8: the superblock scales D and E */
     int64_t bits, group;        /* LIN_Q: 4, 5, 6 or 8-bit codes, `group` inputs per scale */
     int64_t qsmode, qsg;        /* LIN_Q: lmi_gemm_q's smode and sg */
+    int64_t act8;               /* LIN_Q: lmi_gemm_q's act8 (option.cpu_grouped_activations=int8) */
 } lmi_lin;
 
 /* A decoder layer: q/k/v and gate/up either fused (q holds q|k|v, gate holds gate|up; k, v, up
@@ -69,10 +70,11 @@ void lmi_gemm_i8(const uint8_t *Aq, int64_t M, int64_t Kp, const float *sa, cons
 /* cpu_gemm_q4.c; lmi_gemm_q's smode: how S and Mn hold the scales and mins (see the file's top) */
 enum { QS_F32 = 0, QS_F16 = 1, QS_I8 = 2 };
 int lmi_gemm_q_available(void);
-int lmi_set_q_act8(int on);
+int lmi_gemm_q_act8_available(void);
+/* act8: int8 activations where the build has them (lmi_gemm_q_act8_available) and the weight qualifies */
 void lmi_gemm_q(const float *A, int64_t M, int64_t K, int64_t lda, const uint8_t *Bp, const void *S,
     const void *Mn, const float *D, const float *E, int smode, int64_t sg, int bits, int64_t g, int64_t N,
-    const float *bias, float *C, int64_t ldc, int nthreads);
+    const float *bias, float *C, int64_t ldc, int act8, int nthreads);
 
 /* cpu_exact.c */
 void lmi_rotary(void *q, void *k, const void *cos, const void *sin, int64_t T, int64_t H, int64_t Hkv, int64_t D,
@@ -110,15 +112,17 @@ int lmi_prefill_attention(const void *q, const void *k, const void *v, int64_t q
     const int64_t *lens, const int64_t *order, int64_t P, int64_t H, int64_t Hkv, int64_t D, float scale,
     int nthreads);
 
+/* cpu_kv.c: the int8 KV pool (kernels/cpu_kv.h) */
+int lmi_write_kv_i8(int8_t *kc, int8_t *vc, float *ksc, float *vsc, const void *key, const void *value, int bf16,
+    int64_t s_blk, int64_t s_tok, int64_t s_head, int64_t k_tok, int64_t k_head, int64_t v_tok, int64_t v_head,
+    const int64_t *slots, int64_t T, int64_t Hkv, int64_t D, int64_t bs, int64_t nslots);
+
 /* cpu_layer.c */
 void lmi_set_sleef_expf(void *fn, int lanes);
 void lmi_set_sleef_expf16(void *fn);
 int lmi_silu_available(void);
 int lmi_silu_lanes(void);
 void lmi_silu_mul(void *g, const void *u, int64_t n, int bf16, int threads);
-int lmi_write_kv_i8(int8_t *kc, int8_t *vc, float *ksc, float *vsc, const void *key, const void *value, int bf16,
-    int64_t s_blk, int64_t s_tok, int64_t s_head, int64_t k_tok, int64_t k_head, int64_t v_tok, int64_t v_head,
-    const int64_t *slots, int64_t T, int64_t Hkv, int64_t D, int64_t bs, int64_t nslots);
 int lmi_step_layers(const lmi_layer *layers, int64_t L, void *h, int64_t T, int64_t B, int64_t E, int64_t H,
     int64_t Hkv, int64_t D, int64_t I, float eps, int lanes, int bf16, const void *cos, const void *sin, int64_t cs,
     const int64_t *slots, int64_t nslots, const int32_t *tables, int64_t tw, const int32_t *lens, int64_t P,

@@ -1,4 +1,4 @@
-/* Decode attention on CPU reading the paged KV pool in place (kernels/cpu_ext.py builds and
+/* Decode attention on CPU reading the paged KV pool in place (kernels/cpu/ builds and
  * loads it; kernels/reference.py is its oracle and the fallback).
  *
  * One query row per sequence (decode). Work item = (sequence b, KV head kh): the g query heads

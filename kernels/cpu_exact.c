@@ -1,5 +1,5 @@
 /* CPU element-wise kernels that must round exactly as transformers' torch ops do (built
- * without -ffast-math and without FMA contraction: kernels/cpu_ext.py). */
+ * without -ffast-math and without FMA contraction: kernels/cpu/). */
 #include <math.h>
 #include <stdint.h>
 
@@ -57,8 +57,8 @@ void lmi_rotary(void *q, void *k, const void *cos, const void *sin, int64_t T, i
  * is taken; 1 for rows shorter than W): the row as (size / 4, 4) elements of W lanes; each of the 4 columns summed lane-wise in a cascade of 4 levels of 2^4 (multi_row_sum),
  * the leftover elements into column 0, columns 1..3 into column 0; then the scalar tail and the
  * W lanes, in order, into one float. Past torch's parallel grain (32768 elements) torch splits the
- * rows across threads, each row still summed this way (kernels/cpu_ext.py's first-use check covers
- * both). kernels/cpu_ext.py finds W by checking against torch at first use and falls back to torch
+ * rows across threads, each row still summed this way (kernels/cpu/'s first-use check covers
+ * both). kernels/cpu/ finds W by checking against torch at first use and falls back to torch
  * when no W gives every bit. */
 static int64_t ceil_log2(int64_t x) {
     if (x <= 2)

@@ -1,6 +1,6 @@
 /* Small-batch fp32 GEMM for CPU linear layers: C[M, N] = A[M, K] @ W^T (+ bias), with W [N, K]
  * (nn.Linear's weight) packed once into panels of 32 output columns, [ceil(N/32)][K][32], zero
- * padded (lmi_pack_b). kernels/cpu_ext.py builds and loads it; handler/model/cpu.py's PanelLinear uses it.
+ * padded (lmi_pack_b). kernels/cpu/ builds and loads it; handler/model/cpu.py's PanelLinear uses it.
  *
  * Why: a decode step multiplies 1-64 rows by every weight, so the weights stream from memory
  * once per step. oneDNN's kernels at these sizes spent the memory time and the compute time one

@@ -273,7 +273,7 @@ static const kq_t KQ[4][MRMAX + 1] = {KTABLE(4), KTABLE(5), KTABLE(6), KTABLE(8)
 #define MRF MRMAX
 
 #if defined(__AVX512VNNI__) && defined(__AVX512VBMI__) && defined(__AVX512BW__)
-/* Int8 activations (lmi_set_q_act8), for every row count (so a request's tokens do not depend on what
+/* Int8 activations (lmi_gemm_q's act8), for every row count (so a request's tokens do not depend on what
  * it is batched with): each row quantized per group as llama.cpp's Q8 blocks,
  *   aq[k] = round_even(a[k] * 127 / amax_g),  da_g = amax_g / 127,  sa_g = da_g * sum_k aq[k],
  * and each group's codes multiplied by aq with vpdpbusd (4 codes x 4 int8 per lane, exact int32 sums),
@@ -283,7 +283,6 @@ static const kq_t KQ[4][MRMAX + 1] = {KTABLE(4), KTABLE(5), KTABLE(6), KTABLE(8)
  * to 8 bits per group). Codes of 4 bits (nibbles) and 8 (bytes); 4 rows k..k+3 are transposed into one
  * 4-code dword per column by one vpermb (4-bit: the 64 bytes of the 4 rows; 8-bit: vpermt2b over 128). */
 #define HAVE_Q_A8 1
-static int q_act8 = 0;
 
 static void a8_row(const float *a, int64_t K, int64_t g, int8_t *aq, float *da, float *sa, int32_t *si) {
     const __m512 sign = _mm512_castsi512_ps(_mm512_set1_epi32(0x7FFFFFFF));
@@ -608,7 +607,7 @@ typedef void (*kq_t)(const float *, int64_t, const uint8_t *, int64_t, int64_t, 
                      const float *, int64_t, const uint8_t *, int64_t, int64_t, int64_t);
 static const kq_t KQ[4][MRQ + 1] = {{0, kq4_1, kq4_2}, {0, kq5_1, kq5_2}, {0, kq6_1, kq6_2}, {0, kq8_1, kq8_2}};
 #if defined(__AVX2__) && defined(__FMA__)
-/* Int8 activations on AVX2 (lmi_set_q_act8; the AVX-512 section gives the definition): the same quantized
+/* Int8 activations on AVX2 (lmi_gemm_q's act8; the AVX-512 section gives the definition): the same quantized
  * rows and the same per-group fp32 operations in the same order, so the avx512 build's values bit for bit.
  * 4 rows k..k+3 become one 4-code dword per column (4-bit: two unpacks, two vpermq and two pshufb a 32
  * columns; 8-bit: eight in-lane unpacks, and each group's int32 sums put back in column order by their
@@ -616,7 +615,6 @@ static const kq_t KQ[4][MRQ + 1] = {{0, kq4_1, kq4_2}, {0, kq5_1, kq5_2}, {0, kq
  * q - 128 with its sign moved onto the activation (2 x 128 x 127 < 2^15: vpmaddubsw's int16 pairs never
  * saturate), plus 128 x the group's activation sum. Rows in blocks of 2 (16 ymm registers). */
 #define HAVE_Q_A8 1
-static int q_act8 = 0;
 
 static inline float a8_hmax(__m256 v) {
     __m128 x = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -836,8 +834,8 @@ static int gemm_q_a8(const float *A, int64_t M, int64_t K, int64_t lda, const ui
     return 1;
 }
 
-static int a8_serves(int64_t K, int bits, int64_t g) {
-    return q_act8 && (bits == 4 || bits == 8) && g % 4 == 0 && g <= 256 && K % g == 0;
+static int a8_serves(int act8, int64_t K, int bits, int64_t g) {
+    return act8 && (bits == 4 || bits == 8) && g % 4 == 0 && g <= 256 && K % g == 0;
 }
 #endif
 
@@ -846,12 +844,14 @@ static int a8_serves(int64_t K, int bits, int64_t g) {
  * and sg their mode; bits 4, 5, 6 or 8; g the group size along K; bias [N] or NULL; C [M, N] at row
  * stride ldc. Threads own contiguous ranges of panels; rows go in chunks whose A slice stays in L2
  * (about 1 MiB). Up to MRQ rows a chunk: dequantized in registers as they multiply; more: each
- * panel dequantized once into W (K x 128 bytes, L2), then the fp32 microkernel per MRF rows. */
+ * panel dequantized once into W (K x 128 bytes, L2), then the fp32 microkernel per MRF rows.
+ * act8: int8 activations (HAVE_Q_A8) where this build has them and the weight qualifies (a8_serves);
+ * the layer's own setting (its pack), never the process's. */
 void lmi_gemm_q(const float *A, int64_t M, int64_t K, int64_t lda, const uint8_t *Bp, const void *S,
                 const void *Mn, const float *D, const float *E, int smode, int64_t sg, int bits, int64_t g,
-                int64_t N, const float *bias, float *C, int64_t ldc, int nthreads) {
+                int64_t N, const float *bias, float *C, int64_t ldc, int act8, int nthreads) {
 #ifdef HAVE_Q_A8
-    if (a8_serves(K, bits, g) && gemm_q_a8(A, M, K, lda, Bp, S, Mn, D, E, smode, sg, bits, g, N, bias, C, ldc,
+    if (a8_serves(act8, K, bits, g) && gemm_q_a8(A, M, K, lda, Bp, S, Mn, D, E, smode, sg, bits, g, N, bias, C, ldc,
                                            nthreads))
         return;
 #endif
@@ -898,20 +898,18 @@ int lmi_gemm_q_available(void) { return 0; }
 
 void lmi_gemm_q(const float *A, int64_t M, int64_t K, int64_t lda, const uint8_t *Bp, const void *S,
                 const void *Mn, const float *D, const float *E, int smode, int64_t sg, int bits, int64_t g,
-                int64_t N, const float *bias, float *C, int64_t ldc, int nthreads) {
+                int64_t N, const float *bias, float *C, int64_t ldc, int act8, int nthreads) {
     (void)A; (void)M; (void)K; (void)lda; (void)Bp; (void)S; (void)Mn; (void)D; (void)E; (void)smode; (void)sg;
-    (void)bits; (void)g; (void)N; (void)bias; (void)C; (void)ldc; (void)nthreads;
+    (void)bits; (void)g; (void)N; (void)bias; (void)C; (void)ldc; (void)act8; (void)nthreads;
 }
 #endif
 
-/* lmi_set_q_act8: the grouped products with int8 activations (see HAVE_Q_A8 above) on or off; returns
- * whether this build has them (avx512 with VNNI and VBMI, or avx2). */
-int lmi_set_q_act8(int on) {
+/* lmi_gemm_q_act8_available: whether this build multiplies with int8 activations where lmi_gemm_q's
+ * act8 asks for them (see HAVE_Q_A8 above: avx512 with VNNI and VBMI, or avx2); elsewhere act8 is ignored. */
+int lmi_gemm_q_act8_available(void) {
 #ifdef HAVE_Q_A8
-    q_act8 = on != 0;
     return 1;
 #else
-    (void)on;
     return 0;
 #endif
 }

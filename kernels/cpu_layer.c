@@ -14,8 +14,8 @@
  * glibc's expf on a loop's tail, the loop split across threads in chunks of at::parallel_for. The
  * caller hands in the Sleef function torch itself links for its vector width (lmi_set_sleef_expf:
  * Sleef_expf16_u10 on AVX-512, Sleef_expf8_u10 on AVX2, Sleef_expf4_u10 on NEON) and this file
- * repeats that split; kernels/cpu_ext.py checks the result against torch before it is used.
- * Compiled without -ffast-math and without FMA contraction (kernels/cpu_ext.py EXACT_FLAGS). */
+ * repeats that split; kernels/cpu/ checks the result against torch before it is used.
+ * Compiled without -ffast-math and without FMA contraction (kernels/cpu/ EXACT_FLAGS). */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -23,6 +23,7 @@
 
 #include "cpu_api.h"
 #include "cpu_bf16.h"
+#include "cpu_kv.h"
 
 /* at::internal::GRAIN_SIZE, elements: torch runs smaller loops on one thread, and so does this file */
 #define GRAIN 32768
@@ -206,69 +207,6 @@ void lmi_silu_mul(void *g, const void *u, int64_t n, int bf16, int threads) {
 }
 #endif
 
-/* ---------------------------------------------------------------- int8 KV rows */
-/* One row x[0:D] (fp32, or bf16 widened) as int8 q[0:D] and its scale: symmetric, per row,
- * scale = max|x| / 127, q = round_half_even(x * (127 / max|x|)) (all zeros for a zero row), in
- * torch's fp32 operations and rounding (this file has no fast-math): kernels/reference.py
- * quantize_rows gives the same bytes. */
-static void quant_row(const void *x, int bf16, int64_t D, int8_t *q, float *sc) {
-    float m = 0.f;
-    for (int64_t d = 0; d < D; ++d) {
-        const float a = fabsf(bf16 ? bf16_to_f32(((const uint16_t *)x)[d]) : ((const float *)x)[d]);
-        m = a > m ? a : m;
-    }
-    const float inv = m > 0.f ? 127.f / m : 0.f;
-    *sc = m / 127.f;
-    for (int64_t d = 0; d < D; ++d) {
-        const float y = nearbyintf((bf16 ? bf16_to_f32(((const uint16_t *)x)[d]) : ((const float *)x)[d]) * inv);
-        q[d] = (int8_t)(y > 127.f ? 127.f : y < -127.f ? -127.f : y);
-    }
-}
-
-/* Rows x [T, Hkv, D] (row t's head h at x + t * tok + h * D elements, fp32 or bf16) replaced in
- * place by what an int8 pool stores of them, dequantized (q * scale, rounded to bf16 for bf16):
- * a prompt's attention reads the values its decode steps will read back. */
-static void roundtrip_rows(void *x, int bf16, int64_t T, int64_t Hkv, int64_t D, int64_t tok, int8_t *q) {
-    for (int64_t t = 0; t < T; ++t)
-        for (int64_t h = 0; h < Hkv; ++h) {
-            const int64_t at = t * tok + h * D;
-            float sc;
-            if (bf16) {
-                uint16_t *r = (uint16_t *)x + at;
-                quant_row(r, 1, D, q, &sc);
-                for (int64_t d = 0; d < D; ++d) r[d] = f32_to_bf16((float)q[d] * sc);
-            } else {
-                float *r = (float *)x + at;
-                quant_row(r, 0, D, q, &sc);
-                for (int64_t d = 0; d < D; ++d) r[d] = (float)q[d] * sc;
-            }
-        }
-}
-
-/* lmi_write_kv into int8 pools: key/value rows [T, Hkv, D] (fp32, or bf16 when bf16; element
- * strides token / head, D contiguous) quantized per (token, head) row into kc / vc at slots[T]
- * (negative: skipped), each row's scale into ksc / vsc at its element offset / D. -1 (nothing
- * written) when a slot is >= nslots. */
-int lmi_write_kv_i8(int8_t *kc, int8_t *vc, float *ksc, float *vsc, const void *key, const void *value, int bf16,
-                    int64_t s_blk, int64_t s_tok, int64_t s_head, int64_t k_tok, int64_t k_head, int64_t v_tok,
-                    int64_t v_head, const int64_t *slots, int64_t T, int64_t Hkv, int64_t D, int64_t bs,
-                    int64_t nslots) {
-    const int64_t es = bf16 ? 2 : 4;
-    for (int64_t t = 0; t < T; ++t)
-        if (slots[t] >= nslots) return -1;
-    for (int64_t t = 0; t < T; ++t) {
-        const int64_t slot = slots[t];
-        if (slot < 0) continue;
-        const int64_t base = (slot / bs) * s_blk + (slot % bs) * s_tok;
-        for (int64_t h = 0; h < Hkv; ++h) {
-            const int64_t at = base + h * s_head;
-            quant_row((const char *)key + (t * k_tok + h * k_head) * es, bf16, D, kc + at, ksc + at / D);
-            quant_row((const char *)value + (t * v_tok + h * v_head) * es, bf16, D, vc + at, vsc + at / D);
-        }
-    }
-    return 0;
-}
-
 /* ---------------------------------------------------------------- the stack */
 static void widen(const uint16_t *x, float *out, int64_t n) {
     for (int64_t i = 0; i < n; ++i) out[i] = bf16_to_f32(x[i]);
@@ -291,13 +229,13 @@ static void linear(const lmi_lin *l, const void *x, int64_t m, void *y, int64_t 
     } else if (l->kind == LIN_Q) {  /* Q4Linear: fp32 rows (a bf16 row widened), fp32 out (bf16: rounded) */
         if (!bf16) {
             lmi_gemm_q(x, m, k, k, l->panels, l->qscale, l->qmin, l->qd, l->qe, (int)l->qsmode, l->qsg, (int)l->bits,
-                       l->group, n, l->bias, y, ldy, threads);
+                       l->group, n, l->bias, y, ldy, (int)l->act8, threads);
             return;
         }
         float *xf = (float *)ws, *yf = xf + m * k;
         widen(x, xf, m * k);
         lmi_gemm_q(xf, m, k, k, l->panels, l->qscale, l->qmin, l->qd, l->qe, (int)l->qsmode, l->qsg, (int)l->bits,
-                   l->group, n, l->bias, yf, n, threads);
+                   l->group, n, l->bias, yf, n, (int)l->act8, threads);
         for (int64_t r = 0; r < m; ++r)
             for (int64_t i = 0; i < n; ++i) ((uint16_t *)y)[r * ldy + i] = f32_to_bf16(yf[r * n + i]);
     } else {    /* LIN_I8: rows quantized from fp32 (a bf16 row widened first), the output in fp32 */
@@ -397,7 +335,7 @@ int lmi_step_layers(const lmi_layer *layers, int64_t L, void *h, int64_t T, int6
         }
     }
     /* x: normed rows; qkv; attn; o: a projection's output; gu: gate|up; act: silu(g) * u */
-    if (lin < D) lin = D;   /* also an int8 row's room (roundtrip_rows) */
+    if (lin < D) lin = D;   /* also an int8 row's room (lmi_kv_i8_roundtrip) */
     const int64_t sizes[] = {T * E * es, T * nqkv * es, T * H * D * es, T * E * es, T * 2 * I * es, T * I * es,
                              (int64_t)threads * E * 4, lin};
     int64_t total = 0, off[8];
@@ -435,8 +373,8 @@ int lmi_step_layers(const lmi_layer *layers, int64_t L, void *h, int64_t T, int6
             if (ly->ksc) {  /* int8 pools: the rows stored quantized, and the prompt attends to what they hold */
                 lmi_write_kv_i8(ly->kc, ly->vc, ly->ksc, ly->vsc, k + qo, v + qo, bf16, s_blk, s_tok, s_head, nqkv,
                                 D, nqkv, D, slots + B, np, Hkv, D, bs, nslots);
-                roundtrip_rows(k + qo, bf16, np, Hkv, D, nqkv, (int8_t *)ws);
-                roundtrip_rows(v + qo, bf16, np, Hkv, D, nqkv, (int8_t *)ws);
+                lmi_kv_i8_roundtrip(k + qo, bf16, np, Hkv, D, nqkv, (int8_t *)ws);
+                lmi_kv_i8_roundtrip(v + qo, bf16, np, Hkv, D, nqkv, (int8_t *)ws);
             } else
                 lmi_write_kv(ly->kc, ly->vc, k + qo, v + qo, es, s_blk, s_tok, s_head, nqkv, D, nqkv, D, slots + B,
                              np, Hkv, D, bs, nslots);

@@ -1,6 +1,6 @@
 """Which instruction set the CPU kernels are built for: one backend per family, chosen once.
 
-Plain Python (no torch): handler/config validates `option.cpu_kernels` with it, kernels/cpu_ext.py
+Plain Python (no torch): handler/config validates `option.cpu_kernels` with it, kernels/cpu/
 builds and loads the library it names.
 
   avx512   x86-64 with AVX-512 F/BW/VL: today's kernels, built for this CPU (-march=native), so

@@ -1,87 +1,37 @@
 """Plain-torch paged attention and rotary: the test oracle, and the `torch` backend's math
 (kernels/backends.py). Nothing here calls a C kernel.
 
-Layout (docs/ARCHITECTURE.md, "KV pool and kernels"):
-  key_cache, value_cache: [num_blocks, block_size, Hkv, D]
-  slot = block_table[pos // block_size] * block_size + pos % block_size
-
-An int8 pool (option.kv_cache_dtype=int8) carries its scales as the attribute `kv_scale`: fp32
-[num_blocks, block_size, Hkv], laid out as the pool with D collapsed (its strides the pool's / D);
-row = int8 row * scale, one symmetric scale per (token, head) row (`quantize_rows`).
+The pools (key_cache, value_cache) are kernels/pool.py's records (a float pool may be a bare tensor):
+its docstring gives the layout and the int8 format.
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
+from kernels.pool import KVPool, as_pool, quantize_rows
 from kernels.step import StepPlan, plan_step
 
 
-KV_SCALE = "kv_scale"   # the attribute of an int8 pool tensor holding its row scales
-
-
-def kv_scale(cache: torch.Tensor) -> torch.Tensor | None:
-    """An int8 pool's row scales [NB, bs, Hkv] (fp32), or None for a pool of another dtype."""
-    return getattr(cache, KV_SCALE, None)
-
-
-def int8_pool(shape: tuple[int, int, int, int], head_major: bool, device=None) -> torch.Tensor:
-    """A zeroed int8 pool [NB, bs, Hkv, D] (a view of [NB, Hkv, bs, D] when head_major) and its
-    zeroed scales, laid out alike, as the pool's `kv_scale`."""
-    nb, bs, hkv, d = shape
-    if head_major:
-        pool = torch.zeros(nb, hkv, bs, d, dtype=torch.int8, device=device).transpose(1, 2)
-        scale = torch.zeros(nb, hkv, bs, dtype=torch.float32, device=device).transpose(1, 2)
-    else:
-        pool = torch.zeros(nb, bs, hkv, d, dtype=torch.int8, device=device)
-        scale = torch.zeros(nb, bs, hkv, dtype=torch.float32, device=device)
-    setattr(pool, KV_SCALE, scale)
-    return pool
-
-
-def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [..., D] (any float dtype) -> (int8 [..., D], fp32 scales [...]): symmetric per row,
-    scale = max|x| / 127, q = round_half_even(x * (127 / max|x|)), zeros for a zero row; in fp32,
-    the bytes kernels/cpu_layer.c's lmi_write_kv_i8 stores."""
-    xf = x.float()
-    m = xf.abs().amax(-1)
-    inv = torch.where(m > 0, torch.full_like(m, 127.0) / m, torch.zeros_like(m))
-    q = (xf * inv[..., None]).round().clamp_(-127, 127).to(torch.int8)
-    return q, m / 127.0
-
-
-def dequantize_rows(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """int8 rows [..., D] and their scales [...] -> fp32 [..., D]."""
-    return q.float() * scale[..., None]
-
-
-def as_stored(cache: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    """rows [T, Hkv, D] as the pool `cache` gives them back: themselves, or for an int8 pool each
-    row quantized and dequantized (in rows' dtype), so that a prompt's own attention reads the
-    values its later steps (and a prefix-cache hit, or a recompute after preemption) read."""
-    if cache.dtype != torch.int8:
-        return rows
-    return dequantize_rows(*quantize_rows(rows)).to(rows.dtype)
-
-
-def write_kv(key_cache: torch.Tensor, value_cache: torch.Tensor, key: torch.Tensor,
+def write_kv(key_cache: KVPool | torch.Tensor, value_cache: KVPool | torch.Tensor, key: torch.Tensor,
              value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """Store key/value [T, Hkv, D] at flat slots slot_mapping [T]; a negative slot is skipped.
     An int8 pool stores each (token, head) row quantized (`quantize_rows`) and its scale."""
-    bs = key_cache.shape[1]
-    slots = slot_mapping.to(device=key_cache.device, dtype=torch.long)
+    kp, vp = as_pool(key_cache), as_pool(value_cache)
+    bs = kp.block_size
+    slots = slot_mapping.to(device=kp.device, dtype=torch.long)
     keep = slots >= 0
     if not bool(keep.all()):
         slots, key, value = slots[keep], key[keep], value[keep]
     blk, off = slots // bs, slots % bs
-    if key_cache.dtype == torch.int8:
-        for cache, rows in ((key_cache, key), (value_cache, value)):
+    if kp.int8:
+        for pool, rows in ((kp, key), (vp, value)):
             q, sc = quantize_rows(rows)
-            cache[blk, off] = q
-            kv_scale(cache)[blk, off] = sc
+            pool.data[blk, off] = q
+            pool.scales[blk, off] = sc
         return
-    key_cache[blk, off] = key.to(key_cache.dtype)
-    value_cache[blk, off] = value.to(value_cache.dtype)
+    kp.data[blk, off] = key.to(kp.dtype)
+    vp.data[blk, off] = value.to(vp.dtype)
 
 
 def head_major(cache: torch.Tensor) -> bool:
@@ -105,12 +55,11 @@ def _gather(cache: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
     return rows.view(b, nblk * bs, hkv, d).transpose(1, 2)
 
 
-def _gather_f32(cache: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
+def _gather_f32(pool: KVPool, tables: torch.Tensor) -> torch.Tensor:
     """`_gather` as fp32 [B, Hkv, nblk*bs, D]; an int8 pool's rows times their scales."""
-    k = _gather(cache, tables).float()
-    sc = kv_scale(cache)
-    if sc is not None:
-        k = k * _gather(sc.unsqueeze(-1), tables)
+    k = _gather(pool.data, tables).float()
+    if pool.int8:
+        k = k * _gather(pool.scales.unsqueeze(-1), tables)
     return k
 
 
@@ -164,7 +113,7 @@ def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch
     return q * c + rotate_half(q) * s, k * c + rotate_half(k) * s
 
 
-def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+def paged_attention(query: torch.Tensor, key_cache: KVPool | torch.Tensor, value_cache: KVPool | torch.Tensor,
                     block_tables: torch.Tensor, seq_lens, query_start_loc, scale: float, *,
                     seq_lens_cpu: list[int] | None = None,
                     query_start_loc_cpu: list[int] | None = None,
@@ -198,17 +147,19 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
     return out
 
 
-def _heads(query: torch.Tensor, key_cache: torch.Tensor) -> int:
+def _heads(query: torch.Tensor, key_cache) -> int:
     h, hkv = query.shape[1], key_cache.shape[2]
     if h % hkv:
         raise ValueError(f"num query heads {h} is not a multiple of num kv heads {hkv}")
     return h // hkv
 
 
-def decode_into(out: torch.Tensor, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+def decode_into(out: torch.Tensor, query: torch.Tensor, key_cache: KVPool | torch.Tensor,
+                value_cache: KVPool | torch.Tensor,
                 plan: StepPlan, seqs: list[int], scale: float, sliding_window: int | None = None,
                 soft_cap: float | None = None) -> None:
     """`paged_attention`'s values for the decode rows of sequences `seqs`, written into their rows of out."""
+    key_cache, value_cache = as_pool(key_cache), as_pool(value_cache)
     g = _heads(query, key_cache)
     _, h, d = query.shape
     nb, bs, hkv, _ = key_cache.shape
@@ -234,12 +185,14 @@ def decode_into(out: torch.Tensor, query: torch.Tensor, key_cache: torch.Tensor,
         out[rows] = o.view(len(group), h, d).to(query.dtype)
 
 
-def prompts_into(out: torch.Tensor, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+def prompts_into(out: torch.Tensor, query: torch.Tensor, key_cache: KVPool | torch.Tensor,
+                 value_cache: KVPool | torch.Tensor,
                  plan: StepPlan, seqs: list[int], scale: float, sliding_window: int | None = None,
                  soft_cap: float | None = None, key: torch.Tensor | None = None,
                  value: torch.Tensor | None = None) -> None:
     """`paged_attention`'s values for the rows of sequences `seqs` (each feeding several rows),
     written into their rows of out."""
+    key_cache, value_cache = as_pool(key_cache), as_pool(value_cache)
     g = _heads(query, key_cache)
     bs = key_cache.shape[1]
     dev = query.device

@@ -1,5 +1,5 @@
 """A non-editable install carries what the server needs at run time: the CPU kernels' C sources,
-which kernels/cpu_ext.py compiles on the serving host (pyproject's package-data)."""
+which kernels/cpu/ compiles on the serving host (pyproject's package-data)."""
 from __future__ import annotations
 
 import subprocess
@@ -18,5 +18,5 @@ def test_the_wheel_carries_the_kernel_sources(tmp_path):
     assert len(wheels) == 1, wheels
     names = set(zipfile.ZipFile(wheels[0]).namelist())
     sources = sorted(f"kernels/{p.name}" for p in (ROOT / "kernels").iterdir() if p.suffix in (".c", ".h"))
-    assert sources and "kernels/cpu_ext.py" in names
+    assert sources and "kernels/cpu/build.py" in names
     assert [s for s in sources if s not in names] == []

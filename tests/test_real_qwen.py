@@ -235,13 +235,13 @@ def test_gguf_blocks_served_are_the_converted_weights_and_answers(qwen_dir):
     # GGUF loader wrote into the fp32 directory; then the greedy chat answers of both.
     import torch
     from safetensors import safe_open
-    from handler.model.quant_int4 import Q4Linear, grouped_of
+    from handler.model.quant_int4 import grouped_of, is_grouped
     from handler.model.runner import ModelRunner
     from tests.model.test_quant_int4 import _chat_answers
     r = ModelRunner(qwen_dir, dtype="fp32", device="cpu", kv_cache_tokens=64, quantize="gguf")
-    layers = {n: m for n, m in r.model.named_modules() if isinstance(m, Q4Linear)}
+    layers = {n: m for n, m in r.model.named_modules() if is_grouped(m)}
     assert len(layers) == 7 * r.model.arch.layers + 1 and "lm_head" in layers
-    assert {m.fmt for m in layers.values()} == {"gguf Q5_0", "gguf Q8_0", "gguf Q4_K", "gguf Q6_K"}
+    assert {m.pack.fmt for m in layers.values()} == {"gguf Q5_0", "gguf Q8_0", "gguf Q4_K", "gguf Q6_K"}
     with safe_open(os.path.join(qwen_dir, "model.safetensors"), framework="pt") as f:
         for name, m in layers.items():
             assert torch.equal(grouped_of(m).dequantize(), f.get_tensor(name + ".weight")), name

@@ -27,6 +27,7 @@ from handler.config import sizing
 # The sizing rules (handler/config/sizing.py) under the names this module has always had.
 from handler.config.hardware import pick_device as resolve_device, pick_dtype as resolve_dtype  # noqa: F401
 from handler.config import hardware
+from handler.config.numerics import Numerics
 from handler.config.sizing import (CPU_HEADROOM, CPU_KV_SHARE, DTYPE_BYTES, GPU_HEADROOM, Geometry,  # noqa: F401
                                    kv_bytes_per_token, read_geometry, running_width as batch_width)
 
@@ -71,6 +72,7 @@ def explain(cfg, g: Geometry, *, device: str, prompt_tokens: int | None = None,
     if device == "cpu":
         isa, why = hardware.cpu_kernels(getattr(cfg, "cpu_kernels", "auto"))
         out["cpu_kernels"] = {"isa": isa or "torch", "why": why}
+    out["numerics"] = Numerics.of(cfg).describe()
     if cfg.max_model_len and cfg.max_model_len > g.max_positions:
         warnings.append(f"option.max_model_len={cfg.max_model_len} is above the model's "
                         f"{g.max_positions} positions; the server caps it at {g.max_positions}")
@@ -220,6 +222,7 @@ def render(e: dict) -> str:
     lines = [f"strategy {e['strategy']} on {e['device']} ({e['dtype']}); model {g['model_type']}: "
              f"{g['layers']} layers, {g['kv_heads']} kv heads x {g['head_dim']}, {g['max_positions']} positions",
              *([f"CPU kernels: {e['cpu_kernels']['isa']} ({e['cpu_kernels']['why']})"] if "cpu_kernels" in e else []),
+             *([f"numerics: {e['numerics']}"] if "numerics" in e else []),
              f"KV bytes per token: {e['kv_bytes_per_token']} = {e['kv_bytes_per_token_formula']}",
              f"KV cache: {e['kv_cache_source']}"]
     if "num_blocks" in e:

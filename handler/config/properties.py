@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Iterator, Mapping
 
 from handler.config import compat, hardware, sizing
+from handler.config.numerics import Numerics, legacy_env_warnings
 from handler.config.schema import (ALIASES, DEFAULT_ENTRY_POINT, DEFAULT_MODEL_DIR, ENV_ALIASES, EXTRA_ENV,
                                    IGNORED_KEYS, KNOWN_KEYS, LMI_ENTRY_POINTS, PORT, SCHEMA, TYPED_KEYS, _Bad,
                                    default_of)
@@ -194,6 +195,9 @@ class ServingConfig:
     properties: dict = dataclasses.field(hash=False)  # merged raw properties, key -> value
     tgi_compat: bool = default_of("option.tgi_compat")     # TGI's shapes on /invocations
     enable_lora: bool = default_of("option.enable_lora")   # multi-LoRA (handler/model/lora.py)
+    quantize_head: str = default_of("option.quantize_head")     # handler/config/numerics.py
+    cpu_grouped_activations: str = default_of("option.cpu_grouped_activations")
+    grouped_code_layout: str = default_of("option.grouped_code_layout")
     kv_cache_dtype: str = default_of("option.kv_cache_dtype")   # "auto" | "int8" (CPU) | fp8* (refused: no GPU build)
     max_loras: int = default_of("option.max_loras")        # distinct adapters running at once
     max_lora_rank: int = default_of("option.max_lora_rank")
@@ -217,6 +221,11 @@ class ServingConfig:
     speculative_length: int | None = None
     speculative_disable_by_batch_size: int | None = None
     speculative: object = None    # handler.config.speculative.SpecConfig (None: no speculative decoding)
+
+    @property
+    def numerics(self) -> Numerics:
+        """The keys that change a CPU endpoint's numbers, as the runner takes them."""
+        return Numerics.of(self)
 
 
 @dataclass
@@ -694,6 +703,7 @@ def load_config(properties_path: str | None = None, model_dir: str | None = None
     env = os.environ if env is None else env
     model_dir = os.path.abspath(model_dir or DEFAULT_MODEL_DIR)
     src = _merge_sources(properties_path, model_dir, env)
+    src.warnings.extend(legacy_env_warnings(env))
     _parse_values(src)
     strategy = _resolve_strategy(src)
     devices = _resolve_devices(src, env, gpu_count)

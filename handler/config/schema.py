@@ -13,6 +13,8 @@ import re
 from dataclasses import dataclass
 from typing import Callable, Mapping
 
+from handler.config.numerics import CODE_LAYOUTS, GROUPED_ACTIVATIONS, QUANTIZE_HEAD
+
 DEFAULT_MODEL_DIR = "/opt/ml/model"
 DEFAULT_ENTRY_POINT = "djl_python.huggingface"
 # LMI's own handler modules: each is what the built-in engine does here (no warning).
@@ -343,6 +345,26 @@ KEYS: tuple[Key, ...] = (
         "quality of each. Absent: the model's dtype, or the checkpoint's own quantization",
         values="`int8`, `int8_weight_only`, `awq`, `gptq`, `gguf`, `fp8`, `none`", env=("HF_MODEL_QUANTIZE",),
         summary_default="(none; a quantized checkpoint's own)"),
+    Key("option.quantize_head", _enum(list(QUANTIZE_HEAD)),
+        "`option.quantize=int8` / `int8_weight_only`: the output head quantized too (`true`; under int8 also "
+        "smoothed by the final norm) or kept in `option.dtype` (`false`); `auto`: quantized under "
+        "int8_weight_only (perplexity unchanged, a third of a one-row step's bytes on a 150k vocabulary), kept "
+        "under int8 (W8A8's head: +2.5% perplexity on Qwen2.5-Coder-0.5B). Changes the answers: carried in "
+        "the packed weights", default="auto"),
+    Key("option.cpu_grouped_activations", _enum(list(GROUPED_ACTIVATIONS)),
+        "CPU, grouped weights (GGUF blocks, AWQ/GPTQ, int8_weight_only) with groups of at most 256 and 4- or "
+        "8-bit codes: `exact` multiplies them by the fp32 activations (bit for bit the dequantized model); "
+        "`int8` by int8 activations, each row quantized per group as llama.cpp's Q8 blocks, with integer dot "
+        "products (faster; not bit for bit the dequantized model; the avx512 build with VNNI and VBMI and the "
+        "avx2 build give the same values; neon ignores it, said in the load log). Kept in each layer's pack "
+        "and passed to the kernel per call (kernels/cpu_gemm_q4.c). Ignored on a GPU", default="exact"),
+    Key("option.grouped_code_layout", _enum(list(CODE_LAYOUTS)),
+        "CPU, grouped weights whose codes need 5 or 6 bits (GGUF Q5_0/Q5_1/Q5_K/Q6_K): `bytes` streams them "
+        "one a byte, `packed` as nibbles plus bit planes (Q6_K 6.75 bits a weight against 8.75). Packed "
+        "reads fewer bytes but costs more instructions a weight: on a 2-core AMD EPYC Zen 4 a Qwen 1.5B "
+        "q4_k_m decode step took 61.7 ms packed, 52.9 ms as bytes (benchmarks/results/gguf-bytes/); for "
+        "hosts whose weight stream is the bound. The same values either way (the kernel's fp32 operations "
+        "are the same); a key, not the environment, so the pack says what it streams", default="bytes"),
     Key("option.quantization", _QUANTIZE,
         "vLLM's name for `option.quantize` (used when that is absent)", values="as `option.quantize`",
         alias_of="option.quantize"),

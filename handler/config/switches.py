@@ -62,31 +62,15 @@ SWITCHES: dict[str, Switch] = {s.name: s for s in (
            "(where installed); `system` keeps the C library's allocator", _CPU, allowed=("tcmalloc", "system")),
     Switch("LMI_CPU_KERNELS", "choice", "auto", "CPU: the C kernels' instruction set where no `option.cpu_kernels` "
            "is given (kernels used alone: tests, benchmarks); the server maps `option.cpu_kernels` onto it",
-           "kernels/cpu_ext.py", allowed=("auto", "avx512", "avx2", "neon", "torch")),
+           "kernels/cpu/lib.py", allowed=("auto", "avx512", "avx2", "neon", "torch")),
     Switch("LMI_CPU_HUGEPAGES", "choice", "auto", "CPU: the packed weights a decode step streams (fp32/bf16/int8 "
            "panels, W8A16's codes, the output head; not GGUF/AWQ/GPTQ blocks, served slower so) in memory advised MADV_HUGEPAGE before it is written, so "
            "Linux's transparent huge pages (`madvise` or `always`) hold them in 2 MiB pages (fewer TLB misses "
            "per step; values unchanged); `0` leaves them to the allocator's 4 KiB pages; elsewhere, or where "
-           "the kernel refuses the advice, it stays off (logged at load)", "kernels/cpu_ext.py",
+           "the kernel refuses the advice, it stays off (logged at load)", "kernels/cpu/memory.py",
            allowed=("auto", "0")),
-    Switch("LMI_CPU_EXT_CACHE", "text", None, "where the CPU kernels are built and cached", "kernels/cpu_ext.py",
+    Switch("LMI_CPU_EXT_CACHE", "text", None, "where the CPU kernels are built and cached", "kernels/cpu/build.py",
            values="directory", default_doc="`~/.cache/lmi-serve/kernels`"),
-    Switch("LMI_QUANT_HEAD", "choice", "auto", "option.quantize=int8 / int8_weight_only: the output head quantized "
-           "too (`1`; under int8 also smoothed) or kept in the model's dtype (`0`); `auto`: quantized under "
-           "int8_weight_only (perplexity unchanged), kept under int8 (W8A8: +2.5% on Qwen2.5-Coder-0.5B)",
-           "handler/model/quant.py", allowed=("auto", "1", "0")),
-    Switch("LMI_QUANT_PACKED_CODES", "choice", "0", "CPU, grouped weights whose codes need 5 or 6 bits (GGUF "
-           "Q5_0/Q5_1/Q5_K/Q6_K): `1` streams them packed (the low 4 bits as nibbles, bit planes above: Q6_K 6.75 "
-           "bits a weight against 8.75 as bytes), `0` as bytes. Packed reads fewer bytes but costs more "
-           "instructions a weight: on a 2-core AMD EPYC Zen 4 a Qwen 1.5B q4_k_m decode step took 61.7 ms "
-           "packed, 52.9 ms as bytes (benchmarks/results/gguf-bytes/); for hosts whose weight stream is the "
-           "bound (many cores sharing memory bandwidth)", "handler/model/quant_int4.py", allowed=("0", "1")),
-    Switch("LMI_CPU_Q_ACT8", "choice", "0", "CPU, grouped weights with groups of at most 256 (GGUF blocks, "
-           "AWQ/GPTQ) and 4- or 8-bit codes: `1` multiplies them by int8 activations, each row quantized per "
-           "group as llama.cpp's Q8 blocks, with integer dot products (the avx512 build with VNNI and VBMI, and "
-           "the avx2 build, the same values; neon ignores it, logged at load): faster, not bit for bit the "
-           "dequantized model; `0` keeps the exact fp32 dequantization",
-           "kernels/cpu_ext.py", allowed=("0", "1")),
     Switch("LMI_CGROUP_ROOT", "text", "/sys/fs/cgroup", "CPU: where the container's memory limit is read "
            "(`memory.max` / `memory.current`, or cgroup v1's) to size the default KV pool",
            "handler/config/hardware.py", values="directory"),

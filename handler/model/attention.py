@@ -14,6 +14,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 import kernels
+from kernels.pool import KVPool
 from kernels.step import Step
 
 ATTN_NAME = "lmi_paged"
@@ -24,7 +25,7 @@ class StepMeta(Step):
     """One step's metadata, built once by the runner and read by every layer: the step's tensors
     and row bookkeeping (kernels.step.Step, its `plan`), the pools and the attention backend
     chosen at load (kernels/backends.py)."""
-    kv_cache: list[tuple[torch.Tensor, torch.Tensor]]   # per layer: [NB, bs, Hkv, D] x 2
+    kv_cache: list[tuple[KVPool, KVPool]]   # per layer: keys and values (kernels/pool.py)
     backend: kernels.TorchAttention | None = None       # None: the one for the slots' device
 
     def __post_init__(self):

@@ -2,33 +2,33 @@
 What each one gains, measured: docs/PERFORMANCE.md, "CPU fast paths".
 
 Linear layers: a decode step multiplies 1-64 rows by every weight, so it streams all the weights
-from memory. Each replacement stays an `nn.Linear` (its class is swapped: LoRA's wrapping and
-`in_features` keep working); without LoRA the original weight is dropped once packed, unless
-another module shares it (a tied output head keeps the embedding's).
-  PackedLinear   oneDNN's blocked layout, packed once (`mkldnn._linear_pointwise`, as vLLM's
+from memory. prepack_linears puts a handler/model/linear.py CpuLinear in each plain nn.Linear's place,
+holding one of these packs (an nn.Linear still: LoRA's wrapping and `in_features` keep working);
+without LoRA the original weight is dropped once packed, unless another module shares it (a tied
+output head keeps the embedding's).
+  OneDnnPack     oneDNN's blocked layout, packed once (`mkldnn._linear_pointwise`, as vLLM's
                  `onednn_mm` and inductor's freezing do): the same GEMM without a per-call reorder.
-  PanelLinear    fp32 (and widened bf16) weights in 32-column panels for kernels/cpu_gemm.c where
+                 `widen` (bf16_gemm=fp32 where no widening panel kernel runs): bf16 values multiplied
+                 in fp32 over an fp32 copy: bf16 products are exact in fp32, so only the sum's order
+                 differs from a bf16 GEMM. Which way a bf16 model multiplies is a rule on the CPU's
+                 instructions (`bf16_gemm_mode`), never a timing.
+  PanelPack      fp32 (and widened bf16) weights in 32-column panels for kernels/cpu_gemm.c where
                  it runs (the avx512, avx2 or neon backend, kernels/isa.py; the gemm=onednn arm keeps
-                 oneDNN): the next panel
-                 streams into L2 while the current one multiplies, so the weight stream hides
-                 under the multiplications instead of preceding them. A row's output is its
-                 k-ordered FMA sum, independent of the rows beside it.
-  WidenedLinear  bf16 values multiplied in fp32 by oneDNN over an fp32 copy (bf16_gemm=fp32
-                 where no widening panel kernel runs): bf16 products are exact in fp32, so only the
-                 sum's order differs from a bf16 GEMM. Which way a bf16 model multiplies is a rule
-                 on the CPU's instructions (`bf16_gemm_mode`), never a timing.
-  Bf16PanelLinear  bf16 weights in pair-interleaved 32-column panels for kernels/cpu_gemm_bf16.c,
+                 oneDNN): the next panel streams into L2 while the current one multiplies, so the
+                 weight stream hides under the multiplications instead of preceding them. A row's
+                 output is its k-ordered FMA sum, independent of the rows beside it.
+  Bf16PanelPack  bf16 weights in pair-interleaved 32-column panels for kernels/cpu_gemm_bf16.c,
                  at half the widened panels' bytes: `widen` (the widened GEMM's values bit for bit,
-                 the weight widened in registers, fp32 FMAs) replaces PanelLinear's fp32 copy of a
+                 the weight widened in registers, fp32 FMAs) replaces PanelPack's fp32 copy of a
                  bf16 weight; or AVX512-BF16 vdpbf16ps (another summation order) where the CPU has it.
 
 Placement: every packed weight (the panels above, quantized codes, scales and mins) is allocated by
-kernels/cpu_ext.py's empty_hugepage: its whole 2 MiB pages advised MADV_HUGEPAGE before they are
+kernels/cpu/'s empty_hugepage: its whole 2 MiB pages advised MADV_HUGEPAGE before they are
 written, so Linux's transparent huge pages hold what a 1-row step streams with 512x fewer TLB
 entries (LMI_CPU_HUGEPAGES=0: torch's allocator; benchmarks/results/hugepages/). `hugepage_report`
 is the load log's line.
 
-Our own models (handler/model/llama.py) run their RMSNorm and rotary through kernels/cpu_ext.py
+Our own models (handler/model/llama.py) run their RMSNorm and rotary through kernels/cpu/
 themselves; transformers' models (the general path) run their own forwards with these linears.
 
 Allocator: `python -m handler serve` on a CPU host re-executes itself once with tcmalloc in
@@ -49,74 +49,85 @@ import logging
 import os
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from handler.config.switches import switch
-from kernels import cpu_ext
+from handler.model.linear import CpuLinear, Pack, packs, replace
+from kernels import cpu as cpu_ext
 
 log = logging.getLogger("lmi.cpu")
 
 
-class PackedLinear(nn.Linear):
-    """An nn.Linear whose forward reads `packed` (oneDNN's layout of the weight)."""
-
+@dataclasses.dataclass(eq=False)
+class OneDnnPack(Pack):
+    """oneDNN's blocked layout (`packed`), multiplied by `mkldnn._linear_pointwise`. `widen`: a bf16
+    layer whose `packed` holds the weight widened to fp32 (exact), the input widened (exact), each
+    product of two bf16 values exact in fp32 and summed in fp32 as a bf16 GEMM does, the output
+    rounded to bf16 once: the bf16 GEMM's values up to the order of the fp32 sum, at twice its weight
+    memory; chosen where the CPU's bf16 GEMM is the slower one (see bf16_gemm_mode)."""
     packed: torch.Tensor
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype != self.packed.dtype:   # e.g. a float32 caller of a bf16 model: as F.linear would refuse
-            raise RuntimeError(f"PackedLinear: input dtype {x.dtype} != weight dtype {self.packed.dtype}")
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
-
-
-class WidenedLinear(nn.Linear):
-    """A bf16 nn.Linear multiplied by oneDNN's fp32 GEMM: `packed` holds the weight widened to
-    fp32 (exact), the input is widened (exact), each product of two bf16 values is exact in fp32
-    and the sum accumulates in fp32, as a bf16 GEMM does; the output is rounded to bf16 once.
-    The same values as the bf16 GEMM up to the order of the fp32 sum, at twice its weight memory;
-    chosen where the CPU's bf16 GEMM is the slower one (see bf16_gemm_mode)."""
-
-    packed: torch.Tensor
-    bias32: torch.Tensor | None
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype != torch.bfloat16:
-            raise RuntimeError(f"WidenedLinear: input dtype {x.dtype} != weight dtype torch.bfloat16")
-        y = torch.ops.mkldnn._linear_pointwise(x.float(), self.packed, self.bias32, "none", [], "")
-        return y.to(torch.bfloat16)
-
-
-class PanelLinear(nn.Linear):
-    """An nn.Linear multiplied by kernels/cpu_gemm.c from `panels` (the weight in 32-column
-    panels, fp32): an fp32 weight as it is, a bf16 weight widened to fp32 (`widen`, exact, as
-    WidenedLinear: the input widened, the output rounded to bf16 once)."""
-
-    panels: torch.Tensor
-    bias32: torch.Tensor | None
     widen: bool
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, layer: CpuLinear) -> torch.Tensor:
+        if self.widen:
+            if x.dtype != torch.bfloat16:
+                raise RuntimeError(f"widened oneDNN linear: input dtype {x.dtype} != weight dtype torch.bfloat16")
+            y = torch.ops.mkldnn._linear_pointwise(x.float(), self.packed, layer.bias32, "none", [], "")
+            return y.to(torch.bfloat16)
+        if x.dtype != self.packed.dtype:   # e.g. a float32 caller of a bf16 model: as F.linear would refuse
+            raise RuntimeError(f"oneDNN linear: input dtype {x.dtype} != weight dtype {self.packed.dtype}")
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, layer.bias, "none", [], "")
+
+    def held(self) -> list[torch.Tensor]:
+        return [self.packed]
+
+
+@dataclasses.dataclass(eq=False)
+class PanelPack(Pack):
+    """The weight in 32-column fp32 panels, multiplied by kernels/cpu_gemm.c: an fp32 weight as it
+    is, a bf16 weight widened to fp32 (`widen`, exact, as OneDnnPack's: the input widened, the output
+    rounded to bf16 once)."""
+    panels: torch.Tensor
+    widen: bool
+
+    def forward(self, x: torch.Tensor, layer: CpuLinear) -> torch.Tensor:
         want = torch.bfloat16 if self.widen else torch.float32
         if x.dtype != want:
-            raise RuntimeError(f"PanelLinear: input dtype {x.dtype} != weight dtype {want}")
-        y = cpu_ext.gemm(x.float() if self.widen else x, self.panels, self.out_features, self.bias32)
+            raise RuntimeError(f"fp32 panel linear: input dtype {x.dtype} != weight dtype {want}")
+        y = cpu_ext.gemm(x.float() if self.widen else x, self.panels, layer.out_features, layer.bias32)
         return y.to(torch.bfloat16) if self.widen else y
 
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.panels]
 
-class Bf16PanelLinear(nn.Linear):
-    """A bf16 nn.Linear multiplied by kernels/cpu_gemm_bf16.c from `panels` (the bf16 weight in
-    pair-interleaved 32-column panels): the products of the same bf16 values summed in fp32 (+ the
-    bias, fp32), rounded to bf16 once. `widen`: fp32 FMAs in k order, PanelLinear's widened values
-    bit for bit at half its weight memory; else vdpbf16ps (pairs of products per instruction)."""
+    def lin(self, dtype):
+        if self.widen or dtype != torch.float32:
+            return super().lin(dtype)
+        return cpu_ext.LIN_F32, {"panels": self.panels.data_ptr()}, [self.panels]
 
+
+@dataclasses.dataclass(eq=False)
+class Bf16PanelPack(Pack):
+    """The bf16 weight in pair-interleaved 32-column panels, multiplied by kernels/cpu_gemm_bf16.c:
+    the products of the same bf16 values summed in fp32 (+ the bias, fp32), rounded to bf16 once.
+    `widen`: fp32 FMAs in k order, PanelPack's widened values bit for bit at half its weight memory;
+    else vdpbf16ps (pairs of products per instruction)."""
     panels: torch.Tensor
-    bias32: torch.Tensor | None
     widen: bool
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, layer: CpuLinear) -> torch.Tensor:
         if x.dtype != torch.bfloat16:
-            raise RuntimeError(f"Bf16PanelLinear: input dtype {x.dtype} != weight dtype torch.bfloat16")
-        return cpu_ext.gemm_bf16(x, self.panels, self.out_features, self.bias32, widen=self.widen)
+            raise RuntimeError(f"bf16 panel linear: input dtype {x.dtype} != weight dtype torch.bfloat16")
+        return cpu_ext.gemm_bf16(x, self.panels, layer.out_features, layer.bias32, widen=self.widen)
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.panels]
+
+    def lin(self, dtype):
+        if dtype != torch.bfloat16:
+            return super().lin(dtype)
+        return (cpu_ext.LIN_BF16W if self.widen else cpu_ext.LIN_BF16), {"panels": self.panels.data_ptr()}, \
+            [self.panels]
 
 
 @dataclasses.dataclass
@@ -181,7 +192,7 @@ def preload_env(env, dirs=TCMALLOC_DIRS, cpu_kernels: str = "auto", flags: set[s
         lib = find_tcmalloc(dirs)
         if lib is not None:
             new["LD_PRELOAD"] = f"{lib}:{preload}" if preload else lib
-    flags = cpu_ext._cpu_flags() if flags is None else flags
+    flags = cpu_ext.cpu_flags() if flags is None else flags
     if cpu_kernels == "avx2" and "avx512f" in flags and not env.get("ATEN_CPU_CAPABILITY"):
         new["ATEN_CPU_CAPABILITY"] = "avx2"
     return None if new == dict(env) else new
@@ -228,8 +239,8 @@ def widen_in_registers() -> bool:
 
 def bf16_gemm_mode(model: nn.Module) -> tuple[str, str]:
     """How this bf16 model's linears multiply (one of BF16_MODES), and why: "panels"
-    (Bf16PanelLinear by vdpbf16ps), "bf16" (oneDNN's bf16 GEMM, PackedLinear) or "fp32" (widened:
-    Bf16PanelLinear with widen where widen_in_registers(), else PanelLinear or WidenedLinear on an
+    (Bf16PanelPack by vdpbf16ps), "bf16" (oneDNN's bf16 GEMM, OneDnnPack) or "fp32" (widened:
+    Bf16PanelPack with widen where widen_in_registers(), else PanelPack or a widened OneDnnPack on an
     fp32 copy, twice the weight memory).
 
     A rule on what the CPU has, never a timing: the numerics (and so the greedy text) of every
@@ -251,7 +262,7 @@ def bf16_gemm_mode(model: nn.Module) -> tuple[str, str]:
                         "(AVX512-BF16 and the panels needed): oneDNN's bf16")
     if not any(m.weight.dtype == torch.bfloat16 for _, m in _linears(model)):
         return "bf16", "no bf16 linear layers"
-    if "amx_bf16" in cpu_ext._cpu_flags() and can_prepack(torch.bfloat16):
+    if "amx_bf16" in cpu_ext.cpu_flags() and can_prepack(torch.bfloat16):
         return "bf16", "the CPU has AMX: oneDNN's bf16"
     if bf16_panels_available():
         return "panels", "the CPU has AVX512-BF16: vdpbf16ps panels"
@@ -281,18 +292,12 @@ def _onednn_pack(name: str, weight: torch.Tensor, widen: bool) -> torch.Tensor |
 
 
 def streamed_tensors(model: nn.Module) -> list[torch.Tensor]:
-    """The packed weights a 1-row step streams (panels of every kind, grouped scales and mins)."""
-    out = []
-    for m in model.modules():
-        for attr in ("panels", "qscales", "qmins", "qd", "qe"):
-            t = getattr(m, attr, None)
-            if isinstance(t, torch.Tensor) and t.device.type == "cpu":
-                out.append(t)
-    return out
+    """The packed weights a 1-row step streams (panels of every kind, grouped codes, scales and mins)."""
+    return [t for p in packs(model) for t in p.tensors() if t.device.type == "cpu"]
 
 
 def hugepage_report(model: nn.Module) -> str:
-    """One line for the load log: how the packed weights sit in memory (kernels/cpu_ext.py's
+    """One line for the load log: how the packed weights sit in memory (kernels/cpu/'s
     empty_hugepage; LMI_CPU_HUGEPAGES)."""
     ts = streamed_tensors(model)
     if not ts:
@@ -310,12 +315,12 @@ def hugepage_report(model: nn.Module) -> str:
 
 def prepack_linears(model: nn.Module, keep_weights: bool = False, widen_bf16: bool = False,
                     bf16_panels: bool = False) -> int:
-    """Swap every plain nn.Linear on CPU for a PanelLinear where kernels/cpu_gemm.c serves (fp32
-    weights, and bf16 ones when widen_bf16 where the bf16 panels cannot widen them), a
-    Bf16PanelLinear for bf16 weights where kernels/cpu_gemm_bf16.c serves (widened in registers
-    when widen_bf16, by vdpbf16ps when bf16_panels), else a PackedLinear (WidenedLinear for bf16
-    weights when widen_bf16); returns how many were packed. keep_weights: leave the original weights in place
-    (LoRA reads their shape and dtype)."""
+    """Replace every plain nn.Linear on CPU by a CpuLinear whose pack is PanelPack where
+    kernels/cpu_gemm.c serves (fp32 weights, and bf16 ones when widen_bf16 where the bf16 panels cannot
+    widen them), Bf16PanelPack for bf16 weights where kernels/cpu_gemm_bf16.c serves (widened in
+    registers when widen_bf16, by vdpbf16ps when bf16_panels), else OneDnnPack (widened for bf16
+    weights when widen_bf16); returns how many were packed. keep_weights: leave the original weights in
+    place (LoRA reads their shape and dtype); a weight another module shares (a tied head) stays too."""
     tied = {id(p) for name, m in model.named_modules() if not isinstance(m, nn.Linear)
             for p in m.parameters(recurse=False)}
     if not AB.prepack:
@@ -326,24 +331,17 @@ def prepack_linears(model: nn.Module, keep_weights: bool = False, widen_bf16: bo
     done = 0
     for name, m in _linears(model):
         widen = widen_bf16 and m.weight.dtype == torch.bfloat16
-        if m.weight.dtype == torch.bfloat16 and (dot or (widen and in_registers)):
-            with torch.no_grad():
-                m.panels = cpu_ext.pack_bf16(m.weight.detach())
-            m.widen, cls = widen, Bf16PanelLinear
-        elif panels and (widen or m.weight.dtype == torch.float32):
-            with torch.no_grad():
-                m.panels = cpu_ext.pack_panels(m.weight.detach().float())
-            m.widen, cls = widen, PanelLinear
-        else:
-            packed = _onednn_pack(name, m.weight, widen)
-            if packed is None:
-                continue
-            m.packed, cls = packed, WidenedLinear if widen else PackedLinear
-        if cls is not PackedLinear:     # an fp32 GEMM: the bias in fp32
-            m.bias32 = None if m.bias is None else m.bias.detach().float().contiguous()
-        m.__class__ = cls
-        if not keep_weights and id(m.weight) not in tied:
-            # The packed copy replaces it; an empty tensor keeps dtype/device for readers.
-            m.weight = nn.Parameter(m.weight.new_empty(0), requires_grad=False)
+        with torch.no_grad():
+            w = m.weight.detach()
+            if w.dtype == torch.bfloat16 and (dot or (widen and in_registers)):
+                pack = Bf16PanelPack(cpu_ext.pack_bf16(w), widen)
+            elif panels and (widen or w.dtype == torch.float32):
+                pack = PanelPack(cpu_ext.pack_panels(w.float()), widen)
+            else:
+                packed = _onednn_pack(name, m.weight, widen)
+                if packed is None:
+                    continue
+                pack = OneDnnPack(packed, widen)
+        replace(model, name, CpuLinear(m, pack, keep_weight=keep_weights or id(m.weight) in tied))
         done += 1
     return done

@@ -27,10 +27,9 @@ import logging
 
 import torch
 
-from handler.model.cpu import AB, Bf16PanelLinear, PanelLinear
-from handler.model.quant import Int8Linear
-from handler.model.quant_int4 import Q4Linear
-from kernels import cpu_ext, reference
+from handler.model.cpu import AB
+from handler.model.linear import CpuLinear
+from kernels import cpu as cpu_ext
 
 log = logging.getLogger("lmi.cpu")
 
@@ -40,33 +39,18 @@ def _ptr(t: torch.Tensor | None) -> int | None:
 
 
 def _lin(m, dtype: torch.dtype, keep: list) -> cpu_ext.Lin | str:
-    """The lmi_lin of a packed linear layer for activations of `dtype`, or why not."""
-    bias = getattr(m, "bias32", None)
+    """The lmi_lin of a packed linear layer for activations of `dtype` (the kind its pack says), or why not."""
+    if not isinstance(m, CpuLinear):
+        return f"a {type(m).__name__} with {dtype} activations"
+    bias = m.bias32
     if bias is not None and not (bias.dtype == torch.float32 and bias.is_contiguous()):
         return "a bias not in fp32"
-    extra = {}
-    if type(m) is PanelLinear and not m.widen and dtype == torch.float32:
-        kind = cpu_ext.LIN_F32
-    elif type(m) is Bf16PanelLinear and dtype == torch.bfloat16:
-        kind = cpu_ext.LIN_BF16W if m.widen else cpu_ext.LIN_BF16
-    elif type(m) is Int8Linear and m.panels is not None and m.wscale.is_contiguous():
-        kind = cpu_ext.LIN_I8
-        extra = {"wsum": m.wsum.data_ptr(), "wscale": m.wscale.data_ptr()}
-        keep += [m.wsum, m.wscale]
-    elif type(m) is Q4Linear and m.qpack is not None:
-        # W8A16, GGUF's blocks, AWQ/GPTQ: kernels/cpu_gemm_q4.c on fp32 rows, as Q4Linear.forward calls it
-        kind = cpu_ext.LIN_Q
-        p = m.qpack
-        if not all(t.is_contiguous() for t in p.tensors()):
-            return "grouped scales not packed contiguously"
-        extra = {"qscale": p.s.data_ptr(), "qmin": p.m.data_ptr(), "qd": _ptr(p.d), "qe": _ptr(p.e),
-                 "qsmode": p.smode, "qsg": p.sg, "bits": p.bits, "group": p.group}
-        keep += p.tensors()
-    else:
-        return f"a {type(m).__name__} with {dtype} activations"
-    keep += [m.panels, bias]
-    return cpu_ext.Lin(kind=kind, n=m.out_features, k=m.in_features, panels=m.panels.data_ptr(),
-                       bias=_ptr(bias), **extra)
+    got = m.pack.lin(dtype)
+    if isinstance(got, str):
+        return got
+    kind, fields, tensors = got
+    keep += [*tensors, bias]
+    return cpu_ext.Lin(kind=kind, n=m.out_features, k=m.in_features, bias=_ptr(bias), **fields)
 
 
 class DecodeStack:
@@ -118,7 +102,7 @@ def build(model, kv_cache, *, tp_size: int = 1, lora: bool = False) -> tuple[Dec
     if a.qk_norm or a.post_norms or a.residual_scale != 1.0:
         return None, f"{a.family}'s layer (q/k norms, post-norms or residual multipliers)"
     pool = kv_cache[0][0]
-    i8 = pool.dtype == torch.int8     # option.kv_cache_dtype=int8: the layers' scales go with the pools
+    i8 = pool.int8     # option.kv_cache_dtype=int8: the layers' scales go with the pools
     dtype = model.model.layers[0].input_layernorm.weight.dtype if i8 else pool.dtype
     if dtype not in cpu_ext.KV_DTYPES or not cpu_ext.supports(pool) or cpu_ext.load() is None:
         return None, "the KV pools are not the C kernels'"
@@ -148,12 +132,14 @@ def build(model, kv_cache, *, tp_size: int = 1, lora: bool = False) -> tuple[Dec
         if (got != [((a.heads + 2 * a.kv_heads) * d, hid), (hid, a.heads * d), (2 * inter, hid), (hid, inter)]
                 or any(x.k != hid for x in (*lins[:3], *lins[4:6]) if x.n)):
             return None, "projections of other shapes than the config's"
-        k_cache, v_cache = kv_cache[i]
-        if (k_cache.dtype != pool.dtype or k_cache.stride() != pool.stride() or v_cache.stride() != pool.stride()
-                or (i8 and not (cpu_ext.supports(k_cache) and cpu_ext.supports(v_cache)))):
+        k_pool, v_pool = kv_cache[i]     # kernels/pool.py KVPool records
+        if (k_pool.dtype != pool.dtype or k_pool.data.stride() != pool.data.stride()
+                or v_pool.data.stride() != pool.data.stride()
+                or (i8 and not (cpu_ext.supports(k_pool) and cpu_ext.supports(v_pool)))):
             return None, "KV pools of different layouts"
-        scales = dict(ksc=reference.kv_scale(k_cache).data_ptr(), vsc=reference.kv_scale(v_cache).data_ptr()) if i8 else {}
+        scales = dict(ksc=k_pool.scales.data_ptr(), vsc=v_pool.scales.data_ptr()) if i8 else {}
         layers[i] = cpu_ext.Layer(*lins, norm1=norms[0].weight.data_ptr(), norm2=norms[1].weight.data_ptr(),
-                                  kc=k_cache.data_ptr(), vc=v_cache.data_ptr(), window=int(att.window or 0), **scales)
+                                  kc=k_pool.data.data_ptr(), vc=v_pool.data.data_ptr(), window=int(att.window or 0),
+                                  **scales)
         keep += [n.weight for n in norms]
     return DecodeStack(model, kv_cache, layers, lanes, keep), "ok"

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels import cpu_ext, reference
+from kernels import cpu as cpu_ext, reference
 
 
 # ---------------------------------------------------------------------------- tensor parallel

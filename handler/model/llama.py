@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from handler.config.numerics import Numerics
 from handler.model.layers import RMSNorm, Rotary, Shard, TensorParallel, shard
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "granite", "phi3", "olmo2")
@@ -302,11 +303,12 @@ def _spec(name: str) -> Shard:
 
 def load(model_dir: str, config, *, dtype: torch.dtype, device: torch.device,
          tp: TensorParallel = TensorParallel(), max_positions: int | None = None,
-         quantize: str | None = None) -> LlamaFamilyForCausalLM:
+         quantize: str | None = None, numerics: Numerics = Numerics()) -> LlamaFamilyForCausalLM:
     """Build our model for `config` and fill it from the checkpoint's safetensors. Raises
     Unsupported (transformers serves the model instead) or ValueError (a bad checkpoint).
     `quantize` (option.quantize): AWQ/GPTQ checkpoints and GGUF files are read into grouped
-    layers (handler/model/quant_formats.py); `none` dequantizes them."""
+    layers (handler/model/quant_formats.py), packed as `numerics` says (handler/config/numerics.py);
+    `none` dequantizes them."""
     from safetensors import safe_open
     from handler.model import quant_formats, quant_int4
 
@@ -365,12 +367,12 @@ def load(model_dir: str, config, *, dtype: torch.dtype, device: torch.device,
                 else:
                     put(key, t, _spec(key))
     if qload is not None:
-        filled |= qload.install(model, tp, a, _spec)
+        filled |= qload.install(model, tp, a, _spec, numerics)
     missing = sorted(n for n in params if n not in filled and not (a.tied and n == "lm_head.weight"))
     if missing:
         raise ValueError(f"the checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")
     if quantize == "gguf":
-        quant_formats.install_gguf(model, model_dir, tp, a, _spec)
+        quant_formats.install_gguf(model, model_dir, tp, a, _spec, numerics)
     elif quantize == "none":
         quant_int4.dequantize_model(model, dtype)
     model.eval()

@@ -1,5 +1,6 @@
-"""option.quantize: quantized linear layers, each another `nn.Linear` class (as cpu.PanelLinear), so the
-model around them (ours or transformers'), LoRA's wrapper and tensor-parallel shards are unchanged.
+"""option.quantize: quantized linear layers, each a handler/model/linear.py CpuLinear (an `nn.Linear`)
+holding its quantized pack, put in the plain layer's place, so the model around them (ours or
+transformers'), LoRA's wrapper and tensor-parallel shards are unchanged.
 
 int8 (aliases w8a8, int8_dynamic): dynamic W8A8. At load each weight row (output channel) is
 rounded to int8 by its own scale max|w| / 127; at every step each activation row (token) is
@@ -27,16 +28,19 @@ outliers into the weights, which is what a weight-only mode rounds). Served by t
 kernel (kernels/cpu_gemm_q4.c, every CPU build) as one group of K per row: codes q + 128, scale s,
 min -128 s, whose fma(q + 128, s, -128 s) is exactly q * s; so a W8A16 model computes bit for bit
 what the fp32 model holding the dequantized weights q * s computes on that kernel path. Without a
-kernel (the torch backend, a GPU) quant_int4.Q4Linear dequantizes per call and torch multiplies.
+kernel (the torch backend, a GPU) quant_int4.TorchGroupedPack dequantizes per call and torch multiplies.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import torch
 from torch import nn
 
-from kernels import cpu_ext
+from handler.config.numerics import Numerics
+from handler.model.linear import CpuLinear, Pack, replace
+from kernels import cpu as cpu_ext
 
 log = logging.getLogger("lmi.quant")
 
@@ -74,23 +78,36 @@ Thanks! What are three things to check before a long bicycle ride? Answer as a J
 """
 
 
-class Int8Linear(nn.Linear):
-    """y = dequant(int8(x) @ int8(W)^T) + b, x rounded per row, W per output channel (see the module doc)."""
+@dataclasses.dataclass(eq=False)
+class Int8Pack(Pack):
+    """y = dequant(int8(x) @ int8(W)^T) + b, x rounded per row, W per output channel (see the module
+    doc): kernels/cpu_gemm_i8.c's `panels` (with `wsum`) where it runs, else `qweight` [N, K] int8
+    through the torch reference."""
+    wscale: torch.Tensor                # [N] fp32
+    panels: torch.Tensor | None = None
+    wsum: torch.Tensor | None = None
+    qweight: torch.Tensor | None = None
 
-    qweight: torch.Tensor       # [N, K] int8 (the reference path) or None once packed
-    wscale: torch.Tensor        # [N] fp32
-    bias32: torch.Tensor | None
-    panels: torch.Tensor | None     # kernels/cpu_gemm_i8.c's layout, with wsum
-    wsum: torch.Tensor | None
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, layer: CpuLinear) -> torch.Tensor:
         dt = x.dtype
         xf = x.float()
         if self.panels is not None:
-            y = cpu_ext.gemm_i8(xf, self.panels, self.wsum, self.wscale, self.out_features, self.bias32)
+            y = cpu_ext.gemm_i8(xf, self.panels, self.wsum, self.wscale, layer.out_features, layer.bias32)
         else:
-            y = int8_reference(xf, self.qweight, self.wscale, self.bias32)
+            y = int8_reference(xf, self.qweight, self.wscale, layer.bias32)
         return y.to(dt)
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.panels] if self.panels is not None else []
+
+    def held(self) -> list[torch.Tensor]:
+        return [t for t in (self.panels, self.wsum, self.wscale, self.qweight) if t is not None]
+
+    def lin(self, dtype):
+        if self.panels is None or not self.wscale.is_contiguous():
+            return super().lin(dtype)
+        return (cpu_ext.LIN_I8, {"panels": self.panels.data_ptr(), "wsum": self.wsum.data_ptr(),
+                                 "wscale": self.wscale.data_ptr()}, [self.panels, self.wsum, self.wscale])
 
 
 def quantize_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -152,62 +169,56 @@ def _untie_head(model: nn.Module) -> None:
 
 
 def head_quantized(method: str, setting: str = "auto") -> bool:
-    """Whether `method` quantizes the output head: LMI_QUANT_HEAD's `1` / `0`, else by method. A
-    weight-only int8 head keeps perplexity (SmolLM2 0.989/1.014, Qwen2.5-Coder-0.5B 1.000/0.996 of fp32)
-    and is a third of a one-row step's bytes on a 150k vocabulary; a W8A8 head does not (+2.5%)."""
-    if setting in ("1", "true", "yes", "on"):
-        return True
-    if setting in ("0", "false", "no", "off"):
-        return False
+    """Whether `method` quantizes the output head: option.quantize_head's `true` / `false`, else
+    (`auto`) by method. A weight-only int8 head keeps perplexity (SmolLM2 0.989/1.014,
+    Qwen2.5-Coder-0.5B 1.000/0.996 of fp32) and is a third of a one-row step's bytes on a 150k
+    vocabulary; a W8A8 head does not (+2.5%)."""
+    if setting in ("true", "false"):
+        return setting == "true"
     return METHODS.get(method) == "w8a16"
 
 
-def quantize_model(model: nn.Module, method: str, head: bool = False) -> int:
-    """Swap every linear layer but the output head (with `head`, that one too) for `method`'s
-    class, in place; returns how many."""
+def quantize_model(model: nn.Module, method: str, head: bool = False, numerics: Numerics = Numerics()) -> int:
+    """Replace every linear layer but the output head (with `head`, that one too) by a CpuLinear
+    holding `method`'s pack; returns how many. `numerics`: the grouped packs' settings (W8A16)."""
     kind = METHODS.get(method)
     if kind is None:
         raise ValueError(f"unknown quantization {method!r}")
     if head:
         _untie_head(model)
     if kind == "w8a16":
-        return _quantize_w8a16(model, head)
+        return _quantize_w8a16(model, head, numerics)
     kernel = cpu_ext.gemm_i8_available()
     done = 0
     for name, m in _targets(model, head):
         q, scale = quantize_rows(m.weight)
-        m.wscale = scale.to(m.weight.device)
-        m.bias32 = None if m.bias is None else m.bias.detach().float().contiguous()
+        pack = Int8Pack(scale.to(m.weight.device))
         if kernel and m.weight.device.type == "cpu":
-            m.panels, m.wsum = cpu_ext.pack_i8(q)
-            m.qweight = None
+            pack.panels, pack.wsum = cpu_ext.pack_i8(q)
         else:
-            m.panels = m.wsum = None
-            m.qweight = q.to(m.weight.device)
-        m.__class__ = Int8Linear
-        # The int8 copy replaces it; an empty tensor keeps dtype/device for readers (LoRA).
-        m.weight = nn.Parameter(m.weight.new_empty(0), requires_grad=False)
+            pack.qweight = q.to(m.weight.device)
+        replace(model, name, CpuLinear(m, pack))   # the int8 copy replaces the weight
         done += 1
     log.info("int8: %d linear layers quantized (%s); the output head %s", done,
              f"kernels/cpu_gemm_i8.c, the {cpu_ext.backend().isa} build" if kernel
              else "reference torch ops: no int8 kernel build here",
-             "too (LMI_QUANT_HEAD)" if head else
+             "too (option.quantize_head)" if head else
              "stays " + str(next(model.parameters()).dtype).removeprefix("torch."))
     return done
 
 
-def _quantize_w8a16(model: nn.Module, head: bool) -> int:
+def _quantize_w8a16(model: nn.Module, head: bool, numerics: Numerics) -> int:
     from handler.model.quant_int4 import install, use_kernel
     done, kernel = 0, None
     for name, m in _targets(model, head):
         if kernel is None:
             kernel = use_kernel(m.weight.device)
-        install(m, w8a16_grouped(m.weight), "int8_weight_only", kernel)
+        install(model, name, w8a16_grouped(m.weight), "int8_weight_only", kernel, numerics)
         done += 1
     log.info("int8_weight_only: %d linear layers as int8 weights per output channel (%s); the output head %s",
              done, f"kernels/cpu_gemm_q4.c, the {cpu_ext.backend().isa} build" if kernel
              else "dequantized per call for torch: no grouped kernel here",
-             "too (LMI_QUANT_HEAD)" if head else
+             "too (option.quantize_head)" if head else
              "stays " + str(next(model.parameters()).dtype).removeprefix("torch."))
     return done
 

@@ -30,6 +30,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from handler.config.numerics import Numerics
 from handler.config.quantization import CheckpointQuant, checkpoint_quant, gguf_source, read_quantization_config
 from handler.model.quant_int4 import Grouped, QuantLoadError, Sub, install, use_kernel
 
@@ -110,7 +111,7 @@ def _from_zeros(q: torch.Tensor, z: torch.Tensor, s: torch.Tensor, group: int) -
 # ---------------------------------------------------------------------------- loading AWQ / GPTQ into our model
 class CheckpointLoader:
     """Collects `<prefix>.qweight/.qzeros/.scales/.g_idx` while llama.load reads the safetensors,
-    then installs each layer as a Q4Linear (sharded for this rank)."""
+    then installs each layer as a grouped CpuLinear (sharded for this rank)."""
 
     def __init__(self, cq: CheckpointQuant):
         self.cq = cq
@@ -144,7 +145,7 @@ class CheckpointLoader:
         return gptq_unpack(p["qweight"], p["qzeros"], p["scales"], p.get("g_idx"), cq.group_size,
                            cq.zeros_plus_one, prefix)
 
-    def install(self, model: nn.Module, tp, arch, spec_of) -> set[str]:
+    def install(self, model: nn.Module, tp, arch, spec_of, numerics: Numerics = Numerics()) -> set[str]:
         """Every collected layer into `model` (fused phi3 q/k/v and gate/up split along N first);
         returns the parameter names now filled (each layer's `.weight`)."""
         kernel = use_kernel(next(model.parameters()).device)
@@ -169,7 +170,7 @@ class CheckpointLoader:
                 if not isinstance(m, nn.Linear):
                     raise QuantLoadError(f"unexpected quantized layer {name!r} in the checkpoint")
                 part = part.cut(spec_of(name + ".weight").kind, tp.rank, tp.size, name)
-                install(m, part, self.cq.method, kernel)
+                install(model, name, part, self.cq.method, kernel, numerics)
                 filled.add(name + ".weight")
         log.info("%s checkpoint: %d quantized tensors (4-bit, group %d) loaded without dequantizing",
                  self.cq.method, len(self.parts), self.cq.group_size)
@@ -277,7 +278,7 @@ def _unpermute_rows(n: int, heads: int) -> torch.Tensor:
     return torch.arange(n).reshape(heads, n // heads // 2, 2).transpose(1, 2).reshape(-1)
 
 
-def install_gguf(model: nn.Module, model_dir: str, tp, arch, spec_of) -> int:
+def install_gguf(model: nn.Module, model_dir: str, tp, arch, spec_of, numerics: Numerics = Numerics()) -> int:
     """Serve the GGUF file's linear weights of GGUF_SERVED types grouped (replacing the dequantized
     ones llama.load read), the output head's too when the file has its own (`output.weight`, an
     untied head); tensors of other types stay dequantized (one log line), as do the embeddings
@@ -318,7 +319,8 @@ def install_gguf(model: nn.Module, model_dir: str, tp, arch, spec_of) -> int:
         m = modules.get(name)
         if not isinstance(m, nn.Linear):
             raise QuantLoadError(f"GGUF tensor {t.name} has no layer {name} in the model")
-        install(m, w.cut(spec_of(name + ".weight").kind, tp.rank, tp.size, name), f"gguf {kind}", kernel)
+        install(model, name, w.cut(spec_of(name + ".weight").kind, tp.rank, tp.size, name), f"gguf {kind}", kernel,
+                numerics)
         done += 1
     if other:
         log.info("gguf: %s linear tensors of types our kernel does not take stay dequantized (%s)",

@@ -13,27 +13,30 @@ K-quants also keep their two levels (`Sub`: an fp16 superblock scale times 6/8-b
 the kernel can stream those instead of fp32 scales and mins.
 
 What the kernel streams (`pack`, kernels/cpu_gemm_q4.c's layout): 4-bit codes as nibbles, wider
-ones as bytes (or packed to 5/6 bits under LMI_QUANT_PACKED_CODES=1: fewer bytes, more instructions,
-slower on a 2-core host), and the scales and mins as the two levels where a weight has them, as
+ones as bytes (or packed to 5/6 bits under option.grouped_code_layout=packed: fewer bytes, more
+instructions, slower on a 2-core host), and the scales and mins as the two levels where a weight has them, as
 fp16 where fp16 holds them exactly (GGUF's 32-blocks), else fp32. Bits a weight (GGUF's own):
 Q4_K 4.75 (4.5), Q5_0 9 (5.5; packed 6), Q6_K 8.75 (6.56; packed 6.75), Q8_0 9 (8.5), against
 6 / 10 / 12 / 10 with fp32 scales and mins. Each mode gives the kernel the same fp32 scale and
 min, so the same weights.
 
-Q4Linear is an `nn.Linear` whose class is swapped in (as quant.Int8Linear), so the model around it,
-LoRA's wrapper (which reads `weight` for its dtype/device: an empty tensor is kept) and tensor-
-parallel sharding are unchanged. Its forward on a CPU with AVX-512F is kernels/cpu_gemm_q4.c (W4A16:
-each panel's codes dequantized in registers, fp32 activations, the same FMA order as the fp32 panel
-GEMM, so bit for bit the dequantized model's results on that path); on CUDA kernels/triton_q4.py
-(codes two per byte, dequantized per tile inside a Triton GEMM; checked under the Triton interpreter
-and compiled for sm_90 here, not yet run on a GPU); elsewhere (8-bit codes on CUDA, no compiler) the
-weight is dequantized to the activation dtype per call and multiplied by torch (correct, slow).
+A grouped layer is a handler/model/linear.py CpuLinear (an `nn.Linear` put in the plain layer's
+place: the model around it, LoRA's wrapper, which reads `weight` for its dtype/device, and tensor-
+parallel sharding are unchanged) holding one of three packs, chosen at load: GroupedPack on a CPU
+whose kernel build runs kernels/cpu_gemm_q4.c (avx512, avx2, neon; W4A16: each panel's codes
+dequantized in registers, fp32 activations, the same FMA order as the fp32 panel GEMM, so bit for bit
+the dequantized model's results on that path; or int8 activations where the QPack says so,
+option.cpu_grouped_activations=int8); TritonGroupedPack on CUDA, kernels/triton_q4.py (codes two per
+byte, dequantized per tile inside a Triton GEMM; checked under the Triton interpreter and compiled for
+sm_90 here, not yet run on a GPU); TorchGroupedPack elsewhere (8-bit codes on CUDA, no compiler): the
+weight dequantized to the activation dtype per call and multiplied by torch (correct, slow).
 
 Tensor parallelism: a column-parallel layer (q/k/v/gate/up) is cut along N, rows of q, scales and
 mins alike; a row-parallel one (o/down) along K in whole groups (refused with one line otherwise).
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 
@@ -41,7 +44,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels import cpu_ext
+from handler.config.numerics import Numerics
+from handler.model.linear import CpuLinear, Pack, plain, replace
+from kernels import cpu as cpu_ext
 
 log = logging.getLogger("lmi.quant")
 
@@ -142,25 +147,18 @@ def code_bits(w: Grouped, packed: bool = True) -> int:
     return 5 if top < 32 else 6 if top < 64 else 8
 
 
-def packed_codes() -> bool:
-    """LMI_QUANT_PACKED_CODES (handler/config/switches.py): 5/6-bit codes packed, or as bytes."""
-    from handler.config.switches import switch
-    raw = switch("LMI_QUANT_PACKED_CODES")
-    if raw not in ("0", "1"):
-        log.warning("LMI_QUANT_PACKED_CODES=%r: allowed values are 0, 1; using 0", raw)
-    return raw == "1"
-
-
-def pack(w: Grouped, bits: int | None = None, flat: bool = False) -> cpu_ext.QPack:
+def pack(w: Grouped, bits: int | None = None, flat: bool = False, packed: bool = False,
+         act8: bool = False) -> cpu_ext.QPack:
     """The kernel's layout (kernels/cpu_gemm_q4.c's top): codes [np][K][row bytes]; scales and mins
     [np][G][32] as two levels (w.sub), fp16 where it holds them exactly, else fp32; zero padded to
-    np * 32 columns. `bits`: the code width (default: code_bits under LMI_QUANT_PACKED_CODES);
-    `flat`: fp32 scales and mins (the layout before the compact ones, for comparisons)."""
+    np * 32 columns. `bits`: the code width (default: code_bits, `packed` as
+    option.grouped_code_layout=packed); `flat`: fp32 scales and mins (the layout before the compact
+    ones, for comparisons); `act8`: multiplied by int8 activations (option.cpu_grouped_activations)."""
     n, k = w.q.shape
     g = w.scales.shape[1]
     npan = -(-n // PANEL)
     if bits is None:
-        bits = code_bits(w, packed_codes())
+        bits = code_bits(w, packed)
     elif bits not in (4, 5, 6, 8) or (w.bits == 4) != (bits == 4) or bits < code_bits(w):
         raise ValueError(f"code width {bits} for codes that need {code_bits(w)} bits; allowed: 4 for 4-bit "
                          "codes, else 5, 6 or 8 holding every code")
@@ -183,7 +181,7 @@ def pack(w: Grouped, bits: int | None = None, flat: bool = False) -> cpu_ext.QPa
     tabs = [_panels(t, npan) for t in tabs]
     if smode == cpu_ext.QS_I8 and torch.equal(tabs[0], tabs[1]):
         tabs[1] = tabs[0]           # Q6_K: its min is -32 d times the scale's own sub-scale: stream one table
-    # streamed every step: contiguous copies, in huge-page-advised memory (kernels/cpu_ext.py) where
+    # streamed every step: contiguous copies, in huge-page-advised memory (kernels/cpu/) where
     # a row is one group (W8A16). With several groups a row (GGUF blocks, AWQ/GPTQ) the served step
     # was slower so (Qwen 0.5B q4_k_m at 1 client: 29.2 against 23.0 ms TPOT, one run each; cause not
     # found, benchmarks/results/hugepages/), so those stay in torch's memory.
@@ -192,7 +190,7 @@ def pack(w: Grouped, bits: int | None = None, flat: bool = False) -> cpu_ext.QPa
     s = _streamed(tabs[0], huge)
     m = s if tabs[1] is tabs[0] else _streamed(tabs[1], huge)
     d, e = (_streamed(t, huge) for t in tabs[2:]) if len(tabs) == 4 else (None, None)
-    return cpu_ext.QPack(codes, s, m, d, e, smode, sg, bits, w.group)
+    return cpu_ext.QPack(codes, s, m, d, e, smode, sg, bits, w.group, act8)
 
 
 def _scale_tables(w: Grouped) -> tuple[int, int, list[torch.Tensor]]:
@@ -251,66 +249,125 @@ def _streamed(t: torch.Tensor, huge: bool) -> torch.Tensor:
     return cpu_ext.empty_hugepage(t.shape, t.dtype).copy_(t)
 
 
-class Q4Linear(nn.Linear):
-    """y = x @ W^T + b with W held grouped (the module doc); `fmt` names the source format."""
-
-    grouped: Grouped | None     # kept where the kernel does not serve (the torch path)
-    qpack: cpu_ext.QPack | None  # the kernel's (kernels/cpu_gemm_q4.c); its tensors also as the attributes:
-    panels: torch.Tensor | None  # its codes (not None: the kernel path)
-    qscales: torch.Tensor | None  # its s (CUDA: fp32 scales [N, G])
-    qmins: torch.Tensor | None  # its m (CUDA: fp32 mins [N, G])
-    qd: torch.Tensor | None     # its d and e (two-level scales) or None
-    qe: torch.Tensor | None
-    bits: int                   # the codes' width as held (kernel: 4, 5, 6 or 8)
-    group: int
-    bias32: torch.Tensor | None
+@dataclasses.dataclass(eq=False)
+class GroupedPack(Pack):
+    """kernels/cpu_gemm_q4.c's layout of a grouped weight (its QPack, which carries the code width and
+    the int8-activation choice); `fmt` names the source format."""
+    qpack: cpu_ext.QPack
     fmt: str
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.panels is not None:
-            dt = x.dtype
-            y = cpu_ext.gemm_q(x.float(), self.qpack, self.out_features, self.bias32)
-            return y.to(dt)
-        if getattr(self, "qbytes", None) is not None:     # CUDA: kernels/triton_q4.py
-            from kernels import triton_q4
-            return triton_q4.q4_gemm(x, self.qbytes, self.qscales, self.qmins, self.group, self.out_features,
-                                     self.in_features, None if self.bias is None else self.bias.to(x.dtype))
-        w = self.grouped
-        dev = x.device
+    @property
+    def bits(self) -> int:          # the codes' width as streamed: 4, 5, 6 or 8
+        return self.qpack.bits
+
+    @property
+    def group(self) -> int:
+        return self.qpack.group
+
+    def forward(self, x: torch.Tensor, layer: CpuLinear) -> torch.Tensor:
+        return cpu_ext.gemm_q(x.float(), self.qpack, layer.out_features, layer.bias32).to(x.dtype)
+
+    def tensors(self) -> list[torch.Tensor]:
+        return self.qpack.tensors()
+
+    def grouped(self, n: int, k: int) -> Grouped:
+        return unpack(self.qpack, n, k)
+
+    def lin(self, dtype):
+        # W8A16, GGUF's blocks, AWQ/GPTQ: kernels/cpu_gemm_q4.c on fp32 rows, as forward calls it
+        p = self.qpack
+        if not all(t.is_contiguous() for t in p.tensors()):
+            return "grouped scales not packed contiguously"
+        return (cpu_ext.LIN_Q, {"panels": p.codes.data_ptr(), "qscale": p.s.data_ptr(), "qmin": p.m.data_ptr(),
+                                "qd": _ptr(p.d), "qe": _ptr(p.e), "qsmode": p.smode, "qsg": p.sg, "bits": p.bits,
+                                "group": p.group, "act8": int(p.act8)}, p.tensors())
+
+
+@dataclasses.dataclass(eq=False)
+class TritonGroupedPack(Pack):
+    """CUDA: kernels/triton_q4.py's layout, 4-bit codes two per byte along K, fp32 scales and mins [N, G]."""
+    qbytes: torch.Tensor
+    qscales: torch.Tensor
+    qmins: torch.Tensor
+    bits: int
+    group: int
+    fmt: str
+
+    def forward(self, x: torch.Tensor, layer: CpuLinear) -> torch.Tensor:
+        from kernels import triton_q4
+        return triton_q4.q4_gemm(x, self.qbytes, self.qscales, self.qmins, self.group, layer.out_features,
+                                 layer.in_features, None if layer.bias is None else layer.bias.to(x.dtype))
+
+    def held(self) -> list[torch.Tensor]:
+        return [self.qbytes, self.qscales, self.qmins]
+
+    def grouped(self, n: int, k: int) -> Grouped:
+        b = self.qbytes
+        q = torch.stack([b & 0xF, b >> 4], dim=2).reshape(b.shape[0], -1)[:, :k]
+        return Grouped(q.contiguous(), self.qscales, self.qmins, self.bits, self.group)
+
+
+@dataclasses.dataclass(eq=False)
+class TorchGroupedPack(Pack):
+    """Where no grouped kernel runs: the Grouped weight, dequantized to the activations' dtype per call."""
+    weight: Grouped
+    fmt: str
+
+    @property
+    def bits(self) -> int:
+        return self.weight.bits
+
+    @property
+    def group(self) -> int:
+        return self.weight.group
+
+    def forward(self, x: torch.Tensor, layer: CpuLinear) -> torch.Tensor:
+        w, dev = self.weight, x.device
         wd = Grouped(w.q.to(dev), w.scales.to(dev), w.mins.to(dev), w.bits, w.group).dequantize(x.dtype)
-        return F.linear(x, wd, None if self.bias is None else self.bias.to(x.dtype))
+        return F.linear(x, wd, None if layer.bias is None else layer.bias.to(x.dtype))
+
+    def held(self) -> list[torch.Tensor]:
+        return [self.weight.q, self.weight.scales, self.weight.mins]
+
+    def grouped(self, n: int, k: int) -> Grouped:
+        return self.weight
+
+
+GROUPED = (GroupedPack, TritonGroupedPack, TorchGroupedPack)
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
 
 
 def use_kernel(device: torch.device) -> bool:
     return device.type == "cpu" and cpu_ext.gemm_q_available()
 
 
-def install(m: nn.Linear, w: Grouped, fmt: str, kernel: bool) -> Q4Linear:
-    """Turn nn.Linear `m` (its bias already loaded, if any) into a Q4Linear holding `w`, in place."""
+def grouped_linear(m: nn.Linear, w: Grouped, fmt: str, kernel: bool, numerics: Numerics = Numerics()) -> CpuLinear:
+    """A new CpuLinear of `m`'s shape and bias (already loaded, if any) holding `w` (the grouped copy
+    replaces the weight: an empty tensor keeps its dtype/device for readers, LoRA). `numerics`: the
+    code layout and the int8-activation choice, kept in the pack."""
     n, k = w.shape
     if (n, k) != (m.out_features, m.in_features):
         raise QuantLoadError(f"{fmt} weight of shape [{n}, {k}] does not fit a {m.in_features} -> {m.out_features} "
                              "layer (config.json and the weights disagree)")
-    m.bits, m.group, m.fmt = w.bits, w.group, fmt
-    m.bias32 = None if m.bias is None else m.bias.detach().float().contiguous()
     dev = m.weight.device
-    m.qbytes = m.qpack = m.qd = m.qe = None
     if kernel:
-        p = m.qpack = pack(w)
-        m.panels, m.qscales, m.qmins, m.qd, m.qe, m.bits = p.codes, p.s, p.m, p.d, p.e, p.bits
-        m.grouped = None
+        p = GroupedPack(pack(w, packed=numerics.packed_codes, act8=numerics.act8), fmt)
     elif dev.type == "cuda" and w.bits == 4 and _triton():
         from kernels.triton_q4 import pack_k   # two codes per byte along K; scales / mins [N, G]
-        m.qbytes = pack_k(w.q).to(dev)
-        m.qscales, m.qmins = w.scales.to(dev).contiguous(), w.mins.to(dev).contiguous()
-        m.grouped = m.panels = None
+        p = TritonGroupedPack(pack_k(w.q).to(dev), w.scales.to(dev).contiguous(), w.mins.to(dev).contiguous(),
+                              w.bits, w.group, fmt)
     else:
-        m.grouped = Grouped(w.q.to(dev), w.scales.to(dev), w.mins.to(dev), w.bits, w.group)
-        m.panels = m.qscales = m.qmins = None
-    m.__class__ = Q4Linear
-    # The grouped copy replaces it; an empty tensor keeps dtype/device for readers (LoRA).
-    m.weight = nn.Parameter(m.weight.new_empty(0), requires_grad=False)
-    return m
+        p = TorchGroupedPack(Grouped(w.q.to(dev), w.scales.to(dev), w.mins.to(dev), w.bits, w.group), fmt)
+    return CpuLinear(m, p)
+
+
+def install(model: nn.Module, name: str, w: Grouped, fmt: str, kernel: bool,
+            numerics: Numerics = Numerics()) -> CpuLinear:
+    """Put a grouped_linear of `model`'s nn.Linear `name` in its place."""
+    return replace(model, name, grouped_linear(model.get_submodule(name), w, fmt, kernel, numerics))
 
 
 def _triton() -> bool:
@@ -318,55 +375,54 @@ def _triton() -> bool:
     return kernels.triton_available()
 
 
-def grouped_of(m: Q4Linear) -> Grouped:
-    """A Q4Linear's weight back in the internal format (any path)."""
-    if m.grouped is not None:
-        return m.grouped
-    if getattr(m, "qbytes", None) is not None:
-        b = m.qbytes
-        q = torch.stack([b & 0xF, b >> 4], dim=2).reshape(b.shape[0], -1)[:, :m.in_features]
-        return Grouped(q.contiguous(), m.qscales, m.qmins, m.bits, m.group)
-    return unpack(m.qpack, m.out_features, m.in_features)
+def is_grouped(m: nn.Module) -> bool:
+    """Whether `m` is a layer holding a grouped weight (any of its packs)."""
+    return isinstance(m, CpuLinear) and isinstance(m.pack, GROUPED)
+
+
+def grouped_layers(model: nn.Module) -> list[CpuLinear]:
+    return [m for m in model.modules() if is_grouped(m)]
+
+
+def grouped_of(m: CpuLinear) -> Grouped:
+    """A grouped layer's weight back in the internal format (any pack)."""
+    return m.pack.grouped(m.out_features, m.in_features)
 
 
 def dequantize_model(model: nn.Module, dtype: torch.dtype) -> int:
-    """option.quantize=none on a quantized checkpoint: every Q4Linear back to a plain nn.Linear
-    holding its dequantized weight in `dtype`. Returns how many."""
+    """option.quantize=none on a quantized checkpoint: every grouped layer replaced by a plain
+    nn.Linear holding its dequantized weight in `dtype`. Returns how many."""
     done = 0
-    for m in list(model.modules()):
-        if isinstance(m, Q4Linear):
-            w = grouped_of(m).dequantize(torch.float32)
-            dev = m.weight.device
-            for a in ("grouped", "qpack", "panels", "qbytes", "qscales", "qmins", "qd", "qe", "bits", "group",
-                      "bias32", "fmt"):
-                m.__dict__.pop(a, None)
-            m.__class__ = nn.Linear
-            m.weight = nn.Parameter(w.to(device=dev, dtype=dtype), requires_grad=False)
+    for name, m in list(model.named_modules()):
+        if is_grouped(m):
+            w = grouped_of(m).dequantize(torch.float32).to(device=m.weight.device, dtype=dtype)
+            replace(model, name, plain(m, w))
             done += 1
     return done
 
 
 def describe(model: nn.Module) -> str:
-    layers = [m for m in model.modules() if isinstance(m, Q4Linear)]
+    layers = grouped_layers(model)
     if not layers:
         return "no grouped quantized layers"
-    fmts = sorted({f"{m.fmt} ({m.bits}-bit, group {m.group}{_scales_said(m)})" for m in layers})
-    path = ("kernels/cpu_gemm_q4.c" if layers[0].panels is not None else "kernels/triton_q4.py"
-            if getattr(layers[0], "qbytes", None) is not None else "dequantize + torch matmul (no kernel here)")
-    held = sum(t.numel() * t.element_size() for m in layers if m.qpack is not None for t in m.qpack.tensors())
+    fmts = sorted({f"{m.pack.fmt} ({m.pack.bits}-bit, group {m.pack.group}{_scales_said(m.pack)})" for m in layers})
+    first = layers[0].pack
+    path = {GroupedPack: "kernels/cpu_gemm_q4.c", TritonGroupedPack: "kernels/triton_q4.py",
+            TorchGroupedPack: "dequantize + torch matmul (no kernel here)"}[type(first)]
+    held = sum(t.numel() * t.element_size() for m in layers for t in m.pack.tensors())
     size = f", {held / 2 ** 20:,.0f} MiB streamed a step" if held else ""
     act = ""
-    if layers[0].panels is not None and cpu_ext.q_act8_wanted():
-        act = ("; int8 activations where groups are at most 256 and codes 4 or 8 bits (LMI_CPU_Q_ACT8=1: integer "
-               "dot products, not bit for bit the dequantized model)" if cpu_ext.q_act8_on() else
-               "; LMI_CPU_Q_ACT8=1 ignored: this build has no int8-activation path (avx512 with VNNI and VBMI, "
-               "or avx2)")
+    if isinstance(first, GroupedPack) and first.qpack.act8:
+        act = ("; int8 activations where groups are at most 256 and codes 4 or 8 bits "
+               "(option.cpu_grouped_activations=int8: integer dot products, not bit for bit the dequantized model)"
+               if cpu_ext.q_act8_available() else
+               "; option.cpu_grouped_activations=int8 ignored: this build has no int8-activation path (avx512 "
+               "with VNNI and VBMI, or avx2): exact fp32 activations")
     return f"{len(layers)} linear layers served grouped: {', '.join(fmts)}, by {path}{size}{act}"
 
 
-def _scales_said(m: Q4Linear) -> str:
-    p = getattr(m, "qpack", None)
-    if p is None:
+def _scales_said(p: Pack) -> str:
+    if not isinstance(p, GroupedPack):
         return ""
     return {cpu_ext.QS_F32: ", fp32 scales", cpu_ext.QS_F16: ", fp16 scales",
-            cpu_ext.QS_I8: f", two-level scales ({p.sg} groups a superblock)"}[p.smode]
+            cpu_ext.QS_I8: f", two-level scales ({p.qpack.sg} groups a superblock)"}[p.qpack.smode]

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from handler.config import hardware, sizing
-from handler.config.switches import switch
+from handler.config.numerics import Numerics
 from handler.model import batch_invariant, sampling
 from handler.model.attention import ATTN_NAME, StepMeta  # importing it registers the attention function
 from handler.model.guided import Guides
@@ -21,6 +21,7 @@ from handler.model.quant_formats import AT_LOAD           # option.quantize valu
 from handler.model.quant_int4 import QuantLoadError
 from handler.model.sampling import Sampler
 import kernels
+from kernels.pool import KVPool, allocate as pool_alloc
 from kernels.step import plan_step
 from handler.engine.types import SampleResult, StepItem
 
@@ -125,17 +126,6 @@ def _windowed(model) -> bool:
     return bool(getattr(cfg, "sliding_window", None) or getattr(cfg, "attn_logit_softcapping", None))
 
 
-def _zero_pages(shape: tuple, dtype: torch.dtype) -> torch.Tensor:
-    """A CPU tensor of zeros backed by an anonymous mapping (pages committed on first write)."""
-    import math
-    import mmap
-    n = math.prod(shape)
-    if n == 0:
-        return torch.zeros(shape, dtype=dtype)
-    buf = mmap.mmap(-1, n * dtype.itemsize)
-    return torch.frombuffer(buf, dtype=dtype, count=n).view(shape)   # the tensor keeps `buf` alive
-
-
 class ModelRunner:
     batch_invariant = False   # option.batch_invariant: see handler/model/batch_invariant.py
     graphs = None             # handler.model.cuda_graphs.DecodeGraphs once capture_cuda_graphs() ran
@@ -145,7 +135,7 @@ class ModelRunner:
                  max_running: int = 32, gpu_memory_utilization: float = 0.9,
                  max_model_len: int | None = None, trust_remote_code: bool = False,
                  model_impl: str = "auto", quantize: str | None = None, ranks=None, fuse: bool = True,
-                 cpu_kernels: str = "auto", kv_cache_dtype: str = "auto"):
+                 cpu_kernels: str = "auto", kv_cache_dtype: str = "auto", numerics: dict | None = None):
         """`ranks` (handler.model.distributed.Ranks): this process is one of N tensor-parallel ranks;
         the model is sharded (ours by its parallel layers, transformers' by its plan) and the KV
         pool holds this rank's heads. `model_impl` (option.model_impl): auto (ours for the Llama
@@ -155,12 +145,13 @@ class ModelRunner:
         (LlamaFamilyForCausalLM.fuse_projections); False where LoRA will wrap the layers. `cpu_kernels`
         (option.cpu_kernels): the instruction set of the CPU kernels (kernels/isa.py), chosen before the
         model loads (its linear layers are packed for that backend). `kv_cache_dtype`
-        (option.kv_cache_dtype): `auto` (the model's dtype) or `int8` on CPU (kernels/reference.py:
+        (option.kv_cache_dtype): `auto` (the model's dtype) or `int8` on CPU (kernels/pool.py:
         int8 rows and a scale per (token, head) row)."""
         from transformers import AutoConfig, AutoTokenizer
 
         self.ranks = ranks
         self.quantize = quantize
+        self.numerics = Numerics(**(numerics or {}))
         self.device = ranks.device if ranks is not None else pick_device(device)
         self.dtype = pick_dtype(dtype, self.device)
         why = sizing.kv_cache_dtype_refusal(kv_cache_dtype, self.device.type)
@@ -215,7 +206,8 @@ class ModelRunner:
             self.model.fuse_projections()
         if on_the_fly:
             from handler.model import quant
-            quant.quantize_model(self.model, on_the_fly, head=quant.head_quantized(on_the_fly, switch("LMI_QUANT_HEAD")))
+            quant.quantize_model(self.model, on_the_fly, head=quant.head_quantized(on_the_fly, self.numerics.quantize_head),
+                                 numerics=self.numerics)
         self.eos_token_ids = self._eos_ids()
         self.sampler = Sampler(self.eos_token_ids)
         # Guided decoding (xgrammar; built on first use): handler.engine.types.Guides
@@ -234,7 +226,7 @@ class ModelRunner:
     def _select_cpu_kernels(choice: str) -> None:
         """Build (or find cached) the chosen backend's kernels now, not in a request; one log line
         names it and why."""
-        from kernels import cpu_ext
+        from kernels import cpu as cpu_ext
         try:
             isa, why = cpu_ext.select(choice)
         except ValueError as e:
@@ -258,7 +250,8 @@ class ModelRunner:
         max_pos = sizing.geometry(config).max_positions
         try:
             model = llama.load(model_dir, config, dtype=self.dtype, device=self.device, tp=tp,
-                               max_positions=min(max_model_len or max_pos, max_pos), quantize=self.quantize)
+                               max_positions=min(max_model_len or max_pos, max_pos), quantize=self.quantize,
+                               numerics=self.numerics)
         except llama.Unsupported as e:
             if impl == "lmi":
                 raise ModelLoadError(f"option.model_impl=lmi: {model_dir} is outside our own implementation "
@@ -338,32 +331,23 @@ class ModelRunner:
                 table = list(range(-(-len(ids) // self.block_size)))
                 item = StepItem(0, ids, 0, table, True, SamplingParams(max_new_tokens=1), ids)
                 self._forward(pack_step([item], self.block_size)[0])
-            n = quant.smooth(self.model, calibrate, head=quant.head_quantized(method, switch("LMI_QUANT_HEAD")))
+            n = quant.smooth(self.model, calibrate, head=quant.head_quantized(method, self.numerics.quantize_head))
             log.info("%s: %d layer groups smoothed on %d calibration tokens (SmoothQuant, alpha %.2f)",
                      method, n, len(ids), quant.SMOOTH_ALPHA)
 
-    def _kv_pool(self) -> torch.Tensor:
-        """One layer's keys or values, [NB, bs, Hkv, D] to every reader. On CPU that is a view of
-        a head-major [NB, Hkv, bs, D] allocation, so that the attention's gather of a batch's
-        blocks is one copy into the [B, Hkv, L, D] it multiplies (kernels/reference.py); the
-        Triton kernels read strides and take either. On CPU the memory is anonymous zero pages
-        (mmap), committed as blocks are first written: the pool is sized from the memory available
-        (handler.config.sizing), and a server that never fills it does not hold it."""
-        nb, bs, hkv, d = self.kv.num_blocks, self.kv.block_size, self.kv.num_kv_heads, self.kv.head_dim
+    def _kv_pool(self) -> KVPool:
+        """One layer's keys or values (kernels/pool.py), [NB, bs, Hkv, D] to every reader. On CPU a
+        view of a head-major [NB, Hkv, bs, D] allocation, so that the attention's gather of a batch's
+        blocks is one copy into the [B, Hkv, L, D] it multiplies (kernels/reference.py); the Triton
+        kernels read strides and take either. On CPU the memory is anonymous zero pages (mmap),
+        committed as blocks are first written: the pool is sized from the memory available
+        (handler.config.sizing), and a server that never fills it does not hold it. An int8 pool
+        (CPU only: refused elsewhere) carries its row scales, laid out alike."""
+        shape = (self.kv.num_blocks, self.kv.block_size, self.kv.num_kv_heads, self.kv.head_dim)
         from handler.model.cpu import head_major_kv
-        if self.kv_cache_dtype == "int8":   # CPU only (refused elsewhere): int8 rows, their scales alike
-            from kernels import reference
-            hm = head_major_kv()
-            t = _zero_pages((nb, hkv, bs, d) if hm else (nb, bs, hkv, d), torch.int8)
-            sc = _zero_pages((nb, hkv, bs) if hm else (nb, bs, hkv), torch.float32)
-            t, sc = (t.transpose(1, 2), sc.transpose(1, 2)) if hm else (t, sc)
-            setattr(t, reference.KV_SCALE, sc)
-            return t
-        if self.device.type == "cpu":
-            shape = (nb, hkv, bs, d) if head_major_kv() else (nb, bs, hkv, d)
-            t = _zero_pages(shape, self.dtype)
-            return t.transpose(1, 2) if head_major_kv() else t
-        return torch.zeros(nb, bs, hkv, d, dtype=self.dtype, device=self.device)
+        dtype = torch.int8 if self.kv_cache_dtype == "int8" else self.dtype
+        cpu = self.device.type == "cpu"
+        return pool_alloc(shape, dtype, head_major=cpu and head_major_kv(), device=self.device, lazy=cpu)
 
     KEY_BIAS_LEVEL = 2.0    # a key channel pair whose bias is above this is divided down to it (int8 KV)
 
@@ -448,7 +432,8 @@ class ModelRunner:
         ranks each pack their own shards; transformers' tensor-parallel shards (DTensors) stay."""
         if self.device.type != "cpu" or (self.ranks is not None and not self.own):
             return
-        from handler.model.cpu import Bf16PanelLinear, PanelLinear, bf16_gemm_mode, prepack_linears
+        from handler.model.cpu import Bf16PanelPack, PanelPack, bf16_gemm_mode, prepack_linears
+        from handler.model.linear import packs
         mode = "bf16"
         if self.dtype == torch.bfloat16:
             mode, why = bf16_gemm_mode(self.model)
@@ -457,9 +442,9 @@ class ModelRunner:
                 "panels": "bf16 by kernels/cpu_gemm_bf16.c (vdpbf16ps panels)",
                 "bf16": "bf16"}[mode], why)
         n = prepack_linears(self.model, keep_weights, widen_bf16=mode == "fp32", bf16_panels=mode == "panels")
-        kinds = {type(m) for m in self.model.modules()}
-        gemm = ("kernels/cpu_gemm_bf16.c" if Bf16PanelLinear in kinds else
-                "kernels/cpu_gemm.c" if PanelLinear in kinds else "oneDNN")
+        kinds = {type(p) for p in packs(self.model)}
+        gemm = ("kernels/cpu_gemm_bf16.c" if Bf16PanelPack in kinds else
+                "kernels/cpu_gemm.c" if PanelPack in kinds else "oneDNN")
         log.info("CPU: %d linear layers packed for %s", n, gemm)
         from handler.model.cpu import hugepage_report
         log.info("CPU: %s", hugepage_report(self.model))
@@ -509,12 +494,9 @@ class ModelRunner:
             return SampleResult(error=(424, f"speculative verification failed: {type(e).__name__}: {e}"))
 
     def _copy_blocks(self, src: torch.Tensor, dst: torch.Tensor) -> None:
-        from kernels.reference import kv_scale
-        for k_cache, v_cache in self.kv_cache:
-            for pool in (k_cache, v_cache):
-                pool[dst] = pool[src]
-                if kv_scale(pool) is not None:     # an int8 pool's blocks carry their row scales
-                    kv_scale(pool)[dst] = kv_scale(pool)[src]
+        for k_pool, v_pool in self.kv_cache:
+            k_pool.copy_blocks(src, dst)
+            v_pool.copy_blocks(src, dst)
 
     @torch.inference_mode()
     def forward(self, packed: torch.Tensor) -> torch.Tensor:

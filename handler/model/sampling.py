@@ -16,7 +16,7 @@ import os
 
 import torch
 
-from kernels import cpu_ext
+from kernels import cpu as cpu_ext
 
 from handler.engine.types import SampleResult, StepItem
 

@@ -98,7 +98,8 @@ CHAT = [
 TEXTS = {"english": ENGLISH, "python": PYTHON}
 
 
-def engine_for(model_dir: str, dtype: str, quantize: str | None, kv_cache_dtype: str = "auto"):
+def engine_for(model_dir: str, dtype: str, quantize: str | None, kv_cache_dtype: str = "auto",
+               extra: dict | None = None):
     from handler.config import load_config
     from handler.server import build_engine
 
@@ -108,6 +109,7 @@ def engine_for(model_dir: str, dtype: str, quantize: str | None, kv_cache_dtype:
         props["option.quantize"] = quantize
     if kv_cache_dtype != "auto":
         props["option.kv_cache_dtype"] = kv_cache_dtype
+    props.update(extra or {})
     with tempfile.TemporaryDirectory() as d:
         path = os.path.join(d, "serving.properties")
         with open(path, "w") as f:
@@ -184,22 +186,16 @@ def agreement(base: list[int], cand: list[int]) -> float:
 
 def weight_bytes(model) -> int:
     """Bytes the weights hold: parameters plus the packed / quantized copies layers keep beside them."""
-    import torch
-    held = [p for p in model.parameters()]
-    held += [t for m in model.modules()
-             for t in (getattr(m, a, None) for a in ("panels", "qweight", "packed", "qscales", "qmins", "qd", "qe"))
-             if isinstance(t, torch.Tensor)]
-    for m in model.modules():   # grouped layers on the torch path (quant_int4.Q4Linear without the kernel)
-        g = getattr(m, "grouped", None)
-        if g is not None:
-            held += [g.q, g.scales, g.mins]
-    return sum(t.numel() * t.element_size() for t in held)
+    from handler.model.linear import packs
+    held = {id(t): t for t in [*model.parameters(), *(t for p in packs(model) for t in p.held())]}
+    return sum(t.numel() * t.element_size() for t in held.values())
 
 
 def measure(model_dir: str, dtype: str, quantize: str | None, max_new: int, reference=None,
-            kv_cache_dtype: str = "auto") -> dict:
-    """One arm; `reference` (the baseline's answers): also its teacher-forced agreement."""
-    engine = engine_for(model_dir, dtype, quantize, kv_cache_dtype)
+            kv_cache_dtype: str = "auto", extra: dict | None = None) -> dict:
+    """One arm; `reference` (the baseline's answers): also its teacher-forced agreement. `extra`: more
+    serving.properties (e.g. option.quantize_head)."""
+    engine = engine_for(model_dir, dtype, quantize, kv_cache_dtype, extra)
     forced = None
     try:
         ppl = {name: perplexity(engine, text) for name, text in TEXTS.items()}
@@ -225,11 +221,16 @@ def main(argv=None) -> int:
                                           "AWQ/GPTQ checkpoint was made from")
     p.add_argument("--max-new-tokens", type=int, default=48)
     p.add_argument("--kv-cache-dtype", default="auto", help="the candidate's option.kv_cache_dtype (auto, int8)")
+    p.add_argument("--property", action="append", default=[], metavar="KEY=VALUE",
+                   help="another serving.properties line for the candidate (e.g. option.quantize_head=true)")
     p.add_argument("--out")
     a = p.parse_args(argv)
+    extra = dict(kv.split("=", 1) for kv in a.property if "=" in kv)
+    if len(extra) != len(a.property):
+        p.error("--property takes KEY=VALUE")
     base = measure(a.baseline_dir or a.model_dir, a.baseline_dtype, None, a.max_new_tokens)
     cand = measure(a.model_dir, a.dtype, a.quantize or None, a.max_new_tokens, reference=base["answers"],
-                   kv_cache_dtype=a.kv_cache_dtype)
+                   kv_cache_dtype=a.kv_cache_dtype, extra=extra)
     agree = [agreement(b, c) for b, c in zip(base["answers"], cand["answers"])]
     total = sum(len(b) for b in base["answers"])
     result = {

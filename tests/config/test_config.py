@@ -185,6 +185,9 @@ BAD = [
     ("option.model_impl", "vllm2", "is not supported; allowed: auto, lmi, transformers"),
     ("option.cpu_kernels", "sse4", "is not supported; allowed: auto, avx512, avx2, neon, torch"),
     ("option.kv_cache_dtype", "q4_0", "is not supported; allowed: auto, int8, fp8, fp8_e4m3, fp8_e5m2"),
+    ("option.quantize_head", "1", "is not supported; allowed: auto, true, false"),
+    ("option.cpu_grouped_activations", "on", "is not supported; allowed: exact, int8"),
+    ("option.grouped_code_layout", "5bit", "is not supported; allowed: bytes, packed"),
     ("option.model_id", "", "is empty"),
     ("option.revision", "", "is empty"),
     ("option.chat_template", "", "is empty"),
@@ -709,3 +712,29 @@ def test_cpu_kernels_the_cpu_cannot_run_stop_the_start_up_in_one_line(tmp_path, 
     with pytest.raises(ValueError, match="cannot run it"):
         isa.resolve("avx512", {"avx2", "fma"}, "x86_64")
     assert hardware.cpu_kernels("torch") == (None, "option.cpu_kernels=torch")
+
+
+def test_numerics_keys_resolve_into_one_record_and_config_explain_shows_them(load, demo_model_dir, capsys):
+    from handler.config import explain
+    from handler.config.numerics import Numerics
+    cfg = load(None)
+    assert cfg.numerics == Numerics("exact", "auto", "bytes")
+    cfg = load("option.cpu_grouped_activations=INT8\noption.quantize_head=false\noption.grouped_code_layout=packed\n")
+    assert cfg.numerics == Numerics("int8", "false", "packed")
+    assert cfg.numerics.act8 and cfg.numerics.packed_codes
+    e = explain.explain(cfg, explain.read_geometry(demo_model_dir), device="cpu", model_dir=demo_model_dir)
+    said = ("option.cpu_grouped_activations=int8, option.quantize_head=false, option.grouped_code_layout=packed")
+    assert e["numerics"] == said and f"numerics: {said}" in explain.render(e)
+
+
+def test_the_old_numerics_variables_only_warn(load):
+    # LMI_CPU_Q_ACT8 / LMI_QUANT_HEAD / LMI_QUANT_PACKED_CODES chose numerics before they were keys: set, each
+    # gets one warning naming its key, and the resolved values are the file's (here its defaults).
+    old = {"LMI_CPU_Q_ACT8": "1", "LMI_QUANT_HEAD": "0", "LMI_QUANT_PACKED_CODES": "1"}
+    cfg = load("option.rolling_batch=auto\n", env=old)
+    assert cfg.numerics == load("option.rolling_batch=auto\n").numerics
+    for name, key in (("LMI_CPU_Q_ACT8", "option.cpu_grouped_activations"), ("LMI_QUANT_HEAD", "option.quantize_head"),
+                      ("LMI_QUANT_PACKED_CODES", "option.grouped_code_layout")):
+        said = [w for w in cfg.warnings if w.startswith(f"{name}=")]
+        assert len(said) == 1 and "is no longer read" in said[0] and f"use {key}=" in said[0], cfg.warnings
+    assert not any("no longer read" in w for w in load("option.rolling_batch=auto\n").warnings)

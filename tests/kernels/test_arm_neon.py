@@ -15,13 +15,14 @@ import subprocess
 
 import pytest
 
-from kernels import cpu_ext, isa
+from kernels import cpu as cpu_ext, isa
+from kernels.cpu import build as cpu_build
 
 CC = "aarch64-linux-gnu-gcc"
 QEMU = "qemu-aarch64"
 SYSROOT = "/usr/aarch64-linux-gnu"
 DRIVER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "arm", "check_kernels.c")
-KERNELS = os.path.dirname(os.path.abspath(cpu_ext.__file__))
+KERNELS = cpu_build.SRC_DIR
 
 _missing = [t for t in (CC, QEMU) if shutil.which(t) is None]
 needs_cross = pytest.mark.skipif(bool(_missing), reason=f"{' and '.join(_missing)} not on PATH: the NEON build is "
@@ -39,10 +40,10 @@ def _run(cmd, timeout):
 
 
 def _driver(cc, target, out, runner=()):
-    """The driver linked with the kernels (every source with its own flags from kernels/cpu_ext.py,
+    """The driver linked with the kernels (every source with its own flags from kernels/cpu/,
     `target` from kernels/isa.py), run (under `runner`, e.g. qemu); (target, the finished process)."""
     objs = []
-    for i, (src, flags) in enumerate(cpu_ext.SOURCES):
+    for i, (src, flags) in enumerate(cpu_build.SOURCES):
         obj = str(out / f"{i}.o")
         _run([cc, *flags, *target, "-c", src, "-o", obj], timeout=300)
         objs.append(obj)
@@ -92,7 +93,7 @@ def test_every_kernel_the_neon_build_provides_passes_under_qemu(neon_report):
 def test_the_driver_passes_on_this_hosts_builds(build, tmp_path):
     # The same driver on the x86 builds this CPU runs (no qemu): its references checked against
     # builds the other tests hold to torch and to each other.
-    cc = cpu_ext._compiler()
+    cc = cpu_build.compiler()
     if cc is None:
         pytest.skip("no C compiler (cc/gcc) on PATH")
     avail, checks, _ = _check(*_driver(cc, isa.compile_flags(build), tmp_path))

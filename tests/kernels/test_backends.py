@@ -85,7 +85,7 @@ def test_triton_backend_forward_rotates_writes_and_attends(monkeypatch):
 
 
 def test_a_device_gets_its_backend():
-    from kernels import cpu_ext
+    from kernels import cpu as cpu_ext
     cpu = kernels.backend_for("cpu")
     if cpu_ext.load() is None:
         assert type(cpu) is kernels.TorchAttention

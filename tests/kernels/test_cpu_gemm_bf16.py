@@ -1,4 +1,4 @@
-"""kernels/cpu_gemm_bf16.c through kernels/cpu_ext.py: the vdpbf16ps panel GEMM against float64 math
+"""kernels/cpu_gemm_bf16.c through kernels/cpu/: the vdpbf16ps panel GEMM against float64 math
 on the same bf16 values (AVX512-BF16 hosts, the avx512 build); the same panels widened in registers
 against kernels/cpu_gemm.c on every build this CPU runs, and between the builds."""
 from __future__ import annotations
@@ -6,12 +6,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import cpu_ext, isa
+from kernels import cpu as cpu_ext, isa
+from kernels.cpu import build as cpu_build, lib as cpu_lib
 from tests.support.kernels import each_build_fixture
 
-pytestmark = pytest.mark.skipif(cpu_ext._compiler() is None, reason="no C compiler (cc/gcc) on PATH: the CPU "
+pytestmark = pytest.mark.skipif(cpu_build.compiler() is None, reason="no C compiler (cc/gcc) on PATH: the CPU "
                                                                    "kernels cannot be built")
-dot_needed = pytest.mark.skipif("avx512_bf16" not in cpu_ext._cpu_flags() or "avx512" not in isa.host_isas(),
+dot_needed = pytest.mark.skipif("avx512_bf16" not in cpu_ext.cpu_flags() or "avx512" not in isa.host_isas(),
                                 reason="the vdpbf16ps GEMM needs AVX512-BF16 and the avx512 build (this CPU "
                                        "keeps oneDNN's bf16 or the widened panels)")
 
@@ -227,7 +228,7 @@ def test_bad_inputs_get_one_clear_error():
 @dot_needed
 def test_a_cpu_without_avx512_bf16_reports_the_kernel_unavailable(avx512, monkeypatch):
     # The build has the instructions (-march=native here); the load-time check reads the CPU's flags.
-    monkeypatch.setattr(cpu_ext, "_cpu_flags", lambda: {"avx512f", "avx512bw"})
+    monkeypatch.setattr(cpu_lib, "cpu_flags", lambda: {"avx512f", "avx512bw"})
     cpu_ext.load.cache_clear()
     try:
         assert cpu_ext.load() is not None and cpu_ext.gemm_bf16_available() is False

@@ -1,4 +1,4 @@
-"""The CPU decode-attention kernel (kernels/cpu_decode.c via kernels/cpu_ext.py) against the
+"""The CPU decode-attention kernel (kernels/cpu_decode.c via kernels/cpu/) against the
 float64 naive loop, its dispatch from `kernels.paged_attention`, its build cache and its fallback."""
 from __future__ import annotations
 
@@ -9,11 +9,12 @@ import pytest
 import torch
 
 import kernels
-from kernels import cpu_ext, isa, reference
+from kernels import cpu as cpu_ext, isa, reference
+from kernels.cpu import build as cpu_build, lib as cpu_lib, probes as cpu_probes
 from kernels.selfcheck import make_case
 from tests.support.kernels import _head_major, _own_kv, naive_attention, rel_err, each_build_fixture
 
-pytestmark = pytest.mark.skipif(cpu_ext._compiler() is None,
+pytestmark = pytest.mark.skipif(cpu_build.compiler() is None,
                                 reason="no C compiler (cc/gcc) on PATH: the CPU kernel cannot be built")
 
 
@@ -128,10 +129,10 @@ def test_failed_build_falls_back_to_the_reference_with_a_warning(monkeypatch, tm
 
 
 def test_build_is_cached_per_cpu(monkeypatch, tmp_path):
-    first = cpu_ext.build(str(tmp_path))
-    assert cpu_ext.build(str(tmp_path)) == first               # reused, not rebuilt
-    monkeypatch.setattr(cpu_ext, "_cpu_signature", lambda: "model name: another CPU\nflags: sse2")
-    other = cpu_ext.build(str(tmp_path))
+    first = cpu_lib.build(str(tmp_path))
+    assert cpu_lib.build(str(tmp_path)) == first               # reused, not rebuilt
+    monkeypatch.setattr(cpu_build, "cpu_signature", lambda: "model name: another CPU\nflags: sse2")
+    other = cpu_lib.build(str(tmp_path))
     assert other != first and sorted(p.name for p in tmp_path.iterdir()) == sorted(
         [first.rsplit("/", 1)[1], other.rsplit("/", 1)[1]])
 
@@ -198,7 +199,7 @@ def test_rms_norm_f32_kernel_equals_transformers_bit_for_bit(hidden):
     norm = LlamaRMSNorm(hidden, eps=1e-5)
     with torch.no_grad():
         norm.weight.copy_(torch.randn(hidden, generator=gen))
-    for rows in (1, 2, 5, cpu_ext.TORCH_GRAIN // hidden - 1):
+    for rows in (1, 2, 5, cpu_probes.TORCH_GRAIN // hidden - 1):
         if rows < 1:
             continue
         x = torch.randn(rows, hidden, generator=gen) * torch.logspace(-3, 2, rows)[:, None]
@@ -212,7 +213,7 @@ def test_rms_norm_f32_kernel_equals_transformers_bit_for_bit(hidden):
     w = norm.weight.detach()
     assert cpu_ext.rms_norm_f32(torch.randn(2, hidden).bfloat16(), w, 1e-5) is None
     assert cpu_ext.rms_norm_f32(torch.randn(hidden, 4).t(), w, 1e-5) is None
-    assert cpu_ext.rms_norm_f32(torch.randn(cpu_ext.TORCH_GRAIN // hidden + 1, hidden), w, 1e-5) is None
+    assert cpu_ext.rms_norm_f32(torch.randn(cpu_probes.TORCH_GRAIN // hidden + 1, hidden), w, 1e-5) is None
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -244,7 +245,7 @@ def test_loading_the_kernel_leaves_subnormal_floats_alone():
     # loads (gcc's crtfastmath.o): torch's and Python's float math would silently change.
     import subprocess
     import sys
-    code = ("import sys, torch\nfrom kernels import cpu_ext\nassert cpu_ext.load() is not None\n"
+    code = ("import sys, torch\nfrom kernels import cpu as cpu_ext\nassert cpu_ext.load() is not None\n"
             "x = sys.float_info.min\nassert x / 4 > 0, 'subnormals flushed to zero'\n"
             "assert (torch.tensor([x], dtype=torch.float64) / 4).item() > 0\n"
             "assert (torch.tensor([1e-39]) * 1.0).item() > 0\nprint('ok')\n")

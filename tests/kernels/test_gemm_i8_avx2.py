@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import cpu_ext
+from kernels import cpu as cpu_ext
+from kernels.cpu import build as cpu_build
 from tests.support.kernels import both_x86
 
 
@@ -68,7 +69,7 @@ def test_avx2_int8_paths_equal_the_avx512_build(m, k, n):
 def test_int8_avx2_chunk_rows_matches_the_kernel_source():
     # _chunk_rows above mirrors the driver's row chunk; the sources must still say so.
     import os
-    here = os.path.dirname(cpu_ext.__file__)
+    here = cpu_build.SRC_DIR
     with open(os.path.join(here, "cpu_gemm_i8.c")) as f:
         i8 = f.read()
     with open(os.path.join(here, "cpu_panel.h")) as f:

@@ -1,4 +1,4 @@
-"""kernels/cpu_ext.py's huge-page allocation: empty_hugepage's tensors (alignment, shape, dtype,
+"""kernels/cpu/'s huge-page allocation: empty_hugepage's tensors (alignment, shape, dtype,
 values, lifetime), the kernel's placement of them in 2 MiB pages (/proc/self/smaps), the
 LMI_CPU_HUGEPAGES switch and the fallbacks, and the packers' panels in that memory, unchanged."""
 from __future__ import annotations
@@ -11,10 +11,11 @@ import types
 import pytest
 import torch
 
-from kernels import cpu_ext
+from kernels import cpu as cpu_ext
+from kernels.cpu import memory as cpu_memory
 
 MiB = 1 << 20
-linux_madvise = pytest.mark.skipif(not hasattr(mmap, "MADV_HUGEPAGE") or not cpu_ext._smaps(),
+linux_madvise = pytest.mark.skipif(not hasattr(mmap, "MADV_HUGEPAGE") or not cpu_memory._smaps(),
                                    reason="needs Linux's madvise(MADV_HUGEPAGE) and /proc/self/smaps")
 thp_on = pytest.mark.skipif(cpu_ext.thp_mode() not in ("always", "madvise"),
                             reason=f"transparent huge pages are {cpu_ext.thp_mode()!r} on this host; enable with "
@@ -29,7 +30,7 @@ def hugepages_on(monkeypatch):
 
 
 def _mapped(ptr: int) -> bool:
-    return any(lo <= ptr < hi for lo, hi, *_ in cpu_ext._smaps())
+    return any(lo <= ptr < hi for lo, hi, *_ in cpu_memory._smaps())
 
 
 @linux_madvise
@@ -65,9 +66,9 @@ def test_the_switch_takes_auto_and_0_and_warns_once_on_other_values(monkeypatch,
     env = {"LMI_CPU_HUGEPAGES": "0"}
     assert not cpu_ext.hugepages_wanted(env)
     assert not cpu_ext.hugepages_wanted({"LMI_CPU_HUGEPAGES": " Off "})
-    linux = hasattr(mmap, "MADV_HUGEPAGE") and cpu_ext._hp_state["refused"] is None
+    linux = hasattr(mmap, "MADV_HUGEPAGE") and cpu_memory._hp_state["refused"] is None
     assert cpu_ext.hugepages_wanted({}) is linux and cpu_ext.hugepages_wanted({"LMI_CPU_HUGEPAGES": "auto"}) is linux
-    monkeypatch.setitem(cpu_ext._hp_state, "warned", False)
+    monkeypatch.setitem(cpu_memory._hp_state, "warned", False)
     with caplog.at_level(logging.WARNING, logger="lmi.kernels"):
         assert cpu_ext.hugepages_wanted({"LMI_CPU_HUGEPAGES": "huge"}) is linux
         cpu_ext.hugepages_wanted({"LMI_CPU_HUGEPAGES": "huge"})
@@ -77,7 +78,7 @@ def test_the_switch_takes_auto_and_0_and_warns_once_on_other_values(monkeypatch,
 
 def test_without_madvise_it_falls_back_to_torch_empty(monkeypatch):
     # A platform whose mmap module has no MADV_HUGEPAGE (macOS, Windows): off, plain tensors.
-    monkeypatch.setattr(cpu_ext, "mmap", types.SimpleNamespace())
+    monkeypatch.setattr(cpu_memory, "mmap", types.SimpleNamespace())
     monkeypatch.delenv("LMI_CPU_HUGEPAGES", raising=False)
     assert not cpu_ext.hugepages_wanted()
     t = cpu_ext.empty_hugepage((4 * MiB,), torch.uint8, advise=True)

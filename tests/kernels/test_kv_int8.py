@@ -1,5 +1,5 @@
-"""The int8 KV cache's kernels (option.kv_cache_dtype=int8): the row quantizer (kernels/cpu_layer.c
-lmi_write_kv_i8 against kernels/reference.py quantize_rows, byte for byte), the decode attention reading
+"""The int8 KV cache's kernels (option.kv_cache_dtype=int8): the row quantizer (kernels/cpu_kv.c
+lmi_write_kv_i8 against kernels/pool.py quantize_rows, the format's one definition, byte for byte), the decode attention reading
 int8 rows and their scales in place (kernels/cpu_decode.c) against the float64 naive loop over the
 dequantized pool, and the torch reference path over the same pools; on every build this CPU runs.
 
@@ -15,38 +15,34 @@ import pytest
 import torch
 
 import kernels
-from kernels import cpu_ext, reference
+from kernels import cpu as cpu_ext, pool as kv_pool, reference
 from kernels.selfcheck import make_case
 from tests.support.kernels import _head_major, each_build_fixture, naive_attention, rel_err
 
 each_build = each_build_fixture()
 
 
-def _int8_pool(cache: torch.Tensor, head: bool) -> torch.Tensor:
-    """A float pool [NB, bs, Hkv, D] as an int8 pool (rows quantized, `kv_scale` attached) in the
+def _int8_pool(cache: torch.Tensor, head: bool) -> kv_pool.KVPool:
+    """A float pool [NB, bs, Hkv, D] as an int8 pool (rows quantized with their scales) in the
     token-major or head-major layout."""
-    q, sc = reference.quantize_rows(cache)
-    if head:
-        q, sc = q.transpose(1, 2).contiguous().transpose(1, 2), sc.transpose(1, 2).contiguous().transpose(1, 2)
-    setattr(q, reference.KV_SCALE, sc)
-    return q
+    return kv_pool.from_rows(cache, head_major=head)
 
 
-def _dequantized(pool: torch.Tensor) -> torch.Tensor:
-    return reference.dequantize_rows(pool, reference.kv_scale(pool))
+def _dequantized(pool: kv_pool.KVPool) -> torch.Tensor:
+    return kv_pool.dequantize_rows(pool.data, pool.scales)
 
 
 def test_quantize_rows_is_symmetric_per_row_within_half_a_step():
     g = torch.Generator().manual_seed(0)
     x = torch.randn(50, 3, 64, generator=g, dtype=torch.float64) * torch.rand(50, 3, 1, generator=g, dtype=torch.float64) * 10
     x[7, 1] = 0.0                                   # a zero row: zero bytes, zero scale
-    q, sc = reference.quantize_rows(x.float())
+    q, sc = kv_pool.quantize_rows(x.float())
     assert q.dtype == torch.int8 and sc.dtype == torch.float32 and q.shape == x.shape and sc.shape == x.shape[:2]
     assert int(q.abs().max()) == 127 and int(q.min()) >= -127
     amax = x.float().abs().amax(-1).double()
     assert torch.allclose(sc.double(), amax / 127, rtol=1e-6, atol=0)
     step = sc.double()[..., None]
-    err = (reference.dequantize_rows(q, sc).double() - x.float().double()).abs()
+    err = (kv_pool.dequantize_rows(q, sc).double() - x.float().double()).abs()
     assert (err <= step / 2 * (1 + 1e-5) + 1e-12).all()
     assert torch.equal(q[7, 1], torch.zeros(64, dtype=torch.int8)) and sc[7, 1] == 0
 
@@ -63,8 +59,8 @@ def test_kernel_write_stores_the_reference_bytes_and_scales(each_build, src, hea
     assert cpu_ext.write_kv(pools[0], pools[1], key, value, slots)     # the kernel took it (not the fallback)
     reference.write_kv(pools[2], pools[3], key, value, slots)
     for got, want in ((pools[0], pools[2]), (pools[1], pools[3])):
-        assert torch.equal(got, want) and torch.equal(reference.kv_scale(got), reference.kv_scale(want))
-    written = (pools[0] != 0).any(-1).sum().item()
+        assert got.equal(want)                              # rows and scales
+    written = (pools[0].data != 0).any(-1).sum().item()
     assert written == (t - 2) * hkv                         # every kept row landed, the skipped ones did not
     with pytest.raises(IndexError):
         cpu_ext.write_kv(pools[0], pools[1], key[:2], value[:2], torch.tensor([0, nb * bs]))
@@ -127,7 +123,7 @@ def test_fused_decode_over_int8_is_rotary_write_and_attention(each_build, dtype)
     reference.write_kv(*plain, k2, v, slots)
     want = cpu_ext.decode_attention(q2, *plain, tables, lens, d ** -0.5).to(dtype)
     for a, c in zip(fused, plain):
-        assert torch.equal(a, c) and torch.equal(reference.kv_scale(a), reference.kv_scale(c))
+        assert a.equal(c)                                   # rows and scales
     assert torch.equal(got, want)
 
 
@@ -137,6 +133,6 @@ def test_as_stored_is_what_the_pool_gives_back():
     rows = torch.randn(3, 2, 16, generator=g)
     reference.write_kv(pool, _int8_pool(torch.zeros(2, 4, 2, 16), True), rows, rows, torch.tensor([0, 5, 6]))
     back = _dequantized(pool).reshape(8, 2, 16)[[0, 5, 6]]
-    assert torch.equal(reference.as_stored(pool, rows), back) and not torch.equal(back, rows)
+    assert torch.equal(kv_pool.as_stored(pool, rows), back) and not torch.equal(back, rows)
     fp = torch.zeros(2, 4, 2, 16)
-    assert reference.as_stored(fp, rows) is rows            # a float pool stores the rows as they are
+    assert kv_pool.as_stored(kv_pool.as_pool(fp), rows) is rows     # a float pool stores the rows as they are

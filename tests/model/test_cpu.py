@@ -7,9 +7,9 @@ import torch
 from torch import nn
 
 from handler.model import cpu
-from handler.model.cpu import (Bf16PanelLinear, PackedLinear, PanelLinear, WidenedLinear, find_tcmalloc, preload_env,
-                               prepack_linears)
-from kernels import cpu_ext
+from handler.model.cpu import Bf16PanelPack, OneDnnPack, PanelPack, find_tcmalloc, preload_env, prepack_linears
+from handler.model.linear import CpuLinear
+from kernels import cpu as cpu_ext
 
 needs_panels = pytest.mark.skipif(not cpu_ext.gemm_available(),
                                   reason="kernels/cpu_gemm.c is not built here (the torch backend, or no C compiler)")
@@ -17,12 +17,26 @@ needs_bf16_panels = pytest.mark.skipif(not cpu_ext.gemm_bf16_available(),
                                        reason="kernels/cpu_gemm_bf16.c needs AVX512-BF16 and a C compiler")
 
 
+# What multiplies a packed layer (its CpuLinear's pack, handler/model/linear.py)
+ONEDNN, WIDENED, PANELS, BF16_PANELS = "onednn", "onednn widened", "panels", "bf16 panels"
+
+
+def _kind(m: nn.Module) -> str:
+    """A layer's pack as one of the names above (a plain layer: its class name)."""
+    if not isinstance(m, CpuLinear):
+        return type(m).__name__
+    p = m.pack
+    if isinstance(p, OneDnnPack):
+        return WIDENED if p.widen else ONEDNN
+    return {PanelPack: PANELS, Bf16PanelPack: BF16_PANELS}[type(p)]
+
+
 def _classes(gemm: str):
-    """(the fp32 class, the widened bf16 class) prepack_linears picks under the gemm arm: a
+    """(the fp32 kind, the widened bf16 kind) prepack_linears picks under the gemm arm: a
     widened bf16 weight stays bf16 where kernels/cpu_gemm_bf16.c widens it in registers."""
     if gemm != "panels":
-        return PackedLinear, WidenedLinear
-    return PanelLinear, Bf16PanelLinear if cpu_ext.gemm_bf16w_available() else PanelLinear
+        return ONEDNN, WIDENED
+    return PANELS, BF16_PANELS if cpu_ext.gemm_bf16w_available() else PANELS
 
 
 def _load(model_dir, dtype=torch.float32):
@@ -40,8 +54,8 @@ def test_prepacked_model_gives_the_plain_models_logits(demo_model_factory, monke
     plain, packed = _load(path, dtype), _load(path, dtype)
     n = prepack_linears(packed)
     linears = [m for m in packed.modules() if isinstance(m, nn.Linear)]
-    want_cls = _classes(gemm)[0] if dtype == torch.float32 else PackedLinear   # bf16 unwidened: oneDNN's
-    assert n == len(linears) > 0 and all(type(m) is want_cls for m in linears)
+    want_cls = _classes(gemm)[0] if dtype == torch.float32 else ONEDNN   # bf16 unwidened: oneDNN's
+    assert n == len(linears) > 0 and all(_kind(m) == want_cls for m in linears)
     ids = torch.randint(5, plain.config.vocab_size, (2, 13))
     with torch.inference_mode():
         want, got = plain(ids).logits.float(), packed(ids).logits.float()
@@ -65,9 +79,10 @@ def test_widened_bf16_linear_is_the_exact_products_summed_and_rounded_once(monke
     x = torch.randn(33, 300, generator=g).to(torch.bfloat16)
     want = (x.double() @ lin.weight.double().t() + lin.bias.double()).to(torch.bfloat16)
     model = nn.Sequential(lin)
-    assert prepack_linears(model, widen_bf16=True) == 1 and type(lin) is _classes(gemm)[1]
-    packed = lin.panels if gemm == "panels" else lin.packed
-    assert packed.dtype == (torch.bfloat16 if type(lin) is Bf16PanelLinear else torch.float32)
+    assert prepack_linears(model, widen_bf16=True) == 1 and _kind(model[0]) == _classes(gemm)[1]
+    lin = model[0]
+    packed = lin.pack.panels if gemm == "panels" else lin.pack.packed
+    assert packed.dtype == (torch.bfloat16 if _kind(lin) == BF16_PANELS else torch.float32)
     assert lin.weight.numel() == 0
     with torch.inference_mode():
         got = lin(x)
@@ -90,7 +105,7 @@ def test_widened_model_gives_the_bf16_models_greedy_tokens(demo_model_factory, m
     plain, widened = _load(path, torch.bfloat16), _load(path, torch.bfloat16)
     n = prepack_linears(widened, widen_bf16=True)
     linears = [m for m in widened.modules() if isinstance(m, nn.Linear)]
-    assert n == len(linears) > 0 and all(type(m) is _classes(gemm)[1] for m in linears)
+    assert n == len(linears) > 0 and all(_kind(m) == _classes(gemm)[1] for m in linears)
     ids = torch.randint(5, plain.config.vocab_size, (4, 13), generator=torch.Generator().manual_seed(1))
     with torch.inference_mode():
         want, got = plain(ids).logits.float(), widened(ids).logits.float()
@@ -114,8 +129,9 @@ def test_bf16_panel_linear_is_the_exact_products_summed_and_rounded_once():
     x = torch.randn(33, 301, generator=g).to(torch.bfloat16)
     want = (x.double() @ lin.weight.double().t() + lin.bias.double()).to(torch.bfloat16)
     model = nn.Sequential(lin)
-    assert prepack_linears(model, bf16_panels=True) == 1 and type(lin) is Bf16PanelLinear
-    assert lin.panels.dtype == torch.bfloat16 and lin.weight.numel() == 0 and lin.bias32.dtype == torch.float32
+    assert prepack_linears(model, bf16_panels=True) == 1 and _kind(model[0]) == BF16_PANELS
+    lin = model[0]
+    assert lin.pack.panels.dtype == torch.bfloat16 and lin.weight.numel() == 0 and lin.bias32.dtype == torch.float32
     with torch.inference_mode():
         got = lin(x)
     assert got.dtype == torch.bfloat16 and got.shape == want.shape
@@ -130,12 +146,12 @@ def test_bf16_panel_linear_is_the_exact_products_summed_and_rounded_once():
 def test_bf16_panels_leave_fp32_layers_and_yield_to_the_switches(monkeypatch):
     mixed = nn.Sequential(nn.Linear(32, 48), nn.Linear(48, 32).to(torch.bfloat16))
     assert prepack_linears(mixed, bf16_panels=True) == 2
-    assert type(mixed[0]) is _classes("panels" if cpu.panels_wanted() else "onednn")[0]   # fp32 as before
-    assert type(mixed[1]) is Bf16PanelLinear
+    assert _kind(mixed[0]) == _classes("panels" if cpu.panels_wanted() else "onednn")[0]   # fp32 as before
+    assert _kind(mixed[1]) == BF16_PANELS
     monkeypatch.setattr(cpu.AB, "gemm", "onednn")              # no panel kernels at all
     model = nn.Sequential(nn.Linear(32, 48).to(torch.bfloat16))
     prepack_linears(model, bf16_panels=True)
-    assert type(model[0]) is not Bf16PanelLinear
+    assert _kind(model[0]) != BF16_PANELS
     assert cpu.bf16_panels_available() is False
 
 
@@ -148,7 +164,7 @@ def test_bf16_panel_model_gives_the_bf16_models_greedy_tokens(demo_model_factory
     plain, ours = _load(path, torch.bfloat16), _load(path, torch.bfloat16)
     n = prepack_linears(ours, bf16_panels=True)
     linears = [m for m in ours.modules() if isinstance(m, nn.Linear)]
-    assert n == len(linears) > 0 and all(type(m) is Bf16PanelLinear for m in linears)
+    assert n == len(linears) > 0 and all(_kind(m) == BF16_PANELS for m in linears)
     ids = torch.randint(5, plain.config.vocab_size, (4, 13), generator=torch.Generator().manual_seed(1))
     with torch.inference_mode():
         want, got = plain(ids).logits.float(), ours(ids).logits.float()
@@ -175,7 +191,7 @@ def test_real_model_on_bf16_panels_answers_like_onednn_bf16(real_model_dir, monk
                                                     "option.dtype": "bf16", "option.max_rolling_batch_size": "4"})
     try:
         linears = [m for m in engine.runner.model.modules() if isinstance(m, nn.Linear)]
-        assert linears and all(type(m) is Bf16PanelLinear for m in linears)
+        assert linears and all(_kind(m) == BF16_PANELS for m in linears)
         results = run_all(engine, prompts, [SamplingParams(max_new_tokens=16)] * len(prompts))
         runner = engine.runner
     finally:
@@ -211,8 +227,9 @@ def test_widening_in_registers_gives_the_fp32_copys_logits_bit_for_bit(demo_mode
     monkeypatch.undo()
     prepack_linears(ours, widen_bf16=True)
     lin = [m for m in ours.modules() if isinstance(m, nn.Linear)]
-    assert lin and all(type(m) is Bf16PanelLinear and m.widen and m.panels.dtype == torch.bfloat16 for m in lin)
-    assert all(type(m) is PanelLinear and m.panels.dtype == torch.float32
+    assert lin and all(_kind(m) == BF16_PANELS and m.pack.widen and m.pack.panels.dtype == torch.bfloat16
+                   for m in lin)
+    assert all(_kind(m) == PANELS and m.pack.panels.dtype == torch.float32
                for m in copy.modules() if isinstance(m, nn.Linear))
     ids = torch.randint(5, copy.config.vocab_size, (3, 11), generator=torch.Generator().manual_seed(2))
     with torch.inference_mode():
@@ -224,7 +241,7 @@ def test_bf16_gemm_choice_follows_the_arm_then_a_rule_on_the_cpu(monkeypatch):
     panels_here, widen_here, flags = [True], [False], [set()]
     monkeypatch.setattr(cpu, "bf16_panels_available", lambda: panels_here[0])   # the rule alone, any CPU
     monkeypatch.setattr(cpu, "widen_in_registers", lambda: widen_here[0])
-    monkeypatch.setattr(cpu_ext, "_cpu_flags", lambda: flags[0])
+    monkeypatch.setattr(cpu_ext, "cpu_flags", lambda: flags[0])
     for setting in ("fp32", "bf16", "panels"):
         monkeypatch.setattr(cpu.AB, "bf16_gemm", setting)
         assert cpu.bf16_gemm_mode(model) == (setting, f"the bf16_gemm={setting} arm")
@@ -258,7 +275,7 @@ def test_bf16_widening_packs_for_the_kernel_or_onednn(monkeypatch, onednn_bf16):
     monkeypatch.setattr(cpu, "can_prepack", lambda dt: real(dt) and (onednn_bf16 or dt != torch.bfloat16))
     model = nn.Sequential(nn.Linear(32, 48)).to(torch.bfloat16)
     widened = _classes("panels" if cpu.panels_wanted() else "onednn")[1]
-    assert prepack_linears(model, widen_bf16=True) == 1 and type(model[0]) is widened
+    assert prepack_linears(model, widen_bf16=True) == 1 and _kind(model[0]) == widened
     plain = nn.Sequential(nn.Linear(32, 48)).to(torch.bfloat16)
     assert prepack_linears(plain) == (1 if onednn_bf16 else 0)
 
@@ -267,11 +284,12 @@ def test_prepacking_drops_only_weights_nobody_else_holds(demo_model_factory):
     model = _load(demo_model_factory("llama"))
     head = model.get_output_embeddings()
     tied = head.weight is model.get_input_embeddings().weight
-    q = model.model.layers[0].self_attn.q_proj
     prepack_linears(model)
+    q = model.model.layers[0].self_attn.q_proj
     assert q.weight.numel() == 0 and q.in_features > 0        # replaced by its packed copy
     if tied:    # the embedding still reads the shared weight
-        assert head.weight.numel() == model.get_input_embeddings().weight.numel() > 0
+        head = model.get_output_embeddings()
+        assert isinstance(head, CpuLinear) and head.weight.numel() == model.get_input_embeddings().weight.numel() > 0
     kept = _load(demo_model_factory("llama"))
     prepack_linears(kept, keep_weights=True)                  # LoRA reads the weights
     assert kept.model.layers[0].self_attn.q_proj.weight.shape == (q.out_features, q.in_features)
@@ -281,7 +299,7 @@ def test_prepacking_switch(demo_model_factory, monkeypatch):
     monkeypatch.setattr(cpu.AB, "prepack", False)
     model = _load(demo_model_factory("llama"))
     assert prepack_linears(model) == 0
-    assert not any(type(m) is PackedLinear for m in model.modules())
+    assert not any(_kind(m) == ONEDNN for m in model.modules())
 
 
 def test_runner_pool_is_head_major_on_cpu_and_switchable(demo_model_factory, monkeypatch):
@@ -290,12 +308,12 @@ def test_runner_pool_is_head_major_on_cpu_and_switchable(demo_model_factory, mon
 
     path = demo_model_factory("llama")
     r = ModelRunner(path, kv_cache_tokens=64, block_size=4)
-    k = r.kv_cache[0][0]
+    k = r.kv_cache[0][0].data
     assert k.shape == (16, 4, r.kv.num_kv_heads, r.kv.head_dim)   # every reader's view
     assert head_major(k) and not k.is_contiguous()
     monkeypatch.setattr(cpu.AB, "kv_layout", "token")
     r2 = ModelRunner(path, kv_cache_tokens=64, block_size=4)
-    assert r2.kv_cache[0][0].is_contiguous()
+    assert r2.kv_cache[0][0].data.is_contiguous()
 
 
 def test_preload_env(tmp_path):
@@ -368,7 +386,7 @@ def test_our_packed_model_equals_transformers_packed_model(demo_model_factory, m
     ours, theirs = _runner(path, "fp32", monkeypatch, True), _runner(path, "fp32", monkeypatch, True, "transformers")
     assert ours.own and not theirs.own
     fp32_cls = _classes(gemm)[0]
-    assert all(type(m) is fp32_cls for m in ours.model.modules() if isinstance(m, nn.Linear))
+    assert all(_kind(m) == fp32_cls for m in ours.model.modules() if isinstance(m, nn.Linear))
     for got, want in zip(_step_logits(ours), _step_logits(theirs)):
         assert want.shape[0] >= 2 and torch.equal(got, want)
 
@@ -395,10 +413,10 @@ def test_runner_packs_bf16_linears_as_the_gemm_choice_says(demo_model_factory, m
     monkeypatch.setattr(cpu.AB, "gemm", gemm)
     r = _runner(demo_model_factory("llama"), dtype, monkeypatch, True)
     fp32_cls, widened_cls = _classes(gemm)
-    want = widened_cls if widened else PackedLinear if dtype == "bf16" else fp32_cls
+    want = widened_cls if widened else ONEDNN if dtype == "bf16" else fp32_cls
     linears = [m for m in r.model.modules() if isinstance(m, nn.Linear)]
-    assert linears and all(type(m) is want for m in linears)
-    assert all(m.widen is widened for m in linears if type(m) in (PanelLinear, Bf16PanelLinear))
+    assert linears and all(_kind(m) == want for m in linears)
+    assert all(m.pack.widen is widened for m in linears if _kind(m) in (PANELS, BF16_PANELS))
 
 
 def test_ab_arms_are_set_by_name_and_refuse_other_values(monkeypatch):

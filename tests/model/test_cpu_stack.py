@@ -18,7 +18,8 @@ import torch
 import torch.nn.functional as F
 
 from handler.model import cpu
-from kernels import cpu_ext, isa
+from kernels import cpu as cpu_ext, isa
+from kernels.cpu import elementwise as cpu_elementwise, probes as cpu_probes
 
 BUILD = cpu_ext.current()[0]    # the build under test here (None: torch's operators)
 
@@ -28,8 +29,8 @@ def _why_not() -> str:
     cap = torch.backends.cpu.get_cpu_capability()
     if not cpu_ext.gemm_available():
         return f"no panel GEMM in the {BUILD} build"
-    if not cpu_ext._silu_ready():
-        found = cpu_ext._sleef_expf()
+    if not cpu_elementwise._silu_ready():
+        found = cpu_probes.sleef_expf()
         return (f"the {BUILD} build's SiLU did not take torch's Sleef exp (torch's vectors {cap}: "
                 + (f"{found[1]} lanes" if found else "none found") + "; ATEN_CPU_CAPABILITY must give the build's width)")
     if not cpu_ext.silu_exact(torch.get_num_threads()):
@@ -107,7 +108,7 @@ def _steps(runner, calls: list) -> list:
             toks[s] = toks[s] + [t]
         steps.append(items)
     out = [runner.forward(pack_step(items, 4)[0]).clone() for items in steps]
-    return out, [(k.clone(), v.clone()) for k, v in runner.kv_cache]
+    return out, [(k.data.clone(), v.data.clone()) for k, v in runner.kv_cache]
 
 
 @needs_stack
@@ -161,7 +162,7 @@ def _run_steps(runner, steps: list, calls: list) -> tuple[list, list]:
         real = stack.run
         stack.run = lambda *a: calls.append(real(*a)) or calls[-1]
     out = [runner.forward(pack_step(items, 4)[0]).clone() for items in steps]
-    return out, [(k.clone(), v.clone()) for k, v in runner.kv_cache]
+    return out, [(k.data.clone(), v.data.clone()) for k, v in runner.kv_cache]
 
 
 @needs_stack

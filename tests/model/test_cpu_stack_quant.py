@@ -1,5 +1,5 @@
 """The one-call C layer stack (handler/model/cpu_stack.py, kernels/cpu_layer.c) over grouped 4/8-bit
-weights (handler/model/quant_int4.py Q4Linear, kernels/cpu_gemm_q4.c: lmi_lin kind LIN_Q): W8A16
+weights (handler/model/quant_int4.py GroupedPack, kernels/cpu_gemm_q4.c: lmi_lin kind LIN_Q): W8A16
 (option.quantize=int8_weight_only), GGUF's blocks (K-quants, Q5_0/Q5_1, Q4_0, Q8_0) and AWQ, in fp32
 and bf16 activations, give the Python layers' logits and KV pools bit for bit; on Qwen2.5-Coder-0.5B
 the stack serves W8A16 and Qwen's q4_k_m GGUF with the Python layers' greedy answers, and start-up
@@ -15,8 +15,8 @@ import logging
 import pytest
 import torch
 
-from handler.model.quant_int4 import Q4Linear
-from kernels import cpu_ext, isa
+from handler.model.quant_int4 import GroupedPack, is_grouped
+from kernels import cpu as cpu_ext, isa
 from tests.model.test_cpu_stack import BUILD, _runner, _steps, needs_stack, passed_on_build
 from tests.model.test_gguf_blocks import KINDS, tiny_qwen2_gguf  # noqa: F401 (a fixture)
 from tests.model.test_quant_int4 import tiny_dir  # noqa: F401 (a fixture)
@@ -62,9 +62,9 @@ def test_stack_over_grouped_weights_gives_the_python_layers_values_bit_for_bit(r
     assert "a step's layers in one C call" in caplog.text and "layers in Python" not in caplog.text
     lins = [m for layer in fast.model.model.layers for m in layer.modules() if isinstance(m, torch.nn.Linear)]
     bits, fmts = FORMATS[source]
-    assert lins and all(isinstance(m, Q4Linear) for m in lins)     # (W8A16 fuses q|k|v and gate|up)
-    assert {m.bits for m in lins} == bits and {m.fmt for m in lins} == fmts
-    assert all(m.panels is not None for m in lins)      # kernels/cpu_gemm_q4.c serves them in Python too
+    assert lins and all(is_grouped(m) for m in lins)     # (W8A16 fuses q|k|v and gate|up)
+    assert {m.pack.bits for m in lins} == bits and {m.pack.fmt for m in lins} == fmts
+    assert all(isinstance(m.pack, GroupedPack) for m in lins)   # kernels/cpu_gemm_q4.c serves them in Python too
     calls = []
     got, got_kv = _steps(fast, calls)
     want, want_kv = _steps(slow, [])
@@ -111,7 +111,7 @@ def _answers(model_dir: str, quantize: str, stack: bool, monkeypatch, caplog) ->
         assert (engine.runner.model.decode_stack is not None) == stack
         said = "a step's layers in one C call" if stack else "the decode_stack=0 arm"
         assert said in caplog.text, caplog.text[-2000:]
-        assert any(isinstance(m, Q4Linear) for m in engine.runner.model.modules())
+        assert any(is_grouped(m) for m in engine.runner.model.modules())
         return quality.chat_answers(engine, quality.chat_ids(engine.runner.tokenizer, quality.CHAT[:3]), 16)
     finally:
         engine.shutdown()

@@ -167,14 +167,14 @@ def test_replayed_decode_step_equals_the_eager_step(dtype, tol, demo_model_facto
     prefill, _ = pack_step(_items(lens, bs, decode=False), bs)
     runner.forward(prefill)             # eager (several tokens per sequence): fills the KV pool
     decode, _ = pack_step(_items(lens, bs, decode=True), bs)
-    before = [(k.clone(), v.clone()) for k, v in runner.kv_cache]
+    before = [(k.data.clone(), v.data.clone()) for k, v in runner.kv_cache]
     replays = graphs.replays
     got = runner.forward(decode).clone()
     assert graphs.replays == replays + 1, "the decode step did not replay a graph"
-    after_graph = [(k.clone(), v.clone()) for k, v in runner.kv_cache]
+    after_graph = [(k.data.clone(), v.data.clone()) for k, v in runner.kv_cache]
     for (k, v), (k0, v0) in zip(runner.kv_cache, before):   # back to the pre-step pool
-        k.copy_(k0)
-        v.copy_(v0)
+        k.data.copy_(k0)
+        v.data.copy_(v0)
     runner.graphs = None
     want = runner.forward(decode)
     runner.graphs = graphs
@@ -184,7 +184,7 @@ def test_replayed_decode_step_equals_the_eager_step(dtype, tol, demo_model_facto
     assert torch.equal(got.argmax(-1), want.argmax(-1))
     # The pool changed only at the three slots written (the padding row's slot is -1).
     written = {it.block_table[it.start_pos // bs] * bs + it.start_pos % bs for it in _items(lens, bs, True)}
-    for (kg, vg), (k0, v0), (ke, ve) in zip(after_graph, before, runner.kv_cache):
+    for (kg, vg), (k0, v0), (ke, ve) in zip(after_graph, before, [(k.data, v.data) for k, v in runner.kv_cache]):
         for pool, base, eager in ((kg, k0, ke), (vg, v0, ve)):
             flat, flat0, flate = (t.reshape(-1, *t.shape[2:]) for t in (pool, base, eager))
             changed = {int(i) for i in (flat != flat0).flatten(1).any(1).nonzero().flatten()}

@@ -16,8 +16,8 @@ import torch
 
 from handler.engine.request import SamplingParams
 from handler.model import quant_formats as qf
-from handler.model.quant_int4 import Q4Linear, pack
-from kernels import cpu_ext
+from handler.model.quant_int4 import is_grouped, pack
+from kernels import cpu as cpu_ext
 from tests.support.engine import NEW, PROMPTS, STRATEGIES, make_engine, run_all
 from tests.support.kernels import each_build_fixture
 
@@ -149,9 +149,9 @@ def _tokens(model_dir, tmp_path, props):
     engine = make_engine(model_dir, tmp_path, props)
     try:
         model = engine.runner.model
-        served = {n: m.fmt for n, m in model.named_modules() if isinstance(m, Q4Linear)}
-        widths = {m.bits for m in model.modules() if isinstance(m, Q4Linear) and m.qpack is not None}
-        if widths and os.environ.get("LMI_QUANT_PACKED_CODES") == "1":
+        served = {n: m.pack.fmt for n, m in model.named_modules() if is_grouped(m)}
+        widths = {m.pack.bits for m in model.modules() if is_grouped(m)}
+        if widths and props.get("option.grouped_code_layout") == "packed":
             assert {5, 6} <= widths, widths          # Q5_*'s and Q6_K's codes streamed packed
         elif widths:
             assert widths == {4, 8}, widths
@@ -161,13 +161,13 @@ def _tokens(model_dir, tmp_path, props):
         engine.shutdown()
 
 
-@pytest.mark.parametrize("strategy,packed", [("paged", "0"), ("rolling", "0"), ("paged", "1")])
+@pytest.mark.parametrize("strategy,layout", [("paged", "bytes"), ("rolling", "bytes"), ("paged", "packed")])
 def test_tiny_qwen2_gguf_serves_the_tokens_of_its_dequantized_fp32_model(tiny_qwen2_gguf, tmp_path, strategy,
-                                                                         packed, monkeypatch):
-    # packed "1": the 5/6-bit codes as bit planes (LMI_QUANT_PACKED_CODES), through the C layer stack too
-    monkeypatch.setenv("LMI_QUANT_PACKED_CODES", packed)
+                                                                         layout):
+    # packed: the 5/6-bit codes as bit planes (option.grouped_code_layout), through the C layer stack too
     props = {**STRATEGIES[strategy], "option.dtype": "fp32"}
-    served, got = _tokens(tiny_qwen2_gguf, tmp_path, {**props, "option.quantize": "gguf"})
+    served, got = _tokens(tiny_qwen2_gguf, tmp_path,
+                          {**props, "option.quantize": "gguf", "option.grouped_code_layout": layout})
     plain, want = _tokens(tiny_qwen2_gguf, tmp_path, props)
     assert not plain
     assert len(served) == 3 * len(LEAVES) + 1 and served["lm_head"] == "gguf Q6_K"
@@ -175,29 +175,24 @@ def test_tiny_qwen2_gguf_serves_the_tokens_of_its_dequantized_fp32_model(tiny_qw
     assert got == want, strategy
 
 
-def test_tiny_qwen2_gguf_with_int8_activations_serves_batch_invariant_tokens(tiny_qwen2_gguf, tmp_path, caplog,
-                                                                             monkeypatch):
-    """LMI_CPU_Q_ACT8=1 (kernels/cpu_gemm_q4.c's int8-activation path): the load log says so, and each
+def test_tiny_qwen2_gguf_with_int8_activations_serves_batch_invariant_tokens(tiny_qwen2_gguf, tmp_path, caplog):
+    """option.cpu_grouped_activations=int8 (kernels/cpu_gemm_q4.c's int8-activation path): the load log says so, and each
     request's tokens are the same whether it runs beside the others or alone (rows are quantized one by
     one), through the C layer stack."""
     import logging
-    if not cpu_ext.gemm_q_available() or not cpu_ext.set_q_act8(True):
-        cpu_ext.set_q_act8(False)
+    if not cpu_ext.gemm_q_available() or not cpu_ext.q_act8_available():
         pytest.skip("the int8-activation path needs the avx512 build with VNNI and VBMI or the avx2 build; this "
                     "CPU's build has none")
-    props = {**STRATEGIES["paged"], "option.dtype": "fp32", "option.quantize": "gguf"}
-    monkeypatch.setenv("LMI_CPU_Q_ACT8", "1")
+    props = {**STRATEGIES["paged"], "option.dtype": "fp32", "option.quantize": "gguf",
+             "option.cpu_grouped_activations": "int8"}
+    with caplog.at_level(logging.INFO, logger="lmi"):
+        engine = make_engine(tiny_qwen2_gguf, tmp_path, props)
     try:
-        with caplog.at_level(logging.INFO, logger="lmi"):
-            engine = make_engine(tiny_qwen2_gguf, tmp_path, props)
-        try:
-            assert any("int8 activations" in r.getMessage() for r in caplog.records)
-            params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in NEW[:4]]
-            together = [ids for ids, _ in run_all(engine, PROMPTS[:4], params)]
-            alone = [run_all(engine, [p], [sp])[0][0] for p, sp in zip(PROMPTS[:4], params)]
-        finally:
-            engine.shutdown()
+        assert any("int8 activations" in r.getMessage() for r in caplog.records)
+        params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in NEW[:4]]
+        together = [ids for ids, _ in run_all(engine, PROMPTS[:4], params)]
+        alone = [run_all(engine, [p], [sp])[0][0] for p, sp in zip(PROMPTS[:4], params)]
     finally:
-        cpu_ext.set_q_act8(False)
+        engine.shutdown()
     assert together == alone
     assert [len(t) for t in together] == list(NEW[:4])

@@ -1,17 +1,21 @@
-"""Grouped weights times int8 activations (LMI_CPU_Q_ACT8=1, kernels/cpu_gemm_q4.c's HAVE_Q_A8), on each
+"""Grouped weights times int8 activations (a QPack's act8: option.cpu_grouped_activations=int8,
+kernels/cpu_gemm_q4.c's HAVE_Q_A8), on each
 kernel build this CPU runs that has the path (avx512 with VNNI and VBMI; avx2): the kernel against the
 definition written out here in numpy (each row quantized per group, integer sums, then
 s * (sum * da) + m * (da * sum aq)), for 4- and 8-bit codes and every scale form; the avx2 build equals
 the avx512 build bit for bit; a row's result does not depend on the rows beside it; what it does not serve
-(5/6-bit codes, W8A16's one group a row) stays exact; and the switch off gives the exact results back."""
+(5/6-bit codes, W8A16's one group a row) stays exact; and a pack without act8 gives the exact results
+back, on the same library (the choice is the pack's, per call, not the process's)."""
 from __future__ import annotations
+
+import dataclasses
 
 import numpy as np
 import pytest
 import torch
 
 from handler.model.quant_int4 import Grouped, pack
-from kernels import cpu_ext
+from kernels import cpu as cpu_ext
 from tests.support.kernels import both_x86, each_build_fixture
 
 pytest.importorskip("gguf", reason="the gguf package reads GGUF files: pip install -e '.[gguf]'")
@@ -22,13 +26,10 @@ each_build = each_build_fixture("gemm_q_available", "grouped-weight kernel")
 
 @pytest.fixture
 def act8(each_build):
-    if not cpu_ext.set_q_act8(True):
+    if not cpu_ext.q_act8_available():
         pytest.skip(f"the {each_build} build has no int8-activation path (the avx512 build on a CPU with VNNI and "
                     f"VBMI, such as AMD Zen 4 or Intel Ice Lake and later; the avx2 build)")
-    try:
-        yield each_build
-    finally:
-        cpu_ext.set_q_act8(False)
+    return each_build
 
 
 def _reference(x: torch.Tensor, w: Grouped) -> np.ndarray:
@@ -53,7 +54,7 @@ def _reference(x: torch.Tensor, w: Grouped) -> np.ndarray:
                                       ("Q4_0", 100, 1024), ("Q5_K", 32, 256), ("Q4_1", 45, 96)])
 def test_kernel_is_the_int8_activation_product_it_defines(act8, kind, n, k):
     w = _gguf(kind, n, k)
-    p = pack(w)
+    p = pack(w, act8=True)
     assert p.bits in (4, 8)
     gen = torch.Generator().manual_seed(n)
     b = torch.randn(n, generator=gen)
@@ -80,7 +81,7 @@ def test_groups_that_are_not_whole_vectors(act8, bits, g, n, k):
     s = torch.rand(n, k // g, generator=gen) * 0.01 + 1e-3
     m = -s * torch.randint(0, 2 ** bits, (n, k // g), generator=gen)
     w = Grouped(q, s, m, bits, g)
-    p = pack(w)
+    p = pack(w, act8=True)
     x = torch.randn(5, k, generator=gen)
     x[2] = 0                                              # an all-zero row: scale 0, no division by it
     got = cpu_ext.gemm_q(x, p, n, None).double().numpy()
@@ -97,7 +98,7 @@ def test_the_avx2_build_equals_the_avx512_build(kind, n, k):
     # counts that cover both builds' blocks (avx2: 2 rows, avx512: 6) and ragged last panels. Q8_0's codes
     # reach 255, the avx2 kernel's offset path.
     w = _gguf(kind, n, k)
-    p = pack(w)
+    p = pack(w, act8=True)
     gen = torch.Generator().manual_seed(k + n)
     xs = [torch.randn(m, k, generator=gen) for m in (1, 2, 3, 7, 13)]
     bias = torch.randn(n, generator=gen)
@@ -105,14 +106,12 @@ def test_the_avx2_build_equals_the_avx512_build(kind, n, k):
     try:
         for build in ("avx512", "avx2"):
             cpu_ext.select(build)
-            if not cpu_ext.set_q_act8(True):
+            if not cpu_ext.q_act8_available():
                 pytest.skip(f"the {build} build has no int8-activation path on this CPU (avx512 needs VNNI and VBMI)")
             got[build] = [cpu_ext.gemm_q(x, p, n, b) for x in xs for b in (None, bias)]
-            cpu_ext.set_q_act8(False)
-            exact = cpu_ext.gemm_q(xs[0], p, n, None)
-            assert not torch.equal(exact, got[build][0]), build        # the switch took: not the exact path
+            exact = cpu_ext.gemm_q(xs[0], dataclasses.replace(p, act8=False), n, None)
+            assert not torch.equal(exact, got[build][0]), build        # the pack's act8 took: not the exact path
     finally:
-        cpu_ext.set_q_act8(False)
         cpu_ext.select(None)
     for i, (a, b) in enumerate(zip(got["avx512"], got["avx2"])):
         assert torch.equal(a, b), (kind, i, (a - b).abs().max())
@@ -120,38 +119,31 @@ def test_the_avx2_build_equals_the_avx512_build(kind, n, k):
 
 def test_a_rows_result_does_not_depend_on_the_rows_beside_it(act8):
     w = _gguf("Q4_K", 96, 512)
-    p = pack(w)
+    p = pack(w, act8=True)
     x = torch.randn(9, 512, generator=torch.Generator().manual_seed(3))
     together = cpu_ext.gemm_q(x, p, 96, None)
     for r in range(9):
         assert torch.equal(cpu_ext.gemm_q(x[r:r + 1], p, 96, None)[0], together[r])
 
 
-def test_what_it_does_not_serve_stays_exact(act8, monkeypatch):
+def test_what_it_does_not_serve_stays_exact(act8):
     x = torch.randn(3, 512, generator=torch.Generator().manual_seed(5))
     packed6 = _gguf("Q6_K", 64, 512)
-    monkeypatch.setenv("LMI_QUANT_PACKED_CODES", "1")
-    cases = [(packed6, pack(packed6))]                                # 6-bit packed codes
+    cases = [(packed6, pack(packed6, packed=True, act8=True))]        # 6-bit packed codes
     q = torch.randint(0, 256, (40, 512), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
     s = torch.rand(40, 1, generator=torch.Generator().manual_seed(2)) * 0.01
     w8 = Grouped(q, s, -128 * s, 8, 512)                               # W8A16: one group of 512 a row
-    cases.append((w8, pack(w8)))
+    cases.append((w8, pack(w8, act8=True)))
     for w, p in cases:
         want = cpu_ext.gemm(x, cpu_ext.pack_panels(w.dequantize()), w.shape[0], None)
         assert torch.equal(cpu_ext.gemm_q(x, p, w.shape[0], None), want), p.bits
 
 
-def test_switched_off_the_exact_results_come_back(act8):
+def test_a_pack_without_act8_gives_the_exact_results_on_the_same_library(act8):
     w = _gguf("Q4_K", 64, 512)
-    p = pack(w)
+    p = pack(w, act8=True)
     x = torch.randn(2, 512, generator=torch.Generator().manual_seed(4))
     want = cpu_ext.gemm(x, cpu_ext.pack_panels(w.dequantize()), 64, None)
     assert not torch.equal(cpu_ext.gemm_q(x, p, 64, None), want)
-    cpu_ext.set_q_act8(False)
-    assert torch.equal(cpu_ext.gemm_q(x, p, 64, None), want)
-
-
-def test_the_switch_reads_0_or_1():
-    assert cpu_ext.q_act8_wanted({}) is False
-    assert cpu_ext.q_act8_wanted({"LMI_CPU_Q_ACT8": " 1 "}) is True
-    assert cpu_ext.q_act8_wanted({"LMI_CPU_Q_ACT8": "yes"}) is False     # warned, the default kept
+    assert torch.equal(cpu_ext.gemm_q(x, pack(w), 64, None), want)
+    assert not torch.equal(cpu_ext.gemm_q(x, p, 64, None), want)    # and back: nothing process-wide changed

@@ -12,7 +12,7 @@ import torch
 
 from handler.model import quant_formats as qf
 from handler.model.quant_int4 import Grouped, Sub, code_bits, pack, unpack
-from kernels import cpu_ext
+from kernels import cpu as cpu_ext
 from tests.support.kernels import each_build_fixture
 
 gguf = pytest.importorskip("gguf", reason="the gguf package reads GGUF files: pip install -e '.[gguf]'")
@@ -37,11 +37,10 @@ def _bits_per_weight(p: cpu_ext.QPack, n: int, k: int) -> float:
 
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("packed", [False, True])
-def test_each_gguf_kind_packs_compact_and_unpacks_exactly(kind, packed, monkeypatch):
-    monkeypatch.setenv("LMI_QUANT_PACKED_CODES", "1" if packed else "0")
+def test_each_gguf_kind_packs_compact_and_unpacks_exactly(kind, packed):
     n, k = 64, 512                        # whole panels and superblocks: no padding in the count
     w = _gguf(kind, n, k)
-    p = pack(w)
+    p = pack(w, packed=packed)            # option.grouped_code_layout=packed / bytes
     assert _same(unpack(p, n, k), w)
     need = {"Q4_0": 4, "Q4_1": 4, "Q4_K": 4, "Q5_0": 5, "Q5_1": 5, "Q5_K": 5, "Q6_K": 6, "Q8_0": 8}[kind]
     assert p.bits == (need if packed or need == 4 else 8)

@@ -1,4 +1,4 @@
-"""The packed weights a step streams sit in huge-page-advised memory (kernels/cpu_ext.py
+"""The packed weights a step streams sit in huge-page-advised memory (kernels/cpu/
 empty_hugepage, LMI_CPU_HUGEPAGES): fp32 panels, W8A16's codes and scales, the output head; the
 values, the step's logits and greedy tokens are the same with the switch on and off."""
 from __future__ import annotations
@@ -12,13 +12,14 @@ import torch
 from handler.engine.request import SamplingParams
 from handler.model import cpu
 from handler.model.cpu import hugepage_report, streamed_tensors
-from handler.model.quant_int4 import Q4Linear
-from kernels import cpu_ext
+from handler.model.quant_int4 import is_grouped
+from kernels import cpu as cpu_ext
+from kernels.cpu import memory as cpu_memory
 from tests.model.test_cpu import _runner, _step_logits
 from tests.support.engine import NEW, PROMPTS, STRATEGIES, make_engine, run_all
 
 pytestmark = [
-    pytest.mark.skipif(not hasattr(mmap, "MADV_HUGEPAGE") or not cpu_ext._smaps(),
+    pytest.mark.skipif(not hasattr(mmap, "MADV_HUGEPAGE") or not cpu_memory._smaps(),
                        reason="needs Linux's madvise(MADV_HUGEPAGE) and /proc/self/smaps"),
     pytest.mark.skipif(not cpu_ext.gemm_available() or not cpu_ext.gemm_q_available(),
                        reason="kernels/cpu_gemm.c and cpu_gemm_q4.c are not built here (the torch backend, "
@@ -62,9 +63,9 @@ def test_streamed_weights_are_advised_and_unchanged_and_the_steps_logits_too(dem
     assert len(on) == len(off) > 0 and all(torch.equal(a, b) for a, b in zip(on, off))
     big = _big(on)
     head = runners["auto"].model.lm_head
-    assert head.panels.data_ptr() in {t.data_ptr() for t in big}
+    assert head.pack.tensors()[0].data_ptr() in {t.data_ptr() for t in big}     # its panels or codes
     if quantize:
-        assert type(head) is Q4Linear
+        assert is_grouped(head)
     p_on, p_off = cpu_ext.hugepage_placement(on), cpu_ext.hugepage_placement(off)
     assert p_off["advised_bytes"] == 0
     assert p_on["advised_bytes"] == _whole_pages(big) > 0
@@ -91,7 +92,7 @@ def test_greedy_tokens_equal_generates_with_huge_pages_on_and_off(demo_model_fac
         engine = make_engine(path, tmp_path, props)
         try:
             head = engine.runner.model.lm_head
-            advised = cpu_ext.hugepage_placement([head.panels])["advised_bytes"]
+            advised = cpu_ext.hugepage_placement(head.pack.tensors()[:1])["advised_bytes"]
             assert (advised > 0) == (setting == "auto")
             got[setting] = [ids for ids, _ in run_all(engine, PROMPTS[:3],
                                                       [SamplingParams(max_new_tokens=n) for n in NEW[:3]])]

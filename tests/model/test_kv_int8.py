@@ -19,7 +19,8 @@ import torch
 from handler.config import ConfigError, load_config
 from handler.config import sizing
 from handler.engine.request import SamplingParams
-from kernels import cpu_ext, reference
+from kernels import cpu as cpu_ext
+from kernels.cpu import elementwise as cpu_elementwise
 from tests.model.test_lora import lora_models  # noqa: F401  (the fixture)
 from tests.support.engine import STRATEGIES, assert_drained, make_engine, run_all
 
@@ -78,7 +79,7 @@ def test_the_same_memory_holds_about_twice_the_bf16_tokens(demo_model_dir, monke
         pool = r.kv_cache[0][0]
         assert pool.dtype == (torch.int8 if kvd == "int8" else torch.bfloat16)
         if kvd == "int8":
-            assert reference.kv_scale(pool).shape == pool.shape[:3]
+            assert pool.scales.shape == pool.shape[:3]
     want = (2 * d * 2) / (2 * (d + 4))            # bf16 bytes a row over int8 + scale
     assert tokens["int8"] / tokens["auto"] == pytest.approx(want, rel=0.02)
     assert tokens["int8"] > 1.7 * tokens["auto"]
@@ -111,11 +112,11 @@ def _runner(model_dir, dtype="fp32", kvd="int8", stack=True, kernels=None):
 
 
 def _pools_equal(a, b) -> bool:
-    return all(torch.equal(x, y) and torch.equal(reference.kv_scale(x), reference.kv_scale(y))
+    return all(torch.equal(x.data, y.data) and torch.equal(x.scales, y.scales)
                for (ak, av), (bk, bv) in zip(a.kv_cache, b.kv_cache) for x, y in ((ak, bk), (av, bv)))
 
 
-_STACK_WHY = "" if BUILD and cpu_ext.gemm_available() and cpu_ext._silu_ready() and cpu_ext.silu_exact(
+_STACK_WHY = "" if BUILD and cpu_ext.gemm_available() and cpu_elementwise._silu_ready() and cpu_ext.silu_exact(
     torch.get_num_threads()) else f"the one-call C stack does not run on this build ({BUILD})"
 
 
@@ -161,17 +162,17 @@ def test_torch_backend_reads_the_same_int8_pools(demo_model_dir):
     assert all((g - w).abs().max().item() < 1e-2 for g, w in zip(got, want))
     for (ck, cv), (tk, tv) in zip(c_run.kv_cache, t_run.kv_cache):
         for a, b in ((ck, tk), (cv, tv)):    # the same rows up to a rounding flip from the fp32 sums' order
-            assert (a.int() - b.int()).abs().max() <= 1
-            assert torch.allclose(reference.kv_scale(a), reference.kv_scale(b), rtol=1e-2, atol=1e-6)
+            assert (a.data.int() - b.data.int()).abs().max() <= 1
+            assert torch.allclose(a.scales, b.scales, rtol=1e-2, atol=1e-6)
 
 
 def test_block_copies_carry_the_scales(demo_model_dir):
     r = _runner(demo_model_dir, stack=False)
     k = r.kv_cache[0][0]
-    k[2] = 7
-    reference.kv_scale(k)[2] = 0.5
+    k.data[2] = 7
+    k.scales[2] = 0.5
     r._copy_blocks(torch.tensor([2]), torch.tensor([5]))
-    assert torch.equal(k[5], k[2]) and torch.equal(reference.kv_scale(k)[5], reference.kv_scale(k)[2])
+    assert torch.equal(k.data[5], k.data[2]) and torch.equal(k.scales[5], k.scales[2])
 
 
 # ---------------------------------------------------------------------------- the engine
@@ -301,7 +302,8 @@ def test_key_rescaling_keeps_the_logits_and_flattens_the_key_bias(demo_model_fac
     assert k.bias.abs().max().item() <= ModelRunnerLevel() * 1.001
     for reset in r.kv_cache:             # a fresh pool for the second run
         for pool in reset:
-            pool.zero_()
+            for t in pool.tensors():
+                t.zero_()
     got, _ = _steps(r, [])
     assert all(torch.allclose(g, w, rtol=1e-4, atol=1e-4) for g, w in zip(got, want))
 

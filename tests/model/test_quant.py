@@ -12,8 +12,10 @@ from torch import nn
 
 from handler.engine.request import SamplingParams
 from handler.model import quant
+from handler.model.linear import CpuLinear
 from handler.model.runner import ModelRunner
-from kernels import cpu_ext, isa
+from kernels import cpu as cpu_ext, isa
+from kernels.cpu import build as cpu_build
 from tests.support.kernels import each_build_fixture, both_x86
 from tests.support.engine import NEW, PROMPTS, STRATEGIES, make_engine, run_all
 
@@ -118,7 +120,7 @@ def test_avx2_int8_is_the_avx512_builds_bytes_and_values(bias):
 
 
 @pytest.mark.skipif(not {"avx512", "avx2"} <= set(isa.host_isas()) or not {"avx512_vnni", "avx512vl"} <= isa.cpu_flags()
-                    or cpu_ext._compiler() is None,
+                    or cpu_build.compiler() is None,
                     reason="runs the avx2 build's AVX-VNNI int8 path through its EVEX twin: needs AVX512-VNNI/VL, "
                            "the avx512 build to compare with, and a C compiler")
 def test_avx_vnni_int8_path_is_the_avx512_builds_values(tmp_path):
@@ -128,8 +130,8 @@ def test_avx_vnni_int8_path_is_the_avx512_builds_values(tmp_path):
     import ctypes
     import subprocess
     so = str(tmp_path / "i8_vnni.so")
-    src = os.path.join(cpu_ext._HERE, "cpu_gemm_i8.c")
-    r = subprocess.run([cpu_ext._compiler(), *cpu_ext.EXACT_FLAGS, "-march=x86-64-v3", "-mtune=generic",
+    src = os.path.join(cpu_build.SRC_DIR, "cpu_gemm_i8.c")
+    r = subprocess.run([cpu_build.compiler(), *cpu_build.EXACT_FLAGS, "-march=x86-64-v3", "-mtune=generic",
                         "-DLMI_I8_CHECK_EVEX_VNNI", "-shared", src, "-o", so, "-lm"], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr[-2000:]
     lib = ctypes.CDLL(so)
@@ -195,7 +197,7 @@ def test_quantized_model_swaps_every_linear_but_the_head(demo_model_dir):
     head = r.model.get_output_embeddings()
     assert type(head) is nn.Linear and head.weight.numel() > 0
     body = [m for m in linears if m is not head]
-    assert body and all(type(m) is quant.Int8Linear for m in body)
+    assert body and all(isinstance(m, CpuLinear) and isinstance(m.pack, quant.Int8Pack) for m in body)
     assert all(m.weight.numel() == 0 for m in body)           # the float copy is gone
     layer = r.model.model.layers[0]    # smoothed: those after a norm or up_proj; o_proj is not
     for name in ("self_attn.q_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.down_proj"):
@@ -266,7 +268,7 @@ def test_int8_serves_under_every_strategy(demo_model_dir, tmp_path):
     for name, props in STRATEGIES.items():
         engine = make_engine(demo_model_dir, tmp_path, {**props, "option.quantize": "int8"})
         try:
-            assert type(engine.runner.model.model.layers[0].mlp.down_proj) is quant.Int8Linear
+            assert isinstance(engine.runner.model.model.layers[0].mlp.down_proj.pack, quant.Int8Pack)
             results = run_all(engine, PROMPTS, [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in NEW])
             assert [len(ids) for ids, _ in results] == NEW, name
         finally:

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import kernels
-from kernels import cpu_ext
+from kernels import cpu as cpu_ext
 
 BUILD = cpu_ext.current()[0]    # the build under test here (None: torch's operators)
 

@@ -15,9 +15,9 @@ from torch import nn
 from handler.config import load_config
 from handler.engine.request import SamplingParams
 from handler.model import quant
-from handler.model.quant_int4 import Q4Linear, grouped_of, pack
+from handler.model.quant_int4 import TorchGroupedPack, grouped_of, is_grouped, pack
 from handler.model.runner import ModelRunner
-from kernels import cpu_ext
+from kernels import cpu as cpu_ext
 from tests.support.engine import NEW, PROMPTS, STRATEGIES, make_engine, run_all
 from tests.support.kernels import each_build_fixture
 
@@ -82,30 +82,27 @@ def _runner(model_dir, quantize, **kw):
 def test_the_head_is_int8_under_w8a16_unless_told_and_float_under_w8a8():
     assert quant.head_quantized("int8_weight_only") and quant.head_quantized("w8a16", "auto")
     assert not quant.head_quantized("int8") and not quant.head_quantized("int8", "auto")
-    assert not quant.head_quantized("int8_weight_only", "0") and quant.head_quantized("int8", "1")
+    assert not quant.head_quantized("int8_weight_only", "false") and quant.head_quantized("int8", "true")
 
 
-def test_the_head_follows_lmi_quant_head(demo_model_dir, monkeypatch):
-    monkeypatch.setenv("LMI_QUANT_HEAD", "auto")
-    r = _runner(demo_model_dir, "int8_weight_only", fuse=False)
+def test_the_head_follows_option_quantize_head(demo_model_dir):
+    r = _runner(demo_model_dir, "int8_weight_only", fuse=False, numerics={"quantize_head": "auto"})
     head = r.model.get_output_embeddings()
-    assert type(head) is Q4Linear and head.bits == 8 and head.fmt == "int8_weight_only"
+    assert is_grouped(head) and head.pack.bits == 8 and head.pack.fmt == "int8_weight_only"
     # the embedding keeps its float table (a tied head is untied before quantizing)
     emb = r.model.get_input_embeddings()
     assert emb.weight.numel() > 0 and emb.weight.dtype == torch.float32
-    monkeypatch.setenv("LMI_QUANT_HEAD", "0")
-    assert type(_runner(demo_model_dir, "int8_weight_only", fuse=False).model.get_output_embeddings()) \
-        is not Q4Linear
+    assert not is_grouped(_runner(demo_model_dir, "int8_weight_only", fuse=False,
+                                  numerics={"quantize_head": "false"}).model.get_output_embeddings())
 
 
-def test_every_linear_but_the_head_is_int8_per_channel_and_unsmoothed(demo_model_dir, monkeypatch):
-    monkeypatch.setenv("LMI_QUANT_HEAD", "0")
-    r = _runner(demo_model_dir, "int8_weight_only", fuse=False)
+def test_every_linear_but_the_head_is_int8_per_channel_and_unsmoothed(demo_model_dir):
+    r = _runner(demo_model_dir, "int8_weight_only", fuse=False, numerics={"quantize_head": "false"})
     head = r.model.get_output_embeddings()
     body = [m for m in r.model.modules() if isinstance(m, nn.Linear) and m is not head]
-    assert body and all(type(m) is Q4Linear and m.fmt == "int8_weight_only" for m in body)
-    assert all(m.weight.numel() == 0 and m.bits == 8 and m.group == m.in_features for m in body)
-    assert type(head) is not Q4Linear
+    assert body and all(is_grouped(m) and m.pack.fmt == "int8_weight_only" for m in body)
+    assert all(m.weight.numel() == 0 and m.pack.bits == 8 and m.pack.group == m.in_features for m in body)
+    assert not is_grouped(head)
     # no SmoothQuant: the norms keep the checkpoint's weights, no layer has an input scale
     assert not any(getattr(m, "input_scale", None) is not None for m in r.model.modules())
     plain = _runner(demo_model_dir, None, fuse=False)
@@ -113,7 +110,7 @@ def test_every_linear_but_the_head_is_int8_per_channel_and_unsmoothed(demo_model
     assert torch.equal(n1.weight, n2.weight)
     # each layer holds its float weight rounded per channel, in the kernel's packing or not
     for (name, m), (_, p) in zip(r.model.named_modules(), plain.model.named_modules()):
-        if type(m) is Q4Linear:
+        if is_grouped(m):
             want = quant.w8a16_grouped(p.weight).dequantize()
             assert torch.equal(grouped_of(m).dequantize(), want), name
 
@@ -132,7 +129,7 @@ def _dequantized_dir(src: str, dst: str) -> str:
             t[key] = quant.w8a16_grouped(t[key]).dequantize().contiguous()
             changed += 1
     assert changed
-    # the head as W8A16 serves it by default (LMI_QUANT_HEAD=auto): int8 per channel, its own copy
+    # the head as W8A16 serves it by default (option.quantize_head=auto): int8 per channel, its own copy
     cfg_path = os.path.join(dst, "config.json")
     with open(cfg_path) as f:
         cfg = json.load(f)
@@ -159,7 +156,7 @@ def test_greedy_parity_with_generate_on_the_dequantized_weights(strategy, refere
                                          "option.quantize": "int8_weight_only"})
     try:
         layer = engine.runner.model.model.layers[0].mlp.down_proj
-        assert type(layer) is Q4Linear and layer.fmt == "int8_weight_only"
+        assert is_grouped(layer) and layer.pack.fmt == "int8_weight_only"
         results = run_all(engine, PROMPTS[:4], [SamplingParams(max_new_tokens=n) for n in NEW[:4]])
     finally:
         engine.shutdown()
@@ -175,11 +172,11 @@ def test_torch_backend_serves_the_same_tokens(reference_dir, tmp_path):
                                          "option.quantize": "w8a16", "option.cpu_kernels": "torch"})
     try:
         layer = engine.runner.model.model.layers[0].mlp.down_proj
-        assert type(layer) is Q4Linear and layer.panels is None and layer.grouped is not None
+        assert is_grouped(layer) and isinstance(layer.pack, TorchGroupedPack)
         results = run_all(engine, PROMPTS[:3], [SamplingParams(max_new_tokens=n) for n in NEW[:3]])
     finally:
         engine.shutdown()
-        from kernels import cpu_ext as ce
+        from kernels import cpu as ce
         ce.select(None)
     for p, n, (ids, _) in zip(PROMPTS, NEW, results):
         assert ids == hf_greedy(ref, p, n), p[:20]

@@ -5,10 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import cpu_ext, isa, reference
+from kernels import cpu as cpu_ext, isa, reference
+from kernels.cpu import build as cpu_build
 
 # A check that compares builds needs a CPU running both x86 builds.
-both_x86 = pytest.mark.skipif(not {"avx512", "avx2"} <= set(isa.host_isas()) or cpu_ext._compiler() is None,
+both_x86 = pytest.mark.skipif(not {"avx512", "avx2"} <= set(isa.host_isas()) or cpu_build.compiler() is None,
                               reason="the cross-build check needs a CPU that runs both the avx512 and the avx2 "
                                      "build (AVX-512 F/BW/VL) and a C compiler")
 
@@ -20,7 +21,7 @@ def each_build_fixture(capability: str | None = None, what: str = ""):
     def each_build(request):
         if request.param == "none":
             pytest.skip(f"this CPU ({isa.machine()}) runs none of {', '.join(isa.ISAS)}: torch serves")
-        if cpu_ext._compiler() is None:
+        if cpu_build.compiler() is None:
             pytest.skip("no C compiler (cc/gcc) on PATH: the CPU kernels cannot be built")
         cpu_ext.select(request.param)
         try:

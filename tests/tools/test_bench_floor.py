@@ -4,6 +4,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from handler.model.cpu import PanelPack
+from handler.model.linear import CpuLinear
 from handler.tools.bench import floor
 from handler.tools.bench.compare import curve_requests
 from handler.tools.bench.workloads import PRESETS
@@ -31,7 +33,8 @@ def test_step_bytes_leave_out_the_gathered_table_unless_the_head_reads_it():
     tied = floor.step_bytes(_Tiny(tied=True))           # the head multiplies by the table itself
     assert tied == {"weight_bytes_per_step": (100 * 8 + 8 + 8) * 4, "embedding_table_bytes": 0}
     m = _Tiny(tied=False)
-    m.head.panels = torch.zeros(100 * 8, dtype=torch.float32)     # a packed copy is what the GEMM reads
+    m.head = CpuLinear(m.head, PanelPack(torch.zeros(100 * 8, dtype=torch.float32), False), keep_weight=True)
+    # a packed copy is what the GEMM reads
     assert floor.step_bytes(m)["weight_bytes_per_step"] == (2 * 100 * 8 + 16) * 4
 
 
@@ -58,7 +61,7 @@ def test_qwen_presets_run_the_load_curve_with_prefixes_of_one_list():
 
 def test_read_probe_reads_every_element_and_measures_a_rate():
     import pytest
-    from kernels import cpu_ext
+    from kernels import cpu as cpu_ext
     x = torch.arange(1000 * 16 + 7, dtype=torch.float32) % 5       # a tail past the 16 lanes and the threads' cuts
     got = cpu_ext.stream_read(x)
     if got is None:
@@ -66,3 +69,33 @@ def test_read_probe_reads_every_element_and_measures_a_rate():
     assert got == pytest.approx(float(x.double().sum()), rel=1e-6)
     assert torch.equal(x, torch.arange(1000 * 16 + 7, dtype=torch.float32) % 5)      # read only
     assert floor.read_bandwidth(mib=8, reps=2) > 0
+
+
+def test_probes_read_memory_placed_as_the_weights_are():
+    # The probe buffers come from the weights' allocator: where huge pages are advised for packed
+    # weights, they are for the probe too (a 4 KiB-page probe put the floor above served TPOTs).
+    from kernels.cpu import memory
+    buf = floor._probe_buffer(8)
+    assert buf.dtype == torch.float32 and buf.numel() == 8 * 2 ** 20 // 4 and bool((buf == 1).all())
+    placed = memory.hugepage_placement([buf])
+    if memory.hugepages_wanted():
+        assert placed["advised_bytes"] == 8 * 2 ** 20
+    else:
+        assert placed["advised_bytes"] == 0
+
+
+def test_weights_read_streams_the_served_tensors_where_they_lie():
+    import pytest
+    from kernels import cpu as cpu_ext
+    m = _Tiny(tied=False)
+    panels = torch.zeros(100 * 8 + 1, dtype=torch.float32)
+    m.head = CpuLinear(m.head, PanelPack(panels, False), keep_weight=True)
+    m.norm.register_buffer("codes", torch.zeros(4 * 1000 + 3, dtype=torch.uint8))   # a 3-byte tail the probe skips
+    read, table = floor.step_tensors(m)
+    assert table == 100 * 8 * 4 and any(t is panels for t in read) and all(t is not m.embed.weight for t in read)
+    got = floor.weights_read(read, reps=2)
+    if cpu_ext.load() is None:
+        assert got is None
+        pytest.skip("the C kernels do not load here: no read probe")
+    want = sum(t.numel() * t.element_size() // 4 * 4 for t in read)
+    assert got["bytes"] == want and got["ms"] > 0

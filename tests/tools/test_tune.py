@@ -113,7 +113,7 @@ def test_explain_matches_the_runners_kv_pool(demo_model_dir, tmp_path):
     from handler.model.runner import ModelRunner
 
     r = ModelRunner(demo_model_dir, device="cpu", block_size=16, max_running=3, max_model_len=200)
-    allocated = sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in r.kv_cache)
+    allocated = sum(t.numel() * t.element_size() for k, v in r.kv_cache for t in (k.data, v.data))
     (tmp_path / "p").write_text("option.rolling_batch=auto\noption.max_rolling_batch_size=3\noption.max_model_len=200\n")
     cfg = load_config(str(tmp_path / "p"), demo_model_dir, env={})
     e = explain.explain(cfg, explain.read_geometry(demo_model_dir), device="cpu")

@@ -9,7 +9,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirna
 argv = sys.argv[1:]
 if "--fp32-copy" in argv:
     argv.remove("--fp32-copy")
-    from kernels import cpu_ext
+    from kernels import cpu as cpu_ext
     cpu_ext.gemm_bf16w_available = lambda: False
 from handler.model import cpu  # noqa: E402
 from benchmarks import engine_loop  # noqa: E402

@@ -16,9 +16,14 @@ copy bandwidth              a memcpy probe: torch's copy_ of a 512 MiB fp32 buff
                             process's threads, the best of 5, in bytes copied per second (each byte
                             is also written, so a step's read-only stream can run faster)
 
-and beside it the tighter floor a decode step can approach, `floor_read_ms`: the same bytes at the
-host's read bandwidth (kernels/cpu_gemm.c's read-stream probe over the same buffer and threads, best of
-5; where the C kernels do not load, twice the copy rate, as a bound). `x_floor_read` is TPOT over it.
+and beside it the tighter floor a decode step can approach, `floor_read_ms`, the smaller of two reads:
+the same bytes at the host's read bandwidth (kernels/cpu_gemm.c's read-stream probe, best of 5), and
+the time that probe takes to read the served model's own weight tensors once (best of 5:
+`floor_weights_ms`), where they sit. Both probes read memory placed as the served weights are: the
+probe buffers come from the weights' allocator (kernels/cpu/memory.py, 2 MiB pages where the OS takes
+the advice), so a probe in 4 KiB pages cannot put the floor above a step that runs in huge pages.
+Where the C kernels do not load there is no read probe: twice the copy rate, as a bound.
+`x_floor_read` is TPOT over it.
 
 `--results` (a `bench compare --clients 1,...` results.json): every server's TPOT p50 at one client
 divided by this precision's floor (run once per precision: fp32, bf16, int8, ...; a peer's layout of
@@ -34,13 +39,21 @@ import time
 PROBE_MIB = 512
 
 
+def _probe_buffer(mib: int):
+    """An fp32 buffer of `mib` MiB of ones, in the memory the served weights use (huge-page advised
+    where the OS takes it), every page faulted in."""
+    import torch
+    from kernels.cpu import memory
+    t = memory.empty_hugepage(mib * 2 ** 20 // 4, torch.float32)
+    return t.fill_(1.0)
+
+
 def copy_bandwidth(mib: int = PROBE_MIB, reps: int = 5) -> dict:
     """Bytes copied per second by torch's copy_ over the process's threads (best of `reps`)."""
     import torch
-    n = mib * 2 ** 20 // 4
-    src = torch.ones(n, dtype=torch.float32)
-    dst = torch.empty_like(src)
-    dst.copy_(src)                      # fault the pages in
+    src = _probe_buffer(mib)
+    dst = _probe_buffer(mib)
+    n = src.numel()
     best = float("inf")
     for _ in range(reps):
         t = time.perf_counter()
@@ -52,11 +65,10 @@ def copy_bandwidth(mib: int = PROBE_MIB, reps: int = 5) -> dict:
 def read_bandwidth(mib: int = PROBE_MIB, reps: int = 5) -> float | None:
     """Bytes read per second by kernels/cpu_gemm.c's read-stream probe over the process's threads
     (best of `reps`); None where the C kernels do not load."""
-    import torch
-    from kernels import cpu_ext
-    src = torch.ones(mib * 2 ** 20 // 4, dtype=torch.float32)
-    if cpu_ext.stream_read(src) is None:
+    from kernels import cpu as cpu_ext
+    if cpu_ext.load() is None:
         return None
+    src = _probe_buffer(mib)
     best = float("inf")
     for _ in range(reps):
         t = time.perf_counter()
@@ -65,39 +77,77 @@ def read_bandwidth(mib: int = PROBE_MIB, reps: int = 5) -> float | None:
     return src.numel() * 4 / best / 1e9
 
 
-def step_bytes(model) -> dict:
-    """Bytes a one-row decode step reads of `model`'s weights, as held (see the module doc)."""
+def step_tensors(model) -> tuple[list, int]:
+    """The tensors a one-row decode step reads of `model`'s weights, as held (see the module doc), and
+    the bytes of the input embedding table left out."""
     import torch
     emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     head_reads_table = (head is not None and emb is not None and getattr(head, "weight", None) is emb.weight
-                        and all(getattr(head, a, None) is None for a in ("panels", "packed", "qweight")))
-    seen, total, table = set(), 0, 0
+                        and getattr(head, "pack", None) is None)      # a packed head reads its own copy
+    seen, read, table = set(), [], 0
     for m in model.modules():
         tensors = list(m.parameters(recurse=False)) + list(m.buffers(recurse=False))
-        tensors += [t for a in ("panels", "packed", "qweight", "qscales", "qmins", "qd", "qe", "wsum", "wscale", "bias32",
-                                "qbytes") for t in [getattr(m, a, None)] if isinstance(t, torch.Tensor)]
-        g = getattr(m, "grouped", None)
-        if g is not None:
-            tensors += [g.q, g.scales, g.mins]
+        pack = getattr(m, "pack", None)      # a handler/model/linear.py CpuLinear: what its pack holds
+        if pack is not None:
+            tensors += [t for t in (*pack.held(), m.bias32) if isinstance(t, torch.Tensor)]
         for t in tensors:
             if id(t) in seen or not t.is_floating_point() and t.dtype not in (torch.int8, torch.uint8, torch.int32):
                 continue
             seen.add(id(t))
-            b = t.numel() * t.element_size()
             if m is emb and not head_reads_table:
-                table += b
+                table += t.numel() * t.element_size()
                 continue
-            total += b
-    return {"weight_bytes_per_step": total, "embedding_table_bytes": table}
+            read.append(t)
+    return read, table
+
+
+def step_bytes(model) -> dict:
+    """Bytes a one-row decode step reads of `model`'s weights, as held (see the module doc)."""
+    read, table = step_tensors(model)
+    return {"weight_bytes_per_step": sum(t.numel() * t.element_size() for t in read), "embedding_table_bytes": table}
+
+
+def weights_read(tensors, reps: int = 5) -> dict | None:
+    """The read-stream probe over the weight tensors themselves, where they lie: {"bytes" it read (each
+    contiguous tensor's bytes as fp32 words; a tail of under 4 bytes or a non-contiguous tensor is
+    skipped), "ms": the best of `reps` passes over all of them}; None without the C kernels."""
+    import torch
+    from kernels import cpu as cpu_ext
+    if cpu_ext.load() is None:
+        return None
+    words = []
+    for t in tensors:
+        if t.device.type != "cpu" or not t.is_contiguous() or t.data_ptr() % 4:
+            continue
+        b = t.detach().reshape(-1).view(torch.uint8)
+        n = b.numel() // 4 * 4
+        if n:
+            words.append(b[:n].view(torch.float32))
+    if not words:
+        return None
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        for w in words:
+            cpu_ext.stream_read(w)
+        best = min(best, time.perf_counter() - t0)
+    return {"bytes": sum(w.numel() * 4 for w in words), "ms": best * 1e3}
 
 
 def floor_of(model_dir: str, dtype: str, quantize: str | None) -> dict:
-    """Build the server's engine for the precision (handler/tools/quality.py's), measure its bytes."""
+    """Build the server's engine for the precision (handler/tools/quality.py's), measure its bytes and
+    the read probe's pass over them (`weights_read`)."""
     from handler.tools import quality
     engine = quality.engine_for(model_dir, dtype, quantize)
     try:
-        return step_bytes(engine.runner.model)
+        read, table = step_tensors(engine.runner.model)
+        out = {"weight_bytes_per_step": sum(t.numel() * t.element_size() for t in read),
+               "embedding_table_bytes": table}
+        w = weights_read(read)
+        if w is not None:   # scaled to every byte counted (a skipped tail or strided tensor: a few KiB)
+            out["floor_weights_ms"] = round(w["ms"] * out["weight_bytes_per_step"] / w["bytes"], 3)
+        return out
     finally:
         engine.shutdown()
 
@@ -130,10 +180,14 @@ def main(argv: list[str]) -> int:
     held = floor_of(a.model_dir, a.dtype, a.quantize)
     nbytes = held["weight_bytes_per_step"]
     floor_ms = nbytes / (bw["copy_gbps"] * 1e9) * 1e3
-    read_ms = nbytes / (read_gbps * 1e9) * 1e3 if read_gbps else floor_ms / 2
+    probe_ms = nbytes / (read_gbps * 1e9) * 1e3 if read_gbps else floor_ms / 2
+    read_ms = min(probe_ms, held.get("floor_weights_ms", probe_ms))
     out = {"model_dir": a.model_dir, "dtype": a.dtype, "quantize": a.quantize, **held, **bw,
-           "read_gbps": read_gbps, "floor_ms": round(floor_ms, 3), "floor_read_ms": round(read_ms, 3)}
+           "read_gbps": read_gbps, "floor_ms": round(floor_ms, 3), "floor_read_probe_ms": round(probe_ms, 3),
+           "floor_read_ms": round(read_ms, 3)}
     said = f"read bandwidth {read_gbps:.1f} GB/s" if read_gbps else "no read probe (C kernels absent): 2x copy"
+    if "floor_weights_ms" in held:
+        said += f", the weights themselves read in {held['floor_weights_ms']:.1f} ms"
     print(f"weights read per step {nbytes / 2 ** 20:.0f} MiB ({a.quantize or a.dtype}); copy bandwidth "
           f"{bw['copy_gbps']:.1f} GB/s over {bw['threads']} threads, {said}; floor {floor_ms:.1f} ms per token "
           f"at the copy rate, {read_ms:.1f} ms at the read rate")

@@ -1,5 +1,5 @@
 /* The CPU kernels' aarch64 NEON build against plain C references, run under qemu-user by
- * tests/kernels/test_arm_neon.py (linked with the kernels' C sources, built as kernels/cpu_ext.py builds them).
+ * tests/kernels/test_arm_neon.py (linked with the kernels' C sources, built as kernels/cpu/ builds them).
  *
  * Prints one line per kernel family:
  *   AVAIL <name> 0|1          what the build says it provides (lmi_*_available)
@@ -54,7 +54,7 @@ void lmi_bf16_rows(const float *A, int64_t M, int64_t K, int64_t lda, uint16_t *
 void lmi_pack_i8(const int8_t *W, int64_t N, int64_t K, int8_t *out, int32_t *wsum);
 void lmi_gemm_q(const float *A, int64_t M, int64_t K, int64_t lda, const uint8_t *Bp, const void *S,
                 const void *Mn, const float *D, const float *E, int smode, int64_t sg, int bits, int64_t g, int64_t N,
-                const float *bias, float *C, int64_t ldc, int nthreads);
+                const float *bias, float *C, int64_t ldc, int act8, int nthreads);
 int lmi_decode_attention(const float *q, const void *kc, const void *vc, int kv_bf16, int64_t s_blk, int64_t s_tok,
                          int64_t s_head, const int32_t *tables, int64_t tw, const int32_t *lens, int64_t B, int64_t H,
                          int64_t Hkv, int64_t D, int64_t bs, float scale, int64_t window, float softcap, float *out,
@@ -353,7 +353,7 @@ static void check_gemm_q(void) {
                 const void *S = smode == 0 ? (const void *)Sf : smode == 1 ? (const void *)S16 : (const void *)Sa;
                 const void *Mn = smode == 0 ? (const void *)Mf : smode == 1 ? (const void *)M16 : (const void *)Mb;
                 for (int t = 0; t < 2; ++t) {
-                    lmi_gemm_q(A, M, K, K, P, S, Mn, D, E, smode, sg, bits, g, N, bias, C, N, THREADS[t]);
+                    lmi_gemm_q(A, M, K, K, P, S, Mn, D, E, smode, sg, bits, g, N, bias, C, N, 0, THREADS[t]);
                     ++cases;
                     if (memcmp(C, R, 4 * M * N) && ok) {
                         ok = 0;
