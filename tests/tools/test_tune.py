@@ -188,6 +188,28 @@ def test_decide_picks_the_fastest_that_meets():
     assert tune.decide(rows, {"latency_p90_s": 0.5}) == (None, 0)
 
 
+def test_decide_prefers_goodput_under_a_ttft_tpot_objective():
+    rows = [dict(requests_per_s=9.0, goodput_per_s=4.0, meets_slo=True, complete=True, tpot_p90_ms=48.0),
+            dict(requests_per_s=7.0, goodput_per_s=6.5, meets_slo=True, complete=True, tpot_p90_ms=30.0),
+            dict(requests_per_s=9.5, goodput_per_s=7.0, meets_slo=False, complete=True, tpot_p90_ms=70.0)]
+    assert tune.decide(rows, {"tpot_p90_ms": 50.0}) == (1, None)
+    assert tune.goodput_slo({"tpot_p90_ms": 50.0, "latency_p90_s": 2.0}) == tune.Slo(None, 0.05)
+    assert tune.goodput_slo({"latency_p90_s": 2.0}) is None
+
+
+def test_a_tpot_objective_proposes_a_target_tpot_candidate(demo_model_dir):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(demo_model_dir)
+    tr = tune.traffic_from_workload(tune.preset_workload("lmi", "cpu"), tok)
+    base = load_config(None, demo_model_dir, env={})
+    cands = tune.propose(tr, base, explain.read_geometry(demo_model_dir), {"tpot_p90_ms": 50.0}, 8, tok)
+    targeted = [c for c in cands if "option.target_tpot_ms" in c.properties]
+    assert [c.properties["option.target_tpot_ms"] for c in targeted] == ["40"] and "40 ms" in targeted[0].reason
+    none = tune.propose(tr, base, explain.read_geometry(demo_model_dir), {"latency_p90_s": 2.0}, 8, tok)
+    assert not any("option.target_tpot_ms" in c.properties for c in none)
+
+
 def test_watch_stops_a_hopeless_candidate():
     w = tune.Watch(10, {"latency_p90_s": 0.5}, None, time.monotonic() + 60)
     w.on_start(0, 0.0)
