@@ -369,9 +369,6 @@ class Scheduler:
             budget -= len(head.tokens) - head.num_computed
 
     # ---- latency policies (target_tpot_s, priority, aging_s)
-    def _awaits_prefill(self, seq: Sequence) -> bool:
-        return seq not in self.running or len(seq.tokens) - seq.num_computed > 1
-
     def _aged(self, seq: Sequence, now: float) -> bool:
         """Waiting (for admission or its prompt) for aging_s or more: it goes ahead of everything."""
         return self.policy.ages and now - seq.waiting_since >= self.policy.aging_s
@@ -406,8 +403,9 @@ class Scheduler:
         cap = p.prefill_token_budget
         if p.target_tpot_s is None or p.request_level:
             return cap
-        pending = [q for q in self.seqs.values() if self._awaits_prefill(q)]
-        if any(self._aged(q, now) or self._outranks(q) for q in pending):
+        pending = [*self.waiting, *(q for q in self.running if len(q.tokens) - q.num_computed > 1)]
+        worst = max((q.priority for q in self.running), default=None) if p.by_priority else None
+        if any(self._aged(q, now) or (worst is not None and q.priority < worst) for q in pending):
             return cap
         rows = sum(1 for q in self.running if len(q.tokens) - q.num_computed == 1)
         b = self.cost.prefill_budget(rows, p.target_tpot_s)
