@@ -108,6 +108,16 @@ def test_dynamic_steps_by_hand(tmp_path):
     assert e["mix"]["dynamic_steps_over_iteration_level"] == pytest.approx(2.5 / 2)
 
 
+def test_explain_states_the_latency_policy(tmp_path):
+    e = explained(tmp_path, "option.rolling_batch=auto\noption.kv_cache_tokens=512\noption.target_tpot_ms=75\n"
+                            "option.scheduling_policy=priority\n")
+    assert e["scheduling"] == {"policy": "priority", "target_tpot_ms": 75.0, "aging_ms": 2000.0,
+                               "prefill_cap_tokens": 4096}
+    notes = " ".join(e["notes"])
+    assert "option.target_tpot_ms=75" in notes and "option.scheduling_policy=priority" in notes
+    assert "scheduling" not in explained(tmp_path, "option.rolling_batch=auto\noption.kv_cache_tokens=512\n")
+
+
 def test_explain_matches_the_runners_kv_pool(demo_model_dir, tmp_path):
     """The oracle: the tensors the runner allocates, and its default sizing."""
     from handler.model.runner import ModelRunner
