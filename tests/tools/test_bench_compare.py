@@ -180,7 +180,7 @@ def test_arms_parse_and_refuse_bad_specs_in_one_line(tmp_path):
             Arm.parse(bad)
 
 
-def test_an_arm_serves_its_extra_properties_and_checkout(tmp_path):
+def test_an_arm_serves_its_extra_properties_and_checkout(tmp_path, monkeypatch):
     from handler.tools.bench.compare import Arm, make_servers
 
     (tmp_path / "handler").mkdir()
@@ -188,12 +188,14 @@ def test_an_arm_serves_its_extra_properties_and_checkout(tmp_path):
     w = Workload(name="t", requests=1, concurrency=4, prompt_words=(1,), max_new_tokens=(4,))
     arms = {a.name: a for a in (Arm.parse("after=paged+option.target_tpot_ms=80"),
                                 Arm.parse(f"before=paged@{tmp_path}"))}
-    servers = {s.name: s for s in make_servers(["paged", "after", "before"], w, str(tmp_path), 4096,
-                                               str(tmp_path), None, arms=arms)}
+    monkeypatch.chdir(tmp_path)
+    servers = {s.name: s for s in make_servers(["paged", "after", "before"], w, ".", 4096, ".", None, arms=arms)}
     props = (tmp_path / "after.properties").read_text()
     assert props == (tmp_path / "paged.properties").read_text() + "option.target_tpot_ms=80\n"
     assert servers["before"].cwd == str(tmp_path) and servers["before"].env["PYTHONPATH"] == str(tmp_path)
     assert servers["after"].cwd is None and servers["paged"].cwd is None
+    cmd = servers["before"].cmd      # started in the other checkout: every path absolute
+    assert os.path.isabs(cmd[cmd.index("--properties") + 1]) and os.path.isabs(cmd[cmd.index("--model-dir") + 1])
 
 
 # ------------------------------------------------------------------ end to end

@@ -316,8 +316,9 @@ def make_servers(names, w: Workload, model_dir: str, kv_tokens: int, run_dir: st
             with open(props, "w") as f:
                 f.write(properties(arm.strategy if arm else name, w, kv_tokens, dtype, tp)
                         + "".join(f"{k}={v}\n" for k, v in (arm.extra if arm else ())))
-            cmd = [sys.executable, "-m", "handler", "serve", "--properties", props,
-                   "--model-dir", model_dir, "--port", str(port), "--host", "127.0.0.1"]
+            # Absolute paths: an arm from another checkout starts there.
+            cmd = [sys.executable, "-m", "handler", "serve", "--properties", os.path.abspath(props),
+                   "--model-dir", os.path.abspath(model_dir), "--port", str(port), "--host", "127.0.0.1"]
             if arm is not None and arm.root:
                 servers.append(Server(name, cmd, log, port, env={**OWN_SERVER_ENV, "PYTHONPATH": arm.root},
                                       cwd=arm.root, held={"checkout": arm.root}))
