@@ -7,7 +7,7 @@ cd "$(dirname "$0")/../../.."
 OUT=benchmarks/results/latency-64
 uptime > $OUT/load.txt
 HF_HUB_OFFLINE=1 flock /tmp/bench.lock .venv/bin/python -m handler bench compare --preset cpu-135m --workloads lmi \
-    --dtype fp32 --reps 2 --requests 100 --model-dir .cache/models/smollm2 --only paged --no-peak --no-progress \
+    --dtype fp32 --reps 2 --requests 100 --model-dir .cache/models/smollm2 --no-peak --no-progress \
     --arm before=paged@/work/main --arm after=paged+option.target_tpot_ms=100 --slo-ttft-ms 2000 --slo-tpot-ms 150 \
     --out $OUT/fp32 2> $OUT/fp32.log
 uptime >> $OUT/load.txt

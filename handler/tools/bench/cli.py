@@ -174,7 +174,7 @@ def _slo(a):
 def cmd_compare(a) -> int:
     from handler.tools.bench.compare import ALL, Arm, compare
 
-    only = _names("--only", a.only, ALL) if a.only else None
+    only = _names("--only", a.only, ALL) if a.only else ([] if a.arm else None)   # arms alone: just them
     names = [w.name for w in PRESETS[a.preset].workloads]
     workloads = _names("--workloads", a.workloads, names) if a.workloads else None
     if a.reps is not None and a.reps < 1:
@@ -281,7 +281,7 @@ def main(argv: list[str]) -> int:
     c.add_argument("--arm", action="append", metavar="NAME=STRATEGY[@CHECKOUT][+key=value...]",
                    help="one more cell of our server, interleaved with the others: a strategy with extra "
                         "properties (after=paged+option.target_tpot_ms=80), or another checkout's code "
-                        "(before=paged@/work/main); repeatable")
+                        "(before=paged@/work/main); repeatable; without --only, only the arms run")
     c.add_argument("--slo-ttft-ms", type=float, metavar="MS",
                    help="goodput: a request meets the objective when its first token came within MS")
     c.add_argument("--slo-tpot-ms", type=float, metavar="MS",

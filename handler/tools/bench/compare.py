@@ -633,7 +633,7 @@ def compare(preset: str | Preset = "cpu", out_dir: str = "bench-out", only=None,
 
     p = PRESETS[preset] if isinstance(preset, str) else preset
     arms = list(arms or [])
-    names = list(only or default_names()) + [a.name for a in arms]
+    names = list(default_names() if only is None else only) + [a.name for a in arms]
     if len(set(names)) != len(names):
         raise ValueError(f"cells named twice: {', '.join(sorted(n for n in set(names) if names.count(n) > 1))}")
     if slo is None:
