@@ -89,11 +89,13 @@ def test_the_custom_attributes_header_sets_the_priority(servers, submitted):
     for value in ("priority=4", "trace=abc; Priority = 4", "a=1,priority=4"):
         assert post(servers["priority"], "/invocations", body, {HEADER: value}).status_code == 200
     assert post(servers["priority"], "/v1/chat/completions", CHAT, {HEADER: "priority=4"}).status_code == 200
+    messages = {"model": "m", "max_tokens": 3, "messages": [{"role": "user", "content": "hi"}]}   # Anthropic's
+    assert post(servers["priority"], "/v1/messages", messages, {HEADER: "priority=4"}).status_code == 200
     # The body's own field wins over the header; other attributes alone change nothing.
     with_field = {"inputs": "hello", "parameters": {"max_new_tokens": 2, "priority": 1}}
     assert post(servers["priority"], "/invocations", with_field, {HEADER: "priority=4"}).status_code == 200
     assert post(servers["priority"], "/invocations", body, {HEADER: "tenant=7"}).status_code == 200
-    assert submitted == [4, 4, 4, 4, 1, 0]
+    assert submitted == [4, 4, 4, 4, 4, 1, 0]
 
 
 def test_a_bad_or_unwelcome_header_priority_is_a_400_naming_the_header(servers, submitted):

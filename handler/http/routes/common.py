@@ -142,16 +142,23 @@ def with_client(error, work):
         return error(e.status, e.message, e.field)
 
 
-def custom_attributes_priority(value: str | None) -> int | None:
-    """`priority=N` in SageMaker's custom attributes (`key=value` pairs split by `;` or `,`; other
-    keys are the client's own and left alone), or None when it names none."""
+def custom_attribute(value: str | None, name: str) -> str | None:
+    """The value of `name` in SageMaker's custom attributes (`key=value` pairs split by `;` or `,`,
+    keys matched without case; other keys are the client's own and left alone), or None."""
     for part in re.split(r"[;,]", value or ""):
         key, eq, v = part.partition("=")
-        if eq and key.strip().lower() == "priority":
-            v = v.strip()
-            n = int(v) if re.fullmatch(r"[+-]?[0-9]{1,10}", v) else v
-            return check_int(f"{CUSTOM_ATTRIBUTES_HEADER}: priority", n, -MAX_PRIORITY, MAX_PRIORITY)
+        if eq and key.strip().lower() == name:
+            return v.strip()
     return None
+
+
+def custom_attributes_priority(value: str | None) -> int | None:
+    """`priority=N` in the custom attributes (an integer, as the body's field), or None."""
+    v = custom_attribute(value, "priority")
+    if v is None:
+        return None
+    n = int(v) if re.fullmatch(r"[+-]?[0-9]{1,10}", v) else v
+    return check_int(f"{CUSTOM_ATTRIBUTES_HEADER}: priority", n, -MAX_PRIORITY, MAX_PRIORITY)
 
 
 def pick_priority(gen, policy: str) -> None:
