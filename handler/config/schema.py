@@ -243,7 +243,7 @@ KEYS: tuple[Key, ...] = (
     Key("option.scheduling_aging_ms", _float(0.0, None, True, "a positive number of milliseconds"),
         "with `option.target_tpot_ms` or `option.scheduling_policy=priority`: a request that has waited this "
         "long for admission or its first token goes ahead of every priority class and gets the full prefill "
-        "budget, and is not preempted for priority again, so nothing is passed over forever",
+        "budget, and is not preempted for priority before its next token, so nothing is passed over forever",
         default=2000.0, unit="ms"),
     Key("option.kv_cache_tokens", _int(1),
         "KV cache capacity (same meaning for rolling and paged). Unset: every running sequence at full length, "

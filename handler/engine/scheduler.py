@@ -17,8 +17,8 @@ Latency under load (iteration-level strategies; handler/engine/stepcost.py measu
   priority         waiting sequences are taken lowest `priority` first (vLLM's semantics), and one
                    may preempt (recompute) running sequences of a strictly higher number
   aging_s          under either: a sequence that has waited this long for admission or its first
-                   token goes ahead of every class and gets the full budget; nothing is passed over
-                   forever, and a sequence that got in by aging is no priority preemption's victim
+                   token goes ahead of every class and gets the full budget, and is no priority
+                   preemption's victim until its next token: nothing is passed over forever
 """
 from __future__ import annotations
 
@@ -139,7 +139,7 @@ class Sequence:
     spec_misses: int = 0
     spec_skip: int = 0
     # Latency policies: since when it waits (arrival, or its last preemption), and whether it got
-    # in by the aging bound (then no priority preemption picks it).
+    # in by the aging bound (then no priority preemption picks it before its next token).
     waiting_since: float | None = None
     aged_in: bool = False
 
@@ -383,7 +383,7 @@ class Scheduler:
 
     def _priority_victim(self, seq: Sequence) -> Sequence | None:
         """The running sequence `seq` may preempt: the highest number above its own, newest first;
-        never one that got in by the aging bound (it would be passed over again)."""
+        never one that got in by the aging bound and has not had its next token yet."""
         cands = [q for q in self.running if q.priority > seq.priority and not q.aged_in]
         return max(cands, key=self._rank) if cands else None
 
@@ -609,6 +609,9 @@ class Scheduler:
             return False
         seq.tokens.append(token)
         seq.cum_logprob += res.logprob
+        # The aging bound guaranteed progress; past a token a priority preemption may take it again
+        # (each round it gets in by aging, it gains a token: it is slowed, never starved).
+        seq.aged_in = False
         got.append((seq, res))
         if seq.num_output == 1 and seq.sample_index == 0 and self.policy.fork_samples:
             self._fork_waiting(seq)

@@ -165,7 +165,7 @@ def test_aging_bounds_how_long_a_prompt_is_passed_over():
     clock.run(until=lambda: 99 in clock.first_token)
     waited = clock.first_token[99] - late.arrival
     assert 0.5 <= waited <= 0.5 + 3 * cost(11, 30)
-    assert late.aged_in
+    assert not late.aged_in         # protected from priority preemption only until its first token
 
 
 def test_without_a_target_or_priority_the_policy_is_unchanged():
