@@ -207,6 +207,8 @@ BAD = [
     ("option.target_tpot_ms", "fast", "is not a positive number of milliseconds"),
     ("option.scheduling_policy", "lifo", "is not supported; allowed: fcfs, priority"),
     ("option.scheduling_aging_ms", "-1", "is not a positive number of milliseconds"),
+    ("option.responses_store_max_items", "-1", "is not an integer >= 0"),
+    ("option.responses_store_max_mb", "lots", "is not a number of megabytes >= 0"),
     # speculative decoding (handler/config/speculative.py)
     ("option.speculative_config", '{"method":"eagle"}', "has method 'eagle'; allowed: ngram, draft_model"),
     ("option.speculative_draft_model", "", "is empty"),
