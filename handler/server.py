@@ -128,7 +128,10 @@ def engine_for(cfg, runner, on_step=None, waker=None):
                              max_waiting=cfg.job_queue_size, max_model_len=runner.max_model_len,
                              eos_token_ids=runner.eos_token_ids,
                              max_loras=cfg.max_loras if getattr(cfg, "enable_lora", False) else 0,
-                             spec=getattr(cfg, "speculative", None))
+                             spec=getattr(cfg, "speculative", None),
+                             target_tpot_s=cfg.target_tpot_ms / 1000.0 if cfg.target_tpot_ms else None,
+                             scheduling_policy=cfg.scheduling_policy,
+                             aging_s=cfg.scheduling_aging_ms / 1000.0)
     # What is loaded by now lives as long as the server: out of the collector's generations, so a
     # full collection stops walking the model's ~400k objects (1-2% of a CPU decode step, measured).
     gc.collect()

@@ -77,6 +77,21 @@ def explain(cfg, g: Geometry, *, device: str, prompt_tokens: int | None = None,
         warnings.append(f"option.max_model_len={cfg.max_model_len} is above the model's "
                         f"{g.max_positions} positions; the server caps it at {g.max_positions}")
 
+    tpot, policy = getattr(cfg, "target_tpot_ms", None), getattr(cfg, "scheduling_policy", "fcfs")
+    if cfg.strategy in ("rolling", "paged") and (tpot or policy != "fcfs"):
+        aging = cfg.scheduling_aging_ms
+        out["scheduling"] = {"policy": policy, "target_tpot_ms": tpot, "aging_ms": aging,
+                             "prefill_cap_tokens": cfg.max_rolling_batch_prefill_tokens}
+        if tpot:
+            notes.append(f"option.target_tpot_ms={tpot:g}: each step runs its decode rows, then as many prompt "
+                         f"tokens (at most option.max_rolling_batch_prefill_tokens="
+                         f"{cfg.max_rolling_batch_prefill_tokens}) as the measured step cost fits in {tpot:g} ms; "
+                         f"while the decode rows alone take longer, new prompts wait (up to "
+                         f"option.scheduling_aging_ms={aging:g})")
+        if policy == "priority":
+            notes.append(f"option.scheduling_policy=priority: the lowest request priority is admitted first and "
+                         f"may preempt (recompute) higher numbers; a request waiting {aging:g} ms "
+                         f"(option.scheduling_aging_ms) goes ahead of every class")
     # --- the pool: as the runner sizes it
     if cfg.kv_cache_tokens is not None:
         kv_tokens, source = cfg.kv_cache_tokens, "option.kv_cache_tokens"

@@ -216,6 +216,9 @@ class ServingConfig:
     responses_store_max_mb: float = default_of("option.responses_store_max_mb")
     chat_template: str | None = None      # option.chat_template's text (a file's, read at start-up)
     chat_template_content_format: str = default_of("option.chat_template_content_format")
+    target_tpot_ms: float | None = None     # the scheduler's per-step time target (None: off)
+    scheduling_policy: str = default_of("option.scheduling_policy")     # "fcfs" | "priority"
+    scheduling_aging_ms: float = default_of("option.scheduling_aging_ms")
     speculative_config: dict | None = None          # option.speculative_config, parsed (vLLM's JSON)
     speculative_draft_model: str | None = None
     speculative_length: int | None = None
@@ -432,7 +435,8 @@ def _resolve_strategy(src: _Sources) -> dict:
                             "option.rolling_batch (set option.rolling_batch=auto for paged attention)")
         paged = False
         unused = [k for k in ("option.max_rolling_batch_size", "option.max_rolling_batch_prefill_tokens",
-                              "option.max_num_batched_tokens")
+                              "option.max_num_batched_tokens", "option.target_tpot_ms",
+                              "option.scheduling_policy", "option.scheduling_aging_ms")
                   if k in src.merged]
     else:
         if rolling_batch == "scheduler" and paged:
@@ -477,7 +481,9 @@ def _resolve_strategy(src: _Sources) -> dict:
     if get("engine") not in ("Python", "MPI"):
         warnings.append(f"{where('engine')}: this server runs its built-in engine for every LMI "
                         f"engine name (Python and MPI are the same here)")
-    return dict(strategy=strategy, batch_size=batch_size, rolling_batch=rolling_batch,
+    latency = {} if strategy in ("rolling", "paged") else \
+        dict(target_tpot_ms=None, scheduling_policy="fcfs")     # request level: nobody is passed over
+    return dict(**latency, strategy=strategy, batch_size=batch_size, rolling_batch=rolling_batch,
                 paged_attention=paged, max_rolling_batch_size=max_rolling,
                 output_formatter=output_formatter, block_size=block_size,
                 kv_cache_tokens=kv_tokens, max_model_len=max_model_len, entry_point=entry_point,

@@ -259,6 +259,23 @@ KEYS: tuple[Key, ...] = (
         default=4096, unit="tokens", env=("MAX_BATCH_PREFILL_TOKENS",)),
     Key("option.block_size", _block_size, "paged: tokens per KV block", default=16, unit="tokens"),
     Key("option.enable_prefix_caching", _bool, "reuse KV blocks of identical prompt prefixes", default=False),
+    Key("option.target_tpot_ms", _float(0.0, None, True, "a positive number of milliseconds"),
+        "rolling/paged: steady decode under load. Each step runs its decode rows first and then only as many "
+        "prompt tokens as the measured step cost (a running fit of step time against decode rows and prompt "
+        "tokens) says fit in this time per output token; `option.max_rolling_batch_prefill_tokens` stays the "
+        "hard cap. A step whose decode rows alone take longer admits no new prompt, so fewer sequences decode "
+        "at once and the others wait (TTFT for TPOT), within `option.scheduling_aging_ms`",
+        unit="ms", default_doc="unset: every step takes the full prefill budget"),
+    Key("option.scheduling_policy", _enum(["fcfs", "priority"]),
+        "rolling/paged: `fcfs` admits in arrival order; `priority` admits the lowest request `priority` first "
+        "(vLLM's semantics) and lets a request preempt (recompute) running ones of a strictly higher number. "
+        "Under `fcfs` a request with a non-zero `priority` is refused (400 naming the field), as vLLM does",
+        default="fcfs"),
+    Key("option.scheduling_aging_ms", _float(0.0, None, True, "a positive number of milliseconds"),
+        "with `option.target_tpot_ms` or `option.scheduling_policy=priority`: a request that has waited this "
+        "long for admission or its first token goes ahead of every priority class and gets the full prefill "
+        "budget, and is not preempted for priority before its next token, so nothing is passed over forever",
+        default=2000.0, unit="ms"),
     Key("option.kv_cache_tokens", _int(1),
         "KV cache capacity (same meaning for rolling and paged). Unset: every running sequence at full length, "
         "within (GPU) `option.gpu_memory_utilization`, or (CPU) 70 % of the memory left after the weights "

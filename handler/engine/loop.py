@@ -202,7 +202,9 @@ class Engine:
                 "prefix_cache_blocks_cached": len(self.blocks.cached),
                 "prefix_cache_blocks_evictable": len(self.blocks.evictable),
                 # Speculative decoding per method: {"verifies", "proposed", "accepted"} (a copy).
-                "spec": {m: dict(v) for m, v in s.spec_stats.items()}}
+                "spec": {m: dict(v) for m, v in s.spec_stats.items()},
+                # Preemptions by cause (kv_cache, priority; a copy).
+                "preemptions_by_cause": dict(s.preemption_causes)}
 
     # ---- the engine thread
     def _loop(self) -> None:
@@ -282,8 +284,9 @@ class Engine:
             for it in plan.items:
                 self._end(it.seq_id, Finish.FAILED, ErrorEvent(424, f"model failure: {type(e).__name__}: {e}"))
             return
-        self._step_started = None
         now = time.monotonic()
+        sched.observe_step(plan, now - self._step_started)
+        self._step_started = None
         got = sched.update(plan, results)
         # A verified draft gives a sequence several tokens in one step: its finish goes on the last.
         last = {seq.seq_id: i for i, (seq, _) in enumerate(got)}

@@ -74,6 +74,9 @@ class SamplingParams:
     # Prompt log-probs with this many alternatives per prompt token (vLLM's prompt_logprobs, OpenAI's
     # echo + logprobs); None = no alternatives. Either way decoder_input_details computes the log-probs.
     prompt_top_n: int | None = None
+    # Scheduling class under option.scheduling_policy=priority: lower runs first (vLLM's semantics).
+    # Not a sampling setting, but every protocol's parameters reach the engine through here.
+    priority: int = 0
 
     @property
     def num_samples(self) -> int:
@@ -95,6 +98,7 @@ MAX_SEED = 2**63 - 1
 MAX_TOKEN_ID = (1 << 31) - 1
 MAX_STOP_TOKEN_IDS = 64
 MAX_BAD_WORDS = 64
+MAX_PRIORITY = 2**31 - 1            # |priority|
 
 
 _warned: set[str] = set()
@@ -259,6 +263,7 @@ class Parameters(BaseModel):
     skip_special_tokens: Flag = None
     spaces_between_special_tokens: Flag = None
     prompt_logprobs: bounded_int(0, MAX_TOP_N_TOKENS) = None
+    priority: bounded_int(-MAX_PRIORITY, MAX_PRIORITY) = None
 
 
 class BenchParameters(Parameters):

@@ -9,6 +9,16 @@ it samples when it has caught up. The strategies differ only in admission and KV
            max_batch_delay passed since the first arrived; nobody joins until all finish
   rolling  iteration level: join/leave every step; reserves prompt + max_new_tokens at admission
   paged    iteration level: blocks on demand; preempt (recompute) the newest when they run out
+
+Latency under load (iteration-level strategies; handler/engine/stepcost.py measures the steps):
+  target_tpot_s    each step's prefill is sized so that the step, decode rows first, is expected
+                   to take at most this long (prefill_token_budget stays the hard cap); a step whose
+                   decode rows alone fill it admits and prefills nothing
+  priority         waiting sequences are taken lowest `priority` first (vLLM's semantics), and one
+                   may preempt (recompute) running sequences of a strictly higher number
+  aging_s          under either: a sequence that has waited this long for admission or its first
+                   token goes ahead of every class and gets the full budget, and is no priority
+                   preemption's victim until its next token: nothing is passed over forever
 """
 from __future__ import annotations
 
@@ -22,6 +32,7 @@ from handler.engine.admission import CapacityError, QueueFull  # noqa: F401
 from handler.engine.blocks import BlockManager
 from handler.engine.request import SamplingParams
 from handler.engine.spec import proposer as spec_proposer
+from handler.engine.stepcost import StepCostModel
 # The step types live in types.py; imported here also for `from handler.engine.scheduler import ...`.
 from handler.engine.types import Finish, SampleResult, StepItem, StepPlan
 
@@ -34,6 +45,9 @@ OLDEST_PREFILL_SHARE = 4
 # Speculative decoding: after m verify steps in a row that accepted nothing a sequence decodes
 # min(2^m, this) - 1 steps without proposals (its proposals are wasted rows meanwhile).
 MAX_SPEC_BACKOFF = 16
+# The aging bound when target_tpot_s or priority scheduling is on and none is given.
+DEFAULT_AGING_S = 2.0
+SCHEDULING_POLICIES = ("fcfs", "priority")
 
 
 @dataclass(frozen=True)
@@ -58,16 +72,32 @@ class SchedulerPolicy:
     fork_samples: bool | None = None    # samples of one prompt share its KV blocks
     max_loras: int = 0                  # distinct LoRA adapters running at once (0: no LoRA)
     spec: object = None                 # handler.engine.spec.SpecConfig: speculative decoding (None: off)
+    target_tpot_s: float | None = None  # a step's expected time bounds its prefill (None: off)
+    scheduling_policy: str = "fcfs"     # "fcfs" | "priority"
+    aging_s: float = DEFAULT_AGING_S    # see the module's docstring
 
     def __post_init__(self):
         if self.strategy not in STRATEGIES:
             raise ValueError(f"strategy must be one of {STRATEGIES}, got {self.strategy!r}")
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling_policy must be one of {SCHEDULING_POLICIES}, "
+                             f"got {self.scheduling_policy!r}")
         for k, v in STRATEGY_BEHAVIOUR[self.strategy].items():
             if getattr(self, k) is None:
                 object.__setattr__(self, k, v)
         # A shared prefix needs blocks that are not reserved per sequence up front.
         object.__setattr__(self, "prefix_caching", self.prefix_caching and not self.reserve_full_length)
         object.__setattr__(self, "fork_samples", self.fork_samples and not self.reserve_full_length)
+
+    @property
+    def by_priority(self) -> bool:
+        """Priority classes order admission (iteration-level strategies only)."""
+        return self.scheduling_policy == "priority" and not self.request_level
+
+    @property
+    def ages(self) -> bool:
+        """The aging bound applies: only a policy that can pass a sequence over needs it."""
+        return not self.request_level and (self.by_priority or self.target_tpot_s is not None)
 
 
 STRATEGY_BEHAVIOUR = {
@@ -108,10 +138,20 @@ class Sequence:
     # verify rows until it may be again).
     spec_misses: int = 0
     spec_skip: int = 0
+    # Latency policies: since when it waits (arrival, or its last preemption), and whether it got
+    # in by the aging bound (then no priority preemption picks it before its next token).
+    waiting_since: float | None = None
+    aged_in: bool = False
 
     def __post_init__(self):
         if not self.tokens:
             self.tokens = list(self.prompt_ids)
+        if self.waiting_since is None:
+            self.waiting_since = self.arrival
+
+    @property
+    def priority(self) -> int:
+        return self.params.priority
 
     @property
     def num_output(self) -> int:
@@ -141,6 +181,10 @@ class Scheduler:
         self.reset()
         self.stats = {"steps": 0, "prefill_tokens": 0, "decode_tokens": 0, "preemptions": 0,
                       "cached_prompt_tokens": 0, "admitted": 0, "forked_prompt_tokens": 0}
+        # Preemptions by cause: KV blocks ran out, or a higher priority needed the room.
+        self.preemption_causes = {"kv_cache": 0, "priority": 0}
+        # Step time ~ decode rows and prefill tokens (Engine.step feeds it: observe_step).
+        self.cost = StepCostModel()
         # Speculative decoding (handler/engine/spec.py): the proposer, and per method the verify
         # items run, tokens proposed, tokens accepted (emitted = accepted + one per verify).
         self.proposer = proposer if proposer is not None else \
@@ -160,6 +204,9 @@ class Scheduler:
         self.seqs: dict[int, Sequence] = {}
         self._order = itertools.count()
         self._copies: list[tuple[int, int]] = []     # copy-on-write of forked samples' blocks
+        self._preempted: list[int] = []     # this step's victims (schedule)
+        self._budget = self.policy.prefill_token_budget     # this step's prompt tokens (schedule)
+        self._now = 0.0
 
     # ---- intake
     def max_len(self, seq: Sequence) -> int:
@@ -302,58 +349,129 @@ class Scheduler:
             return
         # A prompt still prefilling holds at most the oldest's floor of the budget against newcomers
         # (_prefill_shares): a 30k-token prompt does not keep short ones out until it is done.
-        floor = max(1, p.prefill_token_budget // OLDEST_PREFILL_SHARE)
-        budget = p.prefill_token_budget - sum(min(len(q.tokens) - q.num_computed, floor) for q in self.running
-                                              if len(q.tokens) - q.num_computed > 1)
-        while self.waiting and len(self.running) < p.max_batch_size and budget > 0:
-            head = self.waiting[0]
-            if self._awaits_fork(head) or not self._admit(head):
+        floor = max(1, self._budget // OLDEST_PREFILL_SHARE)
+        budget = self._budget - sum(min(len(q.tokens) - q.num_computed, floor) for q in self.running
+                                    if len(q.tokens) - q.num_computed > 1)
+        for head in self._waiting_order(now):
+            jumps = self._outranks(head)
+            if (len(self.running) >= p.max_batch_size or budget <= 0) and not jumps:
                 break
+            if self._awaits_fork(head):
+                break
+            while not (len(self.running) < p.max_batch_size and self._admit(head)):
+                victim = self._priority_victim(head) if jumps else None
+                if victim is None:
+                    break
+                self._preempt(victim, "priority")
+            if head not in self.running:
+                break
+            head.aged_in = self._aged(head, now)
             budget -= len(head.tokens) - head.num_computed
 
-    def _preempt(self, victim: Sequence) -> None:
+    # ---- latency policies (target_tpot_s, priority, aging_s)
+    def _aged(self, seq: Sequence, now: float) -> bool:
+        """Waiting (for admission or its prompt) for aging_s or more: it goes ahead of everything."""
+        return self.policy.ages and now - seq.waiting_since >= self.policy.aging_s
+
+    def _rank(self, seq: Sequence) -> tuple:
+        """Plan order, best first: the victim of a KV shortage is the last (so never planned)."""
+        return (seq.priority, seq.admitted) if self.policy.by_priority else (seq.admitted,)
+
+    def _outranks(self, seq: Sequence) -> bool:
+        """Priority scheduling: some running sequence is of a strictly higher number."""
+        return self.policy.by_priority and any(q.priority > seq.priority for q in self.running)
+
+    def _priority_victim(self, seq: Sequence) -> Sequence | None:
+        """The running sequence `seq` may preempt: the highest number above its own, newest first;
+        never one that got in by the aging bound and has not had its next token yet."""
+        cands = [q for q in self.running if q.priority > seq.priority and not q.aged_in]
+        return max(cands, key=self._rank) if cands else None
+
+    def _waiting_order(self, now: float) -> list[Sequence]:
+        """The waiting sequences in the order admission takes them: the queue's order (arrival;
+        preempted ones first), the aged ahead and, under priority scheduling, lower numbers ahead."""
+        if not self.policy.ages:
+            return list(self.waiting)
+        by_priority = self.policy.by_priority
+        return sorted(self.waiting, key=lambda q: (not self._aged(q, now), q.priority if by_priority else 0))
+
+    def _step_budget(self, now: float) -> int:
+        """This step's prompt tokens: option.max_rolling_batch_prefill_tokens, or under target_tpot_s
+        what the measured step cost leaves beside the decode rows; the full cap when an aged or
+        outranking sequence awaits its prefill."""
+        p = self.policy
+        cap = p.prefill_token_budget
+        if p.target_tpot_s is None or p.request_level:
+            return cap
+        pending = [*self.waiting, *(q for q in self.running if len(q.tokens) - q.num_computed > 1)]
+        worst = max((q.priority for q in self.running), default=None) if p.by_priority else None
+        if any(self._aged(q, now) or (worst is not None and q.priority < worst) for q in pending):
+            return cap
+        rows = sum(1 for q in self.running if len(q.tokens) - q.num_computed == 1)
+        b = self.cost.prefill_budget(rows, p.target_tpot_s)
+        return cap if b is None else min(b, cap)
+
+    def observe_step(self, plan: StepPlan, seconds: float) -> None:
+        """A step's measured time, for the cost model (the engine calls it after runner.step)."""
+        rows = sum(1 for it in plan.items if len(it.token_ids) == 1)
+        self.cost.observe(rows, sum(len(it.token_ids) for it in plan.items) - rows, seconds)
+
+    def _preempt(self, victim: Sequence, cause: str = "kv_cache") -> None:
         self.running.remove(victim)
         self.blocks.free(victim.seq_id)
         self._release_draft(victim.seq_id)
         victim.num_computed = 0
         victim.preemptions += 1
+        victim.waiting_since = self._now
+        victim.aged_in = False
         self.stats["preemptions"] += 1
+        self.preemption_causes[cause] += 1
+        self._preempted.append(victim.seq_id)
         self.waiting.appendleft(victim)
 
-    def _prefill_shares(self) -> dict[int, int]:
+    def _prefill_shares(self, now: float) -> dict[int, int]:
         """Prompt tokens each running sequence still prefilling gets this step, within the budget:
-        the oldest at least 1/OLDEST_PREFILL_SHARE of it (short prompts arriving all the time
-        cannot starve a long one), then the fewest remaining first (a short prompt beside a 30k
-        one is prefilled at once, so its first token waits one step, not the long prefill)."""
-        budget = self.policy.prefill_token_budget
+        the aged first; then the oldest (the best class's, under priority scheduling) at least
+        1/OLDEST_PREFILL_SHARE of it (short prompts arriving all the time cannot starve a long one);
+        then the fewest remaining first, by class under priority scheduling (a short prompt beside
+        a 30k one is prefilled at once, so its first token waits one step, not the long prefill)."""
+        budget = self._budget
         rem = {q.seq_id: len(q.tokens) - q.num_computed for q in self.running
                if len(q.tokens) - q.num_computed > 1}
-        if not rem:
+        if not rem or budget <= 0:
             return {}
-        oldest = min((q for q in self.running if q.seq_id in rem), key=lambda q: q.admitted)
-        shares = {oldest.seq_id: min(rem[oldest.seq_id], max(1, budget // OLDEST_PREFILL_SHARE))}
-        left = budget - shares[oldest.seq_id]
-        order = sorted((q for q in self.running if q.seq_id in rem),
-                       key=lambda q: (rem[q.seq_id], q.admitted))
-        for q in order:
-            if left <= 0:
-                break
-            more = min(rem[q.seq_id] - shares.get(q.seq_id, 0), left)
+        pending = [q for q in self.running if q.seq_id in rem]
+        shares: dict[int, int] = {}
+        left = budget
+
+        def give(q: Sequence, most: int) -> None:
+            nonlocal left
+            more = min(rem[q.seq_id] - shares.get(q.seq_id, 0), most, left)
             if more > 0:
                 shares[q.seq_id] = shares.get(q.seq_id, 0) + more
                 left -= more
+
+        for q in sorted((q for q in pending if self._aged(q, now)), key=lambda q: q.waiting_since):
+            give(q, left)
+        give(min(pending, key=self._rank), max(1, budget // OLDEST_PREFILL_SHARE))
+        by_priority = self.policy.by_priority
+        for q in sorted(pending, key=lambda q: (q.priority if by_priority else 0, rem[q.seq_id], q.admitted)):
+            if left <= 0:
+                break
+            give(q, left)
         return shares
 
     def schedule(self, now: float) -> StepPlan:
+        self._preempted, self._now = [], now
+        self._budget = self._step_budget(now)
         self._admission(now)
-        preempted: list[int] = []
         unlimited = not self.policy.chunked_prefill
-        shares = {} if unlimited else self._prefill_shares()
+        shares = {} if unlimited else self._prefill_shares(now)
         items: list[StepItem] = []
         spec = self.policy.spec
         spec_on = self.proposer is not None and (spec.disable_by_batch_size is None
                                                  or len(self.running) < spec.disable_by_batch_size)
-        order = sorted(self.running, key=lambda q: q.admitted)
+        order = sorted(self.running, key=self._rank)
         want: dict[int, int] = {}       # seq_id -> tokens fed this step
         for seq in order:
             n = len(seq.tokens) - seq.num_computed
@@ -372,9 +490,8 @@ class Scheduler:
                 draft = []      # no room for the draft's slots: decode one token (preempting as usual)
             if not self.policy.reserve_full_length:
                 while not self.blocks.ensure(seq.seq_id, seq.num_computed + n):
-                    victim = max(self.running, key=lambda q: q.admitted)
-                    self._preempt(victim)
-                    preempted.append(victim.seq_id)
+                    victim = max(self.running, key=self._rank)
+                    self._preempt(victim, "kv_cache")
                     if victim is seq:
                         break
                 if seq not in self.running:
@@ -385,9 +502,9 @@ class Scheduler:
                 seq.params, seq.tokens, len(seq.prompt_ids),
                 seq.params.decoder_input_details
                 and len(seq.prompt_logprobs) < len(seq.prompt_ids) - 1, seq.guide, tuple(draft)))
-        # Items are planned oldest first and a victim is the newest running sequence, so no
-        # planned item is ever preempted after the fact.
-        plan = StepPlan(items, preempted)
+        # Items are planned best rank first (oldest first; by class under priority scheduling) and a
+        # victim is the last by rank, so no planned item is ever preempted after the fact.
+        plan = StepPlan(items, self._preempted)
         if items:
             plan.copies, self._copies = self._copies, []
         return plan
@@ -492,6 +609,9 @@ class Scheduler:
             return False
         seq.tokens.append(token)
         seq.cum_logprob += res.logprob
+        # The aging bound guaranteed progress; past a token a priority preemption may take it again
+        # (each round it gets in by aging, it gains a token: it is slowed, never starved).
+        seq.aged_in = False
         got.append((seq, res))
         if seq.num_output == 1 and seq.sample_index == 0 and self.policy.fork_samples:
             self._fork_waiting(seq)

@@ -155,6 +155,20 @@ class EngineCollector:
                     fam.add_metric(self.labels + [adapter], c[key])
                 yield fam
         yield from spec_families(stats.get("spec"), self.labels)
+        causes = stats.get("preemptions_by_cause")
+        if causes:
+            fam = CounterMetricFamily("lmi_preemptions_by_cause", "Sequences preempted (recomputed later), by "
+                                      "cause: kv_cache (blocks ran out), priority (a lower number needed room)",
+                                      labels=LABELS + ("cause",))
+            for cause, n in sorted(causes.items()):
+                fam.add_metric(self.labels + [cause], n)
+            yield fam
+
+
+def priority_label(priority: int) -> str:
+    """A request priority as a label value: -9..9 as themselves, the rest in two open classes (a
+    client's integer must not make a new series each)."""
+    return str(priority) if -10 < priority < 10 else ("<=-10" if priority < 0 else ">=10")
 
 
 def spec_families(spec: dict | None, labels: list):
@@ -197,6 +211,10 @@ class Metrics:
                         "Request arrival to its response closed (HTTP requests)", LATENCY_BUCKETS)
         self.queue = hist("lmi_request_queue_time_seconds",
                           "Submission to first scheduled, per sequence", QUEUE_BUCKETS)
+        self.queue_by_priority = Histogram(
+            "lmi_request_queue_time_by_priority_seconds", "Submission to first scheduled, per sequence, by "
+            "request priority (option.scheduling_policy=priority; 0 otherwise)", LABELS + ("priority",),
+            buckets=QUEUE_BUCKETS, registry=self.registry)
         self.prompt_len = hist("lmi_request_prompt_tokens", "Prompt length per sequence", TOKEN_BUCKETS)
         self.output_len = hist("lmi_request_generation_tokens", "Generated tokens per sequence", TOKEN_BUCKETS)
         self.step_tokens = hist("lmi_step_tokens", "Tokens fed to the model per engine step",
@@ -221,10 +239,11 @@ class Metrics:
 
 
 class _Seq:
-    __slots__ = ("prompt_tokens", "first", "last", "tokens", "done")
+    __slots__ = ("prompt_tokens", "first", "last", "tokens", "done", "priority")
 
-    def __init__(self, prompt_tokens: int):
+    def __init__(self, prompt_tokens: int, priority: int = 0):
         self.prompt_tokens, self.first, self.last, self.tokens, self.done = prompt_tokens, None, None, 0, None
+        self.priority = priority
 
 
 class RequestTrace:
@@ -242,7 +261,7 @@ class RequestTrace:
     def watch(self, chans) -> None:
         """The request's sequences: `note(i, event)` then records chans[i]'s events."""
         for ch in chans:
-            self.seqs.append(_Seq(len(ch.prompt_ids)))
+            self.seqs.append(_Seq(len(ch.prompt_ids), ch.params.priority))
 
     def note(self, idx: int, ev) -> None:
         """One event of sequence idx, as the route reads it (an ErrorEvent(504): a time-out)."""
@@ -288,6 +307,7 @@ class RequestTrace:
                 if s.tokens > 1:
                     m.tpot.observe((s.last - s.first) / (s.tokens - 1))
                 m.queue.observe(s.done.queue_time_s)
+                m.queue_by_priority.labels(*m.labels, priority_label(s.priority)).observe(s.done.queue_time_s)
                 m.prompt_len.observe(s.prompt_tokens)
                 m.output_len.observe(s.done.generated_tokens)
         firsts = [s.first for s in self.seqs if s.first is not None]

@@ -2,7 +2,8 @@
 latency objective? Proposes candidate files (each with its reason), measures each one with the
 bench's load client against a real server within a time budget, and writes:
 
-  OUT/serving.properties  the fastest candidate that met the objective (comments: figures, why)
+  OUT/serving.properties  the candidate that met the objective with the most goodput (requests within a
+                          TTFT/TPOT objective per second; requests/s without one) (comments: figures, why)
   OUT/tune.json           every candidate's properties and figures, "chosen", "baseline"
   OUT/tune.png            requests/s against each objective metric, the objective drawn, the choice marked
 
@@ -30,7 +31,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from handler.tools.bench.client import invocations_url, run_load
 from handler.tools.bench.compare import OWN_SERVER_ENV, Server, free_port, kv_cache_tokens as bench_kv_tokens, tail
-from handler.tools.bench.metrics import Record, summarise, tpot
+from handler.tools.bench.metrics import Record, Slo, summarise, tpot
 from handler.tools.bench.workloads import PRESETS, Workload, prompt_of
 from handler.config import explain, hardware, sizing
 
@@ -41,7 +42,10 @@ SLO_KEYS = {"ttft_p90_ms": ("ttft_p90", 1e3), "tpot_p90_ms": ("tpot_p90", 1e3),
 # Keys a candidate sets; the base file's other keys (model, dtype, ...) are kept as they are.
 STRATEGY_KEYS = ("batch_size", "max_batch_delay", "option.rolling_batch", "option.paged_attention",
                  "option.max_rolling_batch_size", "option.max_rolling_batch_prefill_tokens",
-                 "option.block_size", "option.kv_cache_tokens", "option.enable_prefix_caching")
+                 "option.block_size", "option.kv_cache_tokens", "option.enable_prefix_caching",
+                 "option.target_tpot_ms")
+# A TPOT objective's candidate aims its steps this far below the p90 target (steps vary around it).
+TPOT_TARGET_SHARE = 0.8
 MAX_CANDIDATES = {"smoke": 3, "cpu": 8, "gpu": 8}   # the baseline included
 
 
@@ -228,7 +232,8 @@ class Candidate:
 
 
 def strategy_keys(strategy: str, *, width: int, prefill: int | None = None, block: int = 16,
-                  kv: int | None = None, delay_ms: int | None = None, prefix: bool = False) -> dict[str, str]:
+                  kv: int | None = None, delay_ms: int | None = None, prefix: bool = False,
+                  target_tpot_ms: float | None = None) -> dict[str, str]:
     k: dict[str, str] = {}
     if strategy == "dynamic":
         k.update(batch_size=str(width), max_batch_delay=str(delay_ms))
@@ -243,6 +248,8 @@ def strategy_keys(strategy: str, *, width: int, prefill: int | None = None, bloc
         k["option.kv_cache_tokens"] = str(kv)
     if prefix:
         k["option.enable_prefix_caching"] = "true"
+    if target_tpot_ms:
+        k["option.target_tpot_ms"] = f"{target_tpot_ms:g}"
     return k
 
 
@@ -318,6 +325,13 @@ def propose(tr: Traffic, base_cfg, geom: sizing.Geometry, slo: dict, limit: int,
         add(f"paged {C}, prefill {P_max}", strategy_keys("paged", width=C, prefill=P_max, block=block, kv=kv),
             f"a prefill budget of one longest prompt ({P_max} tokens): new prompts spread over steps, so "
             "running sequences stall less (TPOT p90) at some cost in TTFT")
+    if "tpot_p90_ms" in slo:
+        t = round(slo["tpot_p90_ms"] * TPOT_TARGET_SHARE, 1)
+        add(f"paged {C}, target TPOT {t:g} ms",
+            strategy_keys("paged", width=C, prefill=prefill_all, block=block, kv=kv, target_tpot_ms=t),
+            f"steps sized to {t:g} ms ({TPOT_TARGET_SHARE:.0%} of the TPOT objective) from their measured cost: "
+            "decode rows first, prompts admitted while they fit, so the running streams keep their pace "
+            "and the others wait for their first token")
     if C >= 4 and slo:
         h = C // 2
         add(f"paged {h}", strategy_keys("paged", width=h, prefill=max(P_max, prefill_all // 2), block=block, kv=kv),
@@ -436,11 +450,19 @@ class Watch:
         return th
 
 
+def goodput_slo(slo: dict) -> Slo | None:
+    """The per-request objective a TTFT/TPOT objective implies: each request within the p90 targets."""
+    ttft, tpot_ms = slo.get("ttft_p90_ms"), slo.get("tpot_p90_ms")
+    if ttft is None and tpot_ms is None:
+        return None
+    return Slo(ttft / 1e3 if ttft is not None else None, tpot_ms / 1e3 if tpot_ms is not None else None)
+
+
 def figures(summary: dict) -> dict:
     def scaled(key, scale):
         v = summary.get(key)
         return None if v is None else v * scale
-    out = {"requests_per_s": summary.get("requests_per_s")}
+    out = {"requests_per_s": summary.get("requests_per_s"), "goodput_per_s": summary.get("goodput_per_s")}
     for k, (sk, scale) in SLO_KEYS.items():
         out[k] = scaled(sk, scale)
     return out
@@ -485,7 +507,7 @@ def load(srv: Server, tr: Traffic, slo: dict, beat_s: float | None, deadline: fl
     dog.join()
     if srv.proc.poll() is not None:
         stopped = stopped or f"the server exited with code {srv.proc.returncode}: {tail(srv.log_path)}"
-    s = summarise(recs, tr.concurrency or tr.n, dur)
+    s = summarise(recs, tr.concurrency or tr.n, dur, goodput_slo(slo))
     return dict(figures(s), summary=s, complete=stopped is None and s["completed"] == tr.n, stopped=stopped)
 
 
@@ -539,12 +561,19 @@ def confirm(pair: list[tuple[int, Candidate]], tr: Traffic, model_dir: str, run_
 
 
 # ------------------------------------------------------------------ the decision
+def rank_key(c: dict) -> str:
+    """What "fastest" means: goodput (requests within a TTFT/TPOT objective per second) when the
+    candidates were measured against one, else requests/s."""
+    return "goodput_per_s" if c.get("goodput_per_s") is not None else "requests_per_s"
+
+
 def decide(cands: list[dict], slo: dict) -> tuple[int | None, int | None]:
-    """(chosen, closest): chosen is the fastest complete candidate meeting the objective;
-    closest (when none does) the complete one whose worst metric is nearest its target."""
+    """(chosen, closest): chosen is the complete candidate meeting the objective with the most
+    goodput (requests/s without a TTFT/TPOT objective); closest (when none does) the complete one
+    whose worst metric is nearest its target."""
     ok = [i for i, c in enumerate(cands) if c.get("meets_slo")]
     if ok:
-        return max(ok, key=lambda i: cands[i]["requests_per_s"]), None
+        return max(ok, key=lambda i: (cands[i][rank_key(cands[i])], cands[i]["requests_per_s"])), None
     measured = [i for i, c in enumerate(cands) if c.get("requests_per_s")]
     if not measured:
         return None, None
@@ -560,7 +589,9 @@ def decide(cands: list[dict], slo: dict) -> tuple[int | None, int | None]:
 def _fmt(c: dict) -> str:
     def f(k, fmt):
         return "–" if c.get(k) is None else format(c[k], fmt)
-    return (f"{f('requests_per_s', '.2f')} req/s, TTFT p90 {f('ttft_p90_ms', '.0f')} ms, "
+    return (f"{f('requests_per_s', '.2f')} req/s"
+            + (f" (goodput {f('goodput_per_s', '.2f')})" if c.get("goodput_per_s") is not None else "")
+            + f", TTFT p90 {f('ttft_p90_ms', '.0f')} ms, "
             f"TPOT p90 {f('tpot_p90_ms', '.1f')} ms, latency p90 {f('latency_p90_s', '.2f')} s")
 
 
@@ -686,7 +717,8 @@ def comments(result: dict, pick: int) -> list[str]:
         others = sorted((r for i, r in enumerate(rows) if i != pick and r.get("meets_slo")),
                         key=lambda r: -r["requests_per_s"])
         met = sum(bool(r.get("meets_slo")) for r in rows)
-        why = f"why it won: the fastest of the {met} of {len(rows)} candidates that met the objective"
+        why = (f"why it won: the most {'goodput' if rank_key(c) == 'goodput_per_s' else 'requests/s'} of the "
+               f"{met} of {len(rows)} candidates that met the objective")
         if others:
             why += f" (next: {others[0]['name']} at {others[0]['requests_per_s']:.2f} req/s)"
         out.append(why)

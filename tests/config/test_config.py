@@ -217,6 +217,11 @@ BAD = [
     ("option.http_body_timeout", "soon", "is not a positive number of seconds"),
     ("option.http_max_connections", "0", "is not a positive integer"),
     ("option.engine_step_timeout", "-3", "is not a positive number of seconds"),
+    ("option.target_tpot_ms", "0", "is not a positive number of milliseconds"),
+    ("option.target_tpot_ms", "fast", "is not a positive number of milliseconds"),
+    ("option.scheduling_policy", "lifo", "is not supported; allowed: fcfs, priority"),
+    ("option.scheduling_aging_ms", "-1", "is not a positive number of milliseconds"),
+    ("option.responses_store_max_mb", "lots", "is not a number of megabytes >= 0"),
     # speculative decoding (handler/config/speculative.py)
     ("option.speculative_config", '{"method":"eagle"}', "has method 'eagle'; allowed: ngram, draft_model"),
     ("option.speculative_draft_model", "", "is empty"),
@@ -371,6 +376,17 @@ def test_keys_of_another_strategy_are_named_in_one_warning(load):
         "ignored with strategy dynamic: option.max_rolling_batch_size, option.max_rolling_batch_prefill_tokens"]
     cfg = load("option.rolling_batch=auto\nmax_batch_delay=10\n")
     assert cfg.warnings == ("ignored with strategy paged: max_batch_delay",)
+
+
+def test_latency_policy_keys_resolve_and_are_dropped_at_request_level(load):
+    cfg = load("option.rolling_batch=auto\noption.target_tpot_ms=80\noption.scheduling_policy=Priority\n"
+               "option.scheduling_aging_ms=1500\n")
+    assert (cfg.target_tpot_ms, cfg.scheduling_policy, cfg.scheduling_aging_ms) == (80.0, "priority", 1500.0)
+    assert cfg.warnings == ()
+    assert load("option.rolling_batch=auto\n").scheduling_policy == "fcfs"
+    cfg = load("batch_size=4\noption.target_tpot_ms=80\noption.scheduling_policy=priority\n")
+    assert (cfg.target_tpot_ms, cfg.scheduling_policy) == (None, "fcfs")
+    assert cfg.warnings == ("ignored with strategy dynamic: option.target_tpot_ms, option.scheduling_policy",)
 
 
 @pytest.mark.parametrize("setting", ["option.output_formatter=jsonlines", "option.output_formatter=sse",

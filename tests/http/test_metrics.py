@@ -12,7 +12,8 @@ import requests
 from prometheus_client.parser import text_string_to_metric_families
 
 from handler.engine.loop import DoneEvent, ErrorEvent, TokenEvent
-from handler.http.metrics import Metrics, RequestTrace, request_id
+from handler.engine.request import SamplingParams
+from handler.http.metrics import Metrics, RequestTrace, priority_label, request_id
 from tests.support.server import Server
 
 PAGED = ("option.rolling_batch=lmi-dist\noption.paged_attention=true\noption.max_rolling_batch_size=4\n"
@@ -200,8 +201,9 @@ def test_dashboard_queries_only_series_the_server_exports(server):
 
 # ---- the trace's outcome logic on hand-made events (no server)
 class _Ch:
-    def __init__(self, n_prompt):
+    def __init__(self, n_prompt, priority=0):
         self.prompt_ids = [0] * n_prompt
+        self.params = SamplingParams(priority=priority)
 
 
 def _trace():
@@ -301,3 +303,22 @@ def test_histogram_quantile_matches_the_observations():
         assert edges[i] <= est <= edges[i + 1], (q, exact, est)
     assert histogram_quantile(0.5, [(0.1, 0), (float("inf"), 0)]) != histogram_quantile(0.5, [])  # NaN != NaN
     assert histogram_quantile(0.99, [(0.1, 1), (float("inf"), 10)]) == 0.1  # in +Inf: the last finite bound
+
+
+def test_queue_time_by_priority_and_bounded_priority_labels():
+    done = DoneEvent("length", "ab", 2, 3, queue_time_s=0.25)
+    now = time.monotonic()
+    m = Metrics("m", "paged")
+    for p in (-1, -1, 3, 10**6):
+        t = RequestTrace(m, "id", start=now)
+        t.watch([_Ch(2, priority=p)])
+        t.note(0, TokenEvent(1, "a", -1.0, done=done, time=now + 0.1))
+        t.finish(200)
+
+    def count(label):
+        return m.registry.get_sample_value("lmi_request_queue_time_by_priority_seconds_count",
+                                           {"model": "m", "strategy": "paged", "priority": label})
+    assert (count("-1"), count("3"), count(">=10"), count("0")) == (2, 1, 1, None)
+    assert m.registry.get_sample_value("lmi_request_queue_time_by_priority_seconds_sum",
+                                       {"model": "m", "strategy": "paged", "priority": "-1"}) == pytest.approx(0.5)
+    assert [priority_label(p) for p in (-10, -9, 0, 9, 10)] == ["<=-10", "-9", "0", "9", ">=10"]

@@ -163,6 +163,41 @@ def test_cli_rejects_bad_input_in_one_line(tmp_path, capsys):
     assert "allowed: lmi, early_stop" in capsys.readouterr().err
 
 
+def test_arms_parse_and_refuse_bad_specs_in_one_line(tmp_path):
+    from handler.tools.bench.compare import Arm
+
+    a = Arm.parse("after=paged+option.target_tpot_ms=80+option.scheduling_policy=priority")
+    assert (a.name, a.strategy, a.root) == ("after", "paged", None)
+    assert a.property("option.target_tpot_ms") == "80" and a.property("option.block_size") is None
+    (tmp_path / "handler").mkdir()
+    (tmp_path / "handler" / "__main__.py").write_text("")
+    b = Arm.parse(f"before=paged_int8@{tmp_path}")
+    assert (b.strategy, b.root, b.extra) == ("paged_int8", str(tmp_path), ())
+    for bad, why in (("paged=paged", "a new name"), ("x=turbo", "strategy 'turbo'"),
+                     ("x=paged+option.a", "'option.a' is not key=value"), ("x", "a new name"),
+                     (f"x=paged@{tmp_path / 'nope'}", "not a checkout")):
+        with pytest.raises(ValueError, match=why):
+            Arm.parse(bad)
+
+
+def test_an_arm_serves_its_extra_properties_and_checkout(tmp_path, monkeypatch):
+    from handler.tools.bench.compare import Arm, make_servers
+
+    (tmp_path / "handler").mkdir()
+    (tmp_path / "handler" / "__main__.py").write_text("")
+    w = Workload(name="t", requests=1, concurrency=4, prompt_words=(1,), max_new_tokens=(4,))
+    arms = {a.name: a for a in (Arm.parse("after=paged+option.target_tpot_ms=80"),
+                                Arm.parse(f"before=paged@{tmp_path}"))}
+    monkeypatch.chdir(tmp_path)
+    servers = {s.name: s for s in make_servers(["paged", "after", "before"], w, ".", 4096, ".", None, arms=arms)}
+    props = (tmp_path / "after.properties").read_text()
+    assert props == (tmp_path / "paged.properties").read_text() + "option.target_tpot_ms=80\n"
+    assert servers["before"].cwd == str(tmp_path) and servers["before"].env["PYTHONPATH"] == str(tmp_path)
+    assert servers["after"].cwd is None and servers["paged"].cwd is None
+    cmd = servers["before"].cmd      # started in the other checkout: every path absolute
+    assert os.path.isabs(cmd[cmd.index("--properties") + 1]) and os.path.isabs(cmd[cmd.index("--model-dir") + 1])
+
+
 # ------------------------------------------------------------------ end to end
 @pytest.mark.slow
 def test_compare_end_to_end(tmp_path, demo_model_dir):

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from handler.tools.bench.metrics import (Record, expected_ideal_speedup, ideal_speedup, lmi_requests_per_s,
+from handler.tools.bench.metrics import (Record, Slo, expected_ideal_speedup, ideal_speedup, lmi_requests_per_s,
                                    percentile, summarise, tpot)
 from handler.tools.bench.workloads import LMI_CPU, SMOKE, Workload, output_lengths
 
@@ -50,6 +50,21 @@ def test_summarise_synthetic_run():
     assert s["ttft_p50"] == pytest.approx(0.25)                # of 0.1 and 0.4
     assert s["tpot_p50"] == pytest.approx((0.1 + 0.4) / 2)     # 0.9/9 = 0.1 and 1.6/4 = 0.4
     assert s["error_samples"] == ["HTTP 503: queue full"]
+
+
+def test_goodput_counts_requests_within_the_objective():
+    recs = [Record(start=0.0, end=1.0, tokens=10, ttft=0.1),      # TPOT 0.1
+            Record(start=0.0, end=2.0, tokens=5, ttft=0.4),       # TPOT 0.4
+            Record(start=0.0, end=0.3, tokens=1, ttft=0.3),       # one token: no TPOT to bound
+            Record(start=1.0, end=4.0, tokens=7, ttft=None),      # not streamed: TTFT unknown
+            Record(start=2.0, end=2.5, error="HTTP 503: queue full")]
+    s = summarise(recs, concurrency=3, duration=4.0, slo=Slo(ttft_s=0.35, tpot_s=0.2))
+    assert s["slo_met"] == 2 and s["goodput_per_s"] == pytest.approx(0.5)     # the first and third
+    assert s["slo"] == "TTFT <= 350 ms and TPOT <= 200 ms"
+    s = summarise(recs, concurrency=3, duration=4.0, slo=Slo(tpot_s=0.5))
+    assert s["slo_met"] == 3           # the unstreamed one has 7 tokens and no known TPOT: not met
+    assert summarise(recs, concurrency=3, duration=4.0, slo=Slo(ttft_s=1.0))["slo_met"] == 3
+    assert "goodput_per_s" not in summarise(recs, concurrency=3, duration=4.0)
 
 
 def test_summarise_with_nothing_completed():

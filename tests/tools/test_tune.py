@@ -108,6 +108,16 @@ def test_dynamic_steps_by_hand(tmp_path):
     assert e["mix"]["dynamic_steps_over_iteration_level"] == pytest.approx(2.5 / 2)
 
 
+def test_explain_states_the_latency_policy(tmp_path):
+    e = explained(tmp_path, "option.rolling_batch=auto\noption.kv_cache_tokens=512\noption.target_tpot_ms=75\n"
+                            "option.scheduling_policy=priority\n")
+    assert e["scheduling"] == {"policy": "priority", "target_tpot_ms": 75.0, "aging_ms": 2000.0,
+                               "prefill_cap_tokens": 4096}
+    notes = " ".join(e["notes"])
+    assert "option.target_tpot_ms=75" in notes and "option.scheduling_policy=priority" in notes
+    assert "scheduling" not in explained(tmp_path, "option.rolling_batch=auto\noption.kv_cache_tokens=512\n")
+
+
 def test_explain_matches_the_runners_kv_pool(demo_model_dir, tmp_path):
     """The oracle: the tensors the runner allocates, and its default sizing."""
     from handler.model.runner import ModelRunner
@@ -186,6 +196,28 @@ def test_decide_picks_the_fastest_that_meets():
         r["meets_slo"] = False
     # none meets: the closest complete one (worst ratio to its target)
     assert tune.decide(rows, {"latency_p90_s": 0.5}) == (None, 0)
+
+
+def test_decide_prefers_goodput_under_a_ttft_tpot_objective():
+    rows = [dict(requests_per_s=9.0, goodput_per_s=4.0, meets_slo=True, complete=True, tpot_p90_ms=48.0),
+            dict(requests_per_s=7.0, goodput_per_s=6.5, meets_slo=True, complete=True, tpot_p90_ms=30.0),
+            dict(requests_per_s=9.5, goodput_per_s=7.0, meets_slo=False, complete=True, tpot_p90_ms=70.0)]
+    assert tune.decide(rows, {"tpot_p90_ms": 50.0}) == (1, None)
+    assert tune.goodput_slo({"tpot_p90_ms": 50.0, "latency_p90_s": 2.0}) == tune.Slo(None, 0.05)
+    assert tune.goodput_slo({"latency_p90_s": 2.0}) is None
+
+
+def test_a_tpot_objective_proposes_a_target_tpot_candidate(demo_model_dir):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(demo_model_dir)
+    tr = tune.traffic_from_workload(tune.preset_workload("lmi", "cpu"), tok)
+    base = load_config(None, demo_model_dir, env={})
+    cands = tune.propose(tr, base, explain.read_geometry(demo_model_dir), {"tpot_p90_ms": 50.0}, 8, tok)
+    targeted = [c for c in cands if "option.target_tpot_ms" in c.properties]
+    assert [c.properties["option.target_tpot_ms"] for c in targeted] == ["40"] and "40 ms" in targeted[0].reason
+    none = tune.propose(tr, base, explain.read_geometry(demo_model_dir), {"latency_p90_s": 2.0}, 8, tok)
+    assert not any("option.target_tpot_ms" in c.properties for c in none)
 
 
 def test_watch_stops_a_hopeless_candidate():

@@ -20,7 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from handler.config import compat
 from handler.engine import guide
-from handler.engine.request import (MAX_NEW_TOKENS, MAX_SAMPLES, MAX_SEED, MAX_TOP_N_TOKENS, BadWords, LogitBias,
+from handler.engine.request import (MAX_NEW_TOKENS, MAX_PRIORITY, MAX_SAMPLES, MAX_SEED, MAX_TOP_N_TOKENS, BadWords, LogitBias,
                                     RequestError, SamplingParams, Stops, TokenIds, TopK, bounded_float,
                                     bounded_int, show, validated, warn_once)
 from handler.http.protocols import Generation, Sample, by_prompt, ranked, reasoning, tools as tooling
@@ -83,6 +83,7 @@ class _Fields(BaseModel):
     spaces_between_special_tokens: bool = None
     truncate_prompt_tokens: bounded_int(1, MAX_NEW_TOKENS) = None
     prompt_logprobs: bounded_int(0, MAX_TOP_N_TOKENS) = None
+    priority: bounded_int(-MAX_PRIORITY, MAX_PRIORITY) = None     # vLLM: lower runs first
 
 
 class ChatFields(_Fields):
@@ -106,7 +107,7 @@ _TO_PARAMS = {"temperature": "temperature", "top_p": "top_p", "n": "n", "stop": 
               "repetition_penalty": "repetition_penalty", "include_stop_str_in_output": "include_stop_str_in_output",
               "stop_token_ids": "stop_token_ids", "min_tokens": "min_tokens", "bad_words": "bad_words",
               "skip_special_tokens": "skip_special_tokens",
-              "spaces_between_special_tokens": "spaces_between_special_tokens"}
+              "spaces_between_special_tokens": "spaces_between_special_tokens", "priority": "priority"}
 # Fields that change nothing in the answer (or are parsed elsewhere), accepted quietly.
 _QUIET = {"model", "user", "messages", "prompt", "store", "metadata", "service_tier", "parallel_tool_calls", "tools",
           "tool_choice", "response_format", *guide.PARAMETERS, *guide.QUIET_PARAMETERS}
@@ -344,7 +345,8 @@ def parse_chat(payload, tokenizer, lmi: bool = False, server: ServerOptions = Se
                              "reasoning": server.reasoning if server.reasoning != "none" else None,
                              "prompt_logprobs": f.prompt_logprobs is not None,
                              "include_usage": opts["include_usage"],
-                             "fields": {"inputs": "messages", "parameters.max_new_tokens": "max_tokens"}})
+                             "fields": {"inputs": "messages", "parameters.max_new_tokens": "max_tokens",
+                                        "parameters.priority": "priority"}})
 
 
 # ---- completions
@@ -419,7 +421,8 @@ def parse_completion(payload, tokenizer=None, lax: bool = False) -> Generation:
                       extra={"kind": "completion", "logprobs": lp is not None, "echo": echo,
                              "only_prompt": only_prompt, "prompt_logprobs": f.prompt_logprobs is not None,
                              "model": payload.get("model"), "include_usage": opts["include_usage"],
-                             "fields": {"inputs": "prompt", "parameters.max_new_tokens": "max_tokens"}})
+                             "fields": {"inputs": "prompt", "parameters.max_new_tokens": "max_tokens",
+                                        "parameters.priority": "priority"}})
 
 
 # ---- responses

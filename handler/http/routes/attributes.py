@@ -11,29 +11,22 @@ Attributes are `key=value` pairs separated by `;` or `,`; other keys are ignored
 """
 from __future__ import annotations
 
-import re
-
 from flask import request
 
 from handler.engine.request import RequestError, show
 from handler.http.routes import anthropic, responses
-from handler.http.routes.common import error_response
+from handler.http.routes.common import CUSTOM_ATTRIBUTES_HEADER as HEADER, custom_attribute, error_response
 
-HEADER = "X-Amzn-SageMaker-Custom-Attributes"
 PROTOCOLS = {"anthropic-messages": anthropic.messages, "openai-responses": responses.create}
 
 
 def protocol(header: str | None) -> str | None:
     """The `protocol` attribute of a custom-attributes value, or None."""
-    for pair in re.split(r"[;,]", header or ""):
-        key, _, value = pair.partition("=")
-        if key.strip().lower() == "protocol":
-            value = value.strip()
-            if value not in PROTOCOLS:
-                raise RequestError(HEADER, f"protocol={show(value)} is not served; allowed: "
-                                           + ", ".join(f"protocol={p}" for p in PROTOCOLS))
-            return value
-    return None
+    value = custom_attribute(header, "protocol")
+    if value is not None and value not in PROTOCOLS:
+        raise RequestError(HEADER, f"protocol={show(value)} is not served; allowed: "
+                                   + ", ".join(f"protocol={p}" for p in PROTOCOLS))
+    return value
 
 
 def dispatch():

@@ -11,6 +11,7 @@ import dataclasses
 import json
 import logging
 import os
+import re
 
 from flask import Response, current_app, g, request
 from werkzeug.exceptions import HTTPException
@@ -18,7 +19,7 @@ from werkzeug.wsgi import ClosingIterator
 
 from handler.config.sizing import running_width  # noqa: F401  (re-exported: the routes' name for it)
 from handler.engine.client import CapacityError, LoraDisabled, QueueFull
-from handler.engine.request import RequestError, show
+from handler.engine.request import MAX_PRIORITY, RequestError, check_int, show
 from handler.http import protocols as api
 from handler.http.guard import ClientDisconnected, MalformedBody, PayloadTooLarge, SlowBody, read_body
 from handler.http.metrics import RequestTrace, request_id
@@ -31,6 +32,8 @@ SSE = "text/event-stream"
 JSONLINES = "application/jsonlines"
 STREAMING_FORMATTERS = ("jsonlines", "sse", "jsonlines_chat", "sse_chat")
 ADAPTER_HEADER = "X-Amzn-SageMaker-Adapter-Identifier"   # SageMaker's per-request LoRA adapter
+# SageMaker passes InvokeEndpoint's CustomAttributes through as this header (opaque, <= 1024 chars).
+CUSTOM_ATTRIBUTES_HEADER = "X-Amzn-SageMaker-Custom-Attributes"
 TIMEOUT_HINT = "request_timeout / option.predict_timeout / SAGEMAKER_MODEL_SERVER_TIMEOUT_SECONDS"
 
 
@@ -144,6 +147,41 @@ def with_client(error, work):
         return error(e.status, e.message, e.field)
 
 
+def custom_attribute(value: str | None, name: str) -> str | None:
+    """The value of `name` in SageMaker's custom attributes (`key=value` pairs split by `;` or `,`,
+    keys matched without case; other keys are the client's own and left alone), or None."""
+    for part in re.split(r"[;,]", value or ""):
+        key, eq, v = part.partition("=")
+        if eq and key.strip().lower() == name:
+            return v.strip()
+    return None
+
+
+def custom_attributes_priority(value: str | None) -> int | None:
+    """`priority=N` in the custom attributes (an integer, as the body's field), or None."""
+    v = custom_attribute(value, "priority")
+    if v is None:
+        return None
+    n = int(v) if re.fullmatch(r"[+-]?[0-9]{1,10}", v) else v
+    return check_int(f"{CUSTOM_ATTRIBUTES_HEADER}: priority", n, -MAX_PRIORITY, MAX_PRIORITY)
+
+
+def pick_priority(gen, policy: str) -> None:
+    """The request's scheduling priority: its body's field, else SageMaker's custom attributes;
+    a non-zero one on an fcfs server is refused, as vLLM does (nothing would honour it)."""
+    field = gen.extra.get("fields", {}).get("parameters.priority", "parameters.priority")
+    priority = gen.params.priority
+    if priority == 0:
+        header = custom_attributes_priority(request.headers.get(CUSTOM_ATTRIBUTES_HEADER))
+        if header is not None:
+            priority, field = header, f"{CUSTOM_ATTRIBUTES_HEADER}: priority"
+    if priority != 0 and policy != "priority":
+        raise RequestError(field, f"is {priority}, but this server schedules first come, first served; "
+                                  "set option.scheduling_policy=priority to use priorities (or send 0)")
+    if priority != gen.params.priority:
+        gen.params = dataclasses.replace(gen.params, priority=priority)
+
+
 def run(parse, error, respond, stream):
     """parse(tokenizer) -> Generation; error(status, message, field) -> Response;
     respond(gen, samples) -> Response; stream(gen, events) -> Response."""
@@ -156,6 +194,7 @@ def run(parse, error, respond, stream):
     try:
         gen = parse(client.tokenizer)
         pick_adapter(client, gen, cfg)
+        pick_priority(gen, cfg.scheduling_policy)
         state.check_prompts(gen)
         ids = api.tokenize(client.tokenizer, gen)
         api.with_length(gen, ids, client.max_sequence_len)

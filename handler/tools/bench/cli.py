@@ -159,10 +159,22 @@ def cmd_run(a) -> int:
     return 0 if s["errors"] == 0 else 1
 
 
-def cmd_compare(a) -> int:
-    from handler.tools.bench.compare import ALL, compare
+def _slo(a):
+    """--slo-ttft-ms / --slo-tpot-ms -> metrics.Slo (None: neither given)."""
+    from handler.tools.bench.metrics import Slo
 
-    only = _names("--only", a.only, ALL) if a.only else None
+    for flag, v in (("--slo-ttft-ms", a.slo_ttft_ms), ("--slo-tpot-ms", a.slo_tpot_ms)):
+        if v is not None and not v > 0:
+            raise UsageError(f"{flag}={v:g}: must be > 0")
+    if a.slo_ttft_ms is None and a.slo_tpot_ms is None:
+        return None
+    return Slo(a.slo_ttft_ms / 1e3 if a.slo_ttft_ms else None, a.slo_tpot_ms / 1e3 if a.slo_tpot_ms else None)
+
+
+def cmd_compare(a) -> int:
+    from handler.tools.bench.compare import ALL, Arm, compare
+
+    only = _names("--only", a.only, ALL) if a.only else ([] if a.arm else None)   # arms alone: just them
     names = [w.name for w in PRESETS[a.preset].workloads]
     workloads = _names("--workloads", a.workloads, names) if a.workloads else None
     if a.reps is not None and a.reps < 1:
@@ -177,6 +189,7 @@ def cmd_compare(a) -> int:
             overrides=_overrides(a), startup_timeout=a.startup_timeout, progress=not a.no_progress,
             one_at_a_time=True if a.one_at_a_time else None,
             tensor_parallel_degree=a.tensor_parallel_degree, dtype=a.dtype, vllm_dir=a.vllm_dir,
+            arms=[Arm.parse(x) for x in a.arm or ()], slo=_slo(a),
             log=lambda m: print(m, file=sys.stderr, flush=True))
     with open(f"{a.out}/results.md") as f:
         print(f.read())
@@ -265,6 +278,15 @@ def main(argv: list[str]) -> int:
                    help="start each server only for its own run (default for the gpu preset)")
     c.add_argument("--startup-timeout", type=float, default=180.0,
                    help="seconds to wait for /ping (vllm_cpu: at least 900, it compiles on start)")
+    c.add_argument("--arm", action="append", metavar="NAME=STRATEGY[@CHECKOUT][+key=value...]",
+                   help="one more cell of our server, interleaved with the others: a strategy with extra "
+                        "properties (after=paged+option.target_tpot_ms=80), or another checkout's code "
+                        "(before=paged@/work/main); repeatable; without --only, only the arms run")
+    c.add_argument("--slo-ttft-ms", type=float, metavar="MS",
+                   help="goodput: a request meets the objective when its first token came within MS")
+    c.add_argument("--slo-tpot-ms", type=float, metavar="MS",
+                   help="goodput: ... and its mean time per later token is within MS (default: an --arm's "
+                        "option.target_tpot_ms)")
     c.add_argument("--tensor-parallel-degree", type=int, default=1, metavar="N",
                    help="run our strategies with option.tensor_parallel_degree=N (the peers with one "
                         "process); on CPU the figures are a correctness run")

@@ -11,6 +11,7 @@ import json
 import math
 import os
 import platform
+import re
 import signal
 import socket
 import subprocess
@@ -21,7 +22,7 @@ from dataclasses import dataclass
 from handler.tools.bench import llamacpp_peer, openvino_peer, peak, vllm_cpu
 from handler.tools.bench.client import LMI, LlamaCppCompletions, OpenAICompletions, run_load, wait_ready
 from handler.tools.bench.cputime import TreeCpu
-from handler.tools.bench.metrics import Record, expected_ideal_speedup, ideal_speedup, summarise
+from handler.tools.bench.metrics import Record, Slo, expected_ideal_speedup, ideal_speedup, summarise
 from handler.tools.bench.workloads import PRESETS, Preset, Workload, output_lengths, prompt_of
 
 STRATEGIES = ("none", "dynamic", "rolling", "paged")
@@ -164,6 +165,41 @@ def properties(strategy: str, w: Workload, kv_tokens: int, dtype: str | None, tp
     return "\n".join(lines) + "\n"
 
 
+@dataclass(frozen=True)
+class Arm:
+    """A named cell of our server: a strategy with extra properties, optionally served from another
+    checkout (an A/B of two commits in one interleaved run: `before=paged@/work/main`)."""
+    name: str
+    strategy: str
+    root: str | None = None             # a checkout whose `handler` the server runs (None: this one)
+    extra: tuple[tuple[str, str], ...] = ()
+
+    @classmethod
+    def parse(cls, text: str) -> "Arm":
+        """NAME=STRATEGY[@CHECKOUT][+key=value...], e.g. after=paged+option.target_tpot_ms=80."""
+        name, eq, rest = text.partition("=")
+        parts = rest.split("+")
+        strategy, _, root = parts[0].partition("@")
+        if not eq or not re.fullmatch(r"[A-Za-z0-9_.-]+", name) or name in ALL:
+            raise ValueError(f"--arm {text!r}: NAME=STRATEGY[@CHECKOUT][+key=value...] with a new name "
+                             f"(letters, digits, _.-; not one of the built-in cells)")
+        if strategy not in STRATEGIES and strategy not in QUANTIZED and strategy not in KV_QUANTIZED:
+            raise ValueError(f"--arm {text!r}: strategy {strategy!r}; allowed: "
+                             + ", ".join((*STRATEGIES, *QUANTIZED, *KV_QUANTIZED)))
+        if root and not os.path.isfile(os.path.join(root, "handler", "__main__.py")):
+            raise ValueError(f"--arm {text!r}: {root} is not a checkout of this project (no handler/__main__.py)")
+        extra = []
+        for kv in parts[1:]:
+            k, eq, v = kv.partition("=")
+            if not eq or not k or not v:
+                raise ValueError(f"--arm {text!r}: {kv!r} is not key=value")
+            extra.append((k, v))
+        return cls(name, strategy, os.path.abspath(root) if root else None, tuple(extra))
+
+    def property(self, key: str) -> str | None:
+        return next((v for k, v in self.extra if k == key), None)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -189,6 +225,7 @@ class Server:
     held: dict | None = None             # what it was started with, as it counts (results)
     health: str = "/ping"                # the readiness route (llama-server: /health)
     prep_error: str | None = None        # its model could not be prepared: every run reports this
+    cwd: str | None = None               # where it starts (an Arm's checkout)
 
     @property
     def url(self) -> str:
@@ -207,7 +244,7 @@ class Server:
         log = open(self.log_path, "a")
         # Own session: SIGTERM reaches the whole group (gunicorn master and workers).
         self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                     start_new_session=True)
+                                     start_new_session=True, cwd=self.cwd)
         log.close()
 
     def wait(self, timeout: float) -> None:
@@ -244,10 +281,12 @@ def tail(path: str, n: int = 3) -> str:
 
 def make_servers(names, w: Workload, model_dir: str, kv_tokens: int, run_dir: str,
                  dtype: str | None, tp: int = 1, vllm_dir: str | None = None, tok=None,
-                 peer_dirs: dict | None = None, log_fn=print) -> list[Server]:
-    """peer_dirs: {"openvino": dir, "llamacpp": dir} overriding the installed peers' defaults."""
+                 peer_dirs: dict | None = None, log_fn=print, arms: dict | None = None) -> list[Server]:
+    """peer_dirs: {"openvino": dir, "llamacpp": dir} overriding the installed peers' defaults;
+    arms: name -> Arm (our server with extra properties, or another checkout's)."""
     servers = []
     peer_dirs = peer_dirs or {}
+    arms = arms or {}
     for name in names:
         port = free_port()
         log = os.path.join(run_dir, f"{name}.log")
@@ -271,12 +310,19 @@ def make_servers(names, w: Workload, model_dir: str, kv_tokens: int, run_dir: st
                 servers.append(Server(name, [], log, port, skipped=f"{model_dir} was not converted from a .gguf "
                                                                    "file (its blocks are what paged_gguf serves)"))
                 continue
-        if name in STRATEGIES or name in QUANTIZED or name in KV_QUANTIZED:
+        arm = arms.get(name)
+        if arm is not None or name in STRATEGIES or name in QUANTIZED or name in KV_QUANTIZED:
             props = os.path.join(run_dir, f"{name}.properties")
             with open(props, "w") as f:
-                f.write(properties(name, w, kv_tokens, dtype, tp))
-            cmd = [sys.executable, "-m", "handler", "serve", "--properties", props,
-                   "--model-dir", model_dir, "--port", str(port), "--host", "127.0.0.1"]
+                f.write(properties(arm.strategy if arm else name, w, kv_tokens, dtype, tp)
+                        + "".join(f"{k}={v}\n" for k, v in (arm.extra if arm else ())))
+            # Absolute paths: an arm from another checkout starts there.
+            cmd = [sys.executable, "-m", "handler", "serve", "--properties", os.path.abspath(props),
+                   "--model-dir", os.path.abspath(model_dir), "--port", str(port), "--host", "127.0.0.1"]
+            if arm is not None and arm.root:
+                servers.append(Server(name, cmd, log, port, env={**OWN_SERVER_ENV, "PYTHONPATH": arm.root},
+                                      cwd=arm.root, held={"checkout": arm.root}))
+                continue
         else:
             cmd = [sys.executable, "-m", "handler.tools.bench.peers", "--kind", name, "--model-dir", model_dir,
                    "--port", str(port), "--kv-cache-tokens", str(kv_tokens),
@@ -371,7 +417,7 @@ def run_workload(w: Workload, names, model_dir: str, out_dir: str, reps: int, dt
                  startup_timeout: float, progress: bool, log=print, one_at_a_time: bool = False,
                  tp: int = 1, vllm_dir: str | None = None, clients: list[int] | None = None,
                  params: int | None = None, peak_gflops: float | None = None,
-                 peer_dirs: dict | None = None) -> dict:
+                 peer_dirs: dict | None = None, arms: dict | None = None, slo: Slo | None = None) -> dict:
     """All servers up at once (cheap models), or each started for its own run and stopped
     after it (one_at_a_time: large models that do not fit on the device together; always
     for the ALONE peers, which would take the cores from the others while idle).
@@ -388,7 +434,7 @@ def run_workload(w: Workload, names, model_dir: str, out_dir: str, reps: int, dt
     ptoks, drawn = prompt_tokens(tok, w, bodies)
     prompt_lens = [len(tok(b["inputs"])["input_ids"]) for b in bodies]
     kv = kv_cache_tokens(w, [drawn["max"]] if w.prompt_tokens else ptoks)
-    servers = make_servers(names, w, model_dir, kv, run_dir, dtype, tp, vllm_dir, tok, peer_dirs, log)
+    servers = make_servers(names, w, model_dir, kv, run_dir, dtype, tp, vllm_dir, tok, peer_dirs, log, arms)
     for s in servers:
         if s.skipped:
             log(f"[{w.name}] {s.name} skipped: {s.skipped}")
@@ -454,7 +500,7 @@ def run_workload(w: Workload, names, model_dir: str, out_dir: str, reps: int, dt
             return {"error": s.error or "no run completed"}
         recs = [r for x in rr for r in x[0]]
         dur = sum(x[1] for x in rr)
-        e = summarise(recs, c, dur)
+        e = summarise(recs, c, dur, slo)
         e["clients"] = c
         e["requests_per_s_reps"] = [len([r for r in x[0] if r.error is None]) / x[1] for x in rr]
         e["finish_reasons"] = dict(collections.Counter(r.finish_reason for r in recs if r.error is None))
@@ -487,7 +533,8 @@ def run_workload(w: Workload, names, model_dir: str, out_dir: str, reps: int, dt
                          if len(x[0]) == len(bodies) and all(r.error is None for r in x[0])), None)
     add_ratios(entries, ideal := ideal_block(w, bodies, produced))
     out = {
-        "strategies": {k: v for k, v in entries.items() if k in STRATEGIES or k in QUANTIZED or k in KV_QUANTIZED},
+        "strategies": {k: v for k, v in entries.items()
+                       if k in STRATEGIES or k in QUANTIZED or k in KV_QUANTIZED or k in (arms or {})},
         "peers": {k: v for k, v in entries.items() if k in PEERS},
         "workload": dict(w.to_dict(), prompt_tokens=ptoks, prompt_tokens_drawn=drawn, kv_cache_tokens=kv,
                          block_size=BLOCK, repetitions=reps, dtype=dtype, ideal=ideal),
@@ -500,7 +547,7 @@ def run_workload(w: Workload, names, model_dir: str, out_dir: str, reps: int, dt
 
 
 CURVE_KEYS = ("clients", "completed", "errors", "requests_per_s", "output_tokens_per_s", "ttft_p50", "ttft_p90",
-              "tpot_p50", "tpot_p90", "cpu_s_per_1k_output_tokens", "gflops", "pct_of_peak")
+              "tpot_p50", "tpot_p90", "cpu_s_per_1k_output_tokens", "gflops", "pct_of_peak", "goodput_per_s")
 
 
 def curve_point(e: dict) -> dict:
@@ -560,7 +607,8 @@ def compare(preset: str | Preset = "cpu", out_dir: str = "bench-out", only=None,
             startup_timeout: float = 180.0, progress: bool = True, log=print,
             one_at_a_time: bool | None = None, tensor_parallel_degree: int = 1,
             dtype: str | None = None, vllm_dir: str | None = None, clients: list[int] | None = None,
-            peer_dirs: dict | None = None, measure_peak: bool = True) -> dict:
+            peer_dirs: dict | None = None, measure_peak: bool = True, arms: list[Arm] | None = None,
+            slo: Slo | None = None) -> dict:
     """Run the comparison; write results.{json,md,png} into out_dir; return the results dict.
 
     only: names among none/dynamic/rolling/paged/hf_naive/transformers_cb/vllm_cpu (default:
@@ -575,13 +623,22 @@ def compare(preset: str | Preset = "cpu", out_dir: str = "bench-out", only=None,
     workloads: names within the preset (default: all); overrides: Workload fields applied
     to every workload (e.g. {"requests": 20}); one_at_a_time: run servers one by one
     (default: the preset's choice; the gpu preset's 7B servers cannot share one GPU);
-    tensor_parallel_degree: our strategies run with that many ranks (the peers with one)."""
+    tensor_parallel_degree: our strategies run with that many ranks (the peers with one);
+    arms: more cells of our server (Arm), run after `only`'s, interleaved with them;
+    slo: a per-request objective: each entry gets goodput_per_s (requests meeting it per second);
+    default: TPOT within the first arm's option.target_tpot_ms, if one sets it."""
     from dataclasses import replace
 
     import torch
 
     p = PRESETS[preset] if isinstance(preset, str) else preset
-    names = list(only or default_names())
+    arms = list(arms or [])
+    names = list(default_names() if only is None else only) + [a.name for a in arms]
+    if len(set(names)) != len(names):
+        raise ValueError(f"cells named twice: {', '.join(sorted(n for n in set(names) if names.count(n) > 1))}")
+    if slo is None:
+        target = next((a.property("option.target_tpot_ms") for a in arms if a.property("option.target_tpot_ms")), None)
+        slo = Slo(tpot_s=float(target) / 1e3) if target else None
     if dtype is not None and dtype not in DTYPES:
         raise ValueError(f"dtype={dtype!r}: allowed: {', '.join(DTYPES)}")
     dtype = dtype or p.dtype or ("bf16" if torch.cuda.is_available() else "fp32")
@@ -606,10 +663,12 @@ def compare(preset: str | Preset = "cpu", out_dir: str = "bench-out", only=None,
                                    startup_timeout, progress, log,
                                    p.one_at_a_time if one_at_a_time is None else one_at_a_time,
                                    tensor_parallel_degree, vllm_dir, clients, params,
-                                   (ceiling or {}).get("peak_gflops"), peer_dirs)
+                                   (ceiling or {}).get("peak_gflops"), peer_dirs, {a.name: a for a in arms}, slo)
     first = per[ws[0].name]
     results = {**first, "machine": machine, "preset": p.name, "model_dir": model, "dtype": dtype,
-               "parameters": params, "peak": ceiling,
+               "parameters": params, "peak": ceiling, "slo": slo.describe() if slo else None,
+               "arms": {a.name: {"strategy": a.strategy, "checkout": a.root, "properties": dict(a.extra)}
+                        for a in arms},
                "model_saved_dtype": saved_dtype(model),
                "tensor_parallel_degree": tensor_parallel_degree,
                "elapsed_s": time.monotonic() - t0, "workloads": per}
@@ -630,7 +689,8 @@ def _f(x, digits=2, scale=1.0):
 
 
 COLUMNS = [  # header, key, digits, scale
-    ("req/s", "requests_per_s", 2, 1), ("out tok/s", "output_tokens_per_s", 0, 1),
+    ("req/s", "requests_per_s", 2, 1), ("goodput/s", "goodput_per_s", 2, 1),
+    ("out tok/s", "output_tokens_per_s", 0, 1),
     ("LMI req/s", "lmi_requests_per_s", 2, 1), ("TTFT p50/p99 ms", ("ttft_p50", "ttft_p99"), 0, 1e3),
     ("TPOT p50/p99 ms", ("tpot_p50", "tpot_p99"), 1, 1e3),
     ("latency p50/p90/p99 s", ("latency_p50", "latency_p90", "latency_p99"), 2, 1),
@@ -653,6 +713,13 @@ def markdown(results: dict) -> str:
            "system CPU seconds of the server's whole process tree over the measured runs, per 1,000 "
            "output tokens. × columns divide req/s. "
            "Share of ideal = (× dynamic) / the ideal speedup of perfect iteration-level batching.", ""]
+    if results.get("slo"):
+        out += [f"goodput/s: requests that met the objective ({results['slo']}; TTFT and TPOT as the client "
+                "measured them) per wall-clock second.", ""]
+    for name, arm in (results.get("arms") or {}).items():
+        out += [f"Cell `{name}`: `{arm['strategy']}`"
+                + (f" from the checkout {arm['checkout']}" if arm.get("checkout") else "")
+                + "".join(f", `{k}={v}`" for k, v in arm["properties"].items()) + ".", ""]
     pk = results.get("peak")
     if results.get("parameters"):
         out += [f"GFLOP/s = 2 x {results['parameters']:,} parameters x (prompt + output tokens) / wall second "
@@ -706,14 +773,15 @@ def curve_markdown(r: dict) -> list[str]:
     out = [f"### Load curve: clients {w['curve_clients']}", "",
            "Requests per point: " + ", ".join(f"{c} clients: {n}" for c, n in w["curve_requests"].items())
            + " (a prefix of the same list; every repetition runs every point on the same server start).", "",
-           "| server | clients | req/s | out tok/s | TTFT p50/p90 ms | TPOT p50/p90 ms | CPU-s / 1k out tok | "
-           "GFLOP/s | % of peak | errors |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+           "| server | clients | req/s | goodput/s | out tok/s | TTFT p50/p90 ms | TPOT p50/p90 ms | "
+           "CPU-s / 1k out tok | GFLOP/s | % of peak | errors |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for name, pts in r["curve"].items():
         for pt in pts:
             if "error" in pt:
-                out.append(f"| {name} | – | failed: {pt['error'][:100]} | | | | | | | |")
+                out.append(f"| {name} | – | failed: {pt['error'][:100]} | | | | | | | | |")
                 continue
-            out.append(f"| {name} | {pt['clients']} | {_f(pt['requests_per_s'])} | {_f(pt['output_tokens_per_s'], 0)} | "
+            out.append(f"| {name} | {pt['clients']} | {_f(pt['requests_per_s'])} | {_f(pt.get('goodput_per_s'))} | "
+                       f"{_f(pt['output_tokens_per_s'], 0)} | "
                        f"{_f(pt['ttft_p50'], 0, 1e3)} / {_f(pt['ttft_p90'], 0, 1e3)} | "
                        f"{_f(pt['tpot_p50'], 1, 1e3)} / {_f(pt['tpot_p90'], 1, 1e3)} | "
                        f"{_f(pt['cpu_s_per_1k_output_tokens'])} | {_f(pt['gflops'], 1)} | {_f(pt['pct_of_peak'], 0)} | "

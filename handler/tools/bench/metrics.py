@@ -61,15 +61,40 @@ def lmi_requests_per_s(concurrency: int, latencies) -> float | None:
     return concurrency / mean if mean > 0 else None
 
 
+@dataclass(frozen=True)
+class Slo:
+    """A per-request latency objective (seconds; None: not bounded). A request meets it when it
+    succeeded, its first token came within ttft_s (a server that did not stream cannot show that)
+    and its mean time per later token is within tpot_s (one token: nothing to bound)."""
+    ttft_s: float | None = None
+    tpot_s: float | None = None
+
+    def met(self, r: Record) -> bool:
+        if r.error is not None:
+            return False
+        if self.ttft_s is not None and (r.ttft is None or r.ttft > self.ttft_s):
+            return False
+        t = tpot(r.latency, r.ttft, r.tokens)
+        if self.tpot_s is not None and (t is None and r.tokens > 1 or t is not None and t > self.tpot_s):
+            return False
+        return True
+
+    def describe(self) -> str:
+        parts = [f"TTFT <= {self.ttft_s * 1e3:g} ms" if self.ttft_s is not None else "",
+                 f"TPOT <= {self.tpot_s * 1e3:g} ms" if self.tpot_s is not None else ""]
+        return " and ".join(p for p in parts if p) or "none"
+
+
 def _pcts(prefix: str, values, out: dict) -> None:
     for q in PERCENTILES:
         out[f"{prefix}_p{q}"] = percentile(values, q)
 
 
-def summarise(records: list[Record], concurrency: int, duration: float) -> dict:
+def summarise(records: list[Record], concurrency: int, duration: float, slo: Slo | None = None) -> dict:
     """Figures of one run (or several pooled: pass the summed duration).
 
-    requests_per_s and output_tokens_per_s are wall clock: completed / duration.
+    requests_per_s and output_tokens_per_s are wall clock: completed / duration; with an `slo`,
+    goodput_per_s is the requests that met it per second (DistServe's goodput).
     Latency, TTFT and TPOT percentiles are over successful requests; TTFT/TPOT over
     those with a known first-token time (None when the server never streamed)."""
     ok = [r for r in records if r.error is None]
@@ -88,6 +113,9 @@ def summarise(records: list[Record], concurrency: int, duration: float) -> dict:
         "lmi_requests_per_s": lmi_requests_per_s(concurrency, lat),
         "mean_latency_s": sum(lat) / len(lat) if lat else None,
     }
+    if slo is not None:
+        met = sum(1 for r in records if slo.met(r))
+        out.update(slo=slo.describe(), slo_met=met, goodput_per_s=met / duration if duration > 0 else None)
     _pcts("latency", lat, out)
     _pcts("ttft", ttfts, out)
     _pcts("tpot", tpots, out)

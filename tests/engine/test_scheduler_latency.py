@@ -1,0 +1,262 @@
+"""Latency policies of the scheduler (handler/engine/scheduler.py, stepcost.py): a target TPOT sizing
+each step's prefill from the measured step cost, priority classes with preemption, and the aging bound.
+A synthetic clock: each step "takes" COST(rows, prefill tokens) seconds, fed back as the engine does.
+No torch."""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from handler.engine.blocks import BlockManager
+from handler.engine.request import SamplingParams
+from handler.engine.scheduler import Scheduler, SchedulerPolicy, Sequence
+from handler.engine.stepcost import MIN_STEPS, StepCostModel
+from tests.support.fakes import FakeRunner, history_hash
+
+EOS = 0
+VOCAB = 16
+# The synthetic host: seconds = A + B * decode rows + C * prefill tokens.
+A, B, C = 0.004, 0.001, 0.0002
+
+
+def cost(rows: int, tokens: int) -> float:
+    return A + B * rows + C * tokens
+
+
+def model(tokens) -> int:
+    return 1 + history_hash(tokens) % (VOCAB - 1)     # never EOS: lengths are max_new_tokens
+
+
+def alone(prompt, max_new) -> list[int]:
+    toks = list(prompt)
+    for _ in range(max_new):
+        toks.append(model(toks))
+    return toks[len(prompt):]
+
+
+def make(strategy="paged", num_blocks=256, block_size=4, **kw) -> Scheduler:
+    kw.setdefault("eos_token_ids", frozenset({EOS}))
+    return Scheduler(SchedulerPolicy(strategy, **kw), BlockManager(num_blocks, block_size))
+
+
+def seq(sid, n_prompt, max_new=8, arrival=0.0, priority=0) -> Sequence:
+    prompt = [1 + (sid * 7 + i) % (VOCAB - 1) for i in range(n_prompt)]
+    return Sequence(sid, prompt, SamplingParams(max_new_tokens=max_new, priority=priority), arrival)
+
+
+class Clock:
+    """Runs a scheduler against the synthetic host: each step advances `now` by its cost."""
+
+    def __init__(self, s: Scheduler, block_size=4):
+        self.s, self.now = s, 0.0
+        self.runner = FakeRunner(block_size, model)
+        self.plans, self.outputs, self.first_token = [], {}, {}
+
+    def step(self):
+        plan = self.s.schedule(self.now)
+        if not plan.items:
+            self.now += 0.001
+            return plan
+        rows = sum(1 for it in plan.items if len(it.token_ids) == 1)
+        took = cost(rows, sum(len(it.token_ids) for it in plan.items) - rows)
+        self.now += took
+        self.s.observe_step(plan, took)
+        self.plans.append((plan, rows, took))
+        for q, _ in self.s.update(plan, self.runner.step(plan.items, plan.copies)):
+            self.first_token.setdefault(q.seq_id, self.now)
+            if q.finished:
+                self.outputs[q.seq_id] = self.s.finish(q.seq_id, q.finish_reason).output_ids
+        return plan
+
+    def run(self, until=lambda: False, max_steps=5000):
+        for _ in range(max_steps):
+            if not self.s.has_work or until():
+                return
+            self.step()
+        raise AssertionError("did not finish")
+
+
+# ---------------------------------------------------------------- the cost model
+def test_cost_model_recovers_a_linear_host_and_sizes_the_prefill():
+    rng = random.Random(0)
+    m = StepCostModel()
+    assert m.prefill_budget(10, 0.05) is None        # nothing seen: no estimate
+    for _ in range(200):
+        rows, tokens = rng.randint(1, 40), rng.choice([0, 0, rng.randint(1, 300)])
+        m.observe(rows, tokens, cost(rows, tokens) * rng.uniform(0.97, 1.03))
+    assert m.predict(20, 100) == pytest.approx(cost(20, 100), rel=0.05)
+    # 50 ms with 20 decode rows leaves (0.05 - 0.004 - 0.020) / 0.0002 = 130 prompt tokens.
+    assert m.prefill_budget(20, 0.05) == pytest.approx(130, rel=0.1)
+    assert m.prefill_budget(60, 0.05) == 0           # the decode rows alone take 64 ms
+
+
+def test_cost_model_waits_for_enough_steps_and_follows_a_slower_host():
+    m = StepCostModel()
+    for i in range(MIN_STEPS - 1):
+        m.observe(4 + i, 10 * i, cost(4 + i, 10 * i))
+    assert m.predict(4, 0) is None
+    for i in range(400):       # the host slows down 3x (another tenant): the fit follows it
+        rows, tokens = 1 + i % 30, (i * 37) % 200
+        m.observe(rows, tokens, 3 * cost(rows, tokens))
+    assert m.predict(10, 50) == pytest.approx(3 * cost(10, 50), rel=0.05)
+
+
+# ---------------------------------------------------------------- target TPOT
+def test_target_tpot_bounds_every_step_and_keeps_outputs():
+    target = 0.03          # 26 decode rows fill it; prompts of 40-120 tokens keep arriving
+    s = make(max_batch_size=64, prefill_token_budget=4096, target_tpot_s=target, aging_s=10.0)
+    clock = Clock(s)
+    rng = random.Random(1)
+    prompts = {}
+    for sid in range(1, 61):
+        n = rng.randint(40, 120)
+        q = seq(sid, n, max_new=rng.randint(8, 24), arrival=0.0)
+        prompts[sid] = (q.prompt_ids, q.params.max_new_tokens)
+        s.add(q)
+    clock.run()
+    assert set(clock.outputs) == set(prompts)                    # every one answered ...
+    for sid, (prompt, k) in prompts.items():
+        assert clock.outputs[sid] == alone(prompt, k), sid       # ... with its own tokens
+    learnt = [t for _, _, t in clock.plans[MIN_STEPS + 1:]]
+    # Once learnt, a step overruns the target by at most one prompt token's cost (integer budget)
+    # or when its decode rows alone fill it; without the target the first step alone takes 0.8 s.
+    for (plan, rows, took) in clock.plans[MIN_STEPS + 1:]:
+        assert took <= target + C + 1e-9 or cost(rows, 0) >= target - C, (rows, took)
+    assert max(learnt) < 2 * target
+
+
+def test_decode_rows_are_never_left_out_for_prefill():
+    s = make(max_batch_size=64, prefill_token_budget=4096, target_tpot_s=0.02)
+    clock = Clock(s)
+    for sid in range(1, 9):
+        s.add(seq(sid, 8, max_new=40))
+    for _ in range(20):
+        clock.step()
+    for sid in range(9, 30):           # a burst of long prompts while 8 decode
+        s.add(seq(sid, 200, max_new=4, arrival=clock.now))
+    for _ in range(20):
+        plan = clock.step()
+        decoding = [q.seq_id for q in s.running if q.num_output and len(q.tokens) - q.num_computed == 1]
+        assert set(decoding) <= {it.seq_id for it in plan.items}
+
+
+def test_the_hard_cap_holds_when_the_target_would_allow_more():
+    s = make(max_batch_size=64, prefill_token_budget=32, target_tpot_s=10.0)
+    clock = Clock(s)
+    for sid in range(1, 20):
+        s.add(seq(sid, 100, max_new=4))
+    clock.run()
+    for plan, rows, _ in clock.plans:
+        assert sum(len(it.token_ids) for it in plan.items) - rows <= 32
+    assert len(clock.outputs) == 19
+
+
+def test_aging_bounds_how_long_a_prompt_is_passed_over():
+    """Decode rows alone overrun the target, so the TPOT budget admits nobody; a waiting prompt
+    still starts once it has waited aging_s."""
+    s = make(max_batch_size=64, prefill_token_budget=4096, target_tpot_s=0.005, aging_s=0.5)
+    clock = Clock(s)
+    for sid in range(1, 11):
+        s.add(seq(sid, 8, max_new=400))
+    clock.run(until=lambda: len(clock.plans) > 40)
+    late = seq(99, 30, max_new=2, arrival=clock.now)
+    s.add(late)
+    clock.run(until=lambda: 99 in clock.first_token)
+    waited = clock.first_token[99] - late.arrival
+    assert 0.5 <= waited <= 0.5 + 3 * cost(11, 30)
+    assert not late.aged_in         # protected from priority preemption only until its first token
+
+
+def test_without_a_target_or_priority_the_policy_is_unchanged():
+    """No target, fcfs: one step prefills everything the budget allows, as before."""
+    s = make(max_batch_size=64, prefill_token_budget=4096)
+    for sid in range(1, 6):
+        s.add(seq(sid, 100))
+    plan = s.schedule(0.0)
+    assert sum(len(it.token_ids) for it in plan.items) == 500
+    assert not s.policy.ages
+
+
+# ---------------------------------------------------------------- priority
+def test_priority_admits_lower_numbers_first():
+    s = make(max_batch_size=2, scheduling_policy="priority")
+    for sid, pr in ((1, 5), (2, 0), (3, 5), (4, -1)):
+        s.add(seq(sid, 4, priority=pr))
+    plan = s.schedule(0.0)
+    assert sorted(i.seq_id for i in plan.items) == [2, 4]
+
+
+def test_fcfs_ignores_the_priority_field_order():
+    s = make(max_batch_size=2)
+    for sid, pr in ((1, 5), (2, 0), (3, -1)):
+        s.add(seq(sid, 4, priority=pr))
+    assert sorted(i.seq_id for i in s.schedule(0.0).items) == [1, 2]
+
+
+@pytest.mark.parametrize("strategy", ["paged", "rolling"])
+def test_a_higher_priority_arrival_preempts_and_nothing_is_lost(strategy):
+    s = make(strategy, max_batch_size=3, scheduling_policy="priority", aging_s=100.0)
+    clock = Clock(s)
+    want = {}
+    for sid in (1, 2, 3):
+        q = seq(sid, 6, max_new=30, priority=10)
+        want[sid] = alone(q.prompt_ids, 30)
+        s.add(q)
+    for _ in range(5):
+        clock.step()
+    urgent = seq(7, 5, max_new=3, arrival=clock.now, priority=0)
+    want[7] = alone(urgent.prompt_ids, 3)
+    s.add(urgent)
+    plan = clock.step()
+    assert plan.preempted == [3]                      # the newest of the lowest class
+    assert 7 in {i.seq_id for i in plan.items}        # prefilled in the same step
+    assert s.preemption_causes == {"kv_cache": 0, "priority": 1}
+    clock.run()
+    assert clock.outputs == want                      # the victim recomputed: same tokens, all answered
+
+
+def test_equal_priority_never_preempts():
+    s = make(max_batch_size=2, scheduling_policy="priority")
+    clock = Clock(s)
+    for sid in (1, 2):
+        s.add(seq(sid, 4, max_new=20, priority=3))
+    clock.step()
+    s.add(seq(3, 4, max_new=2, arrival=clock.now, priority=3))
+    assert clock.step().preempted == []
+
+
+def test_kv_shortage_victim_is_the_lowest_class():
+    """Blocks run out: the victim is the newest of the highest number, not simply the newest."""
+    s = make(num_blocks=12, block_size=4, max_batch_size=8, scheduling_policy="priority", aging_s=100.0)
+    clock = Clock(s)
+    s.add(seq(1, 8, max_new=20, priority=9))
+    s.add(seq(2, 8, max_new=20, priority=0))
+    s.add(seq(3, 8, max_new=20, priority=0))
+    victims = []
+    clock.run(until=lambda: bool(victims.extend(clock.plans[-1][0].preempted) if clock.plans else False)
+              or victims)
+    assert victims[0] == 1 and s.preemption_causes["kv_cache"] >= 1
+    clock.run()
+    assert set(clock.outputs) == {1, 2, 3}
+
+
+def test_a_low_priority_request_does_not_starve_under_a_flood_of_high_ones():
+    s = make(max_batch_size=2, scheduling_policy="priority", aging_s=0.3)
+    clock = Clock(s)
+    low = seq(1, 6, max_new=4, priority=5)
+    s.add(low)
+    sid = 100
+    # High-priority requests keep both slots busy and keep arriving, for 3 s of synthetic time.
+    while clock.now < 3.0 and 1 not in clock.outputs:
+        while sum(1 for q in s.seqs.values() if q.priority == 0) < 3:
+            sid += 1
+            s.add(seq(sid, 6, max_new=6, arrival=clock.now, priority=0))
+        clock.step()
+    assert 1 in clock.outputs and clock.outputs[1] == alone(low.prompt_ids, 4)
+    assert clock.first_token[1] <= 0.3 + 0.2            # started within the aging bound (+ a few steps)
+
+
+def test_policy_rejects_an_unknown_scheduling_policy():
+    with pytest.raises(ValueError, match="scheduling_policy must be one of"):
+        SchedulerPolicy("paged", scheduling_policy="lifo")
