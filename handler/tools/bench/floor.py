@@ -102,9 +102,10 @@ def step_tensors(model) -> tuple[list, int]:
     return read, table
 
 
-def step_bytes(model) -> dict:
-    """Bytes a one-row decode step reads of `model`'s weights, as held (see the module doc)."""
-    read, table = step_tensors(model)
+def step_bytes(model, held: tuple[list, int] | None = None) -> dict:
+    """Bytes a one-row decode step reads of `model`'s weights, as held (see the module doc); `held`:
+    step_tensors(model) when the caller has it already."""
+    read, table = held if held is not None else step_tensors(model)
     return {"weight_bytes_per_step": sum(t.numel() * t.element_size() for t in read), "embedding_table_bytes": table}
 
 
@@ -141,10 +142,9 @@ def floor_of(model_dir: str, dtype: str, quantize: str | None) -> dict:
     from handler.tools import quality
     engine = quality.engine_for(model_dir, dtype, quantize)
     try:
-        read, table = step_tensors(engine.runner.model)
-        out = {"weight_bytes_per_step": sum(t.numel() * t.element_size() for t in read),
-               "embedding_table_bytes": table}
-        w = weights_read(read)
+        held = step_tensors(engine.runner.model)
+        out = step_bytes(engine.runner.model, held)
+        w = weights_read(held[0])
         if w is not None:   # scaled to every byte counted (a skipped tail or strided tensor: a few KiB)
             out["floor_weights_ms"] = round(w["ms"] * out["weight_bytes_per_step"] / w["bytes"], 3)
         return out
