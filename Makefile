@@ -10,7 +10,7 @@ DEMO_DIR := .cache/demo-model
 DEMO   ?= smollm2
 MODEL  ?=
 REAL    = .cache/models/$(DEMO)
-REAL_MODELS := smollm2 qwen2.5-coder-0.5b qwen2.5-coder-1.5b
+REAL_MODELS := smollm2 qwen2.5-coder-0.5b qwen2.5-coder-1.5b all-minilm-l6-v2
 PORT   ?= 8080
 PROPERTIES ?= serving.properties.d/paged.properties
 PYTEST_ARGS ?=
@@ -41,7 +41,8 @@ $(DEMO_DIR)/config.json: | $(VENV)/.installed
 demo-model: $(DEMO_DIR)/config.json
 
 ## make serve: install, fetch SmolLM2-135M-Instruct once (DEMO=tiny: the tiny random demo model;
-## DEMO=qwen2.5-coder-0.5b|qwen2.5-coder-1.5b: a Qwen2.5-Coder Instruct; MODEL=PATH: that model),
+## DEMO=qwen2.5-coder-0.5b|qwen2.5-coder-1.5b: a Qwen2.5-Coder Instruct; DEMO=all-minilm-l6-v2: an embedding
+## model, served on /v1/embeddings, /embed, /rerank; MODEL=PATH: that model),
 ## serve it on :$(PORT) with $(PROPERTIES)
 serve: $(VENV)/.installed
 	@model=$(DEMO_DIR); \

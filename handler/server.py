@@ -141,8 +141,45 @@ def engine_for(cfg, runner, on_step=None, waker=None):
                   waker=waker, proposer=getattr(runner, "draft_proposer", None)).start()
 
 
+def model_task(cfg) -> str:
+    """cfg.task, detected again from the model directory when option.task was not given (an s3:// or hub
+    model's directory exists only after the configuration is read)."""
+    from handler.config.task import detect_task
+    if "option.task" in cfg.properties or os.environ.get("HF_TASK") or not cfg.model_dir:
+        return cfg.task
+    return detect_task(cfg.model_dir)
+
+
+def build_pooling_engine(cfg, task: str, waker=None):
+    """An embedding / classification / cross-encoder model (option.task) on the pooling engine: batches
+    of up to max(batch_size, option.max_rolling_batch_size) inputs and
+    option.max_rolling_batch_prefill_tokens tokens, gathered for up to max_batch_delay ms when the file
+    sets it (else 0: whatever waits while a forward runs joins the next one)."""
+    from handler.engine.pooling import PoolingEngine, PoolingPolicy
+    from handler.model.gguf import hf_dir_for
+    from handler.model.pooling import PoolingRunner
+
+    if cfg.tensor_parallel_degree > 1:
+        from handler.model.runner import ModelLoadError
+        raise ModelLoadError(f"option.task={task}: pooling models run on one device "
+                             "(option.tensor_parallel_degree=1)")
+    runner = PoolingRunner(hf_dir_for(cfg.model_dir, cfg.dtype, cfg.device), task, dtype=cfg.dtype,
+                           device=cfg.device, max_model_len=cfg.max_model_len, quantize=cfg.quantize,
+                           trust_remote_code=cfg.trust_remote_code)
+    delay_ms = cfg.max_batch_delay_ms if "max_batch_delay" in cfg.properties else 0
+    policy = PoolingPolicy(max_batch_tokens=max(cfg.max_rolling_batch_prefill_tokens, runner.max_model_len),
+                           max_batch_size=_width(cfg), max_batch_delay_s=delay_ms / 1000.0,
+                           max_waiting=cfg.job_queue_size)
+    gc.collect()
+    gc.freeze()
+    return PoolingEngine(runner, policy, waker).start()
+
+
 def build_engine(cfg, on_rank_failure=None, on_step=None, waker=None):
-    """ServingConfig -> a started Engine (loads the model)."""
+    """ServingConfig -> a started Engine (loads the model); a pooling model's PoolingEngine."""
+    task = model_task(cfg)
+    if task != "generate":
+        return build_pooling_engine(cfg, task, waker)
     return engine_for(cfg, build_runner(cfg, on_rank_failure), on_step, waker)
 
 

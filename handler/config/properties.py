@@ -26,6 +26,7 @@ from handler.config.schema import (ALIASES, DEFAULT_ENTRY_POINT, DEFAULT_MODEL_D
                                    IGNORED_KEYS, KNOWN_KEYS, LMI_ENTRY_POINTS, PORT, SCHEMA, TYPED_KEYS, _Bad,
                                    default_of)
 from handler.config.sizing import read_heads as model_heads
+from handler.config.task import resolve_task
 
 
 class ConfigError(Exception):
@@ -224,6 +225,7 @@ class ServingConfig:
     speculative_length: int | None = None
     speculative_disable_by_batch_size: int | None = None
     speculative: object = None    # handler.config.speculative.SpecConfig (None: no speculative decoding)
+    task: str = "generate"        # option.task resolved (handler/config/task.py): generate | text_embedding | classify | rerank
 
     @property
     def numerics(self) -> Numerics:
@@ -727,6 +729,7 @@ def load_config(properties_path: str | None = None, model_dir: str | None = None
     direct = {k.field_name: src.resolved(k.name) for k in SCHEMA.values() if k.field_name}
     quant = _resolve_quantize(direct["quantize"], model["model_dir"], devices["device"], gpu_count)
     template = _resolve_chat_template(src, model["model_dir"] or model_dir)
+    direct["task"] = resolve_task(direct["task"], model["model_dir"])
     if src.get("option.enable_reasoning") is not None:      # LMI's switch over option.reasoning_parser
         if src.get("option.enable_reasoning") and direct["reasoning_parser"] == "none":
             raise ConfigError(f"{src.where('option.enable_reasoning')} needs option.reasoning_parser; allowed: "

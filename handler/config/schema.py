@@ -196,6 +196,14 @@ class Key:
         return (own, *self.extra_env)
 
 
+# option.task's values (LMI's names first) and its other spellings (LMI's, vLLM's, HF pipelines').
+TASKS = ("text_embedding", "classify", "rerank", "generate")
+TASK_ALIASES = {"text-embedding": "text_embedding", "feature-extraction": "text_embedding",
+                "feature_extraction": "text_embedding", "embed": "text_embedding", "embedding": "text_embedding",
+                "sentence-similarity": "text_embedding", "text-classification": "classify",
+                "classification": "classify", "score": "rerank", "cross-encoder": "rerank",
+                "text-generation": "generate", "text_generation": "generate"}
+
 ROLLING_BATCH_VALUES = ["auto", "scheduler", "lmi-dist", "vllm", "disable"]
 _SECONDS = _float(0.0, None, True, "a positive number of seconds")
 _QUANTIZE = _enum(["int8", "int8_weight_only", "awq", "gptq", "gguf", "fp8", "none"],   # option.quantize, vLLM's name
@@ -491,6 +499,14 @@ KEYS: tuple[Key, ...] = (
     Key("option.speculative_disable_by_batch_size", _int(1),
         "no speculation in a step where this many sequences or more run (at high load the step is "
         "compute-bound and rejected tokens cost throughput)", unit="sequences", default_doc="(never off)"),
+    Key("option.task", _enum(list(TASKS), TASK_ALIASES),
+        "what the model serves: `text_embedding` (LMI's; also `feature-extraction`, `embed`) pooled vectors on "
+        "/v1/embeddings, /invocations, /embed; `classify` a sequence classifier's scores (/predict, "
+        "/invocations); `rerank` a cross-encoder's relevance (/rerank, /v1/rerank, /score); `generate` text. "
+        "Unset: detected from the checkpoint (an encoder or sentence-transformers' modules.json: "
+        "`text_embedding`; `*ForSequenceClassification`: `rerank` with one label, else `classify`; else "
+        "`generate`). A decoder (Qwen, Llama) is an embedder only when asked (last-token pooling)",
+        env=("HF_TASK",), default_doc="(detected)"),
     Key("option.adapter_roots", _adapter_roots,
         "where the management routes may register adapters from, besides `<model dir>/adapters/`: a `src` "
         "outside them (`..`, other absolute paths, symlinks out) is refused before anything is read; an "
@@ -519,7 +535,7 @@ IGNORED: tuple[str, ...] = (
     "minWorkers", "maxWorkers", "gpu.minWorkers", "gpu.maxWorkers", "cpu.minWorkers",
     "cpu.maxWorkers", "load_on_devices", "required_memory_mb", "reserved_memory_mb",
     "log_model_metric", "metrics_aggregation", "translatorFactory",
-    "option.max_input_len", "option.max_output_len", "option.task",
+    "option.max_input_len", "option.max_output_len",
     "option.model_loading_timeout", "option.low_cpu_mem_usage",
     "option.device_map", "option.load_in_8bit", "option.load_in_4bit", "option.mpi_mode",
     "option.parallel_loading", "option.disable_flash_attn",

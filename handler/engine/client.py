@@ -14,7 +14,8 @@ import sys
 # What submit raises, for callers that import from here only.
 from handler.engine.scheduler import CapacityError, QueueFull
 
-__all__ = ["AdapterExists", "AdapterInvalid", "CapacityError", "EngineClient", "LoraDisabled", "QueueFull"]
+__all__ = ["AdapterExists", "AdapterInvalid", "CapacityError", "EngineClient", "LoraDisabled", "PoolingClient",
+           "QueueFull", "client_for"]
 
 
 class AdapterExists(KeyError):
@@ -38,6 +39,9 @@ def _adapter_error():
 class EngineClient:
     """Submit / abort, the tokenizer, the longest sequence that fits, the statistics for /metrics,
     health, and the LoRA adapter registry: what the HTTP layer calls, nothing more."""
+
+    pooling = False     # PoolingClient: an embedding / classification model (no generation)
+    task = "generate"
 
     def __init__(self, engine):
         self._engine = engine
@@ -136,3 +140,51 @@ class EngineClient:
     def unregister_adapter(self, name: str) -> bool:
         """False when no such adapter is registered. Raises LoraDisabled."""
         return self._require_lora().unregister(name)
+
+
+class PoolingClient(EngineClient):
+    """The facade over a pooling engine (handler/engine/pooling.py): the same health, limits and
+    statistics, and `pool` instead of `submit` (which refuses: a pooling model generates nothing)."""
+
+    pooling = True
+
+    @property
+    def task(self) -> str:
+        return self._engine.task
+
+    @property
+    def hidden_size(self) -> int | None:
+        return self._engine.hidden_size
+
+    @property
+    def id2label(self) -> dict:
+        return self._engine.id2label
+
+    def pool(self, inputs, kind: str):
+        """PoolingEngine.submit: one PoolJob. Raises QueueFull or CapacityError."""
+        return self._engine.submit(inputs, kind)
+
+    def submit(self, prompts_ids, params, stream: bool = True):
+        raise TypeError("a pooling model generates nothing")
+
+    @property
+    def max_model_len(self) -> int:
+        return self._engine.max_model_len
+
+    @property
+    def max_sequence_len(self) -> int:
+        return self._engine.max_model_len
+
+    def stats(self) -> dict:
+        return self._engine.stats()
+
+    def adapter_counters(self) -> dict:
+        return {}
+
+    def _lora(self):
+        return None
+
+
+def client_for(engine) -> EngineClient:
+    """The facade that fits the engine: PoolingClient over a pooling engine, else EngineClient."""
+    return PoolingClient(engine) if getattr(engine, "pooling", False) else EngineClient(engine)

@@ -14,7 +14,7 @@ import time
 
 from flask import Flask
 
-from handler.engine.client import EngineClient
+from handler.engine.client import EngineClient, client_for
 from handler.http.guard import Admission, check_prompt, longest_token_chars
 from handler.http.metrics import Metrics
 from handler.http.protocols.store import ResponseStore
@@ -58,7 +58,7 @@ class ServerState:
 
     @engine.setter
     def engine(self, engine) -> None:
-        self._client = None if engine is None else EngineClient(engine)
+        self._client = None if engine is None else client_for(engine)
         self._engine = engine
 
     @property

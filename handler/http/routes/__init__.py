@@ -6,10 +6,12 @@
   anthropic  POST /v1/messages, POST /v1/messages/count_tokens
   responses  POST /v1/responses, GET / DELETE /v1/responses/<id>
   tgi        POST /generate, POST /generate_stream, POST /
+  pooling    POST /v1/embeddings, /embed, /predict, /rerank, /v1/rerank, /score (embedding, classification
+             and cross-encoder models; their /invocations too)
   ops        GET /metrics, GET /openapi.json
 """
 from __future__ import annotations
 
-from handler.http.routes import adapters, anthropic, ops, openai, responses, sagemaker, tgi
+from handler.http.routes import adapters, anthropic, ops, openai, pooling, responses, sagemaker, tgi
 
-BLUEPRINTS = (sagemaker.bp, adapters.bp, openai.bp, anthropic.bp, responses.bp, tgi.bp, ops.bp)
+BLUEPRINTS = (sagemaker.bp, adapters.bp, openai.bp, anthropic.bp, responses.bp, tgi.bp, pooling.bp, ops.bp)

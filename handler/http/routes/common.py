@@ -191,6 +191,10 @@ def run(parse, error, respond, stream):
     if client is None:
         g.trace.reason = "loading"
         return error(503, _loading(state))
+    if client.pooling:
+        return error(400, f"this server serves a {client.task} model (option.task={client.task}), which generates "
+                          "no text: use POST /v1/embeddings, /embed, /rerank or /invocations with {\"inputs\": ...}",
+                     "option.task")
     try:
         gen = parse(client.tokenizer)
         pick_adapter(client, gen, cfg)

@@ -10,7 +10,7 @@ from handler.engine.request import SamplingParams
 from handler.engine.request import RequestError
 from handler.http.custom import CustomCallError
 from handler.http.protocols import lmi, openai
-from handler.http.routes import attributes
+from handler.http.routes import attributes, pooling
 from handler.http.routes.common import (ADAPTER_HEADER, JSONLINES, SSE, STREAMING_FORMATTERS, body_bytes, body_json, current_state,
                                         error_response, json_response, model_name, run, running_width,
                                         streamed)
@@ -47,6 +47,8 @@ def invocations(model=None):
     if picked is not None:
         return picked
     state = current_state()
+    if state.client is not None and state.client.pooling:      # an embedding / rerank model
+        return pooling.invocations()
     cfg = state.cfg
     custom = state.custom       # model.py (handler/http/custom.py): its handle() or formatters
     if custom is not None and custom.handle is not None:
