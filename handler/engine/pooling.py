@@ -68,7 +68,8 @@ class PoolingPolicy:
     max_batch_tokens: int           # tokens of one forward (a long input alone may exceed it)
     max_batch_size: int             # inputs of one forward
     max_batch_delay_s: float        # the dynamic batcher's wait after the first input
-    max_waiting: int                # inputs waiting beyond the running batch (job_queue_size): 503 past it
+    max_waiting: int                # inputs waiting beyond the running batch (job_queue_size): 503 past it,
+                                    # unless the queue is empty
 
 
 class PoolingEngine:
@@ -109,7 +110,8 @@ class PoolingEngine:
         with self._cv:
             if not self.healthy:
                 raise QueueFull(f"the engine is not serving: {self.error}")
-            if len(self._queue) + len(inputs) > self.policy.max_waiting + self.policy.max_batch_size:
+            # inputs beyond the running batch; a request alone may exceed it (it is never refused forever)
+            if self._queue and len(self._queue) + len(inputs) > self.policy.max_waiting:
                 self.counters["rejected_queue_full"] += 1
                 raise QueueFull(f"the queue is full ({len(self._queue)} inputs waiting; job_queue_size="
                                 f"{self.policy.max_waiting}); retry later")

@@ -64,8 +64,8 @@ class Encoder(nn.Module):
         """ids, types: [T] for all sequences packed; spans: each sequence's rows -> hidden states [T, H]."""
         pos = torch.cat([torch.arange(e - s) for s, e in spans]).to(ids.device) + self.pos_offset
         x = self.word(ids) + self.position(pos)
-        if self.token_type is not None:
-            x = x + self.token_type(types)
+        if self.token_type is not None:     # RoBERTa's one segment: a pair's second text is segment 0 too
+            x = x + self.token_type(types if self.token_type.num_embeddings > 1 else torch.zeros_like(types))
         x = self.ln(x)
         for layer in self.layers:
             x = layer(x, spans)
@@ -90,8 +90,7 @@ def load_encoder(model_dir: str, config, dtype: torch.dtype, classifier: bool) -
         base = getattr(hf, hf.base_model_prefix)
         head = hf.classifier
     else:
-        hf = AutoModel.from_pretrained(model_dir, dtype=dtype, add_pooling_layer=False) \
-            if config.model_type in SUPPORTED_TYPES else AutoModel.from_pretrained(model_dir, dtype=dtype)
+        hf = AutoModel.from_pretrained(model_dir, dtype=dtype)      # its pooler (if any) stays unused
         base, head = hf, None
     hf.eval()
     enc = Encoder(base, config, head).eval()

@@ -112,19 +112,15 @@ def _encode(tokenizer, item, limit: int | None, side: str | None) -> tuple[list[
     if side is None or limit is None or len(ids) <= limit:
         return ids, types
     kw = dict(truncation="only_second" if pair else True, max_length=limit)
-    if side == "right":
+    if side == "right" or pair:     # a pair: the text's end goes (the query stays whole)
         enc = tokenizer(*item, **kw) if pair else tokenizer(item, **kw)
         return enc["input_ids"], enc.get("token_type_ids") if pair else None
-    # left: the content's last tokens between the model's special tokens
-    content = tokenizer(item[1] if pair else item, add_special_tokens=False)["input_ids"]
-    if pair:
-        first = tokenizer(item[0], add_special_tokens=False)["input_ids"]
-        keep = max(0, limit - tokenizer.num_special_tokens_to_add(pair=True) - len(first))
-        full = tokenizer.build_inputs_with_special_tokens(first, _cut(content, keep, "left"))
-        types = tokenizer.create_token_type_ids_from_sequences(first, _cut(content, keep, "left"))
-        return full, types
-    keep = max(0, limit - tokenizer.num_special_tokens_to_add(pair=False))
-    return tokenizer.build_inputs_with_special_tokens(_cut(content, keep, "left")), None
+    # left: the content's last tokens between the special tokens the tokenizer puts around it
+    content = tokenizer(item, add_special_tokens=False)["input_ids"]
+    extra = len(ids) - len(content)
+    start = next((i for i in range(extra + 1) if ids[i:i + len(content)] == content), 0)
+    keep = max(0, limit - extra)
+    return ids[:start] + content[len(content) - keep:] + ids[start + len(content):], None
 
 
 def tokenize(tokenizer, req: Pooling, max_len: int) -> list[PoolInput]:
