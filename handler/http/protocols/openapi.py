@@ -1,4 +1,5 @@
-"""GET /openapi.json: the generation routes' request bodies, from the declared models.
+"""GET /openapi.json: the generation routes' request bodies, from the declared models; the pooling
+routes' (embeddings, rerank, score) written out.
 
 The sampling parameters (handler/engine/request.Parameters), OpenAI's scalar fields
 (handler/http/protocols/openai.ChatFields, CompletionFields) and the Messages and Responses bodies
@@ -62,6 +63,38 @@ def _post(summary: str, ref: str, statuses: dict = _STATUS) -> dict:
                      "responses": dict(statuses)}}
 
 
+def _pooling_schemas() -> dict:
+    """The pooling routes' bodies (handler/http/protocols/pool_*.py), written out: no pydantic models there."""
+    def obj(required, **props):
+        return {"type": "object", "required": required, "properties": props, "additionalProperties": True}
+    flag, positive = {"type": "boolean"}, {"type": "integer", "minimum": 1}
+    texts = {"type": "array", "items": {"type": "string", "minLength": 1}, "minItems": 1}
+    pair = {"type": "array", "items": {"type": "string", "minLength": 1}, "minItems": 2, "maxItems": 2}
+    return {
+        "EmbeddingsRequest": obj(["input"], input=_PROMPT, model={"type": "string"},
+                                 encoding_format={"enum": ["float", "base64"]}, dimensions=positive,
+                                 truncate_prompt_tokens={"type": "integer", "minimum": -1}),
+        "EmbedRequest": obj(["inputs"], inputs=_TEXT_OR_LIST, normalize=flag, truncate=flag,
+                            truncation_direction={"enum": ["Right", "Left"]}, dimensions=positive),
+        "PredictRequest": obj(["inputs"], inputs={"anyOf": [{"type": "string", "minLength": 1}, pair,
+                                                            {"type": "array", "items": {"anyOf": [
+                                                                {"type": "string", "minLength": 1}, pair]},
+                                                             "minItems": 1}]},
+                              raw_scores=flag, truncate=flag),
+        "TEIRerankRequest": obj(["query", "texts"], query={"type": "string", "minLength": 1}, texts=texts,
+                                raw_scores=flag, return_text=flag, truncate=flag),
+        "RerankRequest": obj(["query", "documents"], query={"type": "string", "minLength": 1}, model={"type": "string"},
+                             documents={"type": "array", "minItems": 1, "items": {"anyOf": [
+                                 {"type": "string", "minLength": 1}, obj(["text"], text={"type": "string"})]}},
+                             top_n=positive, return_documents=flag, truncate={"enum": ["NONE", "START", "END"]}),
+        "ScoreRequest": obj(["text_1", "text_2"], text_1=_TEXT_OR_LIST, text_2=_TEXT_OR_LIST, model={"type": "string"}),
+    }
+
+
+_POOLED = {"200": {"description": "vectors or scores"}, "400": _STATUS["400"], "424": _STATUS["424"],
+           "503": _STATUS["503"]}
+
+
 def _stored() -> dict:
     """GET / DELETE /v1/responses/{response_id}."""
     param = [{"name": "response_id", "in": "path", "required": True, "schema": {"type": "string"}}]
@@ -94,6 +127,7 @@ def document() -> dict:
                "MessagesRequest": MessagesRequest.model_json_schema(),
                "CountTokensRequest": CountTokensRequest.model_json_schema(),
                "ResponsesRequest": ResponsesRequest.model_json_schema()}
+    schemas.update(_pooling_schemas())
     for s in list(schemas.values()):    # nested models' definitions, moved to components
         for name, d in s.pop("$defs", {}).items():
             schemas.setdefault(name, d)
@@ -108,7 +142,18 @@ def document() -> dict:
                                             {**_STATUS, "404": {"description": "unknown previous_response_id"}}),
                      "/v1/responses/{response_id}": _stored(),
                      "/generate": _post("TGI generation", "TGIRequest"),
-                     "/generate_stream": _post("TGI streamed generation", "TGIRequest")},
+                     "/generate_stream": _post("TGI streamed generation", "TGIRequest"),
+                     # pooling models (option.task=text_embedding | classify | rerank)
+                     "/v1/embeddings": _post("OpenAI embeddings", "EmbeddingsRequest", _POOLED),
+                     "/embed": _post("TEI embeddings", "EmbedRequest", _POOLED),
+                     "/predict": _post("TEI classification", "PredictRequest", _POOLED),
+                     "/rerank": {"post": {**_post("TEI rerank ({query, texts}) or Cohere / Jina rerank "
+                                                  "({query, documents})", "RerankRequest", _POOLED)["post"],
+                                          "requestBody": {"required": True, "content": {"application/json": {
+                                              "schema": {"anyOf": [{"$ref": "#/components/schemas/TEIRerankRequest"},
+                                                                   {"$ref": "#/components/schemas/RerankRequest"}]}}}}}},
+                     "/v1/rerank": _post("Cohere / Jina rerank", "RerankRequest", _POOLED),
+                     "/score": _post("vLLM score: text_1 against text_2", "ScoreRequest", _POOLED)},
            "components": {"schemas": schemas}}
     # pydantic writes nested references as #/$defs/X: point them at the components
     return json.loads(json.dumps(doc).replace('"#/$defs/', '"#/components/schemas/'))

@@ -262,7 +262,8 @@ def _route_error(status, message):
 def not_found(_e):
     return _route_error(404, f"no route {request.path}; use GET /ping, POST /invocations, "
                              "POST /v1/chat/completions, POST /v1/completions, POST /v1/messages, "
-                             "POST /v1/responses or POST /generate")
+                             "POST /v1/responses, POST /generate; an embedding or rerank model: POST /v1/embeddings, "
+                             "/embed, /rerank, /v1/rerank, /predict, /score")
 
 
 def bad_method(_e):
