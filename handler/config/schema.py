@@ -202,7 +202,8 @@ TASK_ALIASES = {"text-embedding": "text_embedding", "feature-extraction": "text_
                 "feature_extraction": "text_embedding", "embed": "text_embedding", "embedding": "text_embedding",
                 "sentence-similarity": "text_embedding", "text-classification": "classify",
                 "classification": "classify", "score": "rerank", "cross-encoder": "rerank",
-                "text-generation": "generate", "text_generation": "generate"}
+                "text-generation": "generate", "text_generation": "generate", "conversational": "generate",
+                "text2text-generation": "generate"}
 
 ROLLING_BATCH_VALUES = ["auto", "scheduler", "lmi-dist", "vllm", "disable"]
 _SECONDS = _float(0.0, None, True, "a positive number of seconds")
