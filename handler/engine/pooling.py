@@ -89,8 +89,9 @@ class PoolingEngine:
         self._stop = False
         self._thread: threading.Thread | None = None
         self.healthy, self.error = True, None
-        self.counters = {"requests": 0, "pooled_inputs": 0, "pooled_tokens": 0, "batches": 0,
-                         "rejected_queue_full": 0, "failed_batches": 0}
+        # /metrics' names (handler/http/metrics.py ENGINE_SERIES)
+        self.counters = {"pooling_requests": 0, "pooling_inputs": 0, "pooling_tokens": 0, "pooling_batches": 0,
+                         "rejected_queue_full": 0, "pooling_failed_batches": 0}
 
     # ---- HTTP threads
     def submit(self, inputs: list[PoolInput], kind: str) -> PoolJob:
@@ -115,14 +116,14 @@ class PoolingEngine:
                 self.counters["rejected_queue_full"] += 1
                 raise QueueFull(f"the queue is full ({len(self._queue)} inputs waiting; job_queue_size="
                                 f"{self.policy.max_waiting}); retry later")
-            self.counters["requests"] += 1
+            self.counters["pooling_requests"] += 1
             self._queue.extend((job, i) for i in range(len(inputs)))
             self._cv.notify()
         return job
 
     def stats(self) -> dict:
         with self._cv:
-            return {**self.counters, "waiting_inputs": len(self._queue)}
+            return {**self.counters, "waiting": len(self._queue)}     # inputs queued
 
     def check_health(self) -> bool:
         if self._thread is not None and not self._thread.is_alive() and not self._stop:
@@ -189,15 +190,15 @@ class PoolingEngine:
             out, error = None, f"the model failed: {type(e).__name__}: {e}"
         finished = []
         with self._cv:
-            self.counters["batches"] += 1
-            self.counters["failed_batches"] += error is not None
+            self.counters["pooling_batches"] += 1
+            self.counters["pooling_failed_batches"] += error is not None
             for k, (job, i) in enumerate(part):
                 if error is not None:
                     job.error = error
                 else:
                     job.results[i] = out[k]
-                    self.counters["pooled_inputs"] += 1
-                    self.counters["pooled_tokens"] += len(job.inputs[i].ids)
+                    self.counters["pooling_inputs"] += 1
+                    self.counters["pooling_tokens"] += len(job.inputs[i].ids)
                 job.remaining -= 1
                 if job.remaining == 0 or (error is not None and not job.done.is_set()):
                     if error is not None:   # its other inputs still queued are dropped

@@ -75,6 +75,12 @@ ENGINE_SERIES = {
     "requests": ("lmi_engine_sequences", "counter", "Sequences submitted to the engine"),
     "rejected_queue_full": ("lmi_rejected_queue_full", "counter", "Sequences refused: queue full"),
     "aborted": ("lmi_aborted", "counter", "Sequences aborted (client gone or time-out)"),
+    # a pooling model's engine (handler/engine/pooling.py)
+    "pooling_requests": ("lmi_pooling_requests", "counter", "Pooling requests admitted"),
+    "pooling_inputs": ("lmi_pooling_inputs", "counter", "Inputs pooled (embedded or scored)"),
+    "pooling_tokens": ("lmi_pooling_tokens", "counter", "Tokens of the inputs pooled"),
+    "pooling_batches": ("lmi_pooling_batches", "counter", "Forwards of the pooling engine"),
+    "pooling_failed_batches": ("lmi_pooling_failed_batches", "counter", "Pooling forwards that failed"),
     "failed": ("lmi_failed", "counter", "Sequences failed by a model error"),
     "finished": ("lmi_finished", "counter", "Sequences finished"),
     "generated_tokens": ("lmi_generated_tokens", "counter", "Tokens generated (every sequence)"),

@@ -174,6 +174,8 @@ def test_cross_encoder_rerank_predict_and_score_equal_transformers(cross, tiny_c
     ("/v1/embeddings", {"input": "x", "encoding_format": "int8"}, "encoding_format"),
     ("/v1/embeddings", {"input": "x", "dimensions": 0}, "dimensions"),
     ("/v1/embeddings", {"input": [[1, 2], []]}, "input[1]"),
+    ("/v1/embeddings", {"input": [[1, 2], [3, 10 ** 9]]}, "input[1]"),
+    ("/v1/embeddings", {"input": [-1, 2]}, "input"),
     ("/invocations", {"inputs": []}, "inputs"),
     ("/invocations", {"inputs": [None]}, "inputs[0]"),
     ("/embed", {"inputs": ["a", {"t": 1}]}, "inputs[1]"),
@@ -207,6 +209,16 @@ def test_embedding_request_to_a_text_generator_names_option_task(demo_model_dir,
                         ("/v1/rerank", {"query": "q", "documents": ["a"]})):
         r = c.post(route, json=body)
         assert r.status_code == 400 and "option.task" in r.get_data(as_text=True), (route, r.json)
+
+
+def test_metrics_count_the_pooling_engine(embedder):
+    from tests.support.server import flat_metrics
+    c = embedder[1]
+    before = flat_metrics(c.get("/metrics").get_data(as_text=True))
+    assert c.post("/v1/embeddings", json={"input": ["the cat", "a dog"]}).status_code == 200
+    after = flat_metrics(c.get("/metrics").get_data(as_text=True))
+    assert after["lmi_pooling_inputs_total"] - before["lmi_pooling_inputs_total"] == 2
+    assert after["lmi_pooling_requests_total"] - before["lmi_pooling_requests_total"] == 1
 
 
 def test_openapi_declares_the_pooling_routes_the_app_serves(embedder):

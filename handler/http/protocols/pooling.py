@@ -129,7 +129,11 @@ def tokenize(tokenizer, req: Pooling, max_len: int) -> list[PoolInput]:
     limit = min(req.truncate_to or max_len, max_len)
     out = []
     if req.token_ids is not None:
+        vocab = len(tokenizer)
         for i, ids in enumerate(req.token_ids):
+            bad = next((t for t in ids if not 0 <= t < vocab), None)
+            if bad is not None:
+                raise RequestError(req.fields[i], f"holds the token id {bad}, outside the vocabulary (0..{vocab - 1})")
             if req.truncate is not None and len(ids) > limit:
                 ids = _cut(ids, limit, req.truncate)
             out.append(PoolInput(list(ids)))
