@@ -145,3 +145,20 @@ def test_rerank_orders_by_sentence_transformers_similarity(server, st_minilm):
     assert results[0]["index"] == 1 and results[0]["document"]["text"] == docs[1]
     for x in results:
         assert abs(x["relevance_score"] - want[x["index"]]) < 1e-5
+
+
+def test_sagemaker_runtime_invoke_endpoint_gets_embeddings(server, reference):
+    """boto3's sagemaker-runtime InvokeEndpoint (what SageMaker's Predictor calls) through the loopback
+    stand-in of the runtime API, with LMI's embedding body."""
+    import json
+
+    import boto3
+
+    from tests.support.sagemaker_standin import RuntimeStandIn
+    with RuntimeStandIn({"emb": server.url}) as standin:
+        rt = boto3.session.Session(aws_access_key_id="testing", aws_secret_access_key="testing",
+                                   region_name="us-east-1").client("sagemaker-runtime", endpoint_url=standin.url)
+        out = rt.invoke_endpoint(EndpointName="emb", ContentType="application/json", Accept="application/json",
+                                 Body=json.dumps({"inputs": ALL}))
+        vectors = json.loads(out["Body"].read())
+    assert min(cosines(vectors, reference)) >= 0.99999
