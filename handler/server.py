@@ -165,7 +165,7 @@ def build_pooling_engine(cfg, task: str, waker=None):
                              "(option.tensor_parallel_degree=1)")
     runner = PoolingRunner(hf_dir_for(cfg.model_dir, cfg.dtype, cfg.device), task, dtype=cfg.dtype,
                            device=cfg.device, max_model_len=cfg.max_model_len, quantize=cfg.quantize,
-                           trust_remote_code=cfg.trust_remote_code)
+                           trust_remote_code=cfg.trust_remote_code, normalize=cfg.normalize)
     delay_ms = cfg.max_batch_delay_ms if "max_batch_delay" in cfg.properties else 0
     policy = PoolingPolicy(max_batch_tokens=max(cfg.max_rolling_batch_prefill_tokens, runner.max_model_len),
                            max_batch_size=_width(cfg), max_batch_delay_s=delay_ms / 1000.0,

@@ -225,6 +225,7 @@ class ServingConfig:
     speculative_length: int | None = None
     speculative_disable_by_batch_size: int | None = None
     speculative: object = None    # handler.config.speculative.SpecConfig (None: no speculative decoding)
+    normalize: bool | None = None   # option.normalize: a pooling model's unit-length embeddings (None: the checkpoint's)
     task: str = "generate"        # option.task resolved (handler/config/task.py): generate | text_embedding | classify | rerank
 
     @property

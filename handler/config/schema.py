@@ -508,6 +508,10 @@ KEYS: tuple[Key, ...] = (
         "`text_embedding`; `*ForSequenceClassification`: `rerank` with one label, else `classify`; else "
         "`generate`). A decoder (Qwen, Llama) is an embedder only when asked (last-token pooling)",
         env=("HF_TASK",), default_doc="(detected)"),
+    Key("option.normalize", _bool,
+        "a pooling model's embeddings scaled to unit length (`true`) or left as pooled (`false`), as LMI's vLLM "
+        "option", default_doc="the checkpoint's (sentence-transformers' Normalize module; without modules.json: "
+        "`true`)"),
     Key("option.adapter_roots", _adapter_roots,
         "where the management routes may register adapters from, besides `<model dir>/adapters/`: a `src` "
         "outside them (`..`, other absolute paths, symlinks out) is refused before anything is read; an "

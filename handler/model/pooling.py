@@ -130,7 +130,8 @@ class PoolingRunner:
     """handler/engine/pooling.py's PoolRunner: `pool(inputs, kind)` -> one list of floats each."""
 
     def __init__(self, model_dir: str, task: str, *, dtype: str = "auto", device: str = "auto",
-                 max_model_len: int | None = None, quantize: str | None = None, trust_remote_code: bool = False):
+                 max_model_len: int | None = None, quantize: str | None = None, trust_remote_code: bool = False,
+                 normalize: bool | None = None):
         from transformers import AutoConfig, AutoTokenizer
 
         self.task = task
@@ -153,6 +154,8 @@ class PoolingRunner:
             raise ModelLoadError(f"the encoder {config.model_type} is not supported yet; supported encoders: "
                                  f"{', '.join(SUPPORTED_TYPES)}; decoders (Qwen, Llama, ...) embed with last-token pooling")
         self.spec = pooling_spec(model_dir, decoder=not self.encoder)
+        if normalize is not None and normalize != self.spec.normalize:
+            self.spec = PoolingSpec(self.spec.mode, normalize, f"{self.spec.source}; option.normalize={str(normalize).lower()}")
         self.num_labels = int(getattr(config, "num_labels", 0) or 0) if classifier else 0
         self.id2label = {int(k): v for k, v in (getattr(config, "id2label", None) or {}).items()} if classifier else {}
         with torch.device("cpu"):

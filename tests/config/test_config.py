@@ -221,6 +221,7 @@ BAD = [
     ("option.target_tpot_ms", "fast", "is not a positive number of milliseconds"),
     ("option.scheduling_policy", "lifo", "is not supported; allowed: fcfs, priority"),
     ("option.task", "summarize", "is not supported; allowed: text_embedding, classify, rerank, generate"),
+    ("option.normalize", "maybe", "is not a boolean; allowed: true, false"),
     ("option.scheduling_aging_ms", "-1", "is not a positive number of milliseconds"),
     ("option.responses_store_max_mb", "lots", "is not a number of megabytes >= 0"),
     # speculative decoding (handler/config/speculative.py)

@@ -230,3 +230,19 @@ def test_openapi_declares_the_pooling_routes_the_app_serves(embedder):
         r = c.post(path, json={})
         assert r.status_code == 400, (path, r.status_code)     # a served route refusing an empty body
     assert doc["components"]["schemas"]["EmbeddingsRequest"]["required"] == ["input"]
+
+
+def test_option_normalize_false_serves_the_pooled_vectors(tiny_bert, tmp_path):
+    state, c = make_app(tiny_bert, tmp_path, "option.normalize=false\n")
+    try:
+        runner = state.engine.runner
+        assert state.cfg.normalize is False and not runner.spec.normalize
+        got = c.post("/v1/embeddings", json={"input": "the cat"}).json["data"][0]["embedding"]
+        ids = runner.tokenizer("the cat")["input_ids"]
+        h = runner.model(torch.tensor(ids), torch.zeros(len(ids), dtype=torch.long), [(0, len(ids))])
+        close(got, h.mean(0).tolist())
+        assert abs(math.sqrt(sum(x * x for x in got)) - 1.0) > 1e-3      # not unit length
+        close(c.post("/embed", json={"inputs": "the cat"}).json[0], [x / math.sqrt(sum(y * y for y in got))
+                                                                     for x in got])   # TEI's normalize=true
+    finally:
+        state.engine.shutdown()

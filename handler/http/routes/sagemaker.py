@@ -47,12 +47,12 @@ def invocations(model=None):
     if picked is not None:
         return picked
     state = current_state()
-    if state.client is not None and state.client.pooling:      # an embedding / rerank model
-        return pooling.invocations()
     cfg = state.cfg
     custom = state.custom       # model.py (handler/http/custom.py): its handle() or formatters
     if custom is not None and custom.handle is not None:
         return _custom_handle(state, custom)
+    if state.client is not None and state.client.pooling:      # an embedding / rerank model
+        return pooling.invocations()
     formatter = cfg.output_formatter
     tgi_compat = getattr(cfg, "tgi_compat", False)
     chat_out = formatter.endswith("_chat")
