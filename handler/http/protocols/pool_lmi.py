@@ -13,9 +13,8 @@ def parse(body) -> tuple[Pooling, bool]:
     if "inputs" not in body:
         raise RequestError("inputs", "is required (a string or a list of strings)")
     items, is_list, fields = texts(body["inputs"], "inputs")
-    req = Pooling(EMBED, texts=items, fields=fields)
+    req = Pooling(EMBED, texts=items, fields=fields, truncate_field="parameters.truncate")
     params = body.get("parameters") if isinstance(body.get("parameters"), dict) else {}
     if flag(params, "truncate", False) or flag(body, "truncate", False):
-        req.truncate, req.truncate_field = "right", "parameters.truncate"
-    req.truncate_field = "parameters.truncate"
+        req.truncate = "right"
     return req, is_list

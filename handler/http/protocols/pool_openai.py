@@ -15,15 +15,14 @@ import time
 import uuid
 
 from handler.engine.request import RequestError, show
-from handler.http.protocols.pooling import (CLASSIFY, EMBED, Pooling, b64, check_body, matryoshka, positive_int,
-                                            texts)
+from handler.http.protocols.pooling import EMBED, Pooling, b64, check_body, matryoshka, positive_int, texts
 
 
 def parse_embeddings(body, hidden: int) -> tuple[Pooling, dict]:
     body = check_body(body)
     if "input" not in body:
         raise RequestError("input", "is required (a string, a list of strings, or token ids)")
-    items, is_list, fields = texts(body["input"], "input", allow_ids=True)
+    items, _, fields = texts(body["input"], "input", allow_ids=True)
     fmt = body.get("encoding_format") or "float"
     if fmt not in ("float", "base64"):
         raise RequestError("encoding_format", f"must be float or base64, got {show(fmt)}")
@@ -31,7 +30,6 @@ def parse_embeddings(body, hidden: int) -> tuple[Pooling, dict]:
     req = Pooling(EMBED, fields=fields, truncate_field="truncate_prompt_tokens")
     if items and isinstance(items[0], list):
         req.token_ids = items
-        is_list = is_list or False
     else:
         req.texts = items
     cut = body.get("truncate_prompt_tokens")
@@ -57,7 +55,7 @@ def parse_score(body) -> tuple[list[str], list[str]]:
     for name in ("text_1", "text_2"):
         if name not in body:
             raise RequestError(name, "is required (a string or a list of strings)")
-    a, a_list, _ = texts(body["text_1"], "text_1")
+    a, _, _ = texts(body["text_1"], "text_1")
     b, _, _ = texts(body["text_2"], "text_2")
     if len(a) == 1:
         a = a * len(b)
@@ -72,5 +70,3 @@ def encode_score(scores: list[float], model: str, prompt_tokens: int) -> dict:
             "data": [{"index": i, "object": "score", "score": s} for i, s in enumerate(scores)],
             "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens}}
 
-
-__all__ = ["CLASSIFY", "encode_embeddings", "encode_score", "parse_embeddings", "parse_score"]
