@@ -178,7 +178,15 @@ void lmi_gemm(const float *A, int64_t M, int64_t K, int64_t lda, const float *Bp
 #endif
 
 #ifdef LMI_GEMM_DRIVER
+#include "cpu_arch.h"
 #include "cpu_panel.h"
+
+int lmi_arch_gemm_rows(void) { return MRB; }
+
+void lmi_arch_gemm_block(const float *A, int64_t lda, const float *B, int64_t K, float *C, int64_t ldc,
+                         const float *bias, int64_t ncols, const float *Bn, int64_t pf0, int64_t pfs, int64_t rows) {
+    KERNB[rows](A, lda, B, K, C, ldc, bias, ncols, rows >= PF_NEXT_ROWS ? Bn : 0, pf0, pfs);
+}
 
 typedef struct {
     const float *A, *Bp, *bias;
@@ -189,10 +197,9 @@ typedef struct {
 static void gemm_block(const void *v, int64_t row, int64_t rows, int64_t p, int next, int64_t i, int64_t nb) {
     const gemm_ctx *c = (const gemm_ctx *)v;
     const float *B = c->Bp + p * c->K * NR;
-    KERNB[rows](c->A + row * c->lda, c->lda, B, c->K, c->C + row * c->ldc + p * NR, c->ldc,
-                c->bias ? c->bias + p * NR : 0, c->N - p * NR < NR ? c->N - p * NR : NR,
-                next && rows >= PF_NEXT_ROWS ? B + c->K * NR : 0,
-                i, nb);
+    lmi_arch_gemm_block(c->A + row * c->lda, c->lda, B, c->K, c->C + row * c->ldc + p * NR, c->ldc,
+                        c->bias ? c->bias + p * NR : 0, c->N - p * NR < NR ? c->N - p * NR : NR,
+                        next ? B + c->K * NR : 0, i, nb, rows);
 }
 
 /* A [M, K] at row stride lda (K contiguous), Bp from lmi_pack_b, bias [N] or NULL,

@@ -48,8 +48,13 @@
 #include <stdint.h>
 #include <string.h>
 
-#include "cpu_api.h"
 #include <stdlib.h>
+
+#include <omp.h>
+
+#include "cpu_api.h"
+#include "cpu_arch.h"
+#include "cpu_panel.h"
 
 #define NR 32
 #define MRMAX 12
@@ -77,17 +82,6 @@ static inline qsrc qsrc_panel(int mode, const void *S, const void *Mn, const flo
 /* The cache-line step of the codes stream: true for the one row k of each 64-byte line that starts
  * in the line's first RB bytes (every line holds at least two rows' starts for RB <= 32). */
 #define LINE_START(k, RB) ((((k) * (RB)) & 63) < (RB))
-
-/* Rows a chunk: whole blocks of mr rows whose row_bytes each fit in budget (at least one block). */
-static inline int64_t rows_in(int64_t budget, int64_t row_bytes, int64_t mr) {
-    const int64_t c = budget / row_bytes / mr * mr;
-    return c < mr ? mr : c;
-}
-
-/* Threads for np panels: at most one a panel, at least one. */
-static inline int team(int nthreads, int64_t np) {
-    return nthreads > np ? (int)np : nthreads < 1 ? 1 : nthreads;
-}
 
 /* An int8-activation kernel (HAVE_Q_A8 below): MR rows' quantized activations aq (row stride K), their
  * per-group da, sa and integer sums si (stride G) x one panel -> C; Bn: the next panel's codes or NULL. */
@@ -208,41 +202,6 @@ static inline void q_codes(const uint8_t *b, int bits, __m512i *q0, __m512i *q1)
     KERNEL(BITS, 12)
 KERNELS(4) KERNELS(5) KERNELS(6) KERNELS(8)
 
-/* MR rows x one dequantized panel W [K][32] fp32 (in L1/L2) -> C: kernels/cpu_gemm.c's microkernel
- * (k-ordered FMAs from 0, then + bias), for row counts that span several row blocks. */
-#define KERNF(MR)                                                                                     \
-    static void kf_##MR(const float *A, int64_t lda, const float *W, int64_t K, float *C, int64_t ldc,  \
-                        const float *bias, int64_t ncols) {                                           \
-        __m512 c0[MR], c1[MR];                                                                        \
-        UNROLL_MR for (int r = 0; r < MR; ++r) {                                                      \
-            c0[r] = _mm512_setzero_ps();                                                              \
-            c1[r] = _mm512_setzero_ps();                                                              \
-        }                                                                                             \
-        for (int64_t k = 0; k < K; ++k) {                                                             \
-            const __m512 b0 = _mm512_load_ps(W + k * NR), b1 = _mm512_load_ps(W + k * NR + 16);       \
-            UNROLL_MR for (int r = 0; r < MR; ++r) {                                                  \
-                const __m512 a = _mm512_set1_ps(A[r * lda + k]);                                      \
-                c0[r] = _mm512_fmadd_ps(a, b0, c0[r]);                                                \
-                c1[r] = _mm512_fmadd_ps(a, b1, c1[r]);                                                \
-            }                                                                                         \
-        }                                                                                             \
-        const __mmask16 m0 = lanes16(ncols), m1 = lanes16(ncols - 16);                                \
-        if (bias) {                                                                                   \
-            const __m512 bb0 = _mm512_maskz_loadu_ps(m0, bias), bb1 = _mm512_maskz_loadu_ps(m1, bias + 16); \
-            UNROLL_MR for (int r = 0; r < MR; ++r) {                                                        \
-                c0[r] = _mm512_add_ps(c0[r], bb0);                                                    \
-                c1[r] = _mm512_add_ps(c1[r], bb1);                                                    \
-            }                                                                                         \
-        }                                                                                             \
-        UNROLL_MR for (int r = 0; r < MR; ++r) {                                                      \
-            _mm512_mask_storeu_ps(C + r * ldc, m0, c0[r]);                                            \
-            _mm512_mask_storeu_ps(C + r * ldc + 16, m1, c1[r]);                                       \
-        }                                                                                             \
-    }
-KERNF(1) KERNF(2) KERNF(3) KERNF(4) KERNF(5) KERNF(6)
-KERNF(7) KERNF(8) KERNF(9) KERNF(10) KERNF(11) KERNF(12)
-typedef void (*kf_t)(const float *, int64_t, const float *, int64_t, float *, int64_t, const float *, int64_t);
-static const kf_t KF[MRMAX + 1] = {0, kf_1, kf_2, kf_3, kf_4, kf_5, kf_6, kf_7, kf_8, kf_9, kf_10, kf_11, kf_12};
 
 /* One panel's weights dequantized into W [K][32] fp32, exactly as the register kernels compute
  * them (fma(q, s, m)); the next panel's codes (Bn, or NULL) prefetched into L2 meanwhile. */
@@ -393,106 +352,20 @@ static const ka8_t KA8T[2][MRA + 1] = {{0, ka8_4_1, ka8_4_2, ka8_4_3, ka8_4_4, k
 
 int lmi_gemm_q_available(void) { return 1; }
 
-#if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
-typedef __m256 qf;
-static inline qf qf_zero(void) { return _mm256_setzero_ps(); }
-static inline qf qf_set1(float x) { return _mm256_set1_ps(x); }
-static inline qf qf_load(const float *p) { return _mm256_loadu_ps(p); }
-static inline void qf_store(float *p, qf v) { _mm256_storeu_ps(p, v); }
-static inline qf qf_add(qf a, qf b) { return _mm256_add_ps(a, b); }
-static inline qf qf_mul(qf a, qf b) { return _mm256_mul_ps(a, b); }
-static inline qf qf_fma(qf a, qf b, qf c) { return _mm256_fmadd_ps(a, b, c); }    /* a * b + c, fused */
-static inline __m256i q_mask(int n) {
-    return _mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-}
-static inline qf qf_load_n(const float *p, int n) {     /* the first n lanes, 0 past them */
-    return n >= 8 ? _mm256_loadu_ps(p) : _mm256_maskload_ps(p, q_mask(n));
-}
-static inline void qf_store_n(float *p, qf v, int n) {
-    if (n >= 8) _mm256_storeu_ps(p, v);
-    else if (n > 0) _mm256_maskstore_ps(p, q_mask(n), v);
-}
-static inline qf qf_f16(const uint16_t *p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)); }
-static inline qf qf_i8(const int8_t *p) {
-    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
-}
-/* 8 code bytes b: low nibbles (shift 0) or high (shift 4), bit 4 + i from plane byte pl[4 i]. */
-static inline qf q_nib(const uint8_t *b, int shift, const uint8_t *pl, int planes) {
-    __m256i x = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)b));
-    x = shift ? _mm256_srli_epi32(x, 4) : _mm256_and_si256(x, _mm256_set1_epi32(0xF));
-    const __m256i sel = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
-    for (int i = 0; i < planes; ++i) {
-        const __m256i on = _mm256_cmpeq_epi32(_mm256_and_si256(_mm256_set1_epi32(pl[4 * i]), sel), sel);
-        x = _mm256_or_si256(x, _mm256_and_si256(on, _mm256_set1_epi32(16 << i)));
-    }
-    return _mm256_cvtepi32_ps(x);
-}
-static inline qf q_byte8(const uint8_t *b) {      /* 8 bytes of 8-bit codes */
-    return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)b)));
-}
-#else
-#include <arm_neon.h>
-typedef struct { float32x4_t lo, hi; } qf;
-static inline qf qf_zero(void) { qf r = {vdupq_n_f32(0.f), vdupq_n_f32(0.f)}; return r; }
-static inline qf qf_set1(float x) { qf r = {vdupq_n_f32(x), vdupq_n_f32(x)}; return r; }
-static inline qf qf_load(const float *p) { qf r = {vld1q_f32(p), vld1q_f32(p + 4)}; return r; }
-static inline void qf_store(float *p, qf v) { vst1q_f32(p, v.lo); vst1q_f32(p + 4, v.hi); }
-static inline qf qf_add(qf a, qf b) { qf r = {vaddq_f32(a.lo, b.lo), vaddq_f32(a.hi, b.hi)}; return r; }
-static inline qf qf_mul(qf a, qf b) { qf r = {vmulq_f32(a.lo, b.lo), vmulq_f32(a.hi, b.hi)}; return r; }
-static inline qf qf_fma(qf a, qf b, qf c) { qf r = {vfmaq_f32(c.lo, a.lo, b.lo), vfmaq_f32(c.hi, a.hi, b.hi)}; return r; }
-static inline qf qf_load_n(const float *p, int n) {
-    if (n >= 8) return qf_load(p);
-    float t[8] = {0};
-    if (n > 0) memcpy(t, p, (size_t)n * 4);
-    return qf_load(t);
-}
-static inline void qf_store_n(float *p, qf v, int n) {
-    if (n >= 8) {
-        qf_store(p, v);
-    } else if (n > 0) {
-        float t[8];
-        qf_store(t, v);
-        memcpy(p, t, (size_t)n * 4);
-    }
-}
-static inline qf qf_f16(const uint16_t *p) {
-    qf r = {vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(p))), vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(p + 4)))};
-    return r;
-}
-static inline qf qf_i8(const int8_t *p) {
-    const int16x8_t w = vmovl_s8(vld1_s8(p));
-    qf r = {vcvtq_f32_s32(vmovl_s16(vget_low_s16(w))), vcvtq_f32_s32(vmovl_high_s16(w))};
-    return r;
-}
-static inline qf q_u8f(uint8x8_t x) {             /* 8 codes -> fp32 */
-    const uint16x8_t w = vmovl_u8(x);
-    qf r = {vcvtq_f32_u32(vmovl_u16(vget_low_u16(w))), vcvtq_f32_u32(vmovl_high_u16(w))};
-    return r;
-}
-static inline qf q_nib(const uint8_t *b, int shift, const uint8_t *pl, int planes) {
-    uint8x8_t x = vld1_u8(b);
-    x = shift ? vshr_n_u8(x, 4) : vand_u8(x, vdup_n_u8(0xF));
-    static const uint8_t SEL[8] = {1, 2, 4, 8, 16, 32, 64, 128};
-    for (int i = 0; i < planes; ++i)
-        x = vorr_u8(x, vand_u8(vtst_u8(vdup_n_u8(pl[4 * i]), vld1_u8(SEL)), vdup_n_u8((uint8_t)(16 << i))));
-    return q_u8f(x);
-}
-static inline qf q_byte8(const uint8_t *b) { return q_u8f(vld1_u8(b)); }
-#endif
+#include "cpu_simd.h"
 
 /* Group gi's scales and mins, 4 vectors each (see the top's modes). */
-static inline void qs_group(const qsrc *c, int64_t gi, qf *s, qf *m) {
+static inline void qs_group(const qsrc *c, int64_t gi, v8f *s, v8f *m) {
     for (int v = 0; v < 4; ++v) {
         if (c->mode == QS_F32) {
-            s[v] = qf_load((const float *)c->s + gi * NR + 8 * v);
-            m[v] = qf_load((const float *)c->m + gi * NR + 8 * v);
+            s[v] = v8f_load((const float *)c->s + gi * NR + 8 * v);
+            m[v] = v8f_load((const float *)c->m + gi * NR + 8 * v);
         } else if (c->mode == QS_F16) {
-            s[v] = qf_f16((const uint16_t *)c->s + gi * NR + 8 * v);
-            m[v] = qf_f16((const uint16_t *)c->m + gi * NR + 8 * v);
+            s[v] = v8f_f16((const uint16_t *)c->s + gi * NR + 8 * v);
+            m[v] = v8f_f16((const uint16_t *)c->m + gi * NR + 8 * v);
         } else {
-            s[v] = qf_mul(qf_load(c->d + gi / c->sg * NR + 8 * v), qf_i8((const int8_t *)c->s + gi * NR + 8 * v));
-            m[v] = qf_mul(qf_load(c->e + gi / c->sg * NR + 8 * v), qf_i8((const int8_t *)c->m + gi * NR + 8 * v));
+            s[v] = v8f_mul(v8f_load(c->d + gi / c->sg * NR + 8 * v), v8f_i8((const int8_t *)c->s + gi * NR + 8 * v));
+            m[v] = v8f_mul(v8f_load(c->e + gi / c->sg * NR + 8 * v), v8f_i8((const int8_t *)c->m + gi * NR + 8 * v));
         }
     }
 }
@@ -502,23 +375,23 @@ static inline void qs_group(const qsrc *c, int64_t gi, qf *s, qf *m) {
     UNROLL_MR for (int v = 0; v < 4; ++v) {                                                           \
         const int nn = ncols - 8 * v >= 8 ? 8 : ncols > 8 * v ? (int)(ncols - 8 * v) : 0;             \
         if (bias) {                                                                                   \
-            const qf bb = qf_load_n(bias + 8 * v, nn);                                                \
-            UNROLL_MR for (int r = 0; r < MR; ++r) Y[r][v] = qf_add(Y[r][v], bb);                     \
+            const v8f bb = v8f_load_n(bias + 8 * v, nn);                                                \
+            UNROLL_MR for (int r = 0; r < MR; ++r) Y[r][v] = v8f_add(Y[r][v], bb);                     \
         }                                                                                             \
-        UNROLL_MR for (int r = 0; r < MR; ++r) qf_store_n(C + r * ldc + 8 * v, Y[r][v], nn);          \
+        UNROLL_MR for (int r = 0; r < MR; ++r) v8f_store_n(C + r * ldc + 8 * v, Y[r][v], nn);          \
     }
 
 /* Row k's codes (b: its RB bytes) dequantized: w[v] = fma(q, s[v], m[v]) for columns 8v..8v+7. */
-static inline void q_deq(const uint8_t *b, int bits, const qf *s, const qf *m, qf *w) {
+static inline void q_deq(const uint8_t *b, int bits, const v8f *s, const v8f *m, v8f *w) {
     if (bits == 8) {
-        for (int v = 0; v < 4; ++v) w[v] = qf_fma(q_byte8(b + 8 * v), s[v], m[v]);
+        for (int v = 0; v < 4; ++v) w[v] = v8f_fma(v8f_u8(b + 8 * v), s[v], m[v]);
         return;
     }
     const int planes = bits - 4;
-    w[0] = qf_fma(q_nib(b, 0, b + 16, planes), s[0], m[0]);
-    w[1] = qf_fma(q_nib(b + 8, 0, b + 17, planes), s[1], m[1]);
-    w[2] = qf_fma(q_nib(b, 4, b + 18, planes), s[2], m[2]);
-    w[3] = qf_fma(q_nib(b + 8, 4, b + 19, planes), s[3], m[3]);
+    w[0] = v8f_fma(v8f_codes(b, 0, b + 16, planes), s[0], m[0]);
+    w[1] = v8f_fma(v8f_codes(b + 8, 0, b + 17, planes), s[1], m[1]);
+    w[2] = v8f_fma(v8f_codes(b, 4, b + 18, planes), s[2], m[2]);
+    w[3] = v8f_fma(v8f_codes(b + 8, 4, b + 19, planes), s[3], m[3]);
 }
 
 /* MR rows of A x one panel (B: its codes, c: its scales and mins) -> C. Bn (or NULL): the next
@@ -531,13 +404,13 @@ static inline void q_deq(const uint8_t *b, int bits, const qf *s, const qf *m, q
                                 const float *bias, int64_t ncols, const uint8_t *Bn,                  \
                                 int64_t Bn_lines, int64_t pf0, int64_t pfs) {                        \
         const int64_t RB = ROW_BYTES(BITS);                                                           \
-        qf x[MR][4];                                                                                  \
+        v8f x[MR][4];                                                                                  \
         UNROLL_MR for (int r = 0; r < MR; ++r) {                                                      \
-            UNROLL_MR for (int v = 0; v < 4; ++v) x[r][v] = qf_zero();                                \
+            UNROLL_MR for (int v = 0; v < 4; ++v) x[r][v] = v8f_zero();                                \
         }                                                                                             \
         int64_t pfl = Bn ? pf0 : Bn_lines;                                                            \
         for (int64_t k0 = 0, gi = 0; k0 < K; k0 += g, ++gi) {                                         \
-            qf s[4], n[4];                                                                            \
+            v8f s[4], n[4];                                                                            \
             qs_group(c, gi, s, n);                                                                    \
             const int64_t k1 = k0 + g < K ? k0 + g : K;                                               \
             for (int64_t k = k0; k < k1; ++k) {                                                       \
@@ -550,11 +423,11 @@ static inline void q_deq(const uint8_t *b, int bits, const qf *s, const qf *m, q
                     }                                                                                 \
                     __builtin_prefetch(b + 512, 0, 3);                                                \
                 }                                                                                     \
-                qf w[4];                                                                              \
+                v8f w[4];                                                                              \
                 q_deq(b, BITS, s, n, w);                                                              \
                 UNROLL_MR for (int r = 0; r < MR; ++r) {                                              \
-                    const qf a = qf_set1(A[r * lda + k]);                                             \
-                    UNROLL_MR for (int v = 0; v < 4; ++v) x[r][v] = qf_fma(a, w[v], x[r][v]);         \
+                    const v8f a = v8f_set1(A[r * lda + k]);                                             \
+                    UNROLL_MR for (int v = 0; v < 4; ++v) x[r][v] = v8f_fma(a, w[v], x[r][v]);         \
                 }                                                                                     \
             }                                                                                         \
         }                                                                                             \
@@ -563,27 +436,6 @@ static inline void q_deq(const uint8_t *b, int bits, const qf *s, const qf *m, q
 KERNEL(4, 1) KERNEL(4, 2) KERNEL(5, 1) KERNEL(5, 2)
 KERNEL(6, 1) KERNEL(6, 2) KERNEL(8, 1) KERNEL(8, 2)
 
-/* MR rows x one dequantized panel W [K][32] fp32 -> C: k-ordered FMAs from 0, then + bias. */
-#define KERNF(MR)                                                                                     \
-    static void kf_##MR(const float *A, int64_t lda, const float *W, int64_t K, float *C, int64_t ldc,  \
-                        const float *bias, int64_t ncols) {                                           \
-        qf c[MR][4];                                                                                  \
-        UNROLL_MR for (int r = 0; r < MR; ++r) {                                                      \
-            UNROLL_MR for (int v = 0; v < 4; ++v) c[r][v] = qf_zero();                                \
-        }                                                                                             \
-        for (int64_t k = 0; k < K; ++k) {                                                             \
-            qf a[MR];                                                                                 \
-            UNROLL_MR for (int r = 0; r < MR; ++r) a[r] = qf_set1(A[r * lda + k]);                    \
-            UNROLL_MR for (int v = 0; v < 4; ++v) {                                                   \
-                const qf b = qf_load(W + k * NR + 8 * v);                                             \
-                UNROLL_MR for (int r = 0; r < MR; ++r) c[r][v] = qf_fma(a[r], b, c[r][v]);            \
-            }                                                                                         \
-        }                                                                                             \
-        Q_STORE_ROWS(c, MR);                                                                          \
-    }
-KERNF(1) KERNF(2) KERNF(3)
-typedef void (*kf_t)(const float *, int64_t, const float *, int64_t, float *, int64_t, const float *, int64_t);
-static const kf_t KF[MRF + 1] = {0, kf_1, kf_2, kf_3};
 
 /* One panel's weights dequantized into W [K][32] fp32 as the register kernels compute them; the
  * next panel's codes (Bn, or NULL) prefetched into L2 meanwhile. */
@@ -591,14 +443,14 @@ static void dequant_panel(const uint8_t *B, int64_t K, int64_t g, const qsrc *c,
                           const uint8_t *Bn) {
     const int64_t RB = ROW_BYTES(bits);
     for (int64_t k0 = 0, gi = 0; k0 < K; k0 += g, ++gi) {
-        qf s[4], n[4];
+        v8f s[4], n[4];
         qs_group(c, gi, s, n);
         const int64_t k1 = k0 + g < K ? k0 + g : K;
         for (int64_t k = k0; k < k1; ++k) {
             if (Bn && LINE_START(k, RB)) __builtin_prefetch(Bn + k * RB, 0, 2);
-            qf w[4];
+            v8f w[4];
             q_deq(B + k * RB, bits, s, n, w);
-            for (int v = 0; v < 4; ++v) qf_store(W + k * NR + 8 * v, w[v]);
+            for (int v = 0; v < 4; ++v) v8f_store(W + k * NR + 8 * v, w[v]);
         }
     }
 }
@@ -699,9 +551,9 @@ static inline void a8_w8(const uint8_t *b, __m256i *w) {
         const int64_t RB = ROW_BYTES(BITS);                                                           \
         const __m256i ones = _mm256_set1_epi16(1), sh = _mm256_loadu_si256((const __m256i *)A8_SHUF4); \
         (void)sh;                                                                                     \
-        qf y[MR][4];                                                                                  \
+        v8f y[MR][4];                                                                                  \
         UNROLL_MR for (int r = 0; r < MR; ++r) {                                                      \
-            UNROLL_MR for (int v = 0; v < 4; ++v) y[r][v] = qf_zero();                                \
+            UNROLL_MR for (int v = 0; v < 4; ++v) y[r][v] = v8f_zero();                                \
         }                                                                                             \
         for (int64_t k0 = 0, gi = 0; k0 < K; k0 += g, ++gi) {                                         \
             __m256i acc[MR][4];                                                                       \
@@ -734,7 +586,7 @@ static inline void a8_w8(const uint8_t *b, __m256i *w) {
                     }                                                                                 \
                 }                                                                                     \
             }                                                                                         \
-            qf s[4], n[4];                                                                            \
+            v8f s[4], n[4];                                                                            \
             qs_group(c, gi, s, n);                                                                    \
             UNROLL_MR for (int r = 0; r < MR; ++r) {                                                  \
                 if (BITS == 8) {  /* column order back, and + 128 x the activations' sum */           \
@@ -745,9 +597,9 @@ static inline void a8_w8(const uint8_t *b, __m256i *w) {
                     acc[r][2] = _mm256_add_epi32(_mm256_permute2x128_si256(a0, a1, 0x31), o);         \
                     acc[r][3] = _mm256_add_epi32(_mm256_permute2x128_si256(a2, a3, 0x31), o);         \
                 }                                                                                     \
-                const qf d = qf_set1(da[r * G + gi]), sm = qf_set1(sa[r * G + gi]);                   \
+                const v8f d = v8f_set1(da[r * G + gi]), sm = v8f_set1(sa[r * G + gi]);                   \
                 UNROLL_MR for (int v = 0; v < 4; ++v)                                                 \
-                    y[r][v] = qf_fma(n[v], sm, qf_fma(s[v], qf_mul(_mm256_cvtepi32_ps(acc[r][v]), d), y[r][v])); \
+                    y[r][v] = v8f_fma(n[v], sm, v8f_fma(s[v], v8f_mul(_mm256_cvtepi32_ps(acc[r][v]), d), y[r][v])); \
             }                                                                                         \
         }                                                                                             \
         Q_STORE_ROWS(y, MR);                                                                          \
@@ -775,14 +627,65 @@ static const ka8_t KT8T[2][A8_TRANSPOSED + 1] = {{0, kt8_4_1, kt8_4_2, kt8_4_3},
 #endif
 #endif
 
+/* The context of a grouped GEMM's panel loop (kernels/cpu_panel.h): the operands as lmi_gemm_q takes
+ * them; W: nt per-thread dequantized panels (K x 32 fp32 each) or NULL; aq, da, sa, si: the int8 rows. */
+typedef struct {
+    const float *A, *bias, *D, *E;
+    const uint8_t *Bp;
+    const void *S, *Mn;
+    float *C, *W;
+    int64_t lda, K, N, ldc, g, G, sg, pbytes;
+    int smode, bits;
+    const int8_t *aq;
+    const float *da, *sa;
+    const int32_t *si;
+    void *T;            /* int8 path: nt per-thread transposed panels (A8_TRANSPOSED) or NULL */
+} q_ctx;
+
+/* Threads for np panels: at most one a panel, at least one (as kernels/cpu_panel.h's loop). */
+static inline int team(int nthreads, int64_t np) {
+    return nthreads > np ? (int)np : nthreads < 1 ? 1 : nthreads;
+}
+
 #ifdef HAVE_Q_A8
+/* Rows [row, row + rows) with int8 activations x panel p: with T, the panel transposed once (its
+ * first row block, i == 0) into this thread's T and blocks of A8_TRANSPOSED rows over it; else the
+ * register kernels, MRA rows a pass. The next panel's codes prefetched by the first row block. */
+static void qa8_block(const void *v, int64_t row, int64_t rows, int64_t p, int next, int64_t i, int64_t nb) {
+    (void)nb;
+    const q_ctx *c = (const q_ctx *)v;
+    const int64_t K = c->K, G = c->G;
+    const qsrc s = qsrc_panel(c->smode, c->S, c->Mn, c->D, c->E, c->sg, G, p);
+    const uint8_t *B = c->Bp + p * c->pbytes, *Bn = next ? B + c->pbytes : 0;
+    const int64_t ncols = c->N - p * NR < NR ? c->N - p * NR : NR;
+    const float *bias = c->bias ? c->bias + p * NR : 0;
+#ifdef A8_TRANSPOSED
+    if (c->T) {
+        __m256i *T = (__m256i *)c->T + (int64_t)omp_get_thread_num() * K;
+        if (i == 0) a8_tpanel(B, K, c->bits, T, Bn);
+        for (int64_t r0 = row; r0 < row + rows; r0 += A8_TRANSPOSED) {
+            const int64_t mr = row + rows - r0 < A8_TRANSPOSED ? row + rows - r0 : A8_TRANSPOSED;
+            KT8T[c->bits == 4 ? 0 : 1][mr](c->aq + r0 * K, c->da + r0 * G, c->sa + r0 * G, c->si + r0 * G, G,
+                                           (const uint8_t *)T, K, c->g, &s, c->C + r0 * c->ldc + p * NR, c->ldc,
+                                           bias, ncols, 0);
+        }
+        return;
+    }
+#endif
+    for (int64_t r0 = row; r0 < row + rows; r0 += MRA) {
+        const int64_t mr = row + rows - r0 < MRA ? row + rows - r0 : MRA;
+        KA8T[c->bits == 4 ? 0 : 1][mr](c->aq + r0 * K, c->da + r0 * G, c->sa + r0 * G, c->si + r0 * G, G, B, K,
+                                       c->g, &s, c->C + r0 * c->ldc + p * NR, c->ldc, bias, ncols,
+                                       i == 0 && r0 == row ? Bn : 0);
+    }
+}
+
 /* Every row with int8 activations over all panels (the caller checked a8_serves): the rows quantized
- * once, then per panel every MRA-row block (a row's result depends on that row only). Returns 0, C
- * untouched, where the quantized rows cannot be allocated (the caller then takes the exact path). */
-static int gemm_q_a8(const float *A, int64_t M, int64_t K, int64_t lda, const uint8_t *Bp, const void *S,
-                      const void *Mn, const float *D, const float *E, int smode, int64_t sg, int bits, int64_t g,
-                      int64_t N, const float *bias, float *C, int64_t ldc, int nthreads) {
-    const int64_t np = (N + NR - 1) / NR, G = K / g, pbytes = K * ROW_BYTES(bits);
+ * once, then kernels/cpu_panel.h's loop over qa8_block (a row's result depends on that row only).
+ * Returns 0, C untouched, where the quantized rows cannot be allocated (the caller then takes the
+ * exact path). */
+static int gemm_q_a8(q_ctx *c, int64_t M, int64_t np, int nthreads) {
+    const int64_t K = c->K, G = c->G;
     int8_t *aq = (int8_t *)malloc((size_t)(M * K + 64));
     float *da = (float *)malloc((size_t)(M * G * 3) * sizeof(float));
     if (!aq || !da) {
@@ -791,45 +694,17 @@ static int gemm_q_a8(const float *A, int64_t M, int64_t K, int64_t lda, const ui
     }
     float *sa = da + M * G;
     int32_t *si = (int32_t *)(sa + M * G);
-    for (int64_t r = 0; r < M; ++r) a8_row(A + r * lda, K, g, aq + r * K, da + r * G, sa + r * G, si + r * G);
-    const ka8_t *kern = KA8T[bits == 4 ? 0 : 1];
-    const int64_t chunk = rows_in(1 << 19, K, MRA);     /* rows whose int8 activations stay in L2 */
-#pragma omp parallel num_threads(team(nthreads, np))
-    {
-        const int t = omp_get_thread_num(), nt = omp_get_num_threads();
-        const int64_t q0 = np * t / nt, q1 = np * (t + 1) / nt;
+    for (int64_t r = 0; r < M; ++r) a8_row(c->A + r * c->lda, K, c->g, aq + r * K, da + r * G, sa + r * G, si + r * G);
+    c->aq = aq, c->da = da, c->sa = sa, c->si = si;
+    int64_t mr = MRA;
 #ifdef A8_TRANSPOSED
-        __m256i *T = M > MRA ? (__m256i *)aligned_alloc(64, (size_t)K * 32) : 0;    /* K % 4 == 0 */
+    /* more than MRA rows: each thread's panel transposed once into its T (K x 32 bytes, L2) */
+    c->T = M > MRA ? aligned_alloc(64, (size_t)team(nthreads, np) * (size_t)K * 32) : 0;    /* K % 4 == 0 */
+    if (c->T) mr = A8_TRANSPOSED;
 #endif
-        for (int64_t m0 = 0; m0 < M; m0 += chunk) {
-            const int64_t m1 = M - m0 < chunk ? M : m0 + chunk;
-            for (int64_t p = q0; p < q1; ++p) {
-                const qsrc c = qsrc_panel(smode, S, Mn, D, E, sg, G, p);
-                const uint8_t *B = Bp + p * pbytes, *Bn = p + 1 < q1 ? B + pbytes : 0;
-                const int64_t ncols = N - p * NR < NR ? N - p * NR : NR;
-#ifdef A8_TRANSPOSED
-                if (T) {          /* (the register kernels below if T's allocation failed: the same values) */
-                    a8_tpanel(B, K, bits, T, Bn);
-                    for (int64_t r0 = m0; r0 < m1; r0 += A8_TRANSPOSED) {
-                        const int64_t mr = m1 - r0 < A8_TRANSPOSED ? m1 - r0 : A8_TRANSPOSED;
-                        KT8T[bits == 4 ? 0 : 1][mr](aq + r0 * K, da + r0 * G, sa + r0 * G, si + r0 * G, G,
-                                                    (const uint8_t *)T, K, g, &c, C + r0 * ldc + p * NR, ldc,
-                                                    bias ? bias + p * NR : 0, ncols, 0);
-                    }
-                    continue;
-                }
-#endif
-                for (int64_t r0 = m0; r0 < m1; r0 += MRA) {
-                    const int64_t mr = m1 - r0 < MRA ? m1 - r0 : MRA;
-                    kern[mr](aq + r0 * K, da + r0 * G, sa + r0 * G, si + r0 * G, G, B, K, g, &c,
-                             C + r0 * ldc + p * NR, ldc, bias ? bias + p * NR : 0, ncols, r0 == m0 ? Bn : 0);
-                }
-            }
-        }
-#ifdef A8_TRANSPOSED
-        free(T);
-#endif
-    }
+    /* rows whose int8 activations stay in L2 (half of the fp32 paths' 1 MiB) */
+    lmi_panel_drive(M, np, lmi_panel_chunk(2 * K, mr), mr, nthreads, qa8_block, 0, c);
+    free(c->T);
     free(aq), free(da);
     return 1;
 }
@@ -840,58 +715,54 @@ static int a8_serves(int act8, int64_t K, int bits, int64_t g) {
 #endif
 
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__)) || (defined(__ARM_NEON) && defined(__aarch64__))
+/* Rows [row, row + rows) x panel p. A chunk of more than MRQ rows (nb > 1 or rows > MRQ) with
+ * per-thread panels W: the panel dequantized once (by its first row block, i == 0) into this
+ * thread's W, then kernels/cpu_gemm.c's fp32 row block over it (the same values, the same order);
+ * else the register kernels, which dequantize as they multiply, MRQ rows a pass. */
+static void q_block(const void *v, int64_t row, int64_t rows, int64_t p, int next, int64_t i, int64_t nb) {
+    const q_ctx *c = (const q_ctx *)v;
+    const int64_t K = c->K;
+    const qsrc s = qsrc_panel(c->smode, c->S, c->Mn, c->D, c->E, c->sg, c->G, p);
+    const uint8_t *B = c->Bp + p * c->pbytes, *Bn = next ? B + c->pbytes : 0;
+    const int64_t ncols = c->N - p * NR < NR ? c->N - p * NR : NR;
+    const float *bias = c->bias ? c->bias + p * NR : 0;
+    float *C = c->C + row * c->ldc + p * NR;
+    if (c->W && (nb > 1 || rows > MRQ)) {
+        float *W = c->W + (int64_t)omp_get_thread_num() * K * NR;
+        if (i == 0) dequant_panel(B, K, c->g, &s, c->bits, W, Bn);
+        lmi_arch_gemm_block(c->A + row * c->lda, c->lda, W, K, C, c->ldc, bias, ncols, 0, 0, 1, rows);
+        return;
+    }
+    const kq_t *kern = KQ[c->bits == 8 ? 3 : c->bits - 4];
+    for (int64_t r0 = 0; r0 < rows; r0 += MRQ) {   /* (more than one pass only if W's allocation failed) */
+        const int64_t mr = rows - r0 < MRQ ? rows - r0 : MRQ;
+        kern[mr](c->A + (row + r0) * c->lda, c->lda, B, K, c->g, &s, C + r0 * c->ldc, c->ldc, bias, ncols,
+                 r0 == 0 ? Bn : 0, c->pbytes >> 6, i, nb);
+    }
+}
+
 /* A [M, K] fp32 at row stride lda (K contiguous); Bp, S, Mn, D, E as packed (see the top), smode
  * and sg their mode; bits 4, 5, 6 or 8; g the group size along K; bias [N] or NULL; C [M, N] at row
- * stride ldc. Threads own contiguous ranges of panels; rows go in chunks whose A slice stays in L2
- * (about 1 MiB). Up to MRQ rows a chunk: dequantized in registers as they multiply; more: each
- * panel dequantized once into W (K x 128 bytes, L2), then the fp32 microkernel per MRF rows.
- * act8: int8 activations (HAVE_Q_A8) where this build has them and the weight qualifies (a8_serves);
- * the layer's own setting (its pack), never the process's. */
+ * stride ldc. kernels/cpu_panel.h's loop (threads own contiguous ranges of panels; rows in chunks
+ * whose A slice stays in L2, about 1 MiB). Up to MRQ rows a chunk: dequantized in registers as they
+ * multiply; more: each panel dequantized once into W (K x 128 bytes, L2), then the fp32 row blocks of
+ * up to MRF rows. act8: int8 activations (HAVE_Q_A8) where this build has them and the weight
+ * qualifies (a8_serves); the layer's own setting (its pack), never the process's. */
 void lmi_gemm_q(const float *A, int64_t M, int64_t K, int64_t lda, const uint8_t *Bp, const void *S,
                 const void *Mn, const float *D, const float *E, int smode, int64_t sg, int bits, int64_t g,
                 int64_t N, const float *bias, float *C, int64_t ldc, int act8, int nthreads) {
+    const int64_t np = (N + NR - 1) / NR;
+    q_ctx c = {A, bias, D, E, Bp, S, Mn, C, 0, lda, K, N, ldc, g, (K + g - 1) / g, sg, K * ROW_BYTES(bits),
+               smode, bits, 0, 0, 0, 0, 0};
 #ifdef HAVE_Q_A8
-    if (a8_serves(act8, K, bits, g) && gemm_q_a8(A, M, K, lda, Bp, S, Mn, D, E, smode, sg, bits, g, N, bias, C, ldc,
-                                           nthreads))
-        return;
+    if (a8_serves(act8, K, bits, g) && gemm_q_a8(&c, M, np, nthreads)) return;
+#else
+    (void)act8;
 #endif
-    const int64_t np = (N + NR - 1) / NR, G = (K + g - 1) / g;
-    const int64_t pbytes = K * ROW_BYTES(bits);
-    const kq_t *kern = KQ[bits == 8 ? 3 : bits - 4];
     const int64_t mr = M > MRQ ? MRF : MRQ;
-    const int64_t chunk = rows_in(1 << 20, K * 4, mr);
-#pragma omp parallel num_threads(team(nthreads, np))
-    {
-        const int t = omp_get_thread_num(), nt = omp_get_num_threads();
-        const int64_t p0 = np * t / nt, p1 = np * (t + 1) / nt;
-        float *W = M > MRQ ? (float *)aligned_alloc(64, (size_t)K * NR * sizeof(float)) : 0;
-        for (int64_t m0 = 0; m0 < M; m0 += chunk) {
-            const int64_t Mc = M - m0 < chunk ? M - m0 : chunk;
-            for (int64_t p = p0; p < p1; ++p) {
-                const uint8_t *B = Bp + p * pbytes;
-                const uint8_t *Bn = p + 1 < p1 ? B + pbytes : 0;
-                const int64_t ncols = N - p * NR < NR ? N - p * NR : NR;
-                const qsrc c = qsrc_panel(smode, S, Mn, D, E, sg, G, p);
-                if (W && Mc > MRQ) {
-                    const int64_t nb = (Mc + MRF - 1) / MRF;
-                    dequant_panel(B, K, g, &c, bits, W, Bn);
-                    for (int64_t i = 0; i < nb; ++i) {
-                        const int64_t lo = Mc * i / nb, hi = Mc * (i + 1) / nb;
-                        KF[hi - lo](A + (m0 + lo) * lda, lda, W, K, C + (m0 + lo) * ldc + p * NR, ldc,
-                                    bias ? bias + p * NR : 0, ncols);
-                    }
-                    continue;
-                }
-                const int64_t nq = (Mc + MRQ - 1) / MRQ;   /* (more than one block only if W's allocation failed) */
-                for (int64_t i = 0; i < nq; ++i) {
-                    const int64_t lo = Mc * i / nq, hi = Mc * (i + 1) / nq;
-                    kern[hi - lo](A + (m0 + lo) * lda, lda, B, K, g, &c, C + (m0 + lo) * ldc + p * NR, ldc,
-                                  bias ? bias + p * NR : 0, ncols, Bn, pbytes >> 6, i, nq);
-                }
-            }
-        }
-        free(W);
-    }
+    if (M > MRQ) c.W = (float *)aligned_alloc(64, (size_t)team(nthreads, np) * (size_t)K * NR * sizeof(float));
+    lmi_panel_drive(M, np, lmi_panel_chunk(K * 4, mr), mr, nthreads, q_block, 0, &c);
+    free(c.W);
 }
 #else
 int lmi_gemm_q_available(void) { return 0; }
