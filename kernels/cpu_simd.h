@@ -1,5 +1,7 @@
-/* 8-lane fp32 vectors for the CPU kernels' AVX2 and NEON branches: one __m256 on AVX2+FMA, two
- * float32x4_t on aarch64 NEON. LMI_V8 is 1 where they exist (0 elsewhere: nothing else defined).
+/* The vector mapping: the one header of the generic layer that tests the instruction set (every other
+ * ISA branch lives in kernels/x86/ or kernels/arm/; tests/kernels/test_layout.py checks). 8-lane fp32
+ * vectors: one __m256 on AVX2+FMA, two float32x4_t on aarch64 NEON; kernels/cpu_v8.h's kernels are
+ * written once over them. LMI_V8 is 1 where they exist (0 elsewhere: nothing else defined).
  *
  * Every operation rounds as the scalar IEEE one would (v8f_fma: one rounding, x86 vfmadd and
  * Arm fmla alike), so a kernel written on these gives the same bits on either, and the same
