@@ -10,8 +10,9 @@ GEMM and layer sources and the architecture folders round exactly as transformer
 compiled without -ffast-math and without FMA contraction.
 
 The shared object is cached under $LMI_CPU_EXT_CACHE (default ~/.cache/lmi-serve/kernels), named by
-the backend and a hash of the sources (the generic ones, the family's folder and every header), the flags, the compiler and the CPU's model and flags (a cache
-carried to another CPU is rebuilt, never run with instructions it lacks), written to a temporary file
+the backend and a hash of its sources (the generic ones and its family's folder) and every header,
+the flags, the compiler and the CPU's model and flags (cache_key: a cache carried to another CPU is
+rebuilt, never run with instructions it lacks), written to a temporary file
 and renamed, so concurrent workers and tensor-parallel ranks can build at once. Plain Python: no torch.
 """
 from __future__ import annotations
@@ -30,25 +31,38 @@ SRC_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))   # kernel
 FLAGS = ["-O3", "-ffast-math", "-fopenmp", "-fPIC"]
 # Element-wise ops that must round as torch's do (rotary): no fast-math, no FMA contraction.
 EXACT_FLAGS = ["-O3", "-ffp-contract=off", "-fopenmp", "-fPIC"]
-# The generic layer, every build: drivers, layer stack, attention, KV (no instruction-set code).
-GENERIC = [(os.path.join(SRC_DIR, "cpu_decode.c"), FLAGS), (os.path.join(SRC_DIR, "cpu_exact.c"), EXACT_FLAGS),
-           (os.path.join(SRC_DIR, "cpu_gemm.c"), EXACT_FLAGS), (os.path.join(SRC_DIR, "cpu_gemm_i8.c"), EXACT_FLAGS),
-           (os.path.join(SRC_DIR, "cpu_gemm_q4.c"), EXACT_FLAGS),
-           (os.path.join(SRC_DIR, "cpu_gemm_bf16.c"), EXACT_FLAGS), (os.path.join(SRC_DIR, "cpu_layer.c"), EXACT_FLAGS),
-           (os.path.join(SRC_DIR, "cpu_kv.c"), EXACT_FLAGS)]
-HEADERS = sorted(glob.glob(os.path.join(SRC_DIR, "**", "*.h"), recursive=True))   # in the cache key
+# The generic layer, every build: drivers, layer stack, attention, KV (no instruction-set code); names
+# under kernels/.
+GENERIC = [("cpu_decode.c", FLAGS), ("cpu_exact.c", EXACT_FLAGS), ("cpu_gemm.c", EXACT_FLAGS),
+           ("cpu_gemm_i8.c", EXACT_FLAGS), ("cpu_gemm_q4.c", EXACT_FLAGS), ("cpu_gemm_bf16.c", EXACT_FLAGS),
+           ("cpu_layer.c", EXACT_FLAGS), ("cpu_kv.c", EXACT_FLAGS)]
 
 
-def arch_dir(isa: str) -> str:
-    """kernels/<family>/: the architecture layer backend `isa` compiles (kernels/isa.py's family)."""
-    return os.path.join(SRC_DIR, _isa.family(isa))
+def headers(root: str = SRC_DIR) -> list[str]:
+    """Every header under kernels/ (the generic ones and any in an architecture folder)."""
+    return sorted(glob.glob(os.path.join(root, "**", "*.h"), recursive=True))
 
 
-def sources(isa: str) -> list[tuple[str, list[str]]]:
+def sources(isa: str, root: str = SRC_DIR) -> list[tuple[str, list[str]]]:
     """Every source of backend `isa`'s build with its flags: the generic layer, then its family's
-    folder (each file in it, rounding exactly as the GEMMs do)."""
-    arch = sorted(glob.glob(os.path.join(arch_dir(isa), "*.c")))
-    return GENERIC + [(path, EXACT_FLAGS) for path in arch]
+    folder kernels/<family>/ (kernels/isa.py's family; each file in it rounding exactly as the GEMMs do)."""
+    arch = sorted(glob.glob(os.path.join(root, _isa.family(isa), "*.c")))
+    return [(os.path.join(root, name), flags) for name, flags in GENERIC] + [(path, EXACT_FLAGS) for path in arch]
+
+
+def cache_key(isa: str, cc: str, root: str = SRC_DIR) -> str:
+    """The build's name in the cache: a hash of its sources and every header (their paths under
+    kernels/ and their bytes: a file changed or moved is a new build), the flags, the compiler's
+    version and this CPU (a cache carried to another CPU is rebuilt)."""
+    srcs = sources(isa, root)
+    parts = []
+    for path in [p for p, _ in srcs] + headers(root):
+        with open(path, "rb") as f:
+            parts.append(os.path.relpath(path, root).encode() + b"\0" + f.read())
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
+    flags = " | ".join(" ".join(fl) for _, fl in srcs) + " | " + " ".join(LINK + _isa.compile_flags(isa))
+    return hashlib.sha256(b"\0".join([*parts, flags.encode(), version.encode(),
+                                      cpu_signature().encode()])).hexdigest()[:16]
 
 
 # Linked without -ffast-math: given at link time, gcc adds crtfastmath.o, whose constructor sets
@@ -84,14 +98,7 @@ def build(isa: str, out_dir: str | None = None, cc: str | None = None) -> str:
     cc = cc or compiler()
     if cc is None:
         raise RuntimeError("no C compiler (cc/gcc) on PATH")
-    parts = []
-    for path in [p for p, _ in srcs] + HEADERS:   # the names too: a file moved is a new build
-        with open(path, "rb") as f:
-            parts.append(os.path.relpath(path, SRC_DIR).encode() + b"\0" + f.read())
-    version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
-    flags = " | ".join(" ".join(fl) for _, fl in srcs) + " | " + " ".join(LINK + target)
-    key = hashlib.sha256(b"\0".join([*parts, flags.encode(), version.encode(),
-                                     cpu_signature().encode()])).hexdigest()[:16]
+    key = cache_key(isa, cc)
     out_dir = out_dir or cache_dir()
     os.makedirs(out_dir, exist_ok=True)
     path = os.path.join(out_dir, f"lmi_cpu_{isa}-{key}.so")

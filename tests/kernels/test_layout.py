@@ -7,6 +7,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import pytest
+
 from kernels import isa
 from kernels.cpu import build as cpu_build
 
@@ -116,3 +118,33 @@ def test_no_generic_source_tests_the_instruction_set():
         for p in sorted((root / family).glob("*.[ch]")):
             wrong = [c for c in isa_conditionals(p.read_text()) if other[family].search(c)]
             assert not wrong, f"{family}/{p.name} tests another family's instruction set: {wrong}"
+
+
+def test_the_build_cache_key_covers_each_builds_sources_and_headers(tmp_path):
+    # A changed source of a build's own folder, or any header, is a new build; another family's is not.
+    import shutil
+    cc = cpu_build.compiler()
+    if cc is None:
+        pytest.skip("no C compiler (cc/gcc) on PATH (its version is part of the key)")
+    root = Path(cpu_build.SRC_DIR)
+    copy = tmp_path / "kernels"
+    for p in list(root.glob("*.[ch]")) + list(root.glob("*/*.[ch]")):
+        (copy / p.relative_to(root)).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(p, copy / p.relative_to(root))
+    keys = lambda: {b: cpu_build.cache_key(b, cc, str(copy)) for b in ("avx512", "avx2", "neon")}  # noqa: E731
+    before = keys()
+    assert before == {b: cpu_build.cache_key(b, cc) for b in before}       # the copy is the same build
+    with open(copy / "x86" / "gemm.c", "a") as f:
+        f.write("\n")
+    after_x86 = keys()
+    assert after_x86["avx512"] != before["avx512"] and after_x86["avx2"] != before["avx2"]
+    assert after_x86["neon"] == before["neon"]
+    with open(copy / "arm" / "gemm_q4.c", "a") as f:
+        f.write("\n")
+    assert keys()["neon"] != before["neon"]
+    with open(copy / "cpu_v8.h", "a") as f:
+        f.write("\n")
+    assert all(keys()[b] != after_x86[b] for b in ("avx512", "avx2"))
+    moved = keys()["avx512"]
+    (copy / "x86" / "gemm.c").rename(copy / "x86" / "gemm_f32.c")        # the same bytes moved: a new build too
+    assert keys()["avx512"] != moved
