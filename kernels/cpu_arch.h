@@ -20,6 +20,9 @@ LMI_HIDDEN int lmi_arch_gemm_rows(void);
 LMI_HIDDEN void lmi_arch_gemm_block(const float *A, int64_t lda, const float *B, int64_t K, float *C, int64_t ldc,
                                     const float *bias, int64_t ncols, const float *Bn, int64_t pf0, int64_t pfs,
                                     int64_t rows);
+/* the same values for a panel already in the caches (one just written, e.g. a dequantized one): no prefetching */
+LMI_HIDDEN void lmi_arch_gemm_block_cached(const float *A, int64_t lda, const float *B, int64_t K, float *C,
+                                           int64_t ldc, const float *bias, int64_t ncols, int64_t rows);
 
 /* ---- bf16 panels (kernels/cpu_gemm_bf16.c): B [ceil(K/2)][32][2]; C fp32, or bf16 when out_bf16.
  * Widened (fp32 A, every build) and dot-product (bf16 A, vdpbf16ps: lmi_arch_bf16_rows() is 0 without). */

@@ -26,9 +26,10 @@
  * Row blocks (the architecture layer's, kernels/cpu_arch.h's lmi_arch_q_*: kernels/x86/gemm_q4.c,
  * kernels/arm/gemm_q4.c over kernels/cpu_v8.h): for each k, the row's codes widened, dequantized
  * by one FMA each with the group's scale/min (held in registers for the group), then one FMA per
- * row and column (AVX-512: up to 12 rows x 32 columns in 24 zmm registers). The dequantized weight is fma(q, s, m), exact for every format served (q * s has at most 8 + 11 + 8
- * significant bits, and q * s + m is the format's weight rounded once, as numpy's / torch's
- * dequantization rounds it), and each output is summed in k order by FMAs from 0, then + bias: the
+ * row and column (AVX-512: up to 12 rows x 32 columns in 24 zmm registers). The dequantized weight
+ * is fma(q, s, m), exact for every format served (q * s has at most 8 + 11 + 8 significant bits,
+ * and q * s + m is the format's weight rounded once, as numpy's / torch's dequantization rounds it),
+ * and each output is summed in k order by FMAs from 0, then + bias: the
  * same operations, in the same order, as kernels/cpu_gemm.c on the dequantized fp32 weights. So a
  * quantized model computes bit for bit what its dequantized fp32 model computes on this path.
  * A row's result depends only on that row.
@@ -36,8 +37,8 @@
  * A decode step streams every weight once, so its time is the code and scale bytes; the
  * dequantization costs about 8-14 instructions per k per 32 columns, shared by the row block. Past
  * one row block (M > 12) each panel is instead dequantized once into a per-thread fp32 buffer
- * (K x 32, in L2) and every row block runs kernels/cpu_gemm.c's fp32 microkernel over it (the same
- * values, the same order), so compute-bound prefill steps pay one dequantization per panel.
+ * (K x 32, in L2) and every row block runs the fp32 GEMM's row block over it (lmi_arch_gemm_block_cached:
+ * the same values, the same order), so compute-bound prefill steps pay one dequantization per panel.
  *
  * Builds (kernels/isa.py): avx512 as above; AVX2+FMA(+F16C) and aarch64 NEON over 8-lane vectors
  * (register kernel up to 2 rows, dequantized panels past that), the same values bit for bit. The
@@ -90,12 +91,11 @@ static inline int team(int nthreads, int64_t np) {
     return nthreads > np ? (int)np : nthreads < 1 ? 1 : nthreads;
 }
 
-/* Rows [row, row + rows) with int8 activations x panel p: with T, the panel transposed once (its
- * first row block, i == 0) into this thread's T and blocks of lmi_arch_q_a8_transposed_rows() rows
- * over it; else the register kernels, lmi_arch_q_a8_rows() rows a pass. The next panel's codes
- * prefetched by the first row block. */
+/* Rows [row, row + rows) (a whole chunk: one block) with int8 activations x panel p: with T, the panel
+ * transposed once into this thread's T and blocks of lmi_arch_q_a8_transposed_rows() rows over it;
+ * else the register kernels, lmi_arch_q_a8_rows() rows a pass, the first prefetching the next panel. */
 static void qa8_block(const void *v, int64_t row, int64_t rows, int64_t p, int next, int64_t i, int64_t nb) {
-    (void)nb;
+    (void)i, (void)nb;
     const q_ctx *c = (const q_ctx *)v;
     const int64_t K = c->K, G = c->G;
     const lmi_qsrc s = qsrc_panel(c->smode, c->S, c->Mn, c->D, c->E, c->sg, G, p);
@@ -106,14 +106,14 @@ static void qa8_block(const void *v, int64_t row, int64_t rows, int64_t p, int n
     const int64_t step = transposed ? lmi_arch_q_a8_transposed_rows() : lmi_arch_q_a8_rows();
     if (transposed) {
         uint8_t *T = c->T + (int64_t)omp_get_thread_num() * K * 32;
-        if (i == 0) lmi_arch_q_a8_transpose(B, K, c->bits, T, Bn);
+        lmi_arch_q_a8_transpose(B, K, c->bits, T, Bn);
         B = T, Bn = 0;
     }
     for (int64_t r0 = row; r0 < row + rows; r0 += step) {
         const int64_t mr = row + rows - r0 < step ? row + rows - r0 : step;
         lmi_arch_q_a8_block(c->aq + r0 * K, c->da + r0 * G, c->sa + r0 * G, c->si + r0 * G, G, B, K, c->g, &s,
-                            c->C + r0 * c->ldc + p * NR, c->ldc, bias, ncols, i == 0 && r0 == row ? Bn : 0,
-                            transposed, c->bits, mr);
+                            c->C + r0 * c->ldc + p * NR, c->ldc, bias, ncols, r0 == row ? Bn : 0, transposed,
+                            c->bits, mr);
     }
 }
 
@@ -134,15 +134,16 @@ static int gemm_q_a8(q_ctx *c, int64_t M, int64_t np, int nthreads) {
     for (int64_t r = 0; r < M; ++r)
         lmi_arch_q_a8_row(c->A + r * c->lda, K, c->g, aq + r * K, da + r * G, sa + r * G, si + r * G);
     c->aq = aq, c->da = da, c->sa = sa, c->si = si;
-    int64_t mr = lmi_arch_q_a8_rows();
+    const int64_t mr = lmi_arch_q_a8_rows();
     /* more than those rows, where the build transposes: each thread's panel transposed once into its T
      * (K x 32 bytes, L2; K % 4 == 0) and paid once per panel, not once per register block */
-    if (lmi_arch_q_a8_transposed_rows() && M > mr) {
+    if (lmi_arch_q_a8_transposed_rows() && M > mr)
         c->T = (uint8_t *)aligned_alloc(64, (size_t)team(nthreads, np) * (size_t)K * 32);
-        if (c->T) mr = lmi_arch_q_a8_transposed_rows();
-    }
-    /* rows whose int8 activations stay in L2 (half of the fp32 paths' 1 MiB) */
-    lmi_panel_drive(M, np, lmi_panel_chunk(2 * K, mr), mr, nthreads, qa8_block, 0, c);
+    /* rows whose int8 activations stay in L2 (half of the fp32 paths' 1 MiB); each chunk one block, which
+     * qa8_block walks in fixed steps from its first row (near-equal blocks measured slower on avx2: more
+     * of the transposed kernel's 2-row calls) */
+    const int64_t chunk = lmi_panel_chunk(2 * K, mr);
+    lmi_panel_drive(M, np, chunk, chunk, nthreads, qa8_block, 0, c);
     free(c->T);
     free(aq), free(da);
     return 1;
@@ -167,7 +168,7 @@ static void q_block(const void *v, int64_t row, int64_t rows, int64_t p, int nex
     if (c->W && (nb > 1 || rows > mrq)) {
         float *W = c->W + (int64_t)omp_get_thread_num() * K * NR;
         if (i == 0) lmi_arch_q_dequant(B, K, c->g, &s, c->bits, W, Bn);
-        lmi_arch_gemm_block(c->A + row * c->lda, c->lda, W, K, C, c->ldc, bias, ncols, 0, 0, 1, rows);
+        lmi_arch_gemm_block_cached(c->A + row * c->lda, c->lda, W, K, C, c->ldc, bias, ncols, rows);
         return;
     }
     for (int64_t r0 = 0; r0 < rows; r0 += mrq) {   /* (more than one pass only if W's allocation failed) */

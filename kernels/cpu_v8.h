@@ -3,7 +3,7 @@
  * same panels and per output the same operations in the same order as the AVX-512 kernels, so the
  * same values bit for bit. The includer asks for a part by defining its name first:
  *
- *   LMI_V8_GEMM   fp32 panels: V8_GEMM[rows] (1..V8_GEMM_ROWS)
+ *   LMI_V8_GEMM   fp32 panels: V8_GEMM[rows] (1..V8_GEMM_ROWS), V8_GEMM_CACHED[rows] (no prefetching)
  *   LMI_V8_BF16W  widened bf16 panels: V8_BF16W[rows] (1..V8_BF16W_ROWS)
  *   LMI_V8_I8     int8 panels over the includer's 8-column integer types: V8_I8[rows] (1..V8_I8_ROWS)
  *   LMI_V8_Q      grouped codes: V8_Q[bits][rows] (1..V8_Q_ROWS), v8_q_dequant
@@ -29,8 +29,8 @@
  * broadcasts (the panel loads fold into the FMAs); NEON's 32 q registers 3 rows' 24 (4-lane
  * halves) beside the broadcasts and a panel load. */
 #define V8_GEMM_ROWS 3
-#define V8_GEMM_KERNEL(MR)                                                                                 \
-    static void v8_gemm_##MR(const float *A, int64_t lda, const float *B, int64_t K, float *C,           \
+#define V8_GEMM_KERNEL(MR, NAME, PF)   /* PF 0: a panel already in the caches, nothing prefetched */ \
+    static void NAME##_##MR(const float *A, int64_t lda, const float *B, int64_t K, float *C,           \
                         int64_t ldc, const float *bias, int64_t ncols, const float *Bn,             \
                         int64_t pf0, int64_t pfs) {                                                 \
         v8f c[MR][4];                                                                               \
@@ -39,14 +39,16 @@
         }                                                                                           \
         int64_t pfk = Bn ? pf0 : K;                                                                 \
         for (int64_t k = 0; k < K; ++k) {                                                           \
-            if (k == pfk) {                                                                         \
+            if (PF && k == pfk) {                                                                   \
                 LMI_PREFETCH_L2(Bn + k * NR);                                                       \
                 LMI_PREFETCH_L2(Bn + k * NR + 16);                                                  \
                 pfk += pfs;                                                                         \
             }                                                                                       \
             const float *b = B + k * NR;                                                            \
-            LMI_PREFETCH_L1(b + 8 * NR);                                                            \
-            LMI_PREFETCH_L1(b + 8 * NR + 16);                                                       \
+            if (PF) {                                                                               \
+                LMI_PREFETCH_L1(b + 8 * NR);                                                        \
+                LMI_PREFETCH_L1(b + 8 * NR + 16);                                                   \
+            }                                                                                       \
             v8f a[MR];                                                                              \
             UNROLL_MR for (int r = 0; r < MR; ++r) a[r] = v8f_set1(A[r * lda + k]);                 \
             UNROLL_MR for (int v = 0; v < 4; ++v) {                                                 \
@@ -65,11 +67,13 @@
             UNROLL_MR for (int r = 0; r < MR; ++r) v8f_store_n(C + r * ldc + 8 * v, c[r][v], n);    \
         }                                                                                           \
     }
-V8_GEMM_KERNEL(1) V8_GEMM_KERNEL(2) V8_GEMM_KERNEL(3)
+V8_GEMM_KERNEL(1, v8_gemm, 1) V8_GEMM_KERNEL(2, v8_gemm, 1) V8_GEMM_KERNEL(3, v8_gemm, 1)
+V8_GEMM_KERNEL(1, v8_gemmc, 0) V8_GEMM_KERNEL(2, v8_gemmc, 0) V8_GEMM_KERNEL(3, v8_gemmc, 0)
 
 typedef void (*v8_gemm_t)(const float *, int64_t, const float *, int64_t, float *, int64_t, const float *,
                        int64_t, const float *, int64_t, int64_t);
 static const v8_gemm_t V8_GEMM[V8_GEMM_ROWS + 1] = {0, v8_gemm_1, v8_gemm_2, v8_gemm_3};
+static const v8_gemm_t V8_GEMM_CACHED[V8_GEMM_ROWS + 1] = {0, v8_gemmc_1, v8_gemmc_2, v8_gemmc_3};
 #endif
 
 #if defined(LMI_V8_BF16W) && !defined(LMI_V8_BF16W_DONE)

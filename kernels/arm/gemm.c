@@ -15,3 +15,8 @@ void lmi_arch_gemm_block(const float *A, int64_t lda, const float *B, int64_t K,
                          const float *bias, int64_t ncols, const float *Bn, int64_t pf0, int64_t pfs, int64_t rows) {
     V8_GEMM[rows](A, lda, B, K, C, ldc, bias, ncols, Bn, pf0, pfs);
 }
+
+void lmi_arch_gemm_block_cached(const float *A, int64_t lda, const float *B, int64_t K, float *C, int64_t ldc,
+                                const float *bias, int64_t ncols, int64_t rows) {
+    V8_GEMM_CACHED[rows](A, lda, B, K, C, ldc, bias, ncols, 0, 0, 1);
+}

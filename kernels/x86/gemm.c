@@ -24,8 +24,8 @@
  * GEMMs of the 0.5 B Qwen's shapes on 2 Zen 4 cores: 5-10% less time (3 of 4 interleaved runs) than 8 ahead with the
  * next-panel L2 prefetch (benchmarks/gemv_stream.py). Bigger blocks read the panel from L2. */
 #define PFD(MR) ((MR) == 1 ? 32 : 8)
-#define KERNEL(MR)                                                                                  \
-    static void kern_##MR(const float *A, int64_t lda, const float *B, int64_t K, float *C,         \
+#define KERNEL(MR, NAME, PF)   /* PF 0: a panel already in the caches, nothing prefetched */         \
+    static void NAME##_##MR(const float *A, int64_t lda, const float *B, int64_t K, float *C,         \
                           int64_t ldc, const float *bias, int64_t ncols, const float *Bn,           \
                           int64_t pf0, int64_t pfs) {                                               \
         __m512 c0[MR], c1[MR];                                                                      \
@@ -35,14 +35,16 @@
         }                                                                                           \
         int64_t pfk = Bn ? pf0 : K;                                                                 \
         for (int64_t k = 0; k < K; ++k) {                                                           \
-            if (k == pfk) {                                                                         \
+            if (PF && k == pfk) {                                                                   \
                 _mm_prefetch((const char *)(Bn + k * NR), _MM_HINT_T1);                             \
                 _mm_prefetch((const char *)(Bn + k * NR + 16), _MM_HINT_T1);                        \
                 pfk += pfs;                                                                         \
             }                                                                                       \
             const __m512 b0 = _mm512_loadu_ps(B + k * NR), b1 = _mm512_loadu_ps(B + k * NR + 16);   \
-            _mm_prefetch((const char *)(B + (k + PFD(MR)) * NR), _MM_HINT_T0);                      \
-            _mm_prefetch((const char *)(B + (k + PFD(MR)) * NR + 16), _MM_HINT_T0);                 \
+            if (PF) {                                                                               \
+                _mm_prefetch((const char *)(B + (k + PFD(MR)) * NR), _MM_HINT_T0);                  \
+                _mm_prefetch((const char *)(B + (k + PFD(MR)) * NR + 16), _MM_HINT_T0);             \
+            }                                                                                       \
             UNROLL_MR for (int r = 0; r < MR; ++r) {                                                \
                 const __m512 a = _mm512_set1_ps(A[r * lda + k]);                                    \
                 c0[r] = _mm512_fmadd_ps(a, b0, c0[r]);                                              \
@@ -64,14 +66,16 @@
             _mm512_mask_storeu_ps(C + r * ldc + 16, m1, c1[r]);                                     \
         }                                                                                           \
     }
-KERNEL(1) KERNEL(2) KERNEL(3) KERNEL(4) KERNEL(5) KERNEL(6)
-KERNEL(7) KERNEL(8) KERNEL(9) KERNEL(10) KERNEL(11) KERNEL(12) KERNEL(13) KERNEL(14)
+#define KERNELS(NAME, PF) KERNEL(1, NAME, PF) KERNEL(2, NAME, PF) KERNEL(3, NAME, PF) KERNEL(4, NAME, PF)      \
+    KERNEL(5, NAME, PF) KERNEL(6, NAME, PF) KERNEL(7, NAME, PF) KERNEL(8, NAME, PF) KERNEL(9, NAME, PF)         \
+    KERNEL(10, NAME, PF) KERNEL(11, NAME, PF) KERNEL(12, NAME, PF) KERNEL(13, NAME, PF) KERNEL(14, NAME, PF)
+KERNELS(kern, 1) KERNELS(kc, 0)
 
 typedef void (*kern_t)(const float *, int64_t, const float *, int64_t, float *, int64_t, const float *,
                        int64_t, const float *, int64_t, int64_t);
-static const kern_t KERNS[MRMAX + 1] = {0, kern_1, kern_2, kern_3, kern_4, kern_5, kern_6,
-                                        kern_7, kern_8, kern_9, kern_10, kern_11, kern_12, kern_13, kern_14};
-
+#define TABLE(NAME) {0, NAME##_1, NAME##_2, NAME##_3, NAME##_4, NAME##_5, NAME##_6, NAME##_7, NAME##_8, \
+                     NAME##_9, NAME##_10, NAME##_11, NAME##_12, NAME##_13, NAME##_14}
+static const kern_t KERNS[MRMAX + 1] = TABLE(kern), KERNC[MRMAX + 1] = TABLE(kc);
 
 #define MRB MRMAX
 #define PF_NEXT_ROWS 2      /* a 1-row block leaves the next panel to its far L1 prefetch (PFD) */
@@ -80,6 +84,7 @@ static const kern_t KERNS[MRMAX + 1] = {0, kern_1, kern_2, kern_3, kern_4, kern_
 #include "../cpu_v8.h"
 
 #define KERNS V8_GEMM
+#define KERNC V8_GEMM_CACHED
 #define MRB V8_GEMM_ROWS
 #define PF_NEXT_ROWS 1
 #else
@@ -91,4 +96,9 @@ int lmi_arch_gemm_rows(void) { return MRB; }
 void lmi_arch_gemm_block(const float *A, int64_t lda, const float *B, int64_t K, float *C, int64_t ldc,
                          const float *bias, int64_t ncols, const float *Bn, int64_t pf0, int64_t pfs, int64_t rows) {
     KERNS[rows](A, lda, B, K, C, ldc, bias, ncols, rows >= PF_NEXT_ROWS ? Bn : 0, pf0, pfs);
+}
+
+void lmi_arch_gemm_block_cached(const float *A, int64_t lda, const float *B, int64_t K, float *C, int64_t ldc,
+                                const float *bias, int64_t ncols, int64_t rows) {
+    KERNC[rows](A, lda, B, K, C, ldc, bias, ncols, 0, 0, 1);
 }
