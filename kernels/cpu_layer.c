@@ -22,6 +22,7 @@
 #include <string.h>
 
 #include "cpu_api.h"
+#include "cpu_arch.h"
 #include "cpu_bf16.h"
 #include "cpu_kv.h"
 
@@ -31,124 +32,29 @@
 /* lmi_lin, lmi_layer and the LIN_* kinds: kernels/cpu_api.h */
 
 /* ---------------------------------------------------------------- torch's SiLU */
-/* One vector of VW floats per ISA (torch's Vectorized<float>: 16 lanes on AVX-512, 8 on AVX2, 4 on
- * NEON; Vectorized<BFloat16> holds 2 * VW), with the bf16 conversions of cpu_bf16.h lane by lane. */
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#define VW 16
-typedef __m512 vf;
-static inline vf vload(const float *p) { return _mm512_loadu_ps(p); }
-static inline void vstore(float *p, vf x) { _mm512_storeu_ps(p, x); }
-static inline vf vneg(vf x) { return _mm512_sub_ps(_mm512_setzero_ps(), x); }    /* a sign flip for exp */
-static inline vf vadd(vf a, vf b) { return _mm512_add_ps(a, b); }
-static inline vf vmul(vf a, vf b) { return _mm512_mul_ps(a, b); }
-static inline vf vdiv(vf a, vf b) { return _mm512_div_ps(a, b); }
-static inline vf vone(void) { return _mm512_set1_ps(1.0f); }
-
-static inline vf vload_bf16(const uint16_t *p) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
-}
-
-/* 16 floats -> bf16, f32_to_bf16's rounding (to nearest even; a NaN stays a NaN) lane by lane. */
-static inline void vstore_bf16(uint16_t *p, vf x) {
-    const __m512i u = _mm512_castps_si512(x), hi = _mm512_srli_epi32(u, 16);
-    const __m512i lsb = _mm512_and_si512(hi, _mm512_set1_epi32(1));
-    const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), lsb), 16);
-    const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)),
-                                                  _mm512_set1_epi32(0x7f800000));
-    _mm256_storeu_si256((__m256i *)p, _mm512_cvtepi32_epi16(_mm512_mask_or_epi32(r, nan, hi, _mm512_set1_epi32(0x40))));
-}
-#elif defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
-#define VW 8
-typedef __m256 vf;
-static inline vf vload(const float *p) { return _mm256_loadu_ps(p); }
-static inline void vstore(float *p, vf x) { _mm256_storeu_ps(p, x); }
-static inline vf vneg(vf x) { return _mm256_xor_ps(_mm256_set1_ps(-0.0f), x); }     /* torch's neg() */
-static inline vf vadd(vf a, vf b) { return _mm256_add_ps(a, b); }
-static inline vf vmul(vf a, vf b) { return _mm256_mul_ps(a, b); }
-static inline vf vdiv(vf a, vf b) { return _mm256_div_ps(a, b); }
-static inline vf vone(void) { return _mm256_set1_ps(1.0f); }
-
-static inline vf vload_bf16(const uint16_t *p) {
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
-}
-
-static inline void vstore_bf16(uint16_t *p, vf x) {
-    const __m256i u = _mm256_castps_si256(x), hi = _mm256_srli_epi32(u, 16);
-    const __m256i lsb = _mm256_and_si256(hi, _mm256_set1_epi32(1));
-    const __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)), lsb), 16);
-    /* |u| > inf's bits: a NaN (both sides below 2^31, so the signed compare is the unsigned one) */
-    const __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x7fffffff)),
-                                           _mm256_set1_epi32(0x7f800000));
-    const __m256i v = _mm256_blendv_epi8(r, _mm256_or_si256(hi, _mm256_set1_epi32(0x40)), nan);
-    /* every lane is below 2^16: the unsigned-saturating pack keeps it as is */
-    _mm_storeu_si128((__m128i *)p, _mm_packus_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1)));
-}
-#elif defined(__ARM_NEON) && defined(__aarch64__)
-#include <arm_neon.h>
-#define VW 4
-typedef float32x4_t vf;
-static inline vf vload(const float *p) { return vld1q_f32(p); }
-static inline void vstore(float *p, vf x) { vst1q_f32(p, x); }
-static inline vf vneg(vf x) { return vnegq_f32(x); }
-static inline vf vadd(vf a, vf b) { return vaddq_f32(a, b); }
-static inline vf vmul(vf a, vf b) { return vmulq_f32(a, b); }
-static inline vf vdiv(vf a, vf b) { return vdivq_f32(a, b); }
-static inline vf vone(void) { return vdupq_n_f32(1.0f); }
-
-static inline vf vload_bf16(const uint16_t *p) { return vreinterpretq_f32_u32(vshll_n_u16(vld1_u16(p), 16)); }
-
-static inline void vstore_bf16(uint16_t *p, vf x) {
-    const uint32x4_t u = vreinterpretq_u32_f32(x), hi = vshrq_n_u32(u, 16);
-    const uint32x4_t lsb = vandq_u32(hi, vdupq_n_u32(1));
-    const uint32x4_t r = vshrq_n_u32(vaddq_u32(vaddq_u32(u, vdupq_n_u32(0x7fff)), lsb), 16);
-    const uint32x4_t nan = vcgtq_u32(vandq_u32(u, vdupq_n_u32(0x7fffffff)), vdupq_n_u32(0x7f800000));
-    vst1_u16(p, vmovn_u32(vbslq_u32(nan, vorrq_u32(hi, vdupq_n_u32(0x40)), r)));
-}
-#endif
-
-#ifdef VW
-typedef vf (*expf_t)(vf);
-static expf_t sleef_expf;
-
-/* torch's Sleef exp of VW lanes (Sleef_expf16_u10 / Sleef_expf8_u10 / Sleef_expf4_u10, the one
+/* torch's Vectorized<float> (16 lanes on AVX-512, 8 on AVX2, 4 on NEON; Vectorized<BFloat16> holds
+ * twice as many) is the arch layer's (kernels/cpu_arch.h's lmi_arch_vec_lanes), the scalar rest here. */
+/* torch's Sleef exp of lmi_silu_lanes() lanes (Sleef_expf16_u10 / Sleef_expf8_u10 / Sleef_expf4_u10, the one
  * libtorch_cpu links for its CPU capability); `lanes` another width than this build's: no SiLU. */
-void lmi_set_sleef_expf(void *fn, int lanes) { sleef_expf = lanes == VW ? (expf_t)fn : 0; }
+void lmi_set_sleef_expf(void *fn, int lanes) { lmi_arch_set_expf(lanes == lmi_arch_vec_lanes() ? fn : 0); }
 void lmi_set_sleef_expf16(void *fn) { lmi_set_sleef_expf(fn, 16); }
-int lmi_silu_available(void) { return sleef_expf != 0; }
-int lmi_silu_lanes(void) { return VW; }
-
-static inline vf silu_v(vf x) { return vdiv(x, vadd(vone(), sleef_expf(vneg(x)))); }
+int lmi_silu_available(void) { return lmi_arch_has_expf(); }
+int lmi_silu_lanes(void) { return lmi_arch_vec_lanes(); }
 
 static inline float silu1(float x) { return x / (1.0f + expf(-x)); }
 
-/* torch's vectorized_loop over [0, n): two vectors per iteration, the rest by the scalar op. */
+/* torch's vectorized_loop over [0, n): the arch layer's whole vectors, the rest by the scalar op. */
 static void silu_range_f32(float *g, int64_t n) {
-    int64_t i = 0;
-    for (; i + 2 * VW <= n; i += 2 * VW) {
-        vstore(g + i, silu_v(vload(g + i)));
-        vstore(g + i + VW, silu_v(vload(g + i + VW)));
-    }
-    for (; i < n; ++i) g[i] = silu1(g[i]);
+    for (int64_t i = lmi_arch_silu_f32(g, n); i < n; ++i) g[i] = silu1(g[i]);
 }
 
 static void silu_range_bf16(uint16_t *g, int64_t n) {
-    int64_t i = 0;
-    for (; i + 4 * VW <= n; i += 4 * VW)    /* Vectorized<BFloat16> is 2 * VW wide: two a loop, as float pairs */
-        for (int j = 0; j < 4 * VW; j += VW)
-            vstore_bf16(g + i + j, silu_v(vload_bf16(g + i + j)));
-    for (; i < n; ++i) g[i] = f32_to_bf16(silu1(bf16_to_f32(g[i])));
+    for (int64_t i = lmi_arch_silu_bf16(g, n); i < n; ++i) g[i] = f32_to_bf16(silu1(bf16_to_f32(g[i])));
 }
 
 /* g[i] <- round(g[i] * u[i]) (bf16, products in fp32), or g[i] <- g[i] + u[i] when add. */
 static void bf16_binary(uint16_t *g, const uint16_t *u, int64_t n, int add) {
-    int64_t i = 0;
-    for (; i + VW <= n; i += VW) {
-        const vf a = vload_bf16(g + i), b = vload_bf16(u + i);
-        vstore_bf16(g + i, add ? vadd(a, b) : vmul(a, b));
-    }
-    for (; i < n; ++i) {
+    for (int64_t i = lmi_arch_bf16_binary(g, u, n, add); i < n; ++i) {
         const float a = bf16_to_f32(g[i]), b = bf16_to_f32(u[i]);
         g[i] = f32_to_bf16(add ? a + b : a * b);
     }
@@ -194,18 +100,6 @@ static void silu_mul_rows(void *g, const void *u, int64_t rows, int64_t I, int64
 void lmi_silu_mul(void *g, const void *u, int64_t n, int bf16, int threads) {
     silu_mul_rows(g, u, 1, n, n, bf16, threads);
 }
-#else
-static void silu_mul_rows(void *g, const void *u, int64_t rows, int64_t I, int64_t ldu, int bf16, int threads) {
-    (void)g; (void)u; (void)rows; (void)I; (void)ldu; (void)bf16; (void)threads;
-}
-void lmi_set_sleef_expf(void *fn, int lanes) { (void)fn; (void)lanes; }
-void lmi_set_sleef_expf16(void *fn) { (void)fn; }
-int lmi_silu_available(void) { return 0; }
-int lmi_silu_lanes(void) { return 0; }
-void lmi_silu_mul(void *g, const void *u, int64_t n, int bf16, int threads) {
-    (void)g; (void)u; (void)n; (void)bf16; (void)threads;
-}
-#endif
 
 /* ---------------------------------------------------------------- the stack */
 static void widen(const uint16_t *x, float *out, int64_t n) {
@@ -272,17 +166,13 @@ static void residual(void *h, const void *x, int64_t n, int bf16, int threads) {
     if (bf16) {
         uint16_t *hh = h;
         const uint16_t *xx = x;
-#ifdef VW
+        const int64_t VW = lmi_arch_vec_lanes();
         const int nt = n >= GRAIN ? threads : 1;
 #pragma omp parallel for num_threads(nt) if (nt > 1) schedule(static)
         for (int c = 0; c < nt; ++c) {
             const int64_t a = n * c / nt / VW * VW, b = c + 1 == nt ? n : n * (c + 1) / nt / VW * VW;
             bf16_binary(hh + a, xx + a, b - a, 1);
         }
-#else
-#pragma omp parallel for num_threads(threads) if (n >= GRAIN) schedule(static)
-        for (int64_t i = 0; i < n; ++i) hh[i] = f32_to_bf16(bf16_to_f32(hh[i]) + bf16_to_f32(xx[i]));
-#endif
     } else {
         float *hh = h;
         const float *xx = x;

@@ -1,5 +1,7 @@
-/* 8-lane fp32 vectors for the CPU kernels' AVX2 and NEON branches: one __m256 on AVX2+FMA, two
- * float32x4_t on aarch64 NEON. LMI_V8 is 1 where they exist (0 elsewhere: nothing else defined).
+/* The vector mapping: the one header of the generic layer that tests the instruction set (every other
+ * ISA branch lives in kernels/x86/ or kernels/arm/; tests/kernels/test_layout.py checks). 8-lane fp32
+ * vectors: one __m256 on AVX2+FMA, two float32x4_t on aarch64 NEON; kernels/cpu_v8.h's kernels are
+ * written once over them. LMI_V8 is 1 where they exist (0 elsewhere: nothing else defined).
  *
  * Every operation rounds as the scalar IEEE one would (v8f_fma: one rounding, x86 vfmadd and
  * Arm fmla alike), so a kernel written on these gives the same bits on either, and the same
@@ -7,7 +9,11 @@
  *
  *   v8f_zero() v8f_set1(x) v8f_load(p) v8f_store(p, v)     p: 8 floats, any alignment
  *   v8f_load_n(p, n) v8f_store_n(p, v, n)                  the first n (0..8) lanes; the rest 0 / untouched
- *   v8f_add(a, b) v8f_fma(a, b, c) = a * b + c (fused)
+ *   v8f_add(a, b) v8f_mul(a, b) v8f_fma(a, b, c) = a * b + c (fused)
+ *   v8f_f16(p) v8f_i8(p) v8f_u8(p)  8 fp16 / int8 / uint8 values at p widened to fp32 (exact)
+ *   v8f_codes(b, shift, pl, planes) 8 codes of 4 + planes bits (grouped weights, kernels/cpu_gemm_q4.c):
+ *                                  the nibbles of bytes b[0..7] (shift 0: low, 4: high), bit 4 + i
+ *                                  of lane j from bit j of byte pl[4 i], as fp32 (exact)
  *   v8f_bf16_lo(p) v8f_bf16_hi(p)  p: 8 32-bit words of two bf16 each: the low (high) halves widened (exact)
  *   v8f_store_bf16_n(p, v, n)      the first n lanes rounded to bf16 (nearest even; NaN stays NaN,
  *                                  quieted: cpu_bf16.h's f32_to_bf16)
@@ -38,7 +44,25 @@ static inline v8f v8f_set1(float x) { return _mm256_set1_ps(x); }
 static inline v8f v8f_load(const float *p) { return _mm256_loadu_ps(p); }
 static inline void v8f_store(float *p, v8f v) { _mm256_storeu_ps(p, v); }
 static inline v8f v8f_add(v8f a, v8f b) { return _mm256_add_ps(a, b); }
+static inline v8f v8f_mul(v8f a, v8f b) { return _mm256_mul_ps(a, b); }
 static inline v8f v8f_fma(v8f a, v8f b, v8f c) { return _mm256_fmadd_ps(a, b, c); }
+static inline v8f v8f_f16(const uint16_t *p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)); }
+static inline v8f v8f_i8(const int8_t *p) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+}
+static inline v8f v8f_u8(const uint8_t *p) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+}
+static inline v8f v8f_codes(const uint8_t *b, int shift, const uint8_t *pl, int planes) {
+    __m256i x = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)b));
+    x = shift ? _mm256_srli_epi32(x, 4) : _mm256_and_si256(x, _mm256_set1_epi32(0xF));
+    const __m256i sel = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+    for (int i = 0; i < planes; ++i) {
+        const __m256i on = _mm256_cmpeq_epi32(_mm256_and_si256(_mm256_set1_epi32(pl[4 * i]), sel), sel);
+        x = _mm256_or_si256(x, _mm256_and_si256(on, _mm256_set1_epi32(16 << i)));
+    }
+    return _mm256_cvtepi32_ps(x);
+}
 
 static inline __m256i v8_mask_(int n) {   /* lanes < n all ones */
     return _mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
@@ -86,9 +110,33 @@ static inline v8f v8f_set1(float x) { v8f r = {vdupq_n_f32(x), vdupq_n_f32(x)}; 
 static inline v8f v8f_load(const float *p) { v8f r = {vld1q_f32(p), vld1q_f32(p + 4)}; return r; }
 static inline void v8f_store(float *p, v8f v) { vst1q_f32(p, v.lo); vst1q_f32(p + 4, v.hi); }
 static inline v8f v8f_add(v8f a, v8f b) { v8f r = {vaddq_f32(a.lo, b.lo), vaddq_f32(a.hi, b.hi)}; return r; }
+static inline v8f v8f_mul(v8f a, v8f b) { v8f r = {vmulq_f32(a.lo, b.lo), vmulq_f32(a.hi, b.hi)}; return r; }
 static inline v8f v8f_fma(v8f a, v8f b, v8f c) {
     v8f r = {vfmaq_f32(c.lo, a.lo, b.lo), vfmaq_f32(c.hi, a.hi, b.hi)};
     return r;
+}
+static inline v8f v8f_f16(const uint16_t *p) {
+    v8f r = {vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(p))), vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(p + 4)))};
+    return r;
+}
+static inline v8f v8f_i8(const int8_t *p) {
+    const int16x8_t w = vmovl_s8(vld1_s8(p));
+    v8f r = {vcvtq_f32_s32(vmovl_s16(vget_low_s16(w))), vcvtq_f32_s32(vmovl_high_s16(w))};
+    return r;
+}
+static inline v8f v8_u8x8_f32_(uint8x8_t x) {
+    const uint16x8_t w = vmovl_u8(x);
+    v8f r = {vcvtq_f32_u32(vmovl_u16(vget_low_u16(w))), vcvtq_f32_u32(vmovl_high_u16(w))};
+    return r;
+}
+static inline v8f v8f_u8(const uint8_t *p) { return v8_u8x8_f32_(vld1_u8(p)); }
+static inline v8f v8f_codes(const uint8_t *b, int shift, const uint8_t *pl, int planes) {
+    uint8x8_t x = vld1_u8(b);
+    x = shift ? vshr_n_u8(x, 4) : vand_u8(x, vdup_n_u8(0xF));
+    static const uint8_t SEL[8] = {1, 2, 4, 8, 16, 32, 64, 128};
+    for (int i = 0; i < planes; ++i)
+        x = vorr_u8(x, vand_u8(vtst_u8(vdup_n_u8(pl[4 * i]), vld1_u8(SEL)), vdup_n_u8((uint8_t)(16 << i))));
+    return v8_u8x8_f32_(x);
 }
 static inline v8f v8f_load_n(const float *p, int n) {
     if (n >= 8) return v8f_load(p);

@@ -24,6 +24,8 @@ CHOICES = ("auto", *ISAS, "torch")
 # What each backend needs in /proc/cpuinfo's flags (x86) or Features (aarch64).
 _NEEDS = {"avx512": {"avx512f", "avx512bw", "avx512vl", "fma"}, "avx2": {"avx2", "fma"}, "neon": {"asimd"}}
 _ARCH = {"avx512": "x86_64", "avx2": "x86_64", "neon": "aarch64"}
+# The folder of kernels/ holding each backend's architecture layer (kernels/cpu_arch.h's functions).
+_FAMILY = {"avx512": "x86", "avx2": "x86", "neon": "arm"}
 
 
 def machine() -> str:
@@ -60,6 +62,13 @@ def runs(isa: str, flags: set[str] | None = None, arch: str | None = None) -> bo
 def host_isas(flags: set[str] | None = None, arch: str | None = None) -> list[str]:
     """The backends this CPU runs, best first (an AVX-512 host also runs the avx2 build)."""
     return [i for i in ISAS if runs(i, flags, arch)]
+
+
+def family(isa: str) -> str:
+    """The architecture family of backend `isa`: the kernels/<family>/ folder its build compiles."""
+    if isa not in _FAMILY:
+        raise ValueError(f"unknown instruction set {isa!r}; allowed: {', '.join(ISAS)}")
+    return _FAMILY[isa]
 
 
 def compile_flags(isa: str, flags: set[str] | None = None) -> list[str]:

@@ -1,5 +1,5 @@
-"""The CPU kernels: C sources in kernels/*.c, built on this host for one instruction set and loaded
-with ctypes. This package is their Python side, one job per module:
+"""The CPU kernels: C sources in kernels/*.c (the generic layer) and one architecture folder
+(kernels/x86/ or kernels/arm/), built on this host for one instruction set and loaded with ctypes. This package is their Python side, one job per module:
 
   build.py        compile and cache the library for a backend (plain Python)
   bindings.py     kernels/cpu_api.h parsed into ctypes types: entry points, structs, enums

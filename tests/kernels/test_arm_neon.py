@@ -39,11 +39,12 @@ def _run(cmd, timeout):
     assert r.returncode == 0, f"{' '.join(cmd)}:\n{r.stderr[-4000:]}"
 
 
-def _driver(cc, target, out, runner=()):
-    """The driver linked with the kernels (every source with its own flags from kernels/cpu/,
-    `target` from kernels/isa.py), run (under `runner`, e.g. qemu); (target, the finished process)."""
+def _driver(cc, backend, target, out, runner=()):
+    """The driver linked with backend's kernels (every source of its build, the generic layer and its
+    architecture folder, with its own flags from kernels/cpu/, `target` from kernels/isa.py), run (under
+    `runner`, e.g. qemu); (target, the finished process)."""
     objs = []
-    for i, (src, flags) in enumerate(cpu_build.SOURCES):
+    for i, (src, flags) in enumerate(cpu_build.sources(backend)):
         obj = str(out / f"{i}.o")
         _run([cc, *flags, *target, "-c", src, "-o", obj], timeout=300)
         objs.append(obj)
@@ -57,7 +58,7 @@ def _driver(cc, target, out, runner=()):
 @pytest.fixture(scope="module", params=[set(), {"bf16", "i8mm"}], ids=["armv8.2-dotprod", "with-bf16-i8mm"])
 def neon_report(request, tmp_path_factory):
     """The driver's output for the NEON build (kernels/isa.py's flags for a CPU listing `param`)."""
-    return _driver(CC, isa.compile_flags("neon", request.param), tmp_path_factory.mktemp("neon"),
+    return _driver(CC, "neon", isa.compile_flags("neon", request.param), tmp_path_factory.mktemp("neon"),
                    (QEMU, "-L", SYSROOT))
 
 
@@ -96,5 +97,5 @@ def test_the_driver_passes_on_this_hosts_builds(build, tmp_path):
     cc = cpu_build.compiler()
     if cc is None:
         pytest.skip("no C compiler (cc/gcc) on PATH")
-    avail, checks, _ = _check(*_driver(cc, isa.compile_flags(build), tmp_path))
+    avail, checks, _ = _check(*_driver(cc, build, isa.compile_flags(build), tmp_path))
     assert avail["gemm"] and avail["silu"] and checks["step_layers"][0] == "PASS"

@@ -70,8 +70,10 @@ def test_int8_avx2_chunk_rows_matches_the_kernel_source():
     # _chunk_rows above mirrors the driver's row chunk; the sources must still say so.
     import os
     here = cpu_build.SRC_DIR
-    with open(os.path.join(here, "cpu_gemm_i8.c")) as f:
-        i8 = f.read()
+    i8 = ""
+    for src in ("cpu_gemm_i8.c", os.path.join("x86", "gemm_i8.c")):    # the driver, the avx2 kernels' rows
+        with open(os.path.join(here, src)) as f:
+            i8 += f.read()
     with open(os.path.join(here, "cpu_panel.h")) as f:
         panel = f.read()
     assert "lmi_panel_chunk(2 * Kp, MRW)" in i8 and "#define MRW 3" in i8

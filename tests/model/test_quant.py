@@ -130,9 +130,9 @@ def test_avx_vnni_int8_path_is_the_avx512_builds_values(tmp_path):
     import ctypes
     import subprocess
     so = str(tmp_path / "i8_vnni.so")
-    src = os.path.join(cpu_build.SRC_DIR, "cpu_gemm_i8.c")
+    srcs = [os.path.join(cpu_build.SRC_DIR, f) for f in ("cpu_gemm_i8.c", os.path.join("x86", "gemm_i8.c"))]
     r = subprocess.run([cpu_build.compiler(), *cpu_build.EXACT_FLAGS, "-march=x86-64-v3", "-mtune=generic",
-                        "-DLMI_I8_CHECK_EVEX_VNNI", "-shared", src, "-o", so, "-lm"], capture_output=True, text=True)
+                        "-DLMI_I8_CHECK_EVEX_VNNI", "-shared", *srcs, "-o", so, "-lm"], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr[-2000:]
     lib = ctypes.CDLL(so)
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
