@@ -44,9 +44,9 @@ def main(argv=None) -> int:
                   SamplingParams(max_new_tokens=a.steps + 8, ignore_eos=True))
     sched = engine.scheduler
     while any(s.num_output == 0 for s in sched.running) or sched.waiting or engine._intake:
-        engine._iteration()
+        engine.step()
     for _ in range(3):      # warm
-        engine._iteration()
+        engine.step()
     runner = engine.runner
     model = runner.model
     parts = {"runner": Timed(runner.step), "forward": Timed(runner.forward), "sample": Timed(runner.sampler.sample),
@@ -60,7 +60,7 @@ def main(argv=None) -> int:
     with torch.inference_mode():
         for _ in range(a.steps):
             t = time.perf_counter()
-            engine._iteration()
+            engine.step()
             per_step.append(time.perf_counter() - t)
     res = {"model_dir": a.model_dir, "dtype": a.dtype, "quantize": a.quantize, "threads": torch.get_num_threads(),
            "engine_ms_median": round(statistics.median(per_step) * 1e3, 2),

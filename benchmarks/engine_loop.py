@@ -63,7 +63,7 @@ def closed_loop(engine, requests, concurrency: int) -> dict:
     t0, c0 = time.perf_counter(), os.times()
     done = tokens = steps = 0
     while live:
-        engine._iteration()
+        engine.step()
         steps += 1
         for i, ch in list(live.items()):
             while not ch.events.empty():

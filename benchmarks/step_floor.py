@@ -87,19 +87,19 @@ def engine_decode(engine, prompts: list[list[int]], steps: int) -> dict:
     chans = engine.submit(prompts, params)
     sched = engine.scheduler
     while any(s.num_output == 0 for s in sched.running) or sched.waiting or engine._intake:
-        engine._iteration()
+        engine.step()
     runner = engine.runner
     step, fwd = Timed(runner.step), Timed(runner.forward)
     runner.step, runner.forward = step, fwd
     try:
         t = time.perf_counter()
         for _ in range(steps):
-            engine._iteration()
+            engine.step()
         total = time.perf_counter() - t
     finally:
         del runner.step, runner.forward     # back to the class's methods
     while sched.has_work:
-        engine._iteration()
+        engine.step()
     toks = []
     for ch in chans:
         ids = []
@@ -174,13 +174,13 @@ def profile_engine(engine, prompts: list[list[int]], steps: int, rows: int = 20)
     chans = engine.submit(prompts, SamplingParams(max_new_tokens=steps + 4, ignore_eos=True))
     sched = engine.scheduler
     while any(s.num_output == 0 for s in sched.running) or sched.waiting or engine._intake:
-        engine._iteration()
+        engine.step()
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
     with profile(activities=acts) as prof:
         for _ in range(steps):
-            engine._iteration()
+            engine.step()
     while sched.has_work:
-        engine._iteration()
+        engine.step()
     del chans
     key = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
     return prof.key_averages().table(sort_by=key, row_limit=rows)

@@ -138,7 +138,7 @@ def engine_for(cfg, runner, on_step=None, waker=None):
     gc.freeze()
     return Engine(runner, policy, runner.block_size, cfg.enable_prefix_caching,
                   step_timeout_s=getattr(cfg, "engine_step_timeout_s", None), on_step=on_step,
-                  waker=waker, proposer=getattr(runner, "draft_proposer", None)).start()
+                  waker=waker, proposer=runner.draft_proposer).start()
 
 
 def build_engine(cfg, on_rank_failure=None, on_step=None, waker=None):

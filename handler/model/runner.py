@@ -129,6 +129,10 @@ def _windowed(model) -> bool:
 class ModelRunner:
     batch_invariant = False   # option.batch_invariant: see handler/model/batch_invariant.py
     graphs = None             # handler.model.cuda_graphs.DecodeGraphs once capture_cuda_graphs() ran
+    # Speculative decoding's draft model (handler.model.spec_draft.DraftProposer, an engine Proposer)
+    # when option.speculative_config's method is draft_model: handler.server.build_draft sets it, the
+    # Engine asks it between steps.
+    draft_proposer = None
 
     def __init__(self, model_dir: str, *, dtype: str = "auto", device: str = "auto",
                  block_size: int = 16, kv_cache_tokens: int | None = None,
