@@ -18,8 +18,8 @@ activations' dtype; torch's SiLU reproduced here (cpu_ext.silu_exact). And per s
 returns False, the Python layers serve): every sequence decodes one row (those first) or feeds a
 whole prompt (its context is its rows of this step: the step plan's `prompts`, kernels/step.py);
 prompts only where no layer has a sliding window (the prompt attention kernel takes none). A chunk
-of a longer prompt goes through Python. The decode_stack=0 A/B arm (handler/model/cpu.py AB,
-benchmarks only) turns it off.
+of a longer prompt goes through Python. The decode_stack=0 A/B arm (handler/model/cpu.py Arms, a
+runner argument for benchmarks) turns it off.
 """
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ import logging
 
 import torch
 
-from handler.model.cpu import AB
+from handler.model.cpu import DEFAULT, Arms
 from handler.model.linear import CpuLinear
 from kernels import cpu as cpu_ext
 
@@ -89,11 +89,12 @@ class DecodeStack:
         return True
 
 
-def build(model, kv_cache, *, tp_size: int = 1, lora: bool = False) -> tuple[DecodeStack | None, str]:
+def build(model, kv_cache, *, tp_size: int = 1, lora: bool = False,
+          arms: Arms = DEFAULT) -> tuple[DecodeStack | None, str]:
     """The model's DecodeStack, or None and why it does not apply."""
     from handler.model.llama import LlamaFamilyForCausalLM
-    if not AB.decode_stack:
-        return None, "the decode_stack=0 arm (handler/model/cpu.py AB)"
+    if not arms.decode_stack:
+        return None, "the decode_stack=0 arm (handler/model/cpu.py Arms)"
     if not isinstance(model, LlamaFamilyForCausalLM):
         return None, "not our model"
     a = model.arch

@@ -69,10 +69,10 @@ def test_silu_mul_rounds_as_torch(dtype, threads):
         torch.set_num_threads(old)
 
 
-def _runner(model_dir, dtype="fp32", quantize=None, stack=True, window=None, kv_tokens=256):
+def _runner(model_dir, dtype="fp32", quantize=None, stack=True, window=None, kv_tokens=256, arms=cpu.DEFAULT):
     from handler.model.runner import ModelRunner
     r = ModelRunner(model_dir, dtype=dtype, device="cpu", block_size=4, kv_cache_tokens=kv_tokens, max_running=8,
-                    quantize=quantize, cpu_kernels=BUILD or "torch")
+                    quantize=quantize, cpu_kernels=BUILD or "torch", arms=arms)
     if window:      # a sliding window on every other layer (Mistral / Qwen2's per-layer windows)
         for layer in r.model.model.layers[::2]:
             layer.self_attn.window = window
@@ -122,10 +122,10 @@ def _steps(runner, calls: list) -> list:
 ])
 def test_decode_stack_gives_the_python_layers_values_bit_for_bit(demo_model_factory, monkeypatch, family, dtype,
                                                                  quantize, window, bf16_gemm):
-    if bf16_gemm:
-        monkeypatch.setattr(cpu.AB, "bf16_gemm", bf16_gemm)
+    arms = cpu.Arms(bf16_gemm=bf16_gemm) if bf16_gemm else cpu.DEFAULT
     path = demo_model_factory(family)
-    fast, slow = _runner(path, dtype, quantize, window=window), _runner(path, dtype, quantize, False, window)
+    fast, slow = _runner(path, dtype, quantize, window=window, arms=arms), _runner(path, dtype, quantize, False,
+                                                                                  window, arms=arms)
     assert fast.model.decode_stack is not None and slow.model.decode_stack is None
     calls = []
     got, got_kv = _steps(fast, calls)
@@ -147,12 +147,10 @@ def test_decode_stack_stays_off_where_it_does_not_apply(demo_model_factory, monk
     llama = _runner(demo_model_factory("llama"))
     stack, why = cpu_stack.build(llama.model, llama.kv_cache, lora=True)
     assert stack is None and why == "LoRA"
-    monkeypatch.setattr(cpu.AB, "decode_stack", False)
-    stack, why = cpu_stack.build(llama.model, llama.kv_cache)
+    stack, why = cpu_stack.build(llama.model, llama.kv_cache, arms=cpu.Arms(decode_stack=False))
     assert stack is None and "decode_stack=0" in why
-    monkeypatch.setattr(cpu.AB, "prepack", False)   # plain nn.Linear: nothing packed for the C kernels
-    monkeypatch.setattr(cpu.AB, "decode_stack", True)
-    assert _runner(demo_model_factory("llama")).model.decode_stack is None
+    # plain nn.Linear: nothing packed for the C kernels
+    assert _runner(demo_model_factory("llama"), arms=cpu.Arms(prepack=False)).model.decode_stack is None
 
 
 def _run_steps(runner, steps: list, calls: list) -> tuple[list, list]:

@@ -1,6 +1,6 @@
 """Where a 1-row decode step's time goes: the engine iteration split into its parts.
 
-    python benchmarks/decode_split.py --model-dir DIR [--dtype fp32] [--quantize int8] [--steps 20]
+    python benchmarks/archive/decode_split.py --model-dir DIR [--dtype fp32] [--quantize int8] [--steps 20]
         [--prompt-tokens 60] [--out FILE.json]
 
 One request decodes alone through the paged engine (driven in this thread, no HTTP; as
@@ -29,7 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from benchmarks.step_floor import Timed, make_engine  # noqa: E402
+from benchmarks.step_floor import Timed, make_engine, prefill  # noqa: E402
 from handler.engine.request import SamplingParams  # noqa: E402
 from benchmarks.script_common import model_parser, write_json  # noqa: E402
 
@@ -43,8 +43,7 @@ def main(argv=None) -> int:
     engine.submit([list(range(100, 100 + a.prompt_tokens))],
                   SamplingParams(max_new_tokens=a.steps + 8, ignore_eos=True))
     sched = engine.scheduler
-    while any(s.num_output == 0 for s in sched.running) or sched.waiting or engine._intake:
-        engine.step()
+    prefill(engine)
     for _ in range(3):      # warm
         engine.step()
     runner = engine.runner

@@ -1,6 +1,6 @@
 """A CPU decode step three ways, in one process, alternating.
 
-    python benchmarks/decode_step_ab.py --model-dir DIR [--dtype fp32|bf16] [--quantize int8]
+    python benchmarks/archive/decode_step_ab.py --model-dir DIR [--dtype fp32|bf16] [--quantize int8]
         [--rows 1] [--rounds 8] [--steps 20]
 
 stack: the whole decoder stack in one C call (handler/model/cpu_stack.py, kernels/cpu_layer.c).
