@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels import cpu as cpu_ext, reference
+from kernels import cpu as cpu_ext
 
 
 # ---------------------------------------------------------------------------- tensor parallel
@@ -159,11 +159,3 @@ class Rotary:
                 inv, scale = self._init(self.config, self.device, **kw)
                 cos[a:b], sin[a:b] = self._table(pos[a:b], inv, scale)
         return cos, sin
-
-
-def apply_rotary_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-    """q [T, H, D], k [T, Hkv, D] rotated by cos/sin [T, D]: in place by the C kernel on CPU
-    (transformers' rounding), else transformers' formula; returns (q, k)."""
-    if q.device.type == "cpu" and cpu_ext.rotary_(q, k, cos, sin):
-        return q, k
-    return reference.apply_rotary(q, k, cos, sin)

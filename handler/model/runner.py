@@ -462,8 +462,12 @@ class ModelRunner:
             self.model.decode_stack, why = cpu_stack.build(self.model, self.kv_cache, lora=self.lora is not None,
                                                                arms=self.arms)
             stack = self.model.decode_stack
+            # Decided here, once: a step whose plan has the stack's shape runs it whole; the log says
+            # why not, per layer where a layer is the reason.
             log.info("CPU: a step's layers %s", f"in one C call (kernels/cpu_layer.c; decode rows"
                      f"{', whole prompts' if stack.prompts else ''})" if stack is not None else f"in Python ({why})")
+            for note in stack.notes if stack is not None else ():
+                log.info("CPU: layer stack: %s", note)
 
     def capture_cuda_graphs(self, max_batch: int) -> None:
         """option.enforce_eager=false: capture the decode step for every batch size up to

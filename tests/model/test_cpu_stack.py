@@ -153,6 +153,26 @@ def test_decode_stack_stays_off_where_it_does_not_apply(demo_model_factory, monk
     assert _runner(demo_model_factory("llama"), arms=cpu.Arms(prepack=False)).model.decode_stack is None
 
 
+@needs_stack
+def test_the_load_log_says_once_per_layer_why_a_layer_keeps_steps_out_of_the_stack(demo_model_factory, caplog):
+    """The hot path is decided at load: where a layer keeps whole prompts out of the C stack (a
+    sliding window), or keeps the stack off altogether (a norm it does not take), the load log says
+    so once, naming the layer; the steps then follow the plan with no check of their own."""
+    import logging
+    path = demo_model_factory("qwen2")
+    with caplog.at_level(logging.INFO, logger="lmi.runner"):
+        r = _runner(path, window=6)
+    said = [rec.getMessage() for rec in caplog.records if "layer stack:" in rec.getMessage()]
+    n = len(r.model.model.layers)
+    assert n > 2 and said == [f"CPU: layer stack: layer {i}: sliding window 6: whole prompts in Python (the "
+                              "prompt kernel takes no window)" for i in range(0, n, 2)]
+    assert r.model.decode_stack is not None and not r.model.decode_stack.prompts
+    from handler.model import cpu_stack
+    r.model.model.layers[1].post_attention_layernorm.eps *= 10
+    stack, why = cpu_stack.build(r.model, r.kv_cache)
+    assert stack is None and why == "layer 1: a norm the C stack does not take"
+
+
 def _run_steps(runner, steps: list, calls: list) -> tuple[list, list]:
     from handler.model.runner import pack_step
     stack = runner.model.decode_stack
