@@ -173,6 +173,17 @@ def test_the_load_log_says_once_per_layer_why_a_layer_keeps_steps_out_of_the_sta
     assert stack is None and why == "layer 1: a norm the C stack does not take"
 
 
+def test_every_norm_has_its_cpu_kernel_chosen_at_load(demo_model_factory):
+    """RMSNorm decides at load how it computes on the CPU (handler/model/layers.py bind_kernel), so a
+    step's norm makes no capability check; q/k norms (qwen3) included."""
+    from handler.model.layers import RMSNorm
+    r = _runner(demo_model_factory("qwen3"))
+    norms = [m for m in r.model.modules() if isinstance(m, RMSNorm)]
+    assert len(norms) > 2 * len(r.model.model.layers)
+    want = ("f32",) if BUILD and cpu_ext.rms_norm_f32_lanes(norms[0].weight.shape[0]) else ("f32", "torch")
+    assert all(m.cpu_kernel in ("f32", "torch") for m in norms) and norms[0].cpu_kernel in want
+
+
 def _run_steps(runner, steps: list, calls: list) -> tuple[list, list]:
     from handler.model.runner import pack_step
     stack = runner.model.decode_stack
