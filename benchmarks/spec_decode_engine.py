@@ -104,7 +104,7 @@ def closed_loop(engine, reqs, clients: int) -> dict:
             live[nxt] = engine.submit([reqs[nxt][0]], reqs[nxt][1])[0]
             times[nxt], nxt = [], nxt + 1
         while live:
-            engine._iteration()
+            engine.step()
             for i, ch in list(live.items()):
                 while not ch.events.empty():
                     ev = ch.events.get()

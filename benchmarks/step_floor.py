@@ -27,34 +27,14 @@ import json
 import os
 import statistics
 import sys
-import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from handler.config import load_config  # noqa: E402
 from handler.engine.request import SamplingParams  # noqa: E402
-from handler.server import build_engine  # noqa: E402
-
-
-def make_engine(model_dir: str, dtype: str, batch: int, kv_tokens: int, prefill_tokens: int = 8192,
-                quantize: str | None = None):
-    props = {"option.rolling_batch": "auto", "option.paged_attention": "true",
-             "option.max_rolling_batch_size": batch, "option.max_rolling_batch_prefill_tokens": prefill_tokens,
-             "option.kv_cache_tokens": kv_tokens, "option.dtype": dtype,
-             # the CPU kernels' build: LMI_CPU_KERNELS as the server would read it (env={} below)
-             "option.cpu_kernels": os.environ.get("LMI_CPU_KERNELS", "auto")}
-    if quantize:
-        props["option.quantize"] = quantize
-    with tempfile.TemporaryDirectory() as d:
-        path = os.path.join(d, "serving.properties")
-        with open(path, "w") as f:
-            f.write("\n".join(f"{k}={v}" for k, v in props.items()) + "\n")
-        engine = build_engine(load_config(path, model_dir, env={}))
-    # Stop its thread: this script drives the iterations itself, in this thread.
-    return engine.run_by_hand()
+from handler.tools.bench.inprocess import make_engine, prefill  # noqa: E402,F401 (make_engine: the probes' import)
 
 
 def _sync() -> None:
@@ -86,20 +66,19 @@ def engine_decode(engine, prompts: list[list[int]], steps: int) -> dict:
     params = SamplingParams(max_new_tokens=steps + 4, ignore_eos=True)
     chans = engine.submit(prompts, params)
     sched = engine.scheduler
-    while any(s.num_output == 0 for s in sched.running) or sched.waiting or engine._intake:
-        engine._iteration()
+    prefill(engine)
     runner = engine.runner
     step, fwd = Timed(runner.step), Timed(runner.forward)
     runner.step, runner.forward = step, fwd
     try:
         t = time.perf_counter()
         for _ in range(steps):
-            engine._iteration()
+            engine.step()
         total = time.perf_counter() - t
     finally:
         del runner.step, runner.forward     # back to the class's methods
     while sched.has_work:
-        engine._iteration()
+        engine.step()
     toks = []
     for ch in chans:
         ids = []
@@ -173,14 +152,13 @@ def profile_engine(engine, prompts: list[list[int]], steps: int, rows: int = 20)
 
     chans = engine.submit(prompts, SamplingParams(max_new_tokens=steps + 4, ignore_eos=True))
     sched = engine.scheduler
-    while any(s.num_output == 0 for s in sched.running) or sched.waiting or engine._intake:
-        engine._iteration()
+    prefill(engine)
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
     with profile(activities=acts) as prof:
         for _ in range(steps):
-            engine._iteration()
+            engine.step()
     while sched.has_work:
-        engine._iteration()
+        engine.step()
     del chans
     key = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
     return prof.key_averages().table(sort_by=key, row_limit=rows)
@@ -202,13 +180,9 @@ def main(argv=None) -> int:
                    help="an A/B arm of the CPU paths, repeatable (handler/model/cpu.py Arms: prepack=0, "
                         "gemm=onednn, bf16_gemm=panels|bf16|fp32, kv_layout=token, decode_stack=0)")
     a = p.parse_args(argv)
-    from handler.model.cpu import AB
+    from handler.model.cpu import Arms
     try:
-        for arm in a.arm:
-            name, eq, value = arm.partition("=")
-            if not eq:
-                raise ValueError(f"--arm {arm!r}: NAME=VALUE")
-            AB.set(**{name.strip(): value})
+        arms = Arms.parse(a.arm)
     except ValueError as e:
         p.error(str(e))
     if a.threads:
@@ -217,7 +191,7 @@ def main(argv=None) -> int:
                "steps": a.steps, "torch_threads": torch.get_num_threads(), "batches": {}}
     for b in (int(x) for x in a.batch.split(",")):
         per_seq = -(-(a.prompt_tokens + a.steps + 8) // 16) * 16
-        engine = make_engine(a.model_dir, a.dtype, b, b * per_seq + 64)
+        engine = make_engine(a.model_dir, a.dtype, b, b * per_seq + 64, arms=arms)
         vocab = engine.runner.model.config.vocab_size
         # Distinct prompts (no prefix sharing), ids away from the special tokens.
         prompts = [[(7 + 31 * s + 17 * i) % (vocab - 10) + 5 for i in range(a.prompt_tokens)] for s in range(b)]

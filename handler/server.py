@@ -22,10 +22,12 @@ log = logging.getLogger("lmi.server")
 RANK_FAILURE_EXIT_S = 2.0     # /ping answers "unhealthy" this long before a broken TP server exits
 
 
-def build_runner(cfg, on_rank_failure=None):
+def build_runner(cfg, on_rank_failure=None, arms=None):
     """ServingConfig -> a ModelRunner (loads the model; the slow part). With
     tensor_parallel_degree N > 1 this process becomes rank 0 and starts ranks 1..N-1
-    (handler.model.distributed); `on_rank_failure(line)` is called if the rank group breaks."""
+    (handler.model.distributed); `on_rank_failure(line)` is called if the rank group breaks.
+    `arms` (handler.model.cpu.Arms): the CPU paths' A/B arms, for benchmarks (one rank only); a
+    server passes none."""
     from handler.model.runner import ModelRunner
 
     from handler.model.gguf import hf_dir_for
@@ -40,7 +42,7 @@ def build_runner(cfg, on_rank_failure=None):
                   numerics=dataclasses.asdict(Numerics.of(cfg)))
     if cfg.tensor_parallel_degree == 1:
         lora = getattr(cfg, "enable_lora", False)
-        runner = ModelRunner(**kwargs, fuse=not lora)
+        runner = ModelRunner(**kwargs, fuse=not lora, arms=arms)
         if lora:
             enable_lora(cfg, runner)
         runner.prepack_cpu(keep_weights=lora)
@@ -50,6 +52,8 @@ def build_runner(cfg, on_rank_failure=None):
         if spec is not None and spec.method == "draft_model":
             runner.draft_proposer = build_draft(cfg, runner, kwargs)
         return runner
+    if arms is not None:
+        raise ValueError("A/B arms are for one-rank runners (benchmarks); tensor_parallel_degree > 1 takes none")
     from handler.model.distributed import RankGroup, check_supported
     from handler.model.runner import ModelLoadError, pick_device
     group = RankGroup(cfg.tensor_parallel_degree, pick_device(cfg.device).type, kwargs,
@@ -138,7 +142,7 @@ def engine_for(cfg, runner, on_step=None, waker=None):
     gc.freeze()
     return Engine(runner, policy, runner.block_size, cfg.enable_prefix_caching,
                   step_timeout_s=getattr(cfg, "engine_step_timeout_s", None), on_step=on_step,
-                  waker=waker, proposer=getattr(runner, "draft_proposer", None)).start()
+                  waker=waker, proposer=runner.draft_proposer).start()
 
 
 def model_task(cfg) -> str:
@@ -175,12 +179,13 @@ def build_pooling_engine(cfg, task: str, waker=None):
     return PoolingEngine(runner, policy, waker).start()
 
 
-def build_engine(cfg, on_rank_failure=None, on_step=None, waker=None):
-    """ServingConfig -> a started Engine (loads the model); a pooling model's PoolingEngine."""
+def build_engine(cfg, on_rank_failure=None, on_step=None, waker=None, arms=None):
+    """ServingConfig -> a started Engine (loads the model; `arms`: build_runner's); a pooling model's
+    PoolingEngine."""
     task = model_task(cfg)
     if task != "generate":
         return build_pooling_engine(cfg, task, waker)
-    return engine_for(cfg, build_runner(cfg, on_rank_failure), on_step, waker)
+    return engine_for(cfg, build_runner(cfg, on_rank_failure, arms), on_step, waker)
 
 
 def check_model_readable(model_dir: str) -> None:

@@ -69,7 +69,7 @@ def test_a_real_model_as_its_own_draft_is_accepted_and_greedy_equals_generate(st
         got = run_all(engine, prompts, [SamplingParams(max_new_tokens=n) for n in NEW])
         stats = engine.stats()
         assert_drained(engine)
-        pr = engine.scheduler.proposer
+        pr = engine.proposer
         assert not pr.held and pr.blocks.num_free == pr.blocks.num_blocks
     finally:
         engine.shutdown()

@@ -1,6 +1,6 @@
 """The LMI_* environment switches, declared once: name, kind, default, allowed values, one line of
 documentation, and who reads it. A/B arms that only benchmarks compare are not switches: a server
-never reads them (handler/model/cpu.py `AB`). `switch(NAME)` reads one from os.environ at call time (or from
+never reads them (handler/model/cpu.py `Arms`, a ModelRunner argument). `switch(NAME)` reads one from os.environ at call time (or from
 the mapping given), so a test's monkeypatched environment is seen.
 
 Kinds, and what `switch` returns:

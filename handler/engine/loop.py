@@ -1,8 +1,10 @@
-"""The engine loop: intake -> schedule -> runner.step -> update -> one batch of outputs per step.
+"""The engine loop: intake -> drafts -> schedule -> runner.step -> update -> one batch of outputs per step.
 
-One thread owns the scheduler, the block manager and the runner. HTTP threads talk to it only
-through `submit` / `abort`; each step's SeqOutputs go to the OutputProcessor (handler/engine/
-output.py), which turns them into text and events on each request's Channel outside this loop.
+One thread owns the scheduler, the block manager, the runner and speculative decoding's proposer.
+HTTP threads talk to it only through `submit` / `abort`; each step's SeqOutputs go to the
+OutputProcessor (handler/engine/output.py), which turns them into text and events on each request's
+Channel outside this loop. `Engine.step()` is one iteration: the loop calls it, and so do the
+benchmarks and tests that drive an engine by hand (`run_by_hand`).
 """
 from __future__ import annotations
 
@@ -17,8 +19,11 @@ from handler.engine.blocks import BlockManager
 from handler.engine.output import Channel, OutputProcessor  # noqa: F401 (Channel re-exported)
 from handler.engine.request import RequestError, SamplingParams
 from handler.engine.scheduler import Scheduler, SchedulerPolicy, Sequence
+from handler.engine.spec import drafts_of
+from handler.engine.spec import proposer as ngram_proposer
 # The events live in types.py; imported here also for `from handler.engine.loop import ...`.
-from handler.engine.types import DoneEvent, ErrorEvent, Finish, Runner, SeqOutput, TokenEvent  # noqa: F401
+from handler.engine.types import (DoneEvent, ErrorEvent, Finish, Proposer, Runner, SeqOutput,  # noqa: F401
+                                  TokenEvent)
 
 log = logging.getLogger("lmi.engine")
 
@@ -29,8 +34,9 @@ class Engine:
 
     def __init__(self, runner: Runner, policy: SchedulerPolicy, block_size: int,
                  enable_prefix_caching: bool = False, step_timeout_s: float | None = None,
-                 on_step=None, waker=None, proposer=None):
-        """proposer: speculative decoding's proposer when it holds a model (the draft's; see Scheduler)."""
+                 on_step=None, waker=None, proposer: Proposer | None = None):
+        """proposer: speculative decoding's proposer (types.Proposer) when policy.spec is set; None:
+        the n-gram one where the method is ngram (draft_model's holds a model: server.build_draft)."""
         self.runner = runner
         # The watchdog's bound on one model step (option.engine_step_timeout); None: no bound.
         self.step_timeout_s = step_timeout_s
@@ -41,7 +47,10 @@ class Engine:
             log.warning("option.enable_prefix_caching has no effect with the %s strategy (it reserves "
                         "every sequence's full length); it works with paged attention", policy.strategy)
         self.blocks = BlockManager(runner.kv.num_blocks, block_size, policy.prefix_caching)
-        self.scheduler = Scheduler(policy, self.blocks, proposer)
+        self.scheduler = Scheduler(policy, self.blocks)
+        # Asked between steps for the drafts of the sequences that decode next (Engine.step).
+        self.proposer: Proposer | None = proposer if proposer is not None or policy.spec is None \
+            else ngram_proposer(policy.spec)
         self.admission = Admission(policy.max_batch_size, policy.max_waiting, policy.max_model_len,
                                    self.blocks.num_blocks * self.blocks.block_size)
         self.output = OutputProcessor(self.tokenizer, self.end, waker)
@@ -180,8 +189,8 @@ class Engine:
         self._wake.set()
 
     def run_by_hand(self) -> "Engine":
-        """Stop the engine's threads: the caller runs `_iteration()` itself, in its own thread
-        (benchmarks that time iterations, tests that step the engine); each iteration's outputs
+        """Stop the engine's threads: the caller runs `step()` itself, in its own thread
+        (benchmarks that time iterations, tests that step the engine); each step's outputs
         reach the channels before it returns."""
         self.shutdown()
         for thread in (self._thread, self._watchdog):
@@ -222,21 +231,22 @@ class Engine:
     def _serve(self) -> None:
         while not self._stop:
             try:
-                self._iteration()
+                self.step()
             except Exception as e:  # a bug, not a model failure: answer everyone, start clean
                 log.exception("engine iteration failed; failing in-flight requests")
                 self.reset(ErrorEvent(500, f"internal engine error: {type(e).__name__}: {e}"))
         self.reset(ErrorEvent(503, "the server is shutting down"), intake=True)
         self.output.close()
 
-    def _publish(self) -> None:
-        """This iteration's outputs to the processor: its thread, or here when run by hand."""
-        if self._out:
-            out, self._out = self._out, []
+    def _publish(self) -> list[SeqOutput]:
+        """This iteration's outputs to the processor (its thread, or here when run by hand); returns them."""
+        out, self._out = self._out, []
+        if out:
             if self._by_hand:
                 self.output.process(out)
             else:
                 self.output.put(out)
+        return out
 
     def reset(self, event: ErrorEvent, intake: bool = False) -> None:
         """Answer every sequence in flight with `event` (with intake: those submitted and not
@@ -249,14 +259,40 @@ class Engine:
         for sid in list(self._live):
             self._end(sid, Finish.FAILED, event)
         self.scheduler.reset()
+        if self.proposer is not None:
+            self.proposer.reset()
         self.runner.sampler.reset()
         self._publish()
 
-    def _iteration(self) -> None:
+    def step(self) -> list[SeqOutput]:
+        """One iteration of the engine (engine thread, or the caller's after run_by_hand): take in
+        what was submitted and ended, draft, schedule, run the model step, apply its results, and
+        hand the outputs to the output processor. Returns those outputs (token, finish, error per
+        sequence; [] when nothing ran). With nothing to do it waits for a submission (at most 1 s);
+        a plan that must wait (dynamic's batch delay) waits at most 50 ms."""
         try:
             self._step()
         finally:
-            self._publish()
+            out = self._publish()
+        return out
+
+    def _propose(self) -> dict[int, list[int]]:
+        """Speculative decoding's drafts for the sequences that decode this step (Scheduler.draft_asks,
+        after admission), in this thread before the model step: the step watchdog is already timing
+        it. A proposer that raises costs this step its drafts."""
+        if self.proposer is None:
+            return {}
+        asks = self.scheduler.draft_asks()
+        if not asks:
+            return {}
+        try:
+            return drafts_of(asks, self.proposer.propose(asks))
+        except Exception:
+            log.warning("the %s proposer failed; this step decodes without drafts", self.proposer.method,
+                        exc_info=True)
+            for sid, _, _ in asks:
+                self.proposer.release(sid)
+            return {}
 
     def _step(self) -> None:
         self._drain()
@@ -266,27 +302,19 @@ class Engine:
                 self._wake.wait(1.0)
                 self._wake.clear()
             return
-        plan = sched.schedule(time.monotonic())
+        # The watchdog times the drafts (a draft model's forwards) and the model step alike.
+        self._step_started = time.monotonic()
+        try:
+            plan, results, now = self._run()
+        finally:
+            self._step_started = None
         if not plan.items:
             wait = sched.next_wakeup(time.monotonic())
             self._wake.wait(0.05 if wait is None else min(wait, 0.05))
             self._wake.clear()
             return
-        if self.on_step is not None:
-            self.on_step(plan)
-        self._step_started = time.monotonic()
-        try:
-            results = self.runner.step(plan.items, plan.copies)
-        except Exception as e:  # the model failed: fail this step's requests, keep serving
-            self._step_started = None
-            log.exception("model step failed")
-            self.counters["failed"] += len(plan.items)
-            for it in plan.items:
-                self._end(it.seq_id, Finish.FAILED, ErrorEvent(424, f"model failure: {type(e).__name__}: {e}"))
+        if results is None:     # the model step failed (its sequences are ended)
             return
-        now = time.monotonic()
-        sched.observe_step(plan, now - self._step_started)
-        self._step_started = None
         got = sched.update(plan, results)
         # A verified draft gives a sequence several tokens in one step: its finish goes on the last.
         last = {seq.seq_id: i for i, (seq, _) in enumerate(got)}
@@ -311,6 +339,32 @@ class Engine:
                 self.counters["finished"] += 1
                 self._end(seq.seq_id, seq.finish_reason, emitted=True)
 
+    def _run(self):
+        """Draft, schedule, run the model step: (plan, results or None when it failed, end time)."""
+        sched = self.scheduler
+        now = time.monotonic()
+        sched.admit(now)        # then the drafts, for the step's batch, then its plan
+        plan = sched.schedule(now, self._propose())
+        if self.proposer is not None:
+            for sid in plan.preempted:      # recomputed later: its draft state goes
+                self.proposer.release(sid)
+        if not plan.items:
+            return plan, None, time.monotonic()
+        if self.on_step is not None:
+            self.on_step(plan)
+        t0 = time.monotonic()
+        try:
+            results = self.runner.step(plan.items, plan.copies)
+        except Exception as e:  # the model failed: fail this step's requests, keep serving
+            log.exception("model step failed")
+            self.counters["failed"] += len(plan.items)
+            for it in plan.items:
+                self._end(it.seq_id, Finish.FAILED, ErrorEvent(424, f"model failure: {type(e).__name__}: {e}"))
+            return plan, None, time.monotonic()
+        now = time.monotonic()
+        sched.observe_step(plan, now - t0)
+        return plan, results, now
+
     def _drain(self) -> None:
         with self._lock:
             intake, self._intake = self._intake, []
@@ -334,6 +388,8 @@ class Engine:
         self._live.discard(seq_id)
         self.scheduler.finish(seq_id, reason)
         self.runner.release(seq_id)
+        if self.proposer is not None:
+            self.proposer.release(seq_id)
         self.admission.release()
         if not emitted:
             self._out.append(SeqOutput(seq_id, finish=reason, error=event, time=time.monotonic()))

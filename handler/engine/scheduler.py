@@ -31,10 +31,9 @@ from dataclasses import dataclass, field
 from handler.engine.admission import CapacityError, QueueFull  # noqa: F401
 from handler.engine.blocks import BlockManager
 from handler.engine.request import SamplingParams
-from handler.engine.spec import proposer as spec_proposer
 from handler.engine.stepcost import StepCostModel
 # The step types live in types.py; imported here also for `from handler.engine.scheduler import ...`.
-from handler.engine.types import Finish, SampleResult, StepItem, StepPlan
+from handler.engine.types import DraftAsk, Finish, SampleResult, StepItem, StepPlan
 
 STRATEGIES = ("none", "dynamic", "rolling", "paged")
 
@@ -173,9 +172,7 @@ class Sequence:
 
 
 class Scheduler:
-    def __init__(self, policy: SchedulerPolicy, blocks: BlockManager, proposer=None):
-        """`proposer`: speculative decoding's proposer when it is not built from policy.spec alone
-        (draft_model: handler.model.spec_draft.DraftProposer, holding a second model)."""
+    def __init__(self, policy: SchedulerPolicy, blocks: BlockManager):
         self.policy = policy
         self.blocks = blocks
         self.reset()
@@ -185,20 +182,16 @@ class Scheduler:
         self.preemption_causes = {"kv_cache": 0, "priority": 0}
         # Step time ~ decode rows and prefill tokens (Engine.step feeds it: observe_step).
         self.cost = StepCostModel()
-        # Speculative decoding (handler/engine/spec.py): the proposer, and per method the verify
-        # items run, tokens proposed, tokens accepted (emitted = accepted + one per verify).
-        self.proposer = proposer if proposer is not None else \
-            spec_proposer(policy.spec) if policy.spec is not None else None
+        # Speculative decoding (handler/engine/spec.py; the drafts come from the engine's proposer):
+        # per method the verify items run, tokens proposed, tokens accepted (emitted = accepted + one
+        # per verify).
         self.spec_stats: dict[str, dict[str, int]] = {}
-        if self.proposer is not None:
-            self.spec_stats[self.proposer.method] = {"verifies": 0, "proposed": 0, "accepted": 0}
+        if policy.spec is not None:
+            self.spec_stats[policy.spec.method] = {"verifies": 0, "proposed": 0, "accepted": 0}
 
     def reset(self) -> None:
         """Forget every sequence and block (after an engine error); the statistics stay."""
         self.blocks.reset()
-        reset = getattr(getattr(self, "proposer", None), "reset", None)
-        if reset is not None:      # a stateful proposer's per-sequence state (the draft model's KV)
-            reset()
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.seqs: dict[int, Sequence] = {}
@@ -206,6 +199,7 @@ class Scheduler:
         self._copies: list[tuple[int, int]] = []     # copy-on-write of forked samples' blocks
         self._preempted: list[int] = []     # this step's victims (schedule)
         self._budget = self.policy.prefill_token_budget     # this step's prompt tokens (schedule)
+        self._admitted = False      # admit() ran for the step schedule() plans next
         self._now = 0.0
 
     # ---- intake
@@ -231,13 +225,7 @@ class Scheduler:
             except ValueError:
                 pass
         self.blocks.free(seq_id)
-        self._release_draft(seq_id)
         return seq
-
-    def _release_draft(self, seq_id: int) -> None:
-        release = getattr(self.proposer, "release", None)
-        if release is not None:
-            release(seq_id)
 
     @property
     def has_work(self) -> bool:
@@ -419,7 +407,6 @@ class Scheduler:
     def _preempt(self, victim: Sequence, cause: str = "kv_cache") -> None:
         self.running.remove(victim)
         self.blocks.free(victim.seq_id)
-        self._release_draft(victim.seq_id)
         victim.num_computed = 0
         victim.preemptions += 1
         victim.waiting_since = self._now
@@ -461,16 +448,45 @@ class Scheduler:
             give(q, left)
         return shares
 
-    def schedule(self, now: float) -> StepPlan:
+    def _spec_on(self) -> bool:
+        """Speculation is configured and fewer than disable_by_batch_size sequences run."""
+        spec = self.policy.spec
+        return spec is not None and (spec.disable_by_batch_size is None
+                                     or len(self.running) < spec.disable_by_batch_size)
+
+    def admit(self, now: float) -> None:
+        """A step's first half: admission (and priority preemption) at `now`. The engine calls it,
+        then draft_asks() (which sees the step's batch), then schedule(), which plans without
+        admitting again; schedule() alone does all of it."""
         self._preempted, self._now = [], now
         self._budget = self._step_budget(now)
         self._admission(now)
+        self._admitted = True
+
+    def draft_asks(self) -> list[DraftAsk]:
+        """The sequences that decode this step and may speculate, best rank first, with k (the
+        engine's proposer answers them after admit(); schedule() takes the ids). Asking counts
+        against a sequence's back-off (spec_skip), as its step does."""
+        if not self._spec_on():
+            return []
+        asks = []
+        for q in sorted(self.running, key=self._rank):
+            k = self._draft_len(q, len(q.tokens) - q.num_computed)
+            if k > 0:
+                asks.append((q.seq_id, q.tokens, k))
+        return asks
+
+    def schedule(self, now: float, drafts: dict[int, list[int]] | None = None) -> StepPlan:
+        """This step's plan. `drafts`: seq_id -> proposed token ids (the proposer's answers to
+        draft_asks()); a draft is kept only for a sequence that decodes one row this step, while
+        speculation is on, and (growing blocks) when its slots fit."""
+        if not self._admitted:
+            self.admit(now)
+        self._admitted = False
         unlimited = not self.policy.chunked_prefill
         shares = {} if unlimited else self._prefill_shares(now)
         items: list[StepItem] = []
-        spec = self.policy.spec
-        spec_on = self.proposer is not None and (spec.disable_by_batch_size is None
-                                                 or len(self.running) < spec.disable_by_batch_size)
+        drafts = drafts if drafts and self._spec_on() else {}
         order = sorted(self.running, key=self._rank)
         want: dict[int, int] = {}       # seq_id -> tokens fed this step
         for seq in order:
@@ -479,12 +495,11 @@ class Scheduler:
                 n = shares.get(seq.seq_id, 0)
             if n > 0:
                 want[seq.seq_id] = n
-        drafts = self._proposals([q for q in order if q.seq_id in want], want) if spec_on else {}
         for seq in order:
             if seq not in self.running or seq.seq_id not in want:    # preempted below as a victim
                 continue
             n = want[seq.seq_id]
-            draft = drafts.get(seq.seq_id, [])
+            draft = list(drafts[seq.seq_id])[:self._draft_room(seq, n)] if seq.seq_id in drafts else []
             if draft and not self.policy.reserve_full_length \
                     and not self.blocks.ensure(seq.seq_id, seq.num_computed + n + len(draft)):
                 draft = []      # no room for the draft's slots: decode one token (preempting as usual)
@@ -509,29 +524,23 @@ class Scheduler:
             plan.copies, self._copies = self._copies, []
         return plan
 
-    def _proposals(self, seqs: list[Sequence], want: dict[int, int]) -> dict[int, list[int]]:
-        """seq_id -> its proposal, for the sequences that speculate this step. A proposer with
-        propose_batch (the draft model) gets them all at once: one draft forward per drafted token."""
-        ks = [(q, self._draft_len(q, want[q.seq_id])) for q in seqs]
-        ks = [(q, k) for q, k in ks if k > 0]
-        if not ks:
-            return {}
-        batch = getattr(self.proposer, "propose_batch", None)
-        if batch is not None:
-            got = batch([(q.seq_id, q.tokens, k) for q, k in ks])
-        else:
-            got = [self.proposer.propose(q.tokens, k) for q, k in ks]
-        return {q.seq_id: list(d)[:k] for (q, k), d in zip(ks, got) if d}
-
     def _draft_len(self, seq: Sequence, n: int) -> int:
-        """k, the tokens to propose for a sequence that decodes this step (n == 1 and it samples), or 0.
-        k is bounded so that the accepted tokens plus the runner's own stay within max_new_tokens
-        and the model's length (and, under reserve_full_length, within the reserved slots)."""
-        if n != 1 or seq.num_computed + 1 != len(seq.tokens) or seq.num_output == 0 \
-                or seq.guide is not None or seq.params.decoder_input_details:
+        """k, the tokens to propose for a sequence that decodes this step (n == 1 and it samples), or 0
+        (counting down its back-off)."""
+        if self._draft_room(seq, n) == 0:
             return 0
         if seq.spec_skip > 0:
             seq.spec_skip -= 1
+            return 0
+        return self._draft_room(seq, n)
+
+    def _draft_room(self, seq: Sequence, n: int) -> int:
+        """The most draft tokens a sequence feeding n tokens may carry: 0 unless it decodes (n == 1
+        and it samples) unguided, without prompt log-probs; else bounded so that the accepted tokens
+        plus the runner's own stay within max_new_tokens and the model's length (and, under
+        reserve_full_length, within the reserved slots)."""
+        if n != 1 or seq.num_computed + 1 != len(seq.tokens) or seq.num_output == 0 \
+                or seq.guide is not None or seq.params.decoder_input_details:
             return 0
         k = min(self.policy.spec.k, seq.params.max_new_tokens - seq.num_output - 1,
                 self.policy.max_model_len - len(seq.tokens) - 1)
@@ -562,7 +571,7 @@ class Scheduler:
                 # The accepted draft tokens' KV is computed too; the rejected ones' is past the end.
                 accepted = len(res.more) if res.token is not None else 0
                 n += accepted
-                st = self.spec_stats[self.proposer.method]
+                st = self.spec_stats[self.policy.spec.method]
                 st["verifies"] += 1
                 st["proposed"] += len(item.draft)
                 st["accepted"] += accepted

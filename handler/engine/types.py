@@ -5,6 +5,7 @@
   engine -> output      one list of SeqOutput per step (token ids, finish reason, log-probs)
   output -> readers     TokenEvent (the last carries a DoneEvent) or ErrorEvent, per Channel
   engine -> runner      the Runner Protocol: all the engine touches of handler.model's ModelRunner
+  engine -> proposer    the Proposer Protocol: speculative decoding's drafts, asked between steps
 """
 from __future__ import annotations
 
@@ -180,3 +181,28 @@ class Runner(Protocol):
 
     # Optional: `guides` (a Guides) where the runner can do guided decoding; without it a
     # request with SamplingParams.guide is refused.
+
+
+# ---- speculative decoding's proposer, as the engine sees it
+# One ask: (seq_id, the sequence's tokens (prompt + output; do not mutate), k: propose at most k).
+DraftAsk = tuple[int, list[int], int]
+
+
+@runtime_checkable
+class Proposer(Protocol):
+    """Speculative decoding's proposer (handler/engine/spec.py NgramProposer; handler/model/spec_draft.py
+    DraftProposer, a second model). The Engine asks it between steps, in its own thread and inside
+    the step watchdog's view, for the sequences the scheduler names (Scheduler.draft_asks); the
+    scheduler receives only the ids (Scheduler.schedule's drafts)."""
+
+    method: str     # "ngram" | "draft_model" (logs; the statistics are keyed by the configured method)
+
+    def propose(self, asks: list[DraftAsk]) -> list[list[int]]:
+        """One draft per ask, in order: at most k token ids each ([] for none). Raising costs the
+        step its drafts, not the requests."""
+
+    def release(self, seq_id: int) -> None:
+        """The sequence finished or was preempted: drop whatever the proposer keeps for it."""
+
+    def reset(self) -> None:
+        """Forget every sequence (after an engine error)."""

@@ -35,8 +35,9 @@ Allocator: `python -m handler serve` on a CPU host re-executes itself once with 
 LD_PRELOAD when the system has it (as vLLM's CPU recipe): a step allocates thousands of
 short-lived tensors.
 
-A/B arms (`AB`, benchmark-only: benchmarks/step_floor.py --arm, tests; never read from the
-environment, so every server runs the defaults): prepack=0 (plain `nn.Linear`), gemm=onednn, bf16_gemm=
+A/B arms (`Arms`, benchmark-only: a ModelRunner constructor argument that benchmarks/step_floor.py
+--arm and tests pass; no module state and never read from the environment, so every server runs the
+defaults): prepack=0 (plain `nn.Linear`), gemm=onednn, bf16_gemm=
 panels | bf16 | fp32 (instead of the rule), kv_layout=token (token-major KV pool, like the GPU's),
 decode_stack=0 (handler/model/cpu_stack.py off). The server's own CPU settings are option.cpu_kernels
 and LMI_CPU_MALLOC=system.
@@ -130,9 +131,9 @@ class Bf16PanelPack(Pack):
             [self.panels]
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class Arms:
-    """The CPU paths' A/B arms (module doc); `AB` holds the ones in force."""
+    """The CPU paths' A/B arms (module doc): a ModelRunner's `arms`, passed down to what it builds."""
     prepack: bool = True        # linears packed for the panel kernels or oneDNN; False: plain nn.Linear
     gemm: str = "panels"        # panels: kernels/cpu_gemm*.c where the CPU runs them; onednn: oneDNN's
     bf16_gemm: str = "auto"     # bf16 models: auto (the rule, bf16_gemm_mode) | panels | bf16 | fp32
@@ -142,9 +143,10 @@ class Arms:
     CHOICES = {"gemm": ("panels", "onednn"), "bf16_gemm": ("auto", "panels", "bf16", "fp32"),
                "kv_layout": ("head", "token")}
 
-    def set(self, **arms) -> None:
-        """Set arms by name (strings as a command line gives them: 0/1 for the flags); ValueError
-        naming the arm and its values for anything else."""
+    def with_(self, **arms) -> "Arms":
+        """These arms with some set by name (strings as a command line gives them: 0/1 for the
+        flags); ValueError naming the arm and its values for anything else."""
+        got = {}
         for name, value in arms.items():
             if name not in {f.name for f in dataclasses.fields(self)}:
                 raise ValueError(f"no A/B arm {name!r} (arms: {', '.join(f.name for f in dataclasses.fields(self))})")
@@ -154,15 +156,27 @@ class Arms:
                 v = str(int(value))
             if v not in allowed:
                 raise ValueError(f"A/B arm {name}={value!r}: allowed {', '.join(allowed)}")
-            setattr(self, name, v if name in self.CHOICES else v == "1")
+            got[name] = v if name in self.CHOICES else v == "1"
+        return dataclasses.replace(self, **got)
+
+    @classmethod
+    def parse(cls, specs: list[str]) -> "Arms":
+        """Arms from NAME=VALUE strings (a command line's --arm flags); ValueError naming the bad one."""
+        arms = {}
+        for spec in specs:
+            name, sep, value = spec.partition("=")
+            if not sep:
+                raise ValueError(f"--arm {spec!r}: expected NAME=VALUE")
+            arms[name.strip()] = value
+        return cls().with_(**arms)
 
 
-AB = Arms()
+DEFAULT = Arms()    # what every server runs
 
 
-def head_major_kv() -> bool:
+def head_major_kv(arms: Arms = DEFAULT) -> bool:
     """The CPU KV pool's layout: head-major (default) or token-major (the kv_layout=token arm)."""
-    return AB.kv_layout != "token"
+    return arms.kv_layout != "token"
 
 
 TCMALLOC_DIRS = ("/usr/lib/x86_64-linux-gnu", "/usr/lib/aarch64-linux-gnu", "/usr/lib64", "/usr/lib",
@@ -225,19 +239,19 @@ def _mem_available() -> int | None:
 BF16_MODES = ("panels", "bf16", "fp32")   # how a bf16 model's linears multiply (bf16_gemm_mode)
 
 
-def bf16_panels_available() -> bool:
+def bf16_panels_available(arms: Arms = DEFAULT) -> bool:
     """Whether bf16 GEMMs may go to kernels/cpu_gemm_bf16.c: panels are wanted (the gemm arm) and
     the CPU runs its AVX512-BF16 instructions."""
-    return panels_wanted() and cpu_ext.gemm_bf16_available()
+    return panels_wanted(arms) and cpu_ext.gemm_bf16_available()
 
 
-def widen_in_registers() -> bool:
+def widen_in_registers(arms: Arms = DEFAULT) -> bool:
     """Whether widened bf16 GEMMs keep the bf16 weights (kernels/cpu_gemm_bf16.c widens them in
     registers, AVX-512F/BW) instead of an fp32 copy: panels are wanted and the kernel runs here."""
-    return panels_wanted() and cpu_ext.gemm_bf16w_available()
+    return panels_wanted(arms) and cpu_ext.gemm_bf16w_available()
 
 
-def bf16_gemm_mode(model: nn.Module) -> tuple[str, str]:
+def bf16_gemm_mode(model: nn.Module, arms: Arms = DEFAULT) -> tuple[str, str]:
     """How this bf16 model's linears multiply (one of BF16_MODES), and why: "panels"
     (Bf16PanelPack by vdpbf16ps), "bf16" (oneDNN's bf16 GEMM, OneDnnPack) or "fp32" (widened:
     Bf16PanelPack with widen where widen_in_registers(), else PanelPack or a widened OneDnnPack on an
@@ -245,18 +259,18 @@ def bf16_gemm_mode(model: nn.Module) -> tuple[str, str]:
 
     A rule on what the CPU has, never a timing: the numerics (and so the greedy text) of every
     replica of an endpoint on one kind of instance are the same whatever the load at start-up.
-    The bf16_gemm arm (`AB`, A/B runs) forces one. `auto`:
+    The bf16_gemm arm (`arms`, A/B runs) forces one. `auto`:
       AMX (amx_bf16)                 oneDNN's bf16: AMX tiles multiply bf16 about twice as fast as fp32
       AVX512-BF16 (kernels built)    panels: vdpbf16ps, half the weight bytes of fp32 per step
       widening kernels built         fp32 over the bf16 weights, widened in registers (no copy)
       otherwise                      oneDNN's bf16 (its own widening where the CPU has no bf16)"""
-    if not AB.prepack:
+    if not arms.prepack:
         return "bf16", "the prepack=0 arm: the linear layers stay as the model built them"
-    choice = AB.bf16_gemm
+    choice = arms.bf16_gemm
     if choice in ("bf16", "fp32"):
         return choice, f"the bf16_gemm={choice} arm"
     if choice == "panels":
-        if bf16_panels_available():
+        if bf16_panels_available(arms):
             return "panels", "the bf16_gemm=panels arm"
         return "bf16", ("the bf16_gemm=panels arm, but kernels/cpu_gemm_bf16.c does not run here "
                         "(AVX512-BF16 and the panels needed): oneDNN's bf16")
@@ -264,17 +278,17 @@ def bf16_gemm_mode(model: nn.Module) -> tuple[str, str]:
         return "bf16", "no bf16 linear layers"
     if "amx_bf16" in cpu_ext.cpu_flags() and can_prepack(torch.bfloat16):
         return "bf16", "the CPU has AMX: oneDNN's bf16"
-    if bf16_panels_available():
+    if bf16_panels_available(arms):
         return "panels", "the CPU has AVX512-BF16: vdpbf16ps panels"
-    if widen_in_registers():
+    if widen_in_registers(arms):
         return "fp32", "no bf16 dot product here: the bf16 weights widened in registers, fp32 FMAs"
     return "bf16", "no bf16 panel kernel here: oneDNN's bf16"
 
 
-def panels_wanted() -> bool:
+def panels_wanted(arms: Arms = DEFAULT) -> bool:
     """Whether fp32 GEMMs (and widened bf16 ones) go to kernels/cpu_gemm.c: it runs on this CPU
     and the gemm arm is not `onednn` (which keeps bf16 ones off kernels/cpu_gemm_bf16.c too)."""
-    return AB.gemm != "onednn" and cpu_ext.gemm_available()
+    return arms.gemm != "onednn" and cpu_ext.gemm_available()
 
 
 def _onednn_pack(name: str, weight: torch.Tensor, widen: bool) -> torch.Tensor | None:
@@ -314,18 +328,19 @@ def hugepage_report(model: nn.Module) -> str:
 
 
 def prepack_linears(model: nn.Module, keep_weights: bool = False, widen_bf16: bool = False,
-                    bf16_panels: bool = False) -> int:
+                    bf16_panels: bool = False, arms: Arms = DEFAULT) -> int:
     """Replace every plain nn.Linear on CPU by a CpuLinear whose pack is PanelPack where
     kernels/cpu_gemm.c serves (fp32 weights, and bf16 ones when widen_bf16 where the bf16 panels cannot
     widen them), Bf16PanelPack for bf16 weights where kernels/cpu_gemm_bf16.c serves (widened in
     registers when widen_bf16, by vdpbf16ps when bf16_panels), else OneDnnPack (widened for bf16
     weights when widen_bf16); returns how many were packed. keep_weights: leave the original weights in
-    place (LoRA reads their shape and dtype); a weight another module shares (a tied head) stays too."""
+    place (LoRA reads their shape and dtype); a weight another module shares (a tied head) stays too.
+    arms: the prepack and gemm A/B arms."""
     tied = {id(p) for name, m in model.named_modules() if not isinstance(m, nn.Linear)
             for p in m.parameters(recurse=False)}
-    if not AB.prepack:
+    if not arms.prepack:
         return 0
-    panels = panels_wanted()
+    panels = panels_wanted(arms)
     dot = bf16_panels and not widen_bf16 and panels and cpu_ext.gemm_bf16_available()
     in_registers = widen_bf16 and panels and cpu_ext.gemm_bf16w_available()
     done = 0

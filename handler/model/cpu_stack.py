@@ -10,16 +10,19 @@ steps rounded as torch's (SiLU by torch's own Sleef function, split across threa
 it; RMSNorm sums in torch's order, row by row), so the residual stream and the KV pools come out
 bit for bit as the Python layers leave them (tests/model/test_cpu_stack.py).
 
-What it takes, checked once at load (`build` returns None and says why otherwise): our Llama
-family without q/k norms, post-norms or residual multipliers; one rank; no LoRA; every linear
-packed for our panel kernels (fp32 panels, bf16 panels either way, int8, grouped 4/8-bit codes:
-W8A16, GGUF blocks, AWQ/GPTQ); Llama-style RMSNorms; KV pools the fused attention reads, in the
-activations' dtype; torch's SiLU reproduced here (cpu_ext.silu_exact). And per step (`run`
-returns False, the Python layers serve): every sequence decodes one row (those first) or feeds a
-whole prompt (its context is its rows of this step: the step plan's `prompts`, kernels/step.py);
-prompts only where no layer has a sliding window (the prompt attention kernel takes none). A chunk
-of a longer prompt goes through Python. The decode_stack=0 A/B arm (handler/model/cpu.py AB,
-benchmarks only) turns it off.
+What it takes is decided once, at load (`build` returns None and why otherwise, naming the layer
+where one layer is the reason; the runner logs it once): our Llama family without q/k norms,
+post-norms or residual multipliers; one rank; no LoRA; every linear packed for our panel kernels
+(fp32 panels, bf16 panels either way, int8, grouped 4/8-bit codes: W8A16, GGUF blocks, AWQ/GPTQ);
+Llama-style RMSNorms; KV pools the fused attention reads, in the activations' dtype; torch's SiLU
+reproduced here (cpu_ext.silu_exact). Whole prompts too unless a layer has a sliding window (the
+prompt attention kernel takes none) or the prompt kernel does not run for the dtype: `notes` has
+one load-log line per layer that keeps prompts out. Per step the only question is the step plan's
+shape, answered once by kernels/step.py (`plan.prompts`): every sequence decodes one row (those
+first) or feeds a whole prompt; any other step (a chunk of a longer prompt, a decode row after a
+prompt) runs the Python layers. Nothing inside a step falls back: tensors the C call does not take
+are a bug and raise. The decode_stack=0 A/B arm (handler/model/cpu.py Arms, a runner argument for
+benchmarks) turns it off.
 """
 from __future__ import annotations
 
@@ -27,7 +30,7 @@ import logging
 
 import torch
 
-from handler.model.cpu import AB
+from handler.model.cpu import DEFAULT, Arms
 from handler.model.linear import CpuLinear
 from kernels import cpu as cpu_ext
 
@@ -62,25 +65,34 @@ class DecodeStack:
         self.kv_cache, self.layers, self.lanes, self.keep = kv_cache, layers, lanes, keep
         self.dtype = model.model.layers[0].input_layernorm.weight.dtype   # the activations' (an int8 pool's is not)
         # Prompt rows too: their attention is the prompt kernel's, which takes no sliding window
-        # (the Python layers send such prompts to SDPA).
-        self.prompts = (not any(layer.window for layer in layers)
-                        and cpu_ext.prefill_attention_available(self.dtype))
+        # (the Python layers send such prompts to SDPA). One load-log line per layer that keeps them out.
+        self.notes = [f"layer {i}: sliding window {layer.window}: whole prompts in Python (the prompt "
+                      "kernel takes no window)" for i, layer in enumerate(layers) if layer.window]
+        if not cpu_ext.prefill_attention_available(self.dtype):
+            self.notes.append(f"every layer: no prompt kernel for {self.dtype} here: whole prompts in Python")
+        self.prompts = not self.notes
         self.heads, self.kv_heads, self.head_dim = a.heads, a.kv_heads, a.head_dim
         self.intermediate, self.hidden, self.eps, self.scale = a.intermediate, a.hidden, a.eps, a.scaling
 
+    def takes(self, plan) -> bool:
+        """Whether a step of this plan runs here: the plan has the stack's shape (kernels/step.py
+        decides it once a step) and, with whole prompts in it, the stack takes prompts (load)."""
+        return plan is not None and plan.prompts is not None and (not plan.prompts.shape[1] or self.prompts)
+
     def run(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, step) -> bool:
-        """Every layer of this step, in place on h [T, E]; False (nothing changed) unless each
-        sequence decodes one row (those first) or feeds its whole prompt, and the tensors are as
-        the C call takes them."""
+        """Every layer of this step, in place on h [T, E]; False (nothing changed) when the step's
+        plan is not the stack's (`takes`). Tensors other than the runner's are a bug: ValueError."""
+        if not self.takes(step.plan):
+            return False
         t = h.shape[0]
         if (step.kv_cache is not self.kv_cache or h.dtype != self.dtype or not h.is_contiguous()
                 or h.shape[1] != self.hidden or cos.dtype != self.dtype or sin.dtype != self.dtype
                 or cos.shape != (t, self.head_dim) or sin.shape != cos.shape or cos.stride() != sin.stride()
                 or cos.stride(1) != 1):
-            return False
+            raise ValueError(f"the C layer stack was handed other tensors than the runner's: h {h.dtype} "
+                             f"{tuple(h.shape)}, cos {cos.dtype} {tuple(cos.shape)} (stack: {self.dtype}, "
+                             f"hidden {self.hidden}, head_dim {self.head_dim})")
         plan = step.plan
-        if plan is None or plan.prompts is None or (plan.prompts.shape[1] and not self.prompts):
-            return False
         pool = self.kv_cache[0][0]
         tables, lens = plan.stack_tables
         cpu_ext.step_layers(self.layers, h, cos, sin, plan.slots, tables, lens, plan.prompts, heads=self.heads,
@@ -89,11 +101,12 @@ class DecodeStack:
         return True
 
 
-def build(model, kv_cache, *, tp_size: int = 1, lora: bool = False) -> tuple[DecodeStack | None, str]:
+def build(model, kv_cache, *, tp_size: int = 1, lora: bool = False,
+          arms: Arms = DEFAULT) -> tuple[DecodeStack | None, str]:
     """The model's DecodeStack, or None and why it does not apply."""
     from handler.model.llama import LlamaFamilyForCausalLM
-    if not AB.decode_stack:
-        return None, "the decode_stack=0 arm (handler/model/cpu.py AB)"
+    if not arms.decode_stack:
+        return None, "the decode_stack=0 arm (handler/model/cpu.py Arms)"
     if not isinstance(model, LlamaFamilyForCausalLM):
         return None, "not our model"
     a = model.arch
@@ -119,24 +132,24 @@ def build(model, kv_cache, *, tp_size: int = 1, lora: bool = False) -> tuple[Dec
         norms = (layer.input_layernorm, layer.post_attention_layernorm)
         for n in norms:
             if n.style != "llama" or n.eps != a.eps or n.weight.dtype != dtype or not n.weight.is_contiguous():
-                return None, "a norm the C stack does not take"
+                return None, f"layer {i}: a norm the C stack does not take"
         qkv = [att.qkv_proj, None, None] if att.qkv_proj is not None else [att.q_proj, att.k_proj, att.v_proj]
         gu = [mlp.gate_up_proj, None] if mlp.gate_up_proj is not None else [mlp.gate_proj, mlp.up_proj]
         lins = [cpu_ext.Lin() if m is None else _lin(m, dtype, keep) for m in (*qkv, att.o_proj, *gu, mlp.down_proj)]
         for lin in lins:
             if isinstance(lin, str):
-                return None, lin
+                return None, f"layer {i}: {lin}"
         d, hid, inter = a.head_dim, a.hidden, a.intermediate
         got = [(sum(x.n for x in lins[:3]), hid), (lins[3].n, lins[3].k), (lins[4].n + lins[5].n, hid),
                (lins[6].n, lins[6].k)]
         if (got != [((a.heads + 2 * a.kv_heads) * d, hid), (hid, a.heads * d), (2 * inter, hid), (hid, inter)]
                 or any(x.k != hid for x in (*lins[:3], *lins[4:6]) if x.n)):
-            return None, "projections of other shapes than the config's"
+            return None, f"layer {i}: projections of other shapes than the config's"
         k_pool, v_pool = kv_cache[i]     # kernels/pool.py KVPool records
         if (k_pool.dtype != pool.dtype or k_pool.data.stride() != pool.data.stride()
                 or v_pool.data.stride() != pool.data.stride()
                 or (i8 and not (cpu_ext.supports(k_pool) and cpu_ext.supports(v_pool)))):
-            return None, "KV pools of different layouts"
+            return None, f"layer {i}: KV pools of different layouts"
         scales = dict(ksc=k_pool.scales.data_ptr(), vsc=v_pool.scales.data_ptr()) if i8 else {}
         layers[i] = cpu_ext.Layer(*lins, norm1=norms[0].weight.data_ptr(), norm2=norms[1].weight.data_ptr(),
                                   kc=k_pool.data.data_ptr(), vc=v_pool.data.data_ptr(), window=int(att.window or 0),

@@ -23,7 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels import cpu as cpu_ext, reference
+from kernels import cpu as cpu_ext
+from kernels.cpu.probes import TORCH_GRAIN
 
 
 # ---------------------------------------------------------------------------- tensor parallel
@@ -73,17 +74,34 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size, dtype=dtype, device=device), requires_grad=False)
         self.eps, self.style = float(eps), style
+        self.cpu_kernel: str | None = None      # bind_kernel(), at load: how Llama's rounding runs on CPU
+
+    def bind_kernel(self) -> None:
+        """At load, once the weight has its memory: how this norm computes on the CPU (Llama's
+        rounding). fp32: "f32", kernels/cpu_exact.c, bit for bit torch's values where a summing
+        width reproduces torch's sums for this size, else "torch" (torch's fused F.rms_norm); bf16:
+        "bf16", the C kernel. None elsewhere (a GPU, other families, no kernel build): the formula."""
+        w, self.cpu_kernel = self.weight, None
+        if self.style != "llama" or w.device.type != "cpu":
+            return
+        built = cpu_ext.load() is not None
+        if w.dtype == torch.float32:
+            self.cpu_kernel = "f32" if built and cpu_ext.rms_norm_f32_lanes(w.shape[0]) else "torch"
+        elif w.dtype == torch.bfloat16 and built:
+            self.cpu_kernel = "bf16"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.style == "llama":
-            if x.device.type == "cpu":
-                if x.dtype == torch.float32:     # torch's values (a decode step's rows: one C call)
-                    out = cpu_ext.rms_norm_f32(x, self.weight, self.eps)
-                    return out if out is not None else self.weight * F.rms_norm(x, (x.shape[-1],), eps=self.eps)
-                if x.dtype == torch.bfloat16 and x.is_contiguous():
-                    out = cpu_ext.rms_norm_bf16(x, self.weight, self.eps)
-                    if out is not None:
-                        return out
+            kernel = self.cpu_kernel
+            # The C kernel sums as torch does for rows below torch's parallel grain (past it torch
+            # splits its sums across threads) and for contiguous rows (q/k norms over a fused
+            # projection's views take torch's path): a rule on the shape, not a capability probe.
+            if kernel == "f32" and x.is_contiguous() and 0 < x.numel() < TORCH_GRAIN:
+                return cpu_ext.rms_norm_f32(x, self.weight, self.eps)
+            if kernel in ("f32", "torch"):
+                return self.weight * F.rms_norm(x, (x.shape[-1],), eps=self.eps)
+            if kernel == "bf16" and x.is_contiguous():
+                return cpu_ext.rms_norm_bf16(x, self.weight, self.eps)
             return self.weight * self._normed(x).to(x.dtype)
         if self.style == "olmo2":
             return (self.weight * self._normed(x)).to(x.dtype)
@@ -159,11 +177,3 @@ class Rotary:
                 inv, scale = self._init(self.config, self.device, **kw)
                 cos[a:b], sin[a:b] = self._table(pos[a:b], inv, scale)
         return cos, sin
-
-
-def apply_rotary_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-    """q [T, H, D], k [T, Hkv, D] rotated by cos/sin [T, D]: in place by the C kernel on CPU
-    (transformers' rounding), else transformers' formula; returns (q, k)."""
-    if q.device.type == "cpu" and cpu_ext.rotary_(q, k, cos, sin):
-        return q, k
-    return reference.apply_rotary(q, k, cos, sin)

@@ -375,5 +375,8 @@ def load(model_dir: str, config, *, dtype: torch.dtype, device: torch.device,
         quant_formats.install_gguf(model, model_dir, tp, a, _spec, numerics)
     elif quantize == "none":
         quant_int4.dequantize_model(model, dtype)
+    for m in model.modules():   # each norm's CPU kernel, chosen once its weight has its memory
+        if isinstance(m, RMSNorm):
+            m.bind_kernel()
     model.eval()
     return model

@@ -129,13 +129,18 @@ def _windowed(model) -> bool:
 class ModelRunner:
     batch_invariant = False   # option.batch_invariant: see handler/model/batch_invariant.py
     graphs = None             # handler.model.cuda_graphs.DecodeGraphs once capture_cuda_graphs() ran
+    # Speculative decoding's draft model (handler.model.spec_draft.DraftProposer, an engine Proposer)
+    # when option.speculative_config's method is draft_model: handler.server.build_draft sets it, the
+    # Engine asks it between steps.
+    draft_proposer = None
 
     def __init__(self, model_dir: str, *, dtype: str = "auto", device: str = "auto",
                  block_size: int = 16, kv_cache_tokens: int | None = None,
                  max_running: int = 32, gpu_memory_utilization: float = 0.9,
                  max_model_len: int | None = None, trust_remote_code: bool = False,
                  model_impl: str = "auto", quantize: str | None = None, ranks=None, fuse: bool = True,
-                 cpu_kernels: str = "auto", kv_cache_dtype: str = "auto", numerics: dict | None = None):
+                 cpu_kernels: str = "auto", kv_cache_dtype: str = "auto", numerics: dict | None = None,
+                 arms=None):
         """`ranks` (handler.model.distributed.Ranks): this process is one of N tensor-parallel ranks;
         the model is sharded (ours by its parallel layers, transformers' by its plan) and the KV
         pool holds this rank's heads. `model_impl` (option.model_impl): auto (ours for the Llama
@@ -146,9 +151,12 @@ class ModelRunner:
         (option.cpu_kernels): the instruction set of the CPU kernels (kernels/isa.py), chosen before the
         model loads (its linear layers are packed for that backend). `kv_cache_dtype`
         (option.kv_cache_dtype): `auto` (the model's dtype) or `int8` on CPU (kernels/pool.py:
-        int8 rows and a scale per (token, head) row)."""
+        int8 rows and a scale per (token, head) row). `arms` (handler.model.cpu.Arms): the CPU paths'
+        A/B arms for benchmarks and tests; None: the defaults every server runs."""
         from transformers import AutoConfig, AutoTokenizer
 
+        from handler.model.cpu import DEFAULT as DEFAULT_ARMS
+        self.arms = arms if arms is not None else DEFAULT_ARMS
         self.ranks = ranks
         self.quantize = quantize
         self.numerics = Numerics(**(numerics or {}))
@@ -315,7 +323,7 @@ class ModelRunner:
         if not self.own or self.device.type != "cpu":
             return False
         from handler.model.cpu import panels_wanted
-        return bool(quantize) or (self.dtype == torch.float32 and panels_wanted())
+        return bool(quantize) or (self.dtype == torch.float32 and panels_wanted(self.arms))
 
     def _smooth(self, method: str) -> None:
         """option.quantize (handler/model/quant.py): our models are smoothed on the calibration
@@ -347,7 +355,7 @@ class ModelRunner:
         from handler.model.cpu import head_major_kv
         dtype = torch.int8 if self.kv_cache_dtype == "int8" else self.dtype
         cpu = self.device.type == "cpu"
-        return pool_alloc(shape, dtype, head_major=cpu and head_major_kv(), device=self.device, lazy=cpu)
+        return pool_alloc(shape, dtype, head_major=cpu and head_major_kv(self.arms), device=self.device, lazy=cpu)
 
     KEY_BIAS_LEVEL = 2.0    # a key channel pair whose bias is above this is divided down to it (int8 KV)
 
@@ -436,12 +444,13 @@ class ModelRunner:
         from handler.model.linear import packs
         mode = "bf16"
         if self.dtype == torch.bfloat16:
-            mode, why = bf16_gemm_mode(self.model)
+            mode, why = bf16_gemm_mode(self.model, self.arms)
             log.info("CPU: bf16 linear layers multiply in %s (%s)", {
                 "fp32": "fp32 over the same bf16 values",
                 "panels": "bf16 by kernels/cpu_gemm_bf16.c (vdpbf16ps panels)",
                 "bf16": "bf16"}[mode], why)
-        n = prepack_linears(self.model, keep_weights, widen_bf16=mode == "fp32", bf16_panels=mode == "panels")
+        n = prepack_linears(self.model, keep_weights, widen_bf16=mode == "fp32", bf16_panels=mode == "panels",
+                            arms=self.arms)
         kinds = {type(p) for p in packs(self.model)}
         gemm = ("kernels/cpu_gemm_bf16.c" if Bf16PanelPack in kinds else
                 "kernels/cpu_gemm.c" if PanelPack in kinds else "oneDNN")
@@ -450,10 +459,15 @@ class ModelRunner:
         log.info("CPU: %s", hugepage_report(self.model))
         if self.own and self.ranks is None:
             from handler.model import cpu_stack
-            self.model.decode_stack, why = cpu_stack.build(self.model, self.kv_cache, lora=self.lora is not None)
+            self.model.decode_stack, why = cpu_stack.build(self.model, self.kv_cache, lora=self.lora is not None,
+                                                               arms=self.arms)
             stack = self.model.decode_stack
+            # Decided here, once: a step whose plan has the stack's shape runs it whole; the log says
+            # why not, per layer where a layer is the reason.
             log.info("CPU: a step's layers %s", f"in one C call (kernels/cpu_layer.c; decode rows"
                      f"{', whole prompts' if stack.prompts else ''})" if stack is not None else f"in Python ({why})")
+            for note in stack.notes if stack is not None else ():
+                log.info("CPU: layer stack: %s", note)
 
     def capture_cuda_graphs(self, max_batch: int) -> None:
         """option.enforce_eager=false: capture the decode step for every batch size up to

@@ -13,7 +13,8 @@ After step 2 the draft holds tokens + d1..d(k-1). The target verifies with spec_
 draft model the proposal distribution q is the draft's greedy point mass, which is what its
 rejection rule assumes, so sampled outputs keep the target's distribution. A sequence's draft KV
 is freed when it finishes or is preempted (`release`), and when the draft's pool runs out for it
-(it then decodes without proposals that step).
+(it then decodes without proposals that step). The engine asks it between its steps (handler/engine/
+loop.py Engine.step), so its forwards run in the engine thread under the step watchdog.
 """
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ import logging
 
 from handler.engine.blocks import BlockManager
 from handler.engine.request import SamplingParams
-from handler.engine.types import StepItem
+from handler.engine.types import DraftAsk, StepItem
 
 log = logging.getLogger("lmi.spec")
 
@@ -46,21 +47,14 @@ def check_same_tokenizer(target, draft) -> None:
 
 
 class DraftProposer:
-    """The draft_model proposer (handler/engine/spec.py's interface, batched and stateful):
-    propose_batch([(seq_id, tokens, k)]) -> one proposal per entry; release(seq_id); reset()."""
+    """The draft_model proposer (handler/engine/types.py's Proposer, batched and stateful):
+    propose([(seq_id, tokens, k)]) -> one proposal per ask; release(seq_id); reset()."""
     method = "draft_model"
 
     def __init__(self, runner):
         self.runner = runner
         self.blocks = BlockManager(runner.kv.num_blocks, runner.block_size)
         self.held: dict[int, list[int]] = {}     # seq_id -> the tokens whose KV the draft holds
-
-    def propose(self, tokens: list[int], k: int) -> list[int]:
-        """One sequence, stateless (a throwaway id)."""
-        try:
-            return self.propose_batch([(-1, tokens, k)])[0]
-        finally:
-            self.release(-1)
 
     def release(self, seq_id: int) -> None:
         self.blocks.free(seq_id)
@@ -89,7 +83,8 @@ class DraftProposer:
         self.held[sid] = tokens[:c]
         return c
 
-    def propose_batch(self, reqs: list[tuple[int, list[int], int]]) -> list[list[int]]:
+    def propose(self, reqs: list[DraftAsk]) -> list[list[int]]:
+        """Every ask at once: one draft forward per drafted token position."""
         out: list[list[int]] = [[] for _ in reqs]
         live: list[int] = []            # indices into reqs still drafting
         items: list[StepItem] = []

@@ -99,7 +99,7 @@ TEXTS = {"english": ENGLISH, "python": PYTHON}
 
 
 def engine_for(model_dir: str, dtype: str, quantize: str | None, kv_cache_dtype: str = "auto",
-               extra: dict | None = None):
+               extra: dict | None = None, arms=None):
     from handler.config import load_config
     from handler.server import build_engine
 
@@ -114,7 +114,7 @@ def engine_for(model_dir: str, dtype: str, quantize: str | None, kv_cache_dtype:
         path = os.path.join(d, "serving.properties")
         with open(path, "w") as f:
             f.write("".join(f"{k}={v}\n" for k, v in props.items()))
-        return build_engine(load_config(path, model_dir, env={}))
+        return build_engine(load_config(path, model_dir, env={}), arms=arms)
 
 
 def _wait(ch):

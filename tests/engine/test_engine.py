@@ -176,7 +176,7 @@ def test_a_whole_answer_reader_is_woken_once_per_sequence_in_order(demo_model_di
     whole = engine.submit([ids], params, stream=False)[0]
     seen, sizes = [], []
     while engine.scheduler.has_work or engine._intake:
-        engine._iteration()
+        engine.step()
         seen += _drained(streamed.events)
         sizes.append(whole.events.qsize())
     got = _drained(whole.events)
@@ -186,7 +186,7 @@ def test_a_whole_answer_reader_is_woken_once_per_sequence_in_order(demo_model_di
 
     held = engine.submit([ids], params, stream=False)[0]
     while held.events.empty() and len(held.held) < 2:
-        engine._iteration()
+        engine.step()
     n = len(held.held)
     engine.reset(ErrorEvent(500, "boom"))
     out = _drained(held.events)

@@ -35,10 +35,10 @@ def test_greedy_parity_when_a_higher_priority_preempts(demo_model_dir, tmp_path)
         low = [engine.submit([engine.tokenize(p)], SamplingParams(max_new_tokens=24, priority=5))[0]
                for p in PROMPTS[:2]]
         for _ in range(4):
-            engine._iteration()
+            engine.step()
         high = engine.submit([engine.tokenize(PROMPTS[2])], SamplingParams(max_new_tokens=6, priority=-1))[0]
         while engine.scheduler.has_work or engine._intake:
-            engine._iteration()
+            engine.step()
         assert engine.scheduler.preemption_causes["priority"] == 1
         for ch, p, n in ((low[0], PROMPTS[0], 24), (low[1], PROMPTS[1], 24), (high, PROMPTS[2], 6)):
             evs = _drained(ch.events)

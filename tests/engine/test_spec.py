@@ -10,7 +10,7 @@ import pytest
 from handler.config import ConfigError
 from handler.config.speculative import SpecConfig
 from handler.engine.request import SamplingParams
-from handler.engine.spec import NgramProposer
+from handler.engine.spec import NgramProposer, PerSequence
 from tests.support.engine import PROMPTS, STRATEGIES, assert_drained, make_engine, run_all
 from tests.support.reference import hf_greedy
 
@@ -23,12 +23,12 @@ NEW = [40, 33, 27, 45]
 # ---------------------------------------------------------------- the proposer
 def test_ngram_proposes_what_followed_the_most_recent_earlier_match():
     p = NgramProposer(1, 3)
-    assert p.propose([1, 2, 3, 9, 1, 2, 3, 7, 1, 2, 3], 2) == [7, 1]      # the later of two matches
-    assert p.propose([5, 6, 7, 8, 6, 7], 3) == [8, 6, 7]                  # longest suffix (6, 7) first
-    assert p.propose([1, 2, 3, 4], 3) == []                               # no earlier occurrence
-    assert NgramProposer(2, 3).propose([4, 1, 9, 9, 1], 2) == []          # 1-grams below the minimum
-    assert p.propose([1, 2, 1], 5) == [2, 1]                              # up to the end
-    assert p.propose([1, 2, 1], 0) == []
+    assert p.draft([1, 2, 3, 9, 1, 2, 3, 7, 1, 2, 3], 2) == [7, 1]      # the later of two matches
+    assert p.draft([5, 6, 7, 8, 6, 7], 3) == [8, 6, 7]                  # longest suffix (6, 7) first
+    assert p.draft([1, 2, 3, 4], 3) == []                               # no earlier occurrence
+    assert NgramProposer(2, 3).draft([4, 1, 9, 9, 1], 2) == []          # 1-grams below the minimum
+    assert p.draft([1, 2, 1], 5) == [2, 1]                              # up to the end
+    assert p.draft([1, 2, 1], 0) == []
 
 
 def test_a_sequence_whose_drafts_are_rejected_backs_off(demo_model_dir, tmp_path):
@@ -38,14 +38,14 @@ def test_a_sequence_whose_drafts_are_rejected_backs_off(demo_model_dir, tmp_path
     try:
         want = hf_greedy(demo_model_dir, PROMPTS[0], 40, ignore_eos=True)
 
-        class Wrong:
+        class Wrong(PerSequence):
             method, calls = "ngram", 0
 
-            def propose(self, tokens, k):
+            def draft(self, tokens, k):
                 self.calls += 1
                 return [(want[len(tokens) - len(prompt)] + 1) % 1000] * k if len(tokens) - len(prompt) < 40 else []
         prompt = engine.tokenize(PROMPTS[0])
-        engine.scheduler.proposer = wrong = Wrong()
+        engine.proposer = wrong = Wrong()
         (ids, _), = run_all(engine, [PROMPTS[0]], [SamplingParams(max_new_tokens=40, ignore_eos=True)])
         assert ids == want
         # 38 decode steps after the first token: proposals at steps 0, 2, 6, 14, 30 (gaps 1, 3, 7, 15).
@@ -127,7 +127,7 @@ def test_greedy_with_penalty_stop_and_preemption_equals_generate(demo_model_dir,
                   for i, n in enumerate(NEW)]
         want = {p: hf_greedy(demo_model_dir, p, prm.max_new_tokens, prm.repetition_penalty)
                 for p, prm in zip(REPEATS, params)}
-        engine.scheduler.proposer = Oracle({tuple(engine.tokenize(p)): w for p, w in want.items()}, wrong=True)
+        engine.proposer = Oracle({tuple(engine.tokenize(p)): w for p, w in want.items()}, wrong=True)
         got = run_all(engine, REPEATS, params)
         for p, (ids, _) in zip(REPEATS, got):
             assert ids == want[p], p[:30]
@@ -137,7 +137,7 @@ def test_greedy_with_penalty_stop_and_preemption_equals_generate(demo_model_dir,
         engine.shutdown()
 
 
-class Oracle:
+class Oracle(PerSequence):
     """Proposes the reference continuation (what `generate` gives): a draft the target agrees with;
     with `wrong`, every third step's draft has its token at index step % k replaced (partly accepted)."""
     method = "ngram"
@@ -145,7 +145,7 @@ class Oracle:
     def __init__(self, continuations: dict[tuple, list[int]], wrong: bool = False):
         self.cont, self.wrong, self.calls = continuations, wrong, 0
 
-    def propose(self, tokens, k):
+    def draft(self, tokens, k):
         for prompt, cont in self.cont.items():
             n = len(prompt)
             if tuple(tokens[:n]) == prompt:
@@ -170,7 +170,7 @@ def test_partly_wrong_drafts_roll_back_and_stay_exact(strategy, extra, demo_mode
         prompts = [PROMPTS[0], PROMPTS[2], PROMPTS[3]]
         want = [hf_greedy(demo_model_dir, p, 30, ignore_eos=True) for p in prompts]
         cont = {tuple(engine.tokenize(p)): w for p, w in zip(prompts, want)}
-        engine.scheduler.proposer = Oracle(cont, wrong=True)
+        engine.proposer = Oracle(cont, wrong=True)
         for _ in range(2):
             got = run_all(engine, prompts, [SamplingParams(max_new_tokens=30, ignore_eos=True)] * 3)
             assert [ids for ids, _ in got] == want
@@ -197,7 +197,7 @@ def test_a_draft_equal_to_the_target_is_accepted_in_full(strategy, demo_model_di
     try:
         prompts = [PROMPTS[0], PROMPTS[1], PROMPTS[3]]
         want = [hf_greedy(demo_model_dir, p, 30, ignore_eos=True) for p in prompts]
-        engine.scheduler.proposer = Oracle({tuple(engine.tokenize(p)): w for p, w in zip(prompts, want)})
+        engine.proposer = Oracle({tuple(engine.tokenize(p)): w for p, w in zip(prompts, want)})
         got = run_all(engine, prompts, [SamplingParams(max_new_tokens=30, ignore_eos=True)] * 3)
         assert [ids for ids, _ in got] == want
         st = engine.stats()["spec"]["ngram"]
@@ -226,7 +226,7 @@ def test_verify_rows_run_in_the_c_layer_stack(demo_model_dir, tmp_path, monkeypa
         if engine.runner.model.decode_stack is None:
             pytest.skip("the C layer stack does not apply on this host (see the runner's start-up log)")
         want = hf_greedy(demo_model_dir, PROMPTS[0], 20, ignore_eos=True)
-        engine.scheduler.proposer = Oracle({tuple(engine.tokenize(PROMPTS[0])): want})
+        engine.proposer = Oracle({tuple(engine.tokenize(PROMPTS[0])): want})
         (ids, _), = run_all(engine, [PROMPTS[0]], [SamplingParams(max_new_tokens=20, ignore_eos=True)])
         assert ids == want
         assert seen[1:] and all(ok for _, ok in seen) and seen[1][0] == 5, seen   # k+1 = 5 rows
@@ -238,7 +238,7 @@ def test_n_samples_speculate_each(demo_model_dir, tmp_path):
     engine = spec_engine(demo_model_dir, tmp_path, "paged", {"option.kv_cache_tokens": "2048"})
     try:
         want = hf_greedy(demo_model_dir, PROMPTS[4], 16, ignore_eos=True)
-        engine.scheduler.proposer = Oracle({tuple(engine.tokenize(PROMPTS[4])): want}, wrong=True)
+        engine.proposer = Oracle({tuple(engine.tokenize(PROMPTS[4])): want}, wrong=True)
         chans = engine.submit([engine.tokenize(PROMPTS[4])], SamplingParams(max_new_tokens=16, n=3, ignore_eos=True))
         for ch in chans:
             ids = []
@@ -260,7 +260,7 @@ def test_guided_requests_and_disable_by_batch_size_do_not_speculate(demo_model_d
     try:
         prompts = [PROMPTS[0], PROMPTS[1]]
         want = [hf_greedy(demo_model_dir, p, 20, ignore_eos=True) for p in prompts]
-        engine.scheduler.proposer = oracle = Oracle({tuple(engine.tokenize(p)): w for p, w in zip(prompts, want)})
+        engine.proposer = oracle = Oracle({tuple(engine.tokenize(p)): w for p, w in zip(prompts, want)})
         run_all(engine, prompts, [SamplingParams(max_new_tokens=20, ignore_eos=True)] * 2)
         # Two running from the first decode step to the last, none proposes; one alone does.
         assert oracle.calls == 0 and engine.stats()["spec"]["ngram"]["proposed"] == 0
@@ -278,17 +278,17 @@ def test_guided_requests_and_disable_by_batch_size_do_not_speculate(demo_model_d
 
 
 # ---------------------------------------------------------------- sampled: the target's distribution
-class Fixed:
+class Fixed(PerSequence):
     """Proposes fixed tokens at fixed output positions (so that many drafts are rejected and many
     accepted), whatever the sequence sampled so far."""
     method = "ngram"
 
     def __init__(self, n_prompt: int, draft: list[int]):
-        self.n_prompt, self.draft = n_prompt, draft
+        self.n_prompt, self.fixed = n_prompt, draft
 
-    def propose(self, tokens, k):
+    def draft(self, tokens, k):
         done = len(tokens) - self.n_prompt
-        return self.draft[done - 1:done - 1 + k] if done >= 1 else []
+        return self.fixed[done - 1:done - 1 + k] if done >= 1 else []
 
 
 def _sample_outputs(engine, ids, n, seed0, new):
@@ -361,7 +361,7 @@ def test_sampled_output_distribution_is_the_targets(demo_model_dir, tmp_path, ba
     engine = spec_engine(demo_model_dir, tmp_path, "paged", {"option.max_rolling_batch_size": "64",
                                                              "option.kv_cache_tokens": "8192"})
     try:
-        engine.scheduler.proposer = Fixed(len(ids), draft)
+        engine.proposer = Fixed(len(ids), draft)
         spec = _sample_outputs(engine, ids, N_DRAWS, 50_000, NEW_TOKENS)
         st = engine.stats()["spec"]["ngram"]
     finally:
@@ -376,7 +376,7 @@ def test_stop_string_and_max_tokens_inside_an_accepted_draft(demo_model_dir, tmp
     try:
         tok = engine.tokenizer
         want = hf_greedy(demo_model_dir, PROMPTS[0], 30, ignore_eos=True)
-        engine.scheduler.proposer = Oracle({tuple(engine.tokenize(PROMPTS[0])): want})
+        engine.proposer = Oracle({tuple(engine.tokenize(PROMPTS[0])): want})
         # A stop string made of the text of tokens 7..8: reached inside the verify of tokens 6..10.
         stop = tok.decode(want[7:9])
         full = tok.decode(want)
@@ -430,7 +430,7 @@ def test_lora_rows_of_a_draft_get_their_adapter(demo_model_dir, tmp_path):
         want_a1 = [greedy(merged, engine.tokenizer, p, 20) for p in prompts]
         assert want_a1 != want_base
         # The oracle proposes the base model's continuation: accepted for the base, mostly not for a1.
-        engine.scheduler.proposer = Oracle({tuple(engine.tokenize(p)): w for p, w in zip(prompts, want_base)})
+        engine.proposer = Oracle({tuple(engine.tokenize(p)): w for p, w in zip(prompts, want_base)})
         a1 = engine.runner.lora.get("a1")
         got = run_all(engine, prompts * 2, [SamplingParams(max_new_tokens=20, ignore_eos=True)] * 2
                       + [SamplingParams(max_new_tokens=20, ignore_eos=True, adapter=a1)] * 2)

@@ -11,6 +11,7 @@ import pytest
 
 from handler.engine.loop import ErrorEvent
 from handler.engine.request import SamplingParams
+from handler.engine.spec import PerSequence, drafts_of
 from tests.support.engine import PROMPTS, STRATEGIES, make_engine
 
 # Room for every prompt at once (no preemption): all are admitted on the first step.
@@ -20,16 +21,16 @@ NGRAM = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3
 REPEATING = [PROMPTS[2], PROMPTS[0] * 3, "a b c d e f a b c d e f a b c d e f a b", PROMPTS[4] * 2]
 
 
-class Counting:
+class Counting(PerSequence):
     """Wraps the proposer: counts the calls, proposes what it would (or, where it finds nothing, the
     last token k times: a draft whenever asked)."""
 
     def __init__(self, inner):
         self.inner, self.method, self.calls = inner, inner.method, 0
 
-    def propose(self, tokens, k):
+    def draft(self, tokens, k):
         self.calls += 1
-        return self.inner.propose(tokens, k) or [tokens[-1]] * k
+        return self.inner.draft(tokens, k) or [tokens[-1]] * k
 
 
 class Recorder:
@@ -65,7 +66,7 @@ def _drive(engine, prompts, new):
     out = [[] for _ in prompts]
     live = set(range(len(prompts)))
     while live:
-        engine._iteration()
+        engine.step()
         for i in list(live):
             while not chans[i].events.empty():
                 ev = chans[i].events.get()
@@ -93,7 +94,7 @@ def test_configured_but_disabled_is_the_plain_engine_step_for_step(demo_model_di
         assert on.admission.kv_tokens == off.admission.kv_tokens
         assert type(getattr(on.runner.model, "decode_stack", None)) is type(getattr(off.runner.model,
                                                                                    "decode_stack", None))
-        on.scheduler.proposer = counting = Counting(on.scheduler.proposer)
+        on.proposer = counting = Counting(on.proposer)
         rec_off, rec_on = Recorder(off), Recorder(on)
         got_off = _drive(off, REPEATING, 24)
         got_on = _drive(on, REPEATING, 24)
@@ -116,7 +117,7 @@ def test_threshold_plans_equal_the_plain_ones_while_reached_and_speculate_below(
     is one)."""
     off, on = _engine(demo_model_dir, tmp_path, None), _engine(demo_model_dir, tmp_path, 3)
     try:
-        on.scheduler.proposer = counting = Counting(on.scheduler.proposer)
+        on.proposer = counting = Counting(on.proposer)
         rec_off, rec_on = Recorder(off), Recorder(on)
         new = [12, 20, 28, 36]       # they finish one after another: 4, 3, 2, 1 running
         outs = [_drive(engine, REPEATING, new) for engine in (off, on)]
@@ -144,21 +145,25 @@ def test_the_scheduler_asks_the_proposer_nothing_at_or_above_the_threshold(thres
     from handler.engine.scheduler import Scheduler, SchedulerPolicy, Sequence
     from handler.engine.types import SampleResult
 
-    class Always:
+    class Always(PerSequence):
         method, calls = "ngram", 0
 
-        def propose(self, tokens, k):
+        def draft(self, tokens, k):
             self.calls += 1
             return [7] * k
 
     prop = Always()
     pol = SchedulerPolicy("paged", max_batch_size=64, prefill_token_budget=4096,
                           spec=SpecConfig("ngram", 4, 2, 3, threshold, None))
-    s = Scheduler(pol, BlockManager(1024, 16), proposer=prop)
+    s = Scheduler(pol, BlockManager(1024, 16))
+
+    def schedule():     # as Engine.step: the proposer answers the scheduler's asks, then it plans
+        asks = s.draft_asks()
+        return s.schedule(0.0, drafts_of(asks, prop.propose(asks)))
     for i in range(threshold):
         s.add(Sequence(i, [1, 2, 3, 4], SamplingParams(max_new_tokens=50, ignore_eos=True), 0.0))
     for step in range(10):
-        plan = s.schedule(0.0)
+        plan = schedule()
         assert len(plan.items) == threshold
         assert all(not it.draft for it in plan.items)
         s.update(plan, [SampleResult(token=5) for _ in plan.items])
@@ -166,5 +171,5 @@ def test_the_scheduler_asks_the_proposer_nothing_at_or_above_the_threshold(thres
     assert all(q.spec_skip == 0 and q.spec_misses == 0 for q in s.running)
     # One fewer running: speculation comes back.
     s.finish(0, "eos_token")
-    plan = s.schedule(0.0)
+    plan = schedule()
     assert prop.calls == threshold - 1 and all(it.draft for it in plan.items)

@@ -43,7 +43,7 @@ def draft_engine(model_dir, tmp_path, strategy, draft, extra=None, k=4):
 
 
 def draft_drained(engine):
-    pr = engine.scheduler.proposer
+    pr = engine.proposer
     for _ in range(100):
         if pr.blocks.num_free == pr.blocks.num_blocks:
             break
@@ -56,7 +56,7 @@ def draft_drained(engine):
 def test_a_draft_model_equal_to_the_target_is_accepted_in_full(strategy, demo_model_dir, tmp_path):
     engine = draft_engine(demo_model_dir, tmp_path, strategy, demo_model_dir)
     try:
-        assert engine.scheduler.proposer.method == "draft_model"
+        assert engine.proposer.method == "draft_model"
         prompts = [PROMPTS[0], PROMPTS[1], PROMPTS[3]]
         got = run_all(engine, prompts, [SamplingParams(max_new_tokens=30, ignore_eos=True)] * 3)
         for p, (ids, done) in zip(prompts, got):
@@ -103,7 +103,7 @@ def test_preemption_and_penalties_free_the_draft_kv(demo_model_dir, other_draft,
         params = [SamplingParams(max_new_tokens=n, repetition_penalty=1.3 if i % 2 else 1.0)
                   for i, n in enumerate([40, 33, 27, 45])]
         released = []
-        pr = engine.scheduler.proposer
+        pr = engine.proposer
         orig = pr.release
         pr.release = lambda sid: (released.append(sid), orig(sid))
         got = run_all(engine, prompts, params)
@@ -172,7 +172,7 @@ def test_a_missing_or_s3_draft_is_refused_at_config(demo_model_dir, tmp_path):
 def test_a_failing_draft_step_costs_only_its_proposals(demo_model_dir, tmp_path):
     engine = draft_engine(demo_model_dir, tmp_path, "rolling", demo_model_dir)
     try:
-        pr = engine.scheduler.proposer
+        pr = engine.proposer
         calls = []
         real_step = pr.runner.step
 

@@ -11,6 +11,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 
 from benchmarks import spec_decode, spec_decode_engine  # noqa: E402
 from handler.engine.request import SamplingParams  # noqa: E402
+from handler.engine.spec import PerSequence  # noqa: E402
 from tests.support.engine import STRATEGIES, make_engine  # noqa: E402
 
 
@@ -43,12 +44,12 @@ def test_the_plan_digest_differs_when_drafts_are_handed_to_the_runner(demo_model
     on = make_engine(demo_model_dir, tmp_path / "b", {**props, "option.speculative_config":
                                                       '{"method": "ngram", "num_speculative_tokens": 3}'}).run_by_hand()
     try:
-        class Always:
+        class Always(PerSequence):
             method = "ngram"
 
-            def propose(self, tokens, k):
+            def draft(self, tokens, k):
                 return [tokens[-1]] * k
-        on.scheduler.proposer = Always()
+        on.proposer = Always()
         reqs = [(off.tokenize(p), SamplingParams(max_new_tokens=6, ignore_eos=True)) for p in ("x = 1", "while True:")]
         a = spec_decode_engine.closed_loop(off, reqs, 2)
         b = spec_decode_engine.closed_loop(on, reqs, 2)

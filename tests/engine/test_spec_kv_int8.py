@@ -23,7 +23,7 @@ def test_partly_wrong_drafts_over_an_int8_cache_equal_plain_int8_decoding(demo_m
         plain.shutdown()
     engine = spec_engine(demo_model_dir, tmp_path, "paged", INT8)
     try:
-        engine.scheduler.proposer = Oracle(cont, wrong=True)
+        engine.proposer = Oracle(cont, wrong=True)
         for _ in range(2):
             assert [ids for ids, _ in run_all(engine, prompts, params)] == want
             assert_drained(engine)

@@ -53,7 +53,7 @@ def test_the_waker_is_called_once_per_iteration_with_the_channels_that_got_event
     iterations = 0
     while engine.scheduler.has_work or engine._intake:
         before = len(calls)
-        engine._iteration()     # run by hand: its outputs are processed before it returns
+        engine.step()     # run by hand: its outputs are processed before it returns
         iterations += 1
         assert len(calls) - before <= 1
     streamed = [c for c in calls if a in c]
@@ -65,7 +65,7 @@ def test_the_waker_is_called_once_per_iteration_with_the_channels_that_got_event
 
     # Failures reach the readers too (reset answers everyone with an ErrorEvent).
     c = engine.submit([engine.tokenize(PROMPTS[0])], params)[0]
-    engine._iteration()
+    engine.step()
     calls.clear()
     engine.reset(ErrorEvent(500, "boom"))
     assert calls == [[c]]

@@ -106,7 +106,6 @@ def test_mixed_step_over_int8_pools_matches_the_naive_loop(each_build):
 def test_fused_decode_over_int8_is_rotary_write_and_attention(each_build, dtype):
     # lmi_decode_fused_i8 = rotary in place + the int8 write + attention over the pools: the same
     # as those three calls one by one (the unfused path), bytes and scales included.
-    from handler.model.layers import apply_rotary_
     g = torch.Generator().manual_seed(4)
     b, h, hkv, d, nb, bs = 3, 4, 2, 64, 12, 4
     lens = torch.tensor([5, 9, 2], dtype=torch.int32)
@@ -119,7 +118,8 @@ def test_fused_decode_over_int8_is_rotary_write_and_attention(each_build, dtype)
     plain = [_int8_pool(base, True), _int8_pool(base * 0.5, True)]
     got = cpu_ext.decode_fused(q.clone(), k.clone(), v.clone(), cos, sin, *fused, slots, tables, lens, d ** -0.5)
     assert got is not None and got.dtype == dtype
-    q2, k2 = apply_rotary_(q.clone(), k.clone(), cos, sin)
+    q2, k2 = q.clone(), k.clone()
+    assert cpu_ext.rotary_(q2, k2, cos, sin)                 # in place, as the unfused path rotates
     reference.write_kv(*plain, k2, v, slots)
     want = cpu_ext.decode_attention(q2, *plain, tables, lens, d ** -0.5).to(dtype)
     for a, c in zip(fused, plain):

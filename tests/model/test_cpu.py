@@ -46,13 +46,13 @@ def _load(model_dir, dtype=torch.float32):
 
 @pytest.mark.parametrize("gemm", ["onednn", pytest.param("panels", marks=needs_panels)])
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 0.1)])
-def test_prepacked_model_gives_the_plain_models_logits(demo_model_factory, monkeypatch, gemm, dtype, tol):
+def test_prepacked_model_gives_the_plain_models_logits(demo_model_factory, gemm, dtype, tol):
     if not cpu.can_prepack(dtype):
         pytest.skip(f"oneDNN cannot prepack {dtype} on this CPU")
-    monkeypatch.setattr(cpu.AB, "gemm", gemm)
+    arms = cpu.Arms(gemm=gemm)
     path = demo_model_factory("llama")
     plain, packed = _load(path, dtype), _load(path, dtype)
-    n = prepack_linears(packed)
+    n = prepack_linears(packed, arms=arms)
     linears = [m for m in packed.modules() if isinstance(m, nn.Linear)]
     want_cls = _classes(gemm)[0] if dtype == torch.float32 else ONEDNN   # bf16 unwidened: oneDNN's
     assert n == len(linears) > 0 and all(_kind(m) == want_cls for m in linears)
@@ -64,13 +64,13 @@ def test_prepacked_model_gives_the_plain_models_logits(demo_model_factory, monke
 
 
 @pytest.mark.parametrize("gemm", ["onednn", pytest.param("panels", marks=needs_panels)])
-def test_widened_bf16_linear_is_the_exact_products_summed_and_rounded_once(monkeypatch, gemm):
+def test_widened_bf16_linear_is_the_exact_products_summed_and_rounded_once(gemm):
     # Oracle: float64 math on the same bf16 values, rounded to bf16 once. The widened GEMM
     # (fp32 sum of exact products) lands on it or one bf16 step away where the fp32 sum order
     # decides a rounding; the bf16 GEMM oneDNN runs obeys the same bound.
     if not cpu.can_prepack(torch.float32):
         pytest.skip("oneDNN cannot prepack on this CPU")
-    monkeypatch.setattr(cpu.AB, "gemm", gemm)
+    arms = cpu.Arms(gemm=gemm)
     g = torch.Generator().manual_seed(5)
     lin = nn.Linear(300, 70, bias=True).to(torch.bfloat16)
     with torch.no_grad():
@@ -79,7 +79,7 @@ def test_widened_bf16_linear_is_the_exact_products_summed_and_rounded_once(monke
     x = torch.randn(33, 300, generator=g).to(torch.bfloat16)
     want = (x.double() @ lin.weight.double().t() + lin.bias.double()).to(torch.bfloat16)
     model = nn.Sequential(lin)
-    assert prepack_linears(model, widen_bf16=True) == 1 and _kind(model[0]) == _classes(gemm)[1]
+    assert prepack_linears(model, widen_bf16=True, arms=arms) == 1 and _kind(model[0]) == _classes(gemm)[1]
     lin = model[0]
     packed = lin.pack.panels if gemm == "panels" else lin.pack.packed
     assert packed.dtype == (torch.bfloat16 if _kind(lin) == BF16_PANELS else torch.float32)
@@ -96,14 +96,14 @@ def test_widened_bf16_linear_is_the_exact_products_summed_and_rounded_once(monke
 
 @pytest.mark.parametrize("gemm", ["onednn", pytest.param("panels", marks=needs_panels)])
 @pytest.mark.parametrize("family", ["llama", "qwen2"])     # qwen2: q/k/v with a bias
-def test_widened_model_gives_the_bf16_models_greedy_tokens(demo_model_factory, monkeypatch, family, gemm):
+def test_widened_model_gives_the_bf16_models_greedy_tokens(demo_model_factory, family, gemm):
     # Widened and bf16 GEMMs sum in different orders, so an activation may round one bf16 step
     # apart: the logits stay within bf16 noise, and the greedy token differs only where the top
     # two logits are within that noise of each other (random weights give a few such near-ties).
-    monkeypatch.setattr(cpu.AB, "gemm", gemm)
+    arms = cpu.Arms(gemm=gemm)
     path = demo_model_factory(family)
     plain, widened = _load(path, torch.bfloat16), _load(path, torch.bfloat16)
-    n = prepack_linears(widened, widen_bf16=True)
+    n = prepack_linears(widened, widen_bf16=True, arms=arms)
     linears = [m for m in widened.modules() if isinstance(m, nn.Linear)]
     assert n == len(linears) > 0 and all(_kind(m) == _classes(gemm)[1] for m in linears)
     ids = torch.randint(5, plain.config.vocab_size, (4, 13), generator=torch.Generator().manual_seed(1))
@@ -143,16 +143,16 @@ def test_bf16_panel_linear_is_the_exact_products_summed_and_rounded_once():
 
 
 @needs_bf16_panels
-def test_bf16_panels_leave_fp32_layers_and_yield_to_the_switches(monkeypatch):
+def test_bf16_panels_leave_fp32_layers_and_yield_to_the_switches():
     mixed = nn.Sequential(nn.Linear(32, 48), nn.Linear(48, 32).to(torch.bfloat16))
     assert prepack_linears(mixed, bf16_panels=True) == 2
     assert _kind(mixed[0]) == _classes("panels" if cpu.panels_wanted() else "onednn")[0]   # fp32 as before
     assert _kind(mixed[1]) == BF16_PANELS
-    monkeypatch.setattr(cpu.AB, "gemm", "onednn")              # no panel kernels at all
+    onednn = cpu.Arms(gemm="onednn")              # no panel kernels at all
     model = nn.Sequential(nn.Linear(32, 48).to(torch.bfloat16))
-    prepack_linears(model, bf16_panels=True)
+    prepack_linears(model, bf16_panels=True, arms=onednn)
     assert _kind(model[0]) != BF16_PANELS
-    assert cpu.bf16_panels_available() is False
+    assert cpu.bf16_panels_available(onednn) is False
 
 
 @needs_bf16_panels
@@ -177,18 +177,18 @@ def test_bf16_panel_model_gives_the_bf16_models_greedy_tokens(demo_model_factory
 
 
 @needs_bf16_panels
-def test_real_model_on_bf16_panels_answers_like_onednn_bf16(real_model_dir, monkeypatch, tmp_path):
+def test_real_model_on_bf16_panels_answers_like_onednn_bf16(real_model_dir, tmp_path):
     # SmolLM2-135M in bf16, our engine on the panels against transformers' generate on the
     # unpacked model (torch's bf16 GEMMs): the same greedy tokens, or a first difference at a
     # near-tie (tests/support/reference.near_tie_divergence); and the first step's logits close.
     from handler.engine.request import SamplingParams
     from tests.support.engine import make_engine, run_all
     from tests.support.reference import greedy_ids, model_on, near_tie_divergence
-    monkeypatch.setattr(cpu.AB, "bf16_gemm", "panels")
     prompts = ["The capital of France is", "def fibonacci(n):\n", "Write a haiku about the sea.",
                "List three prime numbers:"]
     engine = make_engine(real_model_dir, tmp_path, {"option.rolling_batch": "auto", "option.paged_attention": "true",
-                                                    "option.dtype": "bf16", "option.max_rolling_batch_size": "4"})
+                                                    "option.dtype": "bf16", "option.max_rolling_batch_size": "4"},
+                         arms=cpu.Arms(bf16_gemm="panels"))
     try:
         linears = [m for m in engine.runner.model.modules() if isinstance(m, nn.Linear)]
         assert linears and all(_kind(m) == BF16_PANELS for m in linears)
@@ -239,16 +239,15 @@ def test_widening_in_registers_gives_the_fp32_copys_logits_bit_for_bit(demo_mode
 def test_bf16_gemm_choice_follows_the_arm_then_a_rule_on_the_cpu(monkeypatch):
     model = nn.Sequential(nn.Linear(64, 96), nn.Linear(96, 64)).to(torch.bfloat16)
     panels_here, widen_here, flags = [True], [False], [set()]
-    monkeypatch.setattr(cpu, "bf16_panels_available", lambda: panels_here[0])   # the rule alone, any CPU
-    monkeypatch.setattr(cpu, "widen_in_registers", lambda: widen_here[0])
+    # What this CPU runs, simulated (the rule alone, any CPU); the arms are arguments.
+    monkeypatch.setattr(cpu, "bf16_panels_available", lambda arms=cpu.DEFAULT: panels_here[0])
+    monkeypatch.setattr(cpu, "widen_in_registers", lambda arms=cpu.DEFAULT: widen_here[0])
     monkeypatch.setattr(cpu_ext, "cpu_flags", lambda: flags[0])
     for setting in ("fp32", "bf16", "panels"):
-        monkeypatch.setattr(cpu.AB, "bf16_gemm", setting)
-        assert cpu.bf16_gemm_mode(model) == (setting, f"the bf16_gemm={setting} arm")
+        assert cpu.bf16_gemm_mode(model, cpu.Arms(bf16_gemm=setting)) == (setting, f"the bf16_gemm={setting} arm")
     panels_here[0] = False
-    got, why = cpu.bf16_gemm_mode(model)
+    got, why = cpu.bf16_gemm_mode(model, cpu.Arms(bf16_gemm="panels"))
     assert got == "bf16" and "does not run here" in why
-    monkeypatch.setattr(cpu.AB, "bf16_gemm", "auto")
     # (panels kernel, widening kernel, AMX) -> the mode, whatever any GEMM's speed
     for panels, widen, amx, want in ((True, True, False, "panels"), (False, True, False, "fp32"),
                                      (False, False, False, "bf16"), (True, True, True, "bf16")):
@@ -259,9 +258,8 @@ def test_bf16_gemm_choice_follows_the_arm_then_a_rule_on_the_cpu(monkeypatch):
         assert got == want, (panels, widen, amx, got, why)
         assert got == cpu.bf16_gemm_mode(model)[0]     # the same answer every time: no timing
     assert cpu.bf16_gemm_mode(nn.Sequential(nn.Linear(4, 4)))[0] == "bf16"   # fp32 model: nothing to decide
-    monkeypatch.setattr(cpu.AB, "bf16_gemm", "fp32")
-    monkeypatch.setattr(cpu.AB, "prepack", False)              # nothing is packed: nothing widens
-    got, why = cpu.bf16_gemm_mode(model)
+    # nothing is packed: nothing widens
+    got, why = cpu.bf16_gemm_mode(model, cpu.Arms(bf16_gemm="fp32", prepack=False))
     assert got == "bf16" and "prepack=0" in why
 
 
@@ -295,14 +293,13 @@ def test_prepacking_drops_only_weights_nobody_else_holds(demo_model_factory):
     assert kept.model.layers[0].self_attn.q_proj.weight.shape == (q.out_features, q.in_features)
 
 
-def test_prepacking_switch(demo_model_factory, monkeypatch):
-    monkeypatch.setattr(cpu.AB, "prepack", False)
+def test_prepacking_switch(demo_model_factory):
     model = _load(demo_model_factory("llama"))
-    assert prepack_linears(model) == 0
+    assert prepack_linears(model, arms=cpu.Arms(prepack=False)) == 0
     assert not any(_kind(m) == ONEDNN for m in model.modules())
 
 
-def test_runner_pool_is_head_major_on_cpu_and_switchable(demo_model_factory, monkeypatch):
+def test_runner_pool_is_head_major_on_cpu_and_switchable(demo_model_factory):
     from handler.model.runner import ModelRunner
     from kernels.reference import head_major
 
@@ -311,8 +308,7 @@ def test_runner_pool_is_head_major_on_cpu_and_switchable(demo_model_factory, mon
     k = r.kv_cache[0][0].data
     assert k.shape == (16, 4, r.kv.num_kv_heads, r.kv.head_dim)   # every reader's view
     assert head_major(k) and not k.is_contiguous()
-    monkeypatch.setattr(cpu.AB, "kv_layout", "token")
-    r2 = ModelRunner(path, kv_cache_tokens=64, block_size=4)
+    r2 = ModelRunner(path, kv_cache_tokens=64, block_size=4, arms=cpu.Arms(kv_layout="token"))
     assert r2.kv_cache[0][0].data.is_contiguous()
 
 
@@ -352,11 +348,10 @@ def test_server_runs_with_tcmalloc_when_the_system_has_it(demo_model_factory, tm
         assert srv.stop() == 0
 
 
-def _runner(model_dir, dtype, monkeypatch, packed: bool, impl: str = "auto"):
+def _runner(model_dir, dtype, packed: bool, impl: str = "auto", arms=cpu.DEFAULT):
     from handler.model.runner import ModelRunner
-    monkeypatch.setattr(cpu.AB, "prepack", packed)
     r = ModelRunner(model_dir, dtype=dtype, device="cpu", block_size=4, kv_cache_tokens=256, max_running=8,
-                    model_impl=impl)
+                    model_impl=impl, arms=arms.with_(prepack=packed))
     r.prepack_cpu()
     return r
 
@@ -378,12 +373,12 @@ def _step_logits(runner) -> list:
 
 @pytest.mark.parametrize("gemm", ["onednn", pytest.param("panels", marks=needs_panels)])
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
-def test_our_packed_model_equals_transformers_packed_model(demo_model_factory, monkeypatch, family, gemm):
+def test_our_packed_model_equals_transformers_packed_model(demo_model_factory, family, gemm):
     # The same GEMM kernel on the same weights in both: our forward's logits are transformers'
     # (through the paged attention interface), bit for bit, on every step.
-    monkeypatch.setattr(cpu.AB, "gemm", gemm)
+    arms = cpu.Arms(gemm=gemm)
     path = demo_model_factory(family)
-    ours, theirs = _runner(path, "fp32", monkeypatch, True), _runner(path, "fp32", monkeypatch, True, "transformers")
+    ours, theirs = _runner(path, "fp32", True, arms=arms), _runner(path, "fp32", True, "transformers", arms)
     assert ours.own and not theirs.own
     fp32_cls = _classes(gemm)[0]
     assert all(_kind(m) == fp32_cls for m in ours.model.modules() if isinstance(m, nn.Linear))
@@ -392,9 +387,9 @@ def test_our_packed_model_equals_transformers_packed_model(demo_model_factory, m
 
 
 @pytest.mark.parametrize("dtype,tol", [("fp32", 1e-4), ("bf16", 0.05)])
-def test_our_packed_model_keeps_the_unpacked_models_values(demo_model_factory, monkeypatch, dtype, tol):
+def test_our_packed_model_keeps_the_unpacked_models_values(demo_model_factory, dtype, tol):
     path = demo_model_factory("llama")
-    plain, packed = _runner(path, dtype, monkeypatch, False), _runner(path, dtype, monkeypatch, True)
+    plain, packed = _runner(path, dtype, False), _runner(path, dtype, True)
     assert not any(type(m) is not nn.Linear for m in plain.model.modules() if isinstance(m, nn.Linear))
     for got, want in zip(_step_logits(packed), _step_logits(plain)):
         got, want = got.float(), want.float()
@@ -405,13 +400,10 @@ def test_our_packed_model_keeps_the_unpacked_models_values(demo_model_factory, m
 @pytest.mark.parametrize("gemm", ["onednn", pytest.param("panels", marks=needs_panels)])
 @pytest.mark.parametrize("dtype,setting,widened", [("bf16", "fp32", True), ("bf16", "bf16", False),
                                                    ("fp32", "fp32", False)])
-def test_runner_packs_bf16_linears_as_the_gemm_choice_says(demo_model_factory, monkeypatch, dtype, setting,
-                                                           widened, gemm):
+def test_runner_packs_bf16_linears_as_the_gemm_choice_says(demo_model_factory, dtype, setting, widened, gemm):
     if not cpu.can_prepack(torch.bfloat16):
         pytest.skip("oneDNN cannot prepack bf16 on this CPU")
-    monkeypatch.setattr(cpu.AB, "bf16_gemm", setting)
-    monkeypatch.setattr(cpu.AB, "gemm", gemm)
-    r = _runner(demo_model_factory("llama"), dtype, monkeypatch, True)
+    r = _runner(demo_model_factory("llama"), dtype, True, arms=cpu.Arms(bf16_gemm=setting, gemm=gemm))
     fp32_cls, widened_cls = _classes(gemm)
     want = widened_cls if widened else ONEDNN if dtype == "bf16" else fp32_cls
     linears = [m for m in r.model.modules() if isinstance(m, nn.Linear)]
@@ -420,17 +412,20 @@ def test_runner_packs_bf16_linears_as_the_gemm_choice_says(demo_model_factory, m
 
 
 def test_ab_arms_are_set_by_name_and_refuse_other_values(monkeypatch):
-    # Benchmarks set the arms (benchmarks/step_floor.py --arm); the environment never does.
-    arms = cpu.Arms()
-    arms.set(gemm="OneDNN", prepack="0", decode_stack=False, kv_layout="token")
+    # Benchmarks pass the arms to the runner (benchmarks/step_floor.py --arm); the environment never sets them.
+    arms = cpu.Arms().with_(gemm="OneDNN", prepack="0", decode_stack=False, kv_layout="token")
     assert (arms.gemm, arms.prepack, arms.decode_stack, arms.kv_layout) == ("onednn", False, False, "token")
+    assert cpu.Arms.parse(["gemm=onednn", "decode_stack=0"]) == cpu.Arms(gemm="onednn", decode_stack=False)
     with pytest.raises(ValueError, match="gemm='mkl': allowed panels, onednn"):
-        arms.set(gemm="mkl")
+        arms.with_(gemm="mkl")
     with pytest.raises(ValueError, match="no A/B arm 'attention'"):
-        arms.set(attention="reference")
+        arms.with_(attention="reference")
     with pytest.raises(ValueError, match="prepack='yes': allowed 0, 1"):
-        arms.set(prepack="yes")
+        arms.with_(prepack="yes")
+    with pytest.raises(ValueError, match="NAME=VALUE"):
+        cpu.Arms.parse(["gemm"])
     monkeypatch.setenv("LMI_CPU_GEMM", "onednn")                # the old switch: read by nobody now
     assert cpu.Arms().gemm == "panels" and cpu.panels_wanted() is cpu_ext.gemm_available()
-    monkeypatch.setattr(cpu.AB, "gemm", "onednn")
-    assert cpu.panels_wanted() is False
+    assert cpu.panels_wanted(arms) is False
+    # No module state: an arm is an argument, so two runners in one process can differ.
+    assert not any(isinstance(v, cpu.Arms) and v != cpu.Arms() for v in vars(cpu).values())

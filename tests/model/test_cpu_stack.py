@@ -69,10 +69,10 @@ def test_silu_mul_rounds_as_torch(dtype, threads):
         torch.set_num_threads(old)
 
 
-def _runner(model_dir, dtype="fp32", quantize=None, stack=True, window=None, kv_tokens=256):
+def _runner(model_dir, dtype="fp32", quantize=None, stack=True, window=None, kv_tokens=256, arms=cpu.DEFAULT):
     from handler.model.runner import ModelRunner
     r = ModelRunner(model_dir, dtype=dtype, device="cpu", block_size=4, kv_cache_tokens=kv_tokens, max_running=8,
-                    quantize=quantize, cpu_kernels=BUILD or "torch")
+                    quantize=quantize, cpu_kernels=BUILD or "torch", arms=arms)
     if window:      # a sliding window on every other layer (Mistral / Qwen2's per-layer windows)
         for layer in r.model.model.layers[::2]:
             layer.self_attn.window = window
@@ -122,10 +122,10 @@ def _steps(runner, calls: list) -> list:
 ])
 def test_decode_stack_gives_the_python_layers_values_bit_for_bit(demo_model_factory, monkeypatch, family, dtype,
                                                                  quantize, window, bf16_gemm):
-    if bf16_gemm:
-        monkeypatch.setattr(cpu.AB, "bf16_gemm", bf16_gemm)
+    arms = cpu.Arms(bf16_gemm=bf16_gemm) if bf16_gemm else cpu.DEFAULT
     path = demo_model_factory(family)
-    fast, slow = _runner(path, dtype, quantize, window=window), _runner(path, dtype, quantize, False, window)
+    fast, slow = _runner(path, dtype, quantize, window=window, arms=arms), _runner(path, dtype, quantize, False,
+                                                                                  window, arms=arms)
     assert fast.model.decode_stack is not None and slow.model.decode_stack is None
     calls = []
     got, got_kv = _steps(fast, calls)
@@ -147,12 +147,41 @@ def test_decode_stack_stays_off_where_it_does_not_apply(demo_model_factory, monk
     llama = _runner(demo_model_factory("llama"))
     stack, why = cpu_stack.build(llama.model, llama.kv_cache, lora=True)
     assert stack is None and why == "LoRA"
-    monkeypatch.setattr(cpu.AB, "decode_stack", False)
-    stack, why = cpu_stack.build(llama.model, llama.kv_cache)
+    stack, why = cpu_stack.build(llama.model, llama.kv_cache, arms=cpu.Arms(decode_stack=False))
     assert stack is None and "decode_stack=0" in why
-    monkeypatch.setattr(cpu.AB, "prepack", False)   # plain nn.Linear: nothing packed for the C kernels
-    monkeypatch.setattr(cpu.AB, "decode_stack", True)
-    assert _runner(demo_model_factory("llama")).model.decode_stack is None
+    # plain nn.Linear: nothing packed for the C kernels
+    assert _runner(demo_model_factory("llama"), arms=cpu.Arms(prepack=False)).model.decode_stack is None
+
+
+@needs_stack
+def test_the_load_log_says_once_per_layer_why_a_layer_keeps_steps_out_of_the_stack(demo_model_factory, caplog):
+    """The hot path is decided at load: where a layer keeps whole prompts out of the C stack (a
+    sliding window), or keeps the stack off altogether (a norm it does not take), the load log says
+    so once, naming the layer; the steps then follow the plan with no check of their own."""
+    import logging
+    path = demo_model_factory("qwen2")
+    with caplog.at_level(logging.INFO, logger="lmi.runner"):
+        r = _runner(path, window=6)
+    said = [rec.getMessage() for rec in caplog.records if "layer stack:" in rec.getMessage()]
+    n = len(r.model.model.layers)
+    assert n > 2 and said == [f"CPU: layer stack: layer {i}: sliding window 6: whole prompts in Python (the "
+                              "prompt kernel takes no window)" for i in range(0, n, 2)]
+    assert r.model.decode_stack is not None and not r.model.decode_stack.prompts
+    from handler.model import cpu_stack
+    r.model.model.layers[1].post_attention_layernorm.eps *= 10
+    stack, why = cpu_stack.build(r.model, r.kv_cache)
+    assert stack is None and why == "layer 1: a norm the C stack does not take"
+
+
+def test_every_norm_has_its_cpu_kernel_chosen_at_load(demo_model_factory):
+    """RMSNorm decides at load how it computes on the CPU (handler/model/layers.py bind_kernel), so a
+    step's norm makes no capability check; q/k norms (qwen3) included."""
+    from handler.model.layers import RMSNorm
+    r = _runner(demo_model_factory("qwen3"))
+    norms = [m for m in r.model.modules() if isinstance(m, RMSNorm)]
+    assert len(norms) > 2 * len(r.model.model.layers)
+    want = ("f32",) if BUILD and cpu_ext.rms_norm_f32_lanes(norms[0].weight.shape[0]) else ("f32", "torch")
+    assert all(m.cpu_kernel in ("f32", "torch") for m in norms) and norms[0].cpu_kernel in want
 
 
 def _run_steps(runner, steps: list, calls: list) -> tuple[list, list]:

@@ -103,10 +103,9 @@ def qwen_dir() -> str:
 def _answers(model_dir: str, quantize: str, stack: bool, monkeypatch, caplog) -> list[list[int]]:
     from handler.tools import quality
     from handler.model import cpu
-    monkeypatch.setattr(cpu.AB, "decode_stack", stack)
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="lmi.runner"):
-        engine = quality.engine_for(model_dir, "fp32", quantize)
+        engine = quality.engine_for(model_dir, "fp32", quantize, arms=cpu.Arms(decode_stack=stack))
     try:
         assert (engine.runner.model.decode_stack is not None) == stack
         said = "a step's layers in one C call" if stack else "the decode_stack=0 arm"

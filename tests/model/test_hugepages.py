@@ -40,9 +40,8 @@ def _whole_pages(ts):
     return sum(t.numel() * t.element_size() // cpu_ext.HUGE_PAGE * cpu_ext.HUGE_PAGE for t in ts)
 
 
-def _quantized_runner(path, monkeypatch):
+def _quantized_runner(path):
     from handler.model.runner import ModelRunner
-    monkeypatch.setattr(cpu.AB, "prepack", True)
     r = ModelRunner(path, dtype="fp32", device="cpu", block_size=4, kv_cache_tokens=256, max_running=8,
                     quantize="int8_weight_only")
     r.prepack_cpu()
@@ -57,8 +56,8 @@ def test_streamed_weights_are_advised_and_unchanged_and_the_steps_logits_too(dem
     for setting in ("0", "auto"):
         monkeypatch.setenv("LMI_CPU_HUGEPAGES", setting)
         with caplog.at_level(logging.INFO, logger="lmi.runner"):
-            runners[setting] = (_runner(path, "fp32", monkeypatch, True) if quantize is None
-                                else _quantized_runner(path, monkeypatch))
+            runners[setting] = (_runner(path, "fp32", True) if quantize is None
+                                else _quantized_runner(path))
     off, on = (streamed_tensors(runners[s].model) for s in ("0", "auto"))
     assert len(on) == len(off) > 0 and all(torch.equal(a, b) for a, b in zip(on, off))
     big = _big(on)
@@ -107,7 +106,7 @@ def test_the_real_models_panels_are_nearly_all_in_advised_memory(real_model_dir,
     # SmolLM2-135M fp32: the whole 2 MiB pages of the layers' 7 MiB gate|up, 3.5 MiB down and the
     # 113 MB head are advised; q|k|v and o (1.3-2 MiB) and the partial tails stay in 4 KiB pages.
     monkeypatch.delenv("LMI_CPU_HUGEPAGES", raising=False)
-    r = _runner(real_model_dir, "fp32", monkeypatch, True)
+    r = _runner(real_model_dir, "fp32", True)
     ts = streamed_tensors(r.model)
     p = cpu_ext.hugepage_placement(ts)
     assert p["advised_bytes"] == _whole_pages(_big(ts)) >= 0.75 * p["bytes"]

@@ -33,11 +33,13 @@ STRATEGIES = {
 }
 
 
-def make_engine(model_dir, tmp_path, props: dict):
+def make_engine(model_dir, tmp_path, props: dict, arms=None):
+    """A started engine over serving.properties `props`; `arms`: the runner's CPU A/B arms
+    (handler/model/cpu.py Arms; None: a server's)."""
     path = os.path.join(str(tmp_path), "serving.properties")
     with open(path, "w") as f:
         f.write("\n".join(f"{k}={v}" for k, v in props.items()) + "\n")
-    return build_engine(load_config(path, model_dir, env={}))
+    return build_engine(load_config(path, model_dir, env={}), arms=arms)
 
 
 def run_all(engine, prompts, params_list):

@@ -1,13 +1,12 @@
-"""benchmarks/engine_loop.py: the in-process closed loop answers every request with exactly the
-tokens it asked for, never more than `concurrency` in flight, and writes its figures."""
+"""`python -m handler bench engine-loop` (handler/tools/bench/engine_loop.py): the in-process closed loop
+answers every request with exactly the tokens it asked for, never more than `concurrency` in flight,
+and writes its figures."""
 import json
-import os
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+import pytest
 
-from benchmarks import engine_loop  # noqa: E402
-from benchmarks.step_floor import make_engine  # noqa: E402
+from handler.tools.bench import engine_loop
+from handler.tools.bench.inprocess import make_engine
 
 
 def test_closed_loop_answers_every_request_with_its_tokens(demo_model_dir):
@@ -33,8 +32,10 @@ def test_main_writes_every_repetition(demo_model_dir, tmp_path):
     out = tmp_path / "loop.json"
     assert engine_loop.main(["--model-dir", demo_model_dir, "--requests", "6", "--concurrency", "2",
                              "--prompt-tokens", "4,9", "--max-new-tokens", "3", "--reps", "2",
-                             "--kv-tokens", "1024", "--max-running", "4", "--out", str(out)]) == 0
+                             "--kv-tokens", "1024", "--max-running", "4", "--arm", "decode_stack=0",
+                             "--out", str(out)]) == 0
     data = json.loads(out.read_text())
+    assert data["arms"] == ["decode_stack=0"]
     assert [r["requests"] for r in data["runs"]] == [6, 6]
     assert [r["output_tokens"] for r in data["runs"]] == [18, 18]
     assert data["prompt_tokens"] == [4, 9] and data["concurrency"] == 2
@@ -56,3 +57,11 @@ def test_preset_requests_are_the_served_bodies_tokenized(demo_model_dir):
         want = tokenize(tok, Generation([b["inputs"]], SamplingParams()))[0]
         assert ids == want and m == b["parameters"]["max_new_tokens"]
     assert len({m for _, m in got}) == 3 and len({len(ids) for ids, _ in got}) >= 3
+
+
+def test_the_bench_command_refuses_an_unknown_arm_in_one_line(demo_model_dir, capsys):
+    from handler.tools.bench.cli import main
+    with pytest.raises(SystemExit) as e:
+        main(["engine-loop", "--model-dir", demo_model_dir, "--arm", "gemm=mkl"])
+    assert e.value.code == 2
+    assert "gemm='mkl': allowed panels, onednn" in capsys.readouterr().err

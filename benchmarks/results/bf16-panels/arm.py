@@ -1,4 +1,4 @@
-"""One arm of the bf16 engine A/B (run.sh): benchmarks/engine_loop.py's main, with
+"""One arm of the bf16 engine A/B (run.sh): handler/tools/bench/engine_loop.py's main, with
 --fp32-copy hiding kernels/cpu_gemm_bf16.c's in-register widening, so LMI_CPU_BF16_GEMM=fp32
 widens into an fp32 copy for kernels/cpu_gemm.c as before it. Every arm runs through here (same
 process shape; run.sh sets LD_PRELOAD for all)."""
@@ -12,7 +12,7 @@ if "--fp32-copy" in argv:
     from kernels import cpu as cpu_ext
     cpu_ext.gemm_bf16w_available = lambda: False
 from handler.model import cpu  # noqa: E402
-from benchmarks import engine_loop  # noqa: E402
+from handler.tools.bench import engine_loop  # noqa: E402
 
 _prepack = cpu.prepack_linears
 

@@ -24,6 +24,6 @@ for i in 1 2; do
     echo "$arm $i $(uptime)" >> $R/load.txt
   done
 done
-.venv/bin/python benchmarks/gemm_bf16_bench.py --rows 1,16,64,256,1024 --rounds 7 --copies 8 \
+.venv/bin/python benchmarks/archive/gemm_bf16_bench.py --rows 1,16,64,256,1024 --rounds 7 --copies 8 \
     --out $R/gemm.json | tee $R/gemm.txt
 echo "end $(uptime)" >> $R/load.txt

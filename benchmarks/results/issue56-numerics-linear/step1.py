@@ -12,12 +12,12 @@ torch.set_num_threads(int(os.environ.get("THREADS", "2")))
 engine = make_engine(model_dir, dtype, 4, 4096, quantize=None if quantize == "-" else quantize)
 engine.submit([list(range(100, 160))], SamplingParams(max_new_tokens=10 + 3 * steps + 8, ignore_eos=True))
 for _ in range(10):
-    engine._iteration()
+    engine.step()
 runs, cpu = [], []
 for _ in range(3):
     t, c = time.perf_counter(), time.process_time()
     for _ in range(steps):
-        engine._iteration()
+        engine.step()
     runs.append((time.perf_counter() - t) / steps * 1e3)
     cpu.append((time.process_time() - c) / steps * 1e3)     # CPU time of this process: less moved by other load
 print(f"RESULT {root} {dtype} {quantize} {statistics.median(runs):.3f} " + " ".join(f"{x:.2f}" for x in runs)

@@ -296,11 +296,17 @@ def main(argv: list[str]) -> int:
     sub.add_parser("floor", add_help=False,
                    help="the decode-bound view: weight bytes per step / memcpy bandwidth, and TPOT at 1 client "
                         "against it: floor --model-dir DIR [--dtype] [--quantize] [--results results.json]")
+    sub.add_parser("engine-loop", add_help=False,
+                   help="the paged engine's own throughput in this process, no HTTP: engine-loop --model-dir DIR "
+                        "[--concurrency 50] [--preset cpu-135m] [--arm NAME=VALUE] [--out FILE] (--help for all)")
     if argv[:1] == ["install-peer"]:
         return install_peer(argv[1:])
     if argv[:1] == ["floor"]:
         from handler.tools.bench import floor
         return floor.main(argv[1:])
+    if argv[:1] == ["engine-loop"]:
+        from handler.tools.bench import engine_loop
+        return engine_loop.main(argv[1:], reexec=True)
     a = ap.parse_args(argv)
     try:
         return cmd_run(a) if a.cmd == "run" else cmd_compare(a)

@@ -1,7 +1,7 @@
 """int8 GEMM (kernels/cpu_gemm_i8.c, option.quantize=int8) against the fp32 panel GEMM (kernels/cpu_gemm.c) of
 the same kernel build, for each build this CPU runs (avx512, avx2: kernels/isa.py), by row count.
 
-    python benchmarks/gemm_i8_bench.py [--isa avx512,avx2] [--shapes smollm2,qwen2.5-0.5b] [--rows 1,16,50,512]
+    python benchmarks/archive/gemm_i8_bench.py [--isa avx512,avx2] [--shapes smollm2,qwen2.5-0.5b] [--rows 1,16,50,512]
                                        [--threads 1] [--rounds 5] [--calls 20] [--layers 1] [--out FILE.json]
 
 Each (build, shape, rows) cell alternates the two kernels for `rounds` rounds of `calls` calls and keeps each

@@ -1,7 +1,7 @@
 """One client, the real model: decode speed with the fp32 RMSNorm in one C call
 (kernels/cpu_exact.c, bit for bit torch's) against torch's own ops, interleaved in one process.
 
-    python benchmarks/rms_norm_ab.py [--quantize int8] [--pairs 4]
+    python benchmarks/archive/rms_norm_ab.py [--quantize int8] [--pairs 4]
 
 Prints each arm's output tokens/s and TPOT per pair (the pairs alternate the arms' order less
 than the noise matters at 1 client; read the paired differences).

@@ -4,7 +4,7 @@ modes), oneDNN's bf16 GEMM (prepacked, as OneDnnPack) and the fp32 panels over a
 (kernels/cpu_gemm.c, PanelPack with widen: what a bf16 model used on an AVX-512 BF16 host
 without AMX before kernels/cpu_gemm_bf16.c).
 
-    python benchmarks/gemm_bf16_bench.py [--rows 1,16,64,256,1024] [--rounds 5] [--copies 8]
+    python benchmarks/archive/gemm_bf16_bench.py [--rows 1,16,64,256,1024] [--rounds 5] [--copies 8]
         [--out benchmarks/results/bf16-panels/gemm.json]
 
 Per (K, N) weight shape (576x576 q/o, 576x192 k/v, 576x1536 gate/up, 1536x576 down, 576x49152 the

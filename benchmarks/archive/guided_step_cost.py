@@ -5,7 +5,7 @@ generate exactly the same number of tokens). Modes alternate (plain, mixed, mixe
 share the machine's noise; reported: wall and process CPU seconds per generated token, and the
 median of the paired mixed/plain ratios.
 
-    HF_HUB_OFFLINE=1 python benchmarks/guided_step_cost.py [--reps 3] [--out FILE.json]
+    HF_HUB_OFFLINE=1 python benchmarks/archive/guided_step_cost.py [--reps 3] [--out FILE.json]
 """
 from __future__ import annotations
 
@@ -62,7 +62,6 @@ def main() -> int:
             f.write(f"option.rolling_batch=auto\noption.paged_attention=true\noption.max_rolling_batch_size=64\n"
                     f"option.kv_cache_tokens=12800\noption.dtype=fp32\noption.device=cpu\n")
         engine = build_engine(load_config(path, a.model_dir, env={}))
-    engine.start() if not engine._thread.is_alive() else None
     tok = engine.tokenizer
     prompts = [chat_prompt(tok, INSTRUCTIONS[i % len(INSTRUCTIONS)].format(topic=TOPICS[i % len(TOPICS)]))
                for i in range(a.requests)]

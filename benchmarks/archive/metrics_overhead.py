@@ -6,7 +6,7 @@
 Closed loop: `--concurrency` reader threads keep the batch full, so wall time / engine steps is
 the mean step time. Modes alternate (off, on, off, on, ...) to share the machine's noise.
 
-    HF_HUB_OFFLINE=1 python benchmarks/metrics_overhead.py [--model-dir DIR] [--reps 5]
+    HF_HUB_OFFLINE=1 python benchmarks/archive/metrics_overhead.py [--model-dir DIR] [--reps 5]
 """
 from __future__ import annotations
 

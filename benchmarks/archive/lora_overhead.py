@@ -6,7 +6,7 @@ round-robin over the 4 adapters (4 adapters in every step), and measures wall ti
 step and generated tokens per second. Modes alternate (base, mixed, base, ...) to share the
 machine's noise; the figure to read is the median of the paired ratios.
 
-    HF_HUB_OFFLINE=1 python benchmarks/lora_overhead.py [--model-dir DIR] [--reps 5]
+    HF_HUB_OFFLINE=1 python benchmarks/archive/lora_overhead.py [--model-dir DIR] [--reps 5]
 """
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 of the same kernel build, for each build this CPU runs (avx512, avx2: kernels/isa.py), by row count: the
 kernels alone, no model.
 
-    python benchmarks/gemm_q4_bench.py [--isa avx512,avx2] [--shapes smollm2,qwen2.5-0.5b] [--rows 1,16,50,512]
+    python benchmarks/archive/gemm_q4_bench.py [--isa avx512,avx2] [--shapes smollm2,qwen2.5-0.5b] [--rows 1,16,50,512]
                                        [--threads 1] [--rounds 5] [--calls 20] [--layers 1] [--group 64]
                                        [--bits 4] [--out F.json]
 

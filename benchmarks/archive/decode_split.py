@@ -1,6 +1,6 @@
 """Where a 1-row decode step's time goes: the engine iteration split into its parts.
 
-    python benchmarks/decode_split.py --model-dir DIR [--dtype fp32] [--quantize int8] [--steps 20]
+    python benchmarks/archive/decode_split.py --model-dir DIR [--dtype fp32] [--quantize int8] [--steps 20]
         [--prompt-tokens 60] [--out FILE.json]
 
 One request decodes alone through the paged engine (driven in this thread, no HTTP; as
@@ -29,7 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from benchmarks.step_floor import Timed, make_engine  # noqa: E402
+from benchmarks.step_floor import Timed, make_engine, prefill  # noqa: E402
 from handler.engine.request import SamplingParams  # noqa: E402
 from benchmarks.script_common import model_parser, write_json  # noqa: E402
 
@@ -43,10 +43,9 @@ def main(argv=None) -> int:
     engine.submit([list(range(100, 100 + a.prompt_tokens))],
                   SamplingParams(max_new_tokens=a.steps + 8, ignore_eos=True))
     sched = engine.scheduler
-    while any(s.num_output == 0 for s in sched.running) or sched.waiting or engine._intake:
-        engine._iteration()
+    prefill(engine)
     for _ in range(3):      # warm
-        engine._iteration()
+        engine.step()
     runner = engine.runner
     model = runner.model
     parts = {"runner": Timed(runner.step), "forward": Timed(runner.forward), "sample": Timed(runner.sampler.sample),
@@ -60,7 +59,7 @@ def main(argv=None) -> int:
     with torch.inference_mode():
         for _ in range(a.steps):
             t = time.perf_counter()
-            engine._iteration()
+            engine.step()
             per_step.append(time.perf_counter() - t)
     res = {"model_dir": a.model_dir, "dtype": a.dtype, "quantize": a.quantize, "threads": torch.get_num_threads(),
            "engine_ms_median": round(statistics.median(per_step) * 1e3, 2),

@@ -1,6 +1,6 @@
 """A GGUF file's linear weights streamed as one 1-row decode step would, in each packed layout.
 
-    python benchmarks/gguf_layouts.py --gguf FILE [--reps 8] [--threads 2] [--out results.json]
+    python benchmarks/archive/gguf_layouts.py --gguf FILE [--reps 8] [--threads 2] [--out results.json]
 
 Every 2-D tensor of the file except the token embeddings (a row gather, not a GEMM) is packed by
 handler/model/quant_int4.py into three layouts of kernels/cpu_gemm_q4.c, all giving the same

@@ -1,6 +1,6 @@
 """One-row (decode at one client) GEMM streaming rate against the host's read bandwidth.
 
-    python benchmarks/gemv_stream.py [--threads 1,2] [--shapes qwen2.5-0.5b] [--layers 24] [--rounds 3]
+    python benchmarks/archive/gemv_stream.py [--threads 1,2] [--shapes qwen2.5-0.5b] [--layers 24] [--rounds 3]
         [--what bw,fp32,int8,step] [--out FILE.json]
 
 bw     the host's read bandwidth: a C loop of 512-bit (or 256-bit) loads summing a 512 MiB fp32 buffer

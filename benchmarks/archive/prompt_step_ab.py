@@ -1,7 +1,7 @@
 """A CPU prompt step two ways, in one process, alternating: the whole decoder stack in one C call
 (handler/model/cpu_stack.py, kernels/cpu_layer.c) against the Python layers.
 
-    python benchmarks/prompt_step_ab.py --model-dir DIR [--dtype fp32|bf16] [--quantize int8]
+    python benchmarks/archive/prompt_step_ab.py --model-dir DIR [--dtype fp32|bf16] [--quantize int8]
         [--lens 15,60,160,60,15,160,60,160,15,60,160,60,15,60,160] [--rounds 5]
 
 One step of whole prompts of `lens` tokens (the default: the `cpu-135m` preset's prompt lengths,

@@ -1,10 +1,10 @@
 """A 1-row decode step through the paged engine with the packed weights in huge pages or not
 (LMI_CPU_HUGEPAGES=auto against 0), arms alternating.
 
-    python benchmarks/hugepages_decode.py --model-dir DIR [--quantize int8_weight_only] [--rounds 3]
+    python benchmarks/archive/hugepages_decode.py --model-dir DIR [--quantize int8_weight_only] [--rounds 3]
         [--steps 30] [--out FILE.json]
 
-Each round runs benchmarks/decode_split.py once per arm, each in its own process (the switch is
+Each round runs benchmarks/archive/decode_split.py once per arm, each in its own process (the switch is
 read when the weights are packed at load), the arms' order flipping every round. Reported per arm:
 each round's engine iteration median (ms/step) and the stack's and head's means (the streamed
 GEMMs), their medians over the rounds, and off/on per round.

@@ -2,7 +2,7 @@
 the working tree's, both built for one instruction set (kernels/isa.py) with the flags the server's build
 uses, called alternately on the same buffers; the outputs must be equal bit for bit.
 
-    python benchmarks/gemm_i8_ab.py [--kernel i8|fp32|bf16w] [--base HEAD] [--isa avx2]
+    python benchmarks/archive/gemm_i8_ab.py [--kernel i8|fp32|bf16w] [--base HEAD] [--isa avx2]
         [--shapes 576x1536,896x4864] [--rows 1,4,8,16,50,512] [--rounds 5] [--calls 20] [--layers 1]
         [--quant-only] [--define NAME=VALUE] [--out FILE.json]
 

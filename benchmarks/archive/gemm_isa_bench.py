@@ -1,7 +1,7 @@
 """The panel GEMMs of each kernel build this CPU runs (kernels/isa.py: avx512, avx2, neon) against each
 other and against torch, at decode and prompt row counts, on SmolLM2-135M and Qwen2.5-0.5B weight shapes.
 
-    python benchmarks/gemm_isa_bench.py [--dtype fp32|bf16] [--isa avx512,avx2] [--rows 1,16,50,512]
+    python benchmarks/archive/gemm_isa_bench.py [--dtype fp32|bf16] [--isa avx512,avx2] [--rows 1,16,50,512]
         [--shapes smollm2,qwen2.5-0.5b] [--rounds 15] [--copies 4] [--no-torch] [--out FILE.json]
 
 fp32: kernels/cpu_gemm.c (lmi_gemm); bf16: kernels/cpu_gemm_bf16.c's widened kernel (lmi_gemm_bf16w, bf16

@@ -1,13 +1,13 @@
 """Does streaming the weights from 2 MiB (transparent huge) pages speed a 1-row decode step?
 
-    python benchmarks/hugepages.py [--what read,fp32,wread,int8,w8,q4,q6] [--rounds 5] [--read-mib 1024]
+    python benchmarks/archive/hugepages.py [--what read,fp32,wread,int8,w8,q4,q6] [--rounds 5] [--read-mib 1024]
         [--shapes qwen2.5-0.5b] [--layers 24] [--threads 2] [--out FILE.json]
 
 Two arms hold the same bytes, allocated by kernels/cpu/'s empty_hugepage: `huge` (advised
 MADV_HUGEPAGE before the first touch) and `4k` (advised MADV_NOHUGEPAGE), both filled before timing.
 Arms alternate within each round (the order flips every round), and each round's figure is one pass:
 
-read   benchmarks/gemv_stream.py's 2-thread read loop of 512-bit loads over a `--read-mib` fp32
+read   benchmarks/archive/gemv_stream.py's 2-thread read loop of 512-bit loads over a `--read-mib` fp32
        buffer (best of 3 passes per round)
 fp32   a whole step's fp32 1-row GEMMs (kernels/cpu_gemm.c's lmi_gemm; qkv, o, gate|up, down per
        layer, then the head), each layer's weights its own tensors, so they stream from memory

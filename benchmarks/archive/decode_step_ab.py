@@ -1,6 +1,6 @@
 """A CPU decode step three ways, in one process, alternating.
 
-    python benchmarks/decode_step_ab.py --model-dir DIR [--dtype fp32|bf16] [--quantize int8]
+    python benchmarks/archive/decode_step_ab.py --model-dir DIR [--dtype fp32|bf16] [--quantize int8]
         [--rows 1] [--rounds 8] [--steps 20]
 
 stack: the whole decoder stack in one C call (handler/model/cpu_stack.py, kernels/cpu_layer.c).
@@ -39,7 +39,7 @@ def main() -> int:
     engine.submit([list(range(100 + i, 160 + i)) for i in range(a.rows)],
                   SamplingParams(max_new_tokens=total, ignore_eos=True))
     for _ in range(10):    # the prompts' prefill and a few decode steps
-        engine._iteration()
+        engine.step()
     real = cpu_ext.decode_fused
     model = engine.runner.model
     stack = model.decode_stack
@@ -51,7 +51,7 @@ def main() -> int:
                 model.decode_stack = stack if arm == "stack" else None
                 t = time.perf_counter()
                 for _ in range(a.steps):
-                    engine._iteration()
+                    engine.step()
                 times[arm].append((time.perf_counter() - t) / a.steps * 1e3)
     finally:
         cpu_ext.decode_fused, model.decode_stack = real, stack

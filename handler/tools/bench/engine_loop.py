@@ -1,38 +1,36 @@
 """The paged engine's own throughput: the benchmark's closed loop driven in this thread, no HTTP.
 
-    python benchmarks/engine_loop.py --model-dir DIR [--dtype fp32|bf16] [--requests 200]
+    python -m handler bench engine-loop --model-dir DIR [--dtype fp32|bf16] [--requests 200]
         [--concurrency 50] [--prompt-tokens 15,60,160] [--max-new-tokens 16,32,64] [--reps 2]
-        [--preset cpu|cpu-135m] [--quantize int8] [--out engine_loop.json]
+        [--preset cpu|cpu-135m] [--quantize int8] [--arm NAME=VALUE ...] [--out engine_loop.json]
 
 The same shape as `handler bench compare`'s `lmi` workload (50 closed-loop clients, greedy,
 ignore_eos, KV 12,800 tokens, 64 running, prefill budget 4,096, block 16), but the clients are
-this thread: it submits to the engine, runs its iterations itself and reads every channel
-between two iterations, so nothing else competes for the interpreter or the cores. Against a
+this thread: it submits to the engine, runs its iterations itself (`Engine.step()`) and reads every
+channel between two iterations, so nothing else competes for the interpreter or the cores. Against a
 served figure (`bench compare`'s paged row) the difference is what serving costs: HTTP
 threads, their wake-ups per streamed token, JSON, and the load client sharing the machine.
 
 Prompts are random token ids (no tokenizer round trip), drawn per repetition from one seed;
 with --preset, the preset's own request list as `bench compare` serves it (the same prompt
 token counts and output lengths: compare these runs with a served figure).
-CPU-s / 1k out tok: this process's user + system time over the measured loop.
+CPU-s / 1k out tok: this process's user + system time over the measured loop. `--arm` sets the
+runner's CPU A/B arms (handler/model/cpu.py Arms), as benchmarks/step_floor.py does.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import platform
 import random
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from benchmarks.step_floor import make_engine  # noqa: E402
-from handler.config import ConfigError  # noqa: E402
-from handler.model.cpu import preload_env  # noqa: E402
-from handler.engine.loop import ErrorEvent  # noqa: E402
-from handler.engine.request import SamplingParams  # noqa: E402
-from benchmarks.script_common import write_json  # noqa: E402
+from handler.config import ConfigError
+from handler.engine.loop import ErrorEvent
+from handler.engine.request import SamplingParams
+from handler.tools.bench.inprocess import make_engine
 
 
 def draw(n: int, prompt_tokens: list[int], max_new: list[int], vocab: int, seed: int):
@@ -63,7 +61,7 @@ def closed_loop(engine, requests, concurrency: int) -> dict:
     t0, c0 = time.perf_counter(), os.times()
     done = tokens = steps = 0
     while live:
-        engine._iteration()
+        engine.step()
         steps += 1
         for i, ch in list(live.items()):
             while not ch.events.empty():
@@ -84,8 +82,9 @@ def closed_loop(engine, requests, concurrency: int) -> dict:
             "cpu_s_per_1k_out_tok": 1000.0 * cpu / max(1, tokens)}
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def main(argv: list[str], reexec: bool = False) -> int:
+    """reexec: run again under tcmalloc first, as `handler serve` does (the command line's call)."""
+    p = argparse.ArgumentParser(prog="python -m handler bench engine-loop", description=__doc__.split("\n\n")[0])
     p.add_argument("--model-dir", required=True)
     p.add_argument("--dtype", default="fp32")
     p.add_argument("--requests", type=int, default=200)
@@ -99,14 +98,22 @@ def main(argv=None) -> int:
                    help="run this `bench compare` preset's lmi request list, tokenized as served "
                         "(every repetition the same list), instead of random prompts")
     p.add_argument("--quantize", help="option.quantize for the engine (e.g. int8)")
+    p.add_argument("--arm", action="append", default=[], metavar="NAME=VALUE",
+                   help="a CPU A/B arm of the runner, repeatable (handler/model/cpu.py Arms: prepack=0, "
+                        "gemm=onednn, bf16_gemm=panels|bf16|fp32, kv_layout=token, decode_stack=0)")
     p.add_argument("--out")
     a = p.parse_args(argv)
+    from handler.model.cpu import Arms, preload_env
+    try:
+        arms = Arms.parse(a.arm)
+    except ValueError as e:
+        p.error(str(e))
     env = preload_env(os.environ)      # tcmalloc, as `handler serve` runs with it
-    if env is not None and argv is None:
-        os.execve(sys.executable, [sys.executable, *sys.argv], env)
+    if env is not None and reexec:
+        os.execve(sys.executable, [sys.executable, "-m", "handler", "bench", "engine-loop", *argv], env)
     try:
         engine = make_engine(a.model_dir, a.dtype, a.max_running, a.kv_tokens, prefill_tokens=4096,
-                             quantize=a.quantize)
+                             quantize=a.quantize, arms=arms)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -127,13 +134,12 @@ def main(argv=None) -> int:
     out = {"model_dir": a.model_dir, "dtype": a.dtype, "quantize": a.quantize,
            "requests": a.requests if served is None else len(served),
            "concurrency": a.concurrency, "prompt_tokens": prompts, "max_new_tokens": mnew,
-           "kv_tokens": a.kv_tokens, "max_running": a.max_running, "runs": runs,
+           "kv_tokens": a.kv_tokens, "max_running": a.max_running, "arms": a.arm, "runs": runs,
            "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
                        "ld_preload": os.environ.get("LD_PRELOAD", ""),
                        "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}}
-    write_json(a.out, out)
+    if a.out:
+        os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
+        with open(a.out, "w") as f:
+            json.dump(out, f, indent=1)
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

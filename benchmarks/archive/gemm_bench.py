@@ -1,7 +1,7 @@
 """The CPU linear layers' GEMM: oneDNN (prepacked, as OneDnnPack) against kernels/cpu_gemm.c
 (PanelPack), on a 135 M Llama's weight shapes, interleaved.
 
-    python benchmarks/gemm_bench.py [--rows 1,8,16,36,50,64,128,256,512,1024] [--rounds 5]
+    python benchmarks/archive/gemm_bench.py [--rows 1,8,16,36,50,64,128,256,512,1024] [--rounds 5]
         [--out benchmarks/results/gemm_bench.json]
 
 Per row count: the 30 layers' seven projections (576x576 q and o, 192x576 k and v, 1536x576 gate
