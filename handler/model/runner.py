@@ -267,7 +267,13 @@ class ModelRunner:
         except OSError:     # no generation_config.json
             model.generation_config = GenerationConfig.from_model_config(config)
         self.own = True
-        log.info("model: our %s implementation (handler/model/llama.py)", model.arch.family)
+        m = model.arch.moe
+        if m is not None:
+            log.info("model: our MoE implementation of %s (handler/model/moe.py: %d experts, top-%d, expert width "
+                     "%d%s; %d of %d layers sparse)", model.arch.family, m.experts, m.top_k, m.intermediate,
+                     f", a shared expert of width {m.shared}" if m.shared else "", sum(m.sparse), len(m.sparse))
+        else:
+            log.info("model: our %s implementation (handler/model/llama.py)", model.arch.family)
         return model
 
     def _not_ours(self, model_dir: str, why: str) -> None:
