@@ -164,6 +164,10 @@ class ModelRunner:
         try:
             self.tokenizer = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
             config = AutoConfig.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
+            if self.device.type == "cpu":   # an MoE model that cannot fit: refused before its weights load
+                why = sizing.moe_refusal(config, self.dtype.itemsize, hardware.cpu_available_memory())
+                if why:
+                    raise ModelLoadError(why)
             self.model = self._own_model(model_dir, config, model_impl, max_model_len)
             if self.model is None:
                 self.model = self._transformers_model(model_dir, trust_remote_code)

@@ -358,3 +358,47 @@ def test_gguf_expert_blocks_give_the_dequantized_models_logits_bit_for_bit(famil
     assert not any(is_grouped(m) for m in plain.model.modules())
     for got, want in zip(_step_logits(served), _step_logits(plain)):
         assert torch.equal(got, want), (family, (got - want).abs().max().item())
+
+
+# ---------------------------------------------------------------------------- sizing
+def _hf_counts(model_dir: str) -> tuple[int, int]:
+    """(weights of 2-D and 3-D tensors, one expert's of a sparse layer) of transformers' model."""
+    from transformers import AutoModelForCausalLM
+    m = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    total = sum(p.numel() for p in m.parameters() if p.dim() >= 2)
+    ex = next(x for x in m.modules() if type(x).__name__.endswith("Experts"))
+    return total, ex.gate_up_proj[0].numel() + ex.down_proj[0].numel()
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_sizing_counts_every_expert_and_the_active_ones(family, moe_dirs, tmp_path):
+    from handler.config import load_config, sizing
+    from handler.config.explain import explain, read_geometry, render
+    d = moe_dirs[family]
+    total, per_expert = _hf_counts(d)
+    cls, kw = CONFIGS[family]
+    w = sizing.moe_weights(sizing.read_config(d), 4)
+    assert w["total_params"] == total
+    sparse = {"qwen3_moe": 2, "qwen2_moe": 1}.get(family, 3)
+    embedding = 8192 * 64       # a token reads one row of it: not counted as active
+    assert w["active_params"] == total - sparse * (w["experts"] - w["top_k"]) * per_expert - embedding
+    assert w["total_bytes"] == 4 * total
+    props = tmp_path / "p.properties"
+    props.write_text("option.rolling_batch=auto\noption.dtype=fp32\n")
+    e = explain(load_config(str(props), d, env={}, gpu_count=0), read_geometry(d), device="cpu", model_dir=d)
+    assert e["moe"]["active_bytes_per_token"] == 4 * w["active_params"]
+    assert f"{w['experts']} experts, top-{w['top_k']}" in render(e)
+
+
+def test_a_model_that_does_not_fit_is_refused_at_start_with_both_numbers(moe_dirs, monkeypatch):
+    from handler.config import hardware
+    d = moe_dirs["qwen2_moe"]
+    total, per_expert = _hf_counts(d)
+    monkeypatch.setattr(hardware, "cpu_available_memory", lambda: 4 * total - 1)
+    with pytest.raises(ModelLoadError) as e:
+        ModelRunner(d, dtype="fp32", device="cpu", kv_cache_tokens=64)
+    msg = str(e.value)
+    assert "\n" not in msg and f"need {4 * total:,} bytes" in msg
+    assert f"reads {4 * (total - 5 * per_expert - 8192 * 64):,} bytes a token" in msg and f"{4 * total - 1:,} bytes" in msg
+    monkeypatch.setattr(hardware, "cpu_available_memory", lambda: 4 * total)
+    assert ModelRunner(d, dtype="fp32", device="cpu", kv_cache_tokens=64).own
