@@ -13,8 +13,9 @@ A step's rows [T, E] (prefill and decode rows together) are routed at once: the 
 (torch.topk: deterministic given the logits; ties go to the lower index). The T*k (token, slot)
 pairs are sorted by expert (slot-major, then token, as transformers' loop visits them), and
 each active expert multiplies all its rows in one GEMM per projection: its rows gathered
-(index_select), gate/up, SiLU x up, down, times the routing weight, summed into the output with
-index_add_ (a token's experts in ascending expert order, as transformers adds them). Each
+(index_select), gate/up, SiLU x up, down, times the routing weight, added into the output rows
+(index_put_ with accumulate: index_add_'s sums; a token's experts in ascending expert order, as
+transformers adds them). Each
 expert is an `Expert` of plain nn.Linear layers, so the CPU packing (handler/model/cpu.py),
 int8 / W8A16 (handler/model/quant.py) and GGUF's grouped blocks (quant_formats.install_gguf)
 apply to experts as to a dense MLP; the routers (`Router`) stay as loaded (F.linear: a
@@ -164,7 +165,9 @@ class SparseMoe(nn.Module):
                 continue
             rows = tokens[start:start + c]
             h = self.experts[e](x.index_select(0, rows)) * w[start:start + c, None]
-            out.index_add_(0, rows, h.to(out.dtype))
+            # out[rows] += h: index_add_'s values (each row once per expert: one addition), but
+            # torch's CPU index_add_ takes ~50 ms a call (a scatter_add over the expanded index)
+            out.index_put_((rows,), h.to(out.dtype), accumulate=True)
             start += c
         return out
 
