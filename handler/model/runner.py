@@ -430,6 +430,10 @@ class ModelRunner:
         if any(getattr(m, "qkv_proj", None) is not None for m in self.model.modules()):
             raise ModelLoadError("LoRA needs the checkpoint's q/k/v and gate/up layers: build the runner with "
                                  "fuse=False (handler/server.py does when option.enable_lora is set)")
+        arch = getattr(self.model, "arch", None)
+        if getattr(arch, "moe", None) is not None:
+            raise ModelLoadError(f"option.enable_lora is not supported for mixture-of-experts models ({arch.family}: "
+                                 "adapters are not applied to experts); leave it unset")
         if self.ranks is not None:
             raise ModelLoadError("option.enable_lora is not supported with option.tensor_parallel_degree "
                                  "> 1 (adapters are not sharded across ranks); use degree 1")

@@ -231,6 +231,13 @@ def test_expert_count_disagreeing_with_the_checkpoint_is_one_line(moe_dirs, tmp_
         assert "\n" not in str(e.value)
 
 
+def test_lora_is_refused_in_one_line(moe_dirs):
+    runner = ModelRunner(moe_dirs["mixtral"], dtype="fp32", device="cpu", kv_cache_tokens=64, fuse=False)
+    with pytest.raises(ModelLoadError, match=r"option.enable_lora is not supported for mixture-of-experts models "
+                                             r"\(mixtral"):
+        runner.enable_lora(2, 8, 4)
+
+
 def test_moe_outside_ours_names_the_field(moe_dirs, demo_model_dir, tmp_path):
     import transformers
     # an MoE family we do not implement: transformers serves it under auto; lmi refuses naming model_type
