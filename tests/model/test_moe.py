@@ -110,6 +110,23 @@ def test_our_moe_logits_match_transformers(name, moe_dirs, caplog):
         assert torch.equal(got.argmax(-1), want.argmax(-1))
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+def test_bf16_is_as_close_to_fp32_as_transformers_bf16(family, moe_dirs):
+    """bf16 rounds differently per implementation (and may route a row to another expert): ours must stay
+    as near to the fp32 logits as transformers' own bf16 model does."""
+    def rel(got, want):
+        return ((got.float() - want).norm() / want.norm()).item()
+
+    d = moe_dirs[family]
+    want = _step_logits(ModelRunner(d, dtype="fp32", device="cpu", kv_cache_tokens=128))
+    ours = ModelRunner(d, dtype="bf16", device="cpu", kv_cache_tokens=128)
+    ours.prepack_cpu()
+    theirs = ModelRunner(d, dtype="bf16", device="cpu", kv_cache_tokens=128, model_impl="transformers")
+    assert ours.own and ours.model.lm_head.weight.dtype == torch.bfloat16
+    for got, ref, w in zip(_step_logits(ours), _step_logits(theirs), want):
+        assert rel(got, w) <= max(1.5 * rel(ref, w), 0.02), (family, rel(got, w), rel(ref, w))
+
+
 def test_both_layouts_load_the_same_model_bit_for_bit(moe_dirs):
     def logits(d):
         r = ModelRunner(d, dtype="fp32", device="cpu", kv_cache_tokens=128)
