@@ -317,7 +317,10 @@ def _gguf_moe(family: str, root, demo_dir: str) -> str:
     d = build(family, str(root / "fp32"), demo_dir, **over)
     sd = load_file(os.path.join(d, "model.safetensors"))
     path = str(root / f"tiny-{family}.gguf")
-    writer = gguf.GGUFWriter(path, family.replace("_", ""))
+    arch = family.replace("_", "")
+    writer = gguf.GGUFWriter(path, arch)
+    writer.add_uint32(f"{arch}.expert_count", 4)
+    writer.add_uint32(f"{arch}.expert_used_count", 2)
     rng = np.random.default_rng(0)
     names = {v: k for k, v in qf.GGUF_LINEARS.items()}
     exps = {v: k for k, v in qf.GGUF_EXPERTS.items()}
@@ -426,3 +429,23 @@ def test_a_model_that_does_not_fit_is_refused_at_start_with_both_numbers(moe_dir
     assert f"reads {4 * (total - 5 * per_expert - 8192 * 64):,} bytes a token" in msg and f"{4 * total - 1:,} bytes" in msg
     monkeypatch.setattr(hardware, "cpu_available_memory", lambda: 4 * total)
     assert ModelRunner(d, dtype="fp32", device="cpu", kv_cache_tokens=64).own
+
+
+def test_a_gguf_moe_that_cannot_be_dequantized_in_memory_is_refused_before_converting(demo_model_dir, tmp_path,
+                                                                                    monkeypatch):
+    pytest.importorskip("gguf", reason="the gguf package reads GGUF files: pip install -e '.[gguf]'")
+    from handler.config import hardware
+    from handler.model.gguf import GGUFError, hf_dir_for
+    _gguf_moe("qwen3_moe", tmp_path, demo_model_dir)
+    path = str(tmp_path / "tiny-qwen3_moe.gguf")
+    from gguf import GGUFReader
+    tensors = GGUFReader(path).tensors
+    total = 4 * sum(int(t.n_elements) for t in tensors)      # fp32, every weight the file holds
+    exps = 4 * sum(int(t.n_elements) for t in tensors if "_exps" in t.name)
+    monkeypatch.setattr(hardware, "cpu_available_memory", lambda: total - 1)
+    with pytest.raises(GGUFError) as e:
+        hf_dir_for(path, "fp32", "cpu")
+    msg = str(e.value)
+    assert "\n" not in msg and f"needs {total:,} bytes" in msg and f"reads {total - exps // 2:,} bytes" in msg
+    cache = os.path.join(os.environ["LMI_MODEL_CACHE"], "gguf")
+    assert not os.path.isdir(cache) or not os.listdir(cache)      # nothing converted
