@@ -70,9 +70,11 @@ def moe_refusal(path: str, dtype_bytes: int, available: int) -> str | None:
     weights at `dtype_bytes` (every expert) and what a decode token reads (the top `expert_used_count`
     of `expert_count` experts of every *_exps tensor, the rest whole; the embedding rows not counted).
     None where it fits or the file has no experts."""
-    from gguf import GGUFReader
-
-    reader = GGUFReader(path)
+    try:
+        from gguf import GGUFReader
+        reader = GGUFReader(path)
+    except Exception:   # no gguf package or not a GGUF file: the conversion says so in its own line
+        return None
 
     def field(name):
         f = reader.fields.get(name)
