@@ -69,6 +69,13 @@ def explain(cfg, g: Geometry, *, device: str, prompt_tokens: int | None = None,
                                                    f"{g.head_dim} head dim * {DTYPE_BYTES[dtype]} bytes"))
                                                + (f" / {tp} ranks (per rank)" if tp > 1 else ""),
                  "block_size": bs, "max_model_len": max_len, "batch_width": width}
+    if model_dir:       # mixture of experts: what must fit vs what a decode step reads
+        try:
+            moe = sizing.moe_weights(sizing.read_config(model_dir), DTYPE_BYTES[dtype])
+        except (ValueError, TypeError):
+            moe = None
+        if moe is not None:
+            out["moe"] = moe
     if device == "cpu":
         isa, why = hardware.cpu_kernels(getattr(cfg, "cpu_kernels", "auto"))
         out["cpu_kernels"] = {"isa": isa or "torch", "why": why}
@@ -238,6 +245,10 @@ def render(e: dict) -> str:
              f"{g['layers']} layers, {g['kv_heads']} kv heads x {g['head_dim']}, {g['max_positions']} positions",
              *([f"CPU kernels: {e['cpu_kernels']['isa']} ({e['cpu_kernels']['why']})"] if "cpu_kernels" in e else []),
              *([f"numerics: {e['numerics']}"] if "numerics" in e else []),
+             *([f"mixture of experts: {e['moe']['experts']} experts, top-{e['moe']['top_k']}; weights "
+                f"{e['moe']['total_bytes'] / mib:,.1f} MiB in memory (every expert), "
+                f"{e['moe']['active_bytes_per_token'] / mib:,.1f} MiB read per decode token (active)"]
+               if "moe" in e else []),
              f"KV bytes per token: {e['kv_bytes_per_token']} = {e['kv_bytes_per_token_formula']}",
              f"KV cache: {e['kv_cache_source']}"]
     if "num_blocks" in e:

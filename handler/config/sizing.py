@@ -226,3 +226,56 @@ def expected_ideal_speedup(values: list[int], batch_size: int, weights: list[flo
         e_max += v * (cdf ** batch_size - cdf_prev ** batch_size)
         cdf_prev = cdf
     return float(e_max / mean)
+
+
+# ------------------------------------------------------------------ mixture of experts
+MOE_TYPES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe")
+
+
+def moe_weights(config, dtype_bytes: int) -> dict | None:
+    """For a mixture-of-experts config (MOE_TYPES; config.json as a dict or a transformers config):
+    the weights' bytes in memory (`total_bytes`, all experts: what must fit) and what one token's
+    decode step reads (`active_bytes_per_token`: attention, the routers, the top-k experts and the
+    shared expert of every layer, the dense layers' MLPs, the output head; not the embedding rows),
+    at `dtype_bytes` a weight. None for a dense model."""
+    get = _getter(_text_config(config))
+    mt = get("model_type")
+    if mt not in MOE_TYPES:
+        return None
+    h, n, vocab = int(get("hidden_size")), int(get("num_hidden_layers")), int(get("vocab_size"))
+    heads, kv = _heads(get)
+    d = int(get("head_dim") or h // heads)
+    experts = int(_first(get, "num_local_experts", "num_experts") or 0)
+    k = int(get("num_experts_per_tok") or 0)
+    width = int(get("intermediate_size") if mt in ("mixtral", "olmoe") else get("moe_intermediate_size"))
+    dense = int(get("intermediate_size"))
+    shared = int(get("shared_expert_intermediate_size") or 0) if mt == "qwen2_moe" else 0
+    step = int(get("decoder_sparse_step") or 1) if mt in ("qwen3_moe", "qwen2_moe") else 1
+    only = set(get("mlp_only_layers") or ()) if mt in ("qwen3_moe", "qwen2_moe") else set()
+    attn = h * heads * d * 2 + 2 * h * kv * d
+    total = active = 0
+    for i in range(n):
+        if i not in only and experts > 0 and (i + 1) % step == 0:
+            common = h * experts + (3 * h * shared + h if shared else 0)
+            total += attn + experts * 3 * h * width + common
+            active += attn + k * 3 * h * width + common
+        else:
+            total += attn + 3 * h * dense
+            active += attn + 3 * h * dense
+    head = vocab * h
+    total += head + (0 if get("tie_word_embeddings") else head)
+    active += head
+    return {"experts": experts, "top_k": k, "expert_width": width, "total_params": total, "active_params": active,
+            "total_bytes": total * dtype_bytes, "active_bytes_per_token": active * dtype_bytes}
+
+
+def moe_refusal(config, dtype_bytes: int, available: int) -> str | None:
+    """Why a mixture-of-experts model cannot be loaded into `available` bytes (None: it fits, or dense)."""
+    w = moe_weights(config, dtype_bytes)
+    if w is None or w["total_bytes"] <= available:
+        return None
+    gib = 1 << 30
+    return (f"the {w['experts']}-expert model's weights need {w['total_bytes']:,} bytes ({w['total_bytes'] / gib:.2f} "
+            f"GiB, every expert) and a decode step reads {w['active_bytes_per_token']:,} bytes a token "
+            f"({w['active_bytes_per_token'] / gib:.2f} GiB: top-{w['top_k']} experts); {available:,} bytes "
+            f"({available / gib:.2f} GiB) are available: use a machine with more memory or a smaller dtype")

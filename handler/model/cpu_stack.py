@@ -112,6 +112,8 @@ def build(model, kv_cache, *, tp_size: int = 1, lora: bool = False,
     a = model.arch
     if tp_size > 1 or lora:
         return None, "tensor parallel" if tp_size > 1 else "LoRA"
+    if a.moe is not None:
+        return None, f"{a.family}'s mixture-of-experts layers (the C stack's MLP is dense)"
     if a.qk_norm or a.post_norms or a.residual_scale != 1.0:
         return None, f"{a.family}'s layer (q/k norms, post-norms or residual multipliers)"
     pool = kv_cache[0][0]

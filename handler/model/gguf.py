@@ -50,10 +50,57 @@ def hf_dir_for(model_dir: str, dtype: str = "auto", device: str = "auto") -> str
     name, fingerprint = conversion_key(path)
     cache = os.path.join(switch("LMI_MODEL_CACHE"), "gguf")
     out = os.path.join(cache, f"{name}-{fingerprint}-{dtype}")
+    if device_of(device) == "cpu" and not os.path.isfile(os.path.join(out, "converted_from.json")):
+        why = moe_refusal(path, {"fp32": 4}.get(dtype, 2), hardware.cpu_available_memory())
+        if why:     # before transformers dequantizes it all (an OOM kill otherwise)
+            raise GGUFError(why)
     log.info("model %s is a GGUF file: dequantizing it to %s in %s (once)", path, dtype, out)
     out = convert_gguf(path, out, dtype)
     drop_stale_conversions(cache, path, name, fingerprint)
     return out
+
+
+def device_of(device: str) -> str:
+    from handler.config import hardware
+    return hardware.pick_device(device)
+
+
+def moe_refusal(path: str, dtype_bytes: int, available: int) -> str | None:
+    """Why the mixture-of-experts GGUF file at `path` cannot be dequantized into `available` bytes: its
+    weights at `dtype_bytes` (every expert) and what a decode token reads (the top `expert_used_count`
+    of `expert_count` experts of every *_exps tensor, the rest whole; the embedding rows not counted).
+    None where it fits or the file has no experts."""
+    try:
+        from gguf import GGUFReader
+        reader = GGUFReader(path)
+    except Exception:   # no gguf package or not a GGUF file: the conversion says so in its own line
+        return None
+
+    def field(name):
+        f = reader.fields.get(name)
+        return int(f.parts[f.data[0]][0]) if f is not None and f.data else None
+
+    from handler.model.quant_formats import gguf_arch
+    arch = gguf_arch(reader)
+    experts, used = field(f"{arch}.expert_count"), field(f"{arch}.expert_used_count")
+    if not experts or not used:
+        return None
+    total = active = 0
+    for t in reader.tensors:
+        n = int(t.n_elements)
+        total += n
+        if t.name.endswith("_exps.weight"):
+            active += n * used // experts
+        elif t.name != "token_embd.weight":
+            active += n
+    gib = 1 << 30
+    total, active = total * dtype_bytes, active * dtype_bytes
+    if total <= available:
+        return None
+    return (f"{os.path.basename(path)}: the {experts}-expert model dequantized needs {total:,} bytes "
+            f"({total / gib:.2f} GiB, every expert) and a decode step reads {active:,} bytes a token "
+            f"({active / gib:.2f} GiB: top-{used} experts); {available:,} bytes ({available / gib:.2f} GiB) are "
+            "available: use a machine with more memory or option.dtype=bf16")
 
 
 def conversion_key(path: str) -> tuple[str, str]:

@@ -7,6 +7,8 @@ Families (config.json's `model_type`) and what a flag covers:
   granite    embedding / attention / residual multipliers, logits divided by `logits_scaling`
   phi3       fused qkv_proj and gate_up_proj (cut into q/k/v and gate/up at load)
   olmo2      no input norms: RMSNorms after attention and MLP, q/k RMSNorm over the projections
+  qwen3_moe, qwen2_moe, mixtral, olmoe   mixture-of-experts MLPs (handler/model/moe.py); qwen3_moe
+             has qwen3's q/k norms, qwen2_moe qwen2's biases, olmoe q/k RMSNorm over the projections
 Anything else (or these with `option.model_impl=transformers`) is served by transformers' own
 model through the attention interface (handler/model/attention.py).
 
@@ -29,9 +31,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from handler.config.numerics import Numerics
+from handler.model import moe
 from handler.model.layers import RMSNorm, Rotary, Shard, TensorParallel, shard
 
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "granite", "phi3", "olmo2")
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "granite", "phi3", "olmo2") + moe.MOE_FAMILIES
 
 
 class Unsupported(ValueError):
@@ -60,6 +63,8 @@ class Arch:
     residual_scale: float   # granite: residual_multiplier
     logits_divisor: float   # granite: logits_scaling
     scaling: float          # attention's softmax scale
+    moe: moe.MoeSpec | None = None      # the MoE families: experts, routing, which layers are sparse
+    qk_style: str = "olmo2"             # a "full" q/k norm's rounding (olmoe: "llama")
 
 
 def arch_of(config) -> Arch:
@@ -82,7 +87,7 @@ def arch_of(config) -> Arch:
     types = getattr(config, "layer_types", None)
     if mt == "qwen2" and not types:
         types = ["sliding_attention" if getattr(config, "use_sliding_window", False) else "full_attention"] * n
-    if mt in ("llama", "granite", "olmo2", "qwen3") and not types:
+    if mt in ("llama", "granite", "olmo2", "qwen3", "olmoe") and not types:
         window = None
     windows = tuple((window if t == "sliding_attention" else None) for t in types) if types else (window,) * n
     g = mt == "granite"
@@ -92,10 +97,12 @@ def arch_of(config) -> Arch:
         intermediate=config.intermediate_size, layers=n, vocab=config.vocab_size,
         eps=float(config.rms_norm_eps), max_positions=config.max_position_embeddings,
         tied=bool(getattr(config, "tie_word_embeddings", False)), windows=windows,
-        qk_norm={"qwen3": "head", "olmo2": "full"}.get(mt), post_norms=mt == "olmo2", fused=mt == "phi3",
+        qk_norm={"qwen3": "head", "qwen3_moe": "head", "olmo2": "full", "olmoe": "full"}.get(mt),
+        post_norms=mt == "olmo2", fused=mt == "phi3",
         embed_scale=float(config.embedding_multiplier) if g else 1.0,
         residual_scale=float(config.residual_multiplier) if g else 1.0,
-        logits_divisor=float(config.logits_scaling) if g else 1.0, scaling=scaling)
+        logits_divisor=float(config.logits_scaling) if g else 1.0, scaling=scaling,
+        moe=moe.spec_of(config, Unsupported), qk_style="llama" if mt == "olmoe" else "olmo2")
 
 
 def _linear(n_in: int, n_out: int, bias: bool, dtype, device) -> nn.Linear:
@@ -131,11 +138,9 @@ class Attention(nn.Module):
         if a.qk_norm == "head":
             self.q_norm = RMSNorm(d, a.eps, dtype=dtype, device=device)
             self.k_norm = RMSNorm(d, a.eps, dtype=dtype, device=device)
-        elif a.qk_norm == "full":   # over the whole projection (every head of every rank)
-            if tp.size > 1:
-                raise Unsupported("OLMo-2's q/k norms span every head: not split across ranks")
-            self.q_norm = RMSNorm(a.heads * d, a.eps, "olmo2", dtype=dtype, device=device)
-            self.k_norm = RMSNorm(a.kv_heads * d, a.eps, "olmo2", dtype=dtype, device=device)
+        elif a.qk_norm == "full":   # over the whole projection (every head of every rank: _full_norm)
+            self.q_norm = RMSNorm(self.heads * d, a.eps, a.qk_style, dtype=dtype, device=device)
+            self.k_norm = RMSNorm(self.kv_heads * d, a.eps, a.qk_style, dtype=dtype, device=device)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, step) -> torch.Tensor:
         t, d = x.shape[0], self.head_dim
@@ -144,7 +149,7 @@ class Attention(nn.Module):
         else:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         if self.qk_norm == "full":
-            q, k = self.q_norm(q), self.k_norm(k)
+            q, k = self._full_norm(self.q_norm, q), self._full_norm(self.k_norm, k)
         q, k, v = q.view(t, -1, d), k.view(t, -1, d), v.view(t, -1, d)
         if self.qk_norm == "head":
             q, k = self.q_norm(q), self.k_norm(k)
@@ -153,6 +158,16 @@ class Attention(nn.Module):
         out = step.backend.forward(q, k, v, k_cache, v_cache, step, self.scaling, cos=cos, sin=sin,
                                    window=self.window)
         return self.tp.reduce(self.o_proj(out.reshape(t, -1)))     # row-parallel: partial sums
+
+    def _full_norm(self, norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
+        """An RMSNorm over the whole projection [T, H*D]; with tensor parallelism each rank holds
+        [T, H*D/N] and its slice of the weight, and the squares' sums are all-reduced."""
+        if self.tp.size == 1:
+            return norm(x)
+        h = x.float()
+        ss = self.tp.reduce(h.pow(2).sum(-1, keepdim=True))
+        h = h * torch.rsqrt(ss / (h.shape[-1] * self.tp.size) + norm.eps)
+        return norm.weight * h.to(x.dtype) if norm.style == "llama" else (norm.weight * h).to(x.dtype)
 
     def fuse(self) -> None:
         parts = [self.q_proj, self.k_proj, self.v_proj]
@@ -190,7 +205,10 @@ class DecoderLayer(nn.Module):
     def __init__(self, a: Arch, i: int, biases: dict, tp: TensorParallel, dtype, device):
         super().__init__()
         self.self_attn = Attention(a, i, biases, tp, dtype, device)
-        self.mlp = MLP(a, tp, dtype, device)
+        if a.moe is not None and a.moe.sparse[i]:
+            self.mlp = moe.SparseMoe(a.hidden, a.moe, tp, dtype, device)
+        else:
+            self.mlp = MLP(a, tp, dtype, device)
         self.post_norms, self.residual_scale = a.post_norms, a.residual_scale
         style = "olmo2" if a.post_norms else "llama"
         if a.post_norms:
@@ -251,7 +269,9 @@ class LlamaFamilyForCausalLM(nn.Module):
             a, m = layer.self_attn, layer.mlp
             if all(type(p) is nn.Linear for p in (a.q_proj, a.k_proj, a.v_proj)):
                 a.fuse()
-            if type(m.gate_proj) is nn.Linear and type(m.up_proj) is nn.Linear:
+            if isinstance(m, moe.SparseMoe):
+                m.fuse()
+            elif type(m.gate_proj) is nn.Linear and type(m.up_proj) is nn.Linear:
                 m.fuse()
 
     def get_input_embeddings(self) -> nn.Module:
@@ -313,7 +333,8 @@ def load(model_dir: str, config, *, dtype: torch.dtype, device: torch.device,
     from handler.model import quant_formats, quant_int4
 
     a = arch_of(config)
-    if a.heads % tp.size or a.kv_heads % tp.size or a.intermediate % tp.size:
+    widths = (a.intermediate,) + ((a.moe.intermediate, a.moe.shared) if a.moe is not None else ())
+    if a.heads % tp.size or a.kv_heads % tp.size or any(w % tp.size for w in widths):
         raise Unsupported(f"{tp.size} ranks do not divide the heads / MLP width")
     files = _safetensors(model_dir)
     if not files:
@@ -337,12 +358,30 @@ def load(model_dir: str, config, *, dtype: torch.dtype, device: torch.device,
     qload = quant_formats.CheckpointLoader.for_dir(model_dir, quantize)    # AWQ / GPTQ, else None
     q, kv = a.heads * a.head_dim, a.kv_heads * a.head_dim
 
+    experts_seen: dict[int, set[int]] = {}
+
+    def spec_of(name: str) -> Shard:
+        if a.qk_norm == "full" and name.endswith(("self_attn.q_norm.weight", "self_attn.k_norm.weight")):
+            return Shard("column")      # olmo2 / olmoe: each rank normalises its heads' slice (_full_norm)
+        return _spec(name)
+
     def put(name: str, t: torch.Tensor, spec: Shard):
         p = params.get(name)
+        where = moe.expert_index(name) if a.moe is not None else None
+        if where is not None:
+            experts_seen.setdefault(where[0], set()).add(where[1])
+            if where[1] >= a.moe.experts:
+                raise ValueError(f"the checkpoint has expert {where[1]} in layer {where[0]}; config.json's experts "
+                                 f"count (num_experts / num_local_experts) is {a.moe.experts}")
         if p is None:
+            if a.moe is not None:
+                moe.check_dense(name, a.moe)
             raise ValueError(f"unexpected tensor {name!r} in the checkpoint")
         t = shard(t, spec, tp)
         if tuple(t.shape) != tuple(p.shape):
+            if a.moe is not None and name.endswith(".mlp.gate.weight"):
+                raise ValueError(f"tensor {name}: the router has {t.shape[0]} experts; config.json's experts count "
+                                 f"(num_experts / num_local_experts) is {a.moe.experts}")
             raise ValueError(f"tensor {name}: checkpoint shape {list(t.shape)} does not fit {list(p.shape)} "
                              f"(config.json and the weights disagree)")
         with torch.no_grad():
@@ -355,6 +394,13 @@ def load(model_dir: str, config, *, dtype: torch.dtype, device: torch.device,
                 if key.endswith("rotary_emb.inv_freq") or (qload is not None and qload.take(key, f)):
                     continue
                 t = f.get_tensor(key)
+                if a.moe is not None:
+                    key = moe.our_name(key)
+                    parts = moe.split_fused(key, t, a.moe)
+                    if parts is not None:       # fused 3-D experts: per expert
+                        for name, part in parts:
+                            put(name, part, _spec(name))
+                        continue
                 if a.fused and ".qkv_proj." in key:
                     parts = t.split([q, kv, kv], 0)
                     for proj, part in zip(("q_proj", "k_proj", "v_proj"), parts):
@@ -365,7 +411,9 @@ def load(model_dir: str, config, *, dtype: torch.dtype, device: torch.device,
                 elif key == "lm_head.weight" and a.tied:
                     continue
                 else:
-                    put(key, t, _spec(key))
+                    put(key, t, spec_of(key))
+    if a.moe is not None:
+        moe.check_experts(experts_seen, a.moe)
     if qload is not None:
         filled |= qload.install(model, tp, a, _spec, numerics)
     missing = sorted(n for n in params if n not in filled and not (a.tied and n == "lm_head.weight"))

@@ -236,6 +236,13 @@ def smooth_groups(model: nn.Module, head: bool = False) -> list[tuple[nn.Module,
         if a.qkv_proj is not None:
             raise ValueError("smooth before fuse_projections: smoothing scales q/k/v and up_proj apart")
         groups.append((layer.input_layernorm, [a.q_proj, a.k_proj, a.v_proj]))
+        experts = getattr(m, "experts", None)
+        if experts is not None:     # MoE (handler/model/moe.py): the norm feeds the routers and every expert
+            mlps = [*experts] + ([m.shared_expert] if hasattr(m, "shared_expert") else [])
+            routers = [m.gate] + ([m.shared_expert_gate] if hasattr(m, "shared_expert_gate") else [])
+            groups.append((layer.post_attention_layernorm, routers + [p for e in mlps for p in (e.gate_proj, e.up_proj)]))
+            groups += [(e.up_proj, [e.down_proj]) for e in mlps]
+            continue
         groups.append((layer.post_attention_layernorm, [m.gate_proj, m.up_proj]))
         groups.append((m.up_proj, [m.down_proj]))
     if head:
@@ -264,8 +271,13 @@ def smooth(model: nn.Module, run_calibration, alpha: float = SMOOTH_ALPHA, head:
     finally:
         for h in handles:
             h.remove()
+    done = 0
     for producer, cs in groups:
-        xmax = torch.stack([amax[id(c)] for c in cs]).amax(0).clamp_min(1e-5)
+        seen = [amax[id(c)] for c in cs if id(c) in amax]
+        if not seen:        # an expert no calibration token was routed to: left as it is
+            continue
+        done += 1
+        xmax = torch.stack(seen).amax(0).clamp_min(1e-5)
         wmax = torch.stack([c.weight.detach().abs().amax(0).float() for c in cs]).amax(0).clamp_min(1e-5)
         s = (xmax.pow(alpha) / wmax.pow(1 - alpha)).clamp_min(1e-5)
         if isinstance(producer, nn.Linear):     # up_proj: its output rows
@@ -277,4 +289,4 @@ def smooth(model: nn.Module, run_calibration, alpha: float = SMOOTH_ALPHA, head:
         for c in cs:
             c.weight.mul_(s[None].to(c.weight.dtype))
             c.input_scale = s.to(c.weight.device)
-    return len(groups)
+    return done

@@ -183,6 +183,12 @@ GGUF_LINEARS = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "att
                 "ffn_down": "mlp.down_proj"}
 
 
+# MoE (qwen2moe / qwen3moe): 3-D [experts, N, K] tensors, one grouped layer per expert; the
+# shared expert's are 2-D. The routers (ffn_gate_inp, ffn_gate_inp_shexp) stay as llama.load read them.
+GGUF_EXPERTS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
+GGUF_LINEARS.update({"ffn_gate_shexp": "mlp.shared_expert.gate_proj", "ffn_up_shexp": "mlp.shared_expert.up_proj",
+                     "ffn_down_shexp": "mlp.shared_expert.down_proj"})
+
 GGUF_SERVED = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
 QK_K = 256      # a K-quant superblock
 
@@ -300,6 +306,27 @@ def install_gguf(model: nn.Module, model_dir: str, tp, arch, spec_of, numerics: 
     done, other = 0, {}
     for t in reader.tensors:
         parts = t.name.split(".")
+        if len(parts) == 4 and parts[0] == "blk" and parts[2] in GGUF_EXPERTS and parts[3] == "weight":
+            kind = t.tensor_type.name
+            if kind not in GGUF_SERVED:
+                other[kind] = other.get(kind, 0) + 1
+                continue
+            k, n, count = (int(x) for x in t.shape)
+            moe = getattr(arch, "moe", None)
+            if moe is None or count != moe.experts:
+                raise QuantLoadError(f"GGUF tensor {t.name} holds {count} experts; config.json's experts count "
+                                     f"(num_experts) is {moe.experts if moe else 0}")
+            data = np.asarray(t.data).reshape(count, n, -1)
+            for e in range(count):      # each expert its own grouped layer, its blocks as the file has them
+                name = f"model.layers.{parts[1]}.mlp.experts.{e}.{GGUF_EXPERTS[parts[2]]}"
+                m = modules.get(name)
+                if not isinstance(m, nn.Linear):
+                    raise QuantLoadError(f"GGUF tensor {t.name} has no layer {name} in the model")
+                w = gguf_blocks(kind, data[e], n, k)
+                install(model, name, w.cut(spec_of(name + ".weight").kind, tp.rank, tp.size, name), f"gguf {kind}",
+                        kernel, numerics)
+                done += 1
+            continue
         if t.name == "output.weight" and not arch.tied:
             name, leaf = "lm_head", None
         elif len(parts) == 4 and parts[0] == "blk" and parts[2] in GGUF_LINEARS and parts[3] == "weight":

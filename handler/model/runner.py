@@ -172,6 +172,10 @@ class ModelRunner:
         try:
             self.tokenizer = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
             config = AutoConfig.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
+            if self.device.type == "cpu":   # an MoE model that cannot fit: refused before its weights load
+                why = sizing.moe_refusal(config, self.dtype.itemsize, hardware.cpu_available_memory())
+                if why:
+                    raise ModelLoadError(why)
             self.model = self._own_model(model_dir, config, model_impl, max_model_len)
             if self.model is None:
                 self.model = self._transformers_model(model_dir, trust_remote_code)
@@ -275,7 +279,13 @@ class ModelRunner:
         except OSError:     # no generation_config.json
             model.generation_config = GenerationConfig.from_model_config(config)
         self.own = True
-        log.info("model: our %s implementation (handler/model/llama.py)", model.arch.family)
+        m = model.arch.moe
+        if m is not None:
+            log.info("model: our MoE implementation of %s (handler/model/moe.py: %d experts, top-%d, expert width "
+                     "%d%s; %d of %d layers sparse)", model.arch.family, m.experts, m.top_k, m.intermediate,
+                     f", a shared expert of width {m.shared}" if m.shared else "", sum(m.sparse), len(m.sparse))
+        else:
+            log.info("model: our %s implementation (handler/model/llama.py)", model.arch.family)
         return model
 
     def _not_ours(self, model_dir: str, why: str) -> None:
@@ -428,6 +438,10 @@ class ModelRunner:
         if any(getattr(m, "qkv_proj", None) is not None for m in self.model.modules()):
             raise ModelLoadError("LoRA needs the checkpoint's q/k/v and gate/up layers: build the runner with "
                                  "fuse=False (handler/server.py does when option.enable_lora is set)")
+        arch = getattr(self.model, "arch", None)
+        if getattr(arch, "moe", None) is not None:
+            raise ModelLoadError(f"option.enable_lora is not supported for mixture-of-experts models ({arch.family}: "
+                                 "adapters are not applied to experts); leave it unset")
         if self.ranks is not None:
             raise ModelLoadError("option.enable_lora is not supported with option.tensor_parallel_degree "
                                  "> 1 (adapters are not sharded across ranks); use degree 1")

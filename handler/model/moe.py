@@ -1,0 +1,259 @@
+"""Mixture-of-experts layers of our own model (handler/model/llama.py): Qwen3-MoE, Qwen2-MoE,
+Mixtral, OLMoE, each routing as its transformers reference does.
+
+  family      experts / top-k fields                 weights of the top-k            shared expert
+  qwen3_moe   num_experts, num_experts_per_tok       softmax (fp32), norm_topk_prob   -
+  qwen2_moe   num_experts, num_experts_per_tok       softmax (fp32), norm_topk_prob   sigmoid(gate(x)) * MLP(x)
+  mixtral     num_local_experts, num_experts_per_tok softmax (fp32), always renormalised, kept fp32
+  olmoe       num_experts, num_experts_per_tok       softmax (fp32), norm_topk_prob (off: no renormalisation)
+The Qwen families keep a dense MLP in `mlp_only_layers` and where (i + 1) % decoder_sparse_step != 0.
+
+A step's rows [T, E] (prefill and decode rows together) are routed at once: the router's logits
+[T, X] (X experts) by F.linear as transformers computes them, top-k over the probabilities
+(torch.topk: deterministic given the logits; ties go to the lower index). The T*k (token, slot)
+pairs are sorted by expert (slot-major, then token, as transformers' loop visits them), and
+each active expert multiplies all its rows in one GEMM per projection: its rows gathered
+(index_select), gate/up, SiLU x up, down, times the routing weight, added into the output rows
+(index_put_ with accumulate: index_add_'s sums; a token's experts in ascending expert order, as
+transformers adds them). Each
+expert is an `Expert` of plain nn.Linear layers, so the CPU packing (handler/model/cpu.py),
+int8 / W8A16 (handler/model/quant.py) and GGUF's grouped blocks (quant_formats.install_gguf)
+apply to experts as to a dense MLP; the routers (`Router`) stay as loaded (F.linear: a
+quantized router could change which experts run). Tensor parallelism cuts every expert's
+intermediate dimension (gate/up by rows, down by columns) as the dense MLP's; the block's output
+(experts + shared expert) is all-reduced once.
+
+What the Python grouping costs: per layer a sort of T*k ids, a bincount, and per active expert an
+index_select, three GEMM calls, two element-wise passes and an index_add_ (~10 dispatches): on a
+decode step of one row with 8 active experts that is ~80 small ops per layer where the dense MLP
+takes ~4 (handler/model/moe.py's note in docs/ARCHITECTURE.md gives the measurement).
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+MOE_FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe")
+
+
+@dataclass(frozen=True)
+class MoeSpec:
+    experts: int            # X
+    top_k: int
+    intermediate: int       # each expert's width
+    norm_topk: bool         # renormalise the top-k weights to sum 1
+    fp32_weights: bool      # mixtral: the weights stay fp32 (the others round them to the logits' dtype)
+    shared: int             # qwen2_moe: the shared expert's width (0: none)
+    sparse: tuple           # per layer: True where the layer's MLP is the experts
+
+    def active_fraction(self) -> float:
+        return self.top_k / self.experts
+
+
+def _field(config, name: str, unsupported):
+    v = getattr(config, name, None)
+    if v is None:
+        raise unsupported(f"config.json lacks {name} for a {config.model_type} model")
+    return v
+
+
+def spec_of(config, unsupported) -> MoeSpec | None:
+    """The MoE settings of a config of MOE_FAMILIES (None for a dense family); `unsupported`
+    (llama.Unsupported) names the field where the config is outside what we route."""
+    mt = getattr(config, "model_type", None)
+    if mt not in MOE_FAMILIES:
+        return None
+    n = config.num_hidden_layers
+    if mt == "mixtral":
+        experts = _field(config, "num_local_experts", unsupported)
+        width, norm, shared, sparse = config.intermediate_size, True, 0, (True,) * n
+    else:
+        experts = _field(config, "num_experts", unsupported)
+        norm = bool(getattr(config, "norm_topk_prob", False))
+        if mt == "olmoe":
+            width, shared, sparse = config.intermediate_size, 0, (True,) * n
+            if getattr(config, "clip_qkv", None) is not None:
+                raise unsupported("olmoe clip_qkv (our attention does not clamp q/k/v)")
+        else:
+            width = _field(config, "moe_intermediate_size", unsupported)
+            shared = int(getattr(config, "shared_expert_intermediate_size", 0) or 0) if mt == "qwen2_moe" else 0
+            step = int(getattr(config, "decoder_sparse_step", 1) or 1)
+            only = set(getattr(config, "mlp_only_layers", None) or ())
+            sparse = tuple(i not in only and experts > 0 and (i + 1) % step == 0 for i in range(n))
+    top_k = _field(config, "num_experts_per_tok", unsupported)
+    if any(sparse) and not 0 < top_k <= experts:
+        raise unsupported(f"num_experts_per_tok={top_k} with {experts} experts")
+    return MoeSpec(int(experts), int(top_k), int(width), norm, mt == "mixtral", shared, sparse)
+
+
+class Router(nn.Linear):
+    """The router's (or the shared expert's gate's) weight, applied by F.linear as transformers does;
+    its own type keeps it out of the CPU packing and quantization (both take plain nn.Linear)."""
+
+
+class Expert(nn.Module):
+    """One expert (or the shared expert): gate/up/down as the dense MLP, without the all-reduce."""
+
+    def __init__(self, hidden: int, width: int, dtype, device):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, width, bias=False, dtype=dtype, device=device).requires_grad_(False)
+        self.up_proj = nn.Linear(hidden, width, bias=False, dtype=dtype, device=device).requires_grad_(False)
+        self.down_proj = nn.Linear(width, hidden, bias=False, dtype=dtype, device=device).requires_grad_(False)
+        self.gate_up_proj = None    # fuse(): gate and up in one layer
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gate_up_proj is not None:
+            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+            h = F.silu(gate.contiguous(), inplace=True).mul_(up)
+        else:
+            h = F.silu(self.gate_proj(x), inplace=True).mul_(self.up_proj(x))
+        return self.down_proj(h)
+
+    def fuse(self) -> None:
+        from handler.model.llama import _fused
+        if type(self.gate_proj) is nn.Linear and type(self.up_proj) is nn.Linear:
+            self.gate_up_proj = _fused([self.gate_proj, self.up_proj])
+            del self.gate_proj, self.up_proj
+
+
+class SparseMoe(nn.Module):
+    """`mlp` of a sparse layer: `gate` (router [X, E]), `experts.<j>`, qwen2_moe's `shared_expert`
+    and `shared_expert_gate` (names as the checkpoints'; Mixtral's are renamed at load)."""
+
+    def __init__(self, hidden: int, spec: MoeSpec, tp, dtype, device):
+        super().__init__()
+        self.spec, self.tp = spec, tp
+        self.gate = Router(hidden, spec.experts, bias=False, dtype=dtype, device=device).requires_grad_(False)
+        self.experts = nn.ModuleList(Expert(hidden, spec.intermediate // tp.size, dtype, device)
+                                     for _ in range(spec.experts))
+        if spec.shared:
+            self.shared_expert = Expert(hidden, spec.shared // tp.size, dtype, device)
+            self.shared_expert_gate = Router(hidden, 1, bias=False, dtype=dtype, device=device).requires_grad_(False)
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, E] -> (weights [T, k], expert ids [T, k]) as the family's transformers router."""
+        logits = self.gate(x)                     # [T, X]: F.linear, as transformers' router
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float)
+        weights, ids = torch.topk(probs, self.spec.top_k, dim=-1)
+        if self.spec.norm_topk:
+            weights /= weights.sum(dim=-1, keepdim=True)
+        return (weights if self.spec.fp32_weights else weights.to(logits.dtype)), ids
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = self.route(x)
+        out = self.experts_forward(x, weights, ids)
+        if self.spec.shared:
+            s = self.shared_expert(x)
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * s
+        return self.tp.reduce(out)
+
+    def experts_forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        t, k = ids.shape
+        flat = ids.t().reshape(-1)                       # [k*T], slot-major: pair p = slot * T + token
+        order = torch.argsort(flat, stable=True)         # by expert, then slot, then token
+        counts = torch.bincount(flat, minlength=self.spec.experts).tolist()
+        tokens = order % t
+        w = weights.t().reshape(-1)[order]
+        out = torch.zeros_like(x)
+        start = 0
+        for e, c in enumerate(counts):
+            if not c:
+                continue
+            rows = tokens[start:start + c]
+            h = self.experts[e](x.index_select(0, rows)) * w[start:start + c, None]
+            # out[rows] += h: index_add_'s values (each row once per expert: one addition), but
+            # torch's CPU index_add_ takes ~50 ms a call (a scatter_add over the expanded index)
+            out.index_put_((rows,), h.to(out.dtype), accumulate=True)
+            start += c
+        return out
+
+    def fuse(self) -> None:
+        for e in self.experts:
+            e.fuse()
+        if self.spec.shared:
+            self.shared_expert.fuse()
+
+
+# ---------------------------------------------------------------------------- checkpoint names
+_MIXTRAL = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+_EXPERT = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.")
+_FUSED = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)$")
+
+
+def our_name(key: str) -> str:
+    """A checkpoint key -> ours: Mixtral's block_sparse_moe.experts.j.w1/w3/w2 -> mlp.experts.j.
+    gate_proj/up_proj/down_proj; other keys unchanged."""
+    if ".block_sparse_moe." in key:
+        key = key.replace(".block_sparse_moe.", ".mlp.")
+        m = re.match(r"^(.*\.experts\.\d+\.)(w[123])(\..*)$", key)
+        if m:
+            key = m.group(1) + _MIXTRAL[m.group(2)] + m.group(3)
+    return key
+
+
+def split_fused(key: str, t: torch.Tensor, spec: MoeSpec) -> list[tuple[str, torch.Tensor]] | None:
+    """transformers 5's fused 3-D expert tensors (`mlp.experts.gate_up_proj` [X, 2I, E], gate rows
+    first; `mlp.experts.down_proj` [X, E, I]) -> per-expert (name, weight) pairs; None for any other key."""
+    m = _FUSED.match(key)
+    if m is None:
+        return None
+    layer, what = m.groups()
+    if t.dim() != 3 or t.shape[0] != spec.experts:
+        raise ValueError(f"tensor {key}: {list(t.shape)} holds {t.shape[0] if t.dim() == 3 else '?'} experts; "
+                         f"config.json's experts count (num_experts / num_local_experts) is {spec.experts}")
+    out = []
+    for e in range(spec.experts):
+        base = f"model.layers.{layer}.mlp.experts.{e}."
+        if what == "down_proj":
+            out.append((base + "down_proj.weight", t[e]))
+        else:
+            gate, up = t[e].chunk(2, 0)
+            out += [(base + "gate_proj.weight", gate), (base + "up_proj.weight", up)]
+    return out
+
+
+def expert_index(name: str) -> tuple[int, int] | None:
+    """(layer, expert) of a per-expert tensor name of ours."""
+    m = _EXPERT.match(name)
+    return (int(m.group(1)), int(m.group(2))) if m else None
+
+
+def check_experts(seen: dict[int, set[int]], spec: MoeSpec) -> None:
+    """Every sparse layer's experts were in the checkpoint, no more and no fewer than the config says."""
+    for layer, sparse in enumerate(spec.sparse):
+        got = seen.get(layer, set())
+        if sparse and got != set(range(spec.experts)):
+            raise ValueError(f"layer {layer} of the checkpoint has {len(got)} experts (ids {min(got, default=0)}.."
+                             f"{max(got, default=-1)}); config.json's experts count (num_experts / "
+                             f"num_local_experts) is {spec.experts}")
+        if not sparse and got:
+            raise ValueError(f"layer {layer} of the checkpoint has experts but config.json makes it dense "
+                             "(mlp_only_layers / decoder_sparse_step)")
+
+
+def check_dense(name: str, spec: MoeSpec) -> None:
+    """A dense MLP tensor where the config makes the layer sparse: the error names the fields."""
+    m = re.match(r"^model\.layers\.(\d+)\.mlp\.(gate|up|down)_proj\.", name)
+    if m and spec.sparse[int(m.group(1))]:
+        raise ValueError(f"layer {m.group(1)} of the checkpoint has a dense MLP ({name}); config.json makes it "
+                         "sparse (mlp_only_layers / decoder_sparse_step)")
+
+
+def sizes(spec: MoeSpec, hidden: int, dense_intermediate: int, layers: int) -> tuple[int, int]:
+    """(all, active per token) parameters of the MLPs: every expert's vs the top-k's (plus the routers,
+    the shared experts and the dense layers' MLPs, which every token reads)."""
+    per_expert = 3 * hidden * spec.intermediate
+    total = active = 0
+    for sparse in spec.sparse[:layers]:
+        if sparse:
+            common = hidden * spec.experts + (3 * hidden * spec.shared + hidden if spec.shared else 0)
+            total += spec.experts * per_expert + common
+            active += spec.top_k * per_expert + common
+        else:
+            total += 3 * hidden * dense_intermediate
+            active += 3 * hidden * dense_intermediate
+    return total, active
