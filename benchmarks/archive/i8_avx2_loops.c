@@ -2,7 +2,7 @@
  * instructions it could use, alone and in pairs, and of candidate inner loops over one weight panel
  * in L1, in cycles per row and 8-column unit of 4 k (32 multiply-adds), against fp32's 4 FMAs.
  *
- *   cc -O3 -march=x86-64-v3 -mtune=generic benchmarks/i8_avx2_loops.c -o /tmp/i8_avx2_loops
+ *   cc -O3 -march=x86-64-v3 -mtune=generic benchmarks/archive/i8_avx2_loops.c -o /tmp/i8_avx2_loops
  *   /tmp/i8_avx2_loops [GHz]        (GHz: the core's clock, to print cycles; default 3.47)
  *
  * Each figure is the best of 30 short runs by the thread's CPU time (robust to a shared host, not

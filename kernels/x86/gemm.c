@@ -22,7 +22,7 @@
 /* The L1 prefetch distance in k-rows of the panel: one row streams its panel from memory at the
  * loop's pace (no next-panel prefetch, see gemm_block), so it looks 4 KiB ahead; 1-row decode
  * GEMMs of the 0.5 B Qwen's shapes on 2 Zen 4 cores: 5-10% less time (3 of 4 interleaved runs) than 8 ahead with the
- * next-panel L2 prefetch (benchmarks/gemv_stream.py). Bigger blocks read the panel from L2. */
+ * next-panel L2 prefetch (benchmarks/archive/gemv_stream.py). Bigger blocks read the panel from L2. */
 #define PFD(MR) ((MR) == 1 ? 32 : 8)
 #define KERNEL(MR, NAME, PF)   /* PF 0: a panel already in the caches, nothing prefetched */         \
     static void NAME##_##MR(const float *A, int64_t lda, const float *B, int64_t K, float *C,         \

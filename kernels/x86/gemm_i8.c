@@ -269,7 +269,7 @@ void lmi_arch_i8_widen(const uint8_t *Aq, int64_t rows, int64_t Kp, int16_t *out
  * row and unit before vpmaddubsw, vpmaddwd by ones and vpaddd, and on a Zen 4 vpsignb, vpmaddubsw,
  * vpmaddwd and the FMAs issue on the same two pipes: 3 of those 4 instructions queue there (about
  * 1.8 cycles per row and unit in a loop from L1, against 1.35 here and 2.2 for fp32's 4 FMAs:
- * benchmarks/i8_avx2_loops.c).
+ * benchmarks/archive/i8_avx2_loops.c).
  * The sign moved to the weights (|q| x W with q's sign) is wrong for W = -128. */
 #define MRW 3
 static inline __m256i i8w_bcast(const int16_t *p) {
