@@ -172,6 +172,8 @@ def _fields(payload: dict, model: type[_Fields], lax: bool = False) -> _Fields:
     """The body's declared fields, checked (nulls are absent; lax: numbers in strings coerced, as
     vLLM's models on LMI's /invocations); the others warned about once."""
     body = {k: v for k, v in payload.items() if v is not None}
+    if not isinstance(body.get("model", ""), str):      # the name is not checked, its type is
+        raise RequestError("model", f"must be a string, got {show(body['model'])}")
     for name, v in body.items():
         if name in model.model_fields or name in _QUIET:
             continue
