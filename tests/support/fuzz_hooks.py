@@ -18,6 +18,12 @@ CROSS_FIELD = re.compile("|".join([
     r"names no earlier function_call",                # a function_call_output must answer an earlier call
     r"needs `tools`|must name one of the tools",      # a tool choice needs the tools it names
     r"needs a tool-call format",                      # tools called freely need the model's call format
+    r"holds no message to answer",                    # a Responses input needs a message among its items
+    r"conflicts with",                                # one output constraint per request
+    # a constraint's own language: the guided-decoding compiler takes the schema, regex or grammar or names
+    # what it refuses (handler/engine/guide.py)
+    r"is not a valid regular expression|cannot be compiled for guided decoding|is not supported by guided "
+    r"decoding|is not valid JSON|is not a valid JSON schema|nested more than 64 levels",
 ]))
 
 

@@ -252,6 +252,9 @@ def _tool_calls(i: int, calls) -> list[dict]:
             raise RequestError(f"messages[{i}].tool_calls[{j}]", f"must be {{\"function\": {{\"name\", "
                                                                   f"\"arguments\"}}}}, got {show(c)}")
         args = f.get("arguments")
+        if args is not None and not isinstance(args, (str, dict)):
+            raise RequestError(f"messages[{i}].tool_calls[{j}].function.arguments",
+                               f"must be JSON text or an object, got {show(args)}")
         if isinstance(args, str):
             try:
                 args = json.loads(args)

@@ -26,6 +26,30 @@ _IDS = {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems":
 _PROMPT = {"anyOf": [*_TEXT_OR_LIST["anyOf"], _IDS, {"type": "array", "items": _IDS, "minItems": 1}]}
 
 
+# Guided decoding's shapes (handler/engine/guide.py); what the constraint's own language accepts (a
+# schema, a regular expression, a grammar the compiler takes) is the compiler's to say
+_TEXT = {"type": "string", "minLength": 1}
+_CHOICES = {"type": "array", "minItems": 1, "items": _TEXT}
+GUIDED = {
+    "guided_json": {"type": ["object", "string"]},
+    "guided_regex": _TEXT, "guided_grammar": _TEXT, "guided_choice": _CHOICES,
+    "structured_outputs": {"type": "object", "minProperties": 1, "maxProperties": 1, "properties": {
+        "json": {"type": ["object", "string"]}, "regex": _TEXT, "choice": _CHOICES, "grammar": _TEXT,
+        "json_object": {"const": True}}, "additionalProperties": False},
+    "grammar": {"oneOf": [
+        {"type": "object", "required": ["type", "value"],
+         "properties": {"type": {"const": "json"}, "value": {"type": ["object", "string"]}}},
+        {"type": "object", "required": ["type", "value"], "properties": {"type": {"const": "regex"}, "value": _TEXT}},
+        {"type": "object", "required": ["type"], "properties": {"type": {"const": "json_object"}}}]},
+}
+RESPONSE_FORMAT = {"oneOf": [
+    {"type": "object", "required": ["type"], "properties": {"type": {"enum": ["text", "json_object"]}}},
+    {"type": "object", "required": ["type", "json_schema"], "properties": {
+        "type": {"const": "json_schema"},
+        "json_schema": {"type": "object", "required": ["schema"], "properties": {
+            "name": {"type": "string"}, "schema": {"type": ["object", "string"]}, "strict": {"type": "boolean"}}}}}]}
+
+
 def _parameters_schema() -> dict:
     """Parameters plus the request options, the aliases and the guided-decoding names (any JSON)."""
     s = Parameters.model_json_schema()
@@ -34,7 +58,7 @@ def _parameters_schema() -> dict:
     for alias, canon in ALIASES.items():
         props[alias] = {**props[canon], "description": f"the same as {canon}"}
     for name in guide.PARAMETERS:
-        props[name] = {"description": "guided decoding (docs/API.md)"}
+        props[name] = {**GUIDED[name], "description": "guided decoding (docs/API.md)"}
     return {"type": "object", "title": "Parameters", "description": s.get("description", ""),
             "properties": props, "additionalProperties": True}
 
@@ -106,11 +130,11 @@ _BLOCK = "#/$defs/"
 _ANTHROPIC_MESSAGE = {"oneOf": [
     {"type": "object", "required": ["role", "content"], "properties": {
         "role": {"const": "user"},
-        "content": {"anyOf": [{"type": "string"}, {"type": "array", "items": {"oneOf": [
+        "content": {"anyOf": [{"type": "string"}, {"type": "array", "minItems": 1, "items": {"oneOf": [
             {"$ref": _BLOCK + "TextBlock"}, {"$ref": _BLOCK + "ToolResultBlock"}]}}]}}},
     {"type": "object", "required": ["role", "content"], "properties": {
         "role": {"const": "assistant"},
-        "content": {"anyOf": [{"type": "string"}, {"type": "array", "items": {"oneOf": [
+        "content": {"anyOf": [{"type": "string"}, {"type": "array", "minItems": 1, "items": {"oneOf": [
             {"$ref": _BLOCK + "TextBlock"}, {"$ref": _BLOCK + "ToolUseBlock"},
             {"$ref": _BLOCK + "ThinkingBlock"}]}}]}}}]}
 
@@ -227,7 +251,8 @@ def _static() -> dict:
     lmi = _body(LmiRequest.model_json_schema(), ["inputs"],
                 {"inputs": _TEXT_OR_LIST, "parameters": {"$ref": "#/components/schemas/Parameters"},
                  "adapters": {"anyOf": [{"type": "string", "minLength": 1},
-                                        {"type": "array", "items": {"type": "string", "minLength": 1}}]},
+                                        {"type": "array", "minItems": 1,
+                                         "items": {"type": "string", "minLength": 1}}]},
                  "messages": _CHAT_MESSAGES})
     tgi = _body(LmiRequest.model_json_schema(), ["inputs"],      # one string; adapter_id in parameters
                 {"inputs": {"type": "string", "minLength": 1},
@@ -236,9 +261,10 @@ def _static() -> dict:
     tgi["properties"].pop("adapters", None)
     chat = _body(ChatFields.model_json_schema(), ["messages"],
                  {"messages": _CHAT_MESSAGES,
-                  "model": {"type": "string"}, "tools": {"type": "array"}, "response_format": {"type": "object"}})
+                  "model": {"type": "string"}, "tools": {"type": "array"}, "response_format": RESPONSE_FORMAT,
+                  **GUIDED})
     completion = _body(CompletionFields.model_json_schema(), ["prompt"],
-                       {"prompt": _PROMPT, "model": {"type": "string"}, "response_format": {"type": "object"}})
+                       {"prompt": _PROMPT, "model": {"type": "string"}, "response_format": RESPONSE_FORMAT, **GUIDED})
     schemas = {"Parameters": params, "LMIRequest": lmi, "TGIRequest": tgi,
                "ChatCompletionRequest": chat, "CompletionRequest": completion,
                "MessagesRequest": MessagesRequest.model_json_schema(),
