@@ -99,6 +99,7 @@ MAX_TOKEN_ID = (1 << 31) - 1
 MAX_STOP_TOKEN_IDS = 64
 MAX_BAD_WORDS = 64
 MAX_PRIORITY = 2**31 - 1            # |priority|
+MAX_LOGIT_BIAS = 300                # entries (OpenAI's limit)
 
 
 _warned: set[str] = set()
@@ -224,11 +225,22 @@ def _checked(check, schema_type=Any):
 
 
 Flag = bool
-Stops = Annotated[tuple[str, ...], _checked(lambda f, v: check_stops(f, v), str | list[str])]
-TopK = Annotated[int, _checked(lambda f, v: check_top_k(f, v), int)]
-LogitBias = Annotated[tuple, _checked(lambda f, v: check_logit_bias(f, v), dict[str, float])]
-TokenIds = Annotated[tuple, _checked(lambda f, v: check_token_ids(f, v), list[int])]
-BadWords = Annotated[tuple, _checked(lambda f, v: check_bad_words(f, v), list[str])]
+# What each checked field takes, as its JSON schema states it (/openapi.json): the checks' bounds
+_Stop = Annotated[str, Field(min_length=1, max_length=MAX_STOP_LENGTH)]
+_Word = Annotated[str, Field(pattern=r"\S", max_length=MAX_STOP_LENGTH)]
+_TokenId = Annotated[int, Field(ge=0, le=MAX_TOKEN_ID)]
+TOKEN_KEY = r"^\s*(0|[1-9][0-9]{0,9})\s*$"     # a logit_bias key (/openapi.json narrows it to the vocabulary)
+_TokenKey = Annotated[str, Field(pattern=TOKEN_KEY)]
+_Bias = Annotated[float, Field(ge=-100.0, le=100.0)]
+Stops = Annotated[tuple[str, ...], _checked(lambda f, v: check_stops(f, v),
+                                            _Stop | Annotated[list[_Stop], Field(max_length=MAX_STOP_SEQUENCES)])]
+TopK = Annotated[int, _checked(lambda f, v: check_top_k(f, v), Annotated[int, Field(ge=-1)])]
+LogitBias = Annotated[tuple, _checked(lambda f, v: check_logit_bias(f, v),
+                                      Annotated[dict[_TokenKey, _Bias], Field(max_length=MAX_LOGIT_BIAS)])]
+TokenIds = Annotated[tuple, _checked(lambda f, v: check_token_ids(f, v),
+                                     Annotated[list[_TokenId], Field(max_length=MAX_STOP_TOKEN_IDS)])]
+BadWords = Annotated[tuple, _checked(lambda f, v: check_bad_words(f, v),
+                                     _Word | Annotated[list[_Word], Field(max_length=MAX_BAD_WORDS)])]
 
 
 class Parameters(BaseModel):
@@ -391,7 +403,6 @@ NO_EFFECT = {
 }
 ALLOWED_PARAMETERS = (tuple(Parameters.model_fields) + tuple(ALIASES) + tuple(RequestOptions.model_fields)
                       + tuple(guide.PARAMETERS))
-MAX_LOGIT_BIAS = 300                # entries (OpenAI's limit)
 
 
 def check_logit_bias(field: str, v) -> tuple[tuple[int, float], ...]:

@@ -303,3 +303,58 @@ def test_completions_take_token_id_prompts(srv, hf_tok):  # noqa: F811
     assert echo["choices"][0]["text"] == text and len(echo["choices"][0]["logprobs"]["tokens"]) == len(ids)
     bad = requests.post(srv.url + "/v1/completions", json={**body, "prompt": [[1, 10 ** 9]]}, timeout=60)
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "prompt[0]"
+
+
+# ---- lm-evaluation-harness: its local-completions model (token-id prompts, echo + logprobs) scores a
+# log-likelihood task written here (the hub's datasets are unreachable); its numbers are the model's own
+CAPITALS = [("France", ["Paris", "Lyon", "Madrid"], 0), ("Japan", ["Osaka", "Tokyo", "Seoul"], 1),
+            ("Germany", ["Munich", "Vienna", "Berlin"], 2), ("Italy", ["Rome", "Milan", "Athens"], 0),
+            ("Spain", ["Lisbon", "Madrid", "Barcelona"], 1), ("Canada", ["Toronto", "Vancouver", "Ottawa"], 2)]
+
+
+def _capitals_task(d) -> str:
+    with open(d / "capitals.jsonl", "w") as f:
+        for country, choices, answer in CAPITALS:
+            f.write(json.dumps({"country": country, "choices": choices, "answer": answer}) + "\n")
+    (d / "capitals.yaml").write_text(
+        "task: capitals_local\ndataset_path: json\n"
+        f"dataset_kwargs:\n  data_files:\n    test: {d / 'capitals.jsonl'}\n"
+        "test_split: test\noutput_type: multiple_choice\n"
+        "doc_to_text: \"Question: What is the capital of {{country}}?\\nAnswer:\"\n"
+        "doc_to_target: answer\ndoc_to_choice: choices\ntarget_delimiter: \" \"\n"
+        "metric_list:\n  - metric: acc\n    aggregation: mean\n    higher_is_better: true\n")
+    return "capitals_local"
+
+
+def test_lm_eval_local_completions_scores_a_loglikelihood_task(srv, qwen_dir, tmp_path, monkeypatch):  # noqa: F811
+    lm_eval = pytest.importorskip("lm_eval", reason="lm-evaluation-harness: pip install -e '.[dev]'")
+    import torch
+    from lm_eval.models.openai_completions import LocalCompletionsAPI
+    from lm_eval.tasks import TaskManager
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    task = _capitals_task(tmp_path)
+    # No tokenizer on the client: lm-eval finds GET /tokenizer_info and tokenizes through /tokenize
+    lm = LocalCompletionsAPI(base_url=srv.url + "/v1/completions", model="qwen", num_concurrent=2)
+    assert lm.tokenizer_backend == "remote"
+    out = lm_eval.simple_evaluate(model=lm, tasks=[task], task_manager=TaskManager(include_path=str(tmp_path)),
+                                  log_samples=True)
+    samples = out["samples"][task]
+    assert len(samples) == len(CAPITALS)
+    # The oracle: transformers' fp32 forward over context + continuation, the continuation's log-probs summed
+    tok = AutoTokenizer.from_pretrained(qwen_dir)
+    model = AutoModelForCausalLM.from_pretrained(qwen_dir, torch_dtype=torch.float32).eval()
+    right = 0
+    for s in samples:
+        ctx = s["arguments"][0][0]
+        want = []
+        for (_, cont), resp in zip(s["arguments"], s["resps"]):
+            a, b = tok(ctx, add_special_tokens=False)["input_ids"], tok(cont, add_special_tokens=False)["input_ids"]
+            with torch.no_grad():
+                logp = torch.log_softmax(model(torch.tensor([a + b])).logits[0].double(), -1)
+            want.append(sum(logp[len(a) + i - 1, t].item() for i, t in enumerate(b)))
+            assert resp[0][0] == pytest.approx(want[-1], abs=2e-3), (ctx, cont)
+        right += max(range(len(want)), key=want.__getitem__) == s["doc"]["answer"]
+    assert out["results"][task]["acc,none"] == pytest.approx(right / len(CAPITALS))
+    assert right >= len(CAPITALS) - 1       # the real model knows its capitals

@@ -19,7 +19,7 @@ from typing import Annotated, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from handler.engine.request import MAX_NEW_TOKENS, RequestError, TopK, bounded_float, bounded_int, show, warn_once
+from handler.engine.request import MAX_NEW_TOKENS, MAX_STOP_LENGTH, RequestError, TopK, bounded_float, bounded_int, show, warn_once
 from handler.http.protocols import Generation, Sample, answer, openai
 
 _STRICT = ConfigDict(strict=True, extra="ignore")   # extra: cache_control, citations, ... accepted
@@ -79,7 +79,7 @@ class Tool(BaseModel):
 class ToolChoice(BaseModel):
     model_config = _STRICT
     type: Literal["auto", "any", "tool", "none"]
-    name: str = None
+    name: str = Field(None, min_length=1)
     disable_parallel_tool_use: bool = None
 
 
@@ -103,7 +103,7 @@ class CountTokensRequest(BaseModel):
 class MessagesRequest(CountTokensRequest):
     """POST /v1/messages."""
     max_tokens: bounded_int(1, MAX_NEW_TOKENS)
-    stop_sequences: list[str] = Field(None, max_length=16)
+    stop_sequences: list[Annotated[str, Field(min_length=1, max_length=MAX_STOP_LENGTH)]] = Field(None, max_length=16)
     stream: bool = None
     temperature: bounded_float(0.0, 1.0) = None
     top_p: bounded_float(0.0, 1.0, lo_open=True) = None

@@ -24,6 +24,13 @@ TOP_LEVEL = ("inputs", "parameters", "stream", "messages", "adapters")
 NO_EFFECT_TOP_LEVEL = {"cached_prompt": "prompt caching by the client is not implemented"}
 
 
+def json_number(text: str) -> int | float:
+    """A JSON number with a fraction or exponent: an integral one (`11.0`, `1e3`) is the integer,
+    as JSON Schema counts it (`"type": "integer"` takes 11.0) and as vLLM's lax models read it."""
+    v = float(text)
+    return int(v) if v.is_integer() and abs(v) < 2**63 else v
+
+
 def decode_body(body: bytes, content_type: str | None) -> dict:
     """A request body -> a JSON-like map, per content type as LMI's encode_decode.decode."""
     ctype = (content_type or "").split(";")[0].strip().lower()
@@ -34,7 +41,7 @@ def decode_body(body: bytes, content_type: str | None) -> dict:
         if not body.strip() and not ctype:
             return {"inputs": ""}
         try:
-            payload = json.loads(body)
+            payload = json.loads(body, parse_float=json_number)
         except (ValueError, UnicodeDecodeError) as e:
             hint = " (one JSON object per request)" if "Extra data" in str(e) else ""
             raise RequestError("body", f"invalid JSON{hint}: {str(e)[:100]}") from None

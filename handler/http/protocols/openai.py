@@ -172,6 +172,8 @@ def _fields(payload: dict, model: type[_Fields], lax: bool = False) -> _Fields:
     """The body's declared fields, checked (nulls are absent; lax: numbers in strings coerced, as
     vLLM's models on LMI's /invocations); the others warned about once."""
     body = {k: v for k, v in payload.items() if v is not None}
+    if not isinstance(body.get("model", ""), str):      # the name is not checked, its type is
+        raise RequestError("model", f"must be a string, got {show(body['model'])}")
     for name, v in body.items():
         if name in model.model_fields or name in _QUIET:
             continue
@@ -250,6 +252,9 @@ def _tool_calls(i: int, calls) -> list[dict]:
             raise RequestError(f"messages[{i}].tool_calls[{j}]", f"must be {{\"function\": {{\"name\", "
                                                                   f"\"arguments\"}}}}, got {show(c)}")
         args = f.get("arguments")
+        if args is not None and not isinstance(args, (str, dict)):
+            raise RequestError(f"messages[{i}].tool_calls[{j}].function.arguments",
+                               f"must be JSON text or an object, got {show(args)}")
         if isinstance(args, str):
             try:
                 args = json.loads(args)

@@ -9,11 +9,13 @@ decoding parameters) are described by docs/API.md and checked by their own parse
 """
 from __future__ import annotations
 
+import copy
 import json
 from functools import lru_cache
 
 from handler.engine import guide
-from handler.engine.request import ALIASES, Parameters, RequestOptions
+from handler.engine.request import (ALIASES, MAX_NEW_TOKENS, MAX_TOKEN_ID, TOKEN_KEY, Parameters,
+                                    RequestOptions)
 from handler.http.protocols.anthropic import CountTokensRequest, MessagesRequest
 from handler.http.protocols.lmi import LmiRequest
 from handler.http.protocols.openai import ChatFields, CompletionFields
@@ -25,6 +27,30 @@ _IDS = {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems":
 _PROMPT = {"anyOf": [*_TEXT_OR_LIST["anyOf"], _IDS, {"type": "array", "items": _IDS, "minItems": 1}]}
 
 
+# Guided decoding's shapes (handler/engine/guide.py); what the constraint's own language accepts (a
+# schema, a regular expression, a grammar the compiler takes) is the compiler's to say
+_TEXT = {"type": "string", "minLength": 1}
+_CHOICES = {"type": "array", "minItems": 1, "items": _TEXT}
+GUIDED = {
+    "guided_json": {"type": ["object", "string"]},
+    "guided_regex": _TEXT, "guided_grammar": _TEXT, "guided_choice": _CHOICES,
+    "structured_outputs": {"type": "object", "minProperties": 1, "maxProperties": 1, "properties": {
+        "json": {"type": ["object", "string"]}, "regex": _TEXT, "choice": _CHOICES, "grammar": _TEXT,
+        "json_object": {"const": True}}, "additionalProperties": False},
+    "grammar": {"oneOf": [
+        {"type": "object", "required": ["type", "value"],
+         "properties": {"type": {"const": "json"}, "value": {"type": ["object", "string"]}}},
+        {"type": "object", "required": ["type", "value"], "properties": {"type": {"const": "regex"}, "value": _TEXT}},
+        {"type": "object", "required": ["type"], "properties": {"type": {"const": "json_object"}}}]},
+}
+RESPONSE_FORMAT = {"oneOf": [
+    {"type": "object", "required": ["type"], "properties": {"type": {"enum": ["text", "json_object"]}}},
+    {"type": "object", "required": ["type", "json_schema"], "properties": {
+        "type": {"const": "json_schema"},
+        "json_schema": {"type": "object", "required": ["schema"], "properties": {
+            "name": {"type": "string"}, "schema": {"type": ["object", "string"]}, "strict": {"type": "boolean"}}}}}]}
+
+
 def _parameters_schema() -> dict:
     """Parameters plus the request options, the aliases and the guided-decoding names (any JSON)."""
     s = Parameters.model_json_schema()
@@ -33,7 +59,7 @@ def _parameters_schema() -> dict:
     for alias, canon in ALIASES.items():
         props[alias] = {**props[canon], "description": f"the same as {canon}"}
     for name in guide.PARAMETERS:
-        props[name] = {"description": "guided decoding (docs/API.md)"}
+        props[name] = {**GUIDED[name], "description": "guided decoding (docs/API.md)"}
     return {"type": "object", "title": "Parameters", "description": s.get("description", ""),
             "properties": props, "additionalProperties": True}
 
@@ -48,12 +74,23 @@ def _body(schema: dict, required: list[str], extra: dict) -> dict:
     return s
 
 
+# What every generation route can answer (handler/http/routes/common.py): the body's checks, its size
+# and media type, a slow body, an unknown adapter, the model failing, a full queue or a loading model
 _STATUS = {"200": {"description": "the generated text (or a stream)"},
            "400": {"description": "a bad request: one line naming the field"},
+           "404": {"description": "an unknown adapter"},
+           "408": {"description": "the body did not arrive in time"},
+           "413": {"description": "the body is over option.max_payload_mb"},
+           "415": {"description": "the body is not JSON"},
            "424": {"description": "the model failed"},
-           "503": {"description": "the queue is full, or the model is loading"}}
+           "503": {"description": "the queue is full, or the model is loading"},
+           "504": {"description": "request_timeout passed"}}
+# TGI answers a bad request with 422 (handler/http/routes/common.tgi_error)
+_TGI = {**{k: v for k, v in _STATUS.items() if k != "400"},
+        "422": {"description": "a bad request (TGI's validation error)"}}
 # Anthropic's codes for ours (handler/http/protocols/anthropic.status)
-_ANTHROPIC = {"200": _STATUS["200"], "400": _STATUS["400"], "500": _STATUS["424"], "529": _STATUS["503"]}
+_ANTHROPIC = {**{k: v for k, v in _STATUS.items() if k not in ("424", "503")},
+              "500": _STATUS["424"], "529": _STATUS["503"]}
 
 
 def _post(summary: str, ref: str, statuses: dict = _STATUS) -> dict:
@@ -105,23 +142,170 @@ def _stored() -> dict:
                        "responses": {"200": {"description": "{id, object, deleted: true}"}, **found}}}
 
 
+# A chat message as the chat template receives it (openai.render_chat): a role, text or text parts
+_CHAT_MESSAGE = {"type": "object", "required": ["role"], "additionalProperties": True, "properties": {
+    "role": {"enum": ["system", "user", "assistant", "tool"]},
+    "content": {"anyOf": [{"type": "string"}, {"type": "null"}, {"type": "array", "items": {
+        "type": "object", "required": ["type", "text"],
+        "properties": {"type": {"const": "text"}, "text": {"type": "string"}}}}]},
+    "name": {"type": "string"}, "tool_call_id": {"type": "string"},
+    "tool_calls": {"type": "array", "items": {"type": "object", "required": ["function"], "properties": {
+        "id": {"type": "string"}, "type": {"const": "function"},
+        "function": {"type": "object", "required": ["name"], "properties": {
+            "name": {"type": "string"}, "arguments": {"type": ["string", "object"]}}}}}}}}
+_CHAT_MESSAGES = {"type": "array", "minItems": 1, "items": _CHAT_MESSAGE}
+
+
+# Media blocks and parts: the parsers name them in a 400 (the served models read text)
+_REFUSED = ("ImageBlock", "MediaPart")
+_BLOCK = "#/$defs/"
+# Anthropic's message: tool results come from the user, tool calls and thinking from the assistant
+_ANTHROPIC_MESSAGE = {"oneOf": [
+    {"type": "object", "required": ["role", "content"], "properties": {
+        "role": {"const": "user"},
+        "content": {"anyOf": [{"type": "string"}, {"type": "array", "minItems": 1, "items": {"oneOf": [
+            {"$ref": _BLOCK + "TextBlock"}, {"$ref": _BLOCK + "ToolResultBlock"}]}}]}}},
+    {"type": "object", "required": ["role", "content"], "properties": {
+        "role": {"const": "assistant"},
+        "content": {"anyOf": [{"type": "string"}, {"type": "array", "minItems": 1, "items": {"oneOf": [
+            {"$ref": _BLOCK + "TextBlock"}, {"$ref": _BLOCK + "ToolUseBlock"},
+            {"$ref": _BLOCK + "ThinkingBlock"}]}}]}}}]}
+
+
+def _drop_refs(node, refs: set[str]) -> None:
+    """Remove the alternatives that are references to `refs` from every anyOf/oneOf (and its discriminator)."""
+    if isinstance(node, dict):
+        for key in ("anyOf", "oneOf"):
+            if key in node:
+                node[key] = [a for a in node[key] if not (isinstance(a, dict) and a.get("$ref") in refs)]
+        mapping = node.get("discriminator", {}).get("mapping")
+        if mapping:
+            node["discriminator"]["mapping"] = {k: v for k, v in mapping.items() if v not in refs}
+        for v in node.values():
+            _drop_refs(v, refs)
+    elif isinstance(node, list):
+        for v in node:
+            _drop_refs(v, refs)
+
+
+def _token_keys(node) -> None:
+    """pydantic writes a dict with checked keys as patternProperties (which lets other keys through):
+    logit_bias's keys are token ids and nothing else, i.e. propertyNames."""
+    if isinstance(node, dict):
+        pattern = node.get("patternProperties", {})
+        if TOKEN_KEY in pattern:
+            node["additionalProperties"] = pattern.pop(TOKEN_KEY)
+            node["propertyNames"] = {"pattern": TOKEN_KEY}
+            del node["patternProperties"]
+        for v in node.values():
+            _token_keys(v)
+    elif isinstance(node, list):
+        for v in node:
+            _token_keys(v)
+
+
+def _drop_discriminators(node) -> None:
+    """A oneOf told apart by `type` with a member whose type is optional: the alternatives' own schemas decide."""
+    if isinstance(node, dict):
+        node.pop("discriminator", None)
+        for v in node.values():
+            _drop_discriminators(v)
+    elif isinstance(node, list):
+        for v in node:
+            _drop_discriminators(v)
+
+
+def _nullable(body: dict) -> None:
+    """A body's optional fields take null: every parser reads a null as the field being absent."""
+    required = set(body.get("required", []))
+    for name, prop in body.get("properties", {}).items():
+        if name not in required and prop.get("type") != "null":
+            body["properties"][name] = {"anyOf": [{k: v for k, v in prop.items() if k != "default"},
+                                                  {"type": "null"}], "default": None}
+
+
+_PROPS = object()       # marks a "properties" map while walking the document
+# The fields whose token ids the parsers check against the vocabulary
+VOCAB_FIELDS = ("prompt",)
+# The fields whose bound is the model's length (admission refuses prompt + them beyond it)
+MAX_TOKEN_FIELDS = ("max_new_tokens", "max_tokens", "max_completion_tokens", "max_output_tokens")
+
+
+POOLING_PATHS = ("/v1/embeddings", "/embed", "/predict", "/rerank", "/v1/rerank", "/score")
+
+
+def document(vocab_size: int | None = None, max_model_len: int | None = None, priorities: bool = True,
+             pooling: bool | None = None) -> dict:
+    """The document; with the loaded model's vocabulary and length, its prompt token ids and token counts
+    bounded by them (what the parsers check), so that a body valid against it is one we accept; without
+    priority scheduling (option.scheduling_policy=fcfs) a priority can only be 0; `pooling`: the routes of
+    an embedding/rerank model (True) or of a generating one (False), not both."""
+    doc = _static()
+    if vocab_size is None and max_model_len is None and priorities and pooling is None:
+        return doc
+    doc = copy.deepcopy(doc)
+    if pooling is not None:         # a loaded model serves either the generation or the pooling routes
+        doc["paths"] = {k: v for k, v in doc["paths"].items()
+                        if (k in POOLING_PATHS) == pooling}
+
+    def bound(node, name=None):
+        if isinstance(node, dict):
+            if vocab_size and name in VOCAB_FIELDS and node.get("maximum") == MAX_TOKEN_ID:
+                node["maximum"] = vocab_size - 1
+            if not priorities and name == "priority" and node.get("type") == "integer":
+                node["minimum"] = node["maximum"] = 0
+            if max_model_len and name in MAX_TOKEN_FIELDS and node.get("maximum") == MAX_NEW_TOKENS:
+                node["maximum"] = max_model_len - 1     # the prompt takes at least one position
+            if vocab_size and node.get("pattern") == TOKEN_KEY:
+                node["pattern"] = f"^\\s*({below(vocab_size)})\\s*$"
+            for k, v in node.items():   # name: the field a schema belongs to (through anyOf/oneOf)
+                if name is _PROPS:
+                    bound(v, k)
+                else:
+                    bound(v, _PROPS if k == "properties" else name if k in ("anyOf", "oneOf", "items") else None)
+        elif isinstance(node, list):
+            for v in node:
+                bound(v, name)
+    bound(doc)
+    return doc
+
+
+def below(n: int) -> str:
+    """A regular expression for the decimal integers 0 .. n-1 (no leading zeros)."""
+    top = str(n - 1)
+    alts = ["0"] if n > 0 else []
+    if len(top) > 1:            # every shorter number
+        alts.append(f"[1-9][0-9]{{0,{len(top) - 2}}}" if len(top) > 2 else "[1-9]")
+    for i, d in enumerate(top):     # the same length: equal up to i, smaller at i, anything after
+        lo = "1" if i == 0 else "0"
+        if int(d) > int(lo):
+            rest = f"[0-9]{{{len(top) - i - 1}}}" if len(top) - i - 1 else ""
+            alts.append(f"{top[:i]}[{lo}-{int(d) - 1}]{rest}")
+    if len(top) > 1 or top != "0":
+        alts.append(top)
+    return "|".join(dict.fromkeys(alts))
+
+
 @lru_cache(maxsize=1)
-def document() -> dict:
+def _static() -> dict:
     params = _parameters_schema()
     lmi = _body(LmiRequest.model_json_schema(), ["inputs"],
                 {"inputs": _TEXT_OR_LIST, "parameters": {"$ref": "#/components/schemas/Parameters"},
-                 "adapters": {"anyOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}}]},
-                 "messages": {"type": "array", "items": {"type": "object"}}})
+                 "adapters": {"anyOf": [{"type": "string", "minLength": 1},
+                                        {"type": "array", "minItems": 1,
+                                         "items": {"type": "string", "minLength": 1}}]},
+                 "messages": _CHAT_MESSAGES})
     tgi = _body(LmiRequest.model_json_schema(), ["inputs"],      # one string; adapter_id in parameters
                 {"inputs": {"type": "string", "minLength": 1},
                  "parameters": {"$ref": "#/components/schemas/Parameters"}})
     lmi["title"], tgi["title"] = "LMIRequest", "TGIRequest"
     tgi["properties"].pop("adapters", None)
     chat = _body(ChatFields.model_json_schema(), ["messages"],
-                 {"messages": {"type": "array", "minItems": 1, "items": {"type": "object"}},
-                  "model": {"type": "string"}, "tools": {"type": "array"}, "response_format": {"type": "object"}})
+                 {"messages": _CHAT_MESSAGES,
+                  "model": {"type": "string"}, "tools": {"type": "array"}, "response_format": RESPONSE_FORMAT,
+                  **GUIDED})
     completion = _body(CompletionFields.model_json_schema(), ["prompt"],
-                       {"prompt": _PROMPT, "model": {"type": "string"}, "response_format": {"type": "object"}})
+                       {"prompt": _PROMPT, "model": {"type": "string"}, "response_format": RESPONSE_FORMAT, **GUIDED})
     schemas = {"Parameters": params, "LMIRequest": lmi, "TGIRequest": tgi,
                "ChatCompletionRequest": chat, "CompletionRequest": completion,
                "MessagesRequest": MessagesRequest.model_json_schema(),
@@ -131,6 +315,18 @@ def document() -> dict:
     for s in list(schemas.values()):    # nested models' definitions, moved to components
         for name, d in s.pop("$defs", {}).items():
             schemas.setdefault(name, d)
+    _token_keys(schemas)
+    for name in _REFUSED:               # declared to be refused by name (a 400): not in the document
+        schemas.pop(name, None)
+    _drop_refs(schemas, {f"#/$defs/{n}" for n in _REFUSED})
+    schemas["Message"] = _ANTHROPIC_MESSAGE
+    schemas["ToolChoice"].update({"if": {"properties": {"type": {"const": "tool"}}, "required": ["type"]},
+                                  "then": {"required": ["type", "name"]}})
+    schemas["MessageItem"]["required"].remove("type")   # an item without a type is a message (responses._items)
+    _drop_discriminators(schemas["ResponsesRequest"])
+    for name in ("Parameters", "LMIRequest", "TGIRequest", "ChatCompletionRequest", "CompletionRequest",
+                 "MessagesRequest", "CountTokensRequest", "ResponsesRequest"):
+        _nullable(schemas[name])
     doc = {"openapi": "3.1.0", "info": {"title": "lmi-serve", "version": "1.0.0"},
            "paths": {"/invocations": _post("LMI / SageMaker generation", "LMIRequest"),
                      "/v1/chat/completions": _post("OpenAI Chat Completions", "ChatCompletionRequest"),
@@ -139,10 +335,10 @@ def document() -> dict:
                      "/v1/messages/count_tokens": _post("Anthropic Messages: count a prompt's tokens",
                                                         "CountTokensRequest", _ANTHROPIC),
                      "/v1/responses": _post("OpenAI Responses", "ResponsesRequest",
-                                            {**_STATUS, "404": {"description": "unknown previous_response_id"}}),
+                                            {**_STATUS, "404": {"description": "an unknown adapter or previous_response_id"}}),
                      "/v1/responses/{response_id}": _stored(),
-                     "/generate": _post("TGI generation", "TGIRequest"),
-                     "/generate_stream": _post("TGI streamed generation", "TGIRequest"),
+                     "/generate": _post("TGI generation", "TGIRequest", _TGI),
+                     "/generate_stream": _post("TGI streamed generation", "TGIRequest", _TGI),
                      # pooling models (option.task=text_embedding | classify | rerank)
                      "/v1/embeddings": _post("OpenAI embeddings", "EmbeddingsRequest", _POOLED),
                      "/embed": _post("TEI embeddings", "EmbedRequest", _POOLED),

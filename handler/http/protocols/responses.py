@@ -18,7 +18,7 @@ import time
 import uuid
 from typing import Annotated, Literal, Union
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, WithJsonSchema
 
 from handler.engine.request import MAX_NEW_TOKENS, RequestError, bounded_float, bounded_int, show, validated, \
     warn_once
@@ -119,6 +119,12 @@ class ReasoningConfig(BaseModel):
     summary: str = None
 
 
+def _foreground(v: bool) -> bool:
+    if v:
+        raise ValueError("background responses are not served: send background false or leave it out")
+    return v
+
+
 class ResponsesRequest(BaseModel):
     """POST /v1/responses."""
     model_config = _STRICT
@@ -135,7 +141,7 @@ class ResponsesRequest(BaseModel):
     store: bool = None
     previous_response_id: str = None
     stream: bool = None
-    background: Literal[False] = None
+    background: Annotated[bool, AfterValidator(_foreground), WithJsonSchema({"const": False})] = None
     parallel_tool_calls: bool = None
     truncation: Literal["auto", "disabled"] = None
     metadata: dict = None

@@ -5,6 +5,9 @@ before sending it.
                true, "tools"?, "chat_template_kwargs"?} (the chat template renders them; its special
                tokens are in the text) -> {"tokens": [ids], "count": n, "max_model_len": m}
   /detokenize  {"tokens": [ids]} -> {"prompt": text}
+  GET /tokenizer_info  the tokenizer's special tokens, chat template and limits, as vLLM answers it
+               (lm-evaluation-harness's local-completions then tokenizes through the two routes above,
+               with no copy of the tokenizer on the client)
 """
 from __future__ import annotations
 
@@ -51,3 +54,16 @@ def detokenize(body, tokenizer) -> dict:
     if bad is not None:
         raise RequestError("tokens", f"token id {bad} is not in this model's vocabulary (0..{vocab - 1})")
     return {"prompt": tokenizer.decode(ids)}
+
+
+def tokenizer_info(tokenizer, max_model_len: int) -> dict:
+    """vLLM's /tokenizer_info fields: the special tokens as strings, the chat template, the limits."""
+    def text(name):
+        tok = getattr(tokenizer, name, None)
+        return tok if isinstance(tok, str) else None
+    template = getattr(tokenizer, "chat_template", None)
+    return {"tokenizer_class": type(tokenizer).__name__,
+            "eos_token": text("eos_token"), "bos_token": text("bos_token"), "pad_token": text("pad_token"),
+            "unk_token": text("unk_token"), "chat_template": template if isinstance(template, str) else None,
+            "model_max_length": max_model_len, "vocab_size": len(tokenizer),
+            "add_bos_token": bool(getattr(tokenizer, "add_bos_token", False))}

@@ -266,8 +266,14 @@ def not_found(_e):
                              "/embed, /rerank, /v1/rerank, /predict, /score")
 
 
-def bad_method(_e):
-    return _route_error(405, f"{request.method} is not allowed on {request.path}")
+def bad_method(e):
+    # RFC 9110: a 405 lists the methods the route takes
+    allowed = sorted(getattr(e, "valid_methods", None) or [])
+    resp = _route_error(405, f"{request.method} is not allowed on {request.path}"
+                             + (f"; use {', '.join(allowed)}" if allowed else ""))
+    if allowed:
+        resp.headers["Allow"] = ", ".join(allowed)
+    return resp
 
 
 def http_error(e):

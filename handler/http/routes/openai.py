@@ -1,5 +1,5 @@
 """OpenAI's routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models; vLLM's
-POST /tokenize and /detokenize (also under /v1/)."""
+POST /tokenize and /detokenize (also under /v1/), GET /tokenizer_info."""
 from __future__ import annotations
 
 from flask import Blueprint
@@ -58,3 +58,9 @@ def tokenize():
 @bp.post("/v1/detokenize")
 def detokenize():
     return _tokens(lambda c: tokens.detokenize(body_json(), c.tokenizer))
+
+
+@bp.get("/tokenizer_info")
+@bp.get("/v1/tokenizer_info")
+def tokenizer_info():
+    return _tokens(lambda c: tokens.tokenizer_info(c.tokenizer, c.max_sequence_len))

@@ -18,4 +18,10 @@ def metrics():
 
 @bp.get("/openapi.json")
 def openapi_document():
-    return json_response(openapi.document())
+    state = current_state()
+    client = state.client                   # once loaded: bounds from its vocabulary and length
+    priorities = state.cfg.scheduling_policy == "priority"
+    if client is None:
+        return json_response(openapi.document(priorities=priorities))
+    return json_response(openapi.document(len(client.tokenizer), client.max_sequence_len, priorities,
+                                          pooling=bool(getattr(client, "pooling", False))))
