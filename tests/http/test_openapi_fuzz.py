@@ -39,7 +39,8 @@ def test_the_document_is_bounded_by_the_loaded_model(srv, demo_model_dir):
     params = doc["components"]["schemas"]["Parameters"]["properties"]
     vocab = len(AutoTokenizer.from_pretrained(demo_model_dir))
     assert params["max_new_tokens"]["anyOf"][0]["maximum"] == 191          # option.max_model_len - 1
-    assert params["stop_token_ids"]["anyOf"][0]["items"]["maximum"] == vocab - 1
+    ids = doc["components"]["schemas"]["CompletionRequest"]["properties"]["prompt"]["anyOf"]
+    assert [a["items"]["maximum"] for a in ids if a.get("items", {}).get("type") == "integer"] == [vocab - 1]
     key = re.compile(params["logit_bias"]["anyOf"][0]["propertyNames"]["pattern"])
     assert key.match(str(vocab - 1)) and not key.match(str(vocab)) and not key.match("007")
 

@@ -23,7 +23,7 @@ from handler.http.protocols.responses import ResponsesRequest
 
 _TEXT_OR_LIST = {"anyOf": [{"type": "string", "minLength": 1},
                            {"type": "array", "items": {"type": "string", "minLength": 1}, "minItems": 1}]}
-_IDS = {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}
+_IDS = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": MAX_TOKEN_ID}, "minItems": 1}
 _PROMPT = {"anyOf": [*_TEXT_OR_LIST["anyOf"], _IDS, {"type": "array", "items": _IDS, "minItems": 1}]}
 
 
