@@ -17,6 +17,8 @@ def test_the_wheel_carries_the_kernel_sources(tmp_path):
     wheels = list(tmp_path.glob("lmi_serve-*.whl"))
     assert len(wheels) == 1, wheels
     names = set(zipfile.ZipFile(wheels[0]).namelist())
-    sources = sorted(f"kernels/{p.name}" for p in (ROOT / "kernels").iterdir() if p.suffix in (".c", ".h"))
-    assert sources and "kernels/cpu/build.py" in names
+    # every C source and header, the per-architecture folders' (kernels/x86, kernels/arm) included
+    sources = sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "kernels").rglob("*") if p.suffix in (".c", ".h"))
+    assert "kernels/x86/gemm.c" in sources and "kernels/arm/gemm.c" in sources
+    assert "kernels/cpu/build.py" in names
     assert [s for s in sources if s not in names] == []

@@ -177,3 +177,20 @@ class Rotary:
                 inv, scale = self._init(self.config, self.device, **kw)
                 cos[a:b], sin[a:b] = self._table(pos[a:b], inv, scale)
         return cos, sin
+
+
+def linear(n_in: int, n_out: int, bias: bool, dtype, device) -> nn.Linear:
+    return nn.Linear(n_in, n_out, bias=bias, dtype=dtype, device=device).requires_grad_(False)
+
+
+def fused(parts: list[nn.Linear]) -> nn.Linear:
+    """One linear layer whose output is the parts' outputs side by side (a part without a bias
+    contributes zeros to the fused bias)."""
+    w = parts[0].weight
+    out = linear(w.shape[1], sum(p.out_features for p in parts), any(p.bias is not None for p in parts),
+                  w.dtype, w.device)
+    out.weight.copy_(torch.cat([p.weight.detach() for p in parts]))
+    if out.bias is not None:
+        out.bias.copy_(torch.cat([p.bias.detach() if p.bias is not None else p.weight.new_zeros(p.out_features)
+                                  for p in parts]))
+    return out

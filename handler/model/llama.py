@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from handler.config.numerics import Numerics
-from handler.model import moe
+from handler.model import layers, moe
 from handler.model.layers import RMSNorm, Rotary, Shard, TensorParallel, shard
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "granite", "phi3", "olmo2") + moe.MOE_FAMILIES
@@ -105,21 +105,7 @@ def arch_of(config) -> Arch:
         moe=moe.spec_of(config, Unsupported), qk_style="llama" if mt == "olmoe" else "olmo2")
 
 
-def _linear(n_in: int, n_out: int, bias: bool, dtype, device) -> nn.Linear:
-    return nn.Linear(n_in, n_out, bias=bias, dtype=dtype, device=device).requires_grad_(False)
-
-
-def _fused(parts: list[nn.Linear]) -> nn.Linear:
-    """One linear layer whose output is the parts' outputs side by side (a part without a bias
-    contributes zeros to the fused bias)."""
-    w = parts[0].weight
-    out = _linear(w.shape[1], sum(p.out_features for p in parts), any(p.bias is not None for p in parts),
-                  w.dtype, w.device)
-    out.weight.copy_(torch.cat([p.weight.detach() for p in parts]))
-    if out.bias is not None:
-        out.bias.copy_(torch.cat([p.bias.detach() if p.bias is not None else p.weight.new_zeros(p.out_features)
-                                  for p in parts]))
-    return out
+_linear, _fused = layers.linear, layers.fused
 
 
 class Attention(nn.Module):

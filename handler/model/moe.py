@@ -37,6 +37,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from handler.model import layers
+
 MOE_FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe")
 
 
@@ -114,9 +116,8 @@ class Expert(nn.Module):
         return self.down_proj(h)
 
     def fuse(self) -> None:
-        from handler.model.llama import _fused
         if type(self.gate_proj) is nn.Linear and type(self.up_proj) is nn.Linear:
-            self.gate_up_proj = _fused([self.gate_proj, self.up_proj])
+            self.gate_up_proj = layers.fused([self.gate_proj, self.up_proj])
             del self.gate_proj, self.up_proj
 
 
