@@ -145,7 +145,7 @@ def tgi_grammar(where: str, v) -> GuideSpec:
 
 # vLLM's StructuredOutputsParams (`structured_outputs`), one constraint of these keys.
 _STRUCTURED = {"json": json_schema, "regex": regex, "choice": choice, "grammar": grammar}
-_STRUCTURED_QUIET = ("disable_fallback", "disable_any_whitespace", "disable_additional_properties",
+STRUCTURED_QUIET = ("disable_fallback", "disable_any_whitespace", "disable_additional_properties",
                      "whitespace_pattern", "backend", "structural_tag")
 
 
@@ -162,7 +162,7 @@ def structured_outputs(where: str, v) -> GuideSpec:
             found.append(json_object(f"{where}.{k}"))
         elif k == "structural_tag":
             raise RequestError(f"{where}.{k}", "is not supported; use json, regex, choice or grammar")
-        elif k not in _STRUCTURED_QUIET:
+        elif k not in STRUCTURED_QUIET:
             raise RequestError(f"{where}.{k}", "unknown key; use one of json, json_object, regex, choice, grammar")
     if len(found) != 1:
         raise RequestError(where, f"needs exactly one of json, json_object, regex, choice, grammar; got {len(found)}")

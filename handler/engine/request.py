@@ -12,7 +12,7 @@ import logging
 import math
 import threading
 from dataclasses import dataclass
-from typing import Annotated, Any
+from typing import Annotated, Any, get_args, get_origin
 
 from pydantic import BaseModel, ConfigDict, Field, PlainValidator, ValidationError, ValidationInfo
 
@@ -214,8 +214,10 @@ def lax_int(v):
 def _checked(check, schema_type=Any):
     """A field checked by `check(field, value)`: its RequestError is the field's error. In a lax
     validation (validated(..., lax=True)) an integer field takes "50" and 50.0 first."""
+    integer = schema_type is int or (get_origin(schema_type) is Annotated and get_args(schema_type)[0] is int)
+
     def validate(v, info: ValidationInfo):
-        if schema_type is int and (info.context or {}).get("lax"):
+        if integer and (info.context or {}).get("lax"):
             v = lax_int(v)
         try:
             return check(info.field_name, v)

@@ -276,8 +276,9 @@ def render_chat(tokenizer, messages, tools: list[dict] | None = None, kwargs: di
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise RequestError(f"messages[{i}]", f"must be an object with a string role, got {show(m)}")
         msg = {"role": m["role"], "content": _content(i, m.get("content"), parts)}
-        if m.get("tool_calls"):
-            msg["tool_calls"] = _tool_calls(i, m["tool_calls"])
+        calls = _tool_calls(i, m["tool_calls"]) if m.get("tool_calls") is not None else None
+        if calls:
+            msg["tool_calls"] = calls
         for k in ("tool_call_id", "name"):
             if isinstance(m.get(k), str):
                 msg[k] = m[k]

@@ -18,6 +18,7 @@ from handler.engine.request import (ALIASES, MAX_NEW_TOKENS, MAX_TOKEN_ID, TOKEN
                                     RequestOptions)
 from handler.http.protocols.anthropic import CountTokensRequest, MessagesRequest
 from handler.http.protocols.lmi import LmiRequest
+from handler.http.protocols import tools
 from handler.http.protocols.openai import ChatFields, CompletionFields
 from handler.http.protocols.responses import ResponsesRequest
 
@@ -32,23 +33,28 @@ _PROMPT = {"anyOf": [*_TEXT_OR_LIST["anyOf"], _IDS, {"type": "array", "items": _
 _TEXT = {"type": "string", "minLength": 1}
 _CHOICES = {"type": "array", "minItems": 1, "items": _TEXT}
 GUIDED = {
-    "guided_json": {"type": ["object", "string"]},
+    "guided_json": {"anyOf": [{"type": "object"}, _TEXT]},
     "guided_regex": _TEXT, "guided_grammar": _TEXT, "guided_choice": _CHOICES,
-    "structured_outputs": {"type": "object", "minProperties": 1, "maxProperties": 1, "properties": {
-        "json": {"type": ["object", "string"]}, "regex": _TEXT, "choice": _CHOICES, "grammar": _TEXT,
-        "json_object": {"const": True}}, "additionalProperties": False},
+    # vLLM's StructuredOutputsParams: one constraint among these keys (null or false ones are absent)
+    "structured_outputs": {"type": "object", "additionalProperties": False, "properties": {
+        "json": {"anyOf": [{"type": ["object", "null"]}, _TEXT]}, "regex": {"anyOf": [_TEXT, {"type": "null"}]},
+        "choice": {"anyOf": [_CHOICES, {"type": "null"}]}, "grammar": {"anyOf": [_TEXT, {"type": "null"}]},
+        "json_object": {"enum": [True, False, None]},
+        **{k: {} for k in guide.STRUCTURED_QUIET if k != "structural_tag"}}},   # structural_tag: refused
     "grammar": {"oneOf": [
-        {"type": "object", "required": ["type", "value"],
-         "properties": {"type": {"const": "json"}, "value": {"type": ["object", "string"]}}},
+        {"type": "object", "required": ["type"],       # no value (or null): any JSON object
+         "properties": {"type": {"const": "json"}, "value": {"anyOf": [{"type": ["object", "null"]}, _TEXT]}}},
         {"type": "object", "required": ["type", "value"], "properties": {"type": {"const": "regex"}, "value": _TEXT}},
         {"type": "object", "required": ["type"], "properties": {"type": {"const": "json_object"}}}]},
 }
+_OPENAI_GUIDED = {k: v for k, v in GUIDED.items() if k != "grammar"}
 RESPONSE_FORMAT = {"oneOf": [
     {"type": "object", "required": ["type"], "properties": {"type": {"enum": ["text", "json_object"]}}},
     {"type": "object", "required": ["type", "json_schema"], "properties": {
         "type": {"const": "json_schema"},
         "json_schema": {"type": "object", "required": ["schema"], "properties": {
-            "name": {"type": "string"}, "schema": {"type": ["object", "string"]}, "strict": {"type": "boolean"}}}}}]}
+            "name": {"description": "not checked"}, "schema": {"anyOf": [{"type": "object"}, _TEXT]},
+            "strict": {"description": "accepted (the schema is always enforced)"}}}}}]}
 
 
 def _parameters_schema() -> dict:
@@ -144,16 +150,24 @@ def _stored() -> dict:
 
 # A chat message as the chat template receives it (openai.render_chat): a role, text or text parts
 _CHAT_MESSAGE = {"type": "object", "required": ["role"], "additionalProperties": True, "properties": {
-    "role": {"enum": ["system", "user", "assistant", "tool"]},
+    "role": {"type": "string", "description": "system, user, assistant, tool, or any the chat template takes"},
     "content": {"anyOf": [{"type": "string"}, {"type": "null"}, {"type": "array", "items": {
         "type": "object", "required": ["type", "text"],
         "properties": {"type": {"const": "text"}, "text": {"type": "string"}}}}]},
-    "name": {"type": "string"}, "tool_call_id": {"type": "string"},
-    "tool_calls": {"type": "array", "items": {"type": "object", "required": ["function"], "properties": {
-        "id": {"type": "string"}, "type": {"const": "function"},
+    "name": {"description": "passed to the template when a string"},
+    "tool_call_id": {"description": "passed to the template when a string"},
+    "tool_calls": {"type": ["array", "null"], "items": {"type": "object", "required": ["function"], "properties": {
+        "id": {"description": "passed to the chat template as it is"},
+        "type": {"description": "function (not checked)"},
         "function": {"type": "object", "required": ["name"], "properties": {
-            "name": {"type": "string"}, "arguments": {"type": ["string", "object"]}}}}}}}}
+            "name": {"type": "string"}, "arguments": {"type": ["string", "object", "null"]}}}}}}}}
 _CHAT_MESSAGES = {"type": "array", "minItems": 1, "items": _CHAT_MESSAGE}
+# A function tool as handler/http/protocols/tools.parse reads it (its parameters: a JSON schema)
+_TOOLS = {"type": "array", "items": {"type": "object", "required": ["type", "function"], "properties": {
+    "type": {"const": "function"},
+    "function": {"type": "object", "required": ["name"], "properties": {
+        "name": {"type": "string", "pattern": tools.NAME.pattern},
+        "parameters": {"type": ["object", "null"]}, "description": {}}}}}}
 
 
 # Media blocks and parts: the parsers name them in a 400 (the served models read text)
@@ -165,9 +179,9 @@ _ANTHROPIC_MESSAGE = {"oneOf": [
         "role": {"const": "user"},
         "content": {"anyOf": [{"type": "string"}, {"type": "array", "minItems": 1, "items": {"oneOf": [
             {"$ref": _BLOCK + "TextBlock"}, {"$ref": _BLOCK + "ToolResultBlock"}]}}]}}},
-    {"type": "object", "required": ["role", "content"], "properties": {
+    {"type": "object", "required": ["role", "content"], "properties": {     # may be empty: a prefill
         "role": {"const": "assistant"},
-        "content": {"anyOf": [{"type": "string"}, {"type": "array", "minItems": 1, "items": {"oneOf": [
+        "content": {"anyOf": [{"type": "string"}, {"type": "array", "items": {"oneOf": [
             {"$ref": _BLOCK + "TextBlock"}, {"$ref": _BLOCK + "ToolUseBlock"},
             {"$ref": _BLOCK + "ThinkingBlock"}]}}]}}}]}
 
@@ -225,6 +239,7 @@ def _nullable(body: dict) -> None:
 
 
 _PROPS = object()       # marks a "properties" map while walking the document
+ADAPTER_FIELDS = ("adapters", "adapter_id")
 # The fields whose token ids the parsers check against the vocabulary
 VOCAB_FIELDS = ("prompt",)
 # The fields whose bound is the model's length (admission refuses prompt + them beyond it)
@@ -235,13 +250,14 @@ POOLING_PATHS = ("/v1/embeddings", "/embed", "/predict", "/rerank", "/v1/rerank"
 
 
 def document(vocab_size: int | None = None, max_model_len: int | None = None, priorities: bool = True,
-             pooling: bool | None = None) -> dict:
+             pooling: bool | None = None, lora: bool = True) -> dict:
     """The document; with the loaded model's vocabulary and length, its prompt token ids and token counts
     bounded by them (what the parsers check), so that a body valid against it is one we accept; without
-    priority scheduling (option.scheduling_policy=fcfs) a priority can only be 0; `pooling`: the routes of
+    priority scheduling (option.scheduling_policy=fcfs) a priority can only be 0, without LoRA
+    (option.enable_lora=false) no adapter can be named; `pooling`: the routes of
     an embedding/rerank model (True) or of a generating one (False), not both."""
     doc = _static()
-    if vocab_size is None and max_model_len is None and priorities and pooling is None:
+    if vocab_size is None and max_model_len is None and priorities and pooling is None and lora:
         return doc
     doc = copy.deepcopy(doc)
     if pooling is not None:         # a loaded model serves either the generation or the pooling routes
@@ -267,6 +283,11 @@ def document(vocab_size: int | None = None, max_model_len: int | None = None, pr
             for v in node:
                 bound(v, name)
     bound(doc)
+    if not lora:        # without option.enable_lora a body naming an adapter is refused
+        for body in doc["components"]["schemas"].values():
+            for name in ADAPTER_FIELDS:
+                if name in body.get("properties", {}):
+                    body["properties"][name] = {"type": "null"}   # null is an absent field
     return doc
 
 
@@ -302,10 +323,11 @@ def _static() -> dict:
     tgi["properties"].pop("adapters", None)
     chat = _body(ChatFields.model_json_schema(), ["messages"],
                  {"messages": _CHAT_MESSAGES,
-                  "model": {"type": "string"}, "tools": {"type": "array"}, "response_format": RESPONSE_FORMAT,
-                  **GUIDED})
+                  "model": {"type": "string"}, "tools": _TOOLS, "response_format": RESPONSE_FORMAT,
+                  **_OPENAI_GUIDED})
     completion = _body(CompletionFields.model_json_schema(), ["prompt"],
-                       {"prompt": _PROMPT, "model": {"type": "string"}, "response_format": RESPONSE_FORMAT, **GUIDED})
+                       {"prompt": _PROMPT, "model": {"type": "string"}, "response_format": RESPONSE_FORMAT,
+                        **_OPENAI_GUIDED})
     schemas = {"Parameters": params, "LMIRequest": lmi, "TGIRequest": tgi,
                "ChatCompletionRequest": chat, "CompletionRequest": completion,
                "MessagesRequest": MessagesRequest.model_json_schema(),

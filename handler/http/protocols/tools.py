@@ -22,7 +22,7 @@ from handler.engine import guide
 from handler.engine.errors import RequestError, show
 from handler.http.protocols import tool_parsers
 
-_NAME = re.compile(r"^[A-Za-z0-9_.:-]{1,64}$")
+NAME = re.compile(r"^[A-Za-z0-9_.:-]{1,64}$")
 
 
 @dataclass
@@ -82,7 +82,7 @@ def parse(payload: dict, tokenizer, options: Options = Options()) -> Tools:
                                       f'got {show(t)}')
         f = t["function"]
         name = f.get("name")
-        if not isinstance(name, str) or not _NAME.match(name):
+        if not isinstance(name, str) or not NAME.match(name):
             raise RequestError(f"{where}.function.name", f"must be 1-64 letters, digits, _ . : or -, got {show(name)}")
         if name in (g["name"] for g in fns):
             raise RequestError(f"{where}.function.name", f"{show(name)} is listed twice")

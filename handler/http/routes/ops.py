@@ -20,8 +20,8 @@ def metrics():
 def openapi_document():
     state = current_state()
     client = state.client                   # once loaded: bounds from its vocabulary and length
-    priorities = state.cfg.scheduling_policy == "priority"
+    limits = dict(priorities=state.cfg.scheduling_policy == "priority", lora=bool(state.cfg.enable_lora))
     if client is None:
-        return json_response(openapi.document(priorities=priorities))
-    return json_response(openapi.document(len(client.tokenizer), client.max_sequence_len, priorities,
-                                          pooling=bool(getattr(client, "pooling", False))))
+        return json_response(openapi.document(**limits))
+    return json_response(openapi.document(len(client.tokenizer), client.max_sequence_len,
+                                          pooling=bool(getattr(client, "pooling", False)), **limits))
