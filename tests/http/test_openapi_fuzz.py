@@ -23,7 +23,7 @@ pytestmark = pytest.mark.slow
 pytest.importorskip("schemathesis", reason="the fuzzer: pip install -e '.[dev]'")
 
 PROPERTIES = ("option.rolling_batch=auto\noption.paged_attention=true\noption.max_rolling_batch_size=8\n"
-              "option.max_model_len=192\n")
+              "option.max_model_len=64\n")
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +41,7 @@ def test_the_document_is_bounded_by_the_loaded_model(srv, demo_model_dir):
     doc = requests.get(srv.url + "/openapi.json", timeout=30).json()
     params = doc["components"]["schemas"]["Parameters"]["properties"]
     vocab = len(AutoTokenizer.from_pretrained(demo_model_dir))
-    assert params["max_new_tokens"]["anyOf"][0]["maximum"] == 191          # option.max_model_len - 1
+    assert params["max_new_tokens"]["anyOf"][0]["maximum"] == 63           # option.max_model_len - 1
     ids = doc["components"]["schemas"]["CompletionRequest"]["properties"]["prompt"]["anyOf"]
     assert [a["items"]["maximum"] for a in ids if a.get("items", {}).get("type") == "integer"] == [vocab - 1]
     key = re.compile(params["logit_bias"]["anyOf"][0]["propertyNames"]["pattern"])
