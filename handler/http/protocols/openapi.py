@@ -186,47 +186,44 @@ _ANTHROPIC_MESSAGE = {"oneOf": [
             {"$ref": _BLOCK + "ThinkingBlock"}]}}]}}}]}
 
 
-def _drop_refs(node, refs: set[str]) -> None:
-    """Remove the alternatives that are references to `refs` from every anyOf/oneOf (and its discriminator)."""
+def _each_object(node, fix) -> None:
+    """fix(d) on every JSON object of a schema tree, parents before their children."""
     if isinstance(node, dict):
-        for key in ("anyOf", "oneOf"):
-            if key in node:
-                node[key] = [a for a in node[key] if not (isinstance(a, dict) and a.get("$ref") in refs)]
-        mapping = node.get("discriminator", {}).get("mapping")
-        if mapping:
-            node["discriminator"]["mapping"] = {k: v for k, v in mapping.items() if v not in refs}
+        fix(node)
         for v in node.values():
-            _drop_refs(v, refs)
+            _each_object(v, fix)
     elif isinstance(node, list):
         for v in node:
-            _drop_refs(v, refs)
+            _each_object(v, fix)
+
+
+def _drop_refs(node, refs: set[str]) -> None:
+    """Remove the alternatives that are references to `refs` from every anyOf/oneOf (and its discriminator)."""
+    def fix(d):
+        for key in ("anyOf", "oneOf"):
+            if key in d:
+                d[key] = [a for a in d[key] if not (isinstance(a, dict) and a.get("$ref") in refs)]
+        mapping = d.get("discriminator", {}).get("mapping")
+        if mapping:
+            d["discriminator"]["mapping"] = {k: v for k, v in mapping.items() if v not in refs}
+    _each_object(node, fix)
 
 
 def _token_keys(node) -> None:
     """pydantic writes a dict with checked keys as patternProperties (which lets other keys through):
     logit_bias's keys are token ids and nothing else, i.e. propertyNames."""
-    if isinstance(node, dict):
-        pattern = node.get("patternProperties", {})
+    def fix(d):
+        pattern = d.get("patternProperties", {})
         if TOKEN_KEY in pattern:
-            node["additionalProperties"] = pattern.pop(TOKEN_KEY)
-            node["propertyNames"] = {"pattern": TOKEN_KEY}
-            del node["patternProperties"]
-        for v in node.values():
-            _token_keys(v)
-    elif isinstance(node, list):
-        for v in node:
-            _token_keys(v)
+            d["additionalProperties"] = pattern.pop(TOKEN_KEY)
+            d["propertyNames"] = {"pattern": TOKEN_KEY}
+            del d["patternProperties"]
+    _each_object(node, fix)
 
 
 def _drop_discriminators(node) -> None:
     """A oneOf told apart by `type` with a member whose type is optional: the alternatives' own schemas decide."""
-    if isinstance(node, dict):
-        node.pop("discriminator", None)
-        for v in node.values():
-            _drop_discriminators(v)
-    elif isinstance(node, list):
-        for v in node:
-            _drop_discriminators(v)
+    _each_object(node, lambda d: d.pop("discriminator", None))
 
 
 def _nullable(body: dict) -> None:
