@@ -1,5 +1,5 @@
 """Paged-attention kernels: Triton on CUDA tensors, the C kernels (kernels/cpu/) or the
-plain-torch reference (kernels/reference.py) on CPU, behind one backend object per process
+plain-torch math (kernels/torch_paged.py) on CPU, behind one backend object per process
 (kernels/backends.py: the runner picks it at load, the layers call its `forward`).
 
 `write_kv` and `paged_attention` here pick the backend per call, for callers without a runner
@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import torch
 
-from . import reference
 from .backends import CpuAttention, TorchAttention, TritonAttention, backend_for, triton_available
 from .pool import KVPool
 from .step import Step, StepPlan, plan_step

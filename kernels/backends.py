@@ -4,11 +4,11 @@
                   step's rotary, KV write and attention in one call where every sequence feeds
                   one row; else decode rows read the pool in place, whole prompts go to the
                   prompt kernel, and what neither takes (chunks after cached rows, sliding
-                  windows or soft-caps on prompts) to the reference's torch math
-  TorchAttention  plain torch (kernels/reference.py): option.cpu_kernels=torch, a CPU without a
+                  windows or soft-caps on prompts) to the torch math (kernels/torch_paged.py)
+  TorchAttention  plain torch (kernels/torch_paged.py): option.cpu_kernels=torch, a CPU without a
                   kernel build, or CUDA without triton
   TritonAttention CUDA with triton (kernels/triton_kernels.py); a sliding window or a logit
-                  soft-cap goes to the reference (the Triton kernel has neither)
+                  soft-cap goes to kernels/torch_paged.py (the Triton kernel has neither)
 
 `forward(q, k, v, k_cache, v_cache, step, scale, cos=, sin=, window=, soft_cap=)` is the layer's
 attention: q [T, H, D], k/v [T, Hkv, D] (rotated by cos/sin [T, D] first when given: our models;
@@ -22,28 +22,28 @@ import functools
 
 import torch
 
-from kernels import reference
+from kernels import torch_paged
 from kernels.pool import as_pool, as_stored
 from kernels.step import StepPlan
 
 
 class TorchAttention:
-    """kernels/reference.py's math on any device."""
+    """kernels/torch_paged.py's math on any device."""
 
     name = "torch"
-    needs_plan = True       # the reference reads the step's row bookkeeping at every layer
+    needs_plan = True       # the torch math reads the step's row bookkeeping at every layer
 
     def rotate(self, q, k, cos, sin):
-        return reference.apply_rotary(q, k, cos, sin)
+        return torch_paged.apply_rotary(q, k, cos, sin)
 
     def write(self, key_cache, value_cache, key, value, slots) -> None:
-        reference.write_kv(key_cache, value_cache, key, value, slots)
+        torch_paged.write_kv(key_cache, value_cache, key, value, slots)
 
     def attend(self, query, key_cache, value_cache, step, scale: float, window=None, soft_cap=None,
                key=None, value=None) -> torch.Tensor:
         """Attention of this step's rows over the pools (k/v already stored); `key`/`value` this
         step's rows as the pools give them back."""
-        return reference.paged_attention(query, key_cache, value_cache, step.block_tables, step.seq_lens,
+        return torch_paged.paged_attention(query, key_cache, value_cache, step.block_tables, step.seq_lens,
                                          step.query_start_loc, scale, seq_lens_cpu=step.seq_lens_cpu,
                                          query_start_loc_cpu=step.query_start_loc_cpu, sliding_window=window,
                                          soft_cap=soft_cap, key=key, value=value, plan=step.plan)
@@ -60,7 +60,7 @@ class TorchAttention:
         return self.attend(q, kp, vp, step, scale, window, soft_cap, k, v)
 
     def describe(self) -> str:
-        return "plain torch (kernels/reference.py)"
+        return "plain torch (kernels/torch_paged.py)"
 
 
 class CpuAttention(TorchAttention):
@@ -73,11 +73,11 @@ class CpuAttention(TorchAttention):
     def rotate(self, q, k, cos, sin):
         if self.ext.rotary_(q, k, cos, sin):
             return q, k
-        return reference.apply_rotary(q, k, cos, sin)
+        return torch_paged.apply_rotary(q, k, cos, sin)
 
     def write(self, key_cache, value_cache, key, value, slots) -> None:
         if not self.ext.write_kv(key_cache, value_cache, key, value, slots):
-            reference.write_kv(key_cache, value_cache, key, value, slots)
+            torch_paged.write_kv(key_cache, value_cache, key, value, slots)
 
     def forward(self, q, k, v, key_cache, value_cache, step, scale: float, *, cos=None, sin=None,
                 window: int | None = None, soft_cap: float | None = None) -> torch.Tensor:
@@ -105,13 +105,13 @@ class CpuAttention(TorchAttention):
             dec = []
         else:
             out = torch.empty(t, h, d, dtype=query.dtype)
-        reference.decode_into(out, query, key_cache, value_cache, p, dec, scale, window, soft_cap)
+        torch_paged.decode_into(out, query, key_cache, value_cache, p, dec, scale, window, soft_cap)
         rest = p.chunks
         if (p.whole and key is not None and window is None and soft_cap is None
                 and self.ext.prefill_attention(query, key, value, [p.qsl[s] for s in p.whole],
                                                [p.lens[s] for s in p.whole], scale, out)):
             rest = p.partial
-        reference.prompts_into(out, query, key_cache, value_cache, p, rest, scale, window, soft_cap, key, value)
+        torch_paged.prompts_into(out, query, key_cache, value_cache, p, rest, scale, window, soft_cap, key, value)
         return out
 
     def describe(self) -> str:
@@ -120,10 +120,10 @@ class CpuAttention(TorchAttention):
 
 
 class TritonAttention(TorchAttention):
-    """CUDA: the Triton kernels; the reference where a layer has a sliding window or a soft-cap."""
+    """CUDA: the Triton kernels; the torch math where a layer has a sliding window or a soft-cap."""
 
     name = "triton"
-    needs_plan = False      # only the reference's layers read it (where the model has windows or soft-caps)
+    needs_plan = False      # only the torch math's layers read it (where the model has windows or soft-caps)
 
     def write(self, key_cache, value_cache, key, value, slots) -> None:
         from kernels import triton_kernels

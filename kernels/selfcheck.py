@@ -1,4 +1,4 @@
-"""Triton kernels vs the torch reference on random paged layouts.
+"""Triton kernels vs the serving path's torch math (kernels/torch_paged.py) on random paged layouts.
 
     TRITON_INTERPRET=1 python -m kernels.selfcheck            # CPU, triton interpreter
     python -m kernels.selfcheck --device cuda                  # GPU (adds bf16)
@@ -15,7 +15,7 @@ import sys
 
 import torch
 
-from . import reference
+from . import torch_paged
 
 
 def make_case(rng: random.Random, *, num_seqs: int, block_size: int, hkv: int, group: int,
@@ -63,16 +63,16 @@ def make_case(rng: random.Random, *, num_seqs: int, block_size: int, hkv: int, g
 
 
 def attention_error(case: dict, **kernel_kw) -> float:
-    """Max |triton - reference| / (1 + |reference|) over the batch."""
+    """Max |triton - torch| / (1 + |torch|) over the batch."""
     from . import triton_kernels
     got = triton_kernels.paged_attention(**case, **kernel_kw).float()
-    ref = reference.paged_attention(**case).float()
+    ref = torch_paged.paged_attention(**case).float()
     return ((got - ref).abs() / (1 + ref.abs())).max().item()
 
 
 def store_error(rng: random.Random, *, block_size: int, hkv: int, head_dim: int,
                 dtype: torch.dtype, device: str = "cpu", tokens: int = 10) -> float:
-    """Max |triton - reference| over both caches after writing `tokens` rows, some with slot -1."""
+    """Max |triton - torch| over both caches after writing `tokens` rows, some with slot -1."""
     from . import triton_kernels
     gen = torch.Generator().manual_seed(rng.randrange(2**31))
     num_blocks = -(-2 * tokens // block_size)  # half the slots stay untouched
@@ -88,7 +88,7 @@ def store_error(rng: random.Random, *, block_size: int, hkv: int, head_dim: int,
     vc = torch.randn_like(kc)
     kc2, vc2 = kc.clone(), vc.clone()
     triton_kernels.write_kv(kc, vc, key, value, slot_mapping)
-    reference.write_kv(kc2, vc2, key, value, slot_mapping)
+    torch_paged.write_kv(kc2, vc2, key, value, slot_mapping)
     return max((kc - kc2).abs().max().item(), (vc - vc2).abs().max().item())
 
 

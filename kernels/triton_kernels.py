@@ -1,7 +1,7 @@
 """Triton kernels: KV store through a slot mapping, and unified paged attention.
 
 Works on triton 3.6-3.9, on CUDA tensors, or on CPU tensors under TRITON_INTERPRET=1
-(set before triton is first imported). Semantics are those of kernels/reference.py.
+(set before triton is first imported). Semantics are those of kernels/reference.py (the oracle) and kernels/torch_paged.py.
 """
 from __future__ import annotations
 

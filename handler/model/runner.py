@@ -88,7 +88,7 @@ def pack_step(items: list[StepItem], bs: int, copies=()) -> tuple[torch.Tensor, 
         if it.draft:
             # A draft's k+1 rows go as k+1 decode rows over the same block table, row j with
             # context start+j+1: each layer writes every row's KV before any row attends (the
-            # C decode kernel, the reference and Triton alike), so row j sees rows < j, causally,
+            # C decode kernel, the torch math and Triton alike), so row j sees rows < j, causally,
             # and the step stays a decode step (kernels/cpu_layer.c's one-call stack).
             for j in range(n):
                 qsl.append(qsl[-1] + 1)
@@ -187,7 +187,7 @@ class ModelRunner:
             log.debug("model load failed", exc_info=True)
             raise ModelLoadError(f"cannot load the model from {model_dir}: {type(e).__name__}: {e}") from None
         # The step's row bookkeeping (kernels/step.py) is built once per step where a layer reads it:
-        # the CPU backends' every layer; on CUDA the layers with windows or soft-caps (the reference's).
+        # the CPU backends' every layer; on CUDA the layers with windows or soft-caps (kernels/torch_paged.py's).
         self.plan_steps = self.attention.needs_plan or _windowed(self.model)
         log.info("attention: %s", self.attention.describe())
         layers, kv_heads, head_dim, max_pos = model_geometry(self.model.config)
@@ -356,7 +356,7 @@ class ModelRunner:
     def _kv_pool(self) -> KVPool:
         """One layer's keys or values (kernels/pool.py), [NB, bs, Hkv, D] to every reader. On CPU a
         view of a head-major [NB, Hkv, bs, D] allocation, so that the attention's gather of a batch's
-        blocks is one copy into the [B, Hkv, L, D] it multiplies (kernels/reference.py); the Triton
+        blocks is one copy into the [B, Hkv, L, D] it multiplies (kernels/torch_paged.py); the Triton
         kernels read strides and take either. On CPU the memory is anonymous zero pages (mmap),
         committed as blocks are first written: the pool is sized from the memory available
         (handler.config.sizing), and a server that never fills it does not hold it. An int8 pool

@@ -1,6 +1,6 @@
 """Attention over the paged KV pool in C (kernels/cpu_decode.c, cpu_layer.c), and a whole decode
 step's layers in one call. Decode rows read the pool in place instead of gathering their blocks
-into a copy that a batched matmul then reads again (kernels/reference.py, the oracle)."""
+into a copy that a batched matmul then reads again (kernels/torch_paged.py)."""
 from __future__ import annotations
 
 import ctypes
@@ -24,7 +24,7 @@ def supports(key_cache: KVPool | torch.Tensor) -> bool:
 def write_kv(key_cache: KVPool | torch.Tensor, value_cache: KVPool | torch.Tensor, key: torch.Tensor,
              value: torch.Tensor, slot_mapping: torch.Tensor) -> bool:
     """Store key/value [T, Hkv, D] at slot_mapping [T] (< 0: skip) in place, as
-    reference.write_kv does; False (nothing written) when the kernel cannot take these tensors.
+    torch_paged.write_kv does; False (nothing written) when the kernel cannot take these tensors.
     An int8 pool stores each (token, head) row quantized with its scale (kernels/cpu_kv.c)."""
     fn = load()
     kp, vp = as_pool(key_cache), as_pool(value_cache)

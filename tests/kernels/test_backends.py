@@ -1,6 +1,6 @@
 """kernels/backends.py on any host: which backend a device gets, and where each backend sends a
 layer's attention. The Triton backend's routing is checked on CPU tensors with a stand-in for
-kernels/triton_kernels.py that records its calls and answers with the reference's values (the
+kernels/triton_kernels.py that records its calls and answers with the torch math's values (the
 Triton kernels themselves: tests/kernels/test_kernels.py and tests/model/test_gpu.py, on CUDA)."""
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import types
 import torch
 
 import kernels
-from kernels import reference
+from kernels import torch_paged
 from kernels.selfcheck import make_case
 from tests.support.kernels import naive_attention, rel_err
 
@@ -31,18 +31,19 @@ def _fake_triton(monkeypatch) -> list:
 
     def paged_attention(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale):
         calls.append("attention")
-        return reference.paged_attention(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale)
+        return torch_paged.paged_attention(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
+                                           scale)
 
     def write_kv(key_cache, value_cache, key, value, slots):
         calls.append("write")
-        reference.write_kv(key_cache, value_cache, key, value, slots)
+        torch_paged.write_kv(key_cache, value_cache, key, value, slots)
     fake.paged_attention, fake.write_kv = paged_attention, write_kv
     monkeypatch.setitem(sys.modules, "kernels.triton_kernels", fake)
     monkeypatch.setattr(kernels, "triton_kernels", fake, raising=False)
     return calls
 
 
-def test_triton_backend_sends_windows_and_soft_caps_to_the_reference(monkeypatch):
+def test_triton_backend_sends_windows_and_soft_caps_to_the_torch_math(monkeypatch):
     calls = _fake_triton(monkeypatch)
     tri = kernels.TritonAttention()
     assert not tri.needs_plan

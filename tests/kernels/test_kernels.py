@@ -1,4 +1,5 @@
-"""kernels/: the torch reference vs a naive per-token loop; Triton (interpreter / CUDA) vs the reference."""
+"""kernels/: the serving path's torch math (kernels/torch_paged.py) vs the oracle (kernels/reference.py, a naive
+per-token loop); Triton (interpreter / CUDA) vs the oracle."""
 from __future__ import annotations
 
 import importlib.util
@@ -13,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 import kernels
-from kernels import reference
+from kernels import reference, torch_paged
 from kernels.selfcheck import make_case
 from tests.support.kernels import _head_major, _own_kv, naive_attention, rel_err
 
@@ -29,12 +30,12 @@ def test_reference_matches_naive_loop(group, block_size, dtype, tol):
     for _ in range(2):
         case = make_case(rng, num_seqs=rng.randint(2, 5), block_size=block_size, hkv=rng.choice([1, 2]),
                          group=group, head_dim=rng.choice([16, 32]), dtype=dtype, max_ctx=30)
-        got = reference.paged_attention(**case)
+        got = torch_paged.paged_attention(**case)
         assert got.dtype == dtype and got.shape == case["query"].shape
         want = naive_attention(**case)
         assert rel_err(got, want) <= tol
         # The same answer when the caller passes the host-side lists instead.
-        again = reference.paged_attention(
+        again = torch_paged.paged_attention(
             **case, seq_lens_cpu=case["seq_lens"].tolist(),
             query_start_loc_cpu=case["query_start_loc"].tolist())
         assert torch.equal(again, got)
@@ -47,7 +48,7 @@ def test_reference_sliding_window_and_soft_cap_match_naive_loop(sliding_window, 
         case = make_case(rng, num_seqs=rng.randint(2, 5), block_size=rng.choice([1, 4]), hkv=2,
                          group=rng.choice([1, 2]), head_dim=16, dtype=torch.float32, max_ctx=24)
         case["query"] = case["query"] * 4          # large logits, so the cap changes the answer
-        got = reference.paged_attention(**case, sliding_window=sliding_window, soft_cap=soft_cap)
+        got = torch_paged.paged_attention(**case, sliding_window=sliding_window, soft_cap=soft_cap)
         want = naive_attention(**case, sliding_window=sliding_window, soft_cap=soft_cap)
         assert rel_err(got, want) <= 1e-5
         # and the options do change the result (the test would notice them being ignored)
@@ -65,11 +66,11 @@ def test_reference_head_major_pool_and_own_keys_match_naive_loop(dtype, tol, opt
                          hkv=rng.choice([1, 3]), group=rng.choice([1, 3]), head_dim=16, dtype=dtype, max_ctx=40)
         key, value = _own_kv(case)
         hm = dict(case, key_cache=_head_major(case["key_cache"]), value_cache=_head_major(case["value_cache"]))
-        got = reference.paged_attention(**hm, key=key, value=value, **options)
+        got = torch_paged.paged_attention(**hm, key=key, value=value, **options)
         assert got.dtype == dtype
         assert rel_err(got, naive_attention(**case, **options)) <= tol
         if dtype == torch.float32:    # the layout alone changes nothing
-            assert rel_err(got, reference.paged_attention(**case, **options)) <= 1e-6
+            assert rel_err(got, torch_paged.paged_attention(**case, **options)) <= 1e-6
 
 
 def test_reference_decode_batch_with_uneven_lengths():
@@ -79,14 +80,14 @@ def test_reference_decode_batch_with_uneven_lengths():
                      dtype=torch.float32, max_ctx=70, decode_only=True)
     case["seq_lens"][0] = 1
     assert (case["block_tables"] == -1).any()
-    assert rel_err(reference.paged_attention(**case), naive_attention(**case)) <= 1e-5
+    assert rel_err(torch_paged.paged_attention(**case), naive_attention(**case)) <= 1e-5
 
 
 def test_length_groups_cover_each_sequence_once_longest_first():
     rng = random.Random(3)
     seqs = list(range(100, 160))
     nblks = [rng.randint(1, 40) for _ in seqs]
-    groups = reference.length_groups(seqs, nblks, min_size=8, slack=0.6)
+    groups = torch_paged.length_groups(seqs, nblks, min_size=8, slack=0.6)
     assert sorted(x for g in groups for x in g) == seqs
     width = {s: n for s, n in zip(seqs, nblks)}
     tops = [max(width[x] for x in g) for g in groups]
@@ -94,7 +95,7 @@ def test_length_groups_cover_each_sequence_once_longest_first():
     for g, nxt in zip(groups, groups[1:]):      # a group closes only when full enough and the
         assert len(g) >= 8                      # next is much shorter than its widest
         assert max(width[x] for x in nxt) < 0.6 * max(width[x] for x in g)
-    assert reference.length_groups([7, 8], [1, 30]) == [[8, 7]]     # small batches stay one group
+    assert torch_paged.length_groups([7, 8], [1, 30]) == [[8, 7]]     # small batches stay one group
 
 
 def test_reference_decode_rows_in_several_length_groups_match_naive_loop():
@@ -102,8 +103,8 @@ def test_reference_decode_rows_in_several_length_groups_match_naive_loop():
     case = make_case(rng, num_seqs=40, block_size=4, hkv=2, group=3, head_dim=16,
                      dtype=torch.float32, max_ctx=120, decode_only=True)
     lens = case["seq_lens"].tolist()
-    assert len(reference.length_groups(list(range(40)), [-(-n // 4) for n in lens])) > 1
-    assert rel_err(reference.paged_attention(**case), naive_attention(**case)) <= 1e-5
+    assert len(torch_paged.length_groups(list(range(40)), [-(-n // 4) for n in lens])) > 1
+    assert rel_err(torch_paged.paged_attention(**case), naive_attention(**case)) <= 1e-5
 
 
 def test_write_kv_then_attend_equals_causal_sdpa_over_contiguous_kv():
@@ -126,7 +127,7 @@ def test_write_kv_then_attend_equals_causal_sdpa_over_contiguous_kv():
 def test_reference_write_kv_places_rows_and_skips_negative_slots():
     kc, vc = torch.zeros(3, 4, 2, 8), torch.zeros(3, 4, 2, 8)
     key, value = torch.randn(3, 2, 8), torch.randn(3, 2, 8)
-    reference.write_kv(kc, vc, key, value, torch.tensor([9, -1, 2]))
+    torch_paged.write_kv(kc, vc, key, value, torch.tensor([9, -1, 2]))
     assert torch.equal(kc[2, 1], key[0]) and torch.equal(vc[2, 1], value[0])  # slot 9 = block 2, offset 1
     assert torch.equal(kc[0, 2], key[2]) and torch.equal(vc[0, 2], value[2])
     assert int((kc != 0).any(-1).any(-1).sum()) == 2  # exactly two slots written
@@ -137,7 +138,7 @@ def test_reference_rejects_bad_head_counts():
                      dtype=torch.float32)
     case["query"] = torch.randn(case["query"].shape[0], 3, 16)
     with pytest.raises(ValueError, match="num query heads 3 is not a multiple of num kv heads 2"):
-        reference.paged_attention(**case)
+        torch_paged.paged_attention(**case)
 
 
 def test_reference_rejects_more_query_rows_than_context():
@@ -146,7 +147,7 @@ def test_reference_rejects_more_query_rows_than_context():
     n = case["query"].shape[0]
     case["seq_lens"][0] = n - 1 if n > 1 else 0
     with pytest.raises(ValueError, match=f"sequence 0: {n} query rows do not fit its context length"):
-        reference.paged_attention(**case)
+        torch_paged.paged_attention(**case)
 
 
 def _run_python(code: str, **env) -> subprocess.CompletedProcess:

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import kernels
-from kernels import cpu as cpu_ext, pool as kv_pool, reference
+from kernels import cpu as cpu_ext, pool as kv_pool, reference, torch_paged
 from kernels.selfcheck import make_case
 from tests.support.kernels import _head_major, each_build_fixture, naive_attention, rel_err
 
@@ -83,8 +83,8 @@ def test_kernel_decode_over_int8_matches_the_naive_loop(each_build, head, option
         deq = dict(case, key_cache=_dequantized(case["key_cache"]), value_cache=_dequantized(case["value_cache"]))
         assert rel_err(got, naive_attention(**deq, **options)) <= 1e-5
         assert 0 < rel_err(got, exact) <= 1e-1            # the int8 rounding shows, within its bound
-        # the torch reference (option.cpu_kernels=torch) reads the same pools: the same answer
-        ref = reference.paged_attention(**case, **options)
+        # the torch math (option.cpu_kernels=torch) reads the same pools: the same answer
+        ref = torch_paged.paged_attention(**case, **options)
         assert rel_err(ref, got) <= 1e-5
 
 

@@ -148,3 +148,22 @@ def test_the_build_cache_key_covers_each_builds_sources_and_headers(tmp_path):
     moved = keys()["avx512"]
     (copy / "x86" / "gemm.c").rename(copy / "x86" / "gemm_f32.c")        # the same bytes moved: a new build too
     assert keys()["avx512"] != moved
+
+
+ORACLE_IMPORT = re.compile(r"^[ \t]*(?:from[ \t]+(?:kernels|\.)[ \t]+import[ \t]+\(?[\w \t,]*\breference\b"
+                           r"|(?:from|import)[ \t]+kernels\.reference\b)", re.M)
+
+
+def test_the_oracle_import_scan_finds_each_spelling():
+    for line in ("from kernels import reference", "from kernels import pool, reference as ref",
+                 "from . import reference", "from kernels import (pool, reference)", "import kernels.reference", "    from kernels.reference import x"):
+        assert ORACLE_IMPORT.search(line), line
+    assert not ORACLE_IMPORT.search("from kernels import torch_paged  # the reference's twin")
+
+
+def test_nothing_on_the_serving_path_imports_the_oracle():
+    # kernels/reference.py is the tests' oracle; the serving path's torch math is kernels/torch_paged.py.
+    root = Path(__file__).resolve().parents[2]
+    found = [p.relative_to(root).as_posix() for d in ("handler", "kernels", "djl_python") for p in (root / d).rglob("*.py")
+             if p.name != "reference.py" and ORACLE_IMPORT.search(p.read_text())]
+    assert found == []

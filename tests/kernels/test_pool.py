@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from kernels import pool as kv_pool
-from kernels import reference
+from kernels import reference, torch_paged
 
 
 @pytest.mark.parametrize("head_major", [False, True])
@@ -13,7 +13,7 @@ from kernels import reference
 def test_allocate_lays_out_rows_and_scales_alike(head_major, lazy):
     p = kv_pool.allocate((5, 4, 2, 16), torch.int8, head_major=head_major, lazy=lazy)
     assert p.int8 and p.shape == (5, 4, 2, 16) and p.scales.shape == (5, 4, 2) and p.block_size == 4
-    assert p.head_major() is head_major and reference.head_major(p.data) is head_major
+    assert p.head_major() is head_major and torch_paged.head_major(p.data) is head_major
     assert [s * 16 for s in p.scales.stride()] == list(p.data.stride()[:3])     # a row's scale at its offset / D
     assert not p.data.any() and not p.scales.any()
     f = kv_pool.allocate((5, 4, 2, 16), torch.bfloat16, head_major=head_major, lazy=lazy)

@@ -301,7 +301,7 @@ def test_prepacking_switch(demo_model_factory):
 
 def test_runner_pool_is_head_major_on_cpu_and_switchable(demo_model_factory):
     from handler.model.runner import ModelRunner
-    from kernels.reference import head_major
+    from kernels.torch_paged import head_major
 
     path = demo_model_factory("llama")
     r = ModelRunner(path, kv_cache_tokens=64, block_size=4)

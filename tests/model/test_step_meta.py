@@ -84,7 +84,7 @@ def test_one_backend_is_chosen_at_load_and_named_in_the_log(demo_model_factory, 
     with caplog.at_level(logging.INFO, logger="lmi.runner"):
         torch_runner = _runner(demo_model_factory("llama"), "torch")
     assert type(torch_runner.attention) is kernels.TorchAttention
-    assert "attention: plain torch (kernels/reference.py)" in caplog.text
+    assert "attention: plain torch (kernels/torch_paged.py)" in caplog.text
     if BUILD is None:
         pytest.skip("no C kernel build on this host (LMI_CPU_KERNELS=torch or no compiler): the torch backend only")
     caplog.clear()
