@@ -19,12 +19,15 @@ kernels.step.Step): its tensors and its `plan` (kernels.step.StepPlan, built onc
 from __future__ import annotations
 
 import functools
+import logging
 
 import torch
 
 from kernels import torch_paged
 from kernels.pool import as_pool, as_stored
 from kernels.step import StepPlan
+
+log = logging.getLogger(__name__)
 
 
 class TorchAttention:
@@ -69,14 +72,26 @@ class CpuAttention(TorchAttention):
     def __init__(self, isa: str):
         from kernels import cpu as cpu_ext
         self.name, self.ext = isa, cpu_ext
+        self._told: set[str] = set()
+
+    def _in_torch(self, op: str, *tensors) -> None:
+        """A call the kernel could not take (a dtype or layout it does not read) runs in torch: said
+        once per op and tensor kinds in the log, so a model that never reaches the kernels shows it."""
+        kinds = ", ".join(f"{t.dtype} {tuple(t.stride())}" for t in tensors)
+        if (op, kinds) not in self._told:
+            self._told.add((op, kinds))
+            log.warning("attention: %s in torch (kernels/torch_paged.py): the C kernel does not take %s",
+                        op, kinds)
 
     def rotate(self, q, k, cos, sin):
         if self.ext.rotary_(q, k, cos, sin):
             return q, k
+        self._in_torch("rotary", q, k, cos)
         return torch_paged.apply_rotary(q, k, cos, sin)
 
     def write(self, key_cache, value_cache, key, value, slots) -> None:
         if not self.ext.write_kv(key_cache, value_cache, key, value, slots):
+            self._in_torch("the KV write", as_pool(key_cache).data, key)
             torch_paged.write_kv(key_cache, value_cache, key, value, slots)
 
     def forward(self, q, k, v, key_cache, value_cache, step, scale: float, *, cos=None, sin=None,
@@ -104,6 +119,8 @@ class CpuAttention(TorchAttention):
             out[p.dec_rows] = o.to(query.dtype)
             dec = []
         else:
+            if dec:
+                self._in_torch("decode attention", as_pool(key_cache).data)
             out = torch.empty(t, h, d, dtype=query.dtype)
         torch_paged.decode_into(out, query, key_cache, value_cache, p, dec, scale, window, soft_cap)
         rest = p.chunks

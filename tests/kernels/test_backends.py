@@ -8,6 +8,7 @@ import random
 import sys
 import types
 
+import pytest
 import torch
 
 import kernels
@@ -94,3 +95,24 @@ def test_a_device_gets_its_backend():
         assert type(cpu) is kernels.CpuAttention and cpu.name == cpu_ext.current()[0]
     assert kernels.backend_for("meta") is kernels.backends.TORCH     # any other device: plain torch
 
+
+
+def test_cpu_backend_says_once_when_a_call_runs_in_torch(caplog):
+    # fp16 rows: no C kernel reads them; the torch math answers and the log says so, once per op and kinds.
+    from kernels import cpu as cpu_ext
+    if cpu_ext.load() is None:
+        pytest.skip("no C kernel build on this host: the CPU backend is not chosen")
+    cpu = kernels.CpuAttention(cpu_ext.current()[0])
+    case = make_case(random.Random(8), num_seqs=2, block_size=4, hkv=1, group=2, head_dim=16,
+                     dtype=torch.float16, max_ctx=12, decode_only=True)
+    q, k = case["query"].clone(), torch.randn(2, 1, 16, dtype=torch.float16)
+    cos, sin = torch.ones(2, 16, dtype=torch.float16), torch.zeros(2, 16, dtype=torch.float16)
+    with caplog.at_level("WARNING", logger="kernels.backends"):
+        for _ in range(3):
+            got_q, got_k = cpu.rotate(q, k, cos, sin)
+            got = cpu.attend(case["query"], case["key_cache"], case["value_cache"], _step(case), case["scale"])
+    assert torch.equal(got_q, q) and torch.equal(got_k, k)      # cos 1, sin 0: the identity
+    assert rel_err(got, naive_attention(**case)) <= 2e-3
+    said = [r.getMessage() for r in caplog.records]
+    assert sum("rotary in torch" in m for m in said) == 1, said
+    assert sum("decode attention in torch" in m and "torch.float16" in m for m in said) == 1, said
