@@ -46,6 +46,11 @@ OLDEST_PREFILL_SHARE = 4
 MAX_SPEC_BACKOFF = 16
 # The aging bound when target_tpot_s or priority scheduling is on and none is given.
 DEFAULT_AGING_S = 2.0
+
+
+def min_prefill_tokens(cap: int) -> int:
+    """The fewest prompt tokens a step takes under a TPOT target its decode rows alone overrun."""
+    return min(cap, max(16, cap // 64))
 SCHEDULING_POLICIES = ("fcfs", "priority")
 
 
@@ -397,7 +402,9 @@ class Scheduler:
             return cap
         rows = sum(1 for q in self.running if len(q.tokens) - q.num_computed == 1)
         b = self.cost.prefill_budget(rows, p.target_tpot_s)
-        return cap if b is None else min(b, cap)
+        # Where the decode rows alone fill the target, prompts still move by a floor: admission
+        # otherwise waits for the aging bound, and every new request's TTFT with it.
+        return cap if b is None else min(max(b, min_prefill_tokens(cap)), cap)
 
     def observe_step(self, plan: StepPlan, seconds: float) -> None:
         """A step's measured time, for the cost model (the engine calls it after runner.step)."""
@@ -442,9 +449,18 @@ class Scheduler:
             give(q, left)
         give(min(pending, key=self._rank), max(1, budget // OLDEST_PREFILL_SHARE))
         by_priority = self.policy.by_priority
+        best = min(q.priority for q in pending) if by_priority else 0
         for q in sorted(pending, key=lambda q: (q.priority if by_priority else 0, rem[q.seq_id], q.admitted)):
             if left <= 0:
                 break
+            if q.priority != best and by_priority:
+                # While a better class awaits its prefill, the worse classes' prompts take at most
+                # the floor beside it: the step stays about as short as the better class's own
+                # prompts make it (its TTFT).
+                left = min(left, min_prefill_tokens(budget) - sum(
+                    n for sid, n in shares.items() if self.seqs[sid].priority != best))
+                if left <= 0:
+                    break
             give(q, left)
         return shares
 

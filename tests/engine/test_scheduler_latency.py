@@ -10,7 +10,7 @@ import pytest
 
 from handler.engine.blocks import BlockManager
 from handler.engine.request import SamplingParams
-from handler.engine.scheduler import Scheduler, SchedulerPolicy, Sequence
+from handler.engine.scheduler import Scheduler, SchedulerPolicy, Sequence, min_prefill_tokens
 from handler.engine.stepcost import MIN_STEPS, StepCostModel
 from tests.support.fakes import FakeRunner, history_hash
 
@@ -152,22 +152,62 @@ def test_the_hard_cap_holds_when_the_target_would_allow_more():
     assert len(clock.outputs) == 19
 
 
-def test_aging_bounds_how_long_a_prompt_is_passed_over():
-    """Decode rows alone overrun the target, so the TPOT budget admits nobody; a waiting prompt
-    still starts once it has waited aging_s."""
-    s = make(max_batch_size=64, prefill_token_budget=4096, target_tpot_s=0.005, aging_s=0.5)
+def test_a_target_the_decode_rows_overrun_still_moves_prompts_by_the_floor():
+    """Decode rows alone overrun the target, so the TPOT budget is empty; a waiting prompt still
+    starts at once and moves by min_prefill_tokens a step (not only once it has waited aging_s)."""
+    s = make(max_batch_size=64, prefill_token_budget=4096, target_tpot_s=0.005, aging_s=5.0)
+    floor = min_prefill_tokens(4096)
+    assert floor == 64
     clock = Clock(s)
     for sid in range(1, 11):
         s.add(seq(sid, 8, max_new=400))
     clock.run(until=lambda: len(clock.plans) > 40)
-    late = seq(99, 30, max_new=2, arrival=clock.now)
+    late = seq(99, 200, max_new=2, arrival=clock.now)
     s.add(late)
+    start = len(clock.plans)
     clock.run(until=lambda: 99 in clock.first_token)
     waited = clock.first_token[99] - late.arrival
-    assert 0.5 <= waited <= 0.5 + 3 * cost(11, 30)
-    assert not late.aged_in         # protected from priority preemption only until its first token
+    assert waited <= 4 * cost(11, floor) + 1e-9         # 200 tokens by 64 a step: 4 steps, far below aging_s
+    for plan, rows, _ in clock.plans[start:]:
+        assert sum(len(it.token_ids) for it in plan.items) - rows <= floor
+    assert not late.aged_in
 
 
+def test_aging_bounds_how_long_a_prompt_is_passed_over():
+    """Priority classes: a low-priority prompt behind a stream of better ones starts once it has
+    waited aging_s, and is protected from priority preemption only until its first token."""
+    s = make(max_batch_size=2, prefill_token_budget=4096, scheduling_policy="priority", aging_s=0.5)
+    clock = Clock(s)
+    late = seq(1, 30, max_new=2, priority=9)
+    sid = 100
+    while 1 not in clock.first_token and clock.now < 5.0:
+        while sum(1 for q in s.seqs.values() if q.priority == 0) < 3:
+            sid += 1
+            s.add(seq(sid, 6, max_new=6, arrival=clock.now, priority=0))
+        if clock.now >= 0.01 and 1 not in s.seqs:
+            late.arrival = late.waiting_since = clock.now
+            s.add(late)
+        clock.step()
+    waited = clock.first_token[1] - late.arrival
+    assert 0.5 <= waited <= 0.5 + 6 * cost(2, 30)       # aged, then admitted within a few steps
+    assert not late.aged_in
+
+
+def test_a_better_class_awaiting_prefill_keeps_the_worse_classes_prompts_out_of_the_step():
+    s = make(max_batch_size=64, prefill_token_budget=4096, scheduling_policy="priority", aging_s=100.0)
+    clock = Clock(s)
+    for sid in range(1, 9):                           # a flood of long low-priority prompts
+        s.add(seq(sid, 400, max_new=20, priority=10))
+    clock.step()                                      # 4096 tokens of them in the first step
+    short = seq(50, 12, max_new=2, arrival=clock.now, priority=0)
+    s.add(short)
+    plan = clock.step()
+    ids = {it.seq_id: len(it.token_ids) for it in plan.items}
+    assert ids[50] == 12                              # the better class's prompt whole ...
+    # ... and the worse ones' prompts at most the floor beside it (4096 tokens a step before)
+    assert sum(n for sid, n in ids.items() if sid != 50) <= min_prefill_tokens(4096)
+    clock.run()
+    assert set(clock.outputs) == {*range(1, 9), 50}   # nothing lost
 def test_without_a_target_or_priority_the_policy_is_unchanged():
     """No target, fcfs: one step prefills everything the budget allows, as before."""
     s = make(max_batch_size=64, prefill_token_budget=4096)
