@@ -49,7 +49,7 @@ DEFAULT_AGING_S = 2.0
 
 
 def min_prefill_tokens(cap: int) -> int:
-    """The fewest prompt tokens a step takes under a TPOT target its decode rows alone overrun."""
+    """The most prompt tokens the worse classes take beside a better class awaiting its prefill."""
     return min(cap, max(16, cap // 64))
 SCHEDULING_POLICIES = ("fcfs", "priority")
 
@@ -402,9 +402,9 @@ class Scheduler:
             return cap
         rows = sum(1 for q in self.running if len(q.tokens) - q.num_computed == 1)
         b = self.cost.prefill_budget(rows, p.target_tpot_s)
-        # Where the decode rows alone fill the target, prompts still move by a floor: admission
-        # otherwise waits for the aging bound, and every new request's TTFT with it.
-        return cap if b is None else min(max(b, min_prefill_tokens(cap)), cap)
+        # 0 where the decode rows alone fill the target: nobody is admitted until running ones
+        # finish (the running batch shrinks to what the target allows) or one has aged.
+        return cap if b is None else min(b, cap)
 
     def observe_step(self, plan: StepPlan, seconds: float) -> None:
         """A step's measured time, for the cost model (the engine calls it after runner.step)."""

@@ -152,28 +152,23 @@ def test_the_hard_cap_holds_when_the_target_would_allow_more():
     assert len(clock.outputs) == 19
 
 
-def test_a_target_the_decode_rows_overrun_still_moves_prompts_by_the_floor():
-    """Decode rows alone overrun the target, so the TPOT budget is empty; a waiting prompt still
-    starts at once and moves by min_prefill_tokens a step (not only once it has waited aging_s)."""
-    s = make(max_batch_size=64, prefill_token_budget=4096, target_tpot_s=0.005, aging_s=5.0)
-    floor = min_prefill_tokens(4096)
-    assert floor == 64
+def test_aging_bounds_how_long_a_prompt_is_passed_over_under_a_target():
+    """Decode rows alone overrun the target, so the TPOT budget admits nobody; a waiting prompt
+    still starts once it has waited aging_s."""
+    s = make(max_batch_size=64, prefill_token_budget=4096, target_tpot_s=0.005, aging_s=0.5)
     clock = Clock(s)
     for sid in range(1, 11):
         s.add(seq(sid, 8, max_new=400))
     clock.run(until=lambda: len(clock.plans) > 40)
-    late = seq(99, 200, max_new=2, arrival=clock.now)
+    late = seq(99, 30, max_new=2, arrival=clock.now)
     s.add(late)
-    start = len(clock.plans)
     clock.run(until=lambda: 99 in clock.first_token)
     waited = clock.first_token[99] - late.arrival
-    assert waited <= 4 * cost(11, floor) + 1e-9         # 200 tokens by 64 a step: 4 steps, far below aging_s
-    for plan, rows, _ in clock.plans[start:]:
-        assert sum(len(it.token_ids) for it in plan.items) - rows <= floor
-    assert not late.aged_in
+    assert 0.5 <= waited <= 0.5 + 3 * cost(11, 30)
+    assert not late.aged_in         # protected from priority preemption only until its first token
 
 
-def test_aging_bounds_how_long_a_prompt_is_passed_over():
+def test_aging_bounds_how_long_a_prompt_is_passed_over_under_priority():
     """Priority classes: a low-priority prompt behind a stream of better ones starts once it has
     waited aging_s, and is protected from priority preemption only until its first token."""
     s = make(max_batch_size=2, prefill_token_budget=4096, scheduling_policy="priority", aging_s=0.5)
