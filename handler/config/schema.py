@@ -273,7 +273,8 @@ KEYS: tuple[Key, ...] = (
         "prompt tokens as the measured step cost (a running fit of step time against decode rows and prompt "
         "tokens) says fit in this time per output token; `option.max_rolling_batch_prefill_tokens` stays the "
         "hard cap. A step whose decode rows alone take longer admits no new prompt, so fewer sequences decode "
-        "at once and the others wait (TTFT for TPOT), within `option.scheduling_aging_ms`",
+        "at once and the others wait in arrival order (TTFT for TPOT; under `priority` scheduling within "
+        "`option.scheduling_aging_ms`)",
         unit="ms", default_doc="unset: every step takes the full prefill budget"),
     Key("option.scheduling_policy", _enum(["fcfs", "priority"]),
         "rolling/paged: `fcfs` admits in arrival order; `priority` admits the lowest request `priority` first "
@@ -281,9 +282,10 @@ KEYS: tuple[Key, ...] = (
         "Under `fcfs` a request with a non-zero `priority` is refused (400 naming the field), as vLLM does",
         default="fcfs"),
     Key("option.scheduling_aging_ms", _float(0.0, None, True, "a positive number of milliseconds"),
-        "with `option.target_tpot_ms` or `option.scheduling_policy=priority`: a request that has waited this "
-        "long for admission or its first token goes ahead of every priority class and gets the full prefill "
-        "budget, and is not preempted for priority before its next token, so nothing is passed over forever",
+        "with `option.scheduling_policy=priority`: a request that has waited this long for admission or its "
+        "first token goes ahead of every priority class and gets the full prefill budget, and is not preempted "
+        "for priority before its next token, so nothing is passed over forever (under `fcfs` nothing is "
+        "passed over: admission is in arrival order)",
         default=2000.0, unit="ms"),
     Key("option.kv_cache_tokens", _int(1),
         "KV cache capacity (same meaning for rolling and paged). Unset: every running sequence at full length, "

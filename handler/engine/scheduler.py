@@ -13,12 +13,15 @@ it samples when it has caught up. The strategies differ only in admission and KV
 Latency under load (iteration-level strategies; handler/engine/stepcost.py measures the steps):
   target_tpot_s    each step's prefill is sized so that the step, decode rows first, is expected
                    to take at most this long (prefill_token_budget stays the hard cap); a step whose
-                   decode rows alone fill it admits and prefills nothing
+                   decode rows alone fill it admits and prefills nothing (the running batch shrinks
+                   to what the target allows; with nothing decoding, prompts move by a floor)
   priority         waiting sequences are taken lowest `priority` first (vLLM's semantics), and one
                    may preempt (recompute) running sequences of a strictly higher number
-  aging_s          under either: a sequence that has waited this long for admission or its first
+  aging_s          under priority: a sequence that has waited this long for admission or its first
                    token goes ahead of every class and gets the full budget, and is no priority
-                   preemption's victim until its next token: nothing is passed over forever
+                   preemption's victim until its next token: nothing is passed over forever. Under
+                   fcfs nothing is passed over (admission is in arrival order, the oldest prompt
+                   keeps a share of every step), so a TPOT target is never overridden by waiting.
 """
 from __future__ import annotations
 
@@ -49,7 +52,8 @@ DEFAULT_AGING_S = 2.0
 
 
 def min_prefill_tokens(cap: int) -> int:
-    """The most prompt tokens the worse classes take beside a better class awaiting its prefill."""
+    """The most prompt tokens the worse classes take beside a better class awaiting its prefill, and a
+    step takes under a TPOT target that even an empty step overruns."""
     return min(cap, max(16, cap // 64))
 SCHEDULING_POLICIES = ("fcfs", "priority")
 
@@ -100,8 +104,9 @@ class SchedulerPolicy:
 
     @property
     def ages(self) -> bool:
-        """The aging bound applies: only a policy that can pass a sequence over needs it."""
-        return not self.request_level and (self.by_priority or self.target_tpot_s is not None)
+        """The aging bound applies: only a policy that can pass a sequence over needs it (priority
+        classes; fcfs admits in arrival order, with or without a TPOT target)."""
+        return self.by_priority
 
 
 STRATEGY_BEHAVIOUR = {
@@ -402,9 +407,15 @@ class Scheduler:
             return cap
         rows = sum(1 for q in self.running if len(q.tokens) - q.num_computed == 1)
         b = self.cost.prefill_budget(rows, p.target_tpot_s)
+        if b is None:
+            return cap
+        if b == 0 and rows == 0:
+            # Even an empty step overruns the target: prompts still move, by the floor (else nothing
+            # decodes, nothing finishes, and nothing is ever admitted).
+            return min_prefill_tokens(cap)
         # 0 where the decode rows alone fill the target: nobody is admitted until running ones
-        # finish (the running batch shrinks to what the target allows) or one has aged.
-        return cap if b is None else min(b, cap)
+        # finish (the running batch shrinks to what the target allows) or, under priority, one has aged.
+        return min(b, cap)
 
     def observe_step(self, plan: StepPlan, seconds: float) -> None:
         """A step's measured time, for the cost model (the engine calls it after runner.step)."""

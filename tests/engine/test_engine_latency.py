@@ -13,7 +13,8 @@ from tests.support.reference import hf_greedy
 @pytest.mark.parametrize("strategy", ["rolling", "paged"])
 def test_greedy_parity_under_a_target_tpot(strategy, demo_model_dir, tmp_path):
     # 1 ms: once the cost model has learnt the steps, the decode rows alone fill it, so prompts
-    # are admitted only through the aging bound (20 ms) and chunked by the 16-token cap.
+    # are admitted only as running ones finish (or, with nothing decoding, by the floor) and are
+    # chunked by the 16-token cap.
     props = {**STRATEGIES[strategy], "option.target_tpot_ms": "1", "option.scheduling_aging_ms": "20",
              "option.max_rolling_batch_prefill_tokens": "16"}
     engine = make_engine(demo_model_dir, tmp_path, props)
