@@ -1,0 +1,79 @@
+"""docs/API.md "Rules across fields": each is a 400 naming its field. Those JSON Schema can state are in
+/openapi.json too (a body breaking one is invalid against the document, its repair valid); the others
+(comparisons between values) are excused in the fuzzer's hook only when the body really breaks them."""
+from __future__ import annotations
+
+import json
+
+import pytest
+from jsonschema import Draft202012Validator
+
+from handler.engine.request import RequestError, parse_params
+from handler.http.protocols import lmi, openai, openapi
+from tests.http.test_agent_parse import MSG, Tok
+
+
+def _valid(schema: str, body: dict) -> bool:
+    doc = openapi.document()
+    v = Draft202012Validator({"$ref": f"#/components/schemas/{schema}", "components": doc["components"]})
+    return v.is_valid(body)
+
+
+def _refused(parse, body) -> RequestError:
+    with pytest.raises(RequestError) as e:
+        parse(body, Tok())
+    assert e.value.status == 400 and "\n" not in e.value.message
+    return e.value
+
+
+CHAT = {"messages": MSG}
+PROMPT = {"prompt": "x"}
+
+
+@pytest.mark.parametrize("schema,parse,body,field,repair", [
+    ("ChatCompletionRequest", openai.parse_chat, {**CHAT, "top_logprobs": 2}, "top_logprobs", {"logprobs": True}),
+    ("ChatCompletionRequest", openai.parse_chat, {**CHAT, "stream": True, "prompt_logprobs": 1}, "stream",
+     {"stream": False}),
+    ("ChatCompletionRequest", openai.parse_chat, {**CHAT, "chat_template_kwargs": {"tokenize": True}},
+     "chat_template_kwargs.tokenize", {"chat_template_kwargs": {"enable_thinking": False}}),
+    ("ChatCompletionRequest", openai.parse_chat, {**CHAT, "chat_template_kwargs": {"a-b": 1}},
+     "chat_template_kwargs.a-b", {"chat_template_kwargs": {"a_b": 1}}),
+    ("CompletionRequest", openai.parse_completion, {**PROMPT, "max_tokens": 0}, "max_tokens", {"echo": True}),
+    ("CompletionRequest", openai.parse_completion, {**PROMPT, "max_tokens": 0, "echo": True, "stream": True},
+     "stream", {"stream": False}),
+    ("CompletionRequest", openai.parse_completion, {**PROMPT, "echo": True, "logprobs": 1, "stream": True},
+     "stream", {"logprobs": None}),
+    ("CompletionRequest", openai.parse_completion, {**PROMPT, "prompt_logprobs": 1, "stream": True}, "stream",
+     {"prompt_logprobs": None}),
+])
+def test_rules_the_document_states(schema, parse, body, field, repair):
+    assert _refused(parse, body).field == field
+    assert not _valid(schema, body)
+    fixed = {**body, **repair}
+    assert _valid(schema, fixed)
+    parse(fixed, Tok())
+
+
+def _answer(e: RequestError) -> str:
+    return json.dumps(openai.error_body(e.status, e.message, e.field))
+
+
+@pytest.mark.parametrize("path,parse,broken,kept", [
+    ("/invocations", lambda b, tok: parse_params(b["parameters"]), {"parameters": {"min_tokens": 5, "max_new_tokens": 3}},
+     {"parameters": {"min_tokens": 3, "max_new_tokens": 3}}),
+    ("/v1/completions", openai.parse_completion, {**PROMPT, "best_of": 2, "stream": True},
+     {**PROMPT, "best_of": 2, "n": 2, "stream": True}),
+    ("/invocations", lambda b, tok: lmi.parse(b), {"inputs": ["a", "b"], "adapters": ["x"]},
+     {"inputs": ["a", "b"], "adapters": ["x", "x"]}),
+    ("/invocations", lambda b, tok: parse_params(b["parameters"]), {"parameters": {"min_tokens": 40}},
+     {"parameters": {"min_tokens": 40, "max_new_tokens": 40}}),    # the default max_new_tokens: 30
+])
+def test_the_fuzzers_exceptions_are_narrow(path, parse, broken, kept):
+    hooks = pytest.importorskip("tests.support.fuzz_hooks", reason="the fuzzer: pip install -e '.[dev]'")
+    refusal = _answer(_refused(parse, broken))
+    assert hooks.excused(path, broken, 400, refusal)
+    parse(kept, Tok())                  # the body that keeps the rule is accepted ...
+    assert hooks.excused(path, kept, 400, refusal) is None   # ... so the same refusal of it is not excused
+    assert hooks.excused(path, broken, 500, refusal) is None
+    other = _answer(RequestError("temperature", "must be in [0, 2], got 3"))
+    assert hooks.excused(path, broken, 400, other) is None
