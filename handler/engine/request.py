@@ -77,6 +77,11 @@ class SamplingParams:
     # Scheduling class under option.scheduling_policy=priority: lower runs first (vLLM's semantics).
     # Not a sampling setting, but every protocol's parameters reach the engine through here.
     priority: int = 0
+    # A thinking budget (Anthropic's thinking.budget_tokens under a reasoning parser): (tokens, close,
+    # open). Once the thinking holds `tokens` tokens without the close token (`</think>`), the close
+    # token is the only one the sampler may pick. open: the token that must begin the output for there
+    # to be thinking (qwen3's `<think>`), or None when the thinking starts with the output (deepseek_r1).
+    thinking_budget: tuple[int, int, int | None] | None = None
 
     @property
     def num_samples(self) -> int:
