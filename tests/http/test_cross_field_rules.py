@@ -77,3 +77,32 @@ def test_the_fuzzers_exceptions_are_narrow(path, parse, broken, kept):
     assert hooks.excused(path, broken, 500, refusal) is None
     other = _answer(RequestError("temperature", "must be in [0, 2], got 3"))
     assert hooks.excused(path, broken, 400, other) is None
+
+
+@pytest.mark.parametrize("params", [
+    {"ignore_eos": 0}, {"ignore_eos_token": "yes"}, {"do_sample": "true"}, {"max_new_tokens": "5"},
+    {"temperature": "0.5"}, {"top_k": "40"},
+    {"ignore_eos": "maybe"}, {"ignore_eos": 2}, {"max_new_tokens": "x"}, {"max_new_tokens": "0"},
+    {"temperature": "hot"}, {"max_new_tokens": "2.5"},
+])
+def test_the_lax_line_exception_is_what_the_lax_parser_takes(params):
+    """The fuzzer excuses a schema-invalid /invocations body the server accepts only when its parameters,
+    read as the lax line reads them, are valid: that is, when the lax parser really takes them."""
+    hooks = pytest.importorskip("tests.support.fuzz_hooks", reason="the fuzzer: pip install -e '.[dev]'")
+    body = {"inputs": "x", "parameters": params}
+    try:
+        lmi.parse(body, lax=True)
+        taken = True
+    except RequestError:
+        taken = False
+    assert hooks.lax_valid(openapi.document(1000, 64), body) == taken
+    assert not _valid("LMIRequest", body)           # each is outside the strict document
+
+
+def test_tool_choice_exception():
+    hooks = pytest.importorskip("tests.support.fuzz_hooks", reason="the fuzzer: pip install -e '.[dev]'")
+    tools = [{"name": "f", "input_schema": {}}]
+    assert hooks._tool_choice("/v1/messages", {"tools": tools}, "")              # auto, implicitly
+    assert not hooks._tool_choice("/v1/messages", {"tools": tools, "tool_choice": {"type": "none"}}, "")
+    assert hooks._tool_choice("/v1/chat/completions", {"tool_choice": "required"}, "")   # no tools
+    assert not hooks._tool_choice("/v1/chat/completions", {}, "")
