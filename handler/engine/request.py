@@ -208,7 +208,10 @@ class Refused(Exception):
 
 
 def lax_int(v):
-    """An integer as vLLM's (lax) pydantic models take it: "50" and 50.0 are 50; anything else as it is."""
+    """An integer as vLLM's (lax) pydantic models take it: "50" and 50.0 are 50, true is 1 (as for the
+    fields pydantic checks itself); anything else as it is."""
+    if isinstance(v, bool):
+        return int(v)
     if isinstance(v, str) and v.strip().lstrip("+-").isdigit():
         return int(v)
     if isinstance(v, float) and v.is_integer():

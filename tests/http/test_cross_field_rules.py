@@ -83,7 +83,8 @@ def test_the_fuzzers_exceptions_are_narrow(path, parse, broken, kept):
     {"ignore_eos": 0}, {"ignore_eos_token": "yes"}, {"do_sample": "true"}, {"max_new_tokens": "5"},
     {"temperature": "0.5"}, {"top_k": "40"},
     {"ignore_eos": "maybe"}, {"ignore_eos": 2}, {"max_new_tokens": "x"}, {"max_new_tokens": "0"},
-    {"temperature": "hot"}, {"max_new_tokens": "2.5"},
+    {"temperature": "hot"}, {"max_new_tokens": "2.5"}, {"priority": False}, {"top_k": True},
+    {"max_new_tokens": True}, {"temperature": True}, {"seed": False},
 ])
 def test_the_lax_line_exception_is_what_the_lax_parser_takes(params):
     """The fuzzer excuses a schema-invalid /invocations body the server accepts only when its parameters,

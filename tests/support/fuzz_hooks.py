@@ -200,6 +200,8 @@ def _lax(value, schema: dict):
     if kinds & {"integer", "number"} and isinstance(value, str) and _LAX_NUMBER.fullmatch(value):
         number = float(value)
         return int(number) if "integer" in kinds and number.is_integer() else number
+    if kinds & {"integer", "number"} and isinstance(value, bool):
+        return int(value)
     if "integer" in kinds and isinstance(value, float) and value.is_integer():
         return int(value)
     return value

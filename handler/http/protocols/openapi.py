@@ -40,7 +40,11 @@ GUIDED = {
         "json": {"anyOf": [{"type": ["object", "null"]}, _TEXT]}, "regex": {"anyOf": [_TEXT, {"type": "null"}]},
         "choice": {"anyOf": [_CHOICES, {"type": "null"}]}, "grammar": {"anyOf": [_TEXT, {"type": "null"}]},
         "json_object": {"enum": [True, False, None]},
-        **{k: {} for k in guide.STRUCTURED_QUIET if k != "structural_tag"}}},   # structural_tag: refused
+        **{k: {} for k in guide.STRUCTURED_QUIET if k != "structural_tag"}},   # structural_tag: refused
+        # exactly one constraint (a null, or json_object false, is none)
+        "oneOf": [*({"required": [k], "properties": {k: {"not": {"type": "null"}}}}
+                    for k in ("json", "regex", "choice", "grammar")),
+                  {"required": ["json_object"], "properties": {"json_object": {"const": True}}}]},
     "grammar": {"oneOf": [
         {"type": "object", "required": ["type"],       # no value (or null): any JSON object
          "properties": {"type": {"const": "json"}, "value": {"anyOf": [{"type": ["object", "null"]}, _TEXT]}}},
