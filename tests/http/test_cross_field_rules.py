@@ -107,3 +107,16 @@ def test_tool_choice_exception():
     assert not hooks._tool_choice("/v1/messages", {"tools": tools, "tool_choice": {"type": "none"}}, "")
     assert hooks._tool_choice("/v1/chat/completions", {"tool_choice": "required"}, "")   # no tools
     assert not hooks._tool_choice("/v1/chat/completions", {}, "")
+
+
+def test_structured_outputs_holds_exactly_one_constraint():
+    from handler.engine import guide
+    for value, field in (({"regex": "a", "choice": ["x"]}, "structured_outputs"), ({}, "structured_outputs"),
+                         ({"json_object": {}}, "structured_outputs.json_object")):
+        with pytest.raises(RequestError) as e:
+            guide.structured_outputs("structured_outputs", value)
+        assert e.value.field == field
+        assert not _valid("CompletionRequest", {**PROMPT, "structured_outputs": value})
+    for value in ({"regex": "a", "json_object": False, "choice": None}, {"json_object": True}, {"json": True}):
+        guide.structured_outputs("structured_outputs", value)
+        assert _valid("CompletionRequest", {**PROMPT, "structured_outputs": value})

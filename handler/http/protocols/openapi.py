@@ -33,11 +33,11 @@ _PROMPT = {"anyOf": [*_TEXT_OR_LIST["anyOf"], _IDS, {"type": "array", "items": _
 _TEXT = {"type": "string", "minLength": 1}
 _CHOICES = {"type": "array", "minItems": 1, "items": _TEXT}
 GUIDED = {
-    "guided_json": {"anyOf": [{"type": "object"}, _TEXT]},
+    "guided_json": {"anyOf": [{"type": ["object", "boolean"]}, _TEXT]},     # true / false: JSON Schema's own
     "guided_regex": _TEXT, "guided_grammar": _TEXT, "guided_choice": _CHOICES,
     # vLLM's StructuredOutputsParams: one constraint among these keys (null or false ones are absent)
     "structured_outputs": {"type": "object", "additionalProperties": False, "properties": {
-        "json": {"anyOf": [{"type": ["object", "null"]}, _TEXT]}, "regex": {"anyOf": [_TEXT, {"type": "null"}]},
+        "json": {"anyOf": [{"type": ["object", "boolean", "null"]}, _TEXT]}, "regex": {"anyOf": [_TEXT, {"type": "null"}]},
         "choice": {"anyOf": [_CHOICES, {"type": "null"}]}, "grammar": {"anyOf": [_TEXT, {"type": "null"}]},
         "json_object": {"enum": [True, False, None]},
         **{k: {} for k in guide.STRUCTURED_QUIET if k != "structural_tag"}},   # structural_tag: refused
@@ -47,7 +47,7 @@ GUIDED = {
                   {"required": ["json_object"], "properties": {"json_object": {"const": True}}}]},
     "grammar": {"oneOf": [
         {"type": "object", "required": ["type"],       # no value (or null): any JSON object
-         "properties": {"type": {"const": "json"}, "value": {"anyOf": [{"type": ["object", "null"]}, _TEXT]}}},
+         "properties": {"type": {"const": "json"}, "value": {"anyOf": [{"type": ["object", "boolean", "null"]}, _TEXT]}}},
         {"type": "object", "required": ["type", "value"], "properties": {"type": {"const": "regex"}, "value": _TEXT}},
         {"type": "object", "required": ["type"], "properties": {"type": {"const": "json_object"}}}]},
 }
@@ -57,7 +57,7 @@ RESPONSE_FORMAT = {"oneOf": [
     {"type": "object", "required": ["type", "json_schema"], "properties": {
         "type": {"const": "json_schema"},
         "json_schema": {"type": "object", "required": ["schema"], "properties": {
-            "name": {"description": "not checked"}, "schema": {"anyOf": [{"type": "object"}, _TEXT]},
+            "name": {"description": "not checked"}, "schema": {"anyOf": [{"type": ["object", "boolean"]}, _TEXT]},
             "strict": {"description": "accepted (the schema is always enforced)"}}}}}]}
 
 
