@@ -9,7 +9,7 @@ import pytest
 from jsonschema import Draft202012Validator
 
 from handler.engine.request import RequestError, parse_params
-from handler.http.protocols import lmi, openai, openapi
+from handler.http.protocols import lmi, openai, openapi, tgi
 from tests.http.test_agent_parse import MSG, Tok
 
 
@@ -45,6 +45,13 @@ PROMPT = {"prompt": "x"}
      "stream", {"logprobs": None}),
     ("CompletionRequest", openai.parse_completion, {**PROMPT, "prompt_logprobs": 1, "stream": True}, "stream",
      {"prompt_logprobs": None}),
+    ("LMIRequest", lambda b, tok: lmi.parse(b), {"inputs": ["a", "b"], "stream": True}, "stream", {"inputs": "a"}),
+    ("TGIRequest", lambda b, tok: tgi.parse(b), {"inputs": "a", "stream": True, "parameters": {"n": 2}},
+     "parameters.n", {"stream": False}),
+    ("LMIRequest", lambda b, tok: lmi.parse(b), {"inputs": "a", "stream": True, "parameters": {"best_of": 2}},
+     "parameters.best_of", {"parameters": {"best_of": 1}}),
+    ("TGIStreamRequest", lambda b, tok: tgi.parse(b, stream=True), {"inputs": "a", "parameters": {"best_of": 2}},
+     "parameters.best_of", {"parameters": {"best_of": 1}}),
 ])
 def test_rules_the_document_states(schema, parse, body, field, repair):
     assert _refused(parse, body).field == field

@@ -359,6 +359,14 @@ def _static() -> dict:
                  "parameters": {"$ref": "#/components/schemas/Parameters"}})
     lmi["title"], tgi["title"] = "LMIRequest", "TGIRequest"
     tgi["properties"].pop("adapters", None)
+    # a stream answers one string with one sample (lmi.parse, tgi.parse)
+    one = {"anyOf": [{"const": 1}, {"type": "null"}]}
+    one_sample = {"properties": {"n": one, "best_of": one}}
+    lmi["allOf"] = [{"if": _STREAMED, "then": {"properties": {"inputs": {"type": "string"}, "parameters": one_sample}}}]
+    tgi_stream = copy.deepcopy(tgi)
+    tgi_stream["title"] = "TGIStreamRequest"
+    tgi["allOf"] = [{"if": _STREAMED, "then": {"properties": {"parameters": one_sample}}}]
+    tgi_stream["allOf"] = [{"properties": {"parameters": one_sample}}]
     chat = _body(ChatFields.model_json_schema(), ["messages"],
                  {"messages": _CHAT_MESSAGES,
                   "model": {"type": "string"}, "tools": _TOOLS, "response_format": RESPONSE_FORMAT,
@@ -368,7 +376,7 @@ def _static() -> dict:
                        {"prompt": _PROMPT, "model": {"type": "string"}, "response_format": RESPONSE_FORMAT,
                         **_OPENAI_GUIDED})
     completion["allOf"] = _COMPLETION_RULES
-    schemas = {"Parameters": params, "LMIRequest": lmi, "TGIRequest": tgi,
+    schemas = {"Parameters": params, "LMIRequest": lmi, "TGIRequest": tgi, "TGIStreamRequest": tgi_stream,
                "ChatCompletionRequest": chat, "CompletionRequest": completion,
                "MessagesRequest": MessagesRequest.model_json_schema(),
                "CountTokensRequest": CountTokensRequest.model_json_schema(),
@@ -386,8 +394,8 @@ def _static() -> dict:
                                   "then": {"required": ["type", "name"]}})
     schemas["MessageItem"]["required"].remove("type")   # an item without a type is a message (responses._items)
     _drop_discriminators(schemas["ResponsesRequest"])
-    for name in ("Parameters", "LMIRequest", "TGIRequest", "ChatCompletionRequest", "CompletionRequest",
-                 "MessagesRequest", "CountTokensRequest", "ResponsesRequest"):
+    for name in ("Parameters", "LMIRequest", "TGIRequest", "TGIStreamRequest", "ChatCompletionRequest",
+                 "CompletionRequest", "MessagesRequest", "CountTokensRequest", "ResponsesRequest"):
         _nullable(schemas[name])
     doc = {"openapi": "3.1.0", "info": {"title": "lmi-serve", "version": "1.0.0"},
            "paths": {"/invocations": _post("LMI / SageMaker generation", "LMIRequest"),
@@ -401,7 +409,7 @@ def _static() -> dict:
                      "/v1/responses/{response_id}": _stored(),
                      "/v1/responses/{response_id}/input_items": _input_items(),
                      "/generate": _post("TGI generation", "TGIRequest", _TGI),
-                     "/generate_stream": _post("TGI streamed generation", "TGIRequest", _TGI),
+                     "/generate_stream": _post("TGI streamed generation", "TGIStreamRequest", _TGI),
                      # pooling models (option.task=text_embedding | classify | rerank)
                      "/v1/embeddings": _post("OpenAI embeddings", "EmbeddingsRequest", _POOLED),
                      "/embed": _post("TEI embeddings", "EmbedRequest", _POOLED),
