@@ -66,7 +66,8 @@ def _answer(e: RequestError) -> str:
 
 
 @pytest.mark.parametrize("path,parse,broken,kept", [
-    ("/invocations", lambda b, tok: parse_params(b["parameters"]), {"parameters": {"min_tokens": 5, "max_new_tokens": 3}},
+    ("/invocations", lambda b, tok: parse_params(b["parameters"]),
+     {"parameters": {"min_tokens": 5, "max_new_tokens": 3}},
      {"parameters": {"min_tokens": 3, "max_new_tokens": 3}}),
     ("/v1/completions", openai.parse_completion, {**PROMPT, "best_of": 2, "stream": True},
      {**PROMPT, "best_of": 2, "n": 2, "stream": True}),

@@ -37,7 +37,8 @@ GUIDED = {
     "guided_regex": _TEXT, "guided_grammar": _TEXT, "guided_choice": _CHOICES,
     # vLLM's StructuredOutputsParams: one constraint among these keys (null or false ones are absent)
     "structured_outputs": {"type": "object", "additionalProperties": False, "properties": {
-        "json": {"anyOf": [{"type": ["object", "boolean", "null"]}, _TEXT]}, "regex": {"anyOf": [_TEXT, {"type": "null"}]},
+        "json": {"anyOf": [{"type": ["object", "boolean", "null"]}, _TEXT]},
+        "regex": {"anyOf": [_TEXT, {"type": "null"}]},
         "choice": {"anyOf": [_CHOICES, {"type": "null"}]}, "grammar": {"anyOf": [_TEXT, {"type": "null"}]},
         "json_object": {"enum": [True, False, None]},
         **{k: {} for k in guide.STRUCTURED_QUIET if k != "structural_tag"}},   # structural_tag: refused
@@ -47,7 +48,8 @@ GUIDED = {
                   {"required": ["json_object"], "properties": {"json_object": {"const": True}}}]},
     "grammar": {"oneOf": [
         {"type": "object", "required": ["type"],       # no value (or null): any JSON object
-         "properties": {"type": {"const": "json"}, "value": {"anyOf": [{"type": ["object", "boolean", "null"]}, _TEXT]}}},
+         "properties": {"type": {"const": "json"},
+                        "value": {"anyOf": [{"type": ["object", "boolean", "null"]}, _TEXT]}}},
         {"type": "object", "required": ["type", "value"], "properties": {"type": {"const": "regex"}, "value": _TEXT}},
         {"type": "object", "required": ["type"], "properties": {"type": {"const": "json_object"}}}]},
 }
