@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from flask import Blueprint, Response
 
+from handler.config import compat
 from handler.http.metrics import CONTENT_TYPE
 from handler.http.protocols import openapi
 from handler.http.routes.common import current_state, json_response
@@ -20,7 +21,8 @@ def metrics():
 def openapi_document():
     state = current_state()
     client = state.client                   # once loaded: bounds from its vocabulary and length
-    limits = dict(priorities=state.cfg.scheduling_policy == "priority", lora=bool(state.cfg.enable_lora))
+    limits = dict(priorities=state.cfg.scheduling_policy == "priority", lora=bool(state.cfg.enable_lora),
+                  prompt_as_completion=compat.line(state.cfg).prompt_as_completion)
     if client is None:
         return json_response(openapi.document(**limits))
     return json_response(openapi.document(len(client.tokenizer), client.max_sequence_len,
