@@ -128,16 +128,3 @@ def test_structured_outputs_holds_exactly_one_constraint():
     for value in ({"regex": "a", "json_object": False, "choice": None}, {"json_object": True}, {"json": True}):
         guide.structured_outputs("structured_outputs", value)
         assert _valid("CompletionRequest", {**PROMPT, "structured_outputs": value})
-
-
-def test_invocations_bodies_by_their_shape():
-    """/invocations picks its API by the body's shape (prompt, messages, inputs): the document says the same."""
-    doc = openapi.document()
-    route = doc["paths"]["/invocations"]["post"]["requestBody"]["content"]["application/json"]["schema"]
-    v = Draft202012Validator({**route, "components": doc["components"]})
-    assert v.is_valid({"messages": MSG}) and v.is_valid({"prompt": "x"}) and v.is_valid({"inputs": "x"})
-    assert not v.is_valid({"messages": MSG, "prompt": 5}) and not v.is_valid({"prompt": "x", "max_tokens": -1})
-    assert not v.is_valid({"inputs": "x", "messages": "hi"}) and not v.is_valid({"other": 1})
-    old = openapi.document(prompt_as_completion=False)["paths"]["/invocations"]["post"]["requestBody"]
-    v = Draft202012Validator({**old["content"]["application/json"]["schema"], "components": doc["components"]})
-    assert not v.is_valid({"prompt": "x"}) and v.is_valid({"inputs": "x"})

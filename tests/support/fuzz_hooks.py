@@ -208,21 +208,14 @@ def _lax(value, schema: dict):
 
 
 def lax_valid(doc: dict, body) -> bool:
-    """Whether an /invocations body, read as the lax line reads it (LMI's parameters, or an OpenAI
-    completions body's fields), is valid against the route's document."""
+    """Whether an /invocations body, its parameters read as the lax line reads them, is valid."""
     from jsonschema import Draft202012Validator
-    if not isinstance(body, dict):
+    if not isinstance(body, dict) or not isinstance(body.get("parameters"), dict):
         return False
-    schemas = doc["components"]["schemas"]
-    read = dict(body)
-    if isinstance(body.get("parameters"), dict):
-        props = schemas["Parameters"]["properties"]
-        read["parameters"] = {k: _lax(v, props[k]) if k in props else v for k, v in body["parameters"].items()}
-    if body.get("prompt") is not None:
-        props = schemas["CompletionRequest"]["properties"]
-        read = {k: _lax(v, props[k]) if k in props else v for k, v in read.items()}
-    route = doc["paths"]["/invocations"]["post"]["requestBody"]["content"]["application/json"]["schema"]
-    return Draft202012Validator({**route, "components": doc["components"]}).is_valid(read)
+    props = doc["components"]["schemas"]["Parameters"]["properties"]
+    params = {k: _lax(v, props[k]) if k in props else v for k, v in body["parameters"].items()}
+    v = Draft202012Validator({"$ref": "#/components/schemas/LMIRequest", "components": doc["components"]})
+    return v.is_valid({**body, "parameters": params})
 
 
 @schemathesis.hook

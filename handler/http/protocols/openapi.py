@@ -290,20 +290,16 @@ POOLING_PATHS = ("/v1/embeddings", "/embed", "/predict", "/rerank", "/v1/rerank"
 
 
 def document(vocab_size: int | None = None, max_model_len: int | None = None, priorities: bool = True,
-             pooling: bool | None = None, lora: bool = True, prompt_as_completion: bool = True) -> dict:
+             pooling: bool | None = None, lora: bool = True) -> dict:
     """The document; with the loaded model's vocabulary and length, its prompt token ids and token counts
     bounded by them (what the parsers check), so that a body valid against it is one we accept; without
     priority scheduling (option.scheduling_policy=fcfs) a priority can only be 0, without LoRA
     (option.enable_lora=false) no adapter can be named; `pooling`: the routes of
     an embedding/rerank model (True) or of a generating one (False), not both."""
     doc = _static()
-    if vocab_size is None and max_model_len is None and priorities and pooling is None and lora \
-            and prompt_as_completion:
+    if vocab_size is None and max_model_len is None and priorities and pooling is None and lora:
         return doc
     doc = copy.deepcopy(doc)
-    if not prompt_as_completion and "/invocations" in doc["paths"]:      # option.lmi_compat 0.31 / 0.26
-        body = doc["paths"]["/invocations"]["post"]["requestBody"]["content"]["application/json"]["schema"]
-        body["anyOf"] = body["anyOf"][1:]
     if pooling is not None:         # a loaded model serves either the generation or the pooling routes
         doc["paths"] = {k: v for k, v in doc["paths"].items()
                         if (k in POOLING_PATHS) == pooling}
@@ -403,17 +399,8 @@ def _static() -> dict:
     for name in ("Parameters", "LMIRequest", "TGIRequest", "TGIStreamRequest", "ChatCompletionRequest",
                  "CompletionRequest", "MessagesRequest", "CountTokensRequest", "ResponsesRequest"):
         _nullable(schemas[name])
-    invocations = _post("LMI / SageMaker generation", "LMIRequest")
-    # The body's shape picks its API (routes/sagemaker.py): a prompt, OpenAI completions (the current
-    # line); messages, chat; else LMI's inputs
-    ref = "#/components/schemas/"
-    absent = {"type": "null"}
-    invocations["post"]["requestBody"]["content"]["application/json"]["schema"] = {"anyOf": [
-        {"$ref": ref + "CompletionRequest"},
-        {"allOf": [{"$ref": ref + "ChatCompletionRequest"}, {"properties": {"prompt": absent}}]},
-        {"allOf": [{"$ref": ref + "LMIRequest"}, {"properties": {"prompt": absent, "messages": absent}}]}]}
     doc = {"openapi": "3.1.0", "info": {"title": "lmi-serve", "version": "1.0.0"},
-           "paths": {"/invocations": invocations,
+           "paths": {"/invocations": _post("LMI / SageMaker generation", "LMIRequest"),
                      "/v1/chat/completions": _post("OpenAI Chat Completions", "ChatCompletionRequest"),
                      "/v1/completions": _post("OpenAI Completions", "CompletionRequest"),
                      "/v1/messages": _post("Anthropic Messages", "MessagesRequest", _ANTHROPIC),

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from flask import Blueprint, Response
 
-from handler.config import compat
 from handler.http.metrics import CONTENT_TYPE
 from handler.http.protocols import openapi
 from handler.http.routes.common import current_state, json_response
@@ -21,8 +20,7 @@ def metrics():
 def openapi_document():
     state = current_state()
     client = state.client                   # once loaded: bounds from its vocabulary and length
-    limits = dict(priorities=state.cfg.scheduling_policy == "priority", lora=bool(state.cfg.enable_lora),
-                  prompt_as_completion=compat.line(state.cfg).prompt_as_completion)
+    limits = dict(priorities=state.cfg.scheduling_policy == "priority", lora=bool(state.cfg.enable_lora))
     if client is None:
         return json_response(openapi.document(**limits))
     return json_response(openapi.document(len(client.tokenizer), client.max_sequence_len,
