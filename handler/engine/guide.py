@@ -154,11 +154,13 @@ def structured_outputs(where: str, v) -> GuideSpec:
         raise RequestError(where, f"must be an object like {{\"json\": schema}}, got {show(v)}")
     found = []
     for k, x in v.items():
-        if x is None or x is False:
+        if x is None or (k == "json_object" and x is False):     # a null (or json_object false) is absent
             continue
         if k in _STRUCTURED:
             found.append(_STRUCTURED[k](f"{where}.{k}", x))
         elif k == "json_object":
+            if x is not True:
+                raise RequestError(f"{where}.{k}", f"must be true or false, got {show(x)}")
             found.append(json_object(f"{where}.{k}"))
         elif k == "structural_tag":
             raise RequestError(f"{where}.{k}", "is not supported; use json, regex, choice or grammar")

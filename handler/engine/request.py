@@ -77,6 +77,11 @@ class SamplingParams:
     # Scheduling class under option.scheduling_policy=priority: lower runs first (vLLM's semantics).
     # Not a sampling setting, but every protocol's parameters reach the engine through here.
     priority: int = 0
+    # A thinking budget (Anthropic's thinking.budget_tokens under a reasoning parser): (tokens, close,
+    # open). Once the thinking holds `tokens` tokens without the close token (`</think>`), the close
+    # token is the only one the sampler may pick. open: the token that must begin the output for there
+    # to be thinking (qwen3's `<think>`), or None when the thinking starts with the output (deepseek_r1).
+    thinking_budget: tuple[int, int, int | None] | None = None
 
     @property
     def num_samples(self) -> int:
@@ -203,7 +208,10 @@ class Refused(Exception):
 
 
 def lax_int(v):
-    """An integer as vLLM's (lax) pydantic models take it: "50" and 50.0 are 50; anything else as it is."""
+    """An integer as vLLM's (lax) pydantic models take it: "50" and 50.0 are 50, true is 1 (as for the
+    fields pydantic checks itself); anything else as it is."""
+    if isinstance(v, bool):
+        return int(v)
     if isinstance(v, str) and v.strip().lstrip("+-").isdigit():
         return int(v)
     if isinstance(v, float) and v.is_integer():

@@ -52,7 +52,7 @@ class Sampler:
         # Penalties write into the logits: keep the originals for a retry row by row.
         penalized = any(it.params.repetition_penalty != 1.0 or it.params.presence_penalty
                         or it.params.frequency_penalty or it.params.logit_bias or it.params.min_tokens
-                        or it.params.bad_words_ids for it in items)
+                        or it.params.bad_words_ids or it.params.thinking_budget for it in items)
         try:
             return self._sample(logits.clone() if penalized else logits, items)
         except Exception as e:
@@ -77,6 +77,8 @@ class Sampler:
             _bias(logits, items)
         if any(it.params.min_tokens or it.params.bad_words_ids for it in items):
             self._ban(logits, items)
+        if any(it.params.thinking_budget for it in items):
+            _close_thinking(logits, items)
         if any(it.guide is not None for it in items):
             from handler.model import guided
             guided.apply(logits, [it.guide for it in items])
@@ -155,6 +157,28 @@ def _bans(it: StepItem, eos: tuple) -> list[int]:
             if k == 0 or (len(tail) >= k and tuple(tail[len(tail) - k:]) == word[:-1]):
                 out.append(word[-1])
     return out
+
+
+def thinking_spent(it: StepItem) -> bool:
+    """Whether the row's thinking is open and holds its budget's tokens (SamplingParams.thinking_budget)."""
+    budget, close, opener = it.params.thinking_budget
+    out = it.history[it.num_prompt:]
+    start = 0
+    if opener is not None:
+        if not out or out[0] != opener:
+            return False        # the answer did not open any thinking
+        start = 1
+    return close not in out and len(out) - start >= budget
+
+
+def _close_thinking(logits: torch.Tensor, items: list[StepItem]) -> None:
+    """A spent thinking budget: the close token only (its logit kept, every other one -inf)."""
+    for r, it in enumerate(items):
+        if it.params.thinking_budget and thinking_spent(it):
+            close = it.params.thinking_budget[1]
+            keep = logits[r, close].clone()
+            logits[r] = NEG_INF
+            logits[r, close] = keep
 
 
 def _bias(logits: torch.Tensor, items: list[StepItem]) -> None:

@@ -190,3 +190,46 @@ def test_special_tokens_kept_and_spaced():
     tight = IncrementalDetokenizer(CharTok(), [65], skip_special_tokens=False, spaces_between_special_tokens=False,
                                    special_ids={1001, 1002})
     assert _run(tight, ids) == "<s1001>hi<s1002>"
+
+
+# ---- the sampler: a thinking budget (Anthropic's thinking.budget_tokens)
+OPEN_ID, CLOSE_ID = 8, 9
+
+
+@pytest.mark.parametrize("output,opener,forced", [
+    ([OPEN_ID, 2, 2], OPEN_ID, False),             # qwen3: 2 thinking tokens of 3
+    ([OPEN_ID, 2, 2, 2], OPEN_ID, True),           # 3 of 3: the close tag is the only choice
+    ([OPEN_ID, 2, CLOSE_ID, 2, 2, 2, 2], OPEN_ID, False),   # closed by the model itself
+    ([2, 2, 2, 2], OPEN_ID, False),                # no thinking opened: an answer
+    ([2, 2, 2], None, True),                       # deepseek_r1: the thinking starts with the output
+    ([2, 2], None, False),
+])
+def test_a_spent_thinking_budget_closes_the_thinking(output, opener, forced):
+    s = Sampler()
+    logits = torch.zeros(1, 10)
+    logits[0, 4] = 9.0
+    got = s.sample(logits, [_item([1, *output], 1, thinking_budget=(3, CLOSE_ID, opener))])[0]
+    assert got.token == (CLOSE_ID if forced else 4)
+    assert got.logprob == pytest.approx(0.0 if forced else torch.log_softmax(logits[0], -1)[4].item())
+
+
+class ThinkTok(Tok):
+    """Tok with `<think>` / `</think>` as one token each (Qwen3's, DeepSeek-R1's)."""
+
+    def __call__(self, text, add_special_tokens=True):
+        if text in ("<think>", "</think>"):
+            return {"input_ids": [OPEN_ID if text == "<think>" else CLOSE_ID]}
+        return super().__call__(text, add_special_tokens)
+
+
+def test_messages_thinking_budget_reaches_the_sampler():
+    from handler.http.protocols import anthropic
+    body = {"max_tokens": 50, "messages": MSG, "thinking": {"type": "enabled", "budget_tokens": 7}}
+    for parser, opener in (("qwen3", OPEN_ID), ("deepseek_r1", None)):
+        gen = anthropic.parse(body, ThinkTok(), openai.ServerOptions(reasoning=parser))
+        assert gen.params.thinking_budget == (7, CLOSE_ID, opener)
+    # no reasoning parser, thinking disabled or no budget, or a close tag of several tokens: no budget
+    assert anthropic.parse(body, ThinkTok()).params.thinking_budget is None
+    off = {**body, "thinking": {"type": "disabled"}}
+    assert anthropic.parse(off, ThinkTok(), openai.ServerOptions(reasoning="qwen3")).params.thinking_budget is None
+    assert anthropic.parse(body, Tok(), openai.ServerOptions(reasoning="qwen3")).params.thinking_budget is None

@@ -88,6 +88,38 @@ def test_responses_store_get_delete_and_continue(app):
     assert client.get(f"/v1/responses/{unstored.get_json()['id']}").status_code == 404
 
 
+def test_input_items_through_the_openai_sdk(app):
+    """GET /v1/responses/<id>/input_items in OpenAI's list shape, read by the openai SDK itself (over WSGI)."""
+    import httpx
+    import openai
+    client = app()
+    sdk = openai.OpenAI(base_url="http://lmi/v1", api_key="k",
+                        http_client=httpx.Client(transport=httpx.WSGITransport(app=client.application)))
+    first = sdk.responses.create(model="m", input="Hello", max_output_tokens=2)
+    second = sdk.responses.create(model="m", max_output_tokens=2, previous_response_id=first.id, input=[
+        {"role": "user", "content": "More"}, {"type": "message", "role": "user", "content": "please"}])
+    # the whole conversation second answered: Hello, first's answer, More, please; newest first by default
+    page = sdk.responses.input_items.list(second.id)
+    texts = [it.content[0].text for it in page.data]
+    assert texts == ["please", "More", first.output_text, "Hello"]
+    assert [it.role for it in page.data] == ["user", "user", "assistant", "user"]
+    assert page.first_id == page.data[0].id and page.last_id == page.data[-1].id and not page.has_more
+    assert len({it.id for it in page.data}) == 4
+    assert [it.content[0].text for it in sdk.responses.input_items.list(first.id).data] == ["Hello"]
+    # limit / order / after: pages in ascending order, each after the last one's id
+    one = sdk.responses.input_items.list(second.id, limit=2, order="asc")
+    assert [it.content[0].text for it in one.data] == ["Hello", first.output_text] and one.has_more
+    two = sdk.responses.input_items.list(second.id, limit=2, order="asc", after=one.last_id)
+    assert [it.content[0].text for it in two.data] == ["More", "please"] and not two.has_more
+    assert [it.id for it in sdk.responses.input_items.list(second.id, order="asc")] == \
+        [it.id for it in one.data + two.data]      # the SDK's auto-paging follows `after` too
+    with pytest.raises(openai.NotFoundError, match="no stored response 'resp_nope'"):
+        sdk.responses.input_items.list("resp_nope")
+    for query, field in (("limit=0", "limit"), ("limit=x", "limit"), ("order=up", "order"), ("after=zz", "after")):
+        r = client.get(f"/v1/responses/{second.id}/input_items?{query}")
+        assert r.status_code == 400 and r.get_json()["error"]["param"] == field, (query, r.get_json())
+
+
 def test_a_streamed_response_is_stored_whole(app):
     client = app()
     events = _sse(client.post("/v1/responses", json={"input": "Hello", "max_output_tokens": 3, "stream": True}))

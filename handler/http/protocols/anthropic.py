@@ -12,6 +12,7 @@ are refused (400): the served models read text.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import uuid
@@ -20,7 +21,7 @@ from typing import Annotated, Literal, Union
 from pydantic import BaseModel, ConfigDict, Field
 
 from handler.engine.request import MAX_NEW_TOKENS, MAX_STOP_LENGTH, RequestError, TopK, bounded_float, bounded_int, show, warn_once
-from handler.http.protocols import Generation, Sample, answer, openai
+from handler.http.protocols import Generation, Sample, answer, openai, reasoning
 
 _STRICT = ConfigDict(strict=True, extra="ignore")   # extra: cache_control, citations, ... accepted
 
@@ -233,8 +234,32 @@ def parse(payload, tokenizer, server: openai.ServerOptions = openai.ServerOption
         gen = openai.parse_chat(chat, tokenizer, server=server)
     except RequestError as e:
         raise _renamed(e) from None
+    if not count and req.thinking is not None and req.thinking.type == "enabled" and req.thinking.budget_tokens \
+            and server.reasoning != "none":
+        budget = thinking_budget(req.thinking.budget_tokens, server.reasoning, tokenizer)
+        if budget is not None:
+            gen.params = dataclasses.replace(gen.params, thinking_budget=budget)
     gen.extra.update(protocol="anthropic", fields={"inputs": "messages", "parameters.max_new_tokens": "max_tokens"})
     return gen
+
+
+def _single_token(tokenizer, text: str) -> int | None:
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    return ids[0] if len(ids) == 1 else None
+
+
+def thinking_budget(tokens: int, parser: str, tokenizer) -> tuple[int, int, int | None] | None:
+    """SamplingParams.thinking_budget for budget_tokens: the reasoning parser's close tag must be one token
+    of this tokenizer (Qwen3's and DeepSeek-R1's are); otherwise the budget is not enforced (warned once)."""
+    close = _single_token(tokenizer, reasoning.CLOSE)
+    if close is None:
+        warn_once("thinking-budget", f"thinking.budget_tokens is not enforced: {reasoning.CLOSE} is not one token "
+                                     "of this model's tokenizer")
+        return None
+    opener = _single_token(tokenizer, reasoning.OPEN) if parser == "qwen3" else None
+    if parser == "qwen3" and opener is None:
+        return None
+    return tokens, close, opener
 
 
 # ---- responses

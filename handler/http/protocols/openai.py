@@ -295,8 +295,10 @@ def render_chat(tokenizer, messages, tools: list[dict] | None = None, kwargs: di
         raise RequestError(field, f"the chat template refused these messages: {str(e)[:100]}") from None
 
 
-# Template variables a request may not set: the ones render_chat passes itself.
-_RESERVED_KWARGS = ("messages", "tools", "tokenize", "add_generation_prompt", "chat_template")
+# Template variables a request may not set: the ones render_chat passes itself; a name is a plain
+# identifier (the document states both: openapi.py)
+RESERVED_KWARGS = ("messages", "tools", "tokenize", "add_generation_prompt", "chat_template")
+KWARG_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 
 def _template_kwargs(f: ChatFields, guided: bool, parser: str) -> dict:
@@ -304,7 +306,7 @@ def _template_kwargs(f: ChatFields, guided: bool, parser: str) -> dict:
     thinking (Qwen3's enable_thinking=false), since the constraint covers the whole output."""
     kwargs = dict(f.chat_template_kwargs or {})
     for k in kwargs:
-        if k in _RESERVED_KWARGS or not isinstance(k, str) or not k.isidentifier():
+        if k in RESERVED_KWARGS or not isinstance(k, str) or not KWARG_NAME.search(k):
             raise RequestError(f"chat_template_kwargs.{k}", "is not a template variable a request may set")
     if guided and parser != "none":
         if parser == "deepseek_r1" or kwargs.get("enable_thinking") is True:

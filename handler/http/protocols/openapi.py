@@ -19,8 +19,8 @@ from handler.engine.request import (ALIASES, MAX_NEW_TOKENS, MAX_TOKEN_ID, TOKEN
 from handler.http.protocols.anthropic import CountTokensRequest, MessagesRequest
 from handler.http.protocols.lmi import LmiRequest
 from handler.http.protocols import tools
-from handler.http.protocols.openai import ChatFields, CompletionFields
-from handler.http.protocols.responses import ResponsesRequest
+from handler.http.protocols.openai import KWARG_NAME, RESERVED_KWARGS, ChatFields, CompletionFields
+from handler.http.protocols.responses import MAX_LIST, ResponsesRequest
 
 _TEXT_OR_LIST = {"anyOf": [{"type": "string", "minLength": 1},
                            {"type": "array", "items": {"type": "string", "minLength": 1}, "minItems": 1}]}
@@ -33,17 +33,23 @@ _PROMPT = {"anyOf": [*_TEXT_OR_LIST["anyOf"], _IDS, {"type": "array", "items": _
 _TEXT = {"type": "string", "minLength": 1}
 _CHOICES = {"type": "array", "minItems": 1, "items": _TEXT}
 GUIDED = {
-    "guided_json": {"anyOf": [{"type": "object"}, _TEXT]},
+    "guided_json": {"anyOf": [{"type": ["object", "boolean"]}, _TEXT]},     # true / false: JSON Schema's own
     "guided_regex": _TEXT, "guided_grammar": _TEXT, "guided_choice": _CHOICES,
     # vLLM's StructuredOutputsParams: one constraint among these keys (null or false ones are absent)
     "structured_outputs": {"type": "object", "additionalProperties": False, "properties": {
-        "json": {"anyOf": [{"type": ["object", "null"]}, _TEXT]}, "regex": {"anyOf": [_TEXT, {"type": "null"}]},
+        "json": {"anyOf": [{"type": ["object", "boolean", "null"]}, _TEXT]},
+        "regex": {"anyOf": [_TEXT, {"type": "null"}]},
         "choice": {"anyOf": [_CHOICES, {"type": "null"}]}, "grammar": {"anyOf": [_TEXT, {"type": "null"}]},
         "json_object": {"enum": [True, False, None]},
-        **{k: {} for k in guide.STRUCTURED_QUIET if k != "structural_tag"}}},   # structural_tag: refused
+        **{k: {} for k in guide.STRUCTURED_QUIET if k != "structural_tag"}},   # structural_tag: refused
+        # exactly one constraint (a null, or json_object false, is none)
+        "oneOf": [*({"required": [k], "properties": {k: {"not": {"type": "null"}}}}
+                    for k in ("json", "regex", "choice", "grammar")),
+                  {"required": ["json_object"], "properties": {"json_object": {"const": True}}}]},
     "grammar": {"oneOf": [
         {"type": "object", "required": ["type"],       # no value (or null): any JSON object
-         "properties": {"type": {"const": "json"}, "value": {"anyOf": [{"type": ["object", "null"]}, _TEXT]}}},
+         "properties": {"type": {"const": "json"},
+                        "value": {"anyOf": [{"type": ["object", "boolean", "null"]}, _TEXT]}}},
         {"type": "object", "required": ["type", "value"], "properties": {"type": {"const": "regex"}, "value": _TEXT}},
         {"type": "object", "required": ["type"], "properties": {"type": {"const": "json_object"}}}]},
 }
@@ -53,8 +59,30 @@ RESPONSE_FORMAT = {"oneOf": [
     {"type": "object", "required": ["type", "json_schema"], "properties": {
         "type": {"const": "json_schema"},
         "json_schema": {"type": "object", "required": ["schema"], "properties": {
-            "name": {"description": "not checked"}, "schema": {"anyOf": [{"type": "object"}, _TEXT]},
+            "name": {"description": "not checked"}, "schema": {"anyOf": [{"type": ["object", "boolean"]}, _TEXT]},
             "strict": {"description": "accepted (the schema is always enforced)"}}}}}]}
+
+
+# Rules across fields that JSON Schema states (the server's 400s name the same fields; docs/API.md)
+_STREAMED = {"required": ["stream"], "properties": {"stream": {"const": True}}}
+_CHAT_RULES = [
+    # top_logprobs needs logprobs: true
+    {"if": {"required": ["top_logprobs"], "properties": {"top_logprobs": {"type": "integer", "minimum": 1}}},
+     "then": {"required": ["logprobs"], "properties": {"logprobs": {"const": True}}}},
+    # prompt log-probs come without stream (vLLM's rule too)
+    {"if": _STREAMED, "then": {"properties": {"prompt_logprobs": {"type": "null"}}}}]
+_COMPLETION_RULES = [
+    # max_tokens 0 asks for the prompt's log-probs: with echo or prompt_logprobs
+    {"if": {"required": ["max_tokens"], "properties": {"max_tokens": {"const": 0}}},
+     "then": {"anyOf": [{"required": ["echo"], "properties": {"echo": {"const": True}}},
+                        {"required": ["prompt_logprobs"], "properties": {"prompt_logprobs": {"type": "integer"}}}]}},
+    # prompt log-probs (max_tokens 0, echo with logprobs, prompt_logprobs) come without stream
+    {"if": _STREAMED, "then": {
+        "properties": {"max_tokens": {"not": {"const": 0}}, "prompt_logprobs": {"type": "null"}},
+        "not": {"required": ["echo", "logprobs"],
+                "properties": {"echo": {"const": True}, "logprobs": {"type": "integer"}}}}}]
+_TEMPLATE_KWARGS = {"type": "object", "description": "extra variables for the chat template",
+                    "propertyNames": {"pattern": KWARG_NAME.pattern, "not": {"enum": list(RESERVED_KWARGS)}}}
 
 
 def _parameters_schema() -> dict:
@@ -146,6 +174,21 @@ def _stored() -> dict:
                     "responses": {"200": {"description": "the response object"}, **found}},
             "delete": {"summary": "Delete a stored response", "parameters": param,
                        "responses": {"200": {"description": "{id, object, deleted: true}"}, **found}}}
+
+
+def _input_items() -> dict:
+    """GET /v1/responses/{response_id}/input_items: OpenAI's list (responses.input_items)."""
+    param = [{"name": "response_id", "in": "path", "required": True, "schema": {"type": "string"}},
+             {"name": "limit", "in": "query", "required": False,
+              "schema": {"type": "integer", "minimum": 1, "maximum": MAX_LIST, "default": 20}},
+             {"name": "order", "in": "query", "required": False,
+              "schema": {"enum": ["asc", "desc"], "default": "desc"}},
+             {"name": "after", "in": "query", "required": False, "schema": {"type": "string"},
+              "description": "an item id: the page starts after it"}]
+    return {"get": {"summary": "A stored response's input items", "parameters": param,
+                    "responses": {"200": {"description": "{object: list, data, first_id, last_id, has_more}"},
+                                  "400": {"description": "a bad limit, order or after"},
+                                  "404": {"description": "no stored response of that id"}}}}
 
 
 # A chat message as the chat template receives it (openai.render_chat): a role, text or text parts
@@ -318,14 +361,24 @@ def _static() -> dict:
                  "parameters": {"$ref": "#/components/schemas/Parameters"}})
     lmi["title"], tgi["title"] = "LMIRequest", "TGIRequest"
     tgi["properties"].pop("adapters", None)
+    # a stream answers one string with one sample (lmi.parse, tgi.parse)
+    one = {"anyOf": [{"const": 1}, {"type": "null"}]}
+    one_sample = {"properties": {"n": one, "best_of": one}}
+    lmi["allOf"] = [{"if": _STREAMED, "then": {"properties": {"inputs": {"type": "string"}, "parameters": one_sample}}}]
+    tgi_stream = copy.deepcopy(tgi)
+    tgi_stream["title"] = "TGIStreamRequest"
+    tgi["allOf"] = [{"if": _STREAMED, "then": {"properties": {"parameters": one_sample}}}]
+    tgi_stream["allOf"] = [{"properties": {"parameters": one_sample}}]
     chat = _body(ChatFields.model_json_schema(), ["messages"],
                  {"messages": _CHAT_MESSAGES,
                   "model": {"type": "string"}, "tools": _TOOLS, "response_format": RESPONSE_FORMAT,
-                  **_OPENAI_GUIDED})
+                  "chat_template_kwargs": _TEMPLATE_KWARGS, **_OPENAI_GUIDED})
+    chat["allOf"] = _CHAT_RULES
     completion = _body(CompletionFields.model_json_schema(), ["prompt"],
                        {"prompt": _PROMPT, "model": {"type": "string"}, "response_format": RESPONSE_FORMAT,
                         **_OPENAI_GUIDED})
-    schemas = {"Parameters": params, "LMIRequest": lmi, "TGIRequest": tgi,
+    completion["allOf"] = _COMPLETION_RULES
+    schemas = {"Parameters": params, "LMIRequest": lmi, "TGIRequest": tgi, "TGIStreamRequest": tgi_stream,
                "ChatCompletionRequest": chat, "CompletionRequest": completion,
                "MessagesRequest": MessagesRequest.model_json_schema(),
                "CountTokensRequest": CountTokensRequest.model_json_schema(),
@@ -343,8 +396,8 @@ def _static() -> dict:
                                   "then": {"required": ["type", "name"]}})
     schemas["MessageItem"]["required"].remove("type")   # an item without a type is a message (responses._items)
     _drop_discriminators(schemas["ResponsesRequest"])
-    for name in ("Parameters", "LMIRequest", "TGIRequest", "ChatCompletionRequest", "CompletionRequest",
-                 "MessagesRequest", "CountTokensRequest", "ResponsesRequest"):
+    for name in ("Parameters", "LMIRequest", "TGIRequest", "TGIStreamRequest", "ChatCompletionRequest",
+                 "CompletionRequest", "MessagesRequest", "CountTokensRequest", "ResponsesRequest"):
         _nullable(schemas[name])
     doc = {"openapi": "3.1.0", "info": {"title": "lmi-serve", "version": "1.0.0"},
            "paths": {"/invocations": _post("LMI / SageMaker generation", "LMIRequest"),
@@ -356,8 +409,9 @@ def _static() -> dict:
                      "/v1/responses": _post("OpenAI Responses", "ResponsesRequest",
                                             {**_STATUS, "404": {"description": "an unknown adapter or previous_response_id"}}),
                      "/v1/responses/{response_id}": _stored(),
+                     "/v1/responses/{response_id}/input_items": _input_items(),
                      "/generate": _post("TGI generation", "TGIRequest", _TGI),
-                     "/generate_stream": _post("TGI streamed generation", "TGIRequest", _TGI),
+                     "/generate_stream": _post("TGI streamed generation", "TGIStreamRequest", _TGI),
                      # pooling models (option.task=text_embedding | classify | rerank)
                      "/v1/embeddings": _post("OpenAI embeddings", "EmbeddingsRequest", _POOLED),
                      "/embed": _post("TEI embeddings", "EmbedRequest", _POOLED),

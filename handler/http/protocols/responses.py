@@ -400,3 +400,32 @@ def stream(gen: Generation, events, model: str, on_done=lambda response: None):
 
 def deleted(rid: str) -> dict:
     return {"id": rid, "object": "response", "deleted": True}
+
+
+MAX_LIST = 100      # OpenAI's bounds for a page of input items (limit 1..100, 20 by default)
+
+
+def input_items(record: dict, rid: str, args) -> dict:
+    """GET /v1/responses/<id>/input_items: OpenAI's list of the items the response answered (the
+    previous responses' conversation included), `args` its query (limit, order (desc by default),
+    after: an item id). An item keeps its id, or gets `<response id>_item_<position>` (stable)."""
+    outputs = len(record["response"]["output"])
+    items = [{"id": it.get("id") or f"{rid}_item_{i}", **{k: v for k, v in it.items() if k != "id"}}
+             for i, it in enumerate(record["items"][:len(record["items"]) - outputs])]
+    limit = args.get("limit", "20")
+    if not (limit.isascii() and limit.isdigit() and 1 <= int(limit) <= MAX_LIST):
+        raise RequestError("limit", f"must be an integer in 1..{MAX_LIST}, got {show(limit)}")
+    order = args.get("order", "desc")
+    if order not in ("asc", "desc"):
+        raise RequestError("order", f"must be asc or desc, got {show(order)}")
+    if order == "desc":
+        items.reverse()
+    after = args.get("after")
+    if after is not None:
+        at = next((i for i, it in enumerate(items) if it["id"] == after), None)
+        if at is None:
+            raise RequestError("after", f"{show(after)} is no input item of response {show(rid)}")
+        items = items[at + 1:]
+    page = items[:int(limit)]
+    return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+            "last_id": page[-1]["id"] if page else None, "has_more": len(items) > len(page)}

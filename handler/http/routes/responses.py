@@ -1,9 +1,10 @@
-"""OpenAI's Responses API: POST /v1/responses (whole or streamed), GET and DELETE /v1/responses/<id>
-over the server's bounded store (handler/http/protocols/store.py)."""
+"""OpenAI's Responses API: POST /v1/responses (whole or streamed), GET and DELETE /v1/responses/<id>,
+GET /v1/responses/<id>/input_items, over the server's bounded store (handler/http/protocols/store.py)."""
 from __future__ import annotations
 
-from flask import Blueprint
+from flask import Blueprint, request
 
+from handler.engine.request import RequestError
 from handler.http.protocols import openai, responses
 from handler.http.routes.common import (SSE, body_json, current_state, json_response, model_name, openai_error, run,
                                         streamed)
@@ -48,6 +49,17 @@ def _unknown(rid: str):
 def get(rid):
     got = current_state().responses.get(rid)
     return _unknown(rid) if got is None else json_response(got["response"])
+
+
+@bp.get("/v1/responses/<rid>/input_items")
+def input_items(rid):
+    got = current_state().responses.get(rid)
+    if got is None:
+        return _unknown(rid)
+    try:
+        return json_response(responses.input_items(got, rid, request.args))
+    except RequestError as e:
+        return openai_error(e.status, e.message, e.field)
 
 
 @bp.delete("/v1/responses/<rid>")
