@@ -72,16 +72,17 @@ class CpuAttention(TorchAttention):
     def __init__(self, isa: str):
         from kernels import cpu as cpu_ext
         self.name, self.ext = isa, cpu_ext
-        self._told: set[str] = set()
+        self._told: set[tuple] = set()
 
     def _in_torch(self, op: str, *tensors) -> None:
         """A call the kernel could not take (a dtype or layout it does not read) runs in torch: said
-        once per op and tensor kinds in the log, so a model that never reaches the kernels shows it."""
-        kinds = ", ".join(f"{t.dtype} {tuple(t.stride())}" for t in tensors)
-        if (op, kinds) not in self._told:
-            self._told.add((op, kinds))
+        once per op and tensor kinds in the log, so a model that never reaches the kernels shows it.
+        (Called at every such layer call: the key is plain tuples; only a new one is formatted.)"""
+        key = (op, *((t.dtype, t.stride()) for t in tensors))
+        if key not in self._told:
+            self._told.add(key)
             log.warning("attention: %s in torch (kernels/torch_paged.py): the C kernel does not take %s",
-                        op, kinds)
+                        op, ", ".join(f"{t.dtype} {tuple(t.stride())}" for t in tensors))
 
     def rotate(self, q, k, cos, sin):
         if self.ext.rotary_(q, k, cos, sin):

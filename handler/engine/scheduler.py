@@ -47,15 +47,15 @@ OLDEST_PREFILL_SHARE = 4
 # Speculative decoding: after m verify steps in a row that accepted nothing a sequence decodes
 # min(2^m, this) - 1 steps without proposals (its proposals are wasted rows meanwhile).
 MAX_SPEC_BACKOFF = 16
-# The aging bound when target_tpot_s or priority scheduling is on and none is given.
+# The aging bound under priority scheduling when none is given.
 DEFAULT_AGING_S = 2.0
+SCHEDULING_POLICIES = ("fcfs", "priority")
 
 
 def min_prefill_tokens(cap: int) -> int:
     """The most prompt tokens the worse classes take beside a better class awaiting its prefill, and a
     step takes under a TPOT target that even an empty step overruns."""
     return min(cap, max(16, cap // 64))
-SCHEDULING_POLICIES = ("fcfs", "priority")
 
 
 @dataclass(frozen=True)
@@ -461,17 +461,17 @@ class Scheduler:
         give(min(pending, key=self._rank), max(1, budget // OLDEST_PREFILL_SHARE))
         by_priority = self.policy.by_priority
         best = min(q.priority for q in pending) if by_priority else 0
+        capped = False
         for q in sorted(pending, key=lambda q: (q.priority if by_priority else 0, rem[q.seq_id], q.admitted)):
-            if left <= 0:
-                break
-            if q.priority != best and by_priority:
-                # While a better class awaits its prefill, the worse classes' prompts take at most
-                # the floor beside it: the step stays about as short as the better class's own
-                # prompts make it (its TTFT).
+            if by_priority and q.priority != best and not capped:
+                # The first of the worse classes (sorted after the best): while a better class awaits
+                # its prefill, they take at most the floor beside it, the aged and the oldest's share
+                # included, so the step stays about as short as the better class's prompts make it.
+                capped = True
                 left = min(left, min_prefill_tokens(budget) - sum(
                     n for sid, n in shares.items() if self.seqs[sid].priority != best))
-                if left <= 0:
-                    break
+            if left <= 0:
+                break
             give(q, left)
         return shares
 

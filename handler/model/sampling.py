@@ -162,13 +162,13 @@ def _bans(it: StepItem, eos: tuple) -> list[int]:
 def thinking_spent(it: StepItem) -> bool:
     """Whether the row's thinking is open and holds its budget's tokens (SamplingParams.thinking_budget)."""
     budget, close, opener = it.params.thinking_budget
-    out = it.history[it.num_prompt:]
-    start = 0
+    hist, start = it.history, it.num_prompt
     if opener is not None:
-        if not out or out[0] != opener:
+        if len(hist) <= start or hist[start] != opener:
             return False        # the answer did not open any thinking
-        start = 1
-    return close not in out and len(out) - start >= budget
+        start += 1
+    # The length first: the scan for the close token only once the budget is reached.
+    return len(hist) - start >= budget and close not in hist[start:]
 
 
 def _close_thinking(logits: torch.Tensor, items: list[StepItem]) -> None:
