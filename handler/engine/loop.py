@@ -215,7 +215,9 @@ class Engine:
                 # Speculative decoding per method: {"verifies", "proposed", "accepted"} (a copy).
                 "spec": {m: dict(v) for m, v in s.spec_stats.items()},
                 # Preemptions by cause (kv_cache, priority; a copy).
-                "preemptions_by_cause": dict(s.preemption_causes)}
+                "preemptions_by_cause": dict(s.preemption_causes),
+                # A vision-language model's encoder stage: runs, images encoded, cache hits (a copy).
+                **(vision.stats() if (vision := getattr(self.runner, "vision", None)) is not None else {})}
 
     # ---- the engine thread
     def _loop(self) -> None:

