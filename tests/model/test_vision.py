@@ -57,12 +57,9 @@ REQUESTS = {
 }
 
 
-@pytest.fixture(scope="module")
-def llava_dir(demo_model_dir, tmp_path_factory):
-    from transformers import AutoTokenizer
-
-    from handler.tools.demo_model import build_demo_llava
-    return build_demo_llava(str(tmp_path_factory.mktemp("llava")), tokenizer=AutoTokenizer.from_pretrained(demo_model_dir))
+@pytest.fixture
+def llava_dir(llava_model_dir):
+    return llava_model_dir
 
 
 @functools.lru_cache(maxsize=2)
@@ -82,7 +79,7 @@ def _hf_messages(messages):
     return out
 
 
-def hf_greedy(model_dir: str, messages) -> tuple[list[int], list[int]]:
+def hf_greedy(model_dir: str, messages, n: int = NEW) -> tuple[list[int], list[int]]:
     """(prompt ids, generated ids) from transformers: the processor's template and tokens, `generate`."""
     proc, model = _hf(model_dir)
     prompt = proc.apply_chat_template(_hf_messages(messages), add_generation_prompt=True, tokenize=False)
@@ -91,7 +88,7 @@ def hf_greedy(model_dir: str, messages) -> tuple[list[int], list[int]]:
               for m in messages if not isinstance(m["content"], str) for p in m["content"] if p["type"] == "image_url"]
     inputs = proc(text=prompt, images=images or None, return_tensors="pt", add_special_tokens=False)
     with torch.no_grad():
-        out = model.generate(**inputs, max_new_tokens=NEW, do_sample=False, eos_token_id=None,
+        out = model.generate(**inputs, max_new_tokens=n, do_sample=False, eos_token_id=None,
                              pad_token_id=proc.tokenizer.pad_token_id)
     n = inputs["input_ids"].shape[1]
     return inputs["input_ids"][0].tolist(), out[0, n:].tolist()
