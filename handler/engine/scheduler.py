@@ -565,7 +565,7 @@ class Scheduler:
                 seq.params, seq.tokens, len(seq.prompt_ids),
                 seq.params.decoder_input_details
                 and len(seq.prompt_logprobs) < len(seq.prompt_ids) - 1, seq.guide, tuple(draft),
-                seq.media_in(seq.num_computed, seq.num_computed + n)))
+                seq.media_in(seq.num_computed, seq.num_computed + n), seq.media))
         # Items are planned best rank first (oldest first; by class under priority scheduling) and a
         # victim is the last by rank, so no planned item is ever preempted after the fact.
         plan = StepPlan(items, self._preempted)

@@ -65,6 +65,9 @@ class StepItem:
     # The prompt's images whose placeholder tokens this item feeds (some or all of them: a chunk may
     # cut an image; the runner encodes it whole, once, and takes the rows this chunk feeds).
     media: tuple[ImageRef, ...] = ()
+    # All of the prompt's images (the sequence's, whether this item feeds them or not): M-RoPE models
+    # (Qwen2-VL) place every later token by what the images before it took.
+    prompt_media: tuple[ImageRef, ...] = ()
 
 
 @dataclass(frozen=True)

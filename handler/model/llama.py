@@ -35,6 +35,9 @@ from handler.model import layers, moe
 from handler.model.layers import RMSNorm, Rotary, Shard, TensorParallel, shard
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "granite", "phi3", "olmo2") + moe.MOE_FAMILIES
+# Language models of vision-language models (handler/model/vision.py) that are one of ours: Qwen2-VL's and
+# Qwen2.5-VL's are qwen2 with M-RoPE (positions in three sections: time, height, width).
+ALIASES = {"qwen2_vl_text": "qwen2", "qwen2_5_vl_text": "qwen2"}
 
 
 class Unsupported(ValueError):
@@ -65,11 +68,16 @@ class Arch:
     scaling: float          # attention's softmax scale
     moe: moe.MoeSpec | None = None      # the MoE families: experts, routing, which layers are sparse
     qk_style: str = "olmo2"             # a "full" q/k norm's rounding (olmoe: "llama")
+    mrope: tuple | None = None          # M-RoPE's frequency sections (Qwen2-VL): positions [3, T]
 
 
 def arch_of(config) -> Arch:
     """The Arch of a transformers config, or Unsupported naming what is outside our family."""
     mt = getattr(config, "model_type", None)
+    mrope = None
+    if mt in ALIASES:
+        mrope = tuple((getattr(config, "rope_parameters", None) or {}).get("mrope_section") or ()) or None
+        mt = ALIASES[mt]
     if mt not in FAMILIES:
         raise Unsupported(f"model_type {mt!r} is not one of ours ({', '.join(FAMILIES)})")
     act = getattr(config, "hidden_act", "silu")
@@ -102,7 +110,7 @@ def arch_of(config) -> Arch:
         embed_scale=float(config.embedding_multiplier) if g else 1.0,
         residual_scale=float(config.residual_multiplier) if g else 1.0,
         logits_divisor=float(config.logits_scaling) if g else 1.0, scaling=scaling,
-        moe=moe.spec_of(config, Unsupported), qk_style="llama" if mt == "olmoe" else "olmo2")
+        moe=moe.spec_of(config, Unsupported), qk_style="llama" if mt == "olmoe" else "olmo2", mrope=mrope)
 
 
 _linear, _fused = layers.linear, layers.fused
@@ -264,16 +272,21 @@ class LlamaFamilyForCausalLM(nn.Module):
         return self.model.embed_tokens
 
     @torch.inference_mode()
-    def step(self, ids: torch.Tensor, pos: torch.Tensor, keep: torch.Tensor, step, inject=None) -> torch.Tensor:
+    def step(self, ids: torch.Tensor, pos: torch.Tensor, keep: torch.Tensor, step, inject=None,
+             mrope: torch.Tensor | None = None) -> torch.Tensor:
         """ids/pos [T] -> logits [R, V] of the kept rows (see the module doc). `inject`: (rows [K],
         embeddings [K, E]) written over those rows' token embeddings (a VLM's image tokens:
-        handler/model/vision.py), before the embedding multiplier as transformers' VLMs do."""
+        handler/model/vision.py), before the embedding multiplier as transformers' VLMs do. `mrope`:
+        M-RoPE positions [3, T] (time, height, width) instead of `pos`, for a step that feeds image tokens."""
         h = self.model.embed_tokens(ids)
         if inject is not None:
             h.index_copy_(0, inject[0], inject[1].to(h.dtype))
         if self.arch.embed_scale != 1.0:
             h = h * self.arch.embed_scale
-        cos, sin = self.rotary(pos, step.seq_lens_cpu, step.query_start_loc_cpu)
+        if mrope is not None:
+            cos, sin = self.rotary.mrope(mrope, self.arch.mrope)
+        else:
+            cos, sin = self.rotary(pos, step.seq_lens_cpu, step.query_start_loc_cpu)
         if self.decode_stack is None or not self.decode_stack.run(h, cos, sin, step):
             for layer in self.model.layers:
                 h = layer(h, cos, sin, step)

@@ -548,23 +548,25 @@ class ModelRunner:
             v_pool.copy_blocks(src, dst)
 
     @torch.inference_mode()
-    def forward(self, packed: torch.Tensor, inject=None) -> torch.Tensor:
+    def forward(self, packed: torch.Tensor, inject=None, mrope=None) -> torch.Tensor:
         """One packed step (every rank runs it): block copies, then the forward; logits [R, V]
         (R >= 1: pack_step keeps the last token's row when nothing samples). In a tensor-parallel group a failure here breaks
         the group."""
         try:
-            return self._forward(packed, inject)
+            return self._forward(packed, inject, mrope)
         except Exception as e:
             if self.ranks is not None:
                 self.ranks.fail(f"rank {self.ranks.rank}: forward failed: {type(e).__name__}: {e}")
             raise
 
-    def _forward(self, packed: torch.Tensor, inject=None) -> torch.Tensor:
-        """`inject`: a VLM step's image embeddings, (rows, features) (VisionStage.inject)."""
+    def _forward(self, packed: torch.Tensor, inject=None, mrope=None) -> torch.Tensor:
+        """`inject`: a VLM step's image embeddings, (rows, features) (VisionStage.inject); `mrope`: its
+        M-RoPE positions [3, T] when it feeds image tokens (_mrope)."""
         n_tok, n_seq, width, n_rows, n_copies = packed[:5].tolist()
         sizes = [n_tok, n_tok, n_tok, n_seq + 1, n_seq, n_seq * width, n_rows, n_copies, n_copies]
         host = packed[5:].split(sizes)
         if (self.graphs is not None and n_tok == n_seq == n_rows and not self.batch_invariant and inject is None
+                and mrope is None
                 and self.graphs.fits(n_seq, width)):
             # Decode only (one token and one logit row per sequence): replay a captured graph.
             if n_copies:
@@ -587,11 +589,26 @@ class ModelRunner:
             plan=plan_step(block_tables, seq_lens, qsl, self.block_size, slot_mapping=slots,
                            seq_lens_cpu=seq_lens_cpu, query_start_loc_cpu=qsl_cpu) if self.plan_steps else None)
         if self.own:
-            return self.model.step(ids, pos, keep, meta, inject) if inject is not None else \
-                self.model.step(ids, pos, keep, meta)
+            if inject is not None or mrope is not None:
+                return self.model.step(ids, pos, keep, meta, inject, mrope)
+            return self.model.step(ids, pos, keep, meta)
         out = self.model(input_ids=ids[None], position_ids=pos[None],
                          use_cache=False, logits_to_keep=keep, lmi_step=meta)
         return out.logits[0]
+
+    def _mrope(self, packed: torch.Tensor, items: list[StepItem]) -> torch.Tensor | None:
+        """An M-RoPE model (Qwen2-VL): the step's positions [3, T] when it feeds image tokens (None
+        otherwise); every other row's one position (index + what the images before took) is written
+        into `packed`, so decode steps stay 1-D (and CUDA graphs replay them)."""
+        if not self.vision.family.mrope:
+            return None
+        from handler.model.vision import positions
+        pos3 = positions(items, [len(it.token_ids) for it in items])
+        if pos3 is None:
+            return None
+        t = int(packed[0])
+        packed[5 + t:5 + 2 * t] = pos3[0]
+        return pos3.to(self.device) if bool((pos3[0] != pos3[1]).any() or (pos3[0] != pos3[2]).any()) else None
 
     # ---- one step
     def step(self, items: list[StepItem], copies: list[tuple[int, int]] = ()) -> list[SampleResult]:
@@ -608,13 +625,16 @@ class ModelRunner:
         if self.ranks is not None:   # the other ranks run the same copies + forward on their shards
             self.ranks.send_step(packed)
         # a VLM: the images these items feed, encoded (or from the encoder cache) before the prefill
-        inject = self.vision.inject(items) if self.vision is not None else None
+        inject = mrope = None
+        if self.vision is not None:
+            inject = self.vision.inject(items)
+            mrope = self._mrope(packed, items)
         if self.lora is not None:       # each adapter's rows get their low-rank update
             from handler.model.lora import step_context
             with step_context(self.lora.step(items)):
-                logits = self.forward(packed, inject)
+                logits = self.forward(packed, inject, mrope)
         else:
-            logits = self.forward(packed, inject)   # [len(rows), V]
+            logits = self.forward(packed, inject, mrope)   # [len(rows), V]
         results = [SampleResult() for _ in items]
         sample_rows, sample_items, where = [], [], []
         for k, it in enumerate(items):

@@ -14,8 +14,12 @@ scheduler keys prefix-cache blocks by the images' hashes (engine Sequence.cache_
 needs to know about KV blocks.
 
 Families (config.json's model_type):
-  llava   LLaVA-1.5 style: CLIP vision tower, 2-layer MLP projector, a Llama-family language model;
-          vision_feature_layer / _select_strategy from the config; one run of placeholders per image
+  llava        LLaVA-1.5 style: CLIP vision tower, 2-layer MLP projector, a Llama-family language model;
+               vision_feature_layer / _select_strategy from the config; one run of placeholders per image
+  qwen2_vl,    dynamic resolution: an image is (h/14) x (w/14) patches merged 2x2, so its token count
+  qwen2_5_vl   follows its size (image_grid_thw); the language model (qwen2) places tokens by M-RoPE: an
+               image's tokens at (t, row, column) from where it starts, later tokens shifted by what
+               the images before them took (positions(), from every ImageRef of the prompt)
 """
 from __future__ import annotations
 
@@ -57,12 +61,99 @@ def _llava_tower(config) -> nn.Module:
     return m
 
 
-def _llava_features(tower, pixel_values: torch.Tensor) -> list[torch.Tensor]:
-    cfg = tower.config
-    out = tower.get_image_features(pixel_values=pixel_values, vision_feature_layer=cfg.vision_feature_layer,
-                                   vision_feature_select_strategy=cfg.vision_feature_select_strategy,
-                                   return_dict=True)
-    return list(out.pooler_output)
+def _llava_encode(tower, datas: list[dict]) -> tuple[list[torch.Tensor], int]:
+    """One tower run per pixel shape: (each image's embeddings, runs)."""
+    cfg, out, runs = tower.config, [None] * len(datas), 0
+    groups: dict[tuple, list[int]] = {}
+    for i, d in enumerate(datas):
+        groups.setdefault(tuple(d["pixel_values"].shape[1:]), []).append(i)
+    for members in groups.values():
+        pixels = torch.cat([datas[i]["pixel_values"] for i in members])
+        feats = tower.get_image_features(pixel_values=pixels, vision_feature_layer=cfg.vision_feature_layer,
+                                         vision_feature_select_strategy=cfg.vision_feature_select_strategy,
+                                         return_dict=True).pooler_output
+        runs += 1
+        for i, f in zip(members, feats):
+            out[i] = f
+    return out, runs
+
+
+def _llava_lengths(out, n: int, total: int) -> list[int]:
+    """LLaVA-1.5: every image the same number of tokens."""
+    return [total // n] * n if n and total % n == 0 else []
+
+
+def _llava_data(out, i: int, lengths: list[int]) -> dict:
+    return {"pixel_values": out["pixel_values"][i:i + 1]}
+
+
+# ---- Qwen2-VL / Qwen2.5-VL
+def _qwen_names(key: str) -> tuple[str, str]:
+    """transformers 4's layout (model.layers.*, lm_head.*, visual.*) and 5's (model.language_model.*,
+    model.visual.*)."""
+    if key.startswith("model.language_model."):
+        return "text", "model." + key[len("model.language_model."):]
+    if key.startswith(("visual.", "model.visual.")):
+        return "vision", key.removeprefix("model.")
+    return "text", key
+
+
+def _qwen_tower(model_class: str, vision_class: str):
+    def build(config) -> nn.Module:
+        import transformers
+        from transformers.models import qwen2_5_vl, qwen2_vl
+        mod = qwen2_vl.modeling_qwen2_vl if model_class.startswith("Qwen2VL") else qwen2_5_vl.modeling_qwen2_5_vl
+        cls = getattr(transformers, model_class)
+        m = cls.__new__(cls)
+        nn.Module.__init__(m)
+        m.config = config
+        m.visual = getattr(mod, vision_class)._from_config(config.vision_config)
+        return m
+    return build
+
+
+def _qwen_encode(tower, datas: list[dict]) -> tuple[list[torch.Tensor], int]:
+    """Every image in one tower run (its patches concatenated, image_grid_thw says where each is)."""
+    pixels = torch.cat([d["pixel_values"] for d in datas])
+    grid = torch.cat([d["image_grid_thw"] for d in datas])
+    feats = tower.get_image_features(pixel_values=pixels, image_grid_thw=grid, return_dict=True).pooler_output
+    return list(feats), 1
+
+
+def _qwen_lengths(out, n: int, total: int) -> list[int]:
+    merge = out["merge_size"]
+    return [int(g.prod()) // merge ** 2 for g in out["image_grid_thw"]]
+
+
+def _qwen_data(out, i: int, lengths: list[int]) -> dict:
+    grid = out["image_grid_thw"]
+    rows = [int(g.prod()) for g in grid]
+    a = sum(rows[:i])
+    t, h, w = (int(x) for x in grid[i])
+    m = out["merge_size"]
+    return {"pixel_values": out["pixel_values"][a:a + rows[i]], "image_grid_thw": grid[i:i + 1],
+            "llm_grid": (t, h // m, w // m)}
+
+
+def _image_only(processor_class: str):
+    """The family's processor without its video half (transformers 5 builds video processors with
+    torchvision; images need none): the same image tokens, from the same image processor and tokenizer."""
+    def load(model_dir: str, trust_remote_code: bool):
+        import transformers
+        from transformers.processing_utils import ProcessorMixin
+        base = getattr(transformers, processor_class)
+
+        class ImageOnly(base):
+            def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
+                self.image_token = getattr(tokenizer, "image_token", None) or "<|image_pad|>"
+                self.video_token = getattr(tokenizer, "video_token", None) or "<|video_pad|>"
+                self.image_token_id = tokenizer.convert_tokens_to_ids(self.image_token)
+                self.video_token_id = tokenizer.convert_tokens_to_ids(self.video_token)
+                ProcessorMixin.__init__(self, image_processor, tokenizer, chat_template=chat_template)
+
+        ImageOnly.__name__ = ImageOnly.__qualname__ = processor_class
+        return ImageOnly.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
+    return load
 
 
 @dataclass(frozen=True)
@@ -70,11 +161,54 @@ class Family:
     name: str
     names: Callable[[str], tuple[str, str]]     # checkpoint name -> ("text" | "vision", name)
     tower: Callable                             # config -> the image side (an nn.Module)
-    features: Callable                          # (tower, pixel_values [N, ...]) -> N tensors [tokens, hidden]
-    pixel_keys: tuple = ("pixel_values",)       # the processor's per-image tensors
+    encode: Callable                            # (tower, [per-image data]) -> (embeddings [tokens, hidden] each, runs)
+    lengths: Callable                           # (processor output, images, placeholder total) -> tokens per image
+    data: Callable                              # (processor output, i, lengths) -> image i's tensors (ImageRef.data)
+    processor: Callable | None = None           # (model_dir, trust) -> a processor where AutoProcessor cannot build one
+    mrope: bool = False                         # positions by M-RoPE (positions())
 
 
-FAMILIES = {"llava": Family("llava", _llava_text_name, _llava_tower, _llava_features)}
+FAMILIES = {
+    "llava": Family("llava", _llava_text_name, _llava_tower, _llava_encode, _llava_lengths, _llava_data),
+    "qwen2_vl": Family("qwen2_vl", _qwen_names, _qwen_tower("Qwen2VLModel", "Qwen2VisionTransformerPretrainedModel"),
+                       _qwen_encode, _qwen_lengths, _qwen_data, _image_only("Qwen2VLProcessor"), mrope=True),
+    "qwen2_5_vl": Family("qwen2_5_vl", _qwen_names,
+                         _qwen_tower("Qwen2_5_VLModel", "Qwen2_5_VisionTransformerPretrainedModel"),
+                         _qwen_encode, _qwen_lengths, _qwen_data, _image_only("Qwen2_5_VLProcessor"), mrope=True),
+}
+
+
+def positions(items, lengths: list[int]) -> torch.Tensor | None:
+    """M-RoPE positions [3, T] of a packed step (T = sum of lengths, items in pack order), or None when
+    no item's prompt has an image (then every position is its index). Text after images and every
+    generated token sit at index + shift (the images before took max(rows, columns) positions for
+    their rows x columns tokens); an image's tokens at (start + t, start + row, start + column), as
+    transformers' get_rope_index places them."""
+    if not any(it.prompt_media for it in items):
+        return None
+    out = torch.empty(3, sum(lengths), dtype=torch.long)
+    base = 0
+    for it, n in zip(items, lengths):
+        s = it.start_pos
+        rows = torch.arange(s, s + n)
+        out[:, base:base + n] = rows
+        shift = 0
+        for m in sorted(it.prompt_media, key=lambda m: m.offset):
+            t, h, w = m.data["llm_grid"]
+            lo, hi = max(s, m.offset), min(s + n, m.offset + m.length)
+            start = m.offset + shift
+            if lo < hi:     # this image's tokens in this item
+                k = torch.arange(lo - m.offset, hi - m.offset)
+                seg = out[:, base + lo - s:base + hi - s]
+                seg[0] = start + k // (h * w)
+                seg[1] = start + (k // w) % h
+                seg[2] = start + k % w
+            shift += max(h, w) - m.length
+            after = max(s, m.offset + m.length)     # tokens past this image move by the shift so far
+            if after < s + n:
+                out[:, base + after - s:base + n] = torch.arange(after, s + n) + shift
+        base += n
+    return out
 
 
 def family_of(config) -> Family | None:
@@ -96,7 +230,12 @@ class Processor:
 
     def __init__(self, model_dir: str, config, family: Family, trust_remote_code: bool = False):
         from transformers import AutoProcessor
-        self.hf = AutoProcessor.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
+        try:
+            self.hf = AutoProcessor.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
+        except (ImportError, AttributeError, ValueError, TypeError):
+            if family.processor is None:
+                raise
+            self.hf = family.processor(model_dir, trust_remote_code)
         self.family = family
         self.placeholder = self.hf.image_token
         self.image_token_id = getattr(config, "image_token_id", None)
@@ -114,25 +253,21 @@ class Processor:
         except (ValueError, TypeError) as e:    # an image the processor cannot take (a size it refuses)
             raise RequestError(images[0].where, f"the model's processor refused the image: {str(e)[:200]}") from None
         ids = out["input_ids"][0].tolist()
-        spans = self._spans(ids, len(images))
-        refs = tuple(ImageRef(img.hash, start, length, data={k: out[k][i:i + 1] for k in self.family.pixel_keys})
-                     for i, (img, (start, length)) in enumerate(zip(images, spans)))
-        return ids, refs
-
-    def _spans(self, ids: list[int], n: int) -> list[tuple[int, int]]:
-        """Each image's run of placeholder tokens, in order (equal runs: LLaVA's fixed resolution)."""
+        if "image_grid_thw" in out:
+            out["merge_size"] = self.hf.image_processor.merge_size
         where = [p for p, t in enumerate(ids) if t == self.image_token_id]
-        if not n or len(where) % n:
-            raise RequestError("messages", f"{len(where)} image tokens for {n} images")
-        length = len(where) // n
-        spans = []
-        for k in range(n):
-            run = where[k * length:(k + 1) * length]
-            if run[-1] - run[0] != length - 1:
+        lengths = self.family.lengths(out, len(images), len(where))
+        if sum(lengths) != len(where) or len(lengths) != len(images):
+            raise RequestError("messages", f"{len(where)} image tokens for {len(images)} images")
+        refs, k = [], 0
+        for i, (img, n) in enumerate(zip(images, lengths)):
+            run = where[k:k + n]
+            if run[-1] - run[0] != n - 1:
                 raise RequestError("messages", "an image's tokens are not contiguous in the prompt (two "
                                                "placeholders side by side?)")
-            spans.append((run[0], length))
-        return spans
+            refs.append(ImageRef(img.hash, run[0], n, data=self.family.data(out, i, lengths)))
+            k += n
+        return ids, tuple(refs)
 
 
 # ---- the engine side: the encoder stage and its cache
@@ -180,22 +315,19 @@ class VisionStage:
 
     @torch.inference_mode()
     def encode(self, refs: list[ImageRef]) -> list[torch.Tensor]:
-        """One tower run per group of same-shaped pixels; each image's embeddings [length, hidden]."""
-        out: list[torch.Tensor | None] = [None] * len(refs)
-        groups: dict[tuple, list[int]] = {}
-        for i, r in enumerate(refs):
-            groups.setdefault(tuple(r.data[self.family.pixel_keys[0]].shape[1:]), []).append(i)
-        for members in groups.values():
-            pixels = torch.cat([refs[i].data[self.family.pixel_keys[0]] for i in members]).to(self.device, self.dtype)
-            feats = self.family.features(self.tower, pixels)
-            self.counts["encoder_runs"] += 1
-            self.counts["encoder_images"] += len(members)
-            for i, f in zip(members, feats):
-                if f.shape[0] != refs[i].length:
-                    raise RuntimeError(f"the vision tower gave {f.shape[0]} embeddings for an image of "
-                                       f"{refs[i].length} tokens")
-                out[i] = f
-        return out
+        """The images' embeddings [length, hidden] each, in as few tower runs as the family allows."""
+        datas = [{k: (v.to(self.device) if isinstance(v, torch.Tensor) else v) for k, v in r.data.items()}
+                 for r in refs]
+        for d in datas:
+            if "pixel_values" in d:
+                d["pixel_values"] = d["pixel_values"].to(self.dtype)
+        feats, runs = self.family.encode(self.tower, datas)
+        self.counts["encoder_runs"] += runs
+        self.counts["encoder_images"] += len(refs)
+        for r, f in zip(refs, feats):
+            if f.shape[0] != r.length:
+                raise RuntimeError(f"the vision tower gave {f.shape[0]} embeddings for an image of {r.length} tokens")
+        return feats
 
     def _remember(self, key: str, feats: torch.Tensor, keep: set[str]) -> None:
         size = feats.numel() * feats.element_size()

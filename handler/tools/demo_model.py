@@ -13,7 +13,14 @@ import sys
 import sysconfig
 
 FAMILIES = ("llama", "qwen2", "gpt2", "qwen3")
-VLM_FAMILIES = ("llava",)
+VLM_FAMILIES = ("llava", "qwen2_vl", "qwen2_5_vl")
+# Qwen2-VL's layout of a turn's images (the demo tokenizer's roles): each image is
+# <|vision_start|><|image_pad|><|vision_end|>, which the processor widens to the image's tokens.
+QWEN_VL_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>\n{% if m['content'] is string %}{{ m['content'] }}"
+                    "{% else %}{% for c in m['content'] %}{% if c['type'] == 'image' %}"
+                    "<|vision_start|><|image_pad|><|vision_end|>{% elif c['type'] == 'text' %}{{ c['text'] }}"
+                    "{% endif %}{% endfor %}{% endif %}</s>\n{% endfor %}{% if add_generation_prompt %}<|assistant|>\n"
+                    "{% endif %}")
 # LLaVA-1.5's template (llava-hf's, without its training-only generation tags): a user turn's images
 # first, then its text; `ASSISTANT:` opens the answer.
 LLAVA_TEMPLATE = ("{% for message in messages %}{% if message['role'] != 'system' %}"
@@ -126,13 +133,59 @@ def build_demo_llava(out_dir: str, seed: int = 0, *, text: dict | None = None, v
     return out_dir
 
 
+def build_demo_qwen_vl(out_dir: str, seed: int = 0, *, version: str = "2", tokenizer=None,
+                       min_pixels: int = 4 * 28 * 28, max_pixels: int = 64 * 28 * 28) -> str:
+    """A tiny random Qwen2-VL (version "2") or Qwen2.5-VL ("2.5"): a 2-layer ViT over 14-pixel patches
+    merged 2x2 (dynamic resolution: an image of h x w pixels, resized within min/max_pixels, is
+    (h/28) x (w/28) tokens), a 2-layer qwen2 language model with M-RoPE, the demo tokenizer plus the
+    vision tokens and transformers' image processor (the processor is built without its video half)."""
+    import torch
+    import transformers
+    from transformers import Qwen2VLImageProcessorPil
+
+    tok = tokenizer if tokenizer is not None else build_tokenizer()
+    tok.add_tokens(["<|vision_start|>", "<|image_pad|>", "<|vision_end|>", "<|video_pad|>"], special_tokens=True)
+    tok.chat_template = QWEN_VL_TEMPLATE
+    ids = dict(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    text = dict(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024, initializer_range=0.1,
+                rope_parameters={"rope_type": "default", "mrope_section": [2, 3, 3], "rope_theta": 10000.0}, **ids)
+    vision = dict(depth=2, num_heads=2, patch_size=14, spatial_merge_size=2, temporal_patch_size=2, in_channels=3,
+                  initializer_range=0.1)
+    if version == "2":
+        vision.update(embed_dim=32, hidden_size=64, mlp_ratio=2)
+        cfg_cls, model_cls = transformers.Qwen2VLConfig, transformers.Qwen2VLForConditionalGeneration
+    else:
+        vision.update(hidden_size=32, out_hidden_size=64, intermediate_size=64, window_size=56,
+                      fullatt_block_indexes=[1])
+        cfg_cls, model_cls = transformers.Qwen2_5_VLConfig, transformers.Qwen2_5_VLForConditionalGeneration
+    conv = tok.convert_tokens_to_ids
+    config = cfg_cls(text_config=text, vision_config=vision, image_token_id=conv("<|image_pad|>"),
+                     video_token_id=conv("<|video_pad|>"), vision_start_token_id=conv("<|vision_start|>"),
+                     vision_end_token_id=conv("<|vision_end|>"), **ids)
+    torch.manual_seed(seed)
+    model = model_cls(config).eval()
+    model.generation_config.pad_token_id = tok.pad_token_id
+    os.makedirs(out_dir, exist_ok=True)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    Qwen2VLImageProcessorPil(min_pixels=min_pixels, max_pixels=max_pixels, patch_size=14, merge_size=2,
+                             temporal_patch_size=2).save_pretrained(out_dir)
+    tok.save_pretrained(out_dir)
+    family = "qwen2_vl" if version == "2" else "qwen2_5_vl"
+    with open(os.path.join(out_dir, "DEMO_MODEL.json"), "w") as f:
+        json.dump({"family": family, "seed": seed, "built_by": "handler.tools.demo_model"}, f)
+    return out_dir
+
+
 def build_demo_model(out_dir: str, family: str = "llama", seed: int = 0) -> str:
     """Write a tiny random-weight `family` model + tokenizer into out_dir; returns out_dir."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    if family in VLM_FAMILIES:
+    if family == "llava":
         return build_demo_llava(out_dir, seed)
+    if family in ("qwen2_vl", "qwen2_5_vl"):
+        return build_demo_qwen_vl(out_dir, seed, version="2" if family == "qwen2_vl" else "2.5")
 
     tokenizer = build_tokenizer()
     config = model_config(family, tokenizer)

@@ -1,9 +1,10 @@
-"""A LLaVA-1.5-style vision-language model on our engine (handler/model/vision.py): our Llama language
-model, transformers' CLIP tower + projector from the checkpoint as the stage before prefill. Greedy
-output equals transformers' `LlavaForConditionalGeneration.generate` with the model's own processor,
-token for token, under rolling and paged (chunked prefill cutting images), with one and several
-images per request, images in different turns, batched with text-only requests; a repeated image is
-encoded once; the prefix cache never shares a block between two images behind the same tokens."""
+"""Vision-language models on our engine (handler/model/vision.py): our language model, transformers'
+vision tower + projector from the checkpoint as the stage before prefill. For tiny random LLaVA-1.5
+(CLIP, fixed resolution), Qwen2-VL and Qwen2.5-VL (dynamic resolution, M-RoPE positions): greedy output
+equals transformers' `*ForConditionalGeneration.generate` with the model's own processor, token for
+token, under rolling and paged (chunked prefill cutting images), with one and several images per
+request, images in different turns, batched with text-only requests; a repeated image is encoded once;
+the prefix cache never shares a block between two images behind the same tokens."""
 from __future__ import annotations
 
 import functools
@@ -24,8 +25,10 @@ PROPS = {"rolling": {**STRATEGIES["rolling"], "option.max_rolling_batch_prefill_
                    "option.kv_cache_tokens": "1024", "option.enable_prefix_caching": "true"}}
 
 
-def png(seed: int, size=(40, 30)) -> bytes:
+def png(seed: int, size=None) -> bytes:
+    """A random image; its size follows the seed (dynamic-resolution families get other token counts)."""
     from PIL import Image
+    size = size or (60 + 10 * seed, 40 + 12 * seed)
     g = torch.Generator().manual_seed(seed)
     pixels = torch.randint(0, 256, (size[1], size[0], 3), generator=g, dtype=torch.uint8).numpy()
     buf = io.BytesIO()
@@ -57,16 +60,40 @@ REQUESTS = {
 }
 
 
-@pytest.fixture
-def llava_dir(llava_model_dir):
-    return llava_model_dir
+FAMILIES = ["llava", "qwen2_vl", "qwen2_5_vl"]
 
 
-@functools.lru_cache(maxsize=2)
+@pytest.fixture(scope="module")
+def qwen_dirs(demo_model_dir, tmp_path_factory):
+    from transformers import AutoTokenizer
+
+    from handler.tools.demo_model import build_demo_qwen_vl
+    return {family: build_demo_qwen_vl(str(tmp_path_factory.mktemp(family)), version=v,
+                                       tokenizer=AutoTokenizer.from_pretrained(demo_model_dir))
+            for family, v in (("qwen2_vl", "2"), ("qwen2_5_vl", "2.5"))}
+
+
+@pytest.fixture(params=FAMILIES)
+def vlm_dir(request, llava_model_dir, qwen_dirs):
+    return llava_model_dir if request.param == "llava" else qwen_dirs[request.param]
+
+
+@functools.lru_cache(maxsize=4)
 def _hf(model_dir: str):
-    from transformers import AutoProcessor, LlavaForConditionalGeneration
-    return (AutoProcessor.from_pretrained(model_dir),
-            LlavaForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32).eval())
+    """(the model's processor, transformers' model) for a demo VLM directory."""
+    import json
+    import os
+
+    import transformers
+
+    from handler.model import vision
+    family = json.load(open(os.path.join(model_dir, "DEMO_MODEL.json")))["family"]
+    cls = {"llava": "LlavaForConditionalGeneration", "qwen2_vl": "Qwen2VLForConditionalGeneration",
+           "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration"}[family]
+    f = vision.FAMILIES[family]
+    # Qwen's processors are built without their video half (torchvision): vision.Processor does the same
+    proc = transformers.AutoProcessor.from_pretrained(model_dir) if f.processor is None else f.processor(model_dir, False)
+    return proc, getattr(transformers, cls).from_pretrained(model_dir, dtype=torch.float32).eval()
 
 
 def _hf_messages(messages):
@@ -82,7 +109,7 @@ def _hf_messages(messages):
 def hf_greedy(model_dir: str, messages, n: int = NEW) -> tuple[list[int], list[int]]:
     """(prompt ids, generated ids) from transformers: the processor's template and tokens, `generate`."""
     proc, model = _hf(model_dir)
-    prompt = proc.apply_chat_template(_hf_messages(messages), add_generation_prompt=True, tokenize=False)
+    prompt = proc.tokenizer.apply_chat_template(_hf_messages(messages), add_generation_prompt=True, tokenize=False)
     from PIL import Image
     images = [Image.open(io.BytesIO(png(_seed(p)))).convert("RGB")
               for m in messages if not isinstance(m["content"], str) for p in m["content"] if p["type"] == "image_url"]
@@ -96,6 +123,13 @@ def hf_greedy(model_dir: str, messages, n: int = NEW) -> tuple[list[int], list[i
 
 def _seed(part) -> int:
     return next(s for s in range(10) if url(s) == part["image_url"]["url"])
+
+
+class _Image:
+    def __init__(self, data: bytes):
+        from handler.http.protocols import media
+        self.image, self.hash = media.decode(data, "x", media.Limits())
+        self.where = "x"
 
 
 def submit(engine, messages):
@@ -117,8 +151,8 @@ def collect(ch) -> list[int]:
 
 
 @pytest.mark.parametrize("strategy", ["rolling", "paged"])
-def test_greedy_parity_with_llava_generate(llava_dir, tmp_path, strategy):
-    engine = make_engine(llava_dir, tmp_path, PROPS[strategy])
+def test_greedy_parity_with_generate(vlm_dir, tmp_path, strategy):
+    engine = make_engine(vlm_dir, tmp_path, PROPS[strategy])
     plans = []
     engine.on_step = plans.append
     try:
@@ -126,11 +160,11 @@ def test_greedy_parity_with_llava_generate(llava_dir, tmp_path, strategy):
         sent = {name: submit(engine, msgs) for name, msgs in REQUESTS.items()}     # one batch
         got = {name: (ids, collect(ch)) for name, (ids, ch) in sent.items()}
         for name, msgs in REQUESTS.items():
-            want_ids, want = hf_greedy(llava_dir, msgs)
+            want_ids, want = hf_greedy(vlm_dir, msgs)
             assert got[name][0] == want_ids, name          # the processor's image tokens, placed alike
             assert got[name][1] == want, (strategy, name)
         # the answers depend on the image: the same question on another image answers otherwise
-        assert got["one image"][1] != hf_greedy(llava_dir, [{"role": "user", "content": [
+        assert got["one image"][1] != hf_greedy(vlm_dir, [{"role": "user", "content": [
             img(6), text("What is in the picture?")]}])[1]
         # what the steps were: an image cut between chunks, and image chunks beside text-only rows
         cut = [it for p in plans for it in p.items for m in it.media
@@ -145,10 +179,10 @@ def test_greedy_parity_with_llava_generate(llava_dir, tmp_path, strategy):
         engine.shutdown()
 
 
-def test_the_prefix_cache_never_shares_blocks_between_images(llava_dir, tmp_path):
-    """Same text, different images: only the blocks before the image are shared (and the answers stay
-    transformers'); the same image again reuses its blocks."""
-    engine = make_engine(llava_dir, tmp_path, PROPS["paged"])
+def test_the_prefix_cache_never_shares_blocks_between_images(vlm_dir, tmp_path):
+    """Same text, different images: only the blocks before the image are shared (and the
+    answers stay transformers'); the same image again reuses its blocks."""
+    engine = make_engine(vlm_dir, tmp_path, PROPS["paged"])
     try:
         question = [text("What is in the picture? Answer in one long sentence please.")]
         runs = []
@@ -157,9 +191,11 @@ def test_the_prefix_cache_never_shares_blocks_between_images(llava_dir, tmp_path
             before = engine.stats()["cached_prompt_tokens"]
             ids, ch = submit(engine, msgs)
             out = collect(ch)
-            assert out == hf_greedy(llava_dir, msgs)[1], seed
+            assert out == hf_greedy(vlm_dir, msgs)[1], seed
             runs.append((engine.stats()["cached_prompt_tokens"] - before, out))
-        image_at = 3                                # "USER: " then the image's tokens
+        image_at = engine.runner.media.process(engine.tokenizer.apply_chat_template(
+            [{"role": "user", "content": [{"type": "image"}, question[0]]}], tokenize=False, add_generation_prompt=True),
+            [_Image(png(7))])[1][0].offset
         block = int(PROPS["paged"]["option.block_size"])
         assert runs[0][0] == 0
         assert runs[1][0] == image_at // block * block          # nothing from the image's blocks on
