@@ -186,7 +186,10 @@ class Sequence:
         if self._prompt_keys is None:
             keys = list(self.prompt_ids)
             for m in self.media:
-                keys[m.offset:m.offset + m.length] = [(m.key, k) for k in range(m.length)]
+                k = 0
+                for start, n in m.spans:
+                    keys[start:start + n] = [(m.key, k + i) for i in range(n)]
+                    k += n
             self._prompt_keys = keys
         return self._prompt_keys + self.tokens[len(self.prompt_ids):]
 

@@ -40,9 +40,22 @@ class ImageRef:
     offset: int             # the first placeholder token's position in the prompt
     length: int             # placeholder tokens (= the image's embedding rows)
     data: Any = field(default=None, compare=False, repr=False)
+    # An image whose placeholders come in several runs (Idefics3's tiles, text markers between them):
+    # ((offset, length), ...) in order, their lengths summing to `length`; () for one run.
+    runs: tuple = ()
+
+    @property
+    def spans(self) -> tuple:
+        return self.runs or ((self.offset, self.length),)
+
+    @property
+    def end(self) -> int:
+        """One past its last placeholder token."""
+        last = self.spans[-1]
+        return last[0] + last[1]
 
     def overlaps(self, start: int, end: int) -> bool:
-        return self.offset < end and start < self.offset + self.length
+        return self.offset < end and start < self.end
 
 
 # ---- one step: scheduler -> runner -> scheduler

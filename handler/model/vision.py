@@ -16,6 +16,9 @@ needs to know about KV blocks.
 Families (config.json's model_type):
   llava        LLaVA-1.5 style: CLIP vision tower, 2-layer MLP projector, a Llama-family language model;
                vision_feature_layer / _select_strategy from the config; one run of placeholders per image
+  idefics3     Idefics3 / SmolVLM (v1): SigLIP-style tower + pixel-shuffle connector, a Llama language model;
+               an image is split into tiles plus the whole image, each tile a run of image_seq_len tokens
+               between text markers (one ImageRef with several `runs`)
   qwen2_vl,    dynamic resolution: an image is (h/14) x (w/14) patches merged 2x2, so its token count
   qwen2_5_vl   follows its size (image_grid_thw); the language model (qwen2) places tokens by M-RoPE: an
                image's tokens at (t, row, column) from where it starts, later tokens shifted by what
@@ -78,12 +81,12 @@ def _llava_encode(tower, datas: list[dict]) -> tuple[list[torch.Tensor], int]:
     return out, runs
 
 
-def _llava_lengths(out, n: int, total: int) -> list[int]:
-    """LLaVA-1.5: every image the same number of tokens."""
-    return [total // n] * n if n and total % n == 0 else []
+def _llava_lengths(proc, out, ids: list[int], where: list[int], n: int) -> list[list[int]]:
+    """LLaVA-1.5: every image one run of the same number of tokens."""
+    return [[len(where) // n]] * n if n and len(where) % n == 0 else []
 
 
-def _llava_data(out, i: int, lengths: list[int]) -> dict:
+def _llava_data(out, i: int, runs: list[list[int]]) -> dict:
     return {"pixel_values": out["pixel_values"][i:i + 1]}
 
 
@@ -120,12 +123,12 @@ def _qwen_encode(tower, datas: list[dict]) -> tuple[list[torch.Tensor], int]:
     return list(feats), 1
 
 
-def _qwen_lengths(out, n: int, total: int) -> list[int]:
+def _qwen_lengths(proc, out, ids: list[int], where: list[int], n: int) -> list[list[int]]:
     merge = out["merge_size"]
-    return [int(g.prod()) // merge ** 2 for g in out["image_grid_thw"]]
+    return [[int(g.prod()) // merge ** 2] for g in out["image_grid_thw"]]
 
 
-def _qwen_data(out, i: int, lengths: list[int]) -> dict:
+def _qwen_data(out, i: int, runs: list[list[int]]) -> dict:
     grid = out["image_grid_thw"]
     rows = [int(g.prod()) for g in grid]
     a = sum(rows[:i])
@@ -133,6 +136,61 @@ def _qwen_data(out, i: int, lengths: list[int]) -> dict:
     m = out["merge_size"]
     return {"pixel_values": out["pixel_values"][a:a + rows[i]], "image_grid_thw": grid[i:i + 1],
             "llm_grid": (t, h // m, w // m)}
+
+
+# ---- Idefics3 (SmolVLM)
+def _idefics_names(key: str) -> tuple[str, str]:
+    """model.text_model.* / lm_head.* (the language model), model.vision_model.* / model.connector.*."""
+    if key.startswith("model.text_model."):
+        return "text", "model." + key[len("model.text_model."):]
+    if key.startswith("lm_head."):
+        return "text", key
+    return "vision", key.removeprefix("model.")
+
+
+def _idefics_tower(config) -> nn.Module:
+    from transformers.models.idefics3.modeling_idefics3 import (Idefics3Connector, Idefics3Model,
+                                                                Idefics3VisionTransformer)
+    m = Idefics3Model.__new__(Idefics3Model)
+    nn.Module.__init__(m)
+    m.config = config
+    m.vision_model = Idefics3VisionTransformer._from_config(config.vision_config)
+    m.connector = Idefics3Connector(config)
+    return m
+
+
+def _idefics_lengths(proc, out, ids: list[int], where: list[int], n: int) -> list[list[int]]:
+    """An image is its tiles (rows x columns of the split image, then the whole image downscaled), each
+    a run of image_seq_len tokens between text markers; the run after <global-img> is its last."""
+    glob = proc.hf.global_image_token_id
+    runs: list[list[int]] = []
+    for p in where:
+        if runs and runs[-1][0] + runs[-1][1] == p:
+            runs[-1][1] += 1
+        else:
+            runs.append([p, 1])
+    images, cur = [], []
+    for start, length in runs:
+        cur.append(length)
+        if start > 0 and ids[start - 1] == glob:
+            images.append(cur)
+            cur = []
+    return images if not cur else []
+
+
+def _idefics_data(out, i: int, runs: list[list[int]]) -> dict:
+    a = sum(len(r) for r in runs[:i])
+    b = a + len(runs[i])
+    return {"pixel_values": out["pixel_values"][:, a:b], "pixel_attention_mask": out["pixel_attention_mask"][:, a:b]}
+
+
+def _idefics_encode(tower, datas: list[dict]) -> tuple[list[torch.Tensor], int]:
+    """Every image's tiles in one run; each image's rows are its tiles' in order."""
+    pixels = torch.cat([d["pixel_values"] for d in datas], dim=1)
+    mask = torch.cat([d["pixel_attention_mask"] for d in datas], dim=1)
+    feats = tower.get_image_features(pixel_values=pixels, pixel_attention_mask=mask, return_dict=True).pooler_output[0]
+    per_tile = feats.shape[0] // pixels.shape[1]
+    return list(feats.split([d["pixel_values"].shape[1] * per_tile for d in datas])), 1
 
 
 def _image_only(processor_class: str):
@@ -162,8 +220,8 @@ class Family:
     names: Callable[[str], tuple[str, str]]     # checkpoint name -> ("text" | "vision", name)
     tower: Callable                             # config -> the image side (an nn.Module)
     encode: Callable                            # (tower, [per-image data]) -> (embeddings [tokens, hidden] each, runs)
-    lengths: Callable                           # (processor output, images, placeholder total) -> tokens per image
-    data: Callable                              # (processor output, i, lengths) -> image i's tensors (ImageRef.data)
+    lengths: Callable                           # (Processor, output, ids, image-token positions, n) -> per image its runs' lengths
+    data: Callable                              # (processor output, i, runs) -> image i's tensors (ImageRef.data)
     processor: Callable | None = None           # (model_dir, trust) -> a processor where AutoProcessor cannot build one
     mrope: bool = False                         # positions by M-RoPE (positions())
 
@@ -175,6 +233,7 @@ FAMILIES = {
     "qwen2_5_vl": Family("qwen2_5_vl", _qwen_names,
                          _qwen_tower("Qwen2_5_VLModel", "Qwen2_5_VisionTransformerPretrainedModel"),
                          _qwen_encode, _qwen_lengths, _qwen_data, _image_only("Qwen2_5_VLProcessor"), mrope=True),
+    "idefics3": Family("idefics3", _idefics_names, _idefics_tower, _idefics_encode, _idefics_lengths, _idefics_data),
 }
 
 
@@ -256,17 +315,24 @@ class Processor:
         if "image_grid_thw" in out:
             out["merge_size"] = self.hf.image_processor.merge_size
         where = [p for p, t in enumerate(ids) if t == self.image_token_id]
-        lengths = self.family.lengths(out, len(images), len(where))
-        if sum(lengths) != len(where) or len(lengths) != len(images):
+        runs = self.family.lengths(self, out, ids, where, len(images))
+        if len(runs) != len(images) or sum(map(sum, runs)) != len(where):
             raise RequestError("messages", f"{len(where)} image tokens for {len(images)} images")
         refs, k = [], 0
-        for i, (img, n) in enumerate(zip(images, lengths)):
-            run = where[k:k + n]
-            if run[-1] - run[0] != n - 1:
-                raise RequestError("messages", "an image's tokens are not contiguous in the prompt (two "
-                                               "placeholders side by side?)")
-            refs.append(ImageRef(img.hash, run[0], n, data=self.family.data(out, i, lengths)))
-            k += n
+        for i, img in enumerate(images):
+            spans: list[tuple[int, int]] = []
+            for n in runs[i]:
+                run = where[k:k + n]
+                if run[-1] - run[0] != n - 1:
+                    raise RequestError("messages", "an image's tokens are not where its processor put them (two "
+                                                   "placeholders side by side?)")
+                if spans and sum(spans[-1]) == run[0]:
+                    spans[-1] = (spans[-1][0], spans[-1][1] + n)
+                else:
+                    spans.append((run[0], n))
+                k += n
+            refs.append(ImageRef(img.hash, spans[0][0], sum(runs[i]), data=self.family.data(out, i, runs),
+                                 runs=tuple(spans) if len(spans) > 1 else ()))
         return ids, tuple(refs)
 
 
@@ -371,9 +437,12 @@ class VisionStage:
         for it in items:
             s, n = it.start_pos, len(it.token_ids)
             for m in it.media:
-                lo, hi = max(s, m.offset), min(s + n, m.offset + m.length)
-                if lo < hi:
-                    rows.extend(range(base + lo - s, base + hi - s))
-                    parts.append(feats[m.key][lo - m.offset:hi - m.offset])
+                row = 0         # the image's embedding row of this run's first token
+                for start, length in m.spans:
+                    lo, hi = max(s, start), min(s + n, start + length)
+                    if lo < hi:
+                        rows.extend(range(base + lo - s, base + hi - s))
+                        parts.append(feats[m.key][row + lo - start:row + hi - start])
+                    row += length
             base += n
         return torch.tensor(rows, dtype=torch.long, device=self.device), torch.cat(parts)

@@ -13,7 +13,13 @@ import sys
 import sysconfig
 
 FAMILIES = ("llama", "qwen2", "gpt2", "qwen3")
-VLM_FAMILIES = ("llava", "qwen2_vl", "qwen2_5_vl")
+VLM_FAMILIES = ("llava", "qwen2_vl", "qwen2_5_vl", "idefics3")
+# Idefics3 / SmolVLM's layout: `<image>` where the part stood, which the processor widens to the image's
+# tiles (each between <fake_token_around_image> and its <row_r_col_c> / <global-img> marker).
+IDEFICS_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>\n{% if m['content'] is string %}{{ m['content'] }}"
+                    "{% else %}{% for c in m['content'] %}{% if c['type'] == 'image' %}<image>"
+                    "{% elif c['type'] == 'text' %}{{ c['text'] }}{% endif %}{% endfor %}{% endif %}"
+                    "<end_of_utterance>\n{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
 # Qwen2-VL's layout of a turn's images (the demo tokenizer's roles): each image is
 # <|vision_start|><|image_pad|><|vision_end|>, which the processor widens to the image's tokens.
 QWEN_VL_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>\n{% if m['content'] is string %}{{ m['content'] }}"
@@ -177,6 +183,40 @@ def build_demo_qwen_vl(out_dir: str, seed: int = 0, *, version: str = "2", token
     return out_dir
 
 
+def build_demo_idefics3(out_dir: str, seed: int = 0, *, tokenizer=None, tile: int = 56, longest: int = 112) -> str:
+    """A tiny random Idefics3 (SmolVLM v1's architecture): a 2-layer SigLIP-style tower over 14-pixel
+    patches of `tile`-pixel tiles, the pixel-shuffle connector (scale 2: (tile/28)^2 tokens a tile), a
+    2-layer Llama; images resized to `longest` pixels and split into tiles plus the whole image."""
+    import torch
+    from transformers import (Idefics3Config, Idefics3ForConditionalGeneration, Idefics3ImageProcessorPil,
+                              Idefics3Processor)
+
+    tok = tokenizer if tokenizer is not None else build_tokenizer()
+    tok.add_tokens(["<fake_token_around_image>", "<image>", "<end_of_utterance>", "<global-img>"]
+                   + [f"<row_{r}_col_{c}>" for r in range(1, 7) for c in range(1, 7)], special_tokens=True)
+    tok.chat_template = IDEFICS_TEMPLATE
+    ids = dict(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    text = dict(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=1024, initializer_range=0.1, model_type="llama", **ids)
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=tile,
+                  patch_size=14, initializer_range=0.1)
+    config = Idefics3Config(text_config=text, vision_config=vision, scale_factor=2,
+                            image_token_id=tok.convert_tokens_to_ids("<image>"), **ids)
+    torch.manual_seed(seed)
+    model = Idefics3ForConditionalGeneration(config).eval()
+    model.generation_config.pad_token_id = tok.pad_token_id
+    os.makedirs(out_dir, exist_ok=True)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    images = Idefics3ImageProcessorPil(size={"longest_edge": longest}, max_image_size={"longest_edge": tile},
+                                       do_image_splitting=True)
+    Idefics3Processor(image_processor=images, tokenizer=tok, image_seq_len=(tile // 28) ** 2,
+                      chat_template=IDEFICS_TEMPLATE).save_pretrained(out_dir)
+    tok.save_pretrained(out_dir)
+    with open(os.path.join(out_dir, "DEMO_MODEL.json"), "w") as f:
+        json.dump({"family": "idefics3", "seed": seed, "built_by": "handler.tools.demo_model"}, f)
+    return out_dir
+
+
 def build_demo_model(out_dir: str, family: str = "llama", seed: int = 0) -> str:
     """Write a tiny random-weight `family` model + tokenizer into out_dir; returns out_dir."""
     import torch
@@ -184,6 +224,8 @@ def build_demo_model(out_dir: str, family: str = "llama", seed: int = 0) -> str:
 
     if family == "llava":
         return build_demo_llava(out_dir, seed)
+    if family == "idefics3":
+        return build_demo_idefics3(out_dir, seed)
     if family in ("qwen2_vl", "qwen2_5_vl"):
         return build_demo_qwen_vl(out_dir, seed, version="2" if family == "qwen2_vl" else "2.5")
 

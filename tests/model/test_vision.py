@@ -1,6 +1,7 @@
 """Vision-language models on our engine (handler/model/vision.py): our language model, transformers'
 vision tower + projector from the checkpoint as the stage before prefill. For tiny random LLaVA-1.5
-(CLIP, fixed resolution), Qwen2-VL and Qwen2.5-VL (dynamic resolution, M-RoPE positions): greedy output
+(CLIP, fixed resolution), Qwen2-VL and Qwen2.5-VL (dynamic resolution, M-RoPE positions) and Idefics3
+(SmolVLM v1: an image as tiles, several runs of image tokens between text markers): greedy output
 equals transformers' `*ForConditionalGeneration.generate` with the model's own processor, token for
 token, under rolling and paged (chunked prefill cutting images), with one and several images per
 request, images in different turns, batched with text-only requests; a repeated image is encoded once;
@@ -60,7 +61,7 @@ REQUESTS = {
 }
 
 
-FAMILIES = ["llava", "qwen2_vl", "qwen2_5_vl"]
+FAMILIES = ["llava", "qwen2_vl", "qwen2_5_vl", "idefics3"]
 
 
 @pytest.fixture(scope="module")
@@ -73,9 +74,18 @@ def qwen_dirs(demo_model_dir, tmp_path_factory):
             for family, v in (("qwen2_vl", "2"), ("qwen2_5_vl", "2.5"))}
 
 
+@pytest.fixture(scope="module")
+def idefics_dir(demo_model_dir, tmp_path_factory):
+    from transformers import AutoTokenizer
+
+    from handler.tools.demo_model import build_demo_idefics3
+    return build_demo_idefics3(str(tmp_path_factory.mktemp("idefics3")),
+                               tokenizer=AutoTokenizer.from_pretrained(demo_model_dir))
+
+
 @pytest.fixture(params=FAMILIES)
-def vlm_dir(request, llava_model_dir, qwen_dirs):
-    return llava_model_dir if request.param == "llava" else qwen_dirs[request.param]
+def vlm_dir(request, llava_model_dir, qwen_dirs, idefics_dir):
+    return {"llava": llava_model_dir, "idefics3": idefics_dir, **qwen_dirs}[request.param]
 
 
 @functools.lru_cache(maxsize=4)
@@ -89,7 +99,7 @@ def _hf(model_dir: str):
     from handler.model import vision
     family = json.load(open(os.path.join(model_dir, "DEMO_MODEL.json")))["family"]
     cls = {"llava": "LlavaForConditionalGeneration", "qwen2_vl": "Qwen2VLForConditionalGeneration",
-           "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration"}[family]
+           "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration", "idefics3": "Idefics3ForConditionalGeneration"}[family]
     f = vision.FAMILIES[family]
     # Qwen's processors are built without their video half (torchvision): vision.Processor does the same
     proc = transformers.AutoProcessor.from_pretrained(model_dir) if f.processor is None else f.processor(model_dir, False)
@@ -168,7 +178,7 @@ def test_greedy_parity_with_generate(vlm_dir, tmp_path, strategy):
             img(6), text("What is in the picture?")]}])[1]
         # what the steps were: an image cut between chunks, and image chunks beside text-only rows
         cut = [it for p in plans for it in p.items for m in it.media
-               if m.offset < it.start_pos or m.offset + m.length > it.start_pos + len(it.token_ids)]
+               if m.offset < it.start_pos or m.end > it.start_pos + len(it.token_ids)]
         assert cut, "no chunk cut an image"
         assert any(any(it.media for it in p.items) and any(not it.media for it in p.items) for p in plans)
         stats = engine.stats()
