@@ -39,6 +39,7 @@ def build_runner(cfg, on_rank_failure=None, arms=None):
                   max_model_len=cfg.max_model_len, trust_remote_code=cfg.trust_remote_code,
                   model_impl=cfg.model_impl, quantize=cfg.quantize, cpu_kernels=cfg.cpu_kernels,
                   kv_cache_dtype=getattr(cfg, "kv_cache_dtype", "auto"),
+                  encoder_cache_mb=getattr(cfg, "encoder_cache_mb", 256.0),
                   numerics=dataclasses.asdict(Numerics.of(cfg)))
     if cfg.tensor_parallel_degree == 1:
         lora = getattr(cfg, "enable_lora", False)

@@ -46,6 +46,17 @@ def demo_model_dir(demo_model_factory) -> str:
     return demo_model_factory("llama")
 
 
+@pytest.fixture(scope="session")
+def llava_model_dir(demo_model_dir, tmp_path_factory) -> str:
+    """A tiny random LLaVA-1.5-style model (CLIP tower, projector, 2-layer Llama) with the demo
+    tokenizer plus <image> and its LlavaProcessor (handler.tools.demo_model.build_demo_llava)."""
+    from transformers import AutoTokenizer
+
+    from handler.tools.demo_model import build_demo_llava
+    return build_demo_llava(str(tmp_path_factory.mktemp("demo-llava")),
+                            tokenizer=AutoTokenizer.from_pretrained(demo_model_dir))
+
+
 @pytest.fixture
 def no_aws_credentials(monkeypatch, tmp_path):
     """An environment where boto3 finds no credentials anywhere (env, files, instance metadata)."""

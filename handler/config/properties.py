@@ -215,6 +215,12 @@ class ServingConfig:
     reasoning_parser: str = default_of("option.reasoning_parser")    # handler/http/protocols/reasoning.py
     responses_store_max_items: int = default_of("option.responses_store_max_items")   # handler/http/protocols/store.py
     responses_store_max_mb: float = default_of("option.responses_store_max_mb")
+    allow_remote_images: bool = default_of("option.allow_remote_images")     # handler/http/protocols/media.py
+    image_fetch_timeout_s: float = default_of("option.image_fetch_timeout")
+    max_image_mb: float = default_of("option.max_image_mb")
+    max_image_pixels: int = default_of("option.max_image_pixels")
+    max_images_per_request: int = default_of("option.max_images_per_request")
+    encoder_cache_mb: float = default_of("option.encoder_cache_mb")     # handler/model/vision.py
     chat_template: str | None = None      # option.chat_template's text (a file's, read at start-up)
     chat_template_content_format: str = default_of("option.chat_template_content_format")
     target_tpot_ms: float | None = None     # the scheduler's per-step time target (None: off)

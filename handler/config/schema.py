@@ -455,6 +455,25 @@ KEYS: tuple[Key, ...] = (
         "`delta.reasoning_content` when streamed): `deepseek_r1` (the thinking may start without `<think>`), "
         "`qwen3` (only a `<think>` at the start opens it); `none`: the thinking stays in `content`",
         default="none"),
+    # Images in chat requests (handler/http/protocols/media.py; vision-language models: handler/model/vision.py).
+    Key("option.allow_remote_images", _bool,
+        "fetch `http(s)://` image URLs in chat requests; `false` (the default) takes images only inline "
+        "(base64 `data:` URLs) and answers a remote URL with a 400 naming this key", default=False),
+    Key("option.image_fetch_timeout", _SECONDS,
+        "with `option.allow_remote_images`: a remote image must arrive within this long, else a 400",
+        default=10.0, unit="s", field="image_fetch_timeout_s"),
+    Key("option.max_image_mb", _float(0.0, None, True, "a positive number of megabytes"),
+        "an image's encoded size at most (a 400 naming the part beyond it)", default=5.0, unit="MB (10^6 bytes)"),
+    Key("option.max_image_pixels", _int(1),
+        "an image's width x height at most, read from its header before it is decoded (a 400 naming the part)",
+        default=16_777_216, unit="pixels"),
+    Key("option.max_images_per_request", _int(0),
+        "images in one request at most (a 400 naming the first part beyond it); `0` refuses images",
+        default=8, unit="images"),
+    Key("option.encoder_cache_mb", _float(0.0, None, False, "a number of megabytes >= 0"),
+        "a vision-language model's encoder cache: image embeddings kept by the image's content hash, so a "
+        "repeated image is encoded once (least recently used dropped past this size); `0` keeps none",
+        default=256.0, unit="MB (10^6 bytes)"),
     # The Responses API's store (handler/http/protocols/store.py): previous_response_id, GET /v1/responses/<id>.
     Key("option.responses_store_max_items", _int(0),
         "responses kept for `previous_response_id` and `GET /v1/responses/<id>` (in this process's memory, least "

@@ -51,9 +51,16 @@ class EngineClient:
     def tokenizer(self):
         return self._engine.tokenizer
 
-    def submit(self, prompts_ids: list[list[int]], params, stream: bool = True):
-        """Engine.submit: one Channel per sequence, prompt-major. Raises QueueFull or
-        CapacityError (handler.engine.scheduler)."""
+    @property
+    def media(self):
+        """The model's MediaProcessor (types.py) when it takes images, else None."""
+        return getattr(getattr(self._engine, "runner", None), "media", None)
+
+    def submit(self, prompts_ids: list[list[int]], params, stream: bool = True, media=None):
+        """Engine.submit: one Channel per sequence, prompt-major (`media`: per prompt its
+        ImageRefs). Raises QueueFull or CapacityError (handler.engine.scheduler)."""
+        if media:
+            return self._engine.submit(prompts_ids, params, stream=stream, media=media)
         return self._engine.submit(prompts_ids, params, stream=stream)
 
     def abort(self, seq_id: int) -> None:

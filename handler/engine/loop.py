@@ -120,10 +120,11 @@ class Engine:
         return self.tokenizer(text)["input_ids"]
 
     def submit(self, prompts_ids: list[list[int]], params: SamplingParams,
-               stream: bool = True) -> list[Channel]:
+               stream: bool = True, media: list[tuple] | None = None) -> list[Channel]:
         """Queue prompts (all or none): params.num_samples sequences per prompt, one Channel
         each, prompt-major. stream=False: each channel's token events arrive together with its
-        last (Channel.held). Raises QueueFull (503: also when the engine is unhealthy, see
+        last (Channel.held). `media`: per prompt its images (types.ImageRef, from the runner's
+        MediaProcessor). Raises QueueFull (503: also when the engine is unhealthy, see
         check_health: nothing would answer) or CapacityError."""
         if not self.check_health():
             raise QueueFull(f"the server is unhealthy and takes no new requests: {self.error}")
@@ -156,7 +157,8 @@ class Engine:
                 seqs.append(Sequence(
                     sid, list(ids), sp, now, group=group if len(prompts_ids) * k > 1 else None,
                     sample_index=s_i, fork_of=first if s_i else None,
-                    guide=guides[p_i * k + s_i] if guides else None))
+                    guide=guides[p_i * k + s_i] if guides else None,
+                    media=tuple(media[p_i]) if media else ()))
         with self._lock:
             self._intake.extend(seqs)
             self.counters["requests"] += len(prompts_ids)
@@ -213,7 +215,9 @@ class Engine:
                 # Speculative decoding per method: {"verifies", "proposed", "accepted"} (a copy).
                 "spec": {m: dict(v) for m, v in s.spec_stats.items()},
                 # Preemptions by cause (kv_cache, priority; a copy).
-                "preemptions_by_cause": dict(s.preemption_causes)}
+                "preemptions_by_cause": dict(s.preemption_causes),
+                # A vision-language model's encoder stage: runs, images encoded, cache hits (a copy).
+                **(vision.stats() if (vision := getattr(self.runner, "vision", None)) is not None else {})}
 
     # ---- the engine thread
     def _loop(self) -> None:

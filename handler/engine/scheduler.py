@@ -151,6 +151,10 @@ class Sequence:
     # in by the aging bound (then no priority preemption picks it before its next token).
     waiting_since: float | None = None
     aged_in: bool = False
+    # Images (types.ImageRef, by offset): their placeholder tokens are keyed by the image's hash in the
+    # prefix cache (cache_keys), and each step's item carries those it feeds.
+    media: tuple = ()
+    _prompt_keys: list | None = field(default=None, repr=False)
 
     def __post_init__(self):
         if not self.tokens:
@@ -173,6 +177,25 @@ class Sequence:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    def cache_keys(self) -> list:
+        """The tokens as the prefix cache sees them: an image's placeholder tokens are (its hash, k),
+        so two images behind the same placeholder ids never share a KV block."""
+        if not self.media:
+            return self.tokens
+        if self._prompt_keys is None:
+            keys = list(self.prompt_ids)
+            for m in self.media:
+                k = 0
+                for start, n in m.spans:
+                    keys[start:start + n] = [(m.key, k + i) for i in range(n)]
+                    k += n
+            self._prompt_keys = keys
+        return self._prompt_keys + self.tokens[len(self.prompt_ids):]
+
+    def media_in(self, start: int, end: int) -> tuple:
+        """The images whose placeholder tokens lie (partly) in positions start..end-1."""
+        return tuple(m for m in self.media if m.overlaps(start, end)) if self.media else ()
 
     @property
     def adapter_key(self):
@@ -311,11 +334,12 @@ class Scheduler:
             if not self.policy.reserve_full_length:
                 watermark = min(len(self.running), max(1, self.blocks.num_blocks // 20))
             # Prompt log-probs need every prompt position computed: no prefix-cache hit.
+            keys = seq.cache_keys()
             hit = [] if seq.params.decoder_input_details else \
-                self.blocks.match(seq.tokens, seq.adapter_key)
-            if not self.blocks.can_allocate(seq.tokens, self._reserve(seq), watermark, hit):
+                self.blocks.match(keys, seq.adapter_key)
+            if not self.blocks.can_allocate(keys, self._reserve(seq), watermark, hit):
                 return False
-            cached = self.blocks.allocate(seq.seq_id, seq.tokens, self._reserve(seq), hit,
+            cached = self.blocks.allocate(seq.seq_id, keys, self._reserve(seq), hit,
                                           seq.adapter_key)
             seq.num_computed = cached
             seq.cached_tokens += cached
@@ -543,7 +567,8 @@ class Scheduler:
                 self.blocks.table(seq.seq_id), seq.num_computed + n == len(seq.tokens),
                 seq.params, seq.tokens, len(seq.prompt_ids),
                 seq.params.decoder_input_details
-                and len(seq.prompt_logprobs) < len(seq.prompt_ids) - 1, seq.guide, tuple(draft)))
+                and len(seq.prompt_logprobs) < len(seq.prompt_ids) - 1, seq.guide, tuple(draft),
+                seq.media_in(seq.num_computed, seq.num_computed + n), seq.media))
         # Items are planned best rank first (oldest first; by class under priority scheduling) and a
         # victim is the last by rank, so no planned item is ever preempted after the fact.
         plan = StepPlan(items, self._preempted)
@@ -606,7 +631,7 @@ class Scheduler:
                 seq.spec_skip = min(2 ** seq.spec_misses, MAX_SPEC_BACKOFF) - 1 if seq.spec_misses else 0
             seq.num_computed += n
             if not item.draft:
-                self.blocks.commit(seq.seq_id, seq.tokens, seq.num_computed)
+                self.blocks.commit(seq.seq_id, seq.cache_keys(), seq.num_computed)
             for k, lp in enumerate(res.prompt_logprobs):    # chunks arrive in order
                 if item.start_pos + k == len(seq.prompt_logprobs) < len(seq.prompt_ids) - 1:
                     seq.prompt_logprobs.append(lp)
@@ -620,7 +645,7 @@ class Scheduler:
                 seq.num_computed = min(seq.num_computed, len(seq.tokens))
                 if not self.policy.reserve_full_length:
                     self.blocks.truncate(seq.seq_id, len(seq.tokens))
-                self.blocks.commit(seq.seq_id, seq.tokens, seq.num_computed)
+                self.blocks.commit(seq.seq_id, seq.cache_keys(), seq.num_computed)
         return got
 
     @staticmethod

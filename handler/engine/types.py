@@ -25,6 +25,39 @@ class Finish(StrEnum):
     FAILED = "failed"
 
 
+# ---- images (vision-language models): what the engine knows of one
+# An image's place in a prompt rendered for a template that takes text (handler/http/protocols/media.py
+# writes it; the model's MediaProcessor replaces it with its own placeholder). Private-use characters.
+IMAGE_MARKER = "\ue000image\ue001"
+
+
+@dataclass(frozen=True)
+class ImageRef:
+    """One image of a prompt: the run of placeholder tokens its embeddings replace and its content
+    hash. The scheduler keys prefix-cache blocks by `key` (two images never share KV blocks), the
+    runner's encoder cache too; `data` (the processor's tensors for the vision stage) is opaque here."""
+    key: str                # content hash (sha256 of the decoded pixels)
+    offset: int             # the first placeholder token's position in the prompt
+    length: int             # placeholder tokens (= the image's embedding rows)
+    data: Any = field(default=None, compare=False, repr=False)
+    # An image whose placeholders come in several runs (Idefics3's tiles, text markers between them):
+    # ((offset, length), ...) in order, their lengths summing to `length`; () for one run.
+    runs: tuple = ()
+
+    @property
+    def spans(self) -> tuple:
+        return self.runs or ((self.offset, self.length),)
+
+    @property
+    def end(self) -> int:
+        """One past its last placeholder token."""
+        last = self.spans[-1]
+        return last[0] + last[1]
+
+    def overlaps(self, start: int, end: int) -> bool:
+        return self.offset < end and start < self.end
+
+
 # ---- one step: scheduler -> runner -> scheduler
 @dataclass(frozen=True)
 class StepItem:
@@ -42,6 +75,12 @@ class StepItem:
     # last sampled token, so token_ids = [last, *draft]); the runner verifies them (logits of all
     # k+1 positions) and answers the accepted prefix plus one token of its own.
     draft: tuple = ()
+    # The prompt's images whose placeholder tokens this item feeds (some or all of them: a chunk may
+    # cut an image; the runner encodes it whole, once, and takes the rows this chunk feeds).
+    media: tuple[ImageRef, ...] = ()
+    # All of the prompt's images (the sequence's, whether this item feeds them or not): M-RoPE models
+    # (Qwen2-VL) place every later token by what the images before it took.
+    prompt_media: tuple[ImageRef, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -180,7 +219,18 @@ class Runner(Protocol):
         """A sequence ended: drop whatever the runner keeps for it."""
 
     # Optional: `guides` (a Guides) where the runner can do guided decoding; without it a
-    # request with SamplingParams.guide is refused.
+    # request with SamplingParams.guide is refused. `media` (a MediaProcessor) where the model
+    # takes images; without it a request with images is refused.
+
+
+@runtime_checkable
+class MediaProcessor(Protocol):
+    """A vision-language model's processor (handler.model.vision): called from HTTP threads."""
+
+    def process(self, text: str, images: list) -> tuple[list[int], tuple[ImageRef, ...]]:
+        """A rendered prompt (its images as the template's placeholders or IMAGE_MARKER) and its
+        decoded images (objects with .image, a PIL image, .hash and .where, the request field) ->
+        (token ids with each image's tokens, one ImageRef per image). Raises RequestError (400)."""
 
 
 # ---- speculative decoding's proposer, as the engine sees it

@@ -86,6 +86,13 @@ ENGINE_SERIES = {
     "generated_tokens": ("lmi_generated_tokens", "counter", "Tokens generated (every sequence)"),
     "prefix_cache_hit_tokens": ("lmi_prefix_cache_hit_tokens", "counter",
                                 "Prompt tokens found in the prefix cache"),
+    # a vision-language model's encoder stage (handler/model/vision.py)
+    "encoder_runs": ("lmi_encoder_runs", "counter", "Vision encoder forwards (each encodes a batch of images)"),
+    "encoder_images": ("lmi_encoder_images", "counter", "Images run through the vision encoder"),
+    "encoder_cache_hits": ("lmi_encoder_cache_hits", "counter",
+                           "Image embeddings served from the encoder cache (by the image's content hash)"),
+    "encoder_cache_bytes": ("lmi_encoder_cache_bytes", "gauge", "Bytes of image embeddings in the encoder cache"),
+    "encoder_cache_images": ("lmi_encoder_cache_images", "gauge", "Images in the encoder cache"),
 }
 
 log = logging.getLogger("lmi.request")

@@ -179,6 +179,18 @@ class Rotary:
         return cos, sin
 
 
+    def mrope(self, pos3: torch.Tensor, sections: tuple):
+        """cos, sin [T, D] for M-RoPE positions [3, T]: frequency j takes the position of its section
+        (time, height, width, in `sections` sizes over the first half, repeated over the second), as
+        transformers' Qwen2-VL rotary recomposes them; the values are the table's."""
+        sel = getattr(self, "_mrope_sel", None)
+        if sel is None or sel.shape[0] != self.cos.shape[1]:
+            half = torch.cat([torch.full((n,), i % 3, dtype=torch.long) for i, n in enumerate(sections)])
+            sel = self._mrope_sel = torch.cat([half, half]).to(self.device)
+        idx = sel.view(1, 1, -1).expand(1, pos3.shape[1], -1)
+        return self.cos[pos3].gather(0, idx)[0], self.sin[pos3].gather(0, idx)[0]
+
+
 def linear(n_in: int, n_out: int, bias: bool, dtype, device) -> nn.Linear:
     return nn.Linear(n_in, n_out, bias=bias, dtype=dtype, device=device).requires_grad_(False)
 

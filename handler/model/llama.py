@@ -35,6 +35,9 @@ from handler.model import layers, moe
 from handler.model.layers import RMSNorm, Rotary, Shard, TensorParallel, shard
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "granite", "phi3", "olmo2") + moe.MOE_FAMILIES
+# Language models of vision-language models (handler/model/vision.py) that are one of ours: Qwen2-VL's and
+# Qwen2.5-VL's are qwen2 with M-RoPE (positions in three sections: time, height, width).
+ALIASES = {"qwen2_vl_text": "qwen2", "qwen2_5_vl_text": "qwen2"}
 
 
 class Unsupported(ValueError):
@@ -65,11 +68,16 @@ class Arch:
     scaling: float          # attention's softmax scale
     moe: moe.MoeSpec | None = None      # the MoE families: experts, routing, which layers are sparse
     qk_style: str = "olmo2"             # a "full" q/k norm's rounding (olmoe: "llama")
+    mrope: tuple | None = None          # M-RoPE's frequency sections (Qwen2-VL): positions [3, T]
 
 
 def arch_of(config) -> Arch:
     """The Arch of a transformers config, or Unsupported naming what is outside our family."""
     mt = getattr(config, "model_type", None)
+    mrope = None
+    if mt in ALIASES:
+        mrope = tuple((getattr(config, "rope_parameters", None) or {}).get("mrope_section") or ()) or None
+        mt = ALIASES[mt]
     if mt not in FAMILIES:
         raise Unsupported(f"model_type {mt!r} is not one of ours ({', '.join(FAMILIES)})")
     act = getattr(config, "hidden_act", "silu")
@@ -102,7 +110,7 @@ def arch_of(config) -> Arch:
         embed_scale=float(config.embedding_multiplier) if g else 1.0,
         residual_scale=float(config.residual_multiplier) if g else 1.0,
         logits_divisor=float(config.logits_scaling) if g else 1.0, scaling=scaling,
-        moe=moe.spec_of(config, Unsupported), qk_style="llama" if mt == "olmoe" else "olmo2")
+        moe=moe.spec_of(config, Unsupported), qk_style="llama" if mt == "olmoe" else "olmo2", mrope=mrope)
 
 
 _linear, _fused = layers.linear, layers.fused
@@ -264,12 +272,21 @@ class LlamaFamilyForCausalLM(nn.Module):
         return self.model.embed_tokens
 
     @torch.inference_mode()
-    def step(self, ids: torch.Tensor, pos: torch.Tensor, keep: torch.Tensor, step) -> torch.Tensor:
-        """ids/pos [T] -> logits [R, V] of the kept rows (see the module doc)."""
+    def step(self, ids: torch.Tensor, pos: torch.Tensor, keep: torch.Tensor, step, inject=None,
+             mrope: torch.Tensor | None = None) -> torch.Tensor:
+        """ids/pos [T] -> logits [R, V] of the kept rows (see the module doc). `inject`: (rows [K],
+        embeddings [K, E]) written over those rows' token embeddings (a VLM's image tokens:
+        handler/model/vision.py), before the embedding multiplier as transformers' VLMs do. `mrope`:
+        M-RoPE positions [3, T] (time, height, width) instead of `pos`, for a step that feeds image tokens."""
         h = self.model.embed_tokens(ids)
+        if inject is not None:
+            h.index_copy_(0, inject[0], inject[1].to(h.dtype))
         if self.arch.embed_scale != 1.0:
             h = h * self.arch.embed_scale
-        cos, sin = self.rotary(pos, step.seq_lens_cpu, step.query_start_loc_cpu)
+        if mrope is not None:
+            cos, sin = self.rotary.mrope(mrope, self.arch.mrope)
+        else:
+            cos, sin = self.rotary(pos, step.seq_lens_cpu, step.query_start_loc_cpu)
         if self.decode_stack is None or not self.decode_stack.run(h, cos, sin, step):
             for layer in self.model.layers:
                 h = layer(h, cos, sin, step)
@@ -292,12 +309,12 @@ def _safetensors(model_dir: str) -> list[str]:
     return sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
 
 
-def _checkpoint_names(files: list[str]) -> set[str]:
+def _checkpoint_names(files: list[str], rename=None) -> set[str]:
     from safetensors import safe_open
     names = set()
     for path in files:
         with safe_open(path, framework="pt") as f:
-            names.update(f.keys())
+            names.update(f.keys() if rename is None else (n for n in map(rename, f.keys()) if n is not None))
     return names
 
 
@@ -309,12 +326,13 @@ def _spec(name: str) -> Shard:
 
 def load(model_dir: str, config, *, dtype: torch.dtype, device: torch.device,
          tp: TensorParallel = TensorParallel(), max_positions: int | None = None,
-         quantize: str | None = None, numerics: Numerics = Numerics()) -> LlamaFamilyForCausalLM:
+         quantize: str | None = None, numerics: Numerics = Numerics(), names=None) -> LlamaFamilyForCausalLM:
     """Build our model for `config` and fill it from the checkpoint's safetensors. Raises
     Unsupported (transformers serves the model instead) or ValueError (a bad checkpoint).
     `quantize` (option.quantize): AWQ/GPTQ checkpoints and GGUF files are read into grouped
     layers (handler/model/quant_formats.py), packed as `numerics` says (handler/config/numerics.py);
-    `none` dequantizes them."""
+    `none` dequantizes them. `names`: a checkpoint name -> ours, or None for a tensor that is not the
+    language model's (a vision-language model's image side: handler/model/vision.py)."""
     from safetensors import safe_open
     from handler.model import quant_formats, quant_int4
 
@@ -325,7 +343,8 @@ def load(model_dir: str, config, *, dtype: torch.dtype, device: torch.device,
     files = _safetensors(model_dir)
     if not files:
         raise Unsupported("no .safetensors weights in the model directory")
-    names = _checkpoint_names(files)
+    rename = names
+    names = _checkpoint_names(files, rename)
     biases = {}
     for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
         biases[proj] = f"model.layers.0.self_attn.{proj}.bias" in names
@@ -342,6 +361,8 @@ def load(model_dir: str, config, *, dtype: torch.dtype, device: torch.device,
     params = dict(model.named_parameters(remove_duplicate=False))
     filled: set[str] = set()
     qload = quant_formats.CheckpointLoader.for_dir(model_dir, quantize)    # AWQ / GPTQ, else None
+    if qload is not None and rename is not None:
+        raise Unsupported("an AWQ / GPTQ vision-language checkpoint")
     q, kv = a.heads * a.head_dim, a.kv_heads * a.head_dim
 
     experts_seen: dict[int, set[int]] = {}
@@ -376,10 +397,11 @@ def load(model_dir: str, config, *, dtype: torch.dtype, device: torch.device,
 
     for path in files:
         with safe_open(path, framework="pt") as f:
-            for key in f.keys():
-                if key.endswith("rotary_emb.inv_freq") or (qload is not None and qload.take(key, f)):
+            for stored in f.keys():
+                key = stored if rename is None else rename(stored)
+                if key is None or key.endswith("rotary_emb.inv_freq") or (qload is not None and qload.take(key, f)):
                     continue
-                t = f.get_tensor(key)
+                t = f.get_tensor(stored)
                 if a.moe is not None:
                     key = moe.our_name(key)
                     parts = moe.split_fused(key, t, a.moe)

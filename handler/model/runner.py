@@ -133,6 +133,10 @@ class ModelRunner:
     # when option.speculative_config's method is draft_model: handler.server.build_draft sets it, the
     # Engine asks it between steps.
     draft_proposer = None
+    # A vision-language model's image side (handler/model/vision.py): the encoder stage and its cache,
+    # and the processor HTTP threads call (the engine's MediaProcessor); None for a text-only model.
+    vision = None
+    media = None
 
     def __init__(self, model_dir: str, *, dtype: str = "auto", device: str = "auto",
                  block_size: int = 16, kv_cache_tokens: int | None = None,
@@ -140,7 +144,7 @@ class ModelRunner:
                  max_model_len: int | None = None, trust_remote_code: bool = False,
                  model_impl: str = "auto", quantize: str | None = None, ranks=None, fuse: bool = True,
                  cpu_kernels: str = "auto", kv_cache_dtype: str = "auto", numerics: dict | None = None,
-                 arms=None):
+                 arms=None, encoder_cache_mb: float = 256.0):
         """`ranks` (handler.model.distributed.Ranks): this process is one of N tensor-parallel ranks;
         the model is sharded (ours by its parallel layers, transformers' by its plan) and the KV
         pool holds this rank's heads. `model_impl` (option.model_impl): auto (ours for the Llama
@@ -152,12 +156,14 @@ class ModelRunner:
         model loads (its linear layers are packed for that backend). `kv_cache_dtype`
         (option.kv_cache_dtype): `auto` (the model's dtype) or `int8` on CPU (kernels/pool.py:
         int8 rows and a scale per (token, head) row). `arms` (handler.model.cpu.Arms): the CPU paths'
-        A/B arms for benchmarks and tests; None: the defaults every server runs."""
+        A/B arms for benchmarks and tests; None: the defaults every server runs. `encoder_cache_mb`
+        (option.encoder_cache_mb): a vision-language model's cache of image embeddings."""
         from transformers import AutoConfig, AutoTokenizer
 
         from handler.model.cpu import DEFAULT as DEFAULT_ARMS
         self.arms = arms if arms is not None else DEFAULT_ARMS
         self.ranks = ranks
+        self.encoder_cache_mb, self.trust_remote_code = encoder_cache_mb, trust_remote_code
         self.quantize = quantize
         self.numerics = Numerics(**(numerics or {}))
         self.device = ranks.device if ranks is not None else pick_device(device)
@@ -253,18 +259,29 @@ class ModelRunner:
     def _own_model(self, model_dir: str, config, impl: str, max_model_len: int | None):
         """Our implementation of the model's family (handler/model/llama.py), or None where
         transformers serves it (another family, or option.model_impl=transformers)."""
-        from handler.model import llama
+        from handler.model import llama, vision
         self.own = False
-        if impl == "transformers":
+        family = vision.family_of(config)
+        if family is not None:      # a vision-language model: our language model, the image side beside it
+            why = ("option.model_impl=transformers" if impl == "transformers" else
+                   "option.tensor_parallel_degree > 1" if self.ranks is not None else None)
+            if why:
+                raise ModelLoadError(f"{model_dir} is a {family.name} vision-language model, served by our own "
+                                     f"language model on one rank; {why} is not supported for it")
+        elif impl == "transformers":
             return self._not_ours(model_dir, "option.model_impl=transformers")
         from handler.model.layers import TensorParallel
         tp = TensorParallel(self.ranks.rank, self.ranks.world_size) if self.ranks is not None else TensorParallel()
         max_pos = sizing.geometry(config).max_positions
         try:
-            model = llama.load(model_dir, config, dtype=self.dtype, device=self.device, tp=tp,
-                               max_positions=min(max_model_len or max_pos, max_pos), quantize=self.quantize,
-                               numerics=self.numerics)
+            model = llama.load(model_dir, config if family is None else config.get_text_config(), dtype=self.dtype,
+                               device=self.device, tp=tp, max_positions=min(max_model_len or max_pos, max_pos),
+                               quantize=self.quantize, numerics=self.numerics,
+                               names=None if family is None else vision.text_names(family))
         except llama.Unsupported as e:
+            if family is not None:
+                raise ModelLoadError(f"{model_dir}: the {family.name} model's language model is outside our own "
+                                     f"implementation ({e})") from None
             if impl == "lmi":
                 raise ModelLoadError(f"option.model_impl=lmi: {model_dir} is outside our own implementation "
                                      f"({e}); use option.model_impl=auto or transformers") from None
@@ -286,6 +303,10 @@ class ModelRunner:
                      f", a shared expert of width {m.shared}" if m.shared else "", sum(m.sparse), len(m.sparse))
         else:
             log.info("model: our %s implementation (handler/model/llama.py)", model.arch.family)
+        if family is not None:
+            self.vision = vision.VisionStage(model_dir, config, family, llama._safetensors(model_dir), self.dtype,
+                                             self.device, int(self.encoder_cache_mb * 1e6))
+            self.media = vision.Processor(model_dir, config, family, self.trust_remote_code)
         return model
 
     def _not_ours(self, model_dir: str, why: str) -> None:
@@ -527,22 +548,25 @@ class ModelRunner:
             v_pool.copy_blocks(src, dst)
 
     @torch.inference_mode()
-    def forward(self, packed: torch.Tensor) -> torch.Tensor:
+    def forward(self, packed: torch.Tensor, inject=None, mrope=None) -> torch.Tensor:
         """One packed step (every rank runs it): block copies, then the forward; logits [R, V]
         (R >= 1: pack_step keeps the last token's row when nothing samples). In a tensor-parallel group a failure here breaks
         the group."""
         try:
-            return self._forward(packed)
+            return self._forward(packed, inject, mrope)
         except Exception as e:
             if self.ranks is not None:
                 self.ranks.fail(f"rank {self.ranks.rank}: forward failed: {type(e).__name__}: {e}")
             raise
 
-    def _forward(self, packed: torch.Tensor) -> torch.Tensor:
+    def _forward(self, packed: torch.Tensor, inject=None, mrope=None) -> torch.Tensor:
+        """`inject`: a VLM step's image embeddings, (rows, features) (VisionStage.inject); `mrope`: its
+        M-RoPE positions [3, T] when it feeds image tokens (_mrope)."""
         n_tok, n_seq, width, n_rows, n_copies = packed[:5].tolist()
         sizes = [n_tok, n_tok, n_tok, n_seq + 1, n_seq, n_seq * width, n_rows, n_copies, n_copies]
         host = packed[5:].split(sizes)
-        if (self.graphs is not None and n_tok == n_seq == n_rows and not self.batch_invariant
+        if (self.graphs is not None and n_tok == n_seq == n_rows and not self.batch_invariant and inject is None
+                and mrope is None
                 and self.graphs.fits(n_seq, width)):
             # Decode only (one token and one logit row per sequence): replay a captured graph.
             if n_copies:
@@ -565,10 +589,26 @@ class ModelRunner:
             plan=plan_step(block_tables, seq_lens, qsl, self.block_size, slot_mapping=slots,
                            seq_lens_cpu=seq_lens_cpu, query_start_loc_cpu=qsl_cpu) if self.plan_steps else None)
         if self.own:
+            if inject is not None or mrope is not None:
+                return self.model.step(ids, pos, keep, meta, inject, mrope)
             return self.model.step(ids, pos, keep, meta)
         out = self.model(input_ids=ids[None], position_ids=pos[None],
                          use_cache=False, logits_to_keep=keep, lmi_step=meta)
         return out.logits[0]
+
+    def _mrope(self, packed: torch.Tensor, items: list[StepItem]) -> torch.Tensor | None:
+        """An M-RoPE model (Qwen2-VL): the step's positions [3, T] when it feeds image tokens (None
+        otherwise); every other row's one position (index + what the images before took) is written
+        into `packed`, so decode steps stay 1-D (and CUDA graphs replay them)."""
+        if not self.vision.family.mrope:
+            return None
+        from handler.model.vision import positions
+        pos3 = positions(items, [len(it.token_ids) for it in items])
+        if pos3 is None:
+            return None
+        t = int(packed[0])
+        packed[5 + t:5 + 2 * t] = pos3[0]
+        return pos3.to(self.device) if bool((pos3[0] != pos3[1]).any() or (pos3[0] != pos3[2]).any()) else None
 
     # ---- one step
     def step(self, items: list[StepItem], copies: list[tuple[int, int]] = ()) -> list[SampleResult]:
@@ -584,12 +624,17 @@ class ModelRunner:
         packed, first_row = pack_step(items, self.block_size, copies)
         if self.ranks is not None:   # the other ranks run the same copies + forward on their shards
             self.ranks.send_step(packed)
+        # a VLM: the images these items feed, encoded (or from the encoder cache) before the prefill
+        inject = mrope = None
+        if self.vision is not None:
+            inject = self.vision.inject(items)
+            mrope = self._mrope(packed, items)
         if self.lora is not None:       # each adapter's rows get their low-rank update
             from handler.model.lora import step_context
             with step_context(self.lora.step(items)):
-                logits = self.forward(packed)
+                logits = self.forward(packed, inject, mrope)
         else:
-            logits = self.forward(packed)   # [len(rows), V]
+            logits = self.forward(packed, inject, mrope)   # [len(rows), V]
         results = [SampleResult() for _ in items]
         sample_rows, sample_items, where = [], [], []
         for k, it in enumerate(items):

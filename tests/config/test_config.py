@@ -130,6 +130,12 @@ GOOD = [
     ("option.max_payload_mb", "0.5", "max_payload_mb", 0.5),
     ("option.batch_invariant", "TRUE", "batch_invariant", True),
     ("option.enforce_eager", "True", "enforce_eager", True),
+    ("option.allow_remote_images", "true", "allow_remote_images", True),
+    ("option.max_image_mb", "0.5", "max_image_mb", 0.5),
+    ("option.max_image_pixels", "1000000", "max_image_pixels", 1_000_000),
+    ("option.max_images_per_request", "0", "max_images_per_request", 0),
+    ("option.image_fetch_timeout", "2.5", "image_fetch_timeout_s", 2.5),
+    ("option.encoder_cache_mb", "0", "encoder_cache_mb", 0.0),
 ]
 
 
@@ -206,6 +212,12 @@ BAD = [
     ("option.responses_store_max_items", "-1", "is not an integer >= 0"),
     ("option.responses_store_max_items", "x", "is not an integer >= 0"),
     ("option.responses_store_max_mb", "-2", "is not a number of megabytes >= 0"),
+    ("option.allow_remote_images", "yes", "is not a boolean; allowed: true, false"),
+    ("option.image_fetch_timeout", "0", "is not a positive number of seconds"),
+    ("option.max_image_mb", "0", "is not a positive number of megabytes"),
+    ("option.max_image_pixels", "0", "is not a positive integer"),
+    ("option.max_images_per_request", "-1", "is not an integer >= 0"),
+    ("option.encoder_cache_mb", "-1", "is not a number of megabytes >= 0"),
     ("option.max_cpu_loras", "many", "is not a positive integer"),
     ("option.enable_lora_management", "off", "is not a boolean; allowed: true, false"),
     ("option.lmi_compat", "0.2x", LMI_LINES),

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 from handler.engine.loop import DoneEvent, ErrorEvent, TokenEvent
 from handler.engine.request import RequestError, SamplingParams
+from handler.http.protocols import media
 
 
 @dataclass
@@ -31,6 +32,8 @@ class Generation:
     adapter_field: str = "adapters"    # where the body names it (errors)
     prompt_ids: list[list[int]] | None = None   # token-id prompts as sent (`prompts`: their text)
     prompt_tokens: list[int] = field(default_factory=list)   # per prompt, once tokenized
+    images: list[list] | None = None   # per prompt: its media.ImageInputs, in order (None: text only)
+    media: list[tuple] | None = None   # per prompt, once tokenized: its engine ImageRefs (types.py)
 
 
 @dataclass
@@ -67,12 +70,20 @@ def bad_words_ids(tokenizer, words) -> tuple[tuple[int, ...], ...]:
     return tuple(out)
 
 
-def tokenize(tokenizer, gen: Generation) -> list[list[int]]:
+def tokenize(tokenizer, gen: Generation, vision=None) -> list[list[int]]:
+    """The prompts' token ids. A prompt with images goes through the model's processor (`vision`, an
+    engine types.MediaProcessor: its image tokens, and gen.media); a model without one refuses them."""
     if gen.params.bad_words and not gen.params.bad_words_ids:
         gen.params = dataclasses.replace(gen.params, bad_words_ids=bad_words_ids(tokenizer, gen.params.bad_words))
+    if gen.images and any(gen.images):
+        if vision is None:
+            raise media.to_text_only(next(imgs for imgs in gen.images if imgs))
+        gen.media = [() for _ in gen.prompts]
     out = []
     for i, text in enumerate(gen.prompts):
-        if gen.prompt_ids is not None:
+        if gen.media is not None and gen.images[i]:
+            ids, gen.media[i] = vision.process(text, gen.images[i])
+        elif gen.prompt_ids is not None:
             ids = list(gen.prompt_ids[i])
         else:
             ids = tokenizer(text, add_special_tokens=gen.add_special_tokens)["input_ids"]

@@ -7,8 +7,10 @@ Anthropic -> chat: `system` -> a system message; a user turn's `tool_result` blo
 messages (before its text); an assistant turn's `tool_use` blocks -> `tool_calls`; `thinking`
 blocks of earlier turns are dropped (templates drop them too); `tools[].input_schema` ->
 `parameters`; tool_choice auto/any/tool/none -> auto/required/named/none; `thinking` -> the
-template's enable_thinking (its blocks come from option.reasoning_parser). Images and documents
-are refused (400): the served models read text.
+template's enable_thinking (its blocks come from option.reasoning_parser); an `image` block (a
+base64 or, with option.allow_remote_images, url source) -> an `image_url` part at its place
+(handler/http/protocols/media.py decodes it, errors naming the block). Documents are refused (400),
+and so are images inside tool results.
 """
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ from typing import Annotated, Literal, Union
 from pydantic import BaseModel, ConfigDict, Field
 
 from handler.engine.request import MAX_NEW_TOKENS, MAX_STOP_LENGTH, RequestError, TopK, bounded_float, bounded_int, show, warn_once
-from handler.http.protocols import Generation, Sample, answer, openai, reasoning
+from handler.http.protocols import Generation, Sample, answer, media, openai, reasoning
 
 _STRICT = ConfigDict(strict=True, extra="ignore")   # extra: cache_control, citations, ... accepted
 
@@ -32,10 +34,29 @@ class TextBlock(BaseModel):
     text: str
 
 
-class ImageBlock(BaseModel):
-    """Declared to be refused by name (400): the served models read text."""
+class Base64Source(BaseModel):
     model_config = _STRICT
-    type: Literal["image", "document", "search_result"]
+    type: Literal["base64"]
+    media_type: Literal["image/jpeg", "image/png", "image/gif", "image/webp"]
+    data: str = Field(min_length=1)
+
+
+class UrlSource(BaseModel):
+    model_config = _STRICT
+    type: Literal["url"]
+    url: str = Field(min_length=1)
+
+
+class ImageBlock(BaseModel):
+    model_config = _STRICT
+    type: Literal["image"]
+    source: Annotated[Union[Base64Source, UrlSource], Field(discriminator="type")]
+
+
+class MediaBlock(BaseModel):
+    """Declared to be refused by name (400)."""
+    model_config = _STRICT
+    type: Literal["document", "search_result"]
 
 
 class ToolUseBlock(BaseModel):
@@ -50,7 +71,8 @@ class ToolResultBlock(BaseModel):
     model_config = _STRICT
     type: Literal["tool_result"]
     tool_use_id: str = Field(min_length=1)
-    content: answer.text_or(Annotated[Union[TextBlock, ImageBlock], Field(discriminator="type")], "text") = []
+    content: answer.text_or(Annotated[Union[TextBlock, ImageBlock, MediaBlock], Field(discriminator="type")],
+                            "text") = []
     is_error: bool = False
 
 
@@ -59,7 +81,7 @@ class ThinkingBlock(BaseModel):
     type: Literal["thinking", "redacted_thinking"]
 
 
-Block = Annotated[Union[TextBlock, ImageBlock, ToolUseBlock, ToolResultBlock, ThinkingBlock],
+Block = Annotated[Union[TextBlock, ImageBlock, MediaBlock, ToolUseBlock, ToolResultBlock, ThinkingBlock],
                   Field(discriminator="type")]
 
 
@@ -124,9 +146,19 @@ def _text(blocks) -> str:
     return "\n".join(b.text for b in blocks if isinstance(b, TextBlock))
 
 
-def _refuse_media(block, where: str) -> None:
-    if isinstance(block, ImageBlock):
-        raise RequestError(where, f"{block.type} blocks are not supported: this server's model reads text only")
+def _refuse_media(block, where: str, images: str | None = None) -> None:
+    """Documents always; images where `images` says why not (None: they are taken here)."""
+    if isinstance(block, MediaBlock):
+        raise RequestError(where, f"{block.type} blocks are not supported")
+    if isinstance(block, ImageBlock) and images is not None:
+        raise RequestError(where, f"image blocks are not taken {images}")
+
+
+def _image_part(block: ImageBlock, where: str) -> dict:
+    """An image block -> Chat Completions' image_url part, naming its block for errors."""
+    src = block.source
+    url = media.data_url(src.media_type, src.data) if isinstance(src, Base64Source) else src.url
+    return {"type": "image_url", "image_url": {"url": url}, media.WHERE: where}
 
 
 def _chat_messages(req: CountTokensRequest) -> list[dict]:
@@ -137,11 +169,13 @@ def _chat_messages(req: CountTokensRequest) -> list[dict]:
     for i, m in enumerate(req.messages):
         blocks = m.content
         where = f"messages[{i}].content"
-        text, uses = [], []
+        text, uses = [], []     # text: strings, or parts once an image is among them
         for j, b in enumerate(blocks):
-            _refuse_media(b, f"{where}[{j}]")
+            _refuse_media(b, f"{where}[{j}]", None if m.role == "user" else "in assistant messages")
             if isinstance(b, TextBlock):
                 text.append(b.text)
+            elif isinstance(b, ImageBlock):
+                text.append(_image_part(b, f"{where}[{j}]"))
             elif isinstance(b, ToolUseBlock):
                 if m.role != "assistant":
                     raise RequestError(f"{where}[{j}]", "tool_use blocks belong to assistant messages")
@@ -156,7 +190,8 @@ def _chat_messages(req: CountTokensRequest) -> list[dict]:
                                        f"{show(b.tool_use_id)} names no tool_use block of an earlier assistant "
                                        f"message (known: {', '.join(sorted(calls)) or 'none'})")
                 for k, c in enumerate(b.content):
-                    _refuse_media(c, f"{where}[{j}].content[{k}]")
+                    _refuse_media(c, f"{where}[{j}].content[{k}]", "inside tool_result (send the image in "
+                                                                   "the user's content)")
                 result = _text(b.content)
                 msgs.append({"role": "tool", "tool_call_id": b.tool_use_id,
                              "content": f"Error: {result}" if b.is_error else result})
@@ -165,8 +200,11 @@ def _chat_messages(req: CountTokensRequest) -> list[dict]:
             if uses:
                 msg["tool_calls"] = uses
             msgs.append(msg)
-        elif text:
+        elif text and all(isinstance(t, str) for t in text):
             msgs.append({"role": "user", "content": "\n".join(text)})
+        elif text:      # with images: the parts in order
+            msgs.append({"role": "user", "content": [{"type": "text", "text": t} if isinstance(t, str) else t
+                                                     for t in text]})
     return msgs
 
 

@@ -23,7 +23,7 @@ from handler.engine import guide
 from handler.engine.request import (MAX_NEW_TOKENS, MAX_PRIORITY, MAX_SAMPLES, MAX_SEED, MAX_TOP_N_TOKENS, BadWords, LogitBias,
                                     RequestError, SamplingParams, Stops, TokenIds, TopK, bounded_float,
                                     bounded_int, show, validated, warn_once)
-from handler.http.protocols import Generation, Sample, by_prompt, ranked, reasoning, tools as tooling
+from handler.http.protocols import Generation, Sample, by_prompt, media, ranked, reasoning, tools as tooling
 
 MAX_TEMPLATE_CHARS = 65536         # a request's own chat_template (vLLM's ChatCompletionRequest.chat_template)
 FINISH = {"eos_token": "stop", "stop_sequence": "stop", "length": "length"}
@@ -39,13 +39,14 @@ class ServerOptions:
     reasoning: str = "none"
     line: compat.Line = compat.LINES[compat.DEFAULT]
     content_format: str = "auto"        # option.chat_template_content_format
+    images: media.Limits = field(default_factory=media.Limits)   # option.allow_remote_images, max_image_*
 
     @classmethod
     def of(cls, cfg) -> "ServerOptions":
         return cls(tooling.Options(getattr(cfg, "tool_call_parser", "auto"),
                                    getattr(cfg, "enable_auto_tool_choice", True)),
                    getattr(cfg, "reasoning_parser", "none"), compat.line(cfg),
-                   getattr(cfg, "chat_template_content_format", "auto"))
+                   getattr(cfg, "chat_template_content_format", "auto"), media.Limits.of(cfg))
 
 
 class StreamOptions(BaseModel):
@@ -220,24 +221,39 @@ def content_format(template: str | None, configured: str = "auto") -> str:
     return "openai" if template and _LOOPS_OVER_CONTENT.search(template) else "string"
 
 
-def _content(i: int, content, parts: bool = False):
-    """A message's content: its text (parts joined, as LMI), or with `parts` OpenAI's list of text parts."""
+def _content(i: int, content, parts: bool = False, images: list | None = None, limits: media.Limits | None = None):
+    """A message's content: its text (parts joined, as LMI), or with `parts` OpenAI's list of parts.
+    Image parts (`image_url`) are decoded into `images` (handler/http/protocols/media.py) and stand in
+    the content as `{"type": "image"}` parts, or as media.MARKER in the text; without `images` they
+    are refused."""
     where = f"messages[{i}].content"
     if content is None:
         return [] if parts else ""
     if isinstance(content, str):
         return [{"type": "text", "text": content}] if parts else content
     if isinstance(content, list):
-        texts = []
+        out = []
         for j, part in enumerate(content):
-            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                kind = part.get("type") if isinstance(part, dict) else None
-                raise RequestError(f"{where}[{j}]", f"only text parts are supported, got type {show(kind)}")
-            texts.append(part["text"])
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind == "text" and isinstance(part.get("text"), str):
+                out.append({"type": "text", "text": part["text"]})
+            elif kind == "image_url" and images is not None:
+                at = part.get(media.WHERE) or f"{where}[{j}]"
+                spec = part.get("image_url")
+                url, detail = (spec.get("url"), spec.get("detail")) if isinstance(spec, dict) else (spec, None)
+                media.check_room(len(images), at, limits)
+                images.append(media.read(url, at, limits, detail, part.get(media.WHERE + "_detail")
+                                         or f"{at}.image_url.detail"))
+                out.append({"type": "image"})
+            else:
+                raise RequestError(f"{where}[{j}]", f"only text and image_url parts are supported, got type "
+                                                    f"{show(kind)}" if images is not None else
+                                   f"only text parts are supported, got type {show(kind)}")
         if parts:
-            return [{"type": "text", "text": t} for t in texts]
-        return "\n".join(texts)       # as LMI joins text parts
-    raise RequestError(where, f"must be a string or a list of text parts, got {show(content)}")
+            return out
+        # as LMI joins text parts; an image where its part stood
+        return "\n".join(p["text"] if p["type"] == "text" else media.MARKER for p in out)
+    raise RequestError(where, f"must be a string or a list of text and image_url parts, got {show(content)}")
 
 
 def _tool_calls(i: int, calls) -> list[dict]:
@@ -265,9 +281,11 @@ def _tool_calls(i: int, calls) -> list[dict]:
 
 
 def render_chat(tokenizer, messages, tools: list[dict] | None = None, kwargs: dict | None = None,
-                template: str | None = None, fmt: str = "auto") -> str:
+                template: str | None = None, fmt: str = "auto", images: list | None = None,
+                limits: media.Limits | None = None) -> str:
     """messages -> the prompt text: the tokenizer's chat template (option.chat_template's when set), or a
-    request's own `template`; content as text or OpenAI parts per `fmt` (content_format())."""
+    request's own `template`; content as text or OpenAI parts per `fmt` (content_format()). `images`:
+    image parts are decoded into it (in order) within `limits`; None refuses them."""
     if not isinstance(messages, list) or not messages:
         raise RequestError("messages", "must be a non-empty list of {\"role\", \"content\"} objects")
     parts = content_format(template or getattr(tokenizer, "chat_template", None), fmt) == "openai"
@@ -275,7 +293,7 @@ def render_chat(tokenizer, messages, tools: list[dict] | None = None, kwargs: di
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise RequestError(f"messages[{i}]", f"must be an object with a string role, got {show(m)}")
-        msg = {"role": m["role"], "content": _content(i, m.get("content"), parts)}
+        msg = {"role": m["role"], "content": _content(i, m.get("content"), parts, images, limits)}
         calls = _tool_calls(i, m["tool_calls"]) if m.get("tool_calls") is not None else None
         if calls:
             msg["tool_calls"] = calls
@@ -326,8 +344,9 @@ def parse_chat(payload, tokenizer, lmi: bool = False, server: ServerOptions = Se
     tools = tooling.parse(payload, tokenizer, server.tools)
     guide_spec = _constraint(payload, tools)
     kwargs = _template_kwargs(f, guide_spec is not None, server.reasoning)
+    images: list[media.ImageInput] = []
     prompt = render_chat(tokenizer, payload.get("messages"), tools.template_tools(), kwargs, f.chat_template,
-                         server.content_format)
+                         server.content_format, images, server.images)
     values, opts = _sampling(f, SamplingParams(), lmi)
     values["guide"] = guide_spec
     if tools.choice == "auto" and tools.fmt in tooling.tool_parsers.SPECIAL_MARKERS \
@@ -346,8 +365,11 @@ def parse_chat(payload, tokenizer, lmi: bool = False, server: ServerOptions = Se
     if opts["stream"] and params.num_samples > 1 and lmi:
         raise RequestError("n", "several choices work only without streaming on /invocations")
     no_max = payload.get("max_tokens") is None and payload.get("max_completion_tokens") is None
+    if images and f.truncate_prompt_tokens is not None:
+        raise RequestError("truncate_prompt_tokens", "cannot cut a prompt with images (an image's tokens are whole)")
     return Generation([prompt], params, opts["stream"], truncate=f.truncate_prompt_tokens, add_special_tokens=False,
                       fill_max_tokens=no_max and (not lmi or server.line.chat_to_context), fields=["messages"],
+                      images=[images] if images else None,
                       extra={"kind": "chat", "logprobs": logprobs, "lmi": lmi, "model": payload.get("model"),
                              "tools": tools if tools.active else None,
                              "reasoning": server.reasoning if server.reasoning != "none" else None,

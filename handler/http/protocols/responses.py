@@ -7,7 +7,9 @@
 Items -> chat: `instructions` -> a system message (not carried over from a previous response, as
 OpenAI); `message` items by role (developer -> system); `function_call` -> an assistant message's
 tool_calls; `function_call_output` -> a tool message (its call_id must name an earlier call);
-`reasoning` items are dropped. `text.format` json_schema / json_object -> response_format (guided
+`reasoning` items are dropped; an `input_image` part (`image_url`: a base64 data: URL, or http(s)
+with option.allow_remote_images) -> an `image_url` part at its place (handler/http/protocols/media.py;
+`file_id` is refused: no Files API here). `text.format` json_schema / json_object -> response_format (guided
 decoding). A stored record is the response and its whole conversation as input items, so
 previous_response_id continues it (handler/http/protocols/store.py bounds them).
 """
@@ -22,7 +24,7 @@ from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Fie
 
 from handler.engine.request import MAX_NEW_TOKENS, RequestError, bounded_float, bounded_int, show, validated, \
     warn_once
-from handler.http.protocols import Generation, Sample, answer, openai
+from handler.http.protocols import Generation, Sample, answer, media, openai
 
 _STRICT = ConfigDict(strict=True, extra="ignore", populate_by_name=True)
 
@@ -33,13 +35,21 @@ class TextPart(BaseModel):
     text: str
 
 
-class MediaPart(BaseModel):
-    """Declared to be refused by name (400): the served models read text."""
+class ImagePart(BaseModel):
     model_config = _STRICT
-    type: Literal["input_image", "input_file", "input_audio", "refusal"]
+    type: Literal["input_image"]
+    image_url: str = Field(None, min_length=1)
+    file_id: str = None
+    detail: Literal["auto", "low", "high"] = None
 
 
-Part = Annotated[Union[TextPart, MediaPart], Field(discriminator="type")]
+class MediaPart(BaseModel):
+    """Declared to be refused by name (400)."""
+    model_config = _STRICT
+    type: Literal["input_file", "input_audio", "refusal"]
+
+
+Part = Annotated[Union[TextPart, ImagePart, MediaPart], Field(discriminator="type")]
 
 
 class MessageItem(BaseModel):
@@ -155,12 +165,23 @@ _QUIET = {"include", "service_tier", "prompt_cache_key", "safety_identifier", "m
           "top_logprobs", "conversation", "prompt"}
 
 
-def _text(parts, where: str) -> str:
+def _text(parts, where: str, images: bool = False):
+    """A content's text, or with `images` (a user's message) its parts in order once an image is among
+    them (Chat Completions' text and image_url parts)."""
     for k, p in enumerate(parts):
-        if isinstance(p, MediaPart):
-            raise RequestError(f"{where}[{k}]", f"{p.type} parts are not supported: this server's model reads "
-                                                f"text only")
-    return "\n".join(p.text for p in parts)
+        if isinstance(p, MediaPart) or (isinstance(p, ImagePart) and not images):
+            raise RequestError(f"{where}[{k}]", f"{p.type} parts are not supported"
+                                                + (" here (images go in user messages)"
+                                                   if isinstance(p, ImagePart) else ""))
+        if isinstance(p, ImagePart) and p.image_url is None:
+            raise RequestError(f"{where}[{k}]", "needs image_url (a base64 data: URL); file_id is not served "
+                                                "(no Files API here)")
+    if not any(isinstance(p, ImagePart) for p in parts):
+        return "\n".join(p.text for p in parts)
+    return [{"type": "text", "text": p.text} if isinstance(p, TextPart) else
+            {"type": "image_url", "image_url": {"url": p.image_url, **({"detail": p.detail} if p.detail else {})},
+             media.WHERE: f"{where}[{k}]", media.WHERE + "_detail": f"{where}[{k}].detail"}
+            for k, p in enumerate(parts)]
 
 
 def _items(raw) -> list:
@@ -180,7 +201,7 @@ def _chat_messages(history: list, items: list, where: list[str], instructions: s
     for it, at in zip(history + items, where):
         if isinstance(it, MessageItem):
             role = "system" if it.role == "developer" else it.role
-            msgs.append({"role": role, "content": _text(it.content, f"{at}.content")})
+            msgs.append({"role": role, "content": _text(it.content, f"{at}.content", images=role == "user")})
         elif isinstance(it, FunctionCallItem):
             call = {"id": it.call_id, "type": "function", "function": {"name": it.name, "arguments": it.arguments}}
             last = msgs[-1] if msgs else None

@@ -44,6 +44,6 @@ def count_tokens():
 
     def count(client):
         gen = anthropic.parse(body_json(), client.tokenizer, server, count=True)
-        return anthropic.count_tokens(len(api.tokenize(client.tokenizer, gen)[0]))
+        return anthropic.count_tokens(len(api.tokenize(client.tokenizer, gen, client.media)[0]))
 
     return with_client(anthropic_error, count)

@@ -200,9 +200,9 @@ def run(parse, error, respond, stream):
         pick_adapter(client, gen, cfg)
         pick_priority(gen, cfg.scheduling_policy)
         state.check_prompts(gen)
-        ids = api.tokenize(client.tokenizer, gen)
+        ids = api.tokenize(client.tokenizer, gen, client.media)
         api.with_length(gen, ids, client.max_sequence_len)
-        chans = client.submit(ids, gen.params, stream=gen.stream)
+        chans = client.submit(ids, gen.params, stream=gen.stream, media=gen.media)
     except RequestError as e:
         return error(e.status, e.message, e.field)
     except CapacityError as e:

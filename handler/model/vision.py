@@ -1,0 +1,448 @@
+"""Vision-language models: the image side of a step, before the language model's prefill.
+
+  HTTP thread   Processor.process(prompt, images): the family's processor from transformers (its image
+                tokens, its pixel tensors) -> token ids + one engine ImageRef per image (the run of
+                placeholder tokens its embeddings replace, its content hash, its pixels as `data`)
+  engine thread VisionStage.inject(items): for the images this step's items feed, the embeddings from
+                the encoder cache (by content hash) or from one encoder run of the missing ones (the
+                vision tower + projector: transformers' modules read from the checkpoint), sliced to
+                the rows each item feeds (a chunk may cut an image) -> (rows, features) that the
+                language model writes over those rows' token embeddings (llama.LlamaFamilyForCausalLM.step)
+
+The language model is ours (handler/model/llama.py; its checkpoint names mapped by the family). The
+scheduler keys prefix-cache blocks by the images' hashes (engine Sequence.cache_keys), so nothing here
+needs to know about KV blocks.
+
+Families (config.json's model_type):
+  llava        LLaVA-1.5 style: CLIP vision tower, 2-layer MLP projector, a Llama-family language model;
+               vision_feature_layer / _select_strategy from the config; one run of placeholders per image
+  idefics3     Idefics3 / SmolVLM (v1): SigLIP-style tower + pixel-shuffle connector, a Llama language model;
+               an image is split into tiles plus the whole image, each tile a run of image_seq_len tokens
+               between text markers (one ImageRef with several `runs`)
+  qwen2_vl,    dynamic resolution: an image is (h/14) x (w/14) patches merged 2x2, so its token count
+  qwen2_5_vl   follows its size (image_grid_thw); the language model (qwen2) places tokens by M-RoPE: an
+               image's tokens at (t, row, column) from where it starts, later tokens shifted by what
+               the images before them took (positions(), from every ImageRef of the prompt)
+"""
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch import nn
+
+from handler.engine.request import RequestError
+from handler.engine.types import IMAGE_MARKER, ImageRef
+
+log = logging.getLogger("lmi.vision")
+
+
+def _llava_text_name(key: str) -> tuple[str, str]:
+    """A LLaVA checkpoint name -> ("text", our language model's name) or ("vision", the image side's):
+    transformers 4's layout (language_model.model.*, language_model.lm_head.*, vision_tower.*,
+    multi_modal_projector.*) and transformers 5's (model.language_model.*, lm_head.*, model.vision_tower.*)."""
+    for theirs, ours in (("language_model.model.", "model."), ("language_model.lm_head.", "lm_head."),
+                         ("model.language_model.", "model."), ("lm_head.", "lm_head.")):
+        if key.startswith(theirs):
+            return "text", ours + key[len(theirs):]
+    return "vision", key.removeprefix("model.")
+
+
+def _llava_tower(config) -> nn.Module:
+    """LlavaModel without its language model: get_image_features reads only the tower, the projector
+    and the config."""
+    from transformers import AutoModel
+    from transformers.models.llava.modeling_llava import LlavaModel, LlavaMultiModalProjector
+    m = LlavaModel.__new__(LlavaModel)
+    nn.Module.__init__(m)
+    m.config = config
+    m.vision_tower = AutoModel.from_config(config.vision_config)
+    m.multi_modal_projector = LlavaMultiModalProjector(config)
+    return m
+
+
+def _llava_encode(tower, datas: list[dict]) -> tuple[list[torch.Tensor], int]:
+    """One tower run per pixel shape: (each image's embeddings, runs)."""
+    cfg, out, runs = tower.config, [None] * len(datas), 0
+    groups: dict[tuple, list[int]] = {}
+    for i, d in enumerate(datas):
+        groups.setdefault(tuple(d["pixel_values"].shape[1:]), []).append(i)
+    for members in groups.values():
+        pixels = torch.cat([datas[i]["pixel_values"] for i in members])
+        feats = tower.get_image_features(pixel_values=pixels, vision_feature_layer=cfg.vision_feature_layer,
+                                         vision_feature_select_strategy=cfg.vision_feature_select_strategy,
+                                         return_dict=True).pooler_output
+        runs += 1
+        for i, f in zip(members, feats):
+            out[i] = f
+    return out, runs
+
+
+def _llava_lengths(proc, out, ids: list[int], where: list[int], n: int) -> list[list[int]]:
+    """LLaVA-1.5: every image one run of the same number of tokens."""
+    return [[len(where) // n]] * n if n and len(where) % n == 0 else []
+
+
+def _llava_data(out, i: int, runs: list[list[int]]) -> dict:
+    return {"pixel_values": out["pixel_values"][i:i + 1]}
+
+
+# ---- Qwen2-VL / Qwen2.5-VL
+def _qwen_names(key: str) -> tuple[str, str]:
+    """transformers 4's layout (model.layers.*, lm_head.*, visual.*) and 5's (model.language_model.*,
+    model.visual.*)."""
+    if key.startswith("model.language_model."):
+        return "text", "model." + key[len("model.language_model."):]
+    if key.startswith(("visual.", "model.visual.")):
+        return "vision", key.removeprefix("model.")
+    return "text", key
+
+
+def _qwen_tower(model_class: str, vision_class: str):
+    def build(config) -> nn.Module:
+        import transformers
+        from transformers.models import qwen2_5_vl, qwen2_vl
+        mod = qwen2_vl.modeling_qwen2_vl if model_class.startswith("Qwen2VL") else qwen2_5_vl.modeling_qwen2_5_vl
+        cls = getattr(transformers, model_class)
+        m = cls.__new__(cls)
+        nn.Module.__init__(m)
+        m.config = config
+        m.visual = getattr(mod, vision_class)._from_config(config.vision_config)
+        return m
+    return build
+
+
+def _qwen_encode(tower, datas: list[dict]) -> tuple[list[torch.Tensor], int]:
+    """Every image in one tower run (its patches concatenated, image_grid_thw says where each is)."""
+    pixels = torch.cat([d["pixel_values"] for d in datas])
+    grid = torch.cat([d["image_grid_thw"] for d in datas])
+    feats = tower.get_image_features(pixel_values=pixels, image_grid_thw=grid, return_dict=True).pooler_output
+    return list(feats), 1
+
+
+def _qwen_lengths(proc, out, ids: list[int], where: list[int], n: int) -> list[list[int]]:
+    merge = out["merge_size"]
+    return [[int(g.prod()) // merge ** 2] for g in out["image_grid_thw"]]
+
+
+def _qwen_data(out, i: int, runs: list[list[int]]) -> dict:
+    grid = out["image_grid_thw"]
+    rows = [int(g.prod()) for g in grid]
+    a = sum(rows[:i])
+    t, h, w = (int(x) for x in grid[i])
+    m = out["merge_size"]
+    return {"pixel_values": out["pixel_values"][a:a + rows[i]], "image_grid_thw": grid[i:i + 1],
+            "llm_grid": (t, h // m, w // m)}
+
+
+# ---- Idefics3 (SmolVLM)
+def _idefics_names(key: str) -> tuple[str, str]:
+    """model.text_model.* / lm_head.* (the language model), model.vision_model.* / model.connector.*."""
+    if key.startswith("model.text_model."):
+        return "text", "model." + key[len("model.text_model."):]
+    if key.startswith("lm_head."):
+        return "text", key
+    return "vision", key.removeprefix("model.")
+
+
+def _idefics_tower(config) -> nn.Module:
+    from transformers.models.idefics3.modeling_idefics3 import (Idefics3Connector, Idefics3Model,
+                                                                Idefics3VisionTransformer)
+    m = Idefics3Model.__new__(Idefics3Model)
+    nn.Module.__init__(m)
+    m.config = config
+    m.vision_model = Idefics3VisionTransformer._from_config(config.vision_config)
+    m.connector = Idefics3Connector(config)
+    return m
+
+
+def _idefics_lengths(proc, out, ids: list[int], where: list[int], n: int) -> list[list[int]]:
+    """An image is its tiles (rows x columns of the split image, then the whole image downscaled), each
+    a run of image_seq_len tokens between text markers; the run after <global-img> is its last."""
+    glob = proc.hf.global_image_token_id
+    runs: list[list[int]] = []
+    for p in where:
+        if runs and runs[-1][0] + runs[-1][1] == p:
+            runs[-1][1] += 1
+        else:
+            runs.append([p, 1])
+    images, cur = [], []
+    for start, length in runs:
+        cur.append(length)
+        if start > 0 and ids[start - 1] == glob:
+            images.append(cur)
+            cur = []
+    return images if not cur else []
+
+
+def _idefics_data(out, i: int, runs: list[list[int]]) -> dict:
+    a = sum(len(r) for r in runs[:i])
+    b = a + len(runs[i])
+    return {"pixel_values": out["pixel_values"][:, a:b], "pixel_attention_mask": out["pixel_attention_mask"][:, a:b]}
+
+
+def _idefics_encode(tower, datas: list[dict]) -> tuple[list[torch.Tensor], int]:
+    """Every image's tiles in one run; each image's rows are its tiles' in order."""
+    pixels = torch.cat([d["pixel_values"] for d in datas], dim=1)
+    mask = torch.cat([d["pixel_attention_mask"] for d in datas], dim=1)
+    feats = tower.get_image_features(pixel_values=pixels, pixel_attention_mask=mask, return_dict=True).pooler_output[0]
+    per_tile = feats.shape[0] // pixels.shape[1]
+    return list(feats.split([d["pixel_values"].shape[1] * per_tile for d in datas])), 1
+
+
+def _image_only(processor_class: str):
+    """The family's processor without its video half (transformers 5 builds video processors with
+    torchvision; images need none): the same image tokens, from the same image processor and tokenizer."""
+    def load(model_dir: str, trust_remote_code: bool):
+        import transformers
+        from transformers.processing_utils import ProcessorMixin
+        base = getattr(transformers, processor_class)
+
+        class ImageOnly(base):
+            def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
+                self.image_token = getattr(tokenizer, "image_token", None) or "<|image_pad|>"
+                self.video_token = getattr(tokenizer, "video_token", None) or "<|video_pad|>"
+                self.image_token_id = tokenizer.convert_tokens_to_ids(self.image_token)
+                self.video_token_id = tokenizer.convert_tokens_to_ids(self.video_token)
+                ProcessorMixin.__init__(self, image_processor, tokenizer, chat_template=chat_template)
+
+        ImageOnly.__name__ = ImageOnly.__qualname__ = processor_class
+        return ImageOnly.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
+    return load
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str
+    names: Callable[[str], tuple[str, str]]     # checkpoint name -> ("text" | "vision", name)
+    tower: Callable                             # config -> the image side (an nn.Module)
+    encode: Callable                            # (tower, [per-image data]) -> (embeddings [tokens, hidden] each, runs)
+    lengths: Callable                           # (Processor, output, ids, image-token positions, n) -> per image its runs' lengths
+    data: Callable                              # (processor output, i, runs) -> image i's tensors (ImageRef.data)
+    processor: Callable | None = None           # (model_dir, trust) -> a processor where AutoProcessor cannot build one
+    mrope: bool = False                         # positions by M-RoPE (positions())
+
+
+FAMILIES = {
+    "llava": Family("llava", _llava_text_name, _llava_tower, _llava_encode, _llava_lengths, _llava_data),
+    "qwen2_vl": Family("qwen2_vl", _qwen_names, _qwen_tower("Qwen2VLModel", "Qwen2VisionTransformerPretrainedModel"),
+                       _qwen_encode, _qwen_lengths, _qwen_data, _image_only("Qwen2VLProcessor"), mrope=True),
+    "qwen2_5_vl": Family("qwen2_5_vl", _qwen_names,
+                         _qwen_tower("Qwen2_5_VLModel", "Qwen2_5_VisionTransformerPretrainedModel"),
+                         _qwen_encode, _qwen_lengths, _qwen_data, _image_only("Qwen2_5_VLProcessor"), mrope=True),
+    "idefics3": Family("idefics3", _idefics_names, _idefics_tower, _idefics_encode, _idefics_lengths, _idefics_data),
+}
+
+
+def positions(items, lengths: list[int]) -> torch.Tensor | None:
+    """M-RoPE positions [3, T] of a packed step (T = sum of lengths, items in pack order), or None when
+    no item's prompt has an image (then every position is its index). Text after images and every
+    generated token sit at index + shift (the images before took max(rows, columns) positions for
+    their rows x columns tokens); an image's tokens at (start + t, start + row, start + column), as
+    transformers' get_rope_index places them."""
+    if not any(it.prompt_media for it in items):
+        return None
+    out = torch.empty(3, sum(lengths), dtype=torch.long)
+    base = 0
+    for it, n in zip(items, lengths):
+        s = it.start_pos
+        rows = torch.arange(s, s + n)
+        out[:, base:base + n] = rows
+        shift = 0
+        for m in sorted(it.prompt_media, key=lambda m: m.offset):
+            t, h, w = m.data["llm_grid"]
+            lo, hi = max(s, m.offset), min(s + n, m.offset + m.length)
+            start = m.offset + shift
+            if lo < hi:     # this image's tokens in this item
+                k = torch.arange(lo - m.offset, hi - m.offset)
+                seg = out[:, base + lo - s:base + hi - s]
+                seg[0] = start + k // (h * w)
+                seg[1] = start + (k // w) % h
+                seg[2] = start + k % w
+            shift += max(h, w) - m.length
+            after = max(s, m.offset + m.length)     # tokens past this image move by the shift so far
+            if after < s + n:
+                out[:, base + after - s:base + n] = torch.arange(after, s + n) + shift
+        base += n
+    return out
+
+
+def family_of(config) -> Family | None:
+    """The VLM family of a transformers config, or None (a text-only model)."""
+    return FAMILIES.get(getattr(config, "model_type", None))
+
+
+def text_names(family: Family) -> Callable[[str], str | None]:
+    """For llama.load: a checkpoint name -> our language model's, or None (the image side's)."""
+    def rename(key: str) -> str | None:
+        side, name = family.names(key)
+        return name if side == "text" else None
+    return rename
+
+
+# ---- the HTTP side: prompt + images -> token ids + ImageRefs
+class Processor:
+    """The engine's MediaProcessor (handler/engine/types.py) over the model's own processor."""
+
+    def __init__(self, model_dir: str, config, family: Family, trust_remote_code: bool = False):
+        from transformers import AutoProcessor
+        try:
+            self.hf = AutoProcessor.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
+        except (ImportError, AttributeError, ValueError, TypeError):
+            if family.processor is None:
+                raise
+            self.hf = family.processor(model_dir, trust_remote_code)
+        self.family = family
+        self.placeholder = self.hf.image_token
+        self.image_token_id = getattr(config, "image_token_id", None)
+        if self.image_token_id is None:
+            self.image_token_id = getattr(config, "image_token_index")
+
+    def process(self, text: str, images: list) -> tuple[list[int], tuple[ImageRef, ...]]:
+        text = text.replace(IMAGE_MARKER, self.placeholder)
+        placed = text.count(self.placeholder)
+        if placed != len(images):
+            raise RequestError("messages", f"the chat template placed {placed} image placeholders "
+                                           f"({self.placeholder!r}) for {len(images)} images")
+        try:
+            out = self.hf(text=text, images=[i.image for i in images], return_tensors="pt", add_special_tokens=False)
+        except (ValueError, TypeError) as e:    # an image the processor cannot take (a size it refuses)
+            raise RequestError(images[0].where, f"the model's processor refused the image: {str(e)[:200]}") from None
+        ids = out["input_ids"][0].tolist()
+        if "image_grid_thw" in out:
+            out["merge_size"] = self.hf.image_processor.merge_size
+        where = [p for p, t in enumerate(ids) if t == self.image_token_id]
+        runs = self.family.lengths(self, out, ids, where, len(images))
+        if len(runs) != len(images) or sum(map(sum, runs)) != len(where):
+            raise RequestError("messages", f"{len(where)} image tokens for {len(images)} images")
+        refs, k = [], 0
+        for i, img in enumerate(images):
+            spans: list[tuple[int, int]] = []
+            for n in runs[i]:
+                run = where[k:k + n]
+                if run[-1] - run[0] != n - 1:
+                    raise RequestError("messages", "an image's tokens are not where its processor put them (two "
+                                                   "placeholders side by side?)")
+                if spans and sum(spans[-1]) == run[0]:
+                    spans[-1] = (spans[-1][0], spans[-1][1] + n)
+                else:
+                    spans.append((run[0], n))
+                k += n
+            refs.append(ImageRef(img.hash, spans[0][0], sum(runs[i]), data=self.family.data(out, i, runs),
+                                 runs=tuple(spans) if len(spans) > 1 else ()))
+        return ids, tuple(refs)
+
+
+# ---- the engine side: the encoder stage and its cache
+class VisionStage:
+    """The vision tower + projector (their own weights from the checkpoint) and the encoder cache
+    (content hash -> embeddings [tokens, hidden], least recently used dropped past `cache_bytes`).
+    Engine thread only; stats() is read from others (a copy of ints)."""
+
+    def __init__(self, model_dir: str, config, family: Family, files: list[str], dtype: torch.dtype,
+                 device: torch.device, cache_bytes: int):
+        from safetensors import safe_open
+        from transformers.initialization import no_init_weights
+        self.family, self.dtype, self.device = family, dtype, device
+        with no_init_weights():
+            tower = family.tower(config)
+        params = dict(tower.named_parameters())
+        filled = set()
+        for path in files:
+            with safe_open(path, framework="pt") as f:
+                for key in f.keys():
+                    side, name = family.names(key)
+                    if side != "vision":
+                        continue
+                    p = params.get(name)
+                    if p is None:
+                        raise ValueError(f"unexpected tensor {key!r} in the checkpoint (no such vision parameter)")
+                    t = f.get_tensor(key)
+                    if tuple(t.shape) != tuple(p.shape):
+                        raise ValueError(f"tensor {key}: checkpoint shape {list(t.shape)} does not fit {list(p.shape)}")
+                    with torch.no_grad():
+                        p.copy_(t)
+                    filled.add(name)
+        missing = sorted(set(params) - filled)
+        if missing:
+            raise ValueError(f"the checkpoint lacks {len(missing)} vision tensors, e.g. {missing[:3]}")
+        self.tower = tower.to(device=device, dtype=dtype).eval()
+        self.cache: OrderedDict[str, torch.Tensor] = OrderedDict()
+        self.cache_bytes, self.held = cache_bytes, 0
+        self.counts = {"encoder_runs": 0, "encoder_images": 0, "encoder_cache_hits": 0}
+        log.info("vision: %s tower (%d parameters) on %s; encoder cache %.0f MB", family.name,
+                 sum(p.numel() for p in params.values()), device, cache_bytes / 1e6)
+
+    def stats(self) -> dict:
+        return {**self.counts, "encoder_cache_bytes": self.held, "encoder_cache_images": len(self.cache)}
+
+    @torch.inference_mode()
+    def encode(self, refs: list[ImageRef]) -> list[torch.Tensor]:
+        """The images' embeddings [length, hidden] each, in as few tower runs as the family allows."""
+        datas = [{k: (v.to(self.device) if isinstance(v, torch.Tensor) else v) for k, v in r.data.items()}
+                 for r in refs]
+        for d in datas:
+            if "pixel_values" in d:
+                d["pixel_values"] = d["pixel_values"].to(self.dtype)
+        feats, runs = self.family.encode(self.tower, datas)
+        self.counts["encoder_runs"] += runs
+        self.counts["encoder_images"] += len(refs)
+        for r, f in zip(refs, feats):
+            if f.shape[0] != r.length:
+                raise RuntimeError(f"the vision tower gave {f.shape[0]} embeddings for an image of {r.length} tokens")
+        return feats
+
+    def _remember(self, key: str, feats: torch.Tensor, keep: set[str]) -> None:
+        size = feats.numel() * feats.element_size()
+        if size > self.cache_bytes:
+            return
+        self.cache[key] = feats
+        self.held += size
+        for old in list(self.cache):
+            if self.held <= self.cache_bytes:
+                break
+            if old in keep:
+                continue
+            self.held -= self.cache[old].numel() * self.cache[old].element_size()
+            del self.cache[old]
+
+    def features(self, refs: dict[str, ImageRef]) -> dict[str, torch.Tensor]:
+        """key -> embeddings for every image named: cached, or encoded now (all missing ones together)."""
+        got, missing = {}, []
+        for key, r in refs.items():
+            f = self.cache.get(key)
+            if f is None:
+                missing.append(r)
+            else:
+                self.cache.move_to_end(key)
+                self.counts["encoder_cache_hits"] += 1
+                got[key] = f
+        if missing:
+            for r, f in zip(missing, self.encode(missing)):
+                got[r.key] = f
+                self._remember(r.key, f, set(refs))
+        return got
+
+    def inject(self, items) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(rows of the packed step [K], embeddings [K, hidden]) for the image tokens the items feed
+        (rows in pack order: each item's tokens follow the previous item's), or None."""
+        wanted = {m.key: m for it in items for m in it.media}
+        if not wanted:
+            return None
+        feats = self.features(wanted)
+        rows, parts, base = [], [], 0
+        for it in items:
+            s, n = it.start_pos, len(it.token_ids)
+            for m in it.media:
+                row = 0         # the image's embedding row of this run's first token
+                for start, length in m.spans:
+                    lo, hi = max(s, start), min(s + n, start + length)
+                    if lo < hi:
+                        rows.extend(range(base + lo - s, base + hi - s))
+                        parts.append(feats[m.key][row + lo - start:row + hi - start])
+                    row += length
+            base += n
+        return torch.tensor(rows, dtype=torch.long, device=self.device), torch.cat(parts)
