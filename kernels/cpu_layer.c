@@ -1,4 +1,5 @@
-/* A CPU step's decoder stack in one call (decode rows, then whole prompts): for each layer, Llama's
+/* A CPU step's decoder stack in one call (decode rows, then whole prompts), and a step's rows through
+ * the experts of a mixture-of-experts MLP (lmi_moe_experts, at the end). The stack, for each layer, Llama's
  *
  *     x = norm1(h); q|k|v = x W_qkv; a = attention (kernels/cpu_decode.c: lmi_decode_fused for the
  *     decode rows; lmi_rotary, lmi_write_kv and lmi_prefill_attention for the prompts' rows);
@@ -287,4 +288,105 @@ int lmi_step_layers(const lmi_layer *layers, int64_t L, void *h, int64_t T, int6
     }
     free(mem);
     return rc;
+}
+
+/* ---------------------------------------------------------------- a mixture-of-experts MLP's experts */
+/* out [T, E] = sum over each row t's k experts e = ids[t, j] of weights[t, j] * down_e(silu(gate_e(x_t)) *
+ * up_e(x_t)), for a step's rows x [T, E] (prefill and decode rows together), fp32 or bf16 (`bf16`).
+ * gate, up, down: X lmi_lin each, the experts' packed weights (any LIN_* kind, as `linear` takes them;
+ * gate and up fused: gate[e] holds gate|up and up[e].n = 0). The (row, slot) pairs are grouped by expert
+ * (a counting sort, slot-major within an expert, as handler/model/moe.py orders them), and each active
+ * expert multiplies all its rows at once: its weights are read once a step (once per 1 MiB chunk of
+ * rows, cpu_panel.h), by the same GEMMs and the same SiLU the dense MLP's layers call. As the down
+ * projection's rows come out (in cache) each is scaled by its routing weight and added into its
+ * output row: torch's `out.index_put_((rows,), down(h) * w, accumulate=True)` per expert in
+ * ascending order (fp32: one product, one sum; bf16: the product rounded, the sum rounded), so the
+ * values are the Python loop's bit for bit. `weights` fp32 [T, k] (bf16 weights widened: exact),
+ * ids int64 [T, k]. Returns 0, -1 (an id outside [0, X): nothing written), -2 (no memory). */
+int lmi_moe_experts(const lmi_lin *gate, const lmi_lin *up, const lmi_lin *down, int64_t X, const void *x,
+                    int64_t T, int64_t E, int64_t k, const int64_t *ids, const float *weights, void *out, int bf16,
+                    int threads) {
+    const int64_t es = bf16 ? 2 : 4, pairs = T * k;
+    int64_t *count = calloc((size_t)(X + 1), sizeof(int64_t));
+    if (!count) return -2;
+    for (int64_t p = 0; p < pairs; ++p) {
+        if (ids[p] < 0 || ids[p] >= X) {
+            free(count);
+            return -1;
+        }
+        count[ids[p] + 1]++;
+    }
+    int64_t cmax = 0, I = 0, lin = 0;
+    for (int64_t e = 0; e < X; ++e) {
+        const int64_t c = count[e + 1];
+        count[e + 1] += count[e];       /* count[e]: the first pair of expert e */
+        if (!c) continue;
+        if (c > cmax) cmax = c;
+        if (down[e].k > I) I = down[e].k;
+    }
+    for (int64_t e = 0; e < X; ++e) {
+        if (count[e + 1] == count[e]) continue;
+        const lmi_lin *ls[3] = {&gate[e], &up[e], &down[e]};
+        for (int j = 0; j < 3; ++j) {
+            const int64_t s = lin_scratch(ls[j], cmax, bf16);
+            if (s > lin) lin = s;
+        }
+    }
+    /* rows, w: the pairs by expert; xs: an expert's rows gathered; gu: gate|up; act: silu(g) * u; y: down */
+    const int64_t sizes[] = {pairs * 8, pairs * 4, cmax * E * es, cmax * 2 * I * es, cmax * I * es, cmax * E * es,
+                             lin};
+    int64_t total = 0, off[7];
+    for (int j = 0; j < 7; ++j) {
+        off[j] = total;
+        total += (sizes[j] + 63) / 64 * 64;
+    }
+    char *mem = aligned_alloc(64, (size_t)(total > 0 ? total : 64));
+    if (!mem) {
+        free(count);
+        return -2;
+    }
+    int64_t *rows = (int64_t *)(mem + off[0]);
+    float *w = (float *)(mem + off[1]);
+    char *xs = mem + off[2], *gu = mem + off[3], *act = mem + off[4], *y = mem + off[5], *ws = mem + off[6];
+    for (int64_t j = 0; j < k; ++j)     /* slot-major, then row: handler/model/moe.py's order */
+        for (int64_t t = 0; t < T; ++t) {
+            const int64_t at = count[ids[t * k + j]]++;
+            rows[at] = t, w[at] = weights[t * k + j];
+        }
+    memset(out, 0, (size_t)(T * E * es));
+    int64_t start = 0;
+    for (int64_t e = 0; e < X; ++e) {
+        const int64_t c = count[e] - start;     /* count[e] now ends expert e's pairs */
+        if (!c) continue;
+        const int64_t *r = rows + start;
+        const float *we = w + start;
+        start = count[e];
+        const int64_t ie = down[e].k;
+#pragma omp parallel for num_threads(threads) if (c * E >= GRAIN) schedule(static)
+        for (int64_t i = 0; i < c; ++i) memcpy(xs + i * E * es, (const char *)x + r[i] * E * es, (size_t)(E * es));
+        linear(&gate[e], xs, c, gu, 2 * ie, bf16, ws, threads);
+        linear(&up[e], xs, c, gu + gate[e].n * es, 2 * ie, bf16, ws, threads);
+#pragma omp parallel for num_threads(threads) if (c * ie >= GRAIN) schedule(static)
+        for (int64_t i = 0; i < c; ++i) memcpy(act + i * ie * es, gu + i * 2 * ie * es, (size_t)(ie * es));
+        silu_mul_rows(act, gu + ie * es, c, ie, 2 * ie, bf16, threads);
+        linear(&down[e], act, c, y, E, bf16, ws, threads);
+        /* the epilogue: each output row += its routing weight x the row down gave (rows distinct per expert) */
+#pragma omp parallel for num_threads(threads) if (c * E >= GRAIN) schedule(static)
+        for (int64_t i = 0; i < c; ++i) {
+            const float wt = we[i];
+            if (bf16) {
+                uint16_t *o = (uint16_t *)out + r[i] * E;
+                const uint16_t *yy = (const uint16_t *)y + i * E;
+                for (int64_t d = 0; d < E; ++d)
+                    o[d] = f32_to_bf16(bf16_to_f32(o[d]) + bf16_to_f32(f32_to_bf16(bf16_to_f32(yy[d]) * wt)));
+            } else {
+                float *o = (float *)out + r[i] * E;
+                const float *yy = (const float *)y + i * E;
+                for (int64_t d = 0; d < E; ++d) o[d] += yy[d] * wt;
+            }
+        }
+    }
+    free(mem);
+    free(count);
+    return 0;
 }
