@@ -16,7 +16,9 @@ import pytest
 import torch
 
 from handler.engine.request import SamplingParams
+from handler.model.moe import SparseMoe
 from handler.model.runner import ModelLoadError, ModelRunner
+from tests.model.test_cpu_stack import _WHY
 from tests.model.test_llama import _step_logits
 from tests.support.engine import NEW, PROMPTS, STRATEGIES, assert_drained, make_engine, run_all
 from tests.support.reference import hf_greedy
@@ -169,6 +171,9 @@ def test_greedy_parity_with_generate(family, strategy, moe_dirs, tmp_path):
     engine = make_engine(model_dir, tmp_path, STRATEGIES[strategy])
     try:
         assert engine.runner.own and engine.runner.model.arch.moe is not None
+        # where the C kernels run, every sparse layer's experts go through the one C call (moe.py bind_kernel)
+        bound = {m.cpu_experts is not None for m in engine.runner.model.modules() if isinstance(m, SparseMoe)}
+        assert bound == ({False} if _WHY else {True}), _WHY
         results = run_all(engine, PROMPTS[:4], [SamplingParams(max_new_tokens=n) for n in NEW[:4]])
         for p, n, (ids, _) in zip(PROMPTS, NEW, results):
             assert ids == hf_greedy(model_dir, p, n), (family, strategy, p[:20])
