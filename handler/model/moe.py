@@ -11,22 +11,18 @@ The Qwen families keep a dense MLP in `mlp_only_layers` and where (i + 1) % deco
 A step's rows [T, E] (prefill and decode rows together) are routed at once: the router's logits
 [T, X] (X experts) by F.linear as transformers computes them, top-k over the probabilities
 (torch.topk: deterministic given the logits; ties go to the lower index). The T*k (token, slot)
-pairs are sorted by expert (slot-major, then token, as transformers' loop visits them), and
-each active expert multiplies all its rows in one GEMM per projection: its rows gathered
-(index_select), gate/up, SiLU x up, down, times the routing weight, added into the output rows
-(index_put_ with accumulate: index_add_'s sums; a token's experts in ascending expert order, as
-transformers adds them). Each
-expert is an `Expert` of plain nn.Linear layers, so the CPU packing (handler/model/cpu.py),
-int8 / W8A16 (handler/model/quant.py) and GGUF's grouped blocks (quant_formats.install_gguf)
-apply to experts as to a dense MLP; the routers (`Router`) stay as loaded (F.linear: a
-quantized router could change which experts run). Tensor parallelism cuts every expert's
-intermediate dimension (gate/up by rows, down by columns) as the dense MLP's; the block's output
-(experts + shared expert) is all-reduced once.
-
-What the Python grouping costs: per layer a sort of T*k ids, a bincount, and per active expert an
-index_select, three GEMM calls, two element-wise passes and an index_add_ (~10 dispatches): on a
-decode step of one row with 8 active experts that is ~80 small ops per layer where the dense MLP
-takes ~4 (handler/model/moe.py's note in docs/ARCHITECTURE.md gives the measurement).
+pairs are grouped by expert (slot-major, then token, as transformers' loop visits them), and each
+active expert multiplies all its rows at once: gate/up, SiLU x up, down, times the routing weight,
+added into the output rows (a token's experts in ascending expert order, as transformers adds
+them). On CPU that is one C call per layer (kernels/cpu_layer.c lmi_moe_experts, bound at load by
+`bind_kernel` over the experts' packs); elsewhere, or where a pack has no C form, the loop below
+(index_select, the expert, index_put_ with accumulate: index_add_'s sums), the same values bit
+for bit. Each expert is a `layers.GatedMlp` of plain nn.Linear layers, so the CPU packing
+(handler/model/cpu.py), int8 / W8A16 (handler/model/quant.py) and GGUF's grouped blocks
+(quant_formats.install_gguf) apply to experts as to a dense MLP; the routers (`Router`) stay as
+loaded (F.linear: a quantized router could change which experts run). Tensor parallelism cuts
+every expert's intermediate dimension (gate/up by rows, down by columns) as the dense MLP's; the
+block's output (experts + shared expert) is all-reduced once.
 """
 from __future__ import annotations
 

@@ -1,6 +1,7 @@
 """Linear layers' weights packed for the C GEMMs and the products over them: fp32 panels
 (kernels/cpu_gemm.c), int8 W8A8 (cpu_gemm_i8.c), grouped 4/5/6/8-bit codes (cpu_gemm_q4.c) and bf16
-(cpu_gemm_bf16.c). The panel GEMMs sum each output in k order by FMAs from 0 on every backend, so
+(cpu_gemm_bf16.c); and a mixture-of-experts MLP's experts over a step's rows in one call over
+those packs (cpu_layer.c lmi_moe_experts). The panel GEMMs sum each output in k order by FMAs from 0 on every backend, so
 their values do not depend on the instruction set (tests compare the builds). Packed weights are
 placed in huge-page-advised memory (kernels/cpu/memory.py): a decode step streams them."""
 from __future__ import annotations
