@@ -134,6 +134,7 @@ def test_experts_in_one_call_equal_the_python_loop_bit_for_bit(fmt):
         pytest.skip(_available(fmt))
     dtype = torch.bfloat16 if fmt.startswith("bf16") else torch.float32
     m = _block(fmt, dtype)
+    # 1 row: 3 experts, one after another (each GEMM over the threads); more: experts in parallel
     for t, crowd in ((1, False), (5, False), (37, True), (300, True)):
         x, weights, ids = _rows(m, t, dtype, seed=t, crowd=crowd)
         got = cpu_ext.moe_experts(x, ids, weights, *m.cpu_experts[:3])

@@ -843,8 +843,8 @@ static void check_stack_bf16(void) {
 }
 
 /* lmi_moe_experts: 11 rows, top-3 of 6 experts (one idle, one taking most rows), fp32 experts (gate|up
- * fused, LIN_F32) and bf16 experts (gate and up apart, widened: LIN_BF16W), against the same rows one
- * expert at a time: gathered, the GEMMs, silu(g) * u, down, out += w * y in ascending expert order
+ * fused, LIN_F32) and bf16 experts (gate and up apart, widened: LIN_BF16W), on 2 threads (experts in
+ * parallel) and 1 (one after another), against the same rows one expert at a time: gathered, the GEMMs, silu(g) * u, down, out += w * y in ascending expert order
  * (the bf16 product and sum each rounded): the same bits. */
 static void check_moe(int bf) {
     enum { X = 6, T = 11, K = 3, E = 64, I = 40 };
@@ -931,6 +931,9 @@ static void check_moe(int bf) {
         }
     }
     ok = ok && !memcmp(out, ref, es * T * E);
+    /* one thread: one expert after another (2 threads took the experts in parallel): the same bits */
+    memset(out, 0xff, es * T * E);
+    ok = ok && lmi_moe_experts(gate, up, down, X, x, T, E, K, ids, w, out, bf, 1) == 0 && !memcmp(out, ref, es * T * E);
     int64_t bad[T * K];
     memcpy(bad, ids, sizeof bad);
     bad[7] = X;
