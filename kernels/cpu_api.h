@@ -128,4 +128,8 @@ int lmi_step_layers(const lmi_layer *layers, int64_t L, void *h, int64_t T, int6
     const int64_t *slots, int64_t nslots, const int32_t *tables, int64_t tw, const int32_t *lens, int64_t P,
     const int64_t *pstarts, const int64_t *plens, const int64_t *porder, int64_t s_blk, int64_t s_tok,
     int64_t s_head, int64_t bs, float scale, int threads);
+/* a step's rows through a mixture-of-experts MLP's experts, grouped by expert, the routing weights applied
+ * as the down projection's rows come out (cpu_layer.c) */
+int lmi_moe_experts(const lmi_lin *gate, const lmi_lin *up, const lmi_lin *down, int64_t X, const void *x,
+    int64_t T, int64_t E, int64_t k, const int64_t *ids, const float *weights, void *out, int bf16, int threads);
 #endif

@@ -1,4 +1,5 @@
-/* A CPU step's decoder stack in one call (decode rows, then whole prompts): for each layer, Llama's
+/* A CPU step's decoder stack in one call (decode rows, then whole prompts), and a step's rows through
+ * the experts of a mixture-of-experts MLP (lmi_moe_experts, at the end). The stack, for each layer, Llama's
  *
  *     x = norm1(h); q|k|v = x W_qkv; a = attention (kernels/cpu_decode.c: lmi_decode_fused for the
  *     decode rows; lmi_rotary, lmi_write_kv and lmi_prefill_attention for the prompts' rows);
@@ -20,6 +21,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include <omp.h>
 
 #include "cpu_api.h"
 #include "cpu_arch.h"
@@ -77,7 +80,9 @@ static void silu_mul_rows(void *g, const void *u, int64_t rows, int64_t I, int64
     const int64_t n = rows * I;
     int64_t chunk, count;
     torch_chunks(n, threads, &chunk, &count);
-#pragma omp parallel for num_threads(threads) if (count > 1) schedule(static)
+    /* inside an enclosing parallel region (lmi_moe_experts' experts) the same chunks run on this thread */
+    const int nested = omp_in_parallel();
+#pragma omp parallel for num_threads(threads) if (count > 1 && !nested) schedule(static)
     for (int64_t c = 0; c < count; ++c) {
         const int64_t a = c * chunk, b = a + chunk < n ? a + chunk : n;
         if (bf16)
@@ -85,7 +90,7 @@ static void silu_mul_rows(void *g, const void *u, int64_t rows, int64_t I, int64
         else
             silu_range_f32((float *)g + a, b - a);
     }
-#pragma omp parallel for num_threads(threads) if (n >= GRAIN) schedule(static)
+#pragma omp parallel for num_threads(threads) if (n >= GRAIN && !nested) schedule(static)
     for (int64_t r = 0; r < rows; ++r) {
         if (bf16) {
             bf16_binary((uint16_t *)g + r * I, (const uint16_t *)u + r * ldu, I, 0);
@@ -287,4 +292,151 @@ int lmi_step_layers(const lmi_layer *layers, int64_t L, void *h, int64_t T, int6
     }
     free(mem);
     return rc;
+}
+
+/* ---------------------------------------------------------------- a mixture-of-experts MLP's experts */
+/* One expert over its c gathered rows xs: y [c, E] = down(silu(gate(xs)) * up(xs)) (gu, act, ws: scratch
+ * for c rows), the GEMMs on `gemm_threads` threads, SiLU split as torch splits it on `threads`. */
+static void expert_rows(const lmi_lin *gate, const lmi_lin *up, const lmi_lin *down, const char *xs, int64_t c,
+                        char *gu, char *act, char *y, char *ws, int64_t E, int bf16, int gemm_threads,
+                        int threads) {
+    const int64_t es = bf16 ? 2 : 4, ie = down->k;
+    linear(gate, xs, c, gu, 2 * ie, bf16, ws, gemm_threads);
+    linear(up, xs, c, gu + gate->n * es, 2 * ie, bf16, ws, gemm_threads);
+    for (int64_t i = 0; i < c; ++i) memcpy(act + i * ie * es, gu + i * 2 * ie * es, (size_t)(ie * es));
+    silu_mul_rows(act, gu + ie * es, c, ie, 2 * ie, bf16, threads);
+    linear(down, act, c, y, E, bf16, ws, gemm_threads);
+}
+
+/* out rows r[0..c) += w[i] * y[i] (rows distinct): torch's h * w then index_put_(accumulate=True) */
+static void add_weighted(void *out, const int64_t *r, const float *w, const char *y, int64_t c, int64_t E, int bf16,
+                         int threads) {
+#pragma omp parallel for num_threads(threads) if (c * E >= GRAIN) schedule(static)
+    for (int64_t i = 0; i < c; ++i) {
+        const float wt = w[i];
+        if (bf16) {
+            uint16_t *o = (uint16_t *)out + r[i] * E;
+            const uint16_t *yy = (const uint16_t *)y + i * E;
+            for (int64_t d = 0; d < E; ++d)
+                o[d] = f32_to_bf16(bf16_to_f32(o[d]) + bf16_to_f32(f32_to_bf16(bf16_to_f32(yy[d]) * wt)));
+        } else {
+            float *o = (float *)out + r[i] * E;
+            const float *yy = (const float *)y + i * E;
+            for (int64_t d = 0; d < E; ++d) o[d] += yy[d] * wt;
+        }
+    }
+}
+
+/* The expert-parallel path's scratch bound: every pair's down row kept until the ordered sum. */
+#define MOE_Y_BYTES (64 << 20)
+
+/* out [T, E] = sum over each row t's k experts e = ids[t, j] of weights[t, j] * down_e(silu(gate_e(x_t)) *
+ * up_e(x_t)), for a step's rows x [T, E] (prefill and decode rows together), fp32 or bf16 (`bf16`).
+ * gate, up, down: X lmi_lin each, the experts' packed weights (any LIN_* kind, as `linear` takes them;
+ * gate and up fused: gate[e] holds gate|up and up[e].n = 0). The (row, slot) pairs are grouped by expert
+ * (a counting sort, slot-major within an expert, as handler/model/moe.py orders them), and each active
+ * expert multiplies all its rows at once, by the same GEMMs and the same SiLU the dense MLP's layers
+ * call: its weights are read once a step (once per 1 MiB chunk of rows, cpu_panel.h). Each down row,
+ * as it comes out, is scaled by its routing weight and added into its output row in ascending expert
+ * order: torch's `out.index_put_((rows,), down(h) * w, accumulate=True)` per expert (fp32: one
+ * product, one sum; bf16: the product rounded, the sum rounded), the Python loop's values bit for bit.
+ *
+ * Two ways to spread the work, the same values (a row's GEMM outputs depend on that row only):
+ *   experts in parallel (at least 2 active experts a thread, their down rows within MOE_Y_BYTES: decode
+ *     steps and small batches): one parallel region, each thread taking whole experts (largest first),
+ *     its GEMMs on itself, every down row kept; then the ordered sums. A decode step's experts are
+ *     each a few rows: one region instead of two per expert (a region's start costs ~50 us where
+ *     threads sleep between regions, OMP_WAIT_POLICY=passive);
+ *   else one expert after another, each GEMM's panels over the threads, the sums as its rows come out.
+ * `weights` fp32 [T, k] (bf16 weights widened: exact), ids int64 [T, k]. Returns 0, -1 (an id outside
+ * [0, X): nothing written), -2 (no memory). */
+int lmi_moe_experts(const lmi_lin *gate, const lmi_lin *up, const lmi_lin *down, int64_t X, const void *x,
+                    int64_t T, int64_t E, int64_t k, const int64_t *ids, const float *weights, void *out, int bf16,
+                    int threads) {
+    const int64_t es = bf16 ? 2 : 4, pairs = T * k;
+    int64_t *count = calloc((size_t)(2 * X + 2), sizeof(int64_t));
+    if (!count) return -2;
+    int64_t *order = count + X + 1;     /* the active experts, most rows first */
+    for (int64_t p = 0; p < pairs; ++p) {
+        if (ids[p] < 0 || ids[p] >= X) {
+            free(count);
+            return -1;
+        }
+        count[ids[p] + 1]++;
+    }
+    int64_t cmax = 0, I = 0, lin = 0, active = 0;
+    for (int64_t e = 0; e < X; ++e) {
+        const int64_t c = count[e + 1];
+        count[e + 1] += count[e];       /* count[e]: the first pair of expert e */
+        if (!c) continue;
+        int64_t at = active++;          /* insertion by rows, descending (ties: ascending expert) */
+        for (; at > 0 && count[order[at - 1] + 1] - count[order[at - 1]] < c; --at) order[at] = order[at - 1];
+        order[at] = e;
+        if (c > cmax) cmax = c;
+        if (down[e].k > I) I = down[e].k;
+        const lmi_lin *ls[3] = {&gate[e], &up[e], &down[e]};
+        for (int j = 0; j < 3; ++j) {
+            const int64_t sz = lin_scratch(ls[j], c, bf16);
+            if (sz > lin) lin = sz;
+        }
+    }
+    const int par = threads > 1 && active >= 2 * threads && pairs * E * es <= MOE_Y_BYTES;
+    const int nt = par ? threads : 1;
+    /* rows, w: the pairs by expert; ys: every pair's down row (par) or one expert's; per thread: xs (its
+     * expert's rows gathered), gu (gate|up), act (silu(g) * u), ws (the GEMMs' scratch) */
+    const int64_t per[] = {cmax * E * es, cmax * 2 * I * es, cmax * I * es, lin};
+    int64_t stride = 0;
+    for (int j = 0; j < 4; ++j) stride += (per[j] + 63) / 64 * 64;
+    const int64_t head[] = {pairs * 8, pairs * 4, (par ? pairs : cmax) * E * es};
+    int64_t total = nt * stride, off[3];
+    for (int j = 0; j < 3; ++j) {
+        off[j] = total;
+        total += (head[j] + 63) / 64 * 64;
+    }
+    char *mem = aligned_alloc(64, (size_t)(total > 0 ? total : 64));
+    if (!mem) {
+        free(count);
+        return -2;
+    }
+    int64_t *rows = (int64_t *)(mem + off[0]);
+    float *w = (float *)(mem + off[1]);
+    char *ys = mem + off[2];
+    for (int64_t j = 0; j < k; ++j)     /* slot-major, then row: handler/model/moe.py's order */
+        for (int64_t t = 0; t < T; ++t) {
+            const int64_t at = count[ids[t * k + j]]++;
+            rows[at] = t, w[at] = weights[t * k + j];
+        }
+    for (int64_t e = X; e > 0; --e) count[e] = count[e - 1];   /* back to each expert's first pair */
+    count[0] = 0;
+    memset(out, 0, (size_t)(T * E * es));
+    if (par) {
+#pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
+        for (int64_t a = 0; a < active; ++a) {
+            const int64_t e = order[a], c = count[e + 1] - count[e], *r = rows + count[e];
+            char *own = mem + (int64_t)omp_get_thread_num() * stride;
+            char *xs = own, *gu = xs + (per[0] + 63) / 64 * 64, *act = gu + (per[1] + 63) / 64 * 64;
+            char *ws = act + (per[2] + 63) / 64 * 64;
+            for (int64_t i = 0; i < c; ++i) memcpy(xs + i * E * es, (const char *)x + r[i] * E * es, (size_t)(E * es));
+            expert_rows(&gate[e], &up[e], &down[e], xs, c, gu, act, ys + count[e] * E * es, ws, E, bf16, 1, threads);
+        }
+        for (int64_t e = 0; e < X; ++e)     /* the sums, experts in ascending order */
+            if (count[e + 1] > count[e])
+                add_weighted(out, rows + count[e], w + count[e], ys + count[e] * E * es, count[e + 1] - count[e], E,
+                             bf16, threads);
+    } else {
+        char *xs = mem, *gu = xs + (per[0] + 63) / 64 * 64, *act = gu + (per[1] + 63) / 64 * 64;
+        char *ws = act + (per[2] + 63) / 64 * 64;
+        for (int64_t e = 0; e < X; ++e) {
+            const int64_t c = count[e + 1] - count[e], *r = rows + count[e];
+            if (!c) continue;
+#pragma omp parallel for num_threads(threads) if (c * E >= GRAIN) schedule(static)
+            for (int64_t i = 0; i < c; ++i)
+                memcpy(xs + i * E * es, (const char *)x + r[i] * E * es, (size_t)(E * es));
+            expert_rows(&gate[e], &up[e], &down[e], xs, c, gu, act, ys, ws, E, bf16, threads, threads);
+            add_weighted(out, r, w + count[e], ys, c, E, bf16, threads);
+        }
+    }
+    free(mem);
+    free(count);
+    return 0;
 }

@@ -39,8 +39,9 @@ A/B arms (`Arms`, benchmark-only: a ModelRunner constructor argument that benchm
 --arm and tests pass; no module state and never read from the environment, so every server runs the
 defaults): prepack=0 (plain `nn.Linear`), gemm=onednn, bf16_gemm=
 panels | bf16 | fp32 (instead of the rule), kv_layout=token (token-major KV pool, like the GPU's),
-decode_stack=0 (handler/model/cpu_stack.py off). The server's own CPU settings are option.cpu_kernels
-and LMI_CPU_MALLOC=system.
+decode_stack=0 (handler/model/cpu_stack.py off), moe_kernel=0 (a mixture's experts one by one in
+Python, handler/model/moe.py). The server's own CPU settings are option.cpu_kernels and
+LMI_CPU_MALLOC=system.
 """
 from __future__ import annotations
 
@@ -139,6 +140,7 @@ class Arms:
     bf16_gemm: str = "auto"     # bf16 models: auto (the rule, bf16_gemm_mode) | panels | bf16 | fp32
     kv_layout: str = "head"     # CPU KV pool: head-major, or token-major like the GPU's
     decode_stack: bool = True   # our models: a step's layers in one C call (handler/model/cpu_stack.py)
+    moe_kernel: bool = True     # our MoE models: a step's rows through the experts in one C call (moe.py)
 
     CHOICES = {"gemm": ("panels", "onednn"), "bf16_gemm": ("auto", "panels", "bf16", "fp32"),
                "kv_layout": ("head", "token")}

@@ -31,29 +31,10 @@ import logging
 import torch
 
 from handler.model.cpu import DEFAULT, Arms
-from handler.model.linear import CpuLinear
+from handler.model.linear import cpu_lin
 from kernels import cpu as cpu_ext
 
 log = logging.getLogger("lmi.cpu")
-
-
-def _ptr(t: torch.Tensor | None) -> int | None:
-    return None if t is None else t.data_ptr()
-
-
-def _lin(m, dtype: torch.dtype, keep: list) -> cpu_ext.Lin | str:
-    """The lmi_lin of a packed linear layer for activations of `dtype` (the kind its pack says), or why not."""
-    if not isinstance(m, CpuLinear):
-        return f"a {type(m).__name__} with {dtype} activations"
-    bias = m.bias32
-    if bias is not None and not (bias.dtype == torch.float32 and bias.is_contiguous()):
-        return "a bias not in fp32"
-    got = m.pack.lin(dtype)
-    if isinstance(got, str):
-        return got
-    kind, fields, tensors = got
-    keep += [*tensors, bias]
-    return cpu_ext.Lin(kind=kind, n=m.out_features, k=m.in_features, bias=_ptr(bias), **fields)
 
 
 class DecodeStack:
@@ -137,7 +118,7 @@ def build(model, kv_cache, *, tp_size: int = 1, lora: bool = False,
                 return None, f"layer {i}: a norm the C stack does not take"
         qkv = [att.qkv_proj, None, None] if att.qkv_proj is not None else [att.q_proj, att.k_proj, att.v_proj]
         gu = [mlp.gate_up_proj, None] if mlp.gate_up_proj is not None else [mlp.gate_proj, mlp.up_proj]
-        lins = [cpu_ext.Lin() if m is None else _lin(m, dtype, keep) for m in (*qkv, att.o_proj, *gu, mlp.down_proj)]
+        lins = [cpu_ext.Lin() if m is None else cpu_lin(m, dtype, keep) for m in (*qkv, att.o_proj, *gu, mlp.down_proj)]
         for lin in lins:
             if isinstance(lin, str):
                 return None, f"layer {i}: {lin}"

@@ -172,8 +172,12 @@ def convert_gguf(gguf_path: str, out_dir: str, dtype: str = "fp32") -> str:
     config = loaded.config
     if hasattr(config, "quantization_config"):
         del config.quantization_config
-    model = AutoModelForCausalLM.from_config(config, dtype=dt)
-    missing, unexpected = model.load_state_dict(loaded.state_dict(), strict=False)
+    # built on the meta device and given the loaded tensors themselves (assign): the dequantized weights
+    # are held once, not twice (a MoE file's conversion peaks at its dequantized size, which
+    # handler/model/gguf.py moe_refusal checks before it starts)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=dt)
+    missing, unexpected = model.load_state_dict(loaded.state_dict(), strict=False, assign=True)
     if missing or unexpected:
         raise GGUFError(f"{name}: the dequantized weights do not match the {type(model).__name__} built from "
                         f"its config (missing {missing[:3]}, unexpected {unexpected[:3]})")

@@ -206,3 +206,32 @@ def fused(parts: list[nn.Linear]) -> nn.Linear:
         out.bias.copy_(torch.cat([p.bias.detach() if p.bias is not None else p.weight.new_zeros(p.out_features)
                                   for p in parts]))
     return out
+
+
+class GatedMlp(nn.Module):
+    """down(silu(gate(x)) * up(x)): Llama's MLP (handler/model/llama.py, which adds the all-reduce) and
+    each expert of a mixture (handler/model/moe.py), `width` its intermediate size (this rank's)."""
+
+    def __init__(self, hidden: int, width: int, dtype, device):
+        super().__init__()
+        self.gate_proj = linear(hidden, width, False, dtype, device)
+        self.up_proj = linear(hidden, width, False, dtype, device)
+        self.down_proj = linear(width, hidden, False, dtype, device)
+        self.gate_up_proj = None    # fuse(): gate and up in one layer
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gate_up_proj is not None:
+            # [T, 2I]: gate's half copied out (torch's SiLU on a strided view takes another path
+            # that rounds differently from its vectorised one), activated in place, times up's.
+            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+            h = F.silu(gate.contiguous(), inplace=True).mul_(up)
+        else:
+            h = F.silu(self.gate_proj(x), inplace=True).mul_(self.up_proj(x))
+        return self.down_proj(h)
+
+    def fuse(self) -> None:
+        """gate and up as one layer, where both are still plain nn.Linear (a loader's quantized
+        layers, e.g. GGUF's blocks, stay apart)."""
+        if type(self.gate_proj) is nn.Linear and type(self.up_proj) is nn.Linear:
+            self.gate_up_proj = fused([self.gate_proj, self.up_proj])
+            del self.gate_proj, self.up_proj

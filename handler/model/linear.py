@@ -91,5 +91,25 @@ def plain(like: nn.Linear, weight: torch.Tensor) -> nn.Linear:
     return m
 
 
+def cpu_lin(m: nn.Module, dtype: torch.dtype, keep: list):
+    """The kernels' lmi_lin (kernels.cpu.Lin) of a packed linear layer for activations of `dtype`
+    (the kind its pack says), its tensors and bias appended to `keep` (the caller holds them while
+    C points into them); or why not (a str). The C layer stack (handler/model/cpu_stack.py) and the
+    experts' call (handler/model/moe.py) both take their layers through this."""
+    from kernels import cpu as cpu_ext
+    if not isinstance(m, CpuLinear):
+        return f"a {type(m).__name__} with {dtype} activations"
+    bias = m.bias32
+    if bias is not None and not (bias.dtype == torch.float32 and bias.is_contiguous()):
+        return "a bias not in fp32"
+    got = m.pack.lin(dtype)
+    if isinstance(got, str):
+        return got
+    kind, fields, tensors = got
+    keep += [*tensors, bias]
+    return cpu_ext.Lin(kind=kind, n=m.out_features, k=m.in_features, bias=None if bias is None else bias.data_ptr(),
+                       **fields)
+
+
 def packs(model: nn.Module) -> list[Pack]:
     return [m.pack for m in model.modules() if isinstance(m, CpuLinear)]

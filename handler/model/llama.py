@@ -27,7 +27,6 @@ import os
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from handler.config.numerics import Numerics
@@ -170,29 +169,15 @@ class Attention(nn.Module):
         del self.q_proj, self.k_proj, self.v_proj
 
 
-class MLP(nn.Module):
+class MLP(layers.GatedMlp):
+    """The dense MLP: gate/up column-parallel, down row-parallel, its partial sums all-reduced."""
+
     def __init__(self, a: Arch, tp: TensorParallel, dtype, device):
-        super().__init__()
+        super().__init__(a.hidden, a.intermediate // tp.size, dtype, device)
         self.tp = tp
-        i = a.intermediate // tp.size
-        self.gate_proj = _linear(a.hidden, i, False, dtype, device)
-        self.up_proj = _linear(a.hidden, i, False, dtype, device)
-        self.down_proj = _linear(i, a.hidden, False, dtype, device)
-        self.gate_up_proj = None    # fuse(): gate and up in one layer
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.gate_up_proj is not None:
-            # [T, 2I]: gate's half copied out (torch's SiLU on a strided view takes another path
-            # that rounds differently from its vectorised one), activated in place, times up's.
-            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-            h = F.silu(gate.contiguous(), inplace=True).mul_(up)
-        else:
-            h = F.silu(self.gate_proj(x), inplace=True).mul_(self.up_proj(x))
-        return self.tp.reduce(self.down_proj(h))
-
-    def fuse(self) -> None:
-        self.gate_up_proj = _fused([self.gate_proj, self.up_proj])
-        del self.gate_proj, self.up_proj
+        return self.tp.reduce(super().forward(x))
 
 
 class DecoderLayer(nn.Module):
@@ -263,10 +248,7 @@ class LlamaFamilyForCausalLM(nn.Module):
             a, m = layer.self_attn, layer.mlp
             if all(type(p) is nn.Linear for p in (a.q_proj, a.k_proj, a.v_proj)):
                 a.fuse()
-            if isinstance(m, moe.SparseMoe):
-                m.fuse()
-            elif type(m.gate_proj) is nn.Linear and type(m.up_proj) is nn.Linear:
-                m.fuse()
+            m.fuse()     # the dense MLP's or each expert's gate/up (moe.SparseMoe), where plain nn.Linear
 
     def get_input_embeddings(self) -> nn.Module:
         return self.model.embed_tokens

@@ -11,22 +11,18 @@ The Qwen families keep a dense MLP in `mlp_only_layers` and where (i + 1) % deco
 A step's rows [T, E] (prefill and decode rows together) are routed at once: the router's logits
 [T, X] (X experts) by F.linear as transformers computes them, top-k over the probabilities
 (torch.topk: deterministic given the logits; ties go to the lower index). The T*k (token, slot)
-pairs are sorted by expert (slot-major, then token, as transformers' loop visits them), and
-each active expert multiplies all its rows in one GEMM per projection: its rows gathered
-(index_select), gate/up, SiLU x up, down, times the routing weight, added into the output rows
-(index_put_ with accumulate: index_add_'s sums; a token's experts in ascending expert order, as
-transformers adds them). Each
-expert is an `Expert` of plain nn.Linear layers, so the CPU packing (handler/model/cpu.py),
-int8 / W8A16 (handler/model/quant.py) and GGUF's grouped blocks (quant_formats.install_gguf)
-apply to experts as to a dense MLP; the routers (`Router`) stay as loaded (F.linear: a
-quantized router could change which experts run). Tensor parallelism cuts every expert's
-intermediate dimension (gate/up by rows, down by columns) as the dense MLP's; the block's output
-(experts + shared expert) is all-reduced once.
-
-What the Python grouping costs: per layer a sort of T*k ids, a bincount, and per active expert an
-index_select, three GEMM calls, two element-wise passes and an index_add_ (~10 dispatches): on a
-decode step of one row with 8 active experts that is ~80 small ops per layer where the dense MLP
-takes ~4 (handler/model/moe.py's note in docs/ARCHITECTURE.md gives the measurement).
+pairs are grouped by expert (slot-major, then token, as transformers' loop visits them), and each
+active expert multiplies all its rows at once: gate/up, SiLU x up, down, times the routing weight,
+added into the output rows (a token's experts in ascending expert order, as transformers adds
+them). On CPU that is one C call per layer (kernels/cpu_layer.c lmi_moe_experts, bound at load by
+`bind_kernel` over the experts' packs); elsewhere, or where a pack has no C form, the loop below
+(index_select, the expert, index_put_ with accumulate: index_add_'s sums), the same values bit
+for bit. Each expert is a `layers.GatedMlp` of plain nn.Linear layers, so the CPU packing
+(handler/model/cpu.py), int8 / W8A16 (handler/model/quant.py) and GGUF's grouped blocks
+(quant_formats.install_gguf) apply to experts as to a dense MLP; the routers (`Router`) stay as
+loaded (F.linear: a quantized router could change which experts run). Tensor parallelism cuts
+every expert's intermediate dimension (gate/up by rows, down by columns) as the dense MLP's; the
+block's output (experts + shared expert) is all-reduced once.
 """
 from __future__ import annotations
 
@@ -34,10 +30,11 @@ import re
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from handler.model import layers
+from handler.model.linear import cpu_lin
+from kernels import cpu as cpu_ext
 
 MOE_FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe")
 
@@ -97,28 +94,8 @@ class Router(nn.Linear):
     its own type keeps it out of the CPU packing and quantization (both take plain nn.Linear)."""
 
 
-class Expert(nn.Module):
-    """One expert (or the shared expert): gate/up/down as the dense MLP, without the all-reduce."""
-
-    def __init__(self, hidden: int, width: int, dtype, device):
-        super().__init__()
-        self.gate_proj = nn.Linear(hidden, width, bias=False, dtype=dtype, device=device).requires_grad_(False)
-        self.up_proj = nn.Linear(hidden, width, bias=False, dtype=dtype, device=device).requires_grad_(False)
-        self.down_proj = nn.Linear(width, hidden, bias=False, dtype=dtype, device=device).requires_grad_(False)
-        self.gate_up_proj = None    # fuse(): gate and up in one layer
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.gate_up_proj is not None:
-            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-            h = F.silu(gate.contiguous(), inplace=True).mul_(up)
-        else:
-            h = F.silu(self.gate_proj(x), inplace=True).mul_(self.up_proj(x))
-        return self.down_proj(h)
-
-    def fuse(self) -> None:
-        if type(self.gate_proj) is nn.Linear and type(self.up_proj) is nn.Linear:
-            self.gate_up_proj = layers.fused([self.gate_proj, self.up_proj])
-            del self.gate_proj, self.up_proj
+# One expert (or the shared expert): gate/up/down as the dense MLP, without the all-reduce.
+Expert = layers.GatedMlp
 
 
 class SparseMoe(nn.Module):
@@ -134,6 +111,7 @@ class SparseMoe(nn.Module):
         if spec.shared:
             self.shared_expert = Expert(hidden, spec.shared // tp.size, dtype, device)
             self.shared_expert_gate = Router(hidden, 1, bias=False, dtype=dtype, device=device).requires_grad_(False)
+        self.cpu_experts = None     # bind_kernel(), at load: the experts' lmi_lin arrays for the C call
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, E] -> (weights [T, k], expert ids [T, k]) as the family's transformers router."""
@@ -152,7 +130,35 @@ class SparseMoe(nn.Module):
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * s
         return self.tp.reduce(out)
 
+    def bind_kernel(self) -> str | None:
+        """At load, once the experts are packed (handler/model/cpu.py prepack): whether the step's
+        rows go through all the experts in one C call (kernels/cpu_layer.c lmi_moe_experts, over the
+        packs' own weights); None where they do, else why not (then the Python loop below serves)."""
+        self.cpu_experts = None
+        dtype = self.gate.weight.dtype
+        if self.gate.weight.device.type != "cpu" or cpu_ext.load() is None:
+            return "no C kernels here"
+        if dtype not in cpu_ext.KV_DTYPES:
+            return f"{dtype} activations"
+        if not cpu_ext.silu_exact(torch.get_num_threads()):
+            return "torch's SiLU is not reproduced on this host"
+        n = self.spec.experts
+        gate, up, down, keep = (cpu_ext.Lin * n)(), (cpu_ext.Lin * n)(), (cpu_ext.Lin * n)(), []
+        for j, ex in enumerate(self.experts):
+            parts = ((ex.gate_up_proj, None) if ex.gate_up_proj is not None else (ex.gate_proj, ex.up_proj)) + \
+                (ex.down_proj,)
+            for arr, m in zip((gate, up, down), parts):
+                got = cpu_ext.Lin() if m is None else cpu_lin(m, dtype, keep)
+                if isinstance(got, str):
+                    return f"expert {j}: {got}"
+                arr[j] = got
+        self.cpu_experts = (gate, up, down, keep)
+        return None
+
     def experts_forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        if self.cpu_experts is not None and x.is_contiguous() and x.dtype == self.gate.weight.dtype:
+            gate, up, down, _ = self.cpu_experts
+            return cpu_ext.moe_experts(x, ids, weights, gate, up, down)
         t, k = ids.shape
         flat = ids.t().reshape(-1)                       # [k*T], slot-major: pair p = slot * T + token
         order = torch.argsort(flat, stable=True)         # by expert, then slot, then token

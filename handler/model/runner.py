@@ -492,6 +492,8 @@ class ModelRunner:
         log.info("CPU: %d linear layers packed for %s", n, gemm)
         from handler.model.cpu import hugepage_report
         log.info("CPU: %s", hugepage_report(self.model))
+        if self.own:
+            self._bind_experts()
         if self.own and self.ranks is None:
             from handler.model import cpu_stack
             self.model.decode_stack, why = cpu_stack.build(self.model, self.kv_cache, lora=self.lora is not None,
@@ -503,6 +505,24 @@ class ModelRunner:
                      f"{', whole prompts' if stack.prompts else ''})" if stack is not None else f"in Python ({why})")
             for note in stack.notes if stack is not None else ():
                 log.info("CPU: layer stack: %s", note)
+
+    def _bind_experts(self) -> None:
+        """Our MoE layers' experts, once packed: one C call per layer and step (kernels/cpu_layer.c
+        lmi_moe_experts) or the Python loop over experts; decided here and logged once."""
+        from handler.model import moe
+        sparse = [m for m in self.model.modules() if isinstance(m, moe.SparseMoe)]
+        if not sparse:
+            return
+        why = "the moe_kernel=0 arm (handler/model/cpu.py Arms)" if not self.arms.moe_kernel else None
+        for i, m in enumerate(sparse):
+            got = m.bind_kernel() if why is None else None
+            if got:
+                why = f"sparse layer {i}: {got}"
+        if why is not None:
+            for m in sparse:    # one path for every layer
+                m.cpu_experts = None
+        log.info("CPU: mixture-of-experts layers: %s", "each step's rows through the experts in one C call a layer "
+                 "(kernels/cpu_layer.c lmi_moe_experts)" if why is None else f"experts one by one in Python ({why})")
 
     def capture_cuda_graphs(self, max_batch: int) -> None:
         """option.enforce_eager=false: capture the decode step for every batch size up to

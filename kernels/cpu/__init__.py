@@ -8,7 +8,8 @@
   args.py         what every op wrapper checks of the tensors it hands to C
   probes.py       how torch computes here (summing width, vectorised exp), so kernels can match it
   elementwise.py  RMSNorm, rotary, SiLU x up, the sampler's row statistics
-  linear.py       packed weights and the GEMMs over them (fp32, bf16, int8, grouped 4/8-bit)
+  linear.py       packed weights and the GEMMs over them (fp32, bf16, int8, grouped 4/8-bit), and a
+                  mixture-of-experts MLP's experts over a step's rows
   attention.py    paged attention (decode, prompts) and a whole step's layers
 
 The names below are the public surface that the model layer and kernels/backends.py call (`from
@@ -28,7 +29,7 @@ from kernels.cpu.elementwise import (rms_norm_bf16, rms_norm_f32, rms_norm_f32_l
 from kernels.cpu.lib import Backend, CpuLib, backend, cpu_flags, current, load
 from kernels.cpu.linear import (PANEL, QPack, gemm, gemm_available, gemm_bf16, gemm_bf16_available,
                                 gemm_bf16w_available, gemm_i8, gemm_i8_available, gemm_q, gemm_q_available,
-                                pack_bf16, pack_i8, pack_panels, q_act8_available, q_row_bytes)
+                                moe_experts, pack_bf16, pack_i8, pack_panels, q_act8_available, q_row_bytes)
 from kernels.cpu.memory import HUGE_PAGE, empty_hugepage, hugepage_placement, hugepages_wanted, thp_mode
 
 
@@ -46,7 +47,8 @@ __all__ = [
     "QS_F32", "QS_I8", "Layer", "Lin", "rms_norm_bf16", "rms_norm_f32", "rms_norm_f32_lanes", "rotary_",
     "row_stats", "silu_exact", "silu_mul_", "stream_read", "Backend", "CpuLib", "backend", "cpu_flags", "current",
     "load", "PANEL", "QPack", "gemm", "gemm_available", "gemm_bf16", "gemm_bf16_available",
-    "gemm_bf16w_available", "gemm_i8", "gemm_i8_available", "gemm_q", "gemm_q_available", "pack_bf16",
+    "gemm_bf16w_available", "gemm_i8", "gemm_i8_available", "gemm_q", "gemm_q_available", "moe_experts",
+    "pack_bf16",
     "pack_i8", "pack_panels", "q_act8_available", "q_row_bytes", "HUGE_PAGE", "empty_hugepage",
     "hugepage_placement", "hugepages_wanted", "thp_mode", "select",
 ]

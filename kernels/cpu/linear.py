@@ -1,10 +1,12 @@
 """Linear layers' weights packed for the C GEMMs and the products over them: fp32 panels
 (kernels/cpu_gemm.c), int8 W8A8 (cpu_gemm_i8.c), grouped 4/5/6/8-bit codes (cpu_gemm_q4.c) and bf16
-(cpu_gemm_bf16.c). The panel GEMMs sum each output in k order by FMAs from 0 on every backend, so
+(cpu_gemm_bf16.c); and a mixture-of-experts MLP's experts over a step's rows in one call over
+those packs (cpu_layer.c lmi_moe_experts). The panel GEMMs sum each output in k order by FMAs from 0 on every backend, so
 their values do not depend on the instruction set (tests compare the builds). Packed weights are
 placed in huge-page-advised memory (kernels/cpu/memory.py): a decode step streams them."""
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 
 import torch
@@ -228,3 +230,26 @@ def gemm_bf16(x: torch.Tensor, panels: torch.Tensor, n: int, bias: torch.Tensor 
                      int(out_dtype == torch.bfloat16), threads)
     return out.view(*x.shape[:-1], n)
 
+
+
+# ---------------------------------------------------------------------------- experts (kernels/cpu_layer.c)
+def moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate, up, down) -> torch.Tensor:
+    """A mixture-of-experts MLP's experts over a step's rows in one call (lmi_moe_experts): x [T, E]
+    (fp32 or bf16, contiguous), ids [T, k] int64 and weights [T, k] (the router's top-k; any float
+    dtype, widened to fp32) -> out [T, E] in x's dtype: sum over each row's experts of weight x
+    down(silu(gate(x)) * up(x)). gate, up, down: ctypes arrays of X `Lin` (bindings.py), the experts'
+    packed weights (gate|up fused: gate holds both, up's n = 0). The caller checked that every Lin
+    takes x's dtype (a pack's `lin`); an id outside [0, X) raises IndexError."""
+    fn = load()
+    t, e = x.shape
+    ids = ids.to(torch.int64).contiguous()
+    w = weights.float().contiguous()
+    out = torch.empty_like(x)
+    rc = fn.moe_experts(ctypes.addressof(gate), ctypes.addressof(up), ctypes.addressof(down), len(down),
+                        x.data_ptr(), t, e, ids.shape[1], ids.data_ptr(), w.data_ptr(), out.data_ptr(),
+                        int(x.dtype == torch.bfloat16), torch.get_num_threads())
+    if rc == -1:
+        raise IndexError(f"moe_experts: an expert id outside [0, {len(down)})")
+    if rc != 0:
+        raise MemoryError("moe_experts: scratch allocation failed")
+    return out

@@ -16,7 +16,9 @@ import pytest
 import torch
 
 from handler.engine.request import SamplingParams
+from handler.model.moe import SparseMoe
 from handler.model.runner import ModelLoadError, ModelRunner
+from tests.model.test_cpu_stack import _WHY
 from tests.model.test_llama import _step_logits
 from tests.support.engine import NEW, PROMPTS, STRATEGIES, assert_drained, make_engine, run_all
 from tests.support.reference import hf_greedy
@@ -169,6 +171,9 @@ def test_greedy_parity_with_generate(family, strategy, moe_dirs, tmp_path):
     engine = make_engine(model_dir, tmp_path, STRATEGIES[strategy])
     try:
         assert engine.runner.own and engine.runner.model.arch.moe is not None
+        # where the C kernels run, every sparse layer's experts go through the one C call (moe.py bind_kernel)
+        bound = {m.cpu_experts is not None for m in engine.runner.model.modules() if isinstance(m, SparseMoe)}
+        assert bound == ({False} if _WHY else {True}), _WHY
         results = run_all(engine, PROMPTS[:4], [SamplingParams(max_new_tokens=n) for n in NEW[:4]])
         for p, n, (ids, _) in zip(PROMPTS, NEW, results):
             assert ids == hf_greedy(model_dir, p, n), (family, strategy, p[:20])
@@ -449,3 +454,92 @@ def test_a_gguf_moe_that_cannot_be_dequantized_in_memory_is_refused_before_conve
     assert "\n" not in msg and f"needs {total:,} bytes" in msg and f"reads {total - exps // 2:,} bytes" in msg
     cache = os.path.join(os.environ["LMI_MODEL_CACHE"], "gguf")
     assert not os.path.isdir(cache) or not os.listdir(cache)      # nothing converted
+
+
+# ---------------------------------------------------------------------------- the 48-layer Qwen3-30B-A3B shape
+# Qwen3-30B-A3B's config.json (the shape of the benchmark at its full depth), and its published
+# parameter count: 30,532,122,624 (the checkpoint's safetensors index), of which the RMSNorm weights
+# (2 x 2048 + 2 x 128 q/k a layer, 48 layers, + the final 2048 = 210,944) are not in what sizing counts
+QWEN3_30B_A3B = dict(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", hidden_size=2048,
+                     num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+                     num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768, intermediate_size=6144,
+                     decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True, vocab_size=151936,
+                     tie_word_embeddings=False, max_position_embeddings=40960, rms_norm_eps=1e-6,
+                     rope_theta=1000000.0, hidden_act="silu", torch_dtype="bfloat16")
+QWEN3_30B_A3B_PARAMS, QWEN3_30B_A3B_NORMS = 30_532_122_624, 48 * (2 * 2048 + 2 * 128) + 2048
+HOST_MEMORY = 24 * 2 ** 30      # this project's host (2 vCPUs, 24 GiB)
+
+
+def _meminfo(tmp_path, available: int) -> str:
+    p = tmp_path / "meminfo"
+    p.write_text(f"MemTotal: {available // 1024} kB\nMemAvailable: {available // 1024} kB\n")
+    return str(p)
+
+
+def test_the_48_layer_30b_a3b_shape_is_refused_at_start_with_the_bytes_it_needs(demo_model_dir, tmp_path,
+                                                                                monkeypatch):
+    # config.json only (no weights: nothing is read before the check); 24 GiB available as on this host
+    d = tmp_path / "qwen3-30b-a3b"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps(QWEN3_30B_A3B))
+    _tokenizer_files(demo_model_dir, str(d))
+    monkeypatch.setenv("LMI_MEMINFO", _meminfo(tmp_path, HOST_MEMORY))
+    monkeypatch.setenv("LMI_CGROUP_ROOT", str(tmp_path / "no-cgroup"))
+    counted = QWEN3_30B_A3B_PARAMS - QWEN3_30B_A3B_NORMS
+    for dtype, size in (("bf16", 2), ("fp32", 4)):
+        with pytest.raises(ModelLoadError) as e:
+            ModelRunner(str(d), dtype=dtype, device="cpu", kv_cache_tokens=64)
+        msg = str(e.value)
+        assert "\n" not in msg and f"need {size * counted:,} bytes" in msg, msg
+        assert f"{HOST_MEMORY:,} bytes (24.00 GiB) are available" in msg and "top-8 experts" in msg, msg
+
+
+def test_the_48_layer_30b_a3b_q4_k_m_gguf_is_refused_before_it_is_dequantized(tmp_path, monkeypatch):
+    # The file a user would serve: the 48-layer shape as llama.cpp's Q4_K_M lays it out (Q4_K, Q6_K on
+    # ffn_down / attn_v of llama.cpp's "more bits" layers and the head; fp32 norms), written sparse (the
+    # header and tensor table real, the 18 GB of blocks a hole on disk). Start-up would dequantize it to
+    # the served dtype first: refused with that size before anything is converted.
+    gguf = pytest.importorskip("gguf", reason="the gguf package reads GGUF files: pip install -e '.[gguf]'")
+    from handler.model.gguf import GGUFError, hf_dir_for
+    c = QWEN3_30B_A3B
+    h, n, x, w, d = c["hidden_size"], c["num_hidden_layers"], c["num_experts"], c["moe_intermediate_size"], 128
+    q4k, q6k, f32 = gguf.GGMLQuantizationType.Q4_K, gguf.GGMLQuantizationType.Q6_K, gguf.GGMLQuantizationType.F32
+    tensors = [("token_embd.weight", (c["vocab_size"], h), q4k), ("output_norm.weight", (h,), f32),
+               ("output.weight", (c["vocab_size"], h), q6k)]
+    for i in range(n):
+        more = i < n // 8 or i >= 7 * n // 8 or (i - n // 8) % 3 == 2    # llama.cpp's use_more_bits
+        b = f"blk.{i}."
+        tensors += [(b + "attn_norm.weight", (h,), f32), (b + "ffn_norm.weight", (h,), f32),
+                    (b + "attn_q_norm.weight", (d,), f32), (b + "attn_k_norm.weight", (d,), f32),
+                    (b + "attn_q.weight", (32 * d, h), q4k), (b + "attn_k.weight", (4 * d, h), q4k),
+                    (b + "attn_v.weight", (4 * d, h), q6k if more else q4k), (b + "attn_output.weight", (h, 32 * d), q4k),
+                    (b + "ffn_gate_inp.weight", (x, h), f32), (b + "ffn_gate_exps.weight", (x, w, h), q4k),
+                    (b + "ffn_up_exps.weight", (x, w, h), q4k),
+                    (b + "ffn_down_exps.weight", (x, h, w), q6k if more else q4k)]
+    path = str(tmp_path / "Qwen3-30B-A3B-Q4_K_M.gguf")
+    writer = gguf.GGUFWriter(path, "qwen3moe")
+    writer.add_uint32("qwen3moe.block_count", n)
+    writer.add_uint32("qwen3moe.expert_count", x)
+    writer.add_uint32("qwen3moe.expert_used_count", c["num_experts_per_tok"])
+    data = 0
+    for name, shape, qt in tensors:
+        block, size = gguf.GGML_QUANT_SIZES[qt]
+        nbytes = int(np.prod(shape)) // block * size
+        writer.add_tensor_info(name, shape, np.float32, nbytes, raw_dtype=qt)
+        data += -(-nbytes // 32) * 32
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    writer.close()
+    os.truncate(path, -(-os.path.getsize(path) // 32) * 32 + data)
+    assert 17e9 < os.path.getsize(path) < 19e9 and os.stat(path).st_blocks * 512 < 2 ** 20   # ~18 GB, none on disk
+    monkeypatch.setenv("LMI_MEMINFO", _meminfo(tmp_path, HOST_MEMORY))
+    monkeypatch.setenv("LMI_CGROUP_ROOT", str(tmp_path / "no-cgroup"))
+    monkeypatch.setenv("LMI_MODEL_CACHE", str(tmp_path / "cache"))
+    with pytest.raises(GGUFError) as e:
+        hf_dir_for(path, "bf16", "cpu")
+    msg = str(e.value)
+    # every weight the file holds, at 2 bytes (the published count: norms included, in the file too)
+    assert "\n" not in msg and f"dequantized needs {2 * QWEN3_30B_A3B_PARAMS:,} bytes" in msg, msg
+    assert "top-8 experts" in msg and f"{HOST_MEMORY:,} bytes (24.00 GiB) are available" in msg, msg
+    assert not os.path.isdir(tmp_path / "cache" / "gguf") or not os.listdir(tmp_path / "cache" / "gguf")

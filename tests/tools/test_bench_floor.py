@@ -99,3 +99,27 @@ def test_weights_read_streams_the_served_tensors_where_they_lie():
         pytest.skip("the C kernels do not load here: no read probe")
     want = sum(t.numel() * t.element_size() // 4 * 4 for t in read)
     assert got["bytes"] == want and got["ms"] > 0
+
+
+def test_a_mixture_of_experts_reads_the_router_and_its_top_k_experts_a_token():
+    # hidden 64, 8 experts of width 32, top-2: a one-row step reads the router and 2 experts'
+    # packed panels (gate|up: 64 columns x 64 inputs; down: 64 columns x 32 inputs), not the other 6
+    from handler.model import layers, moe
+    from handler.model.cpu import prepack_linears
+
+    class _TinyMoe(_Tiny):
+        def __init__(self):
+            super().__init__(tied=False)
+            spec = moe.MoeSpec(experts=8, top_k=2, intermediate=32, norm_topk=True, fp32_weights=False, shared=0,
+                               sparse=(True,))
+            self.mlp = moe.SparseMoe(8 * 8, spec, layers.TensorParallel(), torch.float32, "cpu")
+            self.mlp.fuse()
+
+    m = _TinyMoe()
+    prepack_linears(m.mlp)
+    router, expert = 8 * 64 * 4, (64 * 64 + 64 * 32) * 4
+    got = floor.step_bytes(m)
+    assert got["weight_bytes_per_step"] == (100 * 8 + 8 + 8) * 4 + router + 2 * expert
+    assert floor.held_bytes(m) == (2 * 100 * 8 + 8 + 8) * 4 + router + 8 * expert
+    read, _ = floor.step_tensors(m)
+    assert {id(t) for t in m.mlp.experts[5].down_proj.pack.held()}.isdisjoint(id(t) for t in read)

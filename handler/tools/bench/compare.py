@@ -65,6 +65,9 @@ def prepare_model(preset: Preset, out_dir: str, model_dir: str | None = None, dt
     path = os.path.abspath(os.path.join(out_dir, "model"))
     if os.path.isfile(os.path.join(path, "config.json")):
         return path   # built by an earlier run into the same out dir
+    if preset.model == "qwen3-30b-a3b-q4km":     # needs llama.cpp's quantizer: made by its script
+        raise ValueError(f"preset {preset.name}: give --model-dir, the directory benchmarks/moe_q4km.py "
+                         "converts (it also runs this comparison)")
     if preset.model == "demo":
         from handler.tools.demo_model import build_demo_model
 

@@ -100,7 +100,7 @@ def main(argv: list[str], reexec: bool = False) -> int:
     p.add_argument("--quantize", help="option.quantize for the engine (e.g. int8)")
     p.add_argument("--arm", action="append", default=[], metavar="NAME=VALUE",
                    help="a CPU A/B arm of the runner, repeatable (handler/model/cpu.py Arms: prepack=0, "
-                        "gemm=onednn, bf16_gemm=panels|bf16|fp32, kv_layout=token, decode_stack=0)")
+                        "gemm=onednn, bf16_gemm=panels|bf16|fp32, kv_layout=token, decode_stack=0, moe_kernel=0)")
     p.add_argument("--out")
     a = p.parse_args(argv)
     from handler.model.cpu import Arms, preload_env

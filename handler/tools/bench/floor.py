@@ -25,6 +25,14 @@ the advice), so a probe in 4 KiB pages cannot put the floor above a step that ru
 Where the C kernels do not load there is no read probe: twice the copy rate, as a bound.
 `x_floor_read` is TPOT over it.
 
+A mixture of experts (our MoE families, handler/model/moe.py) reads, per sparse layer, only the
+top-k experts a token is routed to: `weight_bytes_per_step` counts the router, attention, norms,
+dense layers, shared experts and the head whole, and of each sparse layer's experts k of them (the
+experts of a layer hold equal bytes; the read probe streams experts 0..k-1 of each layer, where they
+lie). `weight_bytes_held` is every byte held, `moe` says how many experts and how many read. This
+is the active-bytes floor of one decode token; a step of several rows reads more (the union of
+their experts).
+
 `--results` (a `bench compare --clients 1,...` results.json): every server's TPOT p50 at one client
 divided by this precision's floor (run once per precision: fp32, bf16, int8, ...; a peer's layout of
 the same precision may read somewhat more or fewer bytes, so its ratio is an estimate).
@@ -77,22 +85,54 @@ def read_bandwidth(mib: int = PROBE_MIB, reps: int = 5) -> float | None:
     return src.numel() * 4 / best / 1e9
 
 
-def step_tensors(model) -> tuple[list, int]:
-    """The tensors a one-row decode step reads of `model`'s weights, as held (see the module doc), and
-    the bytes of the input embedding table left out."""
+def _idle_experts(model) -> tuple[set, dict | None]:
+    """ids of the modules of experts a one-row step does not read (each sparse layer's experts past its
+    top-k: all hold the same bytes), and the MoE figures (None for a dense model)."""
+    from handler.model.moe import SparseMoe
+    idle, sparse = set(), [m for m in model.modules() if isinstance(m, SparseMoe)]
+    for m in sparse:
+        for ex in list(m.experts)[m.spec.top_k:]:
+            idle.update(id(x) for x in ex.modules())
+    if not sparse:
+        return idle, None
+    return idle, {"sparse_layers": len(sparse), "experts": sparse[0].spec.experts, "top_k": sparse[0].spec.top_k}
+
+
+def _tensors_of(m) -> list:
     import torch
+    tensors = list(m.parameters(recurse=False)) + list(m.buffers(recurse=False))
+    pack = getattr(m, "pack", None)      # a handler/model/linear.py CpuLinear: what its pack holds
+    if pack is not None:
+        tensors += [t for t in (*pack.held(), m.bias32) if isinstance(t, torch.Tensor)]
+    return [t for t in tensors if t.is_floating_point() or t.dtype in (torch.int8, torch.uint8, torch.int32)]
+
+
+def held_bytes(model) -> int:
+    """Every byte of weights `model` holds (each tensor once), the embedding table included."""
+    seen, total = set(), 0
+    for m in model.modules():
+        for t in _tensors_of(m):
+            if id(t) not in seen:
+                seen.add(id(t))
+                total += t.numel() * t.element_size()
+    return total
+
+
+def step_tensors(model) -> tuple[list, int]:
+    """The tensors a one-row decode step reads of `model`'s weights, as held (see the module doc: of a
+    mixture's experts, the top-k of each sparse layer), and the bytes of the input embedding table
+    left out."""
     emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     head_reads_table = (head is not None and emb is not None and getattr(head, "weight", None) is emb.weight
                         and getattr(head, "pack", None) is None)      # a packed head reads its own copy
+    idle, _ = _idle_experts(model)
     seen, read, table = set(), [], 0
     for m in model.modules():
-        tensors = list(m.parameters(recurse=False)) + list(m.buffers(recurse=False))
-        pack = getattr(m, "pack", None)      # a handler/model/linear.py CpuLinear: what its pack holds
-        if pack is not None:
-            tensors += [t for t in (*pack.held(), m.bias32) if isinstance(t, torch.Tensor)]
-        for t in tensors:
-            if id(t) in seen or not t.is_floating_point() and t.dtype not in (torch.int8, torch.uint8, torch.int32):
+        if id(m) in idle:
+            continue
+        for t in _tensors_of(m):
+            if id(t) in seen:
                 continue
             seen.add(id(t))
             if m is emb and not head_reads_table:
@@ -142,8 +182,12 @@ def floor_of(model_dir: str, dtype: str, quantize: str | None) -> dict:
     from handler.tools import quality
     engine = quality.engine_for(model_dir, dtype, quantize)
     try:
-        held = step_tensors(engine.runner.model)
-        out = step_bytes(engine.runner.model, held)
+        model = engine.runner.model
+        held = step_tensors(model)
+        out = step_bytes(model, held)
+        moe = _idle_experts(model)[1]
+        if moe is not None:
+            out.update(weight_bytes_held=held_bytes(model), moe=moe)
         w = weights_read(held[0])
         if w is not None:   # scaled to every byte counted (a skipped tail or strided tensor: a few KiB)
             out["floor_weights_ms"] = round(w["ms"] * out["weight_bytes_per_step"] / w["bytes"], 3)
@@ -188,6 +232,11 @@ def main(argv: list[str]) -> int:
     said = f"read bandwidth {read_gbps:.1f} GB/s" if read_gbps else "no read probe (C kernels absent): 2x copy"
     if "floor_weights_ms" in held:
         said += f", the weights themselves read in {held['floor_weights_ms']:.1f} ms"
+    if "moe" in held:
+        m = held["moe"]
+        print(f"mixture of experts: top-{m['top_k']} of {m['experts']} experts in {m['sparse_layers']} sparse layers: "
+              f"{nbytes / 2 ** 20:.0f} MiB of the {held['weight_bytes_held'] / 2 ** 20:.0f} MiB held are read per "
+              "token (the active bytes)")
     print(f"weights read per step {nbytes / 2 ** 20:.0f} MiB ({a.quantize or a.dtype}); copy bandwidth "
           f"{bw['copy_gbps']:.1f} GB/s over {bw['threads']} threads, {said}; floor {floor_ms:.1f} ms per token "
           f"at the copy rate, {read_ms:.1f} ms at the read rate")

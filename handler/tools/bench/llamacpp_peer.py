@@ -1,7 +1,9 @@
 """llama.cpp's own server as a benchmark peer (`llamacpp`, `llamacpp_q8`, `llamacpp_gguf`): the native
 `llama-server` built from the llama.cpp that PyPI's llama-cpp-python sdist vendors, serving a
 GGUF converted from the same local HF directory our servers load, driven through its
-OpenAI-compatible /v1/completions with the same prompt token ids as every other cell.
+OpenAI-compatible /v1/completions with the same prompt token ids as every other cell. Its own
+quantizer, `llama-quantize`, is built beside it (`quantize`: a K-quant file such as Q4_K_M from a
+converted bf16/f32 GGUF, as llama.cpp's users make them).
 
 Install: python -m handler bench install-peer llamacpp [--dir DIR]   (or `make peer-llamacpp`)
 Location: DIR, else $LMI_BENCH_LLAMACPP_DIR, else <repo>/.cache/peers/llamacpp.
@@ -56,8 +58,12 @@ def peer_dir(path: str | None = None) -> str:
     return resolve_peer_dir(path, ENV_DIR, "llamacpp")
 
 
-def binary(path: str) -> str:
-    return os.path.join(path, "build", "bin", "llama-server")
+def binary(path: str, tool: str = "llama-server") -> str:
+    """One of the built tools: llama-server, or llama-quantize (its own quantizer: a Q4_K_M file)."""
+    return os.path.join(path, "build", "bin", tool)
+
+
+TOOLS = ("llama-server", "llama-quantize")
 
 
 def source(path: str) -> str:
@@ -90,12 +96,12 @@ def install(path: str | None = None, log=print, python: str | None = None) -> st
                         SDIST, "-d", os.path.join(d, "src")], check=True)
         with tarfile.open(os.path.join(d, "src", f"llama_cpp_python-{VERSION}.tar.gz")) as t:
             t.extractall(os.path.join(d, "src"), filter="data")
-    if not os.access(binary(d), os.X_OK):
-        log("building llama-server (8-15 minutes on 2 cores; niced)")
+    if not all(os.access(binary(d, t), os.X_OK) for t in TOOLS):
+        log(f"building {' and '.join(TOOLS)} (8-15 minutes on 2 cores; niced)")
         subprocess.run(["nice", "-n", "10", "cmake", "-S", source(d), "-B", os.path.join(d, "build"), *CMAKE_FLAGS],
                        check=True)
-        subprocess.run(["nice", "-n", "10", "cmake", "--build", os.path.join(d, "build"), "--target",
-                        "llama-server", "-j2"], check=True)
+        subprocess.run(["nice", "-n", "10", "cmake", "--build", os.path.join(d, "build"), "--target", *TOOLS, "-j2"],
+                       check=True)
     venv = os.path.join(d, "convert-venv")
     if not os.path.exists(os.path.join(venv, "bin", "python")):
         subprocess.run([python or sys.executable, "-m", "venv", venv], check=True)
@@ -155,6 +161,18 @@ def convert(path: str, model_dir: str, outtype: str, log=print) -> str:
                     "--outfile", out + ".tmp"], check=True, env=env)
     os.replace(out + ".tmp", out)
     shutil.rmtree(src, ignore_errors=True)
+    return out
+
+
+def quantize(path: str, src_gguf: str, kind: str = "Q4_K_M", log=print) -> str:
+    """llama.cpp's own quantizer over a converted GGUF (`llama-quantize SRC OUT KIND`), once per
+    (source, kind): the file beside the source, named <source stem>-<kind>.gguf."""
+    out = src_gguf.removesuffix(".gguf") + f"-{kind}.gguf"
+    if os.path.isfile(out):
+        return out
+    log(f"llama-quantize {os.path.basename(src_gguf)} -> {kind}: {out}")
+    subprocess.run(["nice", "-n", "10", binary(path, "llama-quantize"), src_gguf, out + ".tmp", kind], check=True)
+    os.replace(out + ".tmp", out)
     return out
 
 

@@ -304,6 +304,12 @@ LMI_CPU_QWEN_05B = replace(
          "(the load curve's 1 and 4 clients run the first 16, 16 clients the first 64); KV 12,800 tokens, "
          "at most 64 running; the one-at-a-time servers run the first 16. About 5 minutes a repetition per "
          "server in fp32 on 2 cores")
+MOE_CPU_30B_A3B = replace(
+    LMI_CPU_135M, requests=64, serial_requests=16,
+    note="Qwen3-30B-A3B's shape (128 experts, top-8; random weights, a few of its 48 layers) as llama.cpp's "
+         "Q4_K_M on a 2-core CPU, one server at a time: prompts of about 15/60/160 tokens, each unique from "
+         "its first token, outputs 16/32/64, greedy, EOS ignored; 1 client runs the first 16 requests, 16 "
+         "clients the 64; KV 12,800 tokens, at most 64 running")
 LMI_CPU_QWEN_15B = replace(
     LMI_CPU_135M, requests=60, serial_requests=8, max_new_tokens=(8, 16, 32),
     note="Qwen2.5-Coder-1.5B on a 2-core CPU, one server at a time: prompts of about 15/60/160 tokens, each "
@@ -371,6 +377,11 @@ PRESETS = {
                             description="Qwen2.5-Coder-1.5B-Instruct (as the 0.5B) on CPU at 1, 4, 16 and 50 "
                                         "clients; one server at a time", one_at_a_time=True,
                             clients=(1, 4, 16, 50)),
+    "cpu-moe-30b-a3b": Preset("cpu-moe-30b-a3b", (MOE_CPU_30B_A3B,), repetitions=1, model="qwen3-30b-a3b-q4km",
+                              description="Qwen3-30B-A3B's shape as llama.cpp's Q4_K_M at a few layers: ours "
+                                          "(paged_gguf) and llama.cpp (llamacpp_gguf) on the same file at 1 and "
+                                          "16 clients; the model is made by benchmarks/moe_q4km.py (--model-dir)",
+                              one_at_a_time=True, clients=(1, 16)),
     "kv-int8": Preset("kv-int8", (LONG_CONTEXT_1, LMI_CPU_KV), repetitions=2, model="smollm2",
                       description="the int8 KV cache (paged_kv8) against the model's dtype (paged), beside "
                                   "OpenVINO GenAI's u8 KV (openvino_kv8) and llama.cpp's q8_0 KV (llamacpp_kv8) "

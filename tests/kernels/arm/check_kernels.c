@@ -842,6 +842,114 @@ static void check_stack_bf16(void) {
                                       : "differs from the kernels one by one");
 }
 
+/* lmi_moe_experts: 11 rows, top-3 of 6 experts (one idle, one taking most rows), fp32 experts (gate|up
+ * fused, LIN_F32) and bf16 experts (gate and up apart, widened: LIN_BF16W), on 2 threads (experts in
+ * parallel) and 1 (one after another), against the same rows one expert at a time: gathered, the GEMMs, silu(g) * u, down, out += w * y in ascending expert order
+ * (the bf16 product and sum each rounded): the same bits. */
+static void check_moe(int bf) {
+    enum { X = 6, T = 11, K = 3, E = 64, I = 40 };
+    float *tmp = alloc(4 * 2 * I * E);
+    float *Pgu[X], *Pd[X];
+    uint16_t *Bg[X], *Bu[X], *Bd[X];
+    lmi_lin gate[X], up[X], down[X];
+    memset(gate, 0, sizeof gate), memset(up, 0, sizeof up), memset(down, 0, sizeof down);
+    for (int e = 0; e < X; ++e) {
+        fill(tmp, 2 * I * E, 0.2f);
+        if (bf) {
+            Bg[e] = packed_bf16(bf16_of(tmp, I * E), I, E), Bu[e] = packed_bf16(bf16_of(tmp + I * E, I * E), I, E);
+            gate[e] = (lmi_lin){LIN_BF16W, I, E, Bg[e]}, up[e] = (lmi_lin){LIN_BF16W, I, E, Bu[e]};
+        } else {
+            Pgu[e] = packed(tmp, 2 * I, E);
+            gate[e] = (lmi_lin){LIN_F32, 2 * I, E, Pgu[e]}, up[e] = (lmi_lin){LIN_F32, 0, E, 0};
+        }
+        fill(tmp, E * I, 0.2f);
+        if (bf) {
+            Bd[e] = packed_bf16(bf16_of(tmp, E * I), E, I);
+            down[e] = (lmi_lin){LIN_BF16W, E, I, Bd[e]};
+        } else {
+            Pd[e] = packed(tmp, E, I);
+            down[e] = (lmi_lin){LIN_F32, E, I, Pd[e]};
+        }
+    }
+    int64_t ids[T * K];
+    float w[T * K];
+    for (int64_t t = 0; t < T; ++t) {   /* expert 4 idle; expert 2 first in most rows; distinct per row */
+        const int64_t rest[] = {0, 1, 3, 5};
+        ids[t * K] = t % 4 ? 2 : 3;
+        for (int64_t j = 1, r = t; j < K; ++j, ++r) {
+            while (rest[r % 4] == ids[t * K]) ++r;
+            ids[t * K + j] = rest[r % 4];
+        }
+        for (int64_t j = 0; j < K; ++j)
+            w[t * K + j] = bf ? bf16_to_f32(f32_to_bf16(0.2f + 0.3f * frand())) : 0.2f + 0.3f * frand();
+    }
+    const int64_t es = bf ? 2 : 4;
+    fill(tmp, T * E, 1.f);
+    void *x = bf ? (void *)bf16_of(tmp, T * E) : (void *)tmp;
+    char *out = alloc(es * T * E), *ref = alloc(es * T * E);
+    lmi_set_sleef_expf((void *)plain_expf_v, PLAIN_LANES);
+    int ok = lmi_moe_experts(gate, up, down, X, x, T, E, K, ids, w, out, bf, 2) == 0;
+    /* one expert at a time, its rows slot-major */
+    memset(ref, 0, es * T * E);
+    char *xs = alloc(es * T * E), *gu = alloc(es * T * 2 * I), *act = alloc(es * T * I), *y = alloc(es * T * E);
+    int64_t rows[T * K];
+    float ws[T * K];
+    for (int64_t e = 0; e < X; ++e) {
+        int64_t c = 0;
+        for (int64_t j = 0; j < K; ++j)
+            for (int64_t t = 0; t < T; ++t)
+                if (ids[t * K + j] == e) rows[c] = t, ws[c] = w[t * K + j], ++c;
+        if (!c) continue;
+        for (int64_t i = 0; i < c; ++i) memcpy(xs + i * E * es, (char *)x + rows[i] * E * es, E * es);
+        if (bf) {
+            uint16_t *g = (uint16_t *)gu, *u = g + c * I;
+            linear_bf16w((uint16_t *)xs, c, E, Bg[e], I, 0, g);
+            linear_bf16w((uint16_t *)xs, c, E, Bu[e], I, 0, u);
+            for (int64_t i = 0; i < c * I; ++i) {
+                const float gg = bf16_to_f32(g[i]);
+                const float sg = bf16_to_f32(f32_to_bf16(gg / (1.f + expf(-gg))));
+                ((uint16_t *)act)[i] = f32_to_bf16(sg * bf16_to_f32(u[i]));
+            }
+            linear_bf16w((uint16_t *)act, c, I, Bd[e], E, 0, (uint16_t *)y);
+            for (int64_t i = 0; i < c; ++i)
+                for (int64_t d = 0; d < E; ++d) {
+                    uint16_t *o = (uint16_t *)ref + rows[i] * E + d;
+                    const float p = bf16_to_f32(f32_to_bf16(bf16_to_f32(((uint16_t *)y)[i * E + d]) * ws[i]));
+                    *o = f32_to_bf16(bf16_to_f32(*o) + p);
+                }
+        } else {
+            float *g = (float *)gu, *a = (float *)act, *yy = (float *)y;
+            lmi_gemm((float *)xs, c, E, E, Pgu[e], 2 * I, 0, g, 2 * I, 2);
+            for (int64_t i = 0; i < c; ++i)
+                for (int64_t n = 0; n < I; ++n) {
+                    const float gg = g[i * 2 * I + n];
+                    a[i * I + n] = gg / (1.f + expf(-gg)) * g[i * 2 * I + I + n];
+                }
+            lmi_gemm(a, c, I, I, Pd[e], E, 0, yy, E, 2);
+            for (int64_t i = 0; i < c; ++i)
+                for (int64_t d = 0; d < E; ++d) ((float *)ref)[rows[i] * E + d] += yy[i * E + d] * ws[i];
+        }
+    }
+    ok = ok && !memcmp(out, ref, es * T * E);
+    /* one thread: one expert after another (2 threads took the experts in parallel): the same bits */
+    memset(out, 0xff, es * T * E);
+    ok = ok && lmi_moe_experts(gate, up, down, X, x, T, E, K, ids, w, out, bf, 1) == 0 && !memcmp(out, ref, es * T * E);
+    int64_t bad[T * K];
+    memcpy(bad, ids, sizeof bad);
+    bad[7] = X;
+    ok = ok && lmi_moe_experts(gate, up, down, X, x, T, E, K, bad, w, out, bf, 2) == -1 && !memcmp(out, ref, es * T * E);
+    report(bf ? "moe_bf16" : "moe", ok, ok ? (bf ? "bf16 experts (widened), 11 rows top-3 of 6: bit-equal to one expert "
+                                                   "at a time" : "fp32 experts, 11 rows top-3 of 6: bit-equal to one "
+                                                                 "expert at a time")
+                                           : "differs from one expert at a time");
+    for (int e = 0; e < X; ++e) {
+        if (bf) free(Bg[e]), free(Bu[e]), free(Bd[e]);
+        else free(Pgu[e]), free(Pd[e]);
+    }
+    if (bf) free(x);
+    free(tmp), free(out), free(ref), free(xs), free(gu), free(act), free(y);
+}
+
 /* int8 KV: lmi_write_kv_i8 against a plain quantizer (the same fp32 operations: the bytes and the
  * scales bit for bit; a negative slot skipped, a slot past the pool refused), then
  * lmi_decode_attention_i8 against float64 over the dequantized rows, and lmi_decode_fused_i8
@@ -957,7 +1065,7 @@ int main(void) {
            bf16, i8, q);
     printf("AVAIL silu %d\nAVAIL prefill_attention_fp32 %d\nAVAIL prefill_attention_bf16 %d\nAVAIL step_layers %d\n",
            silu, gemm, bf16 && bf16w, gemm && silu);
-    printf("AVAIL step_layers_bf16 %d\n", bf16w && silu);
+    printf("AVAIL step_layers_bf16 %d\nAVAIL moe %d\nAVAIL moe_bf16 %d\n", bf16w && silu, gemm && silu, bf16w && silu);
     /* portable C: always built */
     printf("AVAIL rotary 1\nAVAIL write_kv 1\nAVAIL rms_norm 1\nAVAIL row_stats 1\nAVAIL decode_attention 1\n");
     printf("AVAIL kv_int8 1\n");
@@ -978,6 +1086,8 @@ int main(void) {
     if (bf16 && bf16w) check_prefill_attention(1, "prefill_attention_bf16");
     if (gemm && silu) check_stack();
     if (bf16w && silu) check_stack_bf16();
+    if (gemm && silu) check_moe(0);
+    if (bf16w && silu) check_moe(1);
     printf("DONE %d failed\n", failures);
     return failures ? 1 : 0;
 }
