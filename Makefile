@@ -15,7 +15,7 @@ PORT   ?= 8080
 PROPERTIES ?= serving.properties.d/paged.properties
 PYTEST_ARGS ?=
 
-.PHONY: serve test install install-dev demo-model bench peer-vllm peer-openvino peer-llamacpp peers bench-peers clean
+.PHONY: serve test install install-dev demo-model bench peer-vllm peer-openvino peer-llamacpp peer-onnx peers bench-peers bench-embed clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -78,7 +78,18 @@ peer-openvino: $(VENV)/.installed
 peer-llamacpp: $(VENV)/.installed
 	nice -n 10 $(PY) -m handler bench install-peer llamacpp
 
-peers: peer-vllm peer-openvino peer-llamacpp
+## make peer-onnx: ONNX Runtime 1.32 + optimum-onnx in their own venv, .cache/peers/onnx (bench embed's onnx cell)
+peer-onnx: $(VENV)/.installed
+	nice -n 10 $(PY) -m handler bench install-peer onnx
+
+peers: peer-vllm peer-openvino peer-llamacpp peer-onnx
+
+## make bench-embed: all-MiniLM-L6-v2 served by us, sentence-transformers, ONNX Runtime, OpenVINO and vLLM CPU
+## (texts of 16 and 256 tokens at 1, 16 and 64 clients; absent peers are skipped with their install command)
+bench-embed: $(VENV)/.installed-dev
+	test -d .cache/models/all-minilm-l6-v2 || $(PY) -m handler build-demo-model --family all-minilm-l6-v2 \
+	    .cache/models/all-minilm-l6-v2
+	HF_HUB_OFFLINE=1 flock /tmp/bench.lock $(PY) -m handler bench embed --model-dir .cache/models/all-minilm-l6-v2 --out benchmarks/results/embed-minilm
 
 ## make bench-peers: our paged engine against every CPU peer on SmolLM2-135M, fp32, with a load curve
 ## (results in benchmarks/results/cpu-peers-135m/fp32; about 30 minutes)

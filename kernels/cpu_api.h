@@ -111,6 +111,11 @@ int lmi_prefill_attention(const void *q, const void *k, const void *v, int64_t q
     int64_t qh, int64_t khs, int64_t vhs, void *out, int64_t os, int64_t oh, int bf16, const int64_t *starts,
     const int64_t *lens, const int64_t *order, int64_t P, int64_t H, int64_t Hkv, int64_t D, float scale,
     int nthreads);
+/* the same over an encoder's packed sequences, bidirectional (each row sees all its sequence's rows) */
+int lmi_encoder_attention(const void *q, const void *k, const void *v, int64_t qs, int64_t ks, int64_t vs,
+    int64_t qh, int64_t khs, int64_t vhs, void *out, int64_t os, int64_t oh, int bf16, const int64_t *starts,
+    const int64_t *lens, const int64_t *order, int64_t P, int64_t H, int64_t Hkv, int64_t D, float scale,
+    int nthreads);
 
 /* cpu_kv.c: the int8 KV pool (kernels/cpu_kv.h) */
 int lmi_write_kv_i8(int8_t *kc, int8_t *vc, float *ksc, float *vsc, const void *key, const void *value, int bf16,

@@ -465,7 +465,7 @@ void lmi_row_stats(const float *x, int64_t rows, int64_t V, int64_t ld, int64_t 
  * within the row's room: no scalar tail of exp on rows of a few keys); s[L:Lp] is left tiny, the
  * caller zeroes what it reads. Exponents are clamped at -80 (e^-80 ~ 2e-35, nothing beside the
  * row's maximum's 1): libmvec's expf takes a scalar path for every lane that underflows. */
-static void causal_softmax(float *s, int64_t L, int64_t Lp, float scale) {
+static void row_softmax(float *s, int64_t L, int64_t Lp, float scale) {
     float m = s[0];
 #pragma omp simd reduction(max : m)
     for (int64_t t = 0; t < L; ++t) m = s[t] > m ? s[t] : m;
@@ -482,8 +482,9 @@ static void causal_softmax(float *s, int64_t L, int64_t Lp, float scale) {
     for (int64_t t = 0; t < Lp; ++t) s[t] *= inv;
 }
 
-/* Causal attention of P whole prompts (each one's context is its own rows of this step) by the
- * panel GEMMs: per (prompt, KV head) item, K packed as a weight (S = Q K^T, the g query heads'
+/* Attention of P whole prompts (each one's context is its own rows of this step) by the panel
+ * GEMMs, causal (a decoder's prompts: lmi_prefill_attention) or bidirectional (an encoder's packed
+ * sequences, every row seeing all its sequence's rows: lmi_encoder_attention): per (prompt, KV head) item, K packed as a weight (S = Q K^T, the g query heads'
  * rows stacked), a causal softmax per row, V^T packed (O = P V, one call per 32-column panel so
  * that a chunk reads only its first keys). Items run on the OpenMP pool, largest first (`order`),
  * each GEMM on its own thread. q/k/v/out: row t's head at x + t * stride + head * head stride (qh
@@ -491,11 +492,10 @@ static void causal_softmax(float *s, int64_t L, int64_t Lp, float scale) {
  * (bf16 = 1: Q K^T by vdpbf16ps, scores and softmax in fp32, P V with P kept in fp32 and V widened
  * in registers, O rounded to bf16 once). starts/lens [P]: each prompt's first row and length.
  * Returns 0, or -2 when scratch memory ran out. */
-int lmi_prefill_attention(const void *q, const void *k, const void *v, int64_t qs, int64_t ks, int64_t vs,
-                          int64_t qh, int64_t khs, int64_t vhs, void *out, int64_t os, int64_t oh, int bf16,
-                          const int64_t *starts, const int64_t *lens,
-                          const int64_t *order, int64_t P, int64_t H, int64_t Hkv, int64_t D, float scale,
-                          int nthreads) {
+static int prompt_attention(const void *q, const void *k, const void *v, int64_t qs, int64_t ks, int64_t vs,
+                            int64_t qh, int64_t khs, int64_t vhs, void *out, int64_t os, int64_t oh, int bf16,
+                            const int64_t *starts, const int64_t *lens, const int64_t *order, int64_t P, int64_t H,
+                            int64_t Hkv, int64_t D, float scale, int causal, int nthreads) {
     const int64_t g = H / Hkv, es = bf16 ? 2 : 4;
     int64_t nmax = 0;
     for (int64_t p = 0; p < P; ++p) nmax = lens[p] > nmax ? lens[p] : nmax;
@@ -545,20 +545,21 @@ int lmi_prefill_attention(const void *q, const void *k, const void *v, int64_t q
                     lmi_pack_b((const float *)tmp, D, n, (float *)vp);
                 for (int64_t i0 = 0; i0 < n; i0 += PQ) {
                     const int64_t i1 = i0 + PQ < n ? i0 + PQ : n, r = i1 - i0, m = g * r;
-                    const int64_t w = bf16 ? (i1 + 1) / 2 * 2 : i1;    /* keys read: 0 .. i1 - 1 (+ a zero) */
+                    const int64_t seen = causal ? i1 : n;      /* keys a row of this chunk may see */
+                    const int64_t w = bf16 ? (seen + 1) / 2 * 2 : seen;    /* keys read: 0 .. seen - 1 (+ a zero) */
                     for (int64_t j = 0; j < g; ++j)     /* A row j * r + (i - i0): head kh * g + j at position i */
                         for (int64_t i = i0; i < i1; ++i)
                             memcpy(a_buf + ((j * r + i - i0) * D) * es,
                                    (const char *)q + ((t0 + i) * qs + (kh * g + j) * qh) * es, (size_t)(D * es));
                     if (bf16)
-                        lmi_gemm_bf16((const uint16_t *)a_buf, m, D, D, (const uint16_t *)kp, i1, 0, s, npad, 0, 1);
+                        lmi_gemm_bf16((const uint16_t *)a_buf, m, D, D, (const uint16_t *)kp, seen, 0, s, npad, 0, 1);
                     else
-                        lmi_gemm((const float *)a_buf, m, D, D, (const float *)kp, i1, 0, s, npad, 1);
+                        lmi_gemm((const float *)a_buf, m, D, D, (const float *)kp, seen, 0, s, npad, 1);
                     for (int64_t j = 0; j < g; ++j)
                         for (int64_t i = i0; i < i1; ++i) {
                             float *sr = s + (j * r + i - i0) * npad;
-                            const int64_t L = i + 1;
-                            causal_softmax(sr, L, (L + 15) / 16 * 16, scale);
+                            const int64_t L = causal ? i + 1 : n;
+                            row_softmax(sr, L, (L + 15) / 16 * 16, scale);
                             for (int64_t t = L; t < w; ++t) sr[t] = 0.f;
                         }
                     for (int64_t c = 0; c < D; c += 32) {   /* O's 32-column panels, each over keys 0 .. w - 1 */
@@ -584,4 +585,22 @@ int lmi_prefill_attention(const void *q, const void *k, const void *v, int64_t q
         free(mem);
     }
     return failed ? -2 : 0;
+}
+
+int lmi_prefill_attention(const void *q, const void *k, const void *v, int64_t qs, int64_t ks, int64_t vs,
+                          int64_t qh, int64_t khs, int64_t vhs, void *out, int64_t os, int64_t oh, int bf16,
+                          const int64_t *starts, const int64_t *lens,
+                          const int64_t *order, int64_t P, int64_t H, int64_t Hkv, int64_t D, float scale,
+                          int nthreads) {
+    return prompt_attention(q, k, v, qs, ks, vs, qh, khs, vhs, out, os, oh, bf16, starts, lens, order, P, H, Hkv, D,
+                            scale, 1, nthreads);
+}
+
+int lmi_encoder_attention(const void *q, const void *k, const void *v, int64_t qs, int64_t ks, int64_t vs,
+                          int64_t qh, int64_t khs, int64_t vhs, void *out, int64_t os, int64_t oh, int bf16,
+                          const int64_t *starts, const int64_t *lens,
+                          const int64_t *order, int64_t P, int64_t H, int64_t Hkv, int64_t D, float scale,
+                          int nthreads) {
+    return prompt_attention(q, k, v, qs, ks, vs, qh, khs, vhs, out, os, oh, bf16, starts, lens, order, P, H, Hkv, D,
+                            scale, 0, nthreads);
 }

@@ -3,17 +3,26 @@
 The weights are transformers' modules (loaded with `AutoModel`, so every checkpoint naming it reads is
 read); the forward is ours: one [T, H] tensor for all of a batch's tokens (no padding), the linears
 whatever pack the runner put there (handler/model/linear.py CpuLinear: fp32 panels, int8), and
-bidirectional attention per sequence with torch's scaled_dot_product_attention over that sequence's rows
-(a C bidirectional kernel over the packed rows is for later: the kernels/ tree is being reorganised).
+bidirectional attention over the packed rows in one C call a layer (kernels/cpu_decode.c
+lmi_encoder_attention: each sequence's rows see all of their sequence and nothing else, the panel GEMMs
+inside, sequences longest first over the threads); where the kernels do not run (another device or
+dtype, no C build) torch's scaled_dot_product_attention per sequence serves, the same values to fp32
+rounding.
 
     x = LayerNorm(word[ids] + position[pos] + token_type[types])     pos: 0.. (BERT), pad+1.. (RoBERTa)
     per layer:  x = LN(x + o(attn(q(x), k(x), v(x))));  x = LN(x + down(act(up(x))))
 """
 from __future__ import annotations
 
+import logging
+
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from kernels import cpu as cpu_ext
+
+log = logging.getLogger("lmi.encoder")
 
 # model_type -> where positions start (RoBERTa's family numbers them from padding_idx + 1).
 ROBERTA_TYPES = ("roberta", "xlm-roberta", "camembert")
@@ -30,14 +39,17 @@ class EncoderLayer(nn.Module):
         self.down, self.ln2 = layer.output.dense, layer.output.LayerNorm
         self.heads = heads
 
-    def forward(self, x: torch.Tensor, spans: list[tuple[int, int]]) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, spans: list[tuple[int, int]], lists: tuple[list, list]) -> torch.Tensor:
+        """x [T, H]; spans each sequence's rows; lists (starts, lengths) of the same, for the C call."""
         T, H = x.shape
         d = H // self.heads
-        q, k, v = (m(x).view(T, self.heads, d).transpose(0, 1) for m in (self.q, self.k, self.v))  # [h, T, d]
-        out = torch.empty(self.heads, T, d, dtype=x.dtype, device=x.device)
-        for s, e in spans:      # bidirectional within each sequence, nothing across
-            out[:, s:e] = F.scaled_dot_product_attention(q[:, s:e], k[:, s:e], v[:, s:e])
-        x = self.ln1(x + self.o(out.transpose(0, 1).reshape(T, H)))
+        q, k, v = (m(x).view(T, self.heads, d) for m in (self.q, self.k, self.v))     # [T, h, d] views
+        out = torch.empty(T, self.heads, d, dtype=x.dtype, device=x.device)
+        if not (x.device.type == "cpu" and cpu_ext.encoder_attention(q, k, v, *lists, d ** -0.5, out)):
+            qt, kt, vt, ot = (t.transpose(0, 1) for t in (q, k, v, out))            # [h, T, d]
+            for s, e in spans:      # bidirectional within each sequence, nothing across
+                ot[:, s:e] = F.scaled_dot_product_attention(qt[:, s:e], kt[:, s:e], vt[:, s:e])
+        x = self.ln1(x + self.o(out.view(T, H)))
         return self.ln2(x + self.down(self.act(self.up(x))))
 
 
@@ -67,8 +79,9 @@ class Encoder(nn.Module):
         if self.token_type is not None:     # RoBERTa's one segment: a pair's second text is segment 0 too
             x = x + self.token_type(types if self.token_type.num_embeddings > 1 else torch.zeros_like(types))
         x = self.ln(x)
+        lists = ([s for s, _ in spans], [e - s for s, e in spans])
         for layer in self.layers:
-            x = layer(x, spans)
+            x = layer(x, spans, lists)
         return x
 
     def classify(self, hidden: torch.Tensor, spans: list[tuple[int, int]]) -> torch.Tensor:
@@ -95,4 +108,6 @@ def load_encoder(model_dir: str, config, dtype: torch.dtype, classifier: bool) -
     hf.eval()
     enc = Encoder(base, config, head).eval()
     enc.requires_grad_(False)
+    log.info("encoder attention: %s", "one C call a layer over the packed sequences (lmi_encoder_attention)"
+             if cpu_ext.prefill_attention_available(dtype) else f"torch SDPA per sequence (no C kernel for {dtype})")
     return enc

@@ -7,7 +7,8 @@ Models:
   decoders (Qwen, Llama, ...) with option.task=text_embedding: transformers' base model, one sequence
     a forward (causal attention), last-token pooling (Qwen3-Embedding's recipe), normalized
 Pooling comes from sentence-transformers' files where the directory has them (modules.json: the
-Pooling module's config for the mode, a Normalize module for unit length; a Dense module is refused);
+Pooling module's config for the mode, Dense modules (a linear layer and its activation after pooling,
+as sentence-transformers applies them), a Normalize module for unit length);
 without them an encoder pools [CLS] and normalizes (vLLM's default for BERT), a decoder its last token.
 Linear layers are packed as the LLMs' are (handler/model/cpu.py prepack_linears; option.quantize=int8
 / int8_weight_only: handler/model/quant.py).
@@ -59,6 +60,48 @@ class PoolingSpec:
     mode: str               # one of MODES
     normalize: bool         # unit length (cosine similarity is then a dot product)
     source: str             # where it came from (the load log line)
+    dense: tuple = ()       # sentence-transformers' Dense modules after pooling: their folders, in order
+
+
+# A Dense module's activation_function (its class path as sentence-transformers saves it) -> ours.
+DENSE_ACTIVATIONS = {"torch.nn.modules.activation.Tanh": torch.tanh, "torch.nn.modules.linear.Identity": None,
+                     "torch.nn.modules.activation.ReLU": torch.relu, "torch.nn.modules.activation.Sigmoid": torch.sigmoid,
+                     "torch.nn.modules.activation.GELU": torch.nn.functional.gelu}
+
+
+class Dense(torch.nn.Module):
+    """One sentence-transformers Dense module: y = activation(x W^T + b) on the pooled vectors."""
+
+    def __init__(self, folder: str):
+        super().__init__()
+        cfg = _json(os.path.join(folder, "config.json"))
+        act = cfg.get("activation_function", "torch.nn.modules.activation.Tanh")
+        if act not in DENSE_ACTIVATIONS:
+            raise ModelLoadError(f"{folder}/config.json: activation_function {act!r} is not supported; allowed: "
+                                 f"{', '.join(DENSE_ACTIVATIONS)}")
+        self.act = DENSE_ACTIVATIONS[act]
+        st = os.path.join(folder, "model.safetensors")
+        if os.path.isfile(st):
+            from safetensors.torch import load_file
+            w = load_file(st)
+        elif os.path.isfile(os.path.join(folder, "pytorch_model.bin")):
+            w = torch.load(os.path.join(folder, "pytorch_model.bin"), map_location="cpu", weights_only=True)
+        else:
+            raise ModelLoadError(f"{folder}: a Dense module without model.safetensors or pytorch_model.bin")
+        n_in, n_out = int(cfg["in_features"]), int(cfg["out_features"])
+        weight = w.get("linear.weight")
+        if weight is None or tuple(weight.shape) != (n_out, n_in):
+            raise ModelLoadError(f"{folder}: linear.weight is {None if weight is None else tuple(weight.shape)}, "
+                                 f"config.json says ({n_out}, {n_in})")
+        self.linear = torch.nn.Linear(n_in, n_out, bias="linear.bias" in w).requires_grad_(False)
+        self.linear.weight.copy_(weight)
+        if self.linear.bias is not None:
+            self.linear.bias.copy_(w["linear.bias"])
+        self.out_features = n_out
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.linear(x.to(self.linear.weight.dtype))
+        return y if self.act is None else self.act(y)
 
 
 def _json(path: str):
@@ -71,7 +114,7 @@ def pooling_spec(model_dir: str, decoder: bool) -> PoolingSpec:
     modules_path = os.path.join(model_dir, "modules.json")
     if not os.path.isfile(modules_path):
         return PoolingSpec("lasttoken" if decoder else "cls", True, "default (no modules.json)")
-    mode, normalize = None, False
+    mode, normalize, dense = None, False, []
     for m in _json(modules_path):
         kind = str(m.get("type", "")).rsplit(".", 1)[-1]
         if kind == "Transformer":
@@ -91,12 +134,16 @@ def pooling_spec(model_dir: str, decoder: bool) -> PoolingSpec:
                         "mean_sqrt_len_tokens": "mean_sqrt_len", "lasttoken": "lasttoken"}[on[0]]
             if mode not in MODES:
                 raise ModelLoadError(f"{m.get('path')}/config.json: pooling mode {mode!r}; allowed: {', '.join(MODES)}")
+        elif kind == "Dense":
+            if normalize:
+                raise ModelLoadError(f"modules.json: a Dense module ({m.get('path')}) after Normalize is not supported")
+            dense.append(str(m.get("path", "")))
         elif kind == "Normalize":
             normalize = True
         else:
             raise ModelLoadError(f"modules.json: the sentence-transformers module {m.get('type')} ({m.get('path')}) "
-                                 "is not supported here (Transformer, Pooling and Normalize are)")
-    return PoolingSpec(mode or ("lasttoken" if decoder else "mean"), normalize, "modules.json")
+                                 "is not supported here (Transformer, Pooling, Dense and Normalize are)")
+    return PoolingSpec(mode or ("lasttoken" if decoder else "mean"), normalize, "modules.json", tuple(dense))
 
 
 def declared_max_length(model_dir: str) -> int | None:
@@ -155,7 +202,8 @@ class PoolingRunner:
                                  f"{', '.join(SUPPORTED_TYPES)}; decoders (Qwen, Llama, ...) embed with last-token pooling")
         self.spec = pooling_spec(model_dir, decoder=not self.encoder)
         if normalize is not None and normalize != self.spec.normalize:
-            self.spec = PoolingSpec(self.spec.mode, normalize, f"{self.spec.source}; option.normalize={str(normalize).lower()}")
+            self.spec = PoolingSpec(self.spec.mode, normalize, f"{self.spec.source}; option.normalize={str(normalize).lower()}",
+                                    self.spec.dense)
         self.num_labels = int(getattr(config, "num_labels", 0) or 0) if classifier else 0
         self.id2label = {int(k): v for k, v in (getattr(config, "id2label", None) or {}).items()} if classifier else {}
         with torch.device("cpu"):
@@ -170,10 +218,13 @@ class PoolingRunner:
         self.model.to(self.device)
         declared = declared_max_length(model_dir)
         self.max_model_len = min(x for x in (limit, declared, max_model_len) if x)
-        self.hidden_size = int(config.hidden_size)
         self.quantized = self._pack_linears(quantize)
-        log.info("pooling model: %s (%s), task %s, pooling %s%s (%s), max %d tokens, linears %s",
+        # after the packing: the Dense heads stay fp32 nn.Linear (a few thousand weights, once per input)
+        self.dense = [Dense(os.path.join(model_dir, p)) for p in self.spec.dense]
+        self.hidden_size = self.dense[-1].out_features if self.dense else int(config.hidden_size)
+        log.info("pooling model: %s (%s), task %s, pooling %s%s%s (%s), max %d tokens, linears %s",
                  config.model_type, ", ".join(archs), task, self.spec.mode,
+                 "".join(f" + Dense {d.linear.in_features}->{d.out_features}" for d in self.dense),
                  " + normalize" if self.spec.normalize else "", self.spec.source, self.max_model_len,
                  self.quantized or "packed")
 
@@ -213,6 +264,8 @@ class PoolingRunner:
             hidden = torch.cat([self.model(input_ids=torch.tensor([x.ids], device=self.device)).last_hidden_state[0]
                                 for x in inputs])
         out = pool(hidden, spans, self.spec.mode).float()
+        for d in self.dense:
+            out = d(out).float()
         if self.spec.normalize:
             out = torch.nn.functional.normalize(out, p=2, dim=-1)
         return out.tolist()

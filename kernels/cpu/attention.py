@@ -164,8 +164,20 @@ def prefill_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     Q K^T by vdpbf16ps, P V in fp32 over V widened in registers); False (nothing written) where the
     kernels cannot take them."""
     fn = load()
+    return _prompts(fn and fn.prefill_attention, query, key, value, starts, lens, scale, out)
+
+
+def encoder_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, starts: list[int],
+                      lens: list[int], scale: float, out: torch.Tensor) -> bool:
+    """prefill_attention's contract, bidirectional: an encoder's packed sequences (no padding), each
+    row attending to every row of its own sequence and none of another's (lmi_encoder_attention)."""
+    fn = load()
+    return _prompts(fn and fn.encoder_attention, query, key, value, starts, lens, scale, out)
+
+
+def _prompts(entry, query, key, value, starts, lens, scale, out) -> bool:
     dt = query.dtype
-    if not lens or not prefill_attention_available(dt):
+    if entry is None or not lens or not prefill_attention_available(dt):
         return False
     t, h, d = query.shape
     if (not all(_plain(x, dt) for x in (query, key, value, out)) or key.dim() != 3 or key.shape != value.shape
@@ -173,11 +185,11 @@ def prefill_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
             or any(x.stride(2) != 1 for x in (query, key, value, out))):
         return False
     se = prompt_table(starts, lens)
-    rc = fn.prefill_attention(query.data_ptr(), key.data_ptr(), value.data_ptr(), query.stride(0), key.stride(0),
-                              value.stride(0), query.stride(1), key.stride(1), value.stride(1), out.data_ptr(), out.stride(0),
-                              out.stride(1), KV_DTYPES[dt], se[0].data_ptr(),
-                              se[1].data_ptr(), se[2].data_ptr(), len(lens), h, key.shape[1], d, float(scale),
-                              torch.get_num_threads())
+    rc = entry(query.data_ptr(), key.data_ptr(), value.data_ptr(), query.stride(0), key.stride(0),
+               value.stride(0), query.stride(1), key.stride(1), value.stride(1), out.data_ptr(), out.stride(0),
+               out.stride(1), KV_DTYPES[dt], se[0].data_ptr(),
+               se[1].data_ptr(), se[2].data_ptr(), len(lens), h, key.shape[1], d, float(scale),
+               torch.get_num_threads())
     if rc != 0:
         raise MemoryError("CPU prompt attention: scratch allocation failed")
     return True

@@ -31,7 +31,7 @@ needs_cross = pytest.mark.skipif(bool(_missing), reason=f"{' and '.join(_missing
 # Every kernel family the driver knows; each must be reported (available or not).
 FAMILIES = {"gemm", "gemm_bf16w", "gemm_bf16", "gemm_i8", "gemm_q", "silu", "prefill_attention_fp32",
             "prefill_attention_bf16", "step_layers", "step_layers_bf16", "rotary", "write_kv", "rms_norm", "row_stats",
-            "decode_attention", "kv_int8", "moe", "moe_bf16"}
+            "decode_attention", "kv_int8", "moe", "moe_bf16", "encoder_attention_fp32", "encoder_attention_bf16"}
 
 
 def _run(cmd, timeout):
@@ -84,7 +84,7 @@ def test_every_kernel_the_neon_build_provides_passes_under_qemu(neon_report):
     # the experts' call.
     # (The bf16 dot-product GEMM is AVX512-BF16 only: reported unavailable, the widened one serves.)
     for name in ("gemm", "gemm_bf16w", "gemm_i8", "gemm_q", "silu", "prefill_attention_fp32", "step_layers",
-                 "step_layers_bf16", "moe", "moe_bf16"):
+                 "step_layers_bf16", "moe", "moe_bf16", "encoder_attention_fp32"):
         assert avail.get(name), f"the NEON build does not provide {name}\n{shown}"
     print(f"\nNEON ({' '.join(target)}) under qemu:\n" + "\n".join(
         f"  {n}: {checks[n][0]} {checks[n][1]}" if n in checks else f"  {n}: not in this build" for n in sorted(avail)))

@@ -468,13 +468,14 @@ def test_fused_decode_step_declines_what_it_does_not_serve():
 
 
 # ---------------------------------------------------------------------------- prompt attention
-def _causal64(q, k, v, scale):
-    """float64 causal attention of one prompt: q [n, H, D], k/v [n, Hkv, D] -> [n, H, D]."""
+def _causal64(q, k, v, scale, causal=True):
+    """float64 causal (or bidirectional) attention of one prompt: q [n, H, D], k/v [n, Hkv, D] -> [n, H, D]."""
     n, h, d = q.shape
     g = h // k.shape[1]
     kk, vv = k.double().repeat_interleave(g, 1), v.double().repeat_interleave(g, 1)
     s = torch.einsum("ihd,jhd->hij", q.double(), kk) * scale
-    s = s.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
+    if causal:
+        s = s.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
     return torch.einsum("hij,jhd->ihd", torch.softmax(s, -1), vv)
 
 
@@ -500,6 +501,32 @@ def test_prompt_attention_is_causal_attention_of_each_prompt(dtype, tol, heads, 
     for a, n in zip(starts[1:], lens[1:]):
         want = _causal64(q[a:a + n], k[a:a + n], v[a:a + n], scale)
         assert (out[a:a + n].double() - want).abs().max() <= tol * max(1.0, want.abs().max()), n
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-6), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("heads,kv_heads,d", [(12, 12, 32), (4, 4, 64), (6, 2, 48)])
+def test_encoder_attention_is_bidirectional_within_each_sequence(dtype, tol, heads, kv_heads, d):
+    # Oracle: float64 softmax attention over all of a sequence's rows (an encoder's, no mask), per
+    # packed sequence; lengths across the 64-row query chunk, 1 and odd; strided q/k/v views.
+    if not (cpu_ext.gemm_bf16_available() if dtype == torch.bfloat16 else cpu_ext.gemm_available()):
+        pytest.skip("the panel GEMM for this dtype is not in this build (bf16: the AVX512-BF16 dot GEMM)")
+    g = torch.Generator().manual_seed(heads + d)
+    lens = [5, 1, 16, 64, 65, 130, 7, 256]
+    t = sum(lens)
+    starts = [sum(lens[:i]) for i in range(len(lens))]
+    q = torch.randn(heads, t, d, generator=g).to(dtype).transpose(0, 1)
+    k = torch.randn(kv_heads, t, d, generator=g).to(dtype).transpose(0, 1)
+    v = torch.randn(t, kv_heads, d, generator=g).to(dtype)
+    out = torch.full((t, heads, d), 7.0, dtype=dtype)
+    scale = d ** -0.5
+    assert cpu_ext.encoder_attention(q, k, v, starts[1:], lens[1:], scale, out)
+    assert torch.equal(out[:5], torch.full((5, heads, d), 7.0, dtype=dtype))     # not a sequence given: untouched
+    for a, n in zip(starts[1:], lens[1:]):
+        want = _causal64(q[a:a + n], k[a:a + n], v[a:a + n], scale, causal=False)
+        assert (out[a:a + n].double() - want).abs().max() <= tol * max(1.0, want.abs().max()), n
+        if n > 1:   # not the causal answer: the first row sees the later ones
+            causal = _causal64(q[a:a + n], k[a:a + n], v[a:a + n], scale)
+            assert (out[a].double() - causal[0]).abs().max() > 1e-3
 
 
 def test_paged_attention_sends_whole_prompts_to_the_c_kernel(monkeypatch):

@@ -102,10 +102,53 @@ def test_pooling_spec_from_sentence_transformers_files(tmp_path):
     os.makedirs(os.path.join(d, "1_Pooling"))
     with open(os.path.join(d, "1_Pooling", "config.json"), "w") as f:
         json.dump({"pooling_mode_mean_sqrt_len_tokens": True}, f)
-    with pytest.raises(ModelLoadError, match="Dense"):
+    spec = pooling_spec(d, decoder=False)
+    assert (spec.mode, spec.dense, spec.normalize) == ("mean_sqrt_len", ("2_Dense",), False)
+    with open(os.path.join(d, "modules.json"), "w") as f:
+        json.dump([{"path": "", "type": "sentence_transformers.models.Transformer"},
+                   {"path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+                   {"path": "2_LayerNorm", "type": "sentence_transformers.models.LayerNorm"}], f)
+    with pytest.raises(ModelLoadError, match=r"LayerNorm \(2_LayerNorm\) is not supported here"):
         pooling_spec(d, decoder=False)
+
+
+@pytest.mark.parametrize("activation", ["Tanh", "Identity"])
+def test_dense_modules_as_sentence_transformers_applies_them(tmp_path, activation):
+    # A sentence-transformers model with a Dense projection (32 -> 16) saved by the library itself:
+    # our runner's vectors are its encode()'s.
+    st = pytest.importorskip("sentence_transformers", reason="sentence-transformers (the dev extras) is the oracle")
+    base = build(str(tmp_path / "bert"), "bert", pooling=None, seed=7)
+    act = getattr(torch.nn, activation)()
+    model = st.SentenceTransformer(modules=[st.models.Transformer(base), st.models.Pooling(32, "mean"),
+                                            st.models.Dense(32, 16, activation_function=act), st.models.Normalize()],
+                                   device="cpu")
+    out = str(tmp_path / "st")
+    model.save(out)
+    runner = PoolingRunner(out, "text_embedding", quantize="none")
+    assert runner.spec.dense and runner.hidden_size == 16
+    got = torch.tensor(runner.pool([PoolInput(runner.tokenizer(t)["input_ids"]) for t in TEXTS], "embed"))
+    want = torch.tensor(model.encode(TEXTS, convert_to_numpy=True))
+    assert got.shape == (len(TEXTS), 16)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
 
 
 def test_a_classification_task_needs_a_classifier(tiny_bert):
     with pytest.raises(ModelLoadError, match="option.task=rerank needs a sequence-classification encoder"):
         PoolingRunner(tiny_bert, "rerank")
+
+
+def test_attention_is_one_c_call_a_layer_over_the_packed_batch(tmp_path, monkeypatch):
+    from kernels import cpu as cpu_ext
+    if not cpu_ext.prefill_attention_available(torch.float32):
+        pytest.skip("the C panel GEMM is not in this build: attention runs in torch (the test above covers it)")
+    d = build(str(tmp_path / "bert"), "bert", pooling="mean", normalize=True, seed=5)
+    runner = PoolingRunner(d, "text_embedding", quantize="none")
+    inputs = [PoolInput(runner.tokenizer(t)["input_ids"]) for t in TEXTS]
+    calls, real = [], cpu_ext.encoder_attention
+    monkeypatch.setattr(cpu_ext, "encoder_attention", lambda *a: calls.append(sorted(a[4])) or real(*a))
+    got = torch.tensor(runner.pool(inputs, "embed"))
+    with open(os.path.join(d, "config.json")) as f:
+        layers = json.load(f)["num_hidden_layers"]
+    assert calls == [sorted(len(x.ids) for x in inputs)] * layers
+    want = torch.nn.functional.normalize(_hf_hidden(d, inputs[1].ids).mean(0), dim=-1)
+    torch.testing.assert_close(got[1], want, atol=2e-5, rtol=1e-4)

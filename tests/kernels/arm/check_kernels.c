@@ -636,8 +636,9 @@ static void check_decode_attention(void) {
     report("decode_attention", ok && worst < 2e-5, detail);
 }
 
-/* Causal attention of whole prompts (the panel GEMMs inside) against float64. */
-static void check_prefill_attention(int bf, const char *name) {
+/* Causal attention of whole prompts (the panel GEMMs inside) against float64; bidirectional (an
+ * encoder's packed sequences, lmi_encoder_attention) where `causal` is 0. */
+static void check_prefill_attention(int bf, const char *name, int causal) {
     const int64_t P = 2, H = 4, Hkv = 2, D = 64, g = H / Hkv, T = 70 + 9;
     const int64_t starts[] = {0, 70}, lens[] = {70, 9}, order[] = {0, 1};
     const int64_t es = bf ? 2 : 4, qs = H * D, ks = Hkv * D;
@@ -658,22 +659,23 @@ static void check_prefill_attention(int bf, const char *name) {
         }
     }
     const float scale = 0.125f;
-    int ok = lmi_prefill_attention(q, k, v, qs, ks, ks, D, D, D, out, qs, D, bf, starts, lens, order, P, H, Hkv, D,
-                                   scale, 2) == 0;
+    int ok = (causal ? lmi_prefill_attention : lmi_encoder_attention)(q, k, v, qs, ks, ks, D, D, D, out, qs, D, bf,
+                                                                      starts, lens, order, P, H, Hkv, D, scale, 2) == 0;
     double worst = 0;
     for (int64_t p = 0; p < P; ++p)
         for (int64_t h = 0; h < H; ++h)
             for (int64_t i = 0; i < lens[p]; ++i) {
                 const int64_t row = starts[p] + i, kh = h / g;
                 double s[80], m = -1e300, sum = 0, o[64] = {0};
-                for (int64_t t = 0; t <= i; ++t) {
+                const int64_t seen = causal ? i + 1 : lens[p];
+                for (int64_t t = 0; t < seen; ++t) {
                     double d = 0;
                     for (int64_t e = 0; e < D; ++e) d += (double)qf[row * qs + h * D + e] * kf[(starts[p] + t) * ks + kh * D + e];
                     s[t] = d * scale;
                     m = s[t] > m ? s[t] : m;
                 }
-                for (int64_t t = 0; t <= i; ++t) sum += (s[t] = exp(s[t] - m));
-                for (int64_t t = 0; t <= i; ++t)
+                for (int64_t t = 0; t < seen; ++t) sum += (s[t] = exp(s[t] - m));
+                for (int64_t t = 0; t < seen; ++t)
                     for (int64_t e = 0; e < D; ++e) o[e] += s[t] / sum * vf[(starts[p] + t) * ks + kh * D + e];
                 for (int64_t e = 0; e < D; ++e) {
                     const double got = bf ? bf16_to_f32(((uint16_t *)out)[row * qs + h * D + e]) : ((float *)out)[row * qs + h * D + e];
@@ -1066,6 +1068,7 @@ int main(void) {
     printf("AVAIL silu %d\nAVAIL prefill_attention_fp32 %d\nAVAIL prefill_attention_bf16 %d\nAVAIL step_layers %d\n",
            silu, gemm, bf16 && bf16w, gemm && silu);
     printf("AVAIL step_layers_bf16 %d\nAVAIL moe %d\nAVAIL moe_bf16 %d\n", bf16w && silu, gemm && silu, bf16w && silu);
+    printf("AVAIL encoder_attention_fp32 %d\nAVAIL encoder_attention_bf16 %d\n", gemm, bf16 && bf16w);
     /* portable C: always built */
     printf("AVAIL rotary 1\nAVAIL write_kv 1\nAVAIL rms_norm 1\nAVAIL row_stats 1\nAVAIL decode_attention 1\n");
     printf("AVAIL kv_int8 1\n");
@@ -1082,8 +1085,10 @@ int main(void) {
     if (i8) check_gemm_i8();
     if (q) check_gemm_q();
     if (silu) check_silu();
-    if (gemm) check_prefill_attention(0, "prefill_attention_fp32");
-    if (bf16 && bf16w) check_prefill_attention(1, "prefill_attention_bf16");
+    if (gemm) check_prefill_attention(0, "prefill_attention_fp32", 1);
+    if (bf16 && bf16w) check_prefill_attention(1, "prefill_attention_bf16", 1);
+    if (gemm) check_prefill_attention(0, "encoder_attention_fp32", 0);
+    if (bf16 && bf16w) check_prefill_attention(1, "encoder_attention_bf16", 0);
     if (gemm && silu) check_stack();
     if (bf16w && silu) check_stack_bf16();
     if (gemm && silu) check_moe(0);
