@@ -18,8 +18,9 @@ Latency under load (iteration-level strategies; handler/engine/stepcost.py measu
   priority         waiting sequences are taken lowest `priority` first (vLLM's semantics), and one
                    may preempt (recompute) running sequences of a strictly higher number
   aging_s          under priority: a sequence that has waited this long for admission or its first
-                   token goes ahead of every class and gets the full budget, and is no priority
-                   preemption's victim until its next token: nothing is passed over forever. Under
+                   token goes ahead of every class (under a TPOT target: at least the floor of prompt
+                   tokens a step, first), and is no priority preemption's victim until its next
+                   token: nothing is passed over forever. Under
                    fcfs nothing is passed over (admission is in arrival order, the oldest prompt
                    keeps a share of every step), so a TPOT target is never overridden by waiting.
 """
@@ -375,8 +376,14 @@ class Scheduler:
         budget = self._budget - sum(min(len(q.tokens) - q.num_computed, floor) for q in self.running
                                     if len(q.tokens) - q.num_computed > 1)
         for head in self._waiting_order(now):
+            # An aged head that cannot get in now (no room, no victim: it outranks nobody) keeps its
+            # place at the front, and the heads behind it may still preempt into the batch: under a
+            # flood of aged low-priority requests, a high-priority arrival is not held behind them.
+            aged = self.policy.ages and self._aged(head, now)
             jumps = self._outranks(head)
             if (len(self.running) >= p.max_batch_size or budget <= 0) and not jumps:
+                if aged:
+                    continue
                 break
             if self._awaits_fork(head):
                 break
@@ -386,8 +393,10 @@ class Scheduler:
                     break
                 self._preempt(victim, "priority")
             if head not in self.running:
+                if aged:
+                    continue
                 break
-            head.aged_in = self._aged(head, now)
+            head.aged_in = aged
             budget -= len(head.tokens) - head.num_computed
 
     # ---- latency policies (target_tpot_s, priority, aging_s)
@@ -419,24 +428,27 @@ class Scheduler:
 
     def _step_budget(self, now: float) -> int:
         """This step's prompt tokens: option.max_rolling_batch_prefill_tokens, or under target_tpot_s
-        what the measured step cost leaves beside the decode rows; the full cap when an aged or
-        outranking sequence awaits its prefill."""
+        what the measured step cost leaves beside the decode rows; the full cap when an outranking
+        sequence awaits its prefill (the worse classes then take the floor beside it: _prefill_shares),
+        at least the floor when an aged one does (it goes first, so it moves every step without
+        making the steps long: a flood of aged requests does not undo the target)."""
         p = self.policy
         cap = p.prefill_token_budget
         if p.target_tpot_s is None or p.request_level:
             return cap
         pending = [*self.waiting, *(q for q in self.running if len(q.tokens) - q.num_computed > 1)]
         worst = max((q.priority for q in self.running), default=None) if p.by_priority else None
-        if any(self._aged(q, now) or (worst is not None and q.priority < worst) for q in pending):
+        if worst is not None and any(q.priority < worst for q in pending):
             return cap
         rows = sum(1 for q in self.running if len(q.tokens) - q.num_computed == 1)
         b = self.cost.prefill_budget(rows, p.target_tpot_s)
         if b is None:
             return cap
-        if b == 0 and rows == 0:
-            # Even an empty step overruns the target: prompts still move, by the floor (else nothing
-            # decodes, nothing finishes, and nothing is ever admitted).
-            return min_prefill_tokens(cap)
+        if (b == 0 and rows == 0) or any(self._aged(q, now) for q in pending):
+            # Even an empty step overruns the target, or one has waited past the aging bound: prompts
+            # still move, by at least the floor (else nothing decodes, nothing finishes, nothing is
+            # admitted).
+            return max(min(b, cap), min_prefill_tokens(cap))
         # 0 where the decode rows alone fill the target: nobody is admitted until running ones
         # finish (the running batch shrinks to what the target allows) or, under priority, one has aged.
         return min(b, cap)
@@ -460,7 +472,7 @@ class Scheduler:
 
     def _prefill_shares(self, now: float) -> dict[int, int]:
         """Prompt tokens each running sequence still prefilling gets this step, within the budget:
-        the aged first; then the oldest (the best class's, under priority scheduling) at least
+        the aged first (together at most the floor); then the oldest (the best class's, under priority scheduling) at least
         1/OLDEST_PREFILL_SHARE of it (short prompts arriving all the time cannot starve a long one);
         then the fewest remaining first, by class under priority scheduling (a short prompt beside
         a 30k one is prefilled at once, so its first token waits one step, not the long prefill)."""
@@ -480,8 +492,13 @@ class Scheduler:
                 shares[q.seq_id] = shares.get(q.seq_id, 0) + more
                 left -= more
 
+        # The aged first, together at most the floor: each moves every step, and a flood of aged
+        # prompts cannot make the step long (the better classes' prompts and the target keep theirs).
+        aged_room = min_prefill_tokens(budget)
         for q in sorted((q for q in pending if self._aged(q, now)), key=lambda q: q.waiting_since):
-            give(q, left)
+            before = left
+            give(q, aged_room)
+            aged_room -= before - left
         give(min(pending, key=self._rank), max(1, budget // OLDEST_PREFILL_SHARE))
         by_priority = self.policy.by_priority
         best = min(q.priority for q in pending) if by_priority else 0

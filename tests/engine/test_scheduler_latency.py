@@ -205,6 +205,49 @@ def test_aging_bounds_how_long_a_prompt_is_passed_over_under_priority():
     assert not late.aged_in
 
 
+def test_an_aged_request_that_cannot_get_in_does_not_hold_back_a_better_class():
+    """A full batch of low-priority streams and an aged low-priority request waiting at the head of
+    the queue (it outranks nobody, so it waits for a slot): a high-priority arrival still preempts
+    into the batch at once, and the aged one gets the next free slot; nothing is lost."""
+    s = make(max_batch_size=2, scheduling_policy="priority", aging_s=0.3)
+    clock = Clock(s)
+    for sid in (1, 2):
+        s.add(seq(sid, 6, max_new=200, priority=10))
+    clock.step()
+    aged = seq(3, 6, max_new=3, arrival=clock.now, priority=10)
+    s.add(aged)
+    clock.run(until=lambda: clock.now - aged.arrival > 0.35)
+    assert 3 not in clock.first_token                 # aged, but no room and nobody it outranks
+    urgent = seq(9, 5, max_new=2, arrival=clock.now, priority=0)
+    s.add(urgent)
+    plan = clock.step()
+    assert 9 in {i.seq_id for i in plan.items} and plan.preempted == [2]
+    clock.run()
+    assert set(clock.outputs) == {1, 2, 3, 9}
+    # the aged one took the first free slot (the urgent one's, two steps later), not the preempted one
+    # (whose 200 tokens hold a slot for over a second)
+    assert clock.first_token[3] - urgent.arrival < 0.1
+
+
+def test_under_a_target_aged_requests_move_by_the_floor_not_the_whole_budget():
+    """Decode rows alone fill the target; requests pile up and age. They keep moving (the floor each
+    step, the aged first) and the steps stay short: an aged flood does not undo the target."""
+    s = make(max_batch_size=64, prefill_token_budget=4096, target_tpot_s=0.02, scheduling_policy="priority",
+             aging_s=0.05)
+    clock = Clock(s)
+    for sid in range(1, 17):                          # 16 x 1 ms decode rows: the target is nearly full
+        s.add(seq(sid, 4, max_new=80, priority=5))
+    clock.run(until=lambda: len(clock.plans) > MIN_STEPS + 4)
+    for sid in range(100, 130):                       # 30 prompts of 300 tokens, they all age
+        s.add(seq(sid, 300, max_new=2, arrival=clock.now, priority=5))
+    start = len(clock.plans)
+    clock.run()
+    assert set(clock.outputs) == {*range(1, 17), *range(100, 130)}
+    floor = min_prefill_tokens(4096)
+    for _, rows, took in clock.plans[start:]:     # within the target, or the floor's step where it is full
+        assert took <= max(0.02, cost(rows, floor)) * 1.05
+
+
 def test_a_better_class_awaiting_prefill_keeps_the_worse_classes_prompts_out_of_the_step():
     s = make(max_batch_size=64, prefill_token_budget=4096, scheduling_policy="priority", aging_s=100.0)
     clock = Clock(s)
@@ -220,6 +263,27 @@ def test_a_better_class_awaiting_prefill_keeps_the_worse_classes_prompts_out_of_
     assert sum(n for sid, n in ids.items() if sid != 50) <= min_prefill_tokens(4096)
     clock.run()
     assert set(clock.outputs) == {*range(1, 9), 50}   # nothing lost
+def test_aged_worse_class_prompts_take_the_floor_beside_a_better_class():
+    """The flood's prompts have aged (preempted and waiting): while a short better-class prompt awaits
+    its prefill, the aged ones still move but together take at most the floor, so the short one's
+    step is not made long by them."""
+    s = make(max_batch_size=64, prefill_token_budget=4096, scheduling_policy="priority", aging_s=0.01)
+    clock = Clock(s)
+    for sid in range(1, 9):
+        s.add(seq(sid, 900, max_new=20, priority=10))
+    clock.step()                                      # 4096 of their 7200 tokens
+    clock.now += 0.05                                 # the rest of them have aged
+    assert all(s._aged(q, clock.now) for q in s.running if len(q.tokens) - q.num_computed > 1)
+    s.add(seq(50, 12, max_new=2, arrival=clock.now, priority=0))
+    plan = clock.step()
+    ids = {it.seq_id: len(it.token_ids) for it in plan.items}
+    assert ids[50] == 12
+    worse = sum(n for sid, n in ids.items() if sid != 50)
+    assert 0 < worse <= min_prefill_tokens(4096)      # moving, by the floor
+    clock.run()
+    assert set(clock.outputs) == {*range(1, 9), 50}
+
+
 def test_without_a_target_or_priority_the_policy_is_unchanged():
     """No target, fcfs: one step prefills everything the budget allows, as before."""
     s = make(max_batch_size=64, prefill_token_budget=4096)
