@@ -2,7 +2,7 @@
 forward, pooling, the classification head. The engine side is handler/engine/pooling.py.
 
 Models:
-  encoders (BERT, RoBERTa, XLM-R, CamemBERT): handler/model/encoder.py, our forward over packed rows;
+  encoders (BERT, RoBERTa, XLM-R, CamemBERT, ModernBERT): handler/model/encoder.py, our forward over packed rows;
     a `*ForSequenceClassification` checkpoint adds its head (a cross-encoder when it has one label)
   decoders (Qwen, Llama, ...) with option.task=text_embedding: transformers' base model, one sequence
     a forward (causal attention), last-token pooling (Qwen3-Embedding's recipe), normalized
@@ -196,7 +196,7 @@ class PoolingRunner:
             raise ModelLoadError(f"option.task={task} needs a sequence-classification encoder "
                                  f"(BertForSequenceClassification, XLMRobertaForSequenceClassification, ...); "
                                  f"{model_dir} is {', '.join(archs) or config.model_type}")
-        if not self.encoder and config.model_type in ("distilbert", "modernbert", "electra", "mpnet", "deberta",
+        if not self.encoder and config.model_type in ("distilbert", "electra", "mpnet", "deberta",
                                                       "deberta-v2", "nomic_bert", "new"):
             raise ModelLoadError(f"the encoder {config.model_type} is not supported yet; supported encoders: "
                                  f"{', '.join(SUPPORTED_TYPES)}; decoders (Qwen, Llama, ...) embed with last-token pooling")

@@ -27,9 +27,15 @@ def write_tokenizer(out: str) -> None:
 
 
 def tiny_config(kind: str, vocab: int, **kw):
-    from transformers import BertConfig, RobertaConfig, XLMRobertaConfig
+    from transformers import BertConfig, ModernBertConfig, RobertaConfig, XLMRobertaConfig
     common = dict(vocab_size=vocab, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                   intermediate_size=64, max_position_embeddings=64 + 2, **kw)
+    if kind == "modernbert":
+        # three layers: global, local, global; a band of 8 (|i - j| <= 4) so that the tests' longer
+        # texts cross it
+        common.update(num_hidden_layers=3, max_position_embeddings=128)
+        return ModernBertConfig(local_attention=8, global_attn_every_n_layers=2, pad_token_id=0, bos_token_id=2,
+                                eos_token_id=3, cls_token_id=2, sep_token_id=3, **common)
     if kind == "bert":
         return BertConfig(type_vocab_size=2, **common)
     cls = RobertaConfig if kind == "roberta" else XLMRobertaConfig

@@ -25,7 +25,7 @@ def _hf_hidden(model_dir, ids, types=None):
         return m(input_ids=torch.tensor([ids]), **kw).last_hidden_state[0]
 
 
-@pytest.mark.parametrize("kind", ["bert", "roberta", "xlm-roberta"])
+@pytest.mark.parametrize("kind", ["bert", "roberta", "xlm-roberta", "modernbert"])
 @pytest.mark.parametrize("pooling", ["mean", "cls", "max"])
 def test_packed_embeddings_equal_transformers_per_sequence(kind, pooling, tmp_path):
     d = build(str(tmp_path / kind), kind, pooling=pooling, normalize=pooling != "max", seed=3)
@@ -43,7 +43,7 @@ def test_packed_embeddings_equal_transformers_per_sequence(kind, pooling, tmp_pa
     torch.testing.assert_close(alone, got[2], atol=2e-6, rtol=1e-5)
 
 
-@pytest.mark.parametrize("kind", ["bert", "roberta"])
+@pytest.mark.parametrize("kind", ["bert", "roberta", "modernbert"])
 @pytest.mark.parametrize("labels", [1, 3])
 def test_cross_encoder_logits_equal_transformers(kind, labels, tmp_path):
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
@@ -60,8 +60,8 @@ def test_cross_encoder_logits_equal_transformers(kind, labels, tmp_path):
     with torch.no_grad():
         for i, (q, t) in enumerate(pairs):
             enc = tok(q, t, return_tensors="pt")
-            if kind != "bert":      # one segment: RoBERTa's tokenizers send no segment ids
-                enc.pop("token_type_ids")
+            if kind != "bert":      # one segment: RoBERTa's and ModernBERT's tokenizers send no segment ids
+                enc.pop("token_type_ids", None)
             want = hf(**enc).logits[0]
             torch.testing.assert_close(got[i], want, atol=2e-5, rtol=1e-4)
     assert got.shape == (3, labels)
@@ -119,8 +119,9 @@ def test_dense_modules_as_sentence_transformers_applies_them(tmp_path, activatio
     st = pytest.importorskip("sentence_transformers", reason="sentence-transformers (the dev extras) is the oracle")
     base = build(str(tmp_path / "bert"), "bert", pooling=None, seed=7)
     act = getattr(torch.nn, activation)()
-    model = st.SentenceTransformer(modules=[st.models.Transformer(base), st.models.Pooling(32, "mean"),
-                                            st.models.Dense(32, 16, activation_function=act), st.models.Normalize()],
+    from sentence_transformers.sentence_transformer import modules as stm
+    model = st.SentenceTransformer(modules=[stm.Transformer(base), stm.Pooling(32, "mean"),
+                                            stm.Dense(32, 16, activation_function=act), stm.Normalize()],
                                    device="cpu")
     out = str(tmp_path / "st")
     model.save(out)

@@ -140,6 +140,9 @@ class Batcher:
 def make_handler(batcher: Batcher):
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
+        # headers and body go out as two writes: without TCP_NODELAY, Nagle's algorithm and the client's
+        # delayed ACK hold the body ~40 ms (a keep-alive client would measure the front, not the engine)
+        disable_nagle_algorithm = True
 
         def log_message(self, *a):
             pass
