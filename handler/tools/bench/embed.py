@@ -37,6 +37,9 @@ from handler.tools.bench.compare import Server, free_port, machine_info
 from handler.tools.bench.vllm_cpu import REPO, python_of, resolve_peer_dir
 
 CELLS = ("ours", "st", "onnx", "openvino", "vllm_cpu")
+# vLLM's CPU backend reserves --gpu-memory-utilization (0.92) of the host's memory unless told the bytes:
+# an encoder keeps no KV cache, so a small fixed reservation (the flag its LLM cell passes too)
+VLLM_RESERVE = 256 << 20
 PEERS = CELLS[1:]
 WORDS = ("the model reads every token of a request and returns one vector for the whole text so that a search "
          "index can compare questions with documents by their angle alone while the server batches many short "
@@ -126,11 +129,13 @@ def make_server(cell: str, model_dir: str, run_dir: str, threads: int) -> Server
     if cell == "vllm_cpu":
         cmd = [py, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir, "--served-model-name",
                vllm_cpu.SERVED_NAME, "--host", "127.0.0.1", "--port", str(port), "--runner", "pooling",
-               "--dtype", "float32", "--max-num-seqs", "64", "--disable-uvicorn-access-log"]
+               "--dtype", "float32", "--max-num-seqs", "64", "--kv-cache-memory-bytes", str(VLLM_RESERVE),
+               "--disable-uvicorn-access-log"]
         env = {"VLLM_CPU_OMP_THREADS_BIND": vllm_cpu.omp_bind(), "VLLM_CPU_KVCACHE_SPACE": None,
                "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "VIRTUAL_ENV": where, "PYTHONPATH": None}
         return Server(cell, cmd, log, port, env=env, startup_timeout=vllm_cpu.STARTUP_TIMEOUT,
-                      held={"runner": "pooling", "dtype": "float32", "max_num_seqs": 64})
+                      held={"runner": "pooling", "dtype": "float32", "max_num_seqs": 64,
+                            "kv_cache_memory_bytes": VLLM_RESERVE})
     cmd = [py, "-m", "handler.tools.bench.embed_peer", "--backend", cell, "--model-dir", model_dir,
            "--port", str(port), "--threads", str(threads)]
     return Server(cell, cmd, log, port, env={"PYTHONPATH": REPO, "OMP_NUM_THREADS": str(threads),
