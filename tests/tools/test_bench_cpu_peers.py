@@ -85,6 +85,8 @@ def test_llamacpp_server_flags_hold_the_kv_slots_budget_threads_and_kv_type():
     assert (flag("-c"), flag("-np"), flag("-b"), flag("-t"), flag("-tb"), flag("-ctk"), flag("-ctv"),
             flag("--port"), flag("--cache-ram")) == ("12800", "64", "4096", "2", "2", "bf16", "bf16", "1234", "0")
     assert held["kv_cache_tokens"] == 12800 and held["kv_cache_type"] == "bf16"
+    # the tools' shared libraries beside them (a build's recorded runpath may name another folder)
+    assert env["LD_LIBRARY_PATH"].split(os.pathsep)[0] == "/p/build/bin"
     fp32 = llamacpp_peer.server("/p", "/m/x.gguf", 1, 128, 2, 512, "fp32")[0]
     assert (fp32[fp32.index("-ctk") + 1], fp32[fp32.index("-ctv") + 1]) == ("f32", "f32")
     assert [llamacpp_peer.outtype_of(c, d) for c, d in (("llamacpp", "fp32"), ("llamacpp", "bf16"),

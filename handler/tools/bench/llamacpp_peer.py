@@ -44,7 +44,18 @@ SDIST = f"llama-cpp-python=={VERSION}"
 CONVERT_PACKAGES = ("torch==2.13.0", "transformers==5.23.0", "tokenizers==0.23.3", "safetensors==0.8.0",
                     "numpy==2.4.6", "sentencepiece==0.2.1", "pyyaml==6.0.4", "tqdm==4.70.1", "requests==2.34.2")
 CMAKE_FLAGS = ("-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF",
-               "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF")
+               "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",
+               # the tools find their shared libraries beside them wherever the folder is (not by the
+               # absolute build path cmake records by default: a moved or symlinked peer would not start)
+               "-DCMAKE_BUILD_RPATH=$ORIGIN")
+
+
+def tool_env(path: str) -> dict:
+    """The environment additions a built tool needs: its shared libraries' folder (a build made before
+    CMAKE_BUILD_RPATH=$ORIGIN, or moved, records another absolute path)."""
+    libs = os.path.dirname(binary(path))
+    return {"LD_LIBRARY_PATH": libs + (os.pathsep + os.environ["LD_LIBRARY_PATH"]
+                                       if os.environ.get("LD_LIBRARY_PATH") else "")}
 MARKER = "lmi-peer.json"
 ENV_DIR = "LMI_BENCH_LLAMACPP_DIR"
 INSTALL_HINT = "python -m handler bench install-peer llamacpp"
@@ -171,7 +182,8 @@ def quantize(path: str, src_gguf: str, kind: str = "Q4_K_M", log=print) -> str:
     if os.path.isfile(out):
         return out
     log(f"llama-quantize {os.path.basename(src_gguf)} -> {kind}: {out}")
-    subprocess.run(["nice", "-n", "10", binary(path, "llama-quantize"), src_gguf, out + ".tmp", kind], check=True)
+    subprocess.run(["nice", "-n", "10", binary(path, "llama-quantize"), src_gguf, out + ".tmp", kind], check=True,
+                   env={**os.environ, **tool_env(path)})
     os.replace(out + ".tmp", out)
     return out
 
@@ -217,7 +229,7 @@ def server(path: str, gguf: str, port: int, kv_tokens: int, slots: int, prefill_
         held["kv_tokens_per_slot"] = kv_tokens // slots
     if spec:
         held["speculative"] = dict(spec[1])
-    return cmd, {}, held
+    return cmd, tool_env(path), held
 
 
 # ------------------------------------------------------------------ speculative decoding
