@@ -99,6 +99,8 @@ SWITCHES: dict[str, Switch] = {s.name: s for s in (
            "handler/tools/bench/vllm_cpu.py", values="directory", default_doc="`<repo>/.cache/peers/vllm`"),
     Switch("LMI_BENCH_OPENVINO_DIR", "text", None, "`bench`: the openvino peer's virtual environment",
            "handler/tools/bench/openvino_peer.py", values="directory", default_doc="`<repo>/.cache/peers/openvino`"),
+    Switch("LMI_BENCH_ONNX_DIR", "text", None, "`bench embed`: the onnx peer's virtual environment (ONNX Runtime, "
+           "optimum-onnx)", "handler/tools/bench/embed.py", values="directory", default_doc="`<repo>/.cache/peers/onnx`"),
     Switch("LMI_BENCH_LLAMACPP_DIR", "text", None, "`bench`: the llamacpp peer's build directory",
            "handler/tools/bench/llamacpp_peer.py", values="directory", default_doc="`<repo>/.cache/peers/llamacpp`"),
 )}
