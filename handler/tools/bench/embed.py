@@ -143,6 +143,19 @@ def make_server(cell: str, model_dir: str, run_dir: str, threads: int) -> Server
                   startup_timeout=300.0, held={"front": "handler/tools/bench/embed_peer.py", "threads": threads})
 
 
+def cpu_model() -> str:
+    """The CPU's name as /proc/cpuinfo gives it (its model name, family and model numbers), for the results."""
+    info = {}
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                k, _, v = line.partition(":")
+                info.setdefault(k.strip(), v.strip())
+    except OSError:
+        return "unknown"
+    return f"{info.get('model name', '?')} (family {info.get('cpu family', '?')} model {info.get('model', '?')})"
+
+
 # ------------------------------------------------------------------ load
 def embed(session, url: str, texts, timeout: float = 300.0) -> list[list[float]]:
     r = session.post(url + "/v1/embeddings", json={"model": vllm_cpu.SERVED_NAME, "input": texts},
@@ -208,7 +221,8 @@ def run(model_dir: str, out: str, cells, lengths, clients, reps: int, requests: 
     texts = {L: make_texts(tok, max(n_for.values()), L, seed=L) for L in lengths}
     got = {L: statistics.median(token_lengths(tok, texts[L])) for L in lengths}
     cells_run = {c: make_server(c, model_dir, out, threads) for c in cells}
-    res = {"model_dir": os.path.abspath(model_dir), "machine": machine_info(), "lengths": lengths,
+    res = {"model_dir": os.path.abspath(model_dir), "machine": {**machine_info(), "cpu": cpu_model()},
+           "lengths": lengths,
            "tokens_median": got, "clients": clients, "reps": reps, "requests": n_for,
            "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "cells": {}}
     for c, s in cells_run.items():
@@ -272,8 +286,9 @@ def best(runs: list[dict], length: int, clients: int) -> dict | None:
 def table(res: dict) -> str:
     """Markdown: per length and client count, each cell's texts/s and p50 (medians over repetitions),
     and ours against the best peer's (texts/s ratio: higher is better; p50 ratio: lower is better)."""
-    lines = [f"Host: {res['machine'].get('cpu', '?')}; model {os.path.basename(res['model_dir'])}; "
-             f"{res['reps']} repetitions, medians.", "",
+    m = res["machine"]
+    lines = [f"Host: {m.get('cpu', '?')}, {m.get('cpus', '?')} CPUs; model {os.path.basename(res['model_dir'])}; "
+             f"{res['reps']} repetitions, medians; started {res['started']}.", "",
              "| tokens | clients | cell | texts/s | p50 ms | errors | cosine to st |", "|---:|---:|---|---:|---:|---:|---:|"]
     ratios = []
     for L in res["lengths"]:
