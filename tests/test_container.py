@@ -2,6 +2,7 @@
 as root) a real local build + run through container/local_test.sh."""
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -229,6 +230,44 @@ def docker_api(tmp_path, monkeypatch):
     log.close()
 
 
+@contextlib.contextmanager
+def _local_endpoint(image, model_src: str, props: dict, name: str, tmp_path, monkeypatch):
+    """A SageMaker local-mode endpoint (sagemaker-core LocalSession) of our image serving a copy of
+    `model_src` with `props` as environment: (the SDK's runtime client, the port); deleted after."""
+    from sagemaker.core.local.local_session import LocalSession
+
+    from handler.tools.bench.compare import free_port
+    from handler.tools.deploy import properties_to_env
+
+    for var, value in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+                       "AWS_DEFAULT_REGION": "us-east-1"}.items():
+        monkeypatch.setenv(var, value)
+    model = tmp_path / f"model-{name}"
+    shutil.copytree(model_src, model)
+    port = free_port()
+    root = tmp_path / f"root-{name}"
+    root.mkdir()
+    session = LocalSession()
+    session.config = {"local": {"serving_port": port, "container_root": str(root)}}
+    # /ping may take minutes on a busy 2-core machine and local mode waits 120 s. The SDK reads
+    # local.health_check_timeout but its config schema refuses that key (an SDK defect), so the
+    # module's default is raised instead.
+    from sagemaker.core.local import entities
+    monkeypatch.setattr(entities, "HEALTH_CHECK_TIMEOUT_LIMIT", 600)
+    sm = session.sagemaker_client
+    sm.create_model(name, {"Image": image, "ModelDataUrl": f"file://{model}", "Environment": properties_to_env(props)})
+    sm.create_endpoint_config(name, [{"VariantName": "AllTraffic", "ModelName": name,
+                                      "InstanceType": "local", "InitialInstanceCount": 1}])
+    start = time.monotonic()
+    try:
+        sm.create_endpoint(name, name)  # returns once /ping answers 200
+        print(f"local mode endpoint {name} InService after {time.monotonic() - start:.0f} s")
+        assert sm.describe_endpoint(name)["EndpointStatus"] == "InService"
+        yield session.sagemaker_runtime_client, port
+    finally:
+        sm.delete_endpoint(name)
+
+
 @pytest.mark.container
 @pytest.mark.slow
 @pytest.mark.skipif(_local_mode_skip_reason() is not None, reason=str(_local_mode_skip_reason()))
@@ -238,38 +277,12 @@ def test_sagemaker_sdk_local_mode_serves_the_image(image, docker_api, demo_model
     mounted at /opt/ml/model, /ping polled until InService; then the SDK's local runtime
     client sends plain, list and streamed requests to /invocations."""
     import requests
-    from sagemaker.core.local.local_session import LocalSession
 
-    from handler.tools.bench.compare import free_port
-    from handler.tools.deploy import iter_jsonlines, properties_to_env
+    from handler.tools.deploy import iter_jsonlines
     from tests.support.reference import hf_greedy
 
-    for var, value in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
-                       "AWS_DEFAULT_REGION": "us-east-1"}.items():
-        monkeypatch.setenv(var, value)
-    model = tmp_path / "model"
-    shutil.copytree(demo_model_dir, model)
-    port = free_port()
-    (tmp_path / "root").mkdir()
-    session = LocalSession()
-    session.config = {"local": {"serving_port": port, "container_root": str(tmp_path / "root")}}
-    # /ping may take minutes on a busy 2-core machine and local mode waits 120 s. The SDK reads
-    # local.health_check_timeout but its config schema refuses that key (an SDK defect), so the
-    # module's default is raised instead.
-    from sagemaker.core.local import entities
-    monkeypatch.setattr(entities, "HEALTH_CHECK_TIMEOUT_LIMIT", 600)
-    sm = session.sagemaker_client
-    env = properties_to_env({"option.rolling_batch": "auto", "option.paged_attention": "true",
-                             "option.max_rolling_batch_size": "4"})
-    sm.create_model("lmi-local", {"Image": image, "ModelDataUrl": f"file://{model}", "Environment": env})
-    sm.create_endpoint_config("lmi-local", [{"VariantName": "AllTraffic", "ModelName": "lmi-local",
-                                             "InstanceType": "local", "InitialInstanceCount": 1}])
-    start = time.monotonic()
-    try:
-        sm.create_endpoint("lmi-local", "lmi-local")  # returns once /ping answers 200
-        print(f"local mode endpoint InService after {time.monotonic() - start:.0f} s")
-        assert sm.describe_endpoint("lmi-local")["EndpointStatus"] == "InService"
-        runtime = session.sagemaker_runtime_client
+    props = {"option.rolling_batch": "auto", "option.paged_attention": "true", "option.max_rolling_batch_size": "4"}
+    with _local_endpoint(image, demo_model_dir, props, "lmi-local", tmp_path, monkeypatch) as (runtime, port):
         prompt, prompts = "def fibonacci(n):", ["def fibonacci(n):", "import os\n"]
 
         def call(body: dict):
@@ -293,5 +306,35 @@ def test_sagemaker_sdk_local_mode_serves_the_image(image, docker_api, demo_model
         assert res.status_code == 200 and ids(res.json()) == hf_greedy(demo_model_dir, prompt, 8)
         # the environment reached the server: its /ping names the strategy the options chose
         assert requests.get(f"http://127.0.0.1:{port}/ping", timeout=10).json()["strategy"] == "paged"
-    finally:
-        sm.delete_endpoint("lmi-local")
+
+
+@pytest.mark.container
+@pytest.mark.slow
+@pytest.mark.skipif(_local_mode_skip_reason() is not None, reason=str(_local_mode_skip_reason()))
+def test_sagemaker_sdk_local_mode_serves_embeddings(image, docker_api, tmp_path, monkeypatch):
+    """all-MiniLM-L6-v2 (its pinned wheel) in our image under local mode with option.task=text_embedding:
+    the SDK's runtime client sends LMI's embedding body to /invocations and gets sentence-transformers'
+    vectors back; OpenAI's /v1/embeddings answers in the same container."""
+    import requests
+
+    st = pytest.importorskip("sentence_transformers", reason="sentence-transformers (the dev extras) is the oracle")
+    from handler.tools.real_model import ALL_MINILM, FetchError, build_real_model
+    from tests.pooling.conftest import MINILM_DIR
+    try:
+        model_dir = build_real_model(str(MINILM_DIR), model=ALL_MINILM)
+    except FetchError as e:
+        pytest.skip(f"all-MiniLM-L6-v2 is unavailable ({e}); fetch it with {ALL_MINILM.fetch_command()}")
+    texts = ["a short query", "def add(a, b):\n    return a + b", "Où est la gare ?"]
+    want = st.SentenceTransformer(model_dir, device="cpu").encode(texts).tolist()
+
+    def cos(a, b):
+        return sum(x * y for x, y in zip(a, b)) / (sum(x * x for x in a) * sum(y * y for y in b)) ** 0.5
+
+    props = {"option.task": "text_embedding"}
+    with _local_endpoint(image, model_dir, props, "lmi-emb", tmp_path, monkeypatch) as (runtime, port):
+        out = runtime.invoke_endpoint(EndpointName="lmi-emb", ContentType="application/json",
+                                      Accept="application/json", Body=json.dumps({"inputs": texts}))
+        got = json.loads(out["Body"].read())
+        assert len(got) == 3 and min(cos(g, w) for g, w in zip(got, want)) >= 0.99999
+        r = requests.post(f"http://127.0.0.1:{port}/v1/embeddings", json={"model": "m", "input": texts[2]}, timeout=120)
+        assert r.status_code == 200 and cos(r.json()["data"][0]["embedding"], want[2]) >= 0.99999
