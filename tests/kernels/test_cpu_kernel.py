@@ -22,6 +22,7 @@ pytestmark = pytest.mark.skipif(cpu_build.compiler() is None,
 def fresh_load(monkeypatch, tmp_path_factory):
     """Each test sees `load()` decide afresh; builds go to one cache shared by this session."""
     monkeypatch.setenv("LMI_CPU_EXT_CACHE", str(tmp_path_factory.getbasetemp() / "kernel-cache"))
+    cpu_ext.select(None)    # a runner built earlier chose a backend (option.cpu_kernels): back to the environment
     cpu_ext.load.cache_clear()
     yield
     cpu_ext.load.cache_clear()
