@@ -480,22 +480,26 @@ def _causal64(q, k, v, scale, causal=True):
     return torch.einsum("hij,jhd->ihd", torch.softmax(s, -1), vv)
 
 
+def _packed(dtype, heads, kv_heads, d, lens, seed):
+    """q/k/v of packed sequences of `lens` rows ([H, T, D] storage read as [T, H, D]: token and head
+    strides as transformers' views have them), `out` filled with 7s, and the sequences' first rows."""
+    if not (cpu_ext.gemm_bf16_available() if dtype == torch.bfloat16 else cpu_ext.gemm_available()):
+        pytest.skip("the panel GEMM for this dtype is not in this build (bf16: the AVX512-BF16 dot GEMM)")
+    g = torch.Generator().manual_seed(seed)
+    t = sum(lens)
+    q = torch.randn(heads, t, d, generator=g).to(dtype).transpose(0, 1)
+    k = torch.randn(kv_heads, t, d, generator=g).to(dtype).transpose(0, 1)
+    v = torch.randn(t, kv_heads, d, generator=g).to(dtype)
+    return q, k, v, torch.full((t, heads, d), 7.0, dtype=dtype), [sum(lens[:i]) for i in range(len(lens))]
+
+
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-6), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("heads,kv_heads,d", [(4, 4, 64), (9, 3, 64), (8, 1, 128), (6, 2, 48)])
 def test_prompt_attention_is_causal_attention_of_each_prompt(dtype, tol, heads, kv_heads, d):
     # Oracle: float64 causal softmax attention per prompt; prompts shorter and longer than a
     # query chunk (64), odd lengths, q/k/v read through strided views (heads apart from rows).
-    if not (cpu_ext.gemm_bf16_available() if dtype == torch.bfloat16 else cpu_ext.gemm_available()):
-        pytest.skip("the panel GEMM for this dtype is not in this build (bf16: the AVX512-BF16 dot GEMM)")
-    g = torch.Generator().manual_seed(heads * d)
     lens = [2, 17, 64, 65, 150, 3, 200]
-    t = sum(lens)
-    starts = [sum(lens[:i]) for i in range(len(lens))]
-    # [H, T, D] storage read as [T, H, D]: token and head strides as transformers' views have them
-    q = torch.randn(heads, t, d, generator=g).to(dtype).transpose(0, 1)
-    k = torch.randn(kv_heads, t, d, generator=g).to(dtype).transpose(0, 1)
-    v = torch.randn(t, kv_heads, d, generator=g).to(dtype)
-    out = torch.full((t, heads, d), 7.0, dtype=dtype)
+    q, k, v, out, starts = _packed(dtype, heads, kv_heads, d, lens, heads * d)
     scale = d ** -0.5
     assert cpu_ext.prefill_attention(q, k, v, starts[1:], lens[1:], scale, out)
     assert torch.equal(out[:2], torch.full((2, heads, d), 7.0, dtype=dtype))     # not a prompt given: untouched
@@ -509,16 +513,8 @@ def test_prompt_attention_is_causal_attention_of_each_prompt(dtype, tol, heads, 
 def test_encoder_attention_is_bidirectional_within_each_sequence(dtype, tol, heads, kv_heads, d):
     # Oracle: float64 softmax attention over all of a sequence's rows (an encoder's, no mask), per
     # packed sequence; lengths across the 64-row query chunk, 1 and odd; strided q/k/v views.
-    if not (cpu_ext.gemm_bf16_available() if dtype == torch.bfloat16 else cpu_ext.gemm_available()):
-        pytest.skip("the panel GEMM for this dtype is not in this build (bf16: the AVX512-BF16 dot GEMM)")
-    g = torch.Generator().manual_seed(heads + d)
     lens = [5, 1, 16, 64, 65, 130, 7, 256]
-    t = sum(lens)
-    starts = [sum(lens[:i]) for i in range(len(lens))]
-    q = torch.randn(heads, t, d, generator=g).to(dtype).transpose(0, 1)
-    k = torch.randn(kv_heads, t, d, generator=g).to(dtype).transpose(0, 1)
-    v = torch.randn(t, kv_heads, d, generator=g).to(dtype)
-    out = torch.full((t, heads, d), 7.0, dtype=dtype)
+    q, k, v, out, starts = _packed(dtype, heads, kv_heads, d, lens, heads + d)
     scale = d ** -0.5
     assert cpu_ext.encoder_attention(q, k, v, starts[1:], lens[1:], scale, out)
     assert torch.equal(out[:5], torch.full((5, heads, d), 7.0, dtype=dtype))     # not a sequence given: untouched
