@@ -379,7 +379,7 @@ class Scheduler:
             # An aged head that cannot get in now (no room, no victim: it outranks nobody) keeps its
             # place at the front, and the heads behind it may still preempt into the batch: under a
             # flood of aged low-priority requests, a high-priority arrival is not held behind them.
-            aged = self.policy.ages and self._aged(head, now)
+            aged = self._aged(head, now)
             jumps = self._outranks(head)
             if (len(self.running) >= p.max_batch_size or budget <= 0) and not jumps:
                 if aged:

@@ -66,15 +66,16 @@ def _attend(q, k, v, out, spans, lists, window: int | None) -> None:
     keys within that distance (ModernBERT's local layers), None: all of the sequence."""
     d = q.shape[-1]
     starts, lens = lists
-    whole = [i for i, n in enumerate(lens) if window is None or n - 1 <= window]
-    band = [i for i in range(len(lens)) if i not in set(whole)] if window is not None else []
+    banded = [window is not None and n - 1 > window for n in lens]      # some distance outside the band
+    whole = [i for i, b in enumerate(banded) if not b]
     done = bool(whole) and q.device.type == "cpu" and cpu_ext.encoder_attention(
         q, k, v, [starts[i] for i in whole], [lens[i] for i in whole], d ** -0.5, out)
     qt, kt, vt, ot = (t.transpose(0, 1) for t in (q, k, v, out))                    # [h, T, d]
-    for i in (band if done else whole + band):
-        s, e = spans[i]
+    for i, (s, e) in enumerate(spans):
+        if done and not banded[i]:
+            continue
         mask = None
-        if i in band:
+        if banded[i]:
             pos = torch.arange(e - s, device=q.device)
             mask = (pos[:, None] - pos[None, :]).abs() <= window
         ot[:, s:e] = F.scaled_dot_product_attention(qt[:, s:e], kt[:, s:e], vt[:, s:e], attn_mask=mask)

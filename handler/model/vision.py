@@ -51,17 +51,24 @@ def _llava_text_name(key: str) -> tuple[str, str]:
     return "vision", key.removeprefix("model.")
 
 
+def _shell(cls, config, **parts) -> nn.Module:
+    """A transformers VLM model class without its language model (its __init__ would build one): the
+    config and the image-side `parts` only, enough for its get_image_features."""
+    m = cls.__new__(cls)
+    nn.Module.__init__(m)
+    m.config = config
+    for name, part in parts.items():
+        setattr(m, name, part)
+    return m
+
+
 def _llava_tower(config) -> nn.Module:
     """LlavaModel without its language model: get_image_features reads only the tower, the projector
     and the config."""
     from transformers import AutoModel
     from transformers.models.llava.modeling_llava import LlavaModel, LlavaMultiModalProjector
-    m = LlavaModel.__new__(LlavaModel)
-    nn.Module.__init__(m)
-    m.config = config
-    m.vision_tower = AutoModel.from_config(config.vision_config)
-    m.multi_modal_projector = LlavaMultiModalProjector(config)
-    return m
+    return _shell(LlavaModel, config, vision_tower=AutoModel.from_config(config.vision_config),
+                  multi_modal_projector=LlavaMultiModalProjector(config))
 
 
 def _llava_encode(tower, datas: list[dict]) -> tuple[list[torch.Tensor], int]:
@@ -151,12 +158,8 @@ def _idefics_names(key: str) -> tuple[str, str]:
 def _idefics_tower(config) -> nn.Module:
     from transformers.models.idefics3.modeling_idefics3 import (Idefics3Connector, Idefics3Model,
                                                                 Idefics3VisionTransformer)
-    m = Idefics3Model.__new__(Idefics3Model)
-    nn.Module.__init__(m)
-    m.config = config
-    m.vision_model = Idefics3VisionTransformer._from_config(config.vision_config)
-    m.connector = Idefics3Connector(config)
-    return m
+    return _shell(Idefics3Model, config, vision_model=Idefics3VisionTransformer._from_config(config.vision_config),
+                  connector=Idefics3Connector(config))
 
 
 def _idefics_lengths(proc, out, ids: list[int], where: list[int], n: int) -> list[list[int]]:

@@ -84,7 +84,6 @@ def test_ours_and_sentence_transformers_served_side_by_side(minilm_dir, tmp_path
         assert all(r["texts_per_s"] > 0 and r["p50_ms"] > 0 for r in runs)
     # our vectors are sentence-transformers' (fp32)
     assert res["cells"]["ours"]["cosine_to_st"] >= 0.99999
-    assert res["cells"]["st"]["cosine_to_st"] == pytest.approx(1.0)
     # a peer that is not installed is skipped with its install command, not silently
     assert "install-peer onnx" in res["cells"]["onnx"]["skipped"] and not res["cells"]["onnx"]["runs"]
     md = (tmp_path / "results.md").read_text()

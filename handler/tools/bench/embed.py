@@ -131,9 +131,7 @@ def make_server(cell: str, model_dir: str, run_dir: str, threads: int) -> Server
                vllm_cpu.SERVED_NAME, "--host", "127.0.0.1", "--port", str(port), "--runner", "pooling",
                "--dtype", "float32", "--max-num-seqs", "64", "--kv-cache-memory-bytes", str(VLLM_RESERVE),
                "--disable-uvicorn-access-log"]
-        env = {"VLLM_CPU_OMP_THREADS_BIND": vllm_cpu.omp_bind(), "VLLM_CPU_KVCACHE_SPACE": None,
-               "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "VIRTUAL_ENV": where, "PYTHONPATH": None}
-        return Server(cell, cmd, log, port, env=env, startup_timeout=vllm_cpu.STARTUP_TIMEOUT,
+        return Server(cell, cmd, log, port, env=vllm_cpu.base_env(where), startup_timeout=vllm_cpu.STARTUP_TIMEOUT,
                       held={"runner": "pooling", "dtype": "float32", "max_num_seqs": 64,
                             "kv_cache_memory_bytes": VLLM_RESERVE})
     cmd = [py, "-m", "handler.tools.bench.embed_peer", "--backend", cell, "--model-dir", model_dir,

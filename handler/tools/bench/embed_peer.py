@@ -137,6 +137,11 @@ class Batcher:
                 box["done"].set()
 
 
+class Server(ThreadingHTTPServer):
+    request_queue_size = 256    # 64 clients connect at once (socketserver's default backlog: 5)
+    daemon_threads = True
+
+
 def make_handler(batcher: Batcher):
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
@@ -184,9 +189,7 @@ def main(argv: list[str] | None = None) -> int:
     engine = (SentenceTransformers(a.model_dir, a.threads) if a.backend == "st"
               else Exported(a.backend, a.model_dir, a.threads))
     engine.encode(["warm up"])
-    ThreadingHTTPServer.request_queue_size = 256    # 64 clients connect at once (socketserver's default: 5)
-    srv = ThreadingHTTPServer(("127.0.0.1", a.port), make_handler(Batcher(engine, a.max_batch)))
-    srv.daemon_threads = True
+    srv = Server(("127.0.0.1", a.port), make_handler(Batcher(engine, a.max_batch)))
     print(f"embed_peer {a.backend} serving {a.model_dir} on {a.port}", flush=True)
     srv.serve_forever()
     return 0

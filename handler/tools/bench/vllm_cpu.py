@@ -147,6 +147,13 @@ def omp_bind(cpus=None) -> str:
     return ",".join(map(str, ids))
 
 
+def base_env(path: str) -> dict:
+    """What every vLLM server of the peer venv `path` runs with: its OpenMP threads on every core this
+    process may use, the legacy KV-size variable removed, no telemetry, the venv's own packages."""
+    return {"VLLM_CPU_OMP_THREADS_BIND": omp_bind(), "VLLM_CPU_KVCACHE_SPACE": None,
+            "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "VIRTUAL_ENV": path, "PYTHONPATH": None}
+
+
 def server(path: str, model_dir: str, port: int, kv_tokens: int, max_num_seqs: int, prefill_tokens: int,
            dtype: str) -> tuple[list[str], dict, dict]:
     """(command, environment additions, what was held equal) for one vLLM server.
@@ -168,8 +175,7 @@ def server(path: str, model_dir: str, port: int, kv_tokens: int, max_num_seqs: i
            "--max-model-len", str(min(max_pos, tokens)), "--no-enable-prefix-caching",
            "--disable-uvicorn-access-log"]
     preload = [p for p in (find_tcmalloc(), find_iomp(path)) if p]
-    env = {"VLLM_CPU_OMP_THREADS_BIND": omp_bind(), "VLLM_CPU_KVCACHE_SPACE": None,
-           "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "VIRTUAL_ENV": path, "PYTHONPATH": None}
+    env = base_env(path)
     if preload:
         env["LD_PRELOAD"] = ":".join(preload + ([os.environ["LD_PRELOAD"]] if os.environ.get("LD_PRELOAD") else []))
     held = {"kv_cache_tokens": tokens, "kv_cache_memory_bytes": kv, "block_size": BLOCK,
