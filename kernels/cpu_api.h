@@ -28,6 +28,10 @@ typedef struct {
     int64_t act8;               /* LIN_Q: lmi_gemm_q's act8 (option.cpu_grouped_activations=int8) */
 } lmi_lin;
 
+/* lmi_layer.qk_norm: RMSNorms of q and k before rotary (Llama's rounding): none, or per head (Qwen3: over
+ * each head's D) */
+enum { QK_NONE = 0, QK_HEAD = 1 };
+
 /* A decoder layer: q/k/v and gate/up either fused (q holds q|k|v, gate holds gate|up; k, v, up
  * have n = 0) or apart. */
 typedef struct {
@@ -36,6 +40,9 @@ typedef struct {
     void *kc, *vc;              /* this layer's KV pools */
     int64_t window;             /* sliding window, 0: none */
     float *ksc, *vsc;           /* int8 KV pools: their per-(token, head) row scales; NULL otherwise */
+    const void *qn, *kn;        /* qk_norm's weights (activations' dtype), NULL with QK_NONE */
+    int64_t qk_norm;            /* QK_NONE or QK_HEAD */
+    int64_t q_lanes, k_lanes;   /* fp32: lmi_rms_norm_f32's summing width for q's and k's head rows */
 } lmi_layer;
 
 /* decode attention's pool kind beside 0 (fp32) and 1 (bf16): int8 rows with fp32 scales */

@@ -201,6 +201,30 @@ static void norm(const void *h, const void *w, void *out, int64_t B, int64_t E, 
     }
 }
 
+/* Qwen3's q/k norms in place on each row's q and k of the fused buffer (rows nqkv elements apart), before
+ * rotary: one RMSNorm per head over D, with the rounding handler/model/llama.py's Attention gets from the
+ * same kernels (its views made contiguous: fp32 rows summed as torch sums them at q_lanes / k_lanes, bf16
+ * as lmi_rms_norm_bf16). sq: threads x sqn floats. */
+static void qk_norms(const lmi_layer *ly, char *qkv, int64_t T, int64_t H, int64_t Hkv, int64_t D, int64_t nqkv,
+                     float eps, int bf16, float *sq, int64_t sqn, int threads) {
+    const int64_t es = bf16 ? 2 : 4;
+    const int nt = T * nqkv >= GRAIN && T > 1 ? (threads < T ? threads : (int)T) : 1;
+#pragma omp parallel for num_threads(nt) if (nt > 1) schedule(static)
+    for (int c = 0; c < nt; ++c) {
+        float *s = sq + c * sqn;
+        for (int64_t t = T * c / nt; t < T * (c + 1) / nt; ++t) {
+            char *q = qkv + t * nqkv * es, *k = q + H * D * es;
+            if (bf16) {
+                lmi_rms_norm_bf16((uint16_t *)q, ly->qn, (uint16_t *)q, H, D, eps, 1);
+                lmi_rms_norm_bf16((uint16_t *)k, ly->kn, (uint16_t *)k, Hkv, D, eps, 1);
+            } else {
+                lmi_rms_norm_f32((const float *)q, ly->qn, (float *)q, H, D, eps, (int)ly->q_lanes, s);
+                lmi_rms_norm_f32((const float *)k, ly->kn, (float *)k, Hkv, D, eps, (int)ly->k_lanes, s);
+            }
+        }
+    }
+}
+
 /* h [T, E] (in place: the residual stream after the last layer) for a step of B decoding
  * sequences (rows 0 .. B-1, one each) and P whole prompts (each prompt's context is its own rows
  * of this step: rows pstarts[p] .. pstarts[p] + plens[p] - 1, all >= B; porder: the prompts
@@ -229,10 +253,12 @@ int lmi_step_layers(const lmi_layer *layers, int64_t L, void *h, int64_t T, int6
             if (s > lin) lin = s;
         }
     }
-    /* x: normed rows; qkv; attn; o: a projection's output; gu: gate|up; act: silu(g) * u */
+    /* x: normed rows; qkv; attn; o: a projection's output; gu: gate|up; act: silu(g) * u; sq: each
+     * thread's squares (a hidden row's or a head's) */
     if (lin < D) lin = D;   /* also an int8 row's room (lmi_kv_i8_roundtrip) */
+    const int64_t sqn = E > D ? E : D;
     const int64_t sizes[] = {T * E * es, T * nqkv * es, T * H * D * es, T * E * es, T * 2 * I * es, T * I * es,
-                             (int64_t)threads * E * 4, lin};
+                             (int64_t)threads * sqn * 4, lin};
     int64_t total = 0, off[8];
     for (int j = 0; j < 8; ++j) {
         off[j] = total;
@@ -253,6 +279,7 @@ int lmi_step_layers(const lmi_layer *layers, int64_t L, void *h, int64_t T, int6
         linear(&ly->q, x, T, q, nqkv, bf16, ws, threads);
         linear(&ly->k, x, T, q + ly->q.n * es, nqkv, bf16, ws, threads);
         linear(&ly->v, x, T, q + (ly->q.n + ly->k.n) * es, nqkv, bf16, ws, threads);
+        if (ly->qk_norm) qk_norms(ly, qkv, T, H, Hkv, D, nqkv, eps, bf16, sq, sqn, threads);
         if (B && ly->ksc)
             rc = lmi_decode_fused_i8(q, k, v, nqkv, nqkv, nqkv, cos, sin, cs, bf16, ly->kc, ly->vc, ly->ksc, ly->vsc,
                                      s_blk, s_tok, s_head, slots, nslots, tables, tw, lens, B, H, Hkv, D, bs, scale,

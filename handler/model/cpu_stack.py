@@ -11,8 +11,9 @@ it; RMSNorm sums in torch's order, row by row), so the residual stream and the K
 bit for bit as the Python layers leave them (tests/model/test_cpu_stack.py).
 
 What it takes is decided once, at load (`build` returns None and why otherwise, naming the layer
-where one layer is the reason; the runner logs it once): our Llama family without q/k norms,
-post-norms or residual multipliers; one rank; no LoRA; every linear packed for our panel kernels
+where one layer is the reason; the runner logs it once): our Llama family, Qwen3's per-head q/k
+norms included, without post-norms or residual multipliers, with
+dense MLPs; one rank; no LoRA; every linear packed for our panel kernels
 (fp32 panels, bf16 panels either way, int8, grouped 4/8-bit codes: W8A16, GGUF blocks, AWQ/GPTQ);
 Llama-style RMSNorms; KV pools the fused attention reads, in the activations' dtype; torch's SiLU
 reproduced here (cpu_ext.silu_exact). Whole prompts too unless a layer has a sliding window (the
@@ -95,8 +96,8 @@ def build(model, kv_cache, *, tp_size: int = 1, lora: bool = False,
         return None, "tensor parallel" if tp_size > 1 else "LoRA"
     if a.moe is not None:
         return None, f"{a.family}'s mixture-of-experts layers (the C stack's MLP is dense)"
-    if a.qk_norm or a.post_norms or a.residual_scale != 1.0:
-        return None, f"{a.family}'s layer (q/k norms, post-norms or residual multipliers)"
+    if a.post_norms or a.residual_scale != 1.0:
+        return None, f"{a.family}'s layer (post-norms or residual multipliers)"
     pool = kv_cache[0][0]
     i8 = pool.int8     # option.kv_cache_dtype=int8: the layers' scales go with the pools
     dtype = model.model.layers[0].input_layernorm.weight.dtype if i8 else pool.dtype
@@ -109,10 +110,18 @@ def build(model, kv_cache, *, tp_size: int = 1, lora: bool = False,
         lanes = cpu_ext.rms_norm_f32_lanes(a.hidden)
         if not lanes:
             return None, "torch's fp32 RMSNorm sums are not reproduced on this host"
+    # Qwen3's per-head q/k norms (OLMoE's over the whole projection: not here); fp32: their summing width
+    if a.qk_norm not in (None, "head"):
+        return None, f"{a.family}'s q/k norms over the whole projection"
+    qk_lanes = cpu_ext.rms_norm_f32_lanes(a.head_dim) if a.qk_norm and dtype == torch.float32 else 0
+    if a.qk_norm and dtype == torch.float32 and not qk_lanes:
+        return None, "torch's fp32 RMSNorm sums over a head are not reproduced on this host"
     layers, keep = (cpu_ext.Layer * a.layers)(), []
     for i, layer in enumerate(model.model.layers):
         att, mlp = layer.self_attn, layer.mlp
         norms = (layer.input_layernorm, layer.post_attention_layernorm)
+        if a.qk_norm:
+            norms += (att.q_norm, att.k_norm)
         for n in norms:
             if n.style != "llama" or n.eps != a.eps or n.weight.dtype != dtype or not n.weight.is_contiguous():
                 return None, f"layer {i}: a norm the C stack does not take"
@@ -134,6 +143,9 @@ def build(model, kv_cache, *, tp_size: int = 1, lora: bool = False,
                 or (i8 and not (cpu_ext.supports(k_pool) and cpu_ext.supports(v_pool)))):
             return None, f"layer {i}: KV pools of different layouts"
         scales = dict(ksc=k_pool.scales.data_ptr(), vsc=v_pool.scales.data_ptr()) if i8 else {}
+        if a.qk_norm:
+            scales.update(qn=att.q_norm.weight.data_ptr(), kn=att.k_norm.weight.data_ptr(), qk_norm=cpu_ext.QK_HEAD,
+                          q_lanes=qk_lanes, k_lanes=qk_lanes)
         layers[i] = cpu_ext.Layer(*lins, norm1=norms[0].weight.data_ptr(), norm2=norms[1].weight.data_ptr(),
                                   kc=k_pool.data.data_ptr(), vc=v_pool.data.data_ptr(), window=int(att.window or 0),
                                   **scales)

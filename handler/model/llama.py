@@ -144,8 +144,8 @@ class Attention(nn.Module):
         if self.qk_norm == "full":
             q, k = self._full_norm(self.q_norm, q), self._full_norm(self.k_norm, k)
         q, k, v = q.view(t, -1, d), k.view(t, -1, d), v.view(t, -1, d)
-        if self.qk_norm == "head":
-            q, k = self.q_norm(q), self.k_norm(k)
+        if self.qk_norm == "head":    # contiguous: the norm kernels' rows (kernels/cpu_layer.c norms them alike)
+            q, k = self.q_norm(q.contiguous()), self.k_norm(k.contiguous())
         k_cache, v_cache = step.kv_cache[self.layer_idx]
         # rotary, the KV write and attention: the backend chosen at load (kernels/backends.py)
         out = step.backend.forward(q, k, v, k_cache, v_cache, step, self.scaling, cos=cos, sin=sin,
@@ -156,7 +156,7 @@ class Attention(nn.Module):
         """An RMSNorm over the whole projection [T, H*D]; with tensor parallelism each rank holds
         [T, H*D/N] and its slice of the weight, and the squares' sums are all-reduced."""
         if self.tp.size == 1:
-            return norm(x)
+            return norm(x.contiguous())     # as the per-head norms (forward)
         h = x.float()
         ss = self.tp.reduce(h.pow(2).sum(-1, keepdim=True))
         h = h * torch.rsqrt(ss / (h.shape[-1] * self.tp.size) + norm.eps)
