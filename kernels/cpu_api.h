@@ -43,6 +43,12 @@ typedef struct {
     const void *qn, *kn;        /* qk_norm's weights (activations' dtype), NULL with QK_NONE */
     int64_t qk_norm;            /* QK_NONE or QK_HEAD */
     int64_t q_lanes, k_lanes;   /* fp32: lmi_rms_norm_f32's summing width for q's and k's head rows */
+    /* a mixture-of-experts MLP instead of gate/up/down (experts > 0): the router's fp32 panels
+     * (lmi_gemm's, [experts] outputs), the experts' packed gate/up/down (lmi_lin [experts] each, as
+     * lmi_moe_experts takes them), the top-k and lmi_moe_route's flags */
+    const float *router;
+    const lmi_lin *xgate, *xup, *xdown;
+    int64_t experts, topk, route_norm, route_bf16;
 } lmi_layer;
 
 /* decode attention's pool kind beside 0 (fp32) and 1 (bf16): int8 rows with fp32 scales */
@@ -144,4 +150,7 @@ int lmi_step_layers(const lmi_layer *layers, int64_t L, void *h, int64_t T, int6
  * as the down projection's rows come out (cpu_layer.c) */
 int lmi_moe_experts(const lmi_lin *gate, const lmi_lin *up, const lmi_lin *down, int64_t X, const void *x,
     int64_t T, int64_t E, int64_t k, const int64_t *ids, const float *weights, void *out, int bf16, int threads);
+/* each row's top-k experts and their weights from the router's fp32 logits (cpu_layer.c) */
+void lmi_moe_route(const float *logits, int64_t T, int64_t X, int64_t k, int norm, int round_bf16, float *weights,
+    int64_t *ids);
 #endif

@@ -225,6 +225,9 @@ static void qk_norms(const lmi_layer *ly, char *qkv, int64_t T, int64_t H, int64
     }
 }
 
+static int moe_mlp(const lmi_layer *ly, const void *x, int64_t T, int64_t E, int bf16, void *out, char *ms,
+                   int threads);
+
 /* h [T, E] (in place: the residual stream after the last layer) for a step of B decoding
  * sequences (rows 0 .. B-1, one each) and P whole prompts (each prompt's context is its own rows
  * of this step: rows pstarts[p] .. pstarts[p] + plens[p] - 1, all >= B; porder: the prompts
@@ -253,14 +256,21 @@ int lmi_step_layers(const lmi_layer *layers, int64_t L, void *h, int64_t T, int6
             if (s > lin) lin = s;
         }
     }
+    int64_t X = 0, K = 0;   /* the widest router and top-k of the experts' layers */
+    for (int64_t l = 0; l < L; ++l) {
+        if (layers[l].experts > X) X = layers[l].experts;
+        if (layers[l].topk > K) K = layers[l].topk;
+    }
     /* x: normed rows; qkv; attn; o: a projection's output; gu: gate|up; act: silu(g) * u; sq: each
-     * thread's squares (a hidden row's or a head's) */
+     * thread's squares (a hidden row's or a head's); lin: the GEMMs'; moe: the router's rows in fp32,
+     * its logits, each row's weights and expert ids */
     if (lin < D) lin = D;   /* also an int8 row's room (lmi_kv_i8_roundtrip) */
     const int64_t sqn = E > D ? E : D;
+    const int64_t moe = X ? (T * (bf16 ? E : 0) + T * X + T * K) * 4 + T * K * 8 + 3 * 64 : 0;
     const int64_t sizes[] = {T * E * es, T * nqkv * es, T * H * D * es, T * E * es, T * 2 * I * es, T * I * es,
-                             (int64_t)threads * sqn * 4, lin};
-    int64_t total = 0, off[8];
-    for (int j = 0; j < 8; ++j) {
+                             (int64_t)threads * sqn * 4, lin, moe};
+    int64_t total = 0, off[9];
+    for (int j = 0; j < 9; ++j) {
         off[j] = total;
         total += (sizes[j] + 63) / 64 * 64;
     }
@@ -269,7 +279,7 @@ int lmi_step_layers(const lmi_layer *layers, int64_t L, void *h, int64_t T, int6
     void *x = mem + off[0], *qkv = mem + off[1], *attn = mem + off[2], *o = mem + off[3], *gu = mem + off[4];
     void *act = mem + off[5];
     float *sq = (float *)(mem + off[6]);
-    char *ws = mem + off[7];
+    char *ws = mem + off[7], *ms = mem + off[8];
     const int64_t np = T - B;
     int rc = 0;
     for (int64_t l = 0; l < L && rc == 0; ++l) {
@@ -307,6 +317,12 @@ int lmi_step_layers(const lmi_layer *layers, int64_t L, void *h, int64_t T, int6
         linear(&ly->o, attn, T, o, E, bf16, ws, threads);
         residual(h, o, T * E, bf16, threads);
         norm(h, ly->norm2, x, T, E, eps, lanes, sq, bf16, threads);
+        if (ly->experts) {
+            rc = moe_mlp(ly, x, T, E, bf16, o, ms, threads);
+            if (rc) break;
+            residual(h, o, T * E, bf16, threads);
+            continue;
+        }
         linear(&ly->gate, x, T, gu, 2 * I, bf16, ws, threads);
         linear(&ly->up, x, T, (char *)gu + ly->gate.n * es, 2 * I, bf16, ws, threads);
         /* gate's half of each row copied out (as the Python layer's .contiguous()), times up's half in place */
@@ -466,4 +482,58 @@ int lmi_moe_experts(const lmi_lin *gate, const lmi_lin *up, const lmi_lin *down,
     free(mem);
     free(count);
     return 0;
+}
+
+/* ---------------------------------------------------------------- a mixture-of-experts MLP's routing */
+/* Per row t of logits [T, X] (fp32): p = softmax(logits[t]) in fp32 (the maximum subtracted, expf, the
+ * exponentials summed in expert order, each divided by the sum), the k largest p (ties to the lower
+ * expert id) -> ids[t, 0..k) in descending order, their p -> weights[t, ..]; `norm`: each divided by
+ * their sum (added in that order); `round_bf16`: rounded to bf16 (families whose weights take the
+ * logits' dtype). What handler/model/moe.py's router computes, softmax/top-k/renormalise as
+ * transformers' routers, and the same function on both its paths (Python layer, C stack), so the two
+ * route alike bit for bit. */
+void lmi_moe_route(const float *logits, int64_t T, int64_t X, int64_t k, int norm, int round_bf16, float *weights,
+                   int64_t *ids) {
+    float *p = malloc((size_t)(X > 0 ? X : 1) * sizeof(float));
+    if (!p) return;
+    for (int64_t t = 0; t < T; ++t) {
+        const float *l = logits + t * X;
+        float m = l[0], sum = 0.f;
+        for (int64_t e = 1; e < X; ++e) m = l[e] > m ? l[e] : m;
+        for (int64_t e = 0; e < X; ++e) sum += p[e] = expf(l[e] - m);
+        for (int64_t e = 0; e < X; ++e) p[e] = p[e] / sum;
+        float *w = weights + t * k, tot = 0.f;
+        int64_t *id = ids + t * k;
+        for (int64_t j = 0; j < k; ++j) {    /* selection: the next largest, the lower id on ties (-1: taken) */
+            int64_t best = -1;
+            for (int64_t e = 0; e < X; ++e)
+                if (p[e] != -1.f && (best < 0 || p[e] > p[best])) best = e;
+            id[j] = best, w[j] = p[best], p[best] = -1.f;
+            tot += w[j];
+        }
+        for (int64_t j = 0; j < k; ++j) {
+            if (norm) w[j] = w[j] / tot;
+            if (round_bf16) w[j] = bf16_to_f32(f32_to_bf16(w[j]));
+        }
+    }
+    free(p);
+}
+
+/* A sparse layer's MLP in the stack: out [T, E] = the experts' weighted sum for the normed rows x
+ * (handler/model/moe.py SparseMoe without a shared expert): the router's logits by the fp32 panel GEMM
+ * (bf16 rows widened, exact), lmi_moe_route, lmi_moe_experts. ms: the stack's moe scratch. */
+static int moe_mlp(const lmi_layer *ly, const void *x, int64_t T, int64_t E, int bf16, void *out, char *ms,
+                   int threads) {
+    const int64_t X = ly->experts, k = ly->topk;
+    float *xf = (float *)x;
+    if (bf16) {
+        xf = (float *)ms;
+        widen(x, xf, T * E);
+        ms += (T * E * 4 + 63) / 64 * 64;
+    }
+    float *logits = (float *)ms, *w = logits + T * X;
+    int64_t *ids = (int64_t *)(ms + ((T * X + T * k) * 4 + 63) / 64 * 64);
+    lmi_gemm(xf, T, E, E, ly->router, X, 0, logits, X, threads);
+    lmi_moe_route(logits, T, X, k, (int)ly->route_norm, (int)ly->route_bf16, w, ids);
+    return lmi_moe_experts(ly->xgate, ly->xup, ly->xdown, X, x, T, E, k, ids, w, out, bf16, threads);
 }

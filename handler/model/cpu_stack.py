@@ -12,8 +12,9 @@ bit for bit as the Python layers leave them (tests/model/test_cpu_stack.py).
 
 What it takes is decided once, at load (`build` returns None and why otherwise, naming the layer
 where one layer is the reason; the runner logs it once): our Llama family, Qwen3's per-head q/k
-norms included, without post-norms or residual multipliers, with
-dense MLPs; one rank; no LoRA; every linear packed for our panel kernels
+norms included, without post-norms or residual multipliers; dense
+MLPs, or mixture-of-experts MLPs without a shared expert (Qwen3-MoE, Mixtral: the router's fp32
+GEMM, lmi_moe_route and lmi_moe_experts, the calls handler/model/moe.py's bound layer makes); one rank; no LoRA; every linear packed for our panel kernels
 (fp32 panels, bf16 panels either way, int8, grouped 4/8-bit codes: W8A16, GGUF blocks, AWQ/GPTQ);
 Llama-style RMSNorms; KV pools the fused attention reads, in the activations' dtype; torch's SiLU
 reproduced here (cpu_ext.silu_exact). Whole prompts too unless a layer has a sliding window (the
@@ -27,12 +28,14 @@ benchmarks) turns it off.
 """
 from __future__ import annotations
 
+import ctypes
 import logging
 
 import torch
 
 from handler.model.cpu import DEFAULT, Arms
 from handler.model.linear import cpu_lin
+from handler.model.moe import SparseMoe
 from kernels import cpu as cpu_ext
 
 log = logging.getLogger("lmi.cpu")
@@ -94,8 +97,8 @@ def build(model, kv_cache, *, tp_size: int = 1, lora: bool = False,
     a = model.arch
     if tp_size > 1 or lora:
         return None, "tensor parallel" if tp_size > 1 else "LoRA"
-    if a.moe is not None:
-        return None, f"{a.family}'s mixture-of-experts layers (the C stack's MLP is dense)"
+    if a.moe is not None and a.moe.shared:
+        return None, f"{a.family}'s shared expert (the C stack's sparse MLP has none)"
     if a.post_norms or a.residual_scale != 1.0:
         return None, f"{a.family}'s layer (post-norms or residual multipliers)"
     pool = kv_cache[0][0]
@@ -126,15 +129,23 @@ def build(model, kv_cache, *, tp_size: int = 1, lora: bool = False,
             if n.style != "llama" or n.eps != a.eps or n.weight.dtype != dtype or not n.weight.is_contiguous():
                 return None, f"layer {i}: a norm the C stack does not take"
         qkv = [att.qkv_proj, None, None] if att.qkv_proj is not None else [att.q_proj, att.k_proj, att.v_proj]
-        gu = [mlp.gate_up_proj, None] if mlp.gate_up_proj is not None else [mlp.gate_proj, mlp.up_proj]
-        lins = [cpu_ext.Lin() if m is None else cpu_lin(m, dtype, keep) for m in (*qkv, att.o_proj, *gu, mlp.down_proj)]
+        sparse = isinstance(mlp, SparseMoe)
+        if sparse:      # the experts' packs and the router's panels, bound at load (moe.SparseMoe.bind_kernel)
+            if mlp.cpu_experts is None or mlp.cpu_router is None:
+                return None, f"layer {i}: experts not bound to the C kernels"
+            gu, down = [None, None], None
+        else:
+            gu = [mlp.gate_up_proj, None] if mlp.gate_up_proj is not None else [mlp.gate_proj, mlp.up_proj]
+            down = mlp.down_proj
+        lins = [cpu_ext.Lin() if m is None else cpu_lin(m, dtype, keep) for m in (*qkv, att.o_proj, *gu, down)]
         for lin in lins:
             if isinstance(lin, str):
                 return None, f"layer {i}: {lin}"
         d, hid, inter = a.head_dim, a.hidden, a.intermediate
         got = [(sum(x.n for x in lins[:3]), hid), (lins[3].n, lins[3].k), (lins[4].n + lins[5].n, hid),
                (lins[6].n, lins[6].k)]
-        if (got != [((a.heads + 2 * a.kv_heads) * d, hid), (hid, a.heads * d), (2 * inter, hid), (hid, inter)]
+        want = [((a.heads + 2 * a.kv_heads) * d, hid), (hid, a.heads * d), (2 * inter, hid), (hid, inter)]
+        if (got[:2] != want[:2] or (not sparse and got[2:] != want[2:])
                 or any(x.k != hid for x in (*lins[:3], *lins[4:6]) if x.n)):
             return None, f"layer {i}: projections of other shapes than the config's"
         k_pool, v_pool = kv_cache[i]     # kernels/pool.py KVPool records
@@ -146,6 +157,12 @@ def build(model, kv_cache, *, tp_size: int = 1, lora: bool = False,
         if a.qk_norm:
             scales.update(qn=att.q_norm.weight.data_ptr(), kn=att.k_norm.weight.data_ptr(), qk_norm=cpu_ext.QK_HEAD,
                           q_lanes=qk_lanes, k_lanes=qk_lanes)
+        if sparse:
+            s, (xg, xu, xd, held) = mlp.spec, mlp.cpu_experts
+            keep += [mlp.cpu_router, xg, xu, xd, held]
+            scales.update(router=mlp.cpu_router.data_ptr(), xgate=ctypes.addressof(xg), xup=ctypes.addressof(xu),
+                          xdown=ctypes.addressof(xd), experts=s.experts, topk=s.top_k, route_norm=int(s.norm_topk),
+                          route_bf16=int(dtype == torch.bfloat16 and not s.fp32_weights))
         layers[i] = cpu_ext.Layer(*lins, norm1=norms[0].weight.data_ptr(), norm2=norms[1].weight.data_ptr(),
                                   kc=k_pool.data.data_ptr(), vc=v_pool.data.data_ptr(), window=int(att.window or 0),
                                   **scales)

@@ -112,9 +112,19 @@ class SparseMoe(nn.Module):
             self.shared_expert = Expert(hidden, spec.shared // tp.size, dtype, device)
             self.shared_expert_gate = Router(hidden, 1, bias=False, dtype=dtype, device=device).requires_grad_(False)
         self.cpu_experts = None     # bind_kernel(), at load: the experts' lmi_lin arrays for the C call
+        self.cpu_router = None      # bind_kernel(): the router's fp32 panels (lmi_gemm), routed by lmi_moe_route
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [T, E] -> (weights [T, k], expert ids [T, k]) as the family's transformers router."""
+        """x [T, E] -> (weights [T, k], expert ids [T, k]) as the family's transformers router. Bound to
+        the C kernels (bind_kernel): the logits by our fp32 panel GEMM on the rows widened to fp32, the
+        softmax / top-k / renormalisation by lmi_moe_route, the C layer stack's own calls, so both paths
+        route alike; the same choices as transformers' router but for ulp-close ties."""
+        if self.cpu_router is not None:
+            s = self.spec
+            logits = cpu_ext.gemm(x.float().contiguous(), self.cpu_router, s.experts, None)
+            bf16 = x.dtype == torch.bfloat16 and not s.fp32_weights
+            weights, ids = cpu_ext.moe_route(logits, s.top_k, s.norm_topk, bf16)
+            return (weights if s.fp32_weights else weights.to(x.dtype)), ids
         logits = self.gate(x)                     # [T, X]: F.linear, as transformers' router
         probs = torch.softmax(logits, dim=-1, dtype=torch.float)
         weights, ids = torch.topk(probs, self.spec.top_k, dim=-1)
@@ -134,7 +144,7 @@ class SparseMoe(nn.Module):
         """At load, once the experts are packed (handler/model/cpu.py prepack): whether the step's
         rows go through all the experts in one C call (kernels/cpu_layer.c lmi_moe_experts, over the
         packs' own weights); None where they do, else why not (then the Python loop below serves)."""
-        self.cpu_experts = None
+        self.cpu_experts = self.cpu_router = None
         dtype = self.gate.weight.dtype
         if self.gate.weight.device.type != "cpu" or cpu_ext.load() is None:
             return "no C kernels here"
@@ -153,6 +163,7 @@ class SparseMoe(nn.Module):
                     return f"expert {j}: {got}"
                 arr[j] = got
         self.cpu_experts = (gate, up, down, keep)
+        self.cpu_router = cpu_ext.pack_panels(self.gate.weight.detach().float().contiguous())
         return None
 
     def experts_forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:

@@ -253,3 +253,18 @@ def moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate,
     if rc != 0:
         raise MemoryError("moe_experts: scratch allocation failed")
     return out
+
+
+def moe_route(logits: torch.Tensor, k: int, norm: bool, round_bf16: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """A router's choice in one call (lmi_moe_route): logits [T, X] fp32 -> (weights [T, k] fp32, expert
+    ids [T, k] int64): the top-k of each row's fp32 softmax (ties to the lower id), renormalised to sum 1
+    where `norm`, rounded to bf16 values where `round_bf16`. The C layer stack routes by the same function."""
+    fn = load()
+    logits = logits.float().contiguous()
+    t, x = logits.shape
+    if not 0 < k <= x:
+        raise ValueError(f"moe_route: top-{k} of {x} experts")
+    weights = torch.empty(t, k, dtype=torch.float32)
+    ids = torch.empty(t, k, dtype=torch.int64)
+    fn.moe_route(logits.data_ptr(), t, x, k, int(norm), int(round_bf16), weights.data_ptr(), ids.data_ptr())
+    return weights, ids

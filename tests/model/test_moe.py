@@ -103,7 +103,10 @@ def test_our_moe_logits_match_transformers(name, moe_dirs, caplog):
     sparse = ours.model.model.layers[ours.model.arch.moe.sparse.index(True)].mlp
     assert type(sparse.experts[0].down_proj).__name__ == "CpuLinear"
     assert any(r.getMessage().startswith(f"model: our MoE implementation of {family}") for r in caplog.records)
-    assert any("mixture-of-experts layers" in r.getMessage() for r in caplog.records)    # the C stack declines
+    # the C layer stack takes Qwen3-MoE's and Mixtral's layers; a shared expert (qwen2_moe) or norms over the
+    # projection (olmoe) keep it off, said once (test_the_c_layer_stack_names_what_keeps_a_moe_family_out)
+    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("CPU: a step's layers")]
+    assert len(said) == 1 and (("in one C call" in said[0]) == (family in ("qwen3_moe", "mixtral")) or bool(_WHY))
     theirs = ModelRunner(moe_dirs[name], dtype="fp32", device="cpu", kv_cache_tokens=128, model_impl="transformers")
     for got, want in zip(_step_logits(ours), _step_logits(theirs)):
         # transformers' experts run grouped_mm and SiLU on a strided half: ulps apart, same argmax
@@ -137,6 +140,75 @@ def test_both_layouts_load_the_same_model_bit_for_bit(moe_dirs):
     for family in ("qwen3_moe", "mixtral"):
         a, b = logits(moe_dirs[family]), logits(moe_dirs[family + "-fused"])
         assert all(torch.equal(x, y) for x, y in zip(a, b)), family
+
+
+@pytest.mark.skipif(bool(_WHY), reason=_WHY)
+@pytest.mark.parametrize("name,dtype,quantize", [("qwen3_moe", "fp32", None), ("qwen3_moe", "bf16", None),
+                                                 ("mixtral", "fp32", None), ("mixtral", "bf16", None),
+                                                 ("qwen3_moe-fused", "fp32", "int8_weight_only")])
+def test_the_c_layer_stack_gives_the_python_layers_values_bit_for_bit(name, dtype, quantize, moe_dirs):
+    """Sparse layers in the C layer stack (kernels/cpu_layer.c: the router's GEMM, lmi_moe_route,
+    lmi_moe_experts): prompt, mixed and decode steps give the logits and KV pools of the Python
+    layers (which route by the same calls) bit for bit; Qwen3-MoE's dense layer and q/k norms too."""
+    from tests.model.test_cpu_stack import _runner, _steps
+    fast, slow = _runner(moe_dirs[name], dtype, quantize), _runner(moe_dirs[name], dtype, quantize, stack=False)
+    stack = fast.model.decode_stack
+    assert stack is not None and slow.model.decode_stack is None
+    calls = []
+    got, got_kv = _steps(fast, calls)
+    want, want_kv = _steps(slow, [])
+    for g, w in zip(got, want):
+        assert g.shape == w.shape and torch.equal(g, w), (name, dtype, (g.float() - w.float()).abs().max().item())
+    for (gk, gv), (wk, wv) in zip(got_kv, want_kv):
+        assert torch.equal(gk, wk) and torch.equal(gv, wv)
+    assert calls == ([True, True] if stack.prompts else [False, False]) + [True] * 6
+    assert stack.prompts or dtype == "bf16"
+
+
+def test_the_c_layer_stack_names_what_keeps_a_moe_family_out(moe_dirs, caplog):
+    from tests.model.test_cpu_stack import _runner
+    if _WHY:
+        pytest.skip(_WHY)
+    for family, why in (("qwen2_moe", "qwen2_moe's shared expert (the C stack's sparse MLP has none)"),
+                        ("olmoe", "olmoe's q/k norms over the whole projection")):
+        with caplog.at_level(logging.INFO, logger="lmi"):
+            caplog.clear()
+            r = _runner(moe_dirs[family])
+        assert r.model.decode_stack is None
+        assert f"CPU: a step's layers in Python ({why})" in [rec.getMessage() for rec in caplog.records], family
+
+
+def test_the_bound_router_routes_as_the_reference(moe_dirs):
+    """Bound to the C kernels (prepacked), the router's logits come from our fp32 GEMM and its choice
+    from lmi_moe_route: the same experts as transformers' router module and weights within fp32's
+    rounding, ties to the lower id, bf16 weights rounded as the reference rounds them."""
+    from transformers import AutoModelForCausalLM
+    if _WHY:
+        pytest.skip(_WHY)
+    for family in FAMILIES:
+        r = ModelRunner(moe_dirs[family], dtype="fp32", device="cpu", kv_cache_tokens=64)
+        r.prepack_cpu()
+        ref = AutoModelForCausalLM.from_pretrained(moe_dirs[family], dtype=torch.float32)
+        i = r.model.arch.moe.sparse.index(True)
+        mine = r.model.model.layers[i].mlp
+        assert mine.cpu_router is not None, family
+        x = torch.randn(33, 64, generator=torch.Generator().manual_seed(2))
+        w, ids = mine.route(x)
+        _, rw, rids = ref.model.layers[i].mlp.gate(x)
+        assert torch.equal(ids, rids), family
+        assert w.dtype == rw.dtype and torch.allclose(w, rw, rtol=1e-5, atol=1e-7), family
+    # ties: equal logits pick the lower ids, in order; renormalised weights sum to 1
+    from kernels import cpu as cpu_ext
+    logits = torch.tensor([[0.5, 2.0, 2.0, -1.0, 2.0], [3.0, 3.0, 3.0, 3.0, 3.0]])
+    w, ids = cpu_ext.moe_route(logits, 2, True, False)
+    assert ids.tolist() == [[1, 2], [0, 1]] and torch.equal(w, torch.full((2, 2), 0.5))
+    w, ids = cpu_ext.moe_route(logits, 3, False, False)
+    assert ids.tolist() == [[1, 2, 4], [0, 1, 2]]
+    assert torch.allclose(w, torch.softmax(logits, -1).gather(1, ids))
+    wb, _ = cpu_ext.moe_route(torch.randn(4, 8), 3, True, True)      # bf16 values, as .to(bfloat16)
+    assert torch.equal(wb, wb.to(torch.bfloat16).float())
+    with pytest.raises(ValueError, match="top-6 of 5 experts"):
+        cpu_ext.moe_route(logits, 6, True, False)
 
 
 def test_routing_follows_each_reference(moe_dirs):
