@@ -1,7 +1,7 @@
 """Qwen3-30B-A3B's shape as a Q4_K_M GGUF made by llama.cpp's own quantizer, served by us and by llama.cpp.
 
     HF_HUB_OFFLINE=1 python benchmarks/moe_q4km.py [--layers 4] [--out benchmarks/results/moe-30b-a3b-q4km]
-        [--work DIR] [--clients 1,16] [--reps 1] [--requests N] [--prepare-only] [--keep]
+        [--work DIR] [--clients 1,16] [--reps 1] [--requests N] [--prepare-only] [--keep] [--arm NAME=...]
 
 The shape (hidden 2048, 128 experts, 8 active, expert width 768, GQA 32/4 heads of 128, Qwen's
 151,936-token vocabulary and tokenizer, untied head) at `--layers` of its 48 layers, random bf16
@@ -137,6 +137,9 @@ def main(argv: list[str]) -> int:
     p.add_argument("--llamacpp-dir", help="the llama.cpp peer (default .cache/peers/llamacpp)")
     p.add_argument("--prepare-only", action="store_true", help="make the files, measure nothing")
     p.add_argument("--keep", action="store_true", help="keep the bf16 checkpoint and GGUF")
+    p.add_argument("--arm", action="append", default=[], metavar="NAME=paged_gguf+option.key=value...",
+                   help="one more cell of ours (bench compare's --arm), e.g. the int8-activation numerics: "
+                        "a8=paged_gguf+option.cpu_grouped_activations=int8+option.grouped_code_layout=packed")
     a = p.parse_args(argv)
     if not 1 <= a.layers <= 48:
         p.error(f"--layers {a.layers}: Qwen3-30B-A3B has 48")
@@ -171,6 +174,7 @@ def main(argv: list[str]) -> int:
            "--startup-timeout", "1800"]     # ours reads the fp32 conversion, then installs the file's blocks
     cmp += ["--requests", str(a.requests)] if a.requests else []
     cmp += ["--llamacpp-dir", peer] if a.llamacpp_dir else []
+    cmp += [x for arm in a.arm for x in ("--arm", arm)]
     print("moe_q4km:", " ".join(cmp), flush=True)
     subprocess.run(cmp, check=True, cwd=ROOT, env=env)
     fl = [*bench, "floor", "--model-dir", served, "--quantize", "gguf", "--results",
