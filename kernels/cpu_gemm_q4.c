@@ -42,8 +42,9 @@
  *
  * Builds (kernels/isa.py): avx512 as above; AVX2+FMA(+F16C) and aarch64 NEON over 8-lane vectors
  * (register kernel up to 2 rows, dequantized panels past that), the same values bit for bit. The
- * opt-in int8-activation products (act8, lmi_arch_q_a8_*): avx512 with VNNI and VBMI, and avx2, the
- * same values; elsewhere act8 is ignored (lmi_gemm_q_act8_available() returns 0).
+ * opt-in int8-activation products (act8, lmi_arch_q_a8_*; every code width, groups as a8_serves takes
+ * them): avx512 with VNNI and VBMI, and avx2, the same values; elsewhere act8 is ignored
+ * (lmi_gemm_q_act8_available() returns 0).
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -149,8 +150,10 @@ static int gemm_q_a8(q_ctx *c, int64_t M, int64_t np, int nthreads) {
     return 1;
 }
 
-static int a8_serves(int act8, int64_t K, int bits, int64_t g) {
-    return act8 && lmi_arch_q_a8_rows() && (bits == 4 || bits == 8) && g % 4 == 0 && g <= 256 && K % g == 0;
+/* Whether int8 activations serve: asked for, in this build, and groups of whole 4-input steps (the kernels'
+ * k step), at most 256 inputs, dividing K; every code width (4, 5, 6 and 8 bits). */
+static int a8_serves(int act8, int64_t K, int64_t g) {
+    return act8 && lmi_arch_q_a8_rows() && g % 4 == 0 && g <= 256 && K % g == 0;
 }
 
 /* Rows [row, row + rows) x panel p. A chunk of more than lmi_arch_q_rows() rows (nb > 1 or rows > it)
@@ -191,7 +194,7 @@ void lmi_gemm_q(const float *A, int64_t M, int64_t K, int64_t lda, const uint8_t
     const int64_t np = (N + NR - 1) / NR, mrq = lmi_arch_q_rows();
     q_ctx c = {A, bias, D, E, Bp, S, Mn, C, 0, lda, K, N, ldc, g, (K + g - 1) / g, sg, K * LMI_Q_ROW_BYTES(bits),
                smode, bits, 0, 0, 0, 0, 0};
-    if (a8_serves(act8, K, bits, g) && gemm_q_a8(&c, M, np, nthreads)) return;
+    if (a8_serves(act8, K, g) && gemm_q_a8(&c, M, np, nthreads)) return;
     const int64_t mr = M > mrq ? lmi_arch_q_dequant_rows() : mrq;
     if (M > mrq) c.W = (float *)aligned_alloc(64, (size_t)team(nthreads, np) * (size_t)K * NR * sizeof(float));
     lmi_panel_drive(M, np, lmi_panel_chunk(K * 4, mr), mr, nthreads, q_block, 0, &c);
