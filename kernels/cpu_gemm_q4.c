@@ -93,7 +93,7 @@ static inline int team(int nthreads, int64_t np) {
 }
 
 /* Rows [row, row + rows) (a whole chunk: one block) with int8 activations x panel p: with T, the panel
- * transposed once into this thread's T and blocks of lmi_arch_q_a8_transposed_rows() rows over it;
+ * transposed once into this thread's T and blocks of lmi_arch_q_a8_transposed_rows(bits) rows over it;
  * else the register kernels, lmi_arch_q_a8_rows() rows a pass, the first prefetching the next panel. */
 static void qa8_block(const void *v, int64_t row, int64_t rows, int64_t p, int next, int64_t i, int64_t nb) {
     (void)i, (void)nb;
@@ -104,7 +104,7 @@ static void qa8_block(const void *v, int64_t row, int64_t rows, int64_t p, int n
     const int64_t ncols = c->N - p * NR < NR ? c->N - p * NR : NR;
     const float *bias = c->bias ? c->bias + p * NR : 0;
     const int transposed = c->T != 0;
-    const int64_t step = transposed ? lmi_arch_q_a8_transposed_rows() : lmi_arch_q_a8_rows();
+    const int64_t step = transposed ? lmi_arch_q_a8_transposed_rows(c->bits) : lmi_arch_q_a8_rows();
     if (transposed) {
         uint8_t *T = c->T + (int64_t)omp_get_thread_num() * K * 32;
         lmi_arch_q_a8_transpose(B, K, c->bits, T, Bn);
@@ -136,9 +136,10 @@ static int gemm_q_a8(q_ctx *c, int64_t M, int64_t np, int nthreads) {
         lmi_arch_q_a8_row(c->A + r * c->lda, K, c->g, aq + r * K, da + r * G, sa + r * G, si + r * G);
     c->aq = aq, c->da = da, c->sa = sa, c->si = si;
     const int64_t mr = lmi_arch_q_a8_rows();
-    /* more than those rows, where the build transposes: each thread's panel transposed once into its T
-     * (K x 32 bytes, L2; K % 4 == 0) and paid once per panel, not once per register block */
-    if (lmi_arch_q_a8_transposed_rows() && M > mr)
+    /* more than those rows, where the build transposes these codes (avx2: all; avx512: 5/6-bit): each
+     * thread's panel transposed once into its T (K x 32 bytes, L2; K % 4 == 0) and paid once per panel, not
+     * once per register block */
+    if (lmi_arch_q_a8_transposed_rows(c->bits) && M > mr)
         c->T = (uint8_t *)aligned_alloc(64, (size_t)team(nthreads, np) * (size_t)K * 32);
     /* rows whose int8 activations stay in L2 (half of the fp32 paths' 1 MiB); each chunk one block, which
      * qa8_block walks in fixed steps from its first row (near-equal blocks measured slower on avx2: more

@@ -234,24 +234,33 @@ static const uint8_t A8_NIB56[2][64] = {{P16(P20, 0)}, {P16(P24, 0)}};
 static const uint8_t A8_PLANE[2][2][64] = {{{PL(P20, 16)}, {PL(P20, 20)}}, {{PL(P24, 16)}, {PL(P24, 20)}}};
 static const uint8_t A8_SHIFT[2][2][64] = {{{SH(60)}, {SH(92)}}, {{SH(59)}, {SH(91)}}};
 
-/* MR rows (their quantized activations aq at row stride K, da / sa at stride G) x one panel -> C. */
-#define KA8(BITS, MR)                                                                                 \
-    static void ka8_##BITS##_##MR(const int8_t *aq, const float *da, const float *sa, const int32_t *si, \
+/* Rows k..k+3 of 5/6-bit codes (4 x RB bytes at b) -> w0, w1: columns 0-15 and 16-31, byte 4j + r the code of
+ * column j (16 + j) in row r (the tables above; inlined, their loads leave the loops). */
+static inline void a8_w56(const uint8_t *b, int bits, __m512i *w0, __m512i *w1) {
+    const __m512i lo4 = _mm512_set1_epi8(0x0F);
+    const __m512i z0 = _mm512_loadu_si512(b), z1 = _mm512_maskz_loadu_epi8(bits == 5 ? 0xFFFFull : 0xFFFFFFFFull, b + 64);
+    const __m512i t = _mm512_permutex2var_epi8(z0, _mm512_loadu_si512(A8_NIB56[bits == 6]), z1);
+    __m512i x0 = _mm512_and_si512(t, lo4), x1 = _mm512_and_si512(_mm512_srli_epi16(t, 4), lo4);
+    for (int p = 0; p < bits - 4; ++p) {            /* w |= bit (4 + p) of the shifted byte */
+        const __m512i hb = _mm512_set1_epi8((char)(16 << p));
+        const __m512i x = _mm512_permutex2var_epi8(z0, _mm512_loadu_si512(A8_PLANE[bits == 6][p]), z1);
+        x0 = _mm512_ternarylogic_epi32(x0, _mm512_multishift_epi64_epi8(_mm512_loadu_si512(A8_SHIFT[p][0]), x), hb, 0xF8);
+        x1 = _mm512_ternarylogic_epi32(x1, _mm512_multishift_epi64_epi8(_mm512_loadu_si512(A8_SHIFT[p][1]), x), hb, 0xF8);
+    }
+    *w0 = x0, *w1 = x1;
+}
+
+/* MR rows (their quantized activations aq at row stride K, da / sa at stride G) x one panel -> C; FROM_T: B is
+ * the panel as a8_tpanel left it (w0, w1 of rows k..k+3 at 32k bytes). */
+#define KA8(BITS, MR, NAME, FROM_T)                                                                   \
+    static void NAME##_##BITS##_##MR(const int8_t *aq, const float *da, const float *sa, const int32_t *si, \
                                   int64_t G, const uint8_t *B, int64_t K, int64_t g, const qsrc *c,   \
                                   float *C, int64_t ldc, const float *bias, int64_t ncols,            \
                                   const uint8_t *Bn) {                                                \
         (void)si;                                                                                     \
         const int64_t RB = ROW_BYTES(BITS);                                                           \
         const __m512i lo4 = _mm512_set1_epi8(0x0F);                                                   \
-        const __m512i p0 = _mm512_loadu_si512(BITS == 4 ? A8_PERM[0] : BITS == 8 ? A8_PERM[1]         \
-                                                                     : A8_NIB56[BITS == 6]);          \
-        const __m512i p1 = _mm512_loadu_si512(A8_PERM[2]);                                            \
-        const __mmask64 tail = BITS == 5 ? 0xFFFFull : 0xFFFFFFFFull;      /* 5/6-bit: 80/96 bytes */ \
-        __m512i pl[2], sh[2][2];                                     /* 5/6-bit: per plane p */       \
-        for (int p = 0; p < BITS - 4 && BITS < 8; ++p) {                                              \
-            pl[p] = _mm512_loadu_si512(A8_PLANE[BITS == 6][p]);                                       \
-            sh[p][0] = _mm512_loadu_si512(A8_SHIFT[p][0]), sh[p][1] = _mm512_loadu_si512(A8_SHIFT[p][1]); \
-        }                                                                                             \
+        const __m512i p0 = _mm512_loadu_si512(A8_PERM[BITS == 4 ? 0 : 1]), p1 = _mm512_loadu_si512(A8_PERM[2]); \
         __m512 y0[MR], y1[MR];                                                                        \
         UNROLL_MR for (int r = 0; r < MR; ++r) y0[r] = y1[r] = _mm512_setzero_ps();                   \
         for (int64_t k0 = 0, gi = 0; k0 < K; k0 += g, ++gi) {                                         \
@@ -262,22 +271,15 @@ static const uint8_t A8_SHIFT[2][2][64] = {{{SH(60)}, {SH(92)}}, {{SH(59)}, {SH(
                 if (Bn) _mm_prefetch((const char *)(Bn + k * RB), _MM_HINT_T1);                       \
                 _mm_prefetch((const char *)(b + 1024), _MM_HINT_T0);                                  \
                 __m512i w0, w1;                                                                       \
-                if (BITS == 4) {                                                                      \
+                if (FROM_T) {                                                                         \
+                    w0 = _mm512_load_si512(B + 32 * k), w1 = _mm512_load_si512(B + 32 * k + 64);      \
+                } else if (BITS == 4) {                                                               \
                     const __m512i t = _mm512_permutexvar_epi8(p0, _mm512_loadu_si512(b));             \
                     w0 = _mm512_and_si512(t, lo4);                                                    \
                     w1 = _mm512_and_si512(_mm512_srli_epi16(t, 4), lo4);                              \
                 } else if (BITS != 8) {                                                               \
                     if (Bn) _mm_prefetch((const char *)(Bn + k * RB + 64), _MM_HINT_T1);              \
-                    const __m512i z0 = _mm512_loadu_si512(b), z1 = _mm512_maskz_loadu_epi8(tail, b + 64); \
-                    const __m512i t = _mm512_permutex2var_epi8(z0, p0, z1);                           \
-                    w0 = _mm512_and_si512(t, lo4);                                                    \
-                    w1 = _mm512_and_si512(_mm512_srli_epi16(t, 4), lo4);                              \
-                    for (int p = 0; p < BITS - 4; ++p) {       /* w |= bit (4 + p) of the shifted byte */ \
-                        const __m512i hb = _mm512_set1_epi8((char)(16 << p));                         \
-                        const __m512i x = _mm512_permutex2var_epi8(z0, pl[p], z1);                    \
-                        w0 = _mm512_ternarylogic_epi32(w0, _mm512_multishift_epi64_epi8(sh[p][0], x), hb, 0xF8); \
-                        w1 = _mm512_ternarylogic_epi32(w1, _mm512_multishift_epi64_epi8(sh[p][1], x), hb, 0xF8); \
-                    }                                                                                 \
+                    a8_w56(b, BITS, &w0, &w1);                                                        \
                 } else {                                                                              \
                     if (Bn) _mm_prefetch((const char *)(Bn + k * RB + 64), _MM_HINT_T1);              \
                     const __m512i z0 = _mm512_loadu_si512(b), z1 = _mm512_loadu_si512(b + 64);       \
@@ -309,10 +311,35 @@ static const uint8_t A8_SHIFT[2][2][64] = {{{SH(60)}, {SH(92)}}, {{SH(59)}, {SH(
         }                                                                                             \
     }
 #define MRA 6       /* rows a pass: 2 int32 + 2 fp32 accumulators a row in 24 zmm */
-#define KA8S(BITS) KA8(BITS, 1) KA8(BITS, 2) KA8(BITS, 3) KA8(BITS, 4) KA8(BITS, 5) KA8(BITS, 6)
-KA8S(4) KA8S(5) KA8S(6) KA8S(8)
-#define KA8ROW(BITS) {0, ka8_##BITS##_1, ka8_##BITS##_2, ka8_##BITS##_3, ka8_##BITS##_4, ka8_##BITS##_5, ka8_##BITS##_6}
-static const ka8_t KA8T[4][MRA + 1] = {KA8ROW(4), KA8ROW(5), KA8ROW(6), KA8ROW(8)};
+#define KA8S(BITS, NAME, FROM_T) KA8(BITS, 1, NAME, FROM_T) KA8(BITS, 2, NAME, FROM_T) KA8(BITS, 3, NAME, FROM_T) \
+    KA8(BITS, 4, NAME, FROM_T) KA8(BITS, 5, NAME, FROM_T) KA8(BITS, 6, NAME, FROM_T)
+KA8S(4, ka8, 0) KA8S(5, ka8, 0) KA8S(6, ka8, 0) KA8S(8, ka8, 0)
+#define KA8ROW(BITS, NAME) {0, NAME##_##BITS##_1, NAME##_##BITS##_2, NAME##_##BITS##_3, NAME##_##BITS##_4, \
+                            NAME##_##BITS##_5, NAME##_##BITS##_6}
+static const ka8_t KA8T[4][MRA + 1] = {KA8ROW(4, ka8), KA8ROW(5, ka8), KA8ROW(6, ka8), KA8ROW(8, ka8)};
+
+/* More than MRA rows of 5/6-bit codes (a prefill): each panel's codes transposed once into T (K x 32 bytes,
+ * L2) and MRA-row blocks over it, so the bit-plane gathers (~2.5x the 4-bit transposition's instructions)
+ * are paid once per panel, not once per 6 rows (measured at 64 rows x a Q6_K panel: 1.3x the 8-bit path's time
+ * without). 4- and 8-bit codes are transposed by one or two vpermb a 4 rows: the register kernels serve
+ * every row count. The same codes, integer sums and epilogue: the same values. */
+#define A8_TRANSPOSED MRA
+#define A8_TRANSPOSES(bits) ((bits) == 5 || (bits) == 6)
+static void a8_tpanel(const uint8_t *B, int64_t K, int bits, uint8_t *T, const uint8_t *Bn) {
+    const int64_t RB = ROW_BYTES(bits);
+    for (int64_t k = 0; k < K; k += 4) {
+        if (Bn) {
+            _mm_prefetch((const char *)(Bn + k * RB), _MM_HINT_T1);
+            _mm_prefetch((const char *)(Bn + k * RB + 64), _MM_HINT_T1);
+        }
+        __m512i w0, w1;
+        a8_w56(B + k * RB, bits, &w0, &w1);
+        _mm512_store_si512(T + 32 * k, w0);
+        _mm512_store_si512(T + 32 * k + 64, w1);
+    }
+}
+KA8S(4, kt8, 1)      /* over T the codes are unsigned bytes, as 4-bit ones: the BITS = 4 instances */
+static const ka8_t KT8T[2][A8_TRANSPOSED + 1] = {KA8ROW(4, kt8), {0}};     /* [bits == 8]: never transposed */
 #endif
 #elif defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -530,6 +557,7 @@ static const ka8_t KA8T[4][MRA + 1] = {{0, ka8_4_1, ka8_4_2}, {0, ka8_5_1, ka8_5
  * same integer sums and epilogue: the same values as the register kernels (a row's result still depends
  * on that row only). */
 #define A8_TRANSPOSED 3
+#define A8_TRANSPOSES(bits) ((void)(bits), 1)
 static void a8_tpanel(const uint8_t *B, int64_t K, int bits, __m256i *T, const uint8_t *Bn) {
     const __m256i sh = _mm256_loadu_si256((const __m256i *)A8_SHUF4);
     const int64_t RB = ROW_BYTES(bits);
@@ -584,13 +612,13 @@ void lmi_arch_q_a8_block(const int8_t *aq, const float *da, const float *sa, con
 }
 
 #ifdef A8_TRANSPOSED
-int lmi_arch_q_a8_transposed_rows(void) { return A8_TRANSPOSED; }
+int lmi_arch_q_a8_transposed_rows(int bits) { return A8_TRANSPOSES(bits) ? A8_TRANSPOSED : 0; }
 
 void lmi_arch_q_a8_transpose(const uint8_t *B, int64_t K, int bits, void *T, const uint8_t *Bn) {
-    a8_tpanel(B, K, bits, (__m256i *)T, Bn);
+    a8_tpanel(B, K, bits, T, Bn);
 }
 #else
-int lmi_arch_q_a8_transposed_rows(void) { return 0; }
+int lmi_arch_q_a8_transposed_rows(int bits) { (void)bits; return 0; }
 
 void lmi_arch_q_a8_transpose(const uint8_t *B, int64_t K, int bits, void *T, const uint8_t *Bn) {
     (void)B; (void)K; (void)bits; (void)T; (void)Bn;
@@ -598,7 +626,7 @@ void lmi_arch_q_a8_transpose(const uint8_t *B, int64_t K, int bits, void *T, con
 #endif
 #else
 int lmi_arch_q_a8_rows(void) { return 0; }
-int lmi_arch_q_a8_transposed_rows(void) { return 0; }
+int lmi_arch_q_a8_transposed_rows(int bits) { (void)bits; return 0; }
 
 void lmi_arch_q_a8_row(const float *a, int64_t K, int64_t g, int8_t *aq, float *da, float *sa, int32_t *si) {
     (void)a; (void)K; (void)g; (void)aq; (void)da; (void)sa; (void)si;
