@@ -36,7 +36,8 @@ static inline __mmask16 lanes16(int64_t n) {
 
 /* Group gi's 32 scales (s0: columns 0-15, s1: 16-31) and mins (n0, n1), in registers. Always inlined: with
  * every kernel below GCC's inlining budget left some kernels calling it once a group (4% at 4 rows of Q6_K). */
-__attribute__((always_inline)) static inline void qs_group(const qsrc *c, int64_t gi, __m512 *s0, __m512 *s1, __m512 *n0, __m512 *n1) {
+__attribute__((always_inline)) static inline void qs_group(const qsrc *c, int64_t gi, __m512 *s0, __m512 *s1,
+                                                           __m512 *n0, __m512 *n1) {
     if (c->mode == QS_F32) {
         const float *s = (const float *)c->s + gi * NR, *m = (const float *)c->m + gi * NR;
         *s0 = _mm512_loadu_ps(s), *s1 = _mm512_loadu_ps(s + 16);
@@ -174,15 +175,15 @@ static const kq_t KQ[4][MRMAX + 1] = {KTABLE(4), KTABLE(5), KTABLE(6), KTABLE(8)
  * and each group's codes multiplied by aq with vpdpbusd (4 codes x 4 int8 per lane, exact int32 sums),
  *   y += s * (float(sum_k q aq) * da_g) + m * sa_g        (fp32, per group, in group order)
  * So the codes stream through ~7 vector instructions per 128 weights (4-bit; 6-bit ~19) instead of ~36
- * for the exact fp32 dequantization; the result is not bit for bit the dequantized model's (the activations are rounded
- * to 8 bits per group). 4 rows k..k+3 are transposed into one 4-code dword per column: 4-bit codes
- * (nibbles) by one vpermb over the 4 rows' 64 bytes; 8-bit (bytes) by vpermt2b over 128; 5/6-bit by
- * vpermt2b over their 80/96 bytes (the second zmm a masked load: nothing past the 4 rows is read), one
- * for the nibble bytes and one per higher bit p gathering into each qword the 4 rows' plane bytes that
- * hold its 2 columns' bits (of either half), then per half one vpmultishiftqb bringing each (column,
- * row)'s bit to bit 4 + p of its byte and one vpternlogd ORing it in (measured on Zen 4: 1.2x faster
- * than a vpermt2b per plane and half with vptestmb against 1 << (column % 8) and a masked add; the same
- * as vpshufbitqmb, which would also need BITALG). The codes stay unsigned (0..63), so the vpdpbusd
+ * for the exact fp32 dequantization; the result is not bit for bit the dequantized model's (the
+ * activations are rounded to 8 bits per group). 4 rows k..k+3 are transposed into one 4-code dword per
+ * column: 4-bit codes (nibbles) by one vpermb over the 4 rows' 64 bytes; 8-bit (bytes) by vpermt2b over
+ * 128; 5/6-bit by vpermt2b over their 80/96 bytes (the second zmm a masked load: nothing past the 4 rows
+ * is read), one for the nibble bytes and one per higher bit p gathering into each qword the 4 rows' plane
+ * bytes that hold its 2 columns' bits (of either half), then per half one vpmultishiftqb bringing each
+ * (column, row)'s bit to bit 4 + p of its byte and one vpternlogd ORing it in (measured on Zen 4: 1.2x
+ * faster than a vpermt2b per plane and half with vptestmb against 1 << (column % 8) and a masked add; the
+ * same as vpshufbitqmb, which would also need BITALG). The codes stay unsigned (0..63), so the vpdpbusd
  * and the epilogue are the 4-bit kernel's, and every code width gives the same values for the same
  * codes (a Q6_K weight streamed as bytes or as 6 bits). */
 #define HAVE_Q_A8 1
@@ -255,7 +256,8 @@ __attribute__((always_inline)) static inline a8_c56 a8_k56(int bits) {
 __attribute__((always_inline)) static inline void a8_w56(const uint8_t *b, int bits, const a8_c56 *c, __m512i *w0,
                                                          __m512i *w1) {
     const __m512i lo4 = _mm512_set1_epi8(0x0F);
-    const __m512i z0 = _mm512_loadu_si512(b), z1 = _mm512_maskz_loadu_epi8(bits == 5 ? 0xFFFFull : 0xFFFFFFFFull, b + 64);
+    const __mmask64 tail = bits == 5 ? 0xFFFFull : 0xFFFFFFFFull;                   /* 80 / 96 bytes */
+    const __m512i z0 = _mm512_loadu_si512(b), z1 = _mm512_maskz_loadu_epi8(tail, b + 64);
     const __m512i t = _mm512_permutex2var_epi8(z0, c->nib, z1);
     __m512i x0 = _mm512_and_si512(t, lo4), x1 = _mm512_and_si512(_mm512_srli_epi16(t, 4), lo4);
     for (int p = 0; p < bits - 4; ++p) {            /* w |= bit (4 + p) of the shifted byte */
@@ -475,7 +477,8 @@ static inline void a8_w56(const uint8_t *b, int bits, __m256i sh, __m256i *w) {
         x = _mm256_blend_epi32(x01, x23, 0xF0);
         idx = _mm256_setr_epi32(0, 2, 4, 6, 0, 2, 4, 6);
     }
-    const __m256i sel = _mm256_loadu_si256((const __m256i *)A8_SHUFP), bit = _mm256_loadu_si256((const __m256i *)A8_BIT8);
+    const __m256i sel = _mm256_loadu_si256((const __m256i *)A8_SHUFP);
+    const __m256i bit = _mm256_loadu_si256((const __m256i *)A8_BIT8);
     for (int p = 0; p < bits - 4; ++p) {
         const __m256i planes = _mm256_permutevar8x32_epi32(x, _mm256_add_epi32(idx, _mm256_set1_epi32(p)));
         const __m256i hb = _mm256_set1_epi8((char)(16 << p));
