@@ -80,9 +80,10 @@ LMI_HIDDEN void lmi_arch_q_dequant(const uint8_t *B, int64_t K, int64_t g, const
                                    const uint8_t *Bn);
 /* int8 activations (act8; lmi_arch_q_a8_rows() is 0 where the build has none): a row quantized per group
  * (aq, da, sa, si); MR rows x one panel (B: its codes, or with `transposed` the panel as
- * lmi_arch_q_a8_transpose left it in T, K x 32 bytes 64-byte aligned, where lmi_arch_q_a8_transposed_rows()) */
+ * lmi_arch_q_a8_transpose left it in T, K x 32 bytes 64-byte aligned, where lmi_arch_q_a8_transposed_rows(bits),
+ * the rows a block over it, is not 0 for the codes' width) */
 LMI_HIDDEN int lmi_arch_q_a8_rows(void);
-LMI_HIDDEN int lmi_arch_q_a8_transposed_rows(void);
+LMI_HIDDEN int lmi_arch_q_a8_transposed_rows(int bits);
 LMI_HIDDEN void lmi_arch_q_a8_row(const float *a, int64_t K, int64_t g, int8_t *aq, float *da, float *sa, int32_t *si);
 LMI_HIDDEN void lmi_arch_q_a8_transpose(const uint8_t *B, int64_t K, int bits, void *T, const uint8_t *Bn);
 LMI_HIDDEN void lmi_arch_q_a8_block(const int8_t *aq, const float *da, const float *sa, const int32_t *si, int64_t G,

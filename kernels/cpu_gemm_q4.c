@@ -42,8 +42,9 @@
  *
  * Builds (kernels/isa.py): avx512 as above; AVX2+FMA(+F16C) and aarch64 NEON over 8-lane vectors
  * (register kernel up to 2 rows, dequantized panels past that), the same values bit for bit. The
- * opt-in int8-activation products (act8, lmi_arch_q_a8_*): avx512 with VNNI and VBMI, and avx2, the
- * same values; elsewhere act8 is ignored (lmi_gemm_q_act8_available() returns 0).
+ * opt-in int8-activation products (act8, lmi_arch_q_a8_*; every code width, groups as a8_serves takes
+ * them): avx512 with VNNI and VBMI, and avx2, the same values; elsewhere act8 is ignored
+ * (lmi_gemm_q_act8_available() returns 0).
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -92,7 +93,7 @@ static inline int team(int nthreads, int64_t np) {
 }
 
 /* Rows [row, row + rows) (a whole chunk: one block) with int8 activations x panel p: with T, the panel
- * transposed once into this thread's T and blocks of lmi_arch_q_a8_transposed_rows() rows over it;
+ * transposed once into this thread's T and blocks of lmi_arch_q_a8_transposed_rows(bits) rows over it;
  * else the register kernels, lmi_arch_q_a8_rows() rows a pass, the first prefetching the next panel. */
 static void qa8_block(const void *v, int64_t row, int64_t rows, int64_t p, int next, int64_t i, int64_t nb) {
     (void)i, (void)nb;
@@ -103,7 +104,7 @@ static void qa8_block(const void *v, int64_t row, int64_t rows, int64_t p, int n
     const int64_t ncols = c->N - p * NR < NR ? c->N - p * NR : NR;
     const float *bias = c->bias ? c->bias + p * NR : 0;
     const int transposed = c->T != 0;
-    const int64_t step = transposed ? lmi_arch_q_a8_transposed_rows() : lmi_arch_q_a8_rows();
+    const int64_t step = transposed ? lmi_arch_q_a8_transposed_rows(c->bits) : lmi_arch_q_a8_rows();
     if (transposed) {
         uint8_t *T = c->T + (int64_t)omp_get_thread_num() * K * 32;
         lmi_arch_q_a8_transpose(B, K, c->bits, T, Bn);
@@ -135,9 +136,10 @@ static int gemm_q_a8(q_ctx *c, int64_t M, int64_t np, int nthreads) {
         lmi_arch_q_a8_row(c->A + r * c->lda, K, c->g, aq + r * K, da + r * G, sa + r * G, si + r * G);
     c->aq = aq, c->da = da, c->sa = sa, c->si = si;
     const int64_t mr = lmi_arch_q_a8_rows();
-    /* more than those rows, where the build transposes: each thread's panel transposed once into its T
-     * (K x 32 bytes, L2; K % 4 == 0) and paid once per panel, not once per register block */
-    if (lmi_arch_q_a8_transposed_rows() && M > mr)
+    /* more than those rows, where the build transposes these codes (avx2: all; avx512: 5/6-bit): each
+     * thread's panel transposed once into its T (K x 32 bytes, L2; K % 4 == 0) and paid once per panel, not
+     * once per register block */
+    if (lmi_arch_q_a8_transposed_rows(c->bits) && M > mr)
         c->T = (uint8_t *)aligned_alloc(64, (size_t)team(nthreads, np) * (size_t)K * 32);
     /* rows whose int8 activations stay in L2 (half of the fp32 paths' 1 MiB); each chunk one block, which
      * qa8_block walks in fixed steps from its first row (near-equal blocks measured slower on avx2: more
@@ -149,8 +151,10 @@ static int gemm_q_a8(q_ctx *c, int64_t M, int64_t np, int nthreads) {
     return 1;
 }
 
-static int a8_serves(int act8, int64_t K, int bits, int64_t g) {
-    return act8 && lmi_arch_q_a8_rows() && (bits == 4 || bits == 8) && g % 4 == 0 && g <= 256 && K % g == 0;
+/* Whether int8 activations serve: asked for, in this build, and groups of whole 4-input steps (the kernels'
+ * k step), at most 256 inputs, dividing K; every code width (4, 5, 6 and 8 bits). */
+static int a8_serves(int act8, int64_t K, int64_t g) {
+    return act8 && lmi_arch_q_a8_rows() && g % 4 == 0 && g <= 256 && K % g == 0;
 }
 
 /* Rows [row, row + rows) x panel p. A chunk of more than lmi_arch_q_rows() rows (nb > 1 or rows > it)
@@ -191,7 +195,7 @@ void lmi_gemm_q(const float *A, int64_t M, int64_t K, int64_t lda, const uint8_t
     const int64_t np = (N + NR - 1) / NR, mrq = lmi_arch_q_rows();
     q_ctx c = {A, bias, D, E, Bp, S, Mn, C, 0, lda, K, N, ldc, g, (K + g - 1) / g, sg, K * LMI_Q_ROW_BYTES(bits),
                smode, bits, 0, 0, 0, 0, 0};
-    if (a8_serves(act8, K, bits, g) && gemm_q_a8(&c, M, np, nthreads)) return;
+    if (a8_serves(act8, K, g) && gemm_q_a8(&c, M, np, nthreads)) return;
     const int64_t mr = M > mrq ? lmi_arch_q_dequant_rows() : mrq;
     if (M > mrq) c.W = (float *)aligned_alloc(64, (size_t)team(nthreads, np) * (size_t)K * NR * sizeof(float));
     lmi_panel_drive(M, np, lmi_panel_chunk(K * 4, mr), mr, nthreads, q_block, 0, &c);

@@ -380,8 +380,10 @@ KEYS: tuple[Key, ...] = (
         "under int8 (W8A8's head: +2.5% perplexity on Qwen2.5-Coder-0.5B). Changes the answers: carried in "
         "the packed weights", default="auto"),
     Key("option.cpu_grouped_activations", _enum(list(GROUPED_ACTIVATIONS)),
-        "CPU, grouped weights (GGUF blocks, AWQ/GPTQ, int8_weight_only) with groups of at most 256 and 4- or "
-        "8-bit codes: `exact` multiplies them by the fp32 activations (bit for bit the dequantized model); "
+        "CPU, grouped weights (GGUF blocks, AWQ/GPTQ, int8_weight_only) with groups of at most 256 inputs, a "
+        "multiple of 4 (every GGUF type; not int8_weight_only's one group a row), codes of any width (4, 5, 6 "
+        "or 8 bits, either `option.grouped_code_layout`): `exact` multiplies them by the fp32 activations (bit "
+        "for bit the dequantized model); "
         "`int8` by int8 activations, each row quantized per group as llama.cpp's Q8 blocks, with integer dot "
         "products (faster; not bit for bit the dequantized model; the avx512 build with VNNI and VBMI and the "
         "avx2 build give the same values; neon ignores it, said in the load log). Kept in each layer's pack "
@@ -391,8 +393,11 @@ KEYS: tuple[Key, ...] = (
         "one a byte, `packed` as nibbles plus bit planes (Q6_K 6.75 bits a weight against 8.75). Packed "
         "reads fewer bytes but costs more instructions a weight: on a 2-core AMD EPYC Zen 4 a Qwen 1.5B "
         "q4_k_m decode step took 61.7 ms packed, 52.9 ms as bytes (benchmarks/results/gguf-bytes/); for "
-        "hosts whose weight stream is the bound. The same values either way (the kernel's fp32 operations "
-        "are the same); a key, not the environment, so the pack says what it streams", default="bytes"),
+        "hosts whose weight stream is the bound. With `option.cpu_grouped_activations=int8` both take the "
+        "int8 path, and packed was the faster at one row on avx512 (a 151,936 x 2,048 Q6_K head: 7.5 against "
+        "10.6 ms), not on avx2 (11.3 against 10.3; benchmarks/results/gguf-act8/). The same values either way "
+        "(the kernel's operations are the same); a key, not the environment, so the pack says what it "
+        "streams", default="bytes"),
     Key("option.quantization", _QUANTIZE,
         "vLLM's name for `option.quantize` (used when that is absent)", values="as `option.quantize`",
         alias_of="option.quantize"),

@@ -14,7 +14,8 @@ the kernel can stream those instead of fp32 scales and mins.
 
 What the kernel streams (`pack`, kernels/cpu_gemm_q4.c's layout): 4-bit codes as nibbles, wider
 ones as bytes (or packed to 5/6 bits under option.grouped_code_layout=packed: fewer bytes, more
-instructions, slower on a 2-core host), and the scales and mins as the two levels where a weight has them, as
+instructions; with fp32 activations slower on a 2-core host, with int8 ones faster at one row on avx512),
+and the scales and mins as the two levels where a weight has them, as
 fp16 where fp16 holds them exactly (GGUF's 32-blocks), else fp32. Bits a weight (GGUF's own):
 Q4_K 4.75 (4.5), Q5_0 9 (5.5; packed 6), Q6_K 8.75 (6.56; packed 6.75), Q8_0 9 (8.5), against
 6 / 10 / 12 / 10 with fp32 scales and mins. Each mode gives the kernel the same fp32 scale and
@@ -413,7 +414,7 @@ def describe(model: nn.Module) -> str:
     size = f", {held / 2 ** 20:,.0f} MiB streamed a step" if held else ""
     act = ""
     if isinstance(first, GroupedPack) and first.qpack.act8:
-        act = ("; int8 activations where groups are at most 256 and codes 4 or 8 bits "
+        act = ("; int8 activations where groups are at most 256 inputs, a multiple of 4 "
                "(option.cpu_grouped_activations=int8: integer dot products, not bit for bit the dequantized model)"
                if cpu_ext.q_act8_available() else
                "; option.cpu_grouped_activations=int8 ignored: this build has no int8-activation path (avx512 "

@@ -36,7 +36,7 @@ void lmi_arch_q_dequant(const uint8_t *B, int64_t K, int64_t g, const lmi_qsrc *
 }
 
 int lmi_arch_q_a8_rows(void) { return 0; }
-int lmi_arch_q_a8_transposed_rows(void) { return 0; }
+int lmi_arch_q_a8_transposed_rows(int bits) { (void)bits; return 0; }
 
 void lmi_arch_q_a8_row(const float *a, int64_t K, int64_t g, int8_t *aq, float *da, float *sa, int32_t *si) {
     (void)a; (void)K; (void)g; (void)aq; (void)da; (void)sa; (void)si;
