@@ -137,6 +137,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--llamacpp-dir", help="the llama.cpp peer (default .cache/peers/llamacpp)")
     p.add_argument("--prepare-only", action="store_true", help="make the files, measure nothing")
     p.add_argument("--keep", action="store_true", help="keep the bf16 checkpoint and GGUF")
+    p.add_argument("--floor-prop", action="append", default=[], metavar="option.key=value",
+                   help="bench floor's --prop: the served layout whose bytes the floor counts")
     p.add_argument("--arm", action="append", default=[], metavar="NAME=paged_gguf+option.key=value...",
                    help="one more cell of ours (bench compare's --arm), e.g. the int8-activation numerics: "
                         "a8=paged_gguf+option.cpu_grouped_activations=int8+option.grouped_code_layout=packed")
@@ -179,6 +181,7 @@ def main(argv: list[str]) -> int:
     subprocess.run(cmp, check=True, cwd=ROOT, env=env)
     fl = [*bench, "floor", "--model-dir", served, "--quantize", "gguf", "--results",
           os.path.join(out, "results.json"), "--out", os.path.join(out, "floor.json")]
+    fl += [x for kv in a.floor_prop for x in ("--prop", kv)]
     print("moe_q4km:", " ".join(fl), flush=True)
     r = subprocess.run(fl, cwd=ROOT, env=env, capture_output=True, text=True)
     sys.stdout.write(r.stdout + r.stderr)

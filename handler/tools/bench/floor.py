@@ -176,11 +176,12 @@ def weights_read(tensors, reps: int = 5) -> dict | None:
     return {"bytes": sum(w.numel() * 4 for w in words), "ms": best * 1e3}
 
 
-def floor_of(model_dir: str, dtype: str, quantize: str | None) -> dict:
-    """Build the server's engine for the precision (handler/tools/quality.py's), measure its bytes and
-    the read probe's pass over them (`weights_read`)."""
+def floor_of(model_dir: str, dtype: str, quantize: str | None, extra: dict | None = None) -> dict:
+    """Build the server's engine for the precision (handler/tools/quality.py's; `extra` properties, e.g.
+    the packed code layout, which changes what a step reads), measure its bytes and the read probe's pass
+    over them (`weights_read`)."""
     from handler.tools import quality
-    engine = quality.engine_for(model_dir, dtype, quantize)
+    engine = quality.engine_for(model_dir, dtype, quantize, extra=extra)
     try:
         model = engine.runner.model
         held = step_tensors(model)
@@ -218,15 +219,24 @@ def main(argv: list[str]) -> int:
     p.add_argument("--quantize", help="the precision served (int8, int8_weight_only, gguf, awq, gptq)")
     p.add_argument("--results", help="a `bench compare --clients 1,...` results.json: TPOT at 1 client vs the floor")
     p.add_argument("--out", help="write the figures to this JSON file")
+    p.add_argument("--prop", action="append", default=[], metavar="option.key=value",
+                   help="a property of the served file that changes what a step reads "
+                        "(option.grouped_code_layout=packed); repeatable")
     a = p.parse_args(argv)
+    extra = {}
+    for kv in a.prop:
+        k, eq, v = kv.partition("=")
+        if not eq or not k.startswith("option.") or not v:
+            p.error(f"--prop {kv!r}: option.key=value")
+        extra[k] = v
     bw = copy_bandwidth()
     read_gbps = read_bandwidth()
-    held = floor_of(a.model_dir, a.dtype, a.quantize)
+    held = floor_of(a.model_dir, a.dtype, a.quantize, extra)
     nbytes = held["weight_bytes_per_step"]
     floor_ms = nbytes / (bw["copy_gbps"] * 1e9) * 1e3
     probe_ms = nbytes / (read_gbps * 1e9) * 1e3 if read_gbps else floor_ms / 2
     read_ms = min(probe_ms, held.get("floor_weights_ms", probe_ms))
-    out = {"model_dir": a.model_dir, "dtype": a.dtype, "quantize": a.quantize, **held, **bw,
+    out = {"model_dir": a.model_dir, "dtype": a.dtype, "quantize": a.quantize, "properties": extra, **held, **bw,
            "read_gbps": read_gbps, "floor_ms": round(floor_ms, 3), "floor_read_probe_ms": round(probe_ms, 3),
            "floor_read_ms": round(read_ms, 3)}
     said = f"read bandwidth {read_gbps:.1f} GB/s" if read_gbps else "no read probe (C kernels absent): 2x copy"
