@@ -28,9 +28,9 @@ typedef struct {
     int64_t act8;               /* LIN_Q: lmi_gemm_q's act8 (option.cpu_grouped_activations=int8) */
 } lmi_lin;
 
-/* lmi_layer.qk_norm: RMSNorms of q and k before rotary (Llama's rounding): none, or per head (Qwen3: over
- * each head's D) */
-enum { QK_NONE = 0, QK_HEAD = 1 };
+/* lmi_layer.qk_norm: RMSNorms of q and k before rotary (Llama's rounding): none, per head (Qwen3: over each
+ * head's D) or over the whole projection (OLMoE: q's H * D, k's Hkv * D) */
+enum { QK_NONE = 0, QK_HEAD = 1, QK_FULL = 2 };
 
 /* A decoder layer: q/k/v and gate/up either fused (q holds q|k|v, gate holds gate|up; k, v, up
  * have n = 0) or apart. */
@@ -41,8 +41,8 @@ typedef struct {
     int64_t window;             /* sliding window, 0: none */
     float *ksc, *vsc;           /* int8 KV pools: their per-(token, head) row scales; NULL otherwise */
     const void *qn, *kn;        /* qk_norm's weights (activations' dtype), NULL with QK_NONE */
-    int64_t qk_norm;            /* QK_NONE or QK_HEAD */
-    int64_t q_lanes, k_lanes;   /* fp32: lmi_rms_norm_f32's summing width for q's and k's head rows */
+    int64_t qk_norm;            /* QK_NONE, QK_HEAD or QK_FULL */
+    int64_t q_lanes, k_lanes;   /* fp32: lmi_rms_norm_f32's summing width for q's and k's normed rows */
     /* a mixture-of-experts MLP instead of gate/up/down (experts > 0): the router's fp32 panels
      * (lmi_gemm's, [experts] outputs), the experts' packed gate/up/down (lmi_lin [experts] each, as
      * lmi_moe_experts takes them), the top-k and lmi_moe_route's flags */

@@ -201,13 +201,14 @@ static void norm(const void *h, const void *w, void *out, int64_t B, int64_t E, 
     }
 }
 
-/* Qwen3's q/k norms in place on each row's q and k of the fused buffer (rows nqkv elements apart), before
- * rotary: one RMSNorm per head over D, with the rounding handler/model/llama.py's Attention gets from the
- * same kernels (its views made contiguous: fp32 rows summed as torch sums them at q_lanes / k_lanes, bf16
- * as lmi_rms_norm_bf16). sq: threads x sqn floats. */
+/* q/k norms in place on each row's q and k of the fused buffer (rows nqkv elements apart), before rotary:
+ * QK_HEAD one RMSNorm per head over D (Qwen3), QK_FULL one over the projection (OLMoE), with the rounding
+ * handler/model/llama.py's Attention gets from the same kernels (its views made contiguous: fp32 rows
+ * summed as torch sums them at q_lanes / k_lanes, bf16 as lmi_rms_norm_bf16). sq: threads x sqn floats. */
 static void qk_norms(const lmi_layer *ly, char *qkv, int64_t T, int64_t H, int64_t Hkv, int64_t D, int64_t nqkv,
                      float eps, int bf16, float *sq, int64_t sqn, int threads) {
-    const int64_t es = bf16 ? 2 : 4;
+    const int64_t es = bf16 ? 2 : 4, full = ly->qk_norm == QK_FULL;
+    const int64_t qr = full ? 1 : H, qc = full ? H * D : D, kr = full ? 1 : Hkv, kc = full ? Hkv * D : D;
     const int nt = T * nqkv >= GRAIN && T > 1 ? (threads < T ? threads : (int)T) : 1;
 #pragma omp parallel for num_threads(nt) if (nt > 1) schedule(static)
     for (int c = 0; c < nt; ++c) {
@@ -215,11 +216,11 @@ static void qk_norms(const lmi_layer *ly, char *qkv, int64_t T, int64_t H, int64
         for (int64_t t = T * c / nt; t < T * (c + 1) / nt; ++t) {
             char *q = qkv + t * nqkv * es, *k = q + H * D * es;
             if (bf16) {
-                lmi_rms_norm_bf16((uint16_t *)q, ly->qn, (uint16_t *)q, H, D, eps, 1);
-                lmi_rms_norm_bf16((uint16_t *)k, ly->kn, (uint16_t *)k, Hkv, D, eps, 1);
+                lmi_rms_norm_bf16((uint16_t *)q, ly->qn, (uint16_t *)q, qr, qc, eps, 1);
+                lmi_rms_norm_bf16((uint16_t *)k, ly->kn, (uint16_t *)k, kr, kc, eps, 1);
             } else {
-                lmi_rms_norm_f32((const float *)q, ly->qn, (float *)q, H, D, eps, (int)ly->q_lanes, s);
-                lmi_rms_norm_f32((const float *)k, ly->kn, (float *)k, Hkv, D, eps, (int)ly->k_lanes, s);
+                lmi_rms_norm_f32((const float *)q, ly->qn, (float *)q, qr, qc, eps, (int)ly->q_lanes, s);
+                lmi_rms_norm_f32((const float *)k, ly->kn, (float *)k, kr, kc, eps, (int)ly->k_lanes, s);
             }
         }
     }
@@ -262,10 +263,10 @@ int lmi_step_layers(const lmi_layer *layers, int64_t L, void *h, int64_t T, int6
         if (layers[l].topk > K) K = layers[l].topk;
     }
     /* x: normed rows; qkv; attn; o: a projection's output; gu: gate|up; act: silu(g) * u; sq: each
-     * thread's squares (a hidden row's or a head's); lin: the GEMMs'; moe: the router's rows in fp32,
+     * thread's squares (a row's); lin: the GEMMs'; moe: the router's rows in fp32,
      * its logits, each row's weights and expert ids */
     if (lin < D) lin = D;   /* also an int8 row's room (lmi_kv_i8_roundtrip) */
-    const int64_t sqn = E > D ? E : D;
+    const int64_t sqn = E > H * D ? E : H * D;     /* a hidden row, a head or a whole q (QK_FULL) */
     const int64_t moe = X ? (T * (bf16 ? E : 0) + T * X + T * K) * 4 + T * K * 8 + 3 * 64 : 0;
     const int64_t sizes[] = {T * E * es, T * nqkv * es, T * H * D * es, T * E * es, T * 2 * I * es, T * I * es,
                              (int64_t)threads * sqn * 4, lin, moe};

@@ -11,9 +11,9 @@ it; RMSNorm sums in torch's order, row by row), so the residual stream and the K
 bit for bit as the Python layers leave them (tests/model/test_cpu_stack.py).
 
 What it takes is decided once, at load (`build` returns None and why otherwise, naming the layer
-where one layer is the reason; the runner logs it once): our Llama family, Qwen3's per-head q/k
-norms included, without post-norms or residual multipliers; dense
-MLPs, or mixture-of-experts MLPs without a shared expert (Qwen3-MoE, Mixtral: the router's fp32
+where one layer is the reason; the runner logs it once): our Llama family, q/k norms included
+(Qwen3's per head, OLMoE's over the projection), without post-norms or residual multipliers; dense
+MLPs, or mixture-of-experts MLPs without a shared expert (Qwen3-MoE, Mixtral, OLMoE: the router's fp32
 GEMM, lmi_moe_route and lmi_moe_experts, the calls handler/model/moe.py's bound layer makes); one rank; no LoRA; every linear packed for our panel kernels
 (fp32 panels, bf16 panels either way, int8, grouped 4/8-bit codes: W8A16, GGUF blocks, AWQ/GPTQ);
 Llama-style RMSNorms; KV pools the fused attention reads, in the activations' dtype; torch's SiLU
@@ -113,12 +113,14 @@ def build(model, kv_cache, *, tp_size: int = 1, lora: bool = False,
         lanes = cpu_ext.rms_norm_f32_lanes(a.hidden)
         if not lanes:
             return None, "torch's fp32 RMSNorm sums are not reproduced on this host"
-    # Qwen3's per-head q/k norms (OLMoE's over the whole projection: not here); fp32: their summing width
-    if a.qk_norm not in (None, "head"):
-        return None, f"{a.family}'s q/k norms over the whole projection"
-    qk_lanes = cpu_ext.rms_norm_f32_lanes(a.head_dim) if a.qk_norm and dtype == torch.float32 else 0
-    if a.qk_norm and dtype == torch.float32 and not qk_lanes:
-        return None, "torch's fp32 RMSNorm sums over a head are not reproduced on this host"
+    # q/k norms, Qwen3's per head or OLMoE's over the whole projection: the rows they norm, fp32's summing widths
+    qk = {None: (cpu_ext.QK_NONE, 0, 0), "head": (cpu_ext.QK_HEAD, a.head_dim, a.head_dim),
+          "full": (cpu_ext.QK_FULL, a.heads * a.head_dim, a.kv_heads * a.head_dim)}.get(a.qk_norm)
+    if qk is None:
+        return None, f"{a.family}'s q/k norms ({a.qk_norm})"
+    qk_lanes = [cpu_ext.rms_norm_f32_lanes(n) if qk[0] and dtype == torch.float32 else 0 for n in qk[1:]]
+    if qk[0] and dtype == torch.float32 and not all(qk_lanes):
+        return None, "torch's fp32 RMSNorm sums over the q/k norms' rows are not reproduced on this host"
     layers, keep = (cpu_ext.Layer * a.layers)(), []
     for i, layer in enumerate(model.model.layers):
         att, mlp = layer.self_attn, layer.mlp
@@ -155,8 +157,8 @@ def build(model, kv_cache, *, tp_size: int = 1, lora: bool = False,
             return None, f"layer {i}: KV pools of different layouts"
         scales = dict(ksc=k_pool.scales.data_ptr(), vsc=v_pool.scales.data_ptr()) if i8 else {}
         if a.qk_norm:
-            scales.update(qn=att.q_norm.weight.data_ptr(), kn=att.k_norm.weight.data_ptr(), qk_norm=cpu_ext.QK_HEAD,
-                          q_lanes=qk_lanes, k_lanes=qk_lanes)
+            scales.update(qn=att.q_norm.weight.data_ptr(), kn=att.k_norm.weight.data_ptr(), qk_norm=qk[0],
+                          q_lanes=qk_lanes[0], k_lanes=qk_lanes[1])
         if sparse:
             s, (xg, xu, xd, held) = mlp.spec, mlp.cpu_experts
             keep += [mlp.cpu_router, xg, xu, xd, held]

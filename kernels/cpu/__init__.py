@@ -22,8 +22,8 @@ from kernels.cpu import lib as _lib
 from kernels.cpu.args import KV_DTYPES
 from kernels.cpu.attention import (decode_attention, decode_fused, encoder_attention, prefill_attention,
                                    prefill_attention_available, step_layers, supports, write_kv)
-from kernels.cpu.bindings import (LIN_BF16, LIN_BF16W, LIN_F32, LIN_I8, LIN_Q, QK_HEAD, QK_NONE, QS_F16, QS_F32,
-                                  QS_I8, Layer, Lin)
+from kernels.cpu.bindings import (LIN_BF16, LIN_BF16W, LIN_F32, LIN_I8, LIN_Q, QK_FULL, QK_HEAD, QK_NONE, QS_F16,
+                                  QS_F32, QS_I8, Layer, Lin)
 from kernels.cpu.elementwise import (rms_norm_bf16, rms_norm_f32, rms_norm_f32_lanes, rotary_, row_stats,
                                      silu_exact, silu_mul_, stream_read)
 from kernels.cpu.lib import Backend, CpuLib, backend, cpu_flags, current, load
@@ -45,7 +45,7 @@ def select(choice: str | None) -> tuple[str | None, str]:
 __all__ = [
     "KV_DTYPES", "decode_attention", "decode_fused", "encoder_attention", "prefill_attention",
     "prefill_attention_available", "step_layers", "supports", "write_kv", "LIN_BF16", "LIN_BF16W", "LIN_F32",
-    "LIN_I8", "LIN_Q", "QK_HEAD", "QK_NONE", "QS_F16", "QS_F32", "QS_I8", "Layer", "Lin", "rms_norm_bf16",
+    "LIN_I8", "LIN_Q", "QK_FULL", "QK_HEAD", "QK_NONE", "QS_F16", "QS_F32", "QS_I8", "Layer", "Lin", "rms_norm_bf16",
     "rms_norm_f32", "rms_norm_f32_lanes", "rotary_", "row_stats", "silu_exact", "silu_mul_", "stream_read",
     "Backend", "CpuLib", "backend", "cpu_flags", "current", "load", "PANEL", "QPack", "gemm", "gemm_available",
     "gemm_bf16", "gemm_bf16_available", "gemm_bf16w_available", "gemm_i8", "gemm_i8_available", "gemm_q",

@@ -55,6 +55,6 @@ with open(os.path.join(SRC_DIR, "cpu_api.h")) as _f:
 LIN_F32, LIN_BF16, LIN_BF16W, LIN_I8 = (ENUM[k] for k in ("LIN_F32", "LIN_BF16", "LIN_BF16W", "LIN_I8"))
 LIN_Q = ENUM["LIN_Q"]          # grouped 4/5/6/8-bit codes (handler/model/quant_int4.py GroupedPack)
 QS_F32, QS_F16, QS_I8 = (ENUM[k] for k in ("QS_F32", "QS_F16", "QS_I8"))   # lmi_gemm_q's scale modes
-QK_NONE, QK_HEAD = ENUM["QK_NONE"], ENUM["QK_HEAD"]   # lmi_layer.qk_norm
+QK_NONE, QK_HEAD, QK_FULL = (ENUM[k] for k in ("QK_NONE", "QK_HEAD", "QK_FULL"))   # lmi_layer.qk_norm
 Lin = STRUCTS["lmi_lin"]        # one packed linear layer
 Layer = STRUCTS["lmi_layer"]    # a decoder layer's weights and KV pools (q|k|v and gate|up fused: k, v, up n = 0)

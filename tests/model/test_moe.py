@@ -103,10 +103,10 @@ def test_our_moe_logits_match_transformers(name, moe_dirs, caplog):
     sparse = ours.model.model.layers[ours.model.arch.moe.sparse.index(True)].mlp
     assert type(sparse.experts[0].down_proj).__name__ == "CpuLinear"
     assert any(r.getMessage().startswith(f"model: our MoE implementation of {family}") for r in caplog.records)
-    # the C layer stack takes Qwen3-MoE's and Mixtral's layers; a shared expert (qwen2_moe) or norms over the
-    # projection (olmoe) keep it off, said once (test_the_c_layer_stack_names_what_keeps_a_moe_family_out)
+    # the C layer stack takes Qwen3-MoE's, Mixtral's and OLMoE's layers; a shared expert (qwen2_moe) keeps it
+    # off, said once (test_the_c_layer_stack_names_what_keeps_a_moe_family_out)
     said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("CPU: a step's layers")]
-    assert len(said) == 1 and (("in one C call" in said[0]) == (family in ("qwen3_moe", "mixtral")) or bool(_WHY))
+    assert len(said) == 1 and (("in one C call" in said[0]) == (family != "qwen2_moe") or bool(_WHY))
     theirs = ModelRunner(moe_dirs[name], dtype="fp32", device="cpu", kv_cache_tokens=128, model_impl="transformers")
     for got, want in zip(_step_logits(ours), _step_logits(theirs)):
         # transformers' experts run grouped_mm and SiLU on a strided half: ulps apart, same argmax
@@ -145,11 +145,13 @@ def test_both_layouts_load_the_same_model_bit_for_bit(moe_dirs):
 @pytest.mark.skipif(bool(_WHY), reason=_WHY)
 @pytest.mark.parametrize("name,dtype,quantize", [("qwen3_moe", "fp32", None), ("qwen3_moe", "bf16", None),
                                                  ("mixtral", "fp32", None), ("mixtral", "bf16", None),
+                                                 ("olmoe", "fp32", None), ("olmoe", "bf16", None),
                                                  ("qwen3_moe-fused", "fp32", "int8_weight_only")])
 def test_the_c_layer_stack_gives_the_python_layers_values_bit_for_bit(name, dtype, quantize, moe_dirs):
     """Sparse layers in the C layer stack (kernels/cpu_layer.c: the router's GEMM, lmi_moe_route,
     lmi_moe_experts): prompt, mixed and decode steps give the logits and KV pools of the Python
-    layers (which route by the same calls) bit for bit; Qwen3-MoE's dense layer and q/k norms too."""
+    layers (which route by the same calls) bit for bit; Qwen3-MoE's dense layer and per-head q/k norms,
+    OLMoE's norms over the whole projection too."""
     from tests.model.test_cpu_stack import _runner, _steps
     fast, slow = _runner(moe_dirs[name], dtype, quantize), _runner(moe_dirs[name], dtype, quantize, stack=False)
     stack = fast.model.decode_stack
@@ -166,11 +168,11 @@ def test_the_c_layer_stack_gives_the_python_layers_values_bit_for_bit(name, dtyp
 
 
 def test_the_c_layer_stack_names_what_keeps_a_moe_family_out(moe_dirs, caplog):
+    """Qwen2-MoE's shared expert (sigmoid-gated) is not in the stack: the load log names it."""
     from tests.model.test_cpu_stack import _runner
     if _WHY:
         pytest.skip(_WHY)
-    for family, why in (("qwen2_moe", "qwen2_moe's shared expert (the C stack's sparse MLP has none)"),
-                        ("olmoe", "olmoe's q/k norms over the whole projection")):
+    for family, why in (("qwen2_moe", "qwen2_moe's shared expert (the C stack's sparse MLP has none)"),):
         with caplog.at_level(logging.INFO, logger="lmi"):
             caplog.clear()
             r = _runner(moe_dirs[family])
