@@ -49,6 +49,10 @@ typedef struct {
     const float *router;
     const lmi_lin *xgate, *xup, *xdown;
     int64_t experts, topk, route_norm, route_bf16;
+    /* Qwen2-MoE's shared expert beside them (sdown.n > 0): its gate/up/down and its gate's fp32 panels
+     * (one output), added as lmi_moe_shared adds it */
+    lmi_lin sgate, sup, sdown;
+    const float *shared_gate;
 } lmi_layer;
 
 /* decode attention's pool kind beside 0 (fp32) and 1 (bf16): int8 rows with fp32 scales */
@@ -150,6 +154,8 @@ int lmi_step_layers(const lmi_layer *layers, int64_t L, void *h, int64_t T, int6
  * as the down projection's rows come out (cpu_layer.c) */
 int lmi_moe_experts(const lmi_lin *gate, const lmi_lin *up, const lmi_lin *down, int64_t X, const void *x,
     int64_t T, int64_t E, int64_t k, const int64_t *ids, const float *weights, void *out, int bf16, int threads);
+/* out [T, E] += sigmoid(g[t]) * s[t] (a shared expert's output s, its gate's fp32 logit g) (cpu_layer.c) */
+void lmi_moe_shared(void *out, const void *s, const float *g, int64_t T, int64_t E, int bf16);
 /* each row's top-k experts and their weights from the router's fp32 logits (cpu_layer.c) */
 void lmi_moe_route(const float *logits, int64_t T, int64_t X, int64_t k, int norm, int round_bf16, float *weights,
     int64_t *ids);

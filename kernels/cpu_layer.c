@@ -227,7 +227,10 @@ static void qk_norms(const lmi_layer *ly, char *qkv, int64_t T, int64_t H, int64
 }
 
 static int moe_mlp(const lmi_layer *ly, const void *x, int64_t T, int64_t E, int bf16, void *out, char *ms,
-                   int threads);
+                   void *gu, void *act, char *ws, int threads);
+static void expert_rows(const lmi_lin *gate, const lmi_lin *up, const lmi_lin *down, const char *xs, int64_t c,
+                        char *gu, char *act, char *y, char *ws, int64_t E, int bf16, int gemm_threads,
+                        int threads);
 
 /* h [T, E] (in place: the residual stream after the last layer) for a step of B decoding
  * sequences (rows 0 .. B-1, one each) and P whole prompts (each prompt's context is its own rows
@@ -248,14 +251,15 @@ int lmi_step_layers(const lmi_layer *layers, int64_t L, void *h, int64_t T, int6
     const int64_t es = bf16 ? 2 : 4, nqkv = (H + 2 * Hkv) * D;
     for (int64_t t = 0; t < T; ++t)
         if (slots[t] >= nslots) return -1;
-    int64_t lin = 0;
+    int64_t lin = 0, Iw = I;     /* Iw: gu's and act's width, a shared expert's too */
     for (int64_t l = 0; l < L; ++l) {
-        const lmi_lin *ls[7] = {&layers[l].q, &layers[l].k, &layers[l].v, &layers[l].o, &layers[l].gate,
-                                &layers[l].up, &layers[l].down};
-        for (int j = 0; j < 7; ++j) {
+        const lmi_lin *ls[10] = {&layers[l].q, &layers[l].k, &layers[l].v, &layers[l].o, &layers[l].gate,
+                                 &layers[l].up, &layers[l].down, &layers[l].sgate, &layers[l].sup, &layers[l].sdown};
+        for (int j = 0; j < 10; ++j) {
             const int64_t s = lin_scratch(ls[j], T, bf16);
             if (s > lin) lin = s;
         }
+        if (layers[l].sdown.k > Iw) Iw = layers[l].sdown.k;
     }
     int64_t X = 0, K = 0;   /* the widest router and top-k of the experts' layers */
     for (int64_t l = 0; l < L; ++l) {
@@ -267,8 +271,8 @@ int lmi_step_layers(const lmi_layer *layers, int64_t L, void *h, int64_t T, int6
      * its logits, each row's weights and expert ids */
     if (lin < D) lin = D;   /* also an int8 row's room (lmi_kv_i8_roundtrip) */
     const int64_t sqn = E > H * D ? E : H * D;     /* a hidden row, a head or a whole q (QK_FULL) */
-    const int64_t moe = X ? (T * (bf16 ? E : 0) + T * X + T * K) * 4 + T * K * 8 + 3 * 64 : 0;
-    const int64_t sizes[] = {T * E * es, T * nqkv * es, T * H * D * es, T * E * es, T * 2 * I * es, T * I * es,
+    const int64_t moe = X ? (T * (bf16 ? E : 0) + T * X + T * K + T) * 4 + T * K * 8 + T * E * es + 5 * 64 : 0;
+    const int64_t sizes[] = {T * E * es, T * nqkv * es, T * H * D * es, T * E * es, T * 2 * Iw * es, T * Iw * es,
                              (int64_t)threads * sqn * 4, lin, moe};
     int64_t total = 0, off[9];
     for (int j = 0; j < 9; ++j) {
@@ -319,7 +323,7 @@ int lmi_step_layers(const lmi_layer *layers, int64_t L, void *h, int64_t T, int6
         residual(h, o, T * E, bf16, threads);
         norm(h, ly->norm2, x, T, E, eps, lanes, sq, bf16, threads);
         if (ly->experts) {
-            rc = moe_mlp(ly, x, T, E, bf16, o, ms, threads);
+            rc = moe_mlp(ly, x, T, E, bf16, o, ms, gu, act, ws, threads);
             if (rc) break;
             residual(h, o, T * E, bf16, threads);
             continue;
@@ -520,12 +524,34 @@ void lmi_moe_route(const float *logits, int64_t T, int64_t X, int64_t k, int nor
     free(p);
 }
 
+/* out [T, E] += sigmoid(g[t]) * s[t]: Qwen2-MoE's shared expert s [T, E] (activations' dtype) gated by its
+ * gate's fp32 logit g [T]; the sigmoid 1 / (1 + expf(-g)) in fp32; bf16: the sigmoid, the product and the sum
+ * each rounded to bf16 (as torch's `out + torch.sigmoid(gate) * s` rounds in bf16). handler/model/moe.py's bound
+ * layer and the C stack both add it here. */
+void lmi_moe_shared(void *out, const void *s, const float *g, int64_t T, int64_t E, int bf16) {
+    for (int64_t t = 0; t < T; ++t) {
+        const float sg = 1.0f / (1.0f + expf(-g[t]));
+        if (bf16) {
+            const float sb = bf16_to_f32(f32_to_bf16(sg));
+            uint16_t *o = (uint16_t *)out + t * E;
+            const uint16_t *ss = (const uint16_t *)s + t * E;
+            for (int64_t i = 0; i < E; ++i)
+                o[i] = f32_to_bf16(bf16_to_f32(o[i]) + bf16_to_f32(f32_to_bf16(sb * bf16_to_f32(ss[i]))));
+        } else {
+            float *o = (float *)out + t * E;
+            const float *ss = (const float *)s + t * E;
+            for (int64_t i = 0; i < E; ++i) o[i] = o[i] + sg * ss[i];
+        }
+    }
+}
+
 /* A sparse layer's MLP in the stack: out [T, E] = the experts' weighted sum for the normed rows x
- * (handler/model/moe.py SparseMoe without a shared expert): the router's logits by the fp32 panel GEMM
- * (bf16 rows widened, exact), lmi_moe_route, lmi_moe_experts. ms: the stack's moe scratch. */
+ * (handler/model/moe.py SparseMoe): the router's logits by the fp32 panel GEMM (bf16 rows widened, exact),
+ * lmi_moe_route, lmi_moe_experts; with a shared expert, its MLP over every row (gu, act, ws: the stack's
+ * scratch) and lmi_moe_shared. ms: the stack's moe scratch. */
 static int moe_mlp(const lmi_layer *ly, const void *x, int64_t T, int64_t E, int bf16, void *out, char *ms,
-                   int threads) {
-    const int64_t X = ly->experts, k = ly->topk;
+                   void *gu, void *act, char *ws, int threads) {
+    const int64_t X = ly->experts, k = ly->topk, es = bf16 ? 2 : 4;
     float *xf = (float *)x;
     if (bf16) {
         xf = (float *)ms;
@@ -533,8 +559,17 @@ static int moe_mlp(const lmi_layer *ly, const void *x, int64_t T, int64_t E, int
         ms += (T * E * 4 + 63) / 64 * 64;
     }
     float *logits = (float *)ms, *w = logits + T * X;
-    int64_t *ids = (int64_t *)(ms + ((T * X + T * k) * 4 + 63) / 64 * 64);
+    ms += ((T * X + T * k) * 4 + 63) / 64 * 64;
+    int64_t *ids = (int64_t *)ms;
+    ms += (T * k * 8 + 63) / 64 * 64;
     lmi_gemm(xf, T, E, E, ly->router, X, 0, logits, X, threads);
     lmi_moe_route(logits, T, X, k, (int)ly->route_norm, (int)ly->route_bf16, w, ids);
-    return lmi_moe_experts(ly->xgate, ly->xup, ly->xdown, X, x, T, E, k, ids, w, out, bf16, threads);
+    const int rc = lmi_moe_experts(ly->xgate, ly->xup, ly->xdown, X, x, T, E, k, ids, w, out, bf16, threads);
+    if (rc || !ly->sdown.n) return rc;
+    char *s = ms;
+    float *g = (float *)(ms + (T * E * es + 63) / 64 * 64);
+    expert_rows(&ly->sgate, &ly->sup, &ly->sdown, x, T, gu, act, s, ws, E, bf16, threads, threads);
+    lmi_gemm(xf, T, E, E, ly->shared_gate, 1, 0, g, 1, threads);
+    lmi_moe_shared(out, s, g, T, E, bf16);
+    return 0;
 }

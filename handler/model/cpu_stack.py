@@ -13,9 +13,9 @@ bit for bit as the Python layers leave them (tests/model/test_cpu_stack.py).
 What it takes is decided once, at load (`build` returns None and why otherwise, naming the layer
 where one layer is the reason; the runner logs it once): our Llama family, q/k norms included
 (Qwen3's per head, OLMoE's over the projection), without post-norms or residual multipliers; dense
-MLPs, or mixture-of-experts MLPs without a shared expert (Qwen3-MoE, Mixtral, OLMoE: the router's fp32
-GEMM, lmi_moe_route and lmi_moe_experts, the calls handler/model/moe.py's bound layer makes); one rank; no LoRA; every linear packed for our panel kernels
-(fp32 panels, bf16 panels either way, int8, grouped 4/8-bit codes: W8A16, GGUF blocks, AWQ/GPTQ);
+MLPs or mixture-of-experts MLPs (Qwen3-MoE, Mixtral, OLMoE, Qwen2-MoE's shared expert: the router's
+fp32 GEMM, lmi_moe_route, lmi_moe_experts, lmi_moe_shared, the calls handler/model/moe.py's bound
+layer makes); one rank; no LoRA; every linear packed for our panel kernels (fp32 panels, bf16 panels either way, int8, grouped 4/8-bit codes: W8A16, GGUF blocks, AWQ/GPTQ);
 Llama-style RMSNorms; KV pools the fused attention reads, in the activations' dtype; torch's SiLU
 reproduced here (cpu_ext.silu_exact). Whole prompts too unless a layer has a sliding window (the
 prompt attention kernel takes none) or the prompt kernel does not run for the dtype: `notes` has
@@ -97,8 +97,6 @@ def build(model, kv_cache, *, tp_size: int = 1, lora: bool = False,
     a = model.arch
     if tp_size > 1 or lora:
         return None, "tensor parallel" if tp_size > 1 else "LoRA"
-    if a.moe is not None and a.moe.shared:
-        return None, f"{a.family}'s shared expert (the C stack's sparse MLP has none)"
     if a.post_norms or a.residual_scale != 1.0:
         return None, f"{a.family}'s layer (post-norms or residual multipliers)"
     pool = kv_cache[0][0]
@@ -162,6 +160,14 @@ def build(model, kv_cache, *, tp_size: int = 1, lora: bool = False,
         if sparse:
             s, (xg, xu, xd, held) = mlp.spec, mlp.cpu_experts
             keep += [mlp.cpu_router, xg, xu, xd, held]
+            if s.shared:    # Qwen2-MoE: the shared expert's packs and its gate's panels
+                se = mlp.shared_expert
+                parts = (se.gate_up_proj, None) if se.gate_up_proj is not None else (se.gate_proj, se.up_proj)
+                sl = [cpu_ext.Lin() if m is None else cpu_lin(m, dtype, keep) for m in (*parts, se.down_proj)]
+                if any(isinstance(x, str) for x in sl) or mlp.cpu_shared_gate is None:
+                    return None, f"layer {i}: a shared expert the C stack does not take"
+                keep.append(mlp.cpu_shared_gate)
+                scales.update(sgate=sl[0], sup=sl[1], sdown=sl[2], shared_gate=mlp.cpu_shared_gate.data_ptr())
             scales.update(router=mlp.cpu_router.data_ptr(), xgate=ctypes.addressof(xg), xup=ctypes.addressof(xu),
                           xdown=ctypes.addressof(xd), experts=s.experts, topk=s.top_k, route_norm=int(s.norm_topk),
                           route_bf16=int(dtype == torch.bfloat16 and not s.fp32_weights))

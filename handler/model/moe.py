@@ -113,6 +113,7 @@ class SparseMoe(nn.Module):
             self.shared_expert_gate = Router(hidden, 1, bias=False, dtype=dtype, device=device).requires_grad_(False)
         self.cpu_experts = None     # bind_kernel(), at load: the experts' lmi_lin arrays for the C call
         self.cpu_router = None      # bind_kernel(): the router's fp32 panels (lmi_gemm), routed by lmi_moe_route
+        self.cpu_shared_gate = None  # bind_kernel(): the shared expert gate's fp32 panels (lmi_moe_shared adds it)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, E] -> (weights [T, k], expert ids [T, k]) as the family's transformers router. Bound to
@@ -137,14 +138,18 @@ class SparseMoe(nn.Module):
         out = self.experts_forward(x, weights, ids)
         if self.spec.shared:
             s = self.shared_expert(x)
-            out = out + torch.sigmoid(self.shared_expert_gate(x)) * s
+            if self.cpu_shared_gate is not None:    # bound: the gate's fp32 GEMM, added by the C stack's own call
+                g = cpu_ext.gemm(x.float().contiguous(), self.cpu_shared_gate, 1, None)
+                out = cpu_ext.moe_shared(out, s.contiguous(), g)
+            else:
+                out = out + torch.sigmoid(self.shared_expert_gate(x)) * s
         return self.tp.reduce(out)
 
     def bind_kernel(self) -> str | None:
         """At load, once the experts are packed (handler/model/cpu.py prepack): whether the step's
         rows go through all the experts in one C call (kernels/cpu_layer.c lmi_moe_experts, over the
         packs' own weights); None where they do, else why not (then the Python loop below serves)."""
-        self.cpu_experts = self.cpu_router = None
+        self.cpu_experts = self.cpu_router = self.cpu_shared_gate = None
         dtype = self.gate.weight.dtype
         if self.gate.weight.device.type != "cpu" or cpu_ext.load() is None:
             return "no C kernels here"
@@ -164,6 +169,8 @@ class SparseMoe(nn.Module):
                 arr[j] = got
         self.cpu_experts = (gate, up, down, keep)
         self.cpu_router = cpu_ext.pack_panels(self.gate.weight.detach().float().contiguous())
+        if self.spec.shared:
+            self.cpu_shared_gate = cpu_ext.pack_panels(self.shared_expert_gate.weight.detach().float().contiguous())
         return None
 
     def experts_forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:

@@ -520,7 +520,7 @@ class ModelRunner:
                 why = f"sparse layer {i}: {got}"
         if why is not None:
             for m in sparse:    # one path for every layer
-                m.cpu_experts = m.cpu_router = None
+                m.cpu_experts = m.cpu_router = m.cpu_shared_gate = None
         log.info("CPU: mixture-of-experts layers: %s", "each step's rows through the experts in one C call a layer "
                  "(kernels/cpu_layer.c lmi_moe_experts)" if why is None else f"experts one by one in Python ({why})")
 

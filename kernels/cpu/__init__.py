@@ -29,7 +29,7 @@ from kernels.cpu.elementwise import (rms_norm_bf16, rms_norm_f32, rms_norm_f32_l
 from kernels.cpu.lib import Backend, CpuLib, backend, cpu_flags, current, load
 from kernels.cpu.linear import (PANEL, QPack, gemm, gemm_available, gemm_bf16, gemm_bf16_available,
                                 gemm_bf16w_available, gemm_i8, gemm_i8_available, gemm_q, gemm_q_available,
-                                moe_experts, moe_route, pack_bf16, pack_i8, pack_panels, q_act8_available,
+                                moe_experts, moe_route, moe_shared, pack_bf16, pack_i8, pack_panels, q_act8_available,
                                 q_row_bytes)
 from kernels.cpu.memory import HUGE_PAGE, empty_hugepage, hugepage_placement, hugepages_wanted, thp_mode
 
@@ -45,10 +45,11 @@ def select(choice: str | None) -> tuple[str | None, str]:
 __all__ = [
     "KV_DTYPES", "decode_attention", "decode_fused", "encoder_attention", "prefill_attention",
     "prefill_attention_available", "step_layers", "supports", "write_kv", "LIN_BF16", "LIN_BF16W", "LIN_F32",
-    "LIN_I8", "LIN_Q", "QK_FULL", "QK_HEAD", "QK_NONE", "QS_F16", "QS_F32", "QS_I8", "Layer", "Lin", "rms_norm_bf16",
-    "rms_norm_f32", "rms_norm_f32_lanes", "rotary_", "row_stats", "silu_exact", "silu_mul_", "stream_read",
-    "Backend", "CpuLib", "backend", "cpu_flags", "current", "load", "PANEL", "QPack", "gemm", "gemm_available",
-    "gemm_bf16", "gemm_bf16_available", "gemm_bf16w_available", "gemm_i8", "gemm_i8_available", "gemm_q",
-    "gemm_q_available", "moe_experts", "moe_route", "pack_bf16", "pack_i8", "pack_panels", "q_act8_available",
-    "q_row_bytes", "HUGE_PAGE", "empty_hugepage", "hugepage_placement", "hugepages_wanted", "thp_mode", "select",
+    "LIN_I8", "LIN_Q", "QK_FULL", "QK_HEAD", "QK_NONE", "QS_F16", "QS_F32", "QS_I8", "Layer", "Lin",
+    "rms_norm_bf16", "rms_norm_f32", "rms_norm_f32_lanes", "rotary_", "row_stats", "silu_exact", "silu_mul_",
+    "stream_read", "Backend", "CpuLib", "backend", "cpu_flags", "current", "load", "PANEL", "QPack", "gemm",
+    "gemm_available", "gemm_bf16", "gemm_bf16_available", "gemm_bf16w_available", "gemm_i8", "gemm_i8_available",
+    "gemm_q", "gemm_q_available", "moe_experts", "moe_route", "moe_shared", "pack_bf16", "pack_i8", "pack_panels",
+    "q_act8_available", "q_row_bytes", "HUGE_PAGE", "empty_hugepage", "hugepage_placement", "hugepages_wanted",
+    "thp_mode", "select",
 ]

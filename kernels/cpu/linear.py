@@ -268,3 +268,18 @@ def moe_route(logits: torch.Tensor, k: int, norm: bool, round_bf16: bool) -> tup
     ids = torch.empty(t, k, dtype=torch.int64)
     fn.moe_route(logits.data_ptr(), t, x, k, int(norm), int(round_bf16), weights.data_ptr(), ids.data_ptr())
     return weights, ids
+
+
+def moe_shared(out: torch.Tensor, s: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """out [T, E] += sigmoid(g) * s in place (lmi_moe_shared): a shared expert's output s (out's dtype,
+    contiguous) gated by its gate's fp32 logits g [T, 1]; bf16 rounds the gate, the product and the sum.
+    The C layer stack adds a shared expert by the same function."""
+    fn = load()
+    g = g.float().contiguous()
+    if out.shape != s.shape or out.dtype != s.dtype or not (out.is_contiguous() and s.is_contiguous()) \
+            or g.numel() != out.shape[0]:
+        raise ValueError(f"moe_shared: out {tuple(out.shape)} {out.dtype}, s {tuple(s.shape)} {s.dtype}, "
+                         f"g {tuple(g.shape)}")
+    fn.moe_shared(out.data_ptr(), s.data_ptr(), g.data_ptr(), out.shape[0], out.shape[1],
+                  int(out.dtype == torch.bfloat16))
+    return out
