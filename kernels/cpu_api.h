@@ -156,7 +156,7 @@ int lmi_moe_experts(const lmi_lin *gate, const lmi_lin *up, const lmi_lin *down,
     int64_t T, int64_t E, int64_t k, const int64_t *ids, const float *weights, void *out, int bf16, int threads);
 /* out [T, E] += sigmoid(g[t]) * s[t] (a shared expert's output s, its gate's fp32 logit g) (cpu_layer.c) */
 void lmi_moe_shared(void *out, const void *s, const float *g, int64_t T, int64_t E, int bf16);
-/* each row's top-k experts and their weights from the router's fp32 logits (cpu_layer.c) */
-void lmi_moe_route(const float *logits, int64_t T, int64_t X, int64_t k, int norm, int round_bf16, float *weights,
+/* each row's top-k experts and their weights from the router's fp32 logits, which it overwrites (cpu_layer.c) */
+void lmi_moe_route(float *logits, int64_t T, int64_t X, int64_t k, int norm, int round_bf16, float *weights,
     int64_t *ids);
 #endif

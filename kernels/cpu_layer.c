@@ -251,7 +251,7 @@ int lmi_step_layers(const lmi_layer *layers, int64_t L, void *h, int64_t T, int6
     const int64_t es = bf16 ? 2 : 4, nqkv = (H + 2 * Hkv) * D;
     for (int64_t t = 0; t < T; ++t)
         if (slots[t] >= nslots) return -1;
-    int64_t lin = 0, Iw = I;     /* Iw: gu's and act's width, a shared expert's too */
+    int64_t lin = 0, Iw = I, X = 0, K = 0;     /* Iw: gu's and act's width, a shared expert's too */
     for (int64_t l = 0; l < L; ++l) {
         const lmi_lin *ls[10] = {&layers[l].q, &layers[l].k, &layers[l].v, &layers[l].o, &layers[l].gate,
                                  &layers[l].up, &layers[l].down, &layers[l].sgate, &layers[l].sup, &layers[l].sdown};
@@ -260,10 +260,7 @@ int lmi_step_layers(const lmi_layer *layers, int64_t L, void *h, int64_t T, int6
             if (s > lin) lin = s;
         }
         if (layers[l].sdown.k > Iw) Iw = layers[l].sdown.k;
-    }
-    int64_t X = 0, K = 0;   /* the widest router and top-k of the experts' layers */
-    for (int64_t l = 0; l < L; ++l) {
-        if (layers[l].experts > X) X = layers[l].experts;
+        if (layers[l].experts > X) X = layers[l].experts;   /* the widest router and top-k */
         if (layers[l].topk > K) K = layers[l].topk;
     }
     /* x: normed rows; qkv; attn; o: a projection's output; gu: gate|up; act: silu(g) * u; sq: each
@@ -490,22 +487,19 @@ int lmi_moe_experts(const lmi_lin *gate, const lmi_lin *up, const lmi_lin *down,
 }
 
 /* ---------------------------------------------------------------- a mixture-of-experts MLP's routing */
-/* Per row t of logits [T, X] (fp32): p = softmax(logits[t]) in fp32 (the maximum subtracted, expf, the
- * exponentials summed in expert order, each divided by the sum), the k largest p (ties to the lower
- * expert id) -> ids[t, 0..k) in descending order, their p -> weights[t, ..]; `norm`: each divided by
- * their sum (added in that order); `round_bf16`: rounded to bf16 (families whose weights take the
- * logits' dtype). What handler/model/moe.py's router computes, softmax/top-k/renormalise as
- * transformers' routers, and the same function on both its paths (Python layer, C stack), so the two
- * route alike bit for bit. */
-void lmi_moe_route(const float *logits, int64_t T, int64_t X, int64_t k, int norm, int round_bf16, float *weights,
+/* Per row t of logits [T, X] (fp32, overwritten: the row's probabilities, the chosen ones -1): p =
+ * softmax(logits[t]) in fp32 (the maximum subtracted, expf, the exponentials summed in expert order, each
+ * divided by the sum), the k largest p (ties to the lower expert id) -> ids[t, 0..k) in descending order,
+ * their p -> weights[t, ..]; `norm`: each divided by their sum (added in that order); `round_bf16`: rounded
+ * to bf16 (families whose weights take the logits' dtype). What handler/model/moe.py's router computes,
+ * softmax/top-k/renormalise as transformers' routers, and the same function on both its paths (Python
+ * layer, C stack), so the two route alike bit for bit. */
+void lmi_moe_route(float *logits, int64_t T, int64_t X, int64_t k, int norm, int round_bf16, float *weights,
                    int64_t *ids) {
-    float *p = malloc((size_t)(X > 0 ? X : 1) * sizeof(float));
-    if (!p) return;
     for (int64_t t = 0; t < T; ++t) {
-        const float *l = logits + t * X;
-        float m = l[0], sum = 0.f;
-        for (int64_t e = 1; e < X; ++e) m = l[e] > m ? l[e] : m;
-        for (int64_t e = 0; e < X; ++e) sum += p[e] = expf(l[e] - m);
+        float *p = logits + t * X, m = p[0], sum = 0.f;
+        for (int64_t e = 1; e < X; ++e) m = p[e] > m ? p[e] : m;
+        for (int64_t e = 0; e < X; ++e) sum += p[e] = expf(p[e] - m);
         for (int64_t e = 0; e < X; ++e) p[e] = p[e] / sum;
         float *w = weights + t * k, tot = 0.f;
         int64_t *id = ids + t * k;
@@ -521,7 +515,6 @@ void lmi_moe_route(const float *logits, int64_t T, int64_t X, int64_t k, int nor
             if (round_bf16) w[j] = bf16_to_f32(f32_to_bf16(w[j]));
         }
     }
-    free(p);
 }
 
 /* out [T, E] += sigmoid(g[t]) * s[t]: Qwen2-MoE's shared expert s [T, E] (activations' dtype) gated by its

@@ -15,8 +15,8 @@ where one layer is the reason; the runner logs it once): our Llama family, q/k n
 (Qwen3's per head, OLMoE's over the projection), without post-norms or residual multipliers; dense
 MLPs or mixture-of-experts MLPs (Qwen3-MoE, Mixtral, OLMoE, Qwen2-MoE's shared expert: the router's
 fp32 GEMM, lmi_moe_route, lmi_moe_experts, lmi_moe_shared, the calls handler/model/moe.py's bound
-layer makes); one rank; no LoRA; every linear packed for our panel kernels (fp32 panels, bf16 panels either way, int8, grouped 4/8-bit codes: W8A16, GGUF blocks, AWQ/GPTQ);
-Llama-style RMSNorms; KV pools the fused attention reads, in the activations' dtype; torch's SiLU
+layer makes); one rank; no LoRA; every linear packed for our panel kernels (fp32 panels, bf16 panels
+either way, int8, grouped 4-8-bit codes: W8A16, GGUF blocks, AWQ/GPTQ); Llama-style RMSNorms; KV pools the fused attention reads, in the activations' dtype; torch's SiLU
 reproduced here (cpu_ext.silu_exact). Whole prompts too unless a layer has a sliding window (the
 prompt attention kernel takes none) or the prompt kernel does not run for the dtype: `notes` has
 one load-log line per layer that keeps prompts out. Per step the only question is the step plan's
@@ -34,7 +34,7 @@ import logging
 import torch
 
 from handler.model.cpu import DEFAULT, Arms
-from handler.model.linear import cpu_lin
+from handler.model.linear import cpu_lin, mlp_lins
 from handler.model.moe import SparseMoe
 from kernels import cpu as cpu_ext
 
@@ -130,14 +130,12 @@ def build(model, kv_cache, *, tp_size: int = 1, lora: bool = False,
                 return None, f"layer {i}: a norm the C stack does not take"
         qkv = [att.qkv_proj, None, None] if att.qkv_proj is not None else [att.q_proj, att.k_proj, att.v_proj]
         sparse = isinstance(mlp, SparseMoe)
-        if sparse:      # the experts' packs and the router's panels, bound at load (moe.SparseMoe.bind_kernel)
-            if mlp.cpu_experts is None or mlp.cpu_router is None:
-                return None, f"layer {i}: experts not bound to the C kernels"
-            gu, down = [None, None], None
-        else:
-            gu = [mlp.gate_up_proj, None] if mlp.gate_up_proj is not None else [mlp.gate_proj, mlp.up_proj]
-            down = mlp.down_proj
-        lins = [cpu_ext.Lin() if m is None else cpu_lin(m, dtype, keep) for m in (*qkv, att.o_proj, *gu, down)]
+        # a sparse layer's experts and router are bound at load (moe.SparseMoe.bind_kernel): its MLP records empty
+        if sparse and (mlp.cpu_experts is None or mlp.cpu_router is None):
+            return None, f"layer {i}: experts not bound to the C kernels"
+        lins = [cpu_ext.Lin() if m is None else cpu_lin(m, dtype, keep) for m in (*qkv, att.o_proj)]
+        gud = [cpu_ext.Lin()] * 3 if sparse else mlp_lins(mlp, dtype, keep)
+        lins += [gud] if isinstance(gud, str) else gud
         for lin in lins:
             if isinstance(lin, str):
                 return None, f"layer {i}: {lin}"
@@ -161,16 +159,14 @@ def build(model, kv_cache, *, tp_size: int = 1, lora: bool = False,
             s, (xg, xu, xd, held) = mlp.spec, mlp.cpu_experts
             keep += [mlp.cpu_router, xg, xu, xd, held]
             if s.shared:    # Qwen2-MoE: the shared expert's packs and its gate's panels
-                se = mlp.shared_expert
-                parts = (se.gate_up_proj, None) if se.gate_up_proj is not None else (se.gate_proj, se.up_proj)
-                sl = [cpu_ext.Lin() if m is None else cpu_lin(m, dtype, keep) for m in (*parts, se.down_proj)]
-                if any(isinstance(x, str) for x in sl) or mlp.cpu_shared_gate is None:
+                sl = mlp_lins(mlp.shared_expert, dtype, keep)
+                if isinstance(sl, str) or mlp.cpu_shared_gate is None:
                     return None, f"layer {i}: a shared expert the C stack does not take"
                 keep.append(mlp.cpu_shared_gate)
                 scales.update(sgate=sl[0], sup=sl[1], sdown=sl[2], shared_gate=mlp.cpu_shared_gate.data_ptr())
             scales.update(router=mlp.cpu_router.data_ptr(), xgate=ctypes.addressof(xg), xup=ctypes.addressof(xu),
                           xdown=ctypes.addressof(xd), experts=s.experts, topk=s.top_k, route_norm=int(s.norm_topk),
-                          route_bf16=int(dtype == torch.bfloat16 and not s.fp32_weights))
+                          route_bf16=int(mlp.cpu_round_bf16))
         layers[i] = cpu_ext.Layer(*lins, norm1=norms[0].weight.data_ptr(), norm2=norms[1].weight.data_ptr(),
                                   kc=k_pool.data.data_ptr(), vc=v_pool.data.data_ptr(), window=int(att.window or 0),
                                   **scales)

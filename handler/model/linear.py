@@ -111,5 +111,16 @@ def cpu_lin(m: nn.Module, dtype: torch.dtype, keep: list):
                        **fields)
 
 
+def mlp_lins(mlp: nn.Module, dtype: torch.dtype, keep: list) -> list | str:
+    """A gated MLP's (layers.GatedMlp: a dense layer's, an expert's, a shared expert's) gate, up and down
+    as lmi_lin records for activations of `dtype` (gate|up fused: gate holds both, up an empty record),
+    or why one cannot go to C (cpu_lin's reason)."""
+    from kernels import cpu as cpu_ext
+    fused = mlp.gate_up_proj is not None
+    parts = (mlp.gate_up_proj, None) if fused else (mlp.gate_proj, mlp.up_proj)
+    lins = [cpu_ext.Lin() if m is None else cpu_lin(m, dtype, keep) for m in (*parts, mlp.down_proj)]
+    return next((x for x in lins if isinstance(x, str)), lins)
+
+
 def packs(model: nn.Module) -> list[Pack]:
     return [m.pack for m in model.modules() if isinstance(m, CpuLinear)]

@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 from handler.model import layers
-from handler.model.linear import cpu_lin
+from handler.model.linear import mlp_lins
 from kernels import cpu as cpu_ext
 
 MOE_FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe")
@@ -114,17 +114,18 @@ class SparseMoe(nn.Module):
         self.cpu_experts = None     # bind_kernel(), at load: the experts' lmi_lin arrays for the C call
         self.cpu_router = None      # bind_kernel(): the router's fp32 panels (lmi_gemm), routed by lmi_moe_route
         self.cpu_shared_gate = None  # bind_kernel(): the shared expert gate's fp32 panels (lmi_moe_shared adds it)
+        self.cpu_round_bf16 = False  # bind_kernel(): lmi_moe_route rounds the weights to bf16 (the logits' dtype)
 
-    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def route(self, x: torch.Tensor, xf: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, E] -> (weights [T, k], expert ids [T, k]) as the family's transformers router. Bound to
         the C kernels (bind_kernel): the logits by our fp32 panel GEMM on the rows widened to fp32, the
         softmax / top-k / renormalisation by lmi_moe_route, the C layer stack's own calls, so both paths
-        route alike; the same choices as transformers' router but for ulp-close ties."""
+        route alike; the same choices as transformers' router but for ulp-close ties. `xf`: x in fp32,
+        contiguous, where the caller has it."""
         if self.cpu_router is not None:
             s = self.spec
-            logits = cpu_ext.gemm(x.float().contiguous(), self.cpu_router, s.experts, None)
-            bf16 = x.dtype == torch.bfloat16 and not s.fp32_weights
-            weights, ids = cpu_ext.moe_route(logits, s.top_k, s.norm_topk, bf16)
+            logits = cpu_ext.gemm(x.float().contiguous() if xf is None else xf, self.cpu_router, s.experts, None)
+            weights, ids = cpu_ext.moe_route(logits, s.top_k, s.norm_topk, self.cpu_round_bf16)
             return (weights if s.fp32_weights else weights.to(x.dtype)), ids
         logits = self.gate(x)                     # [T, X]: F.linear, as transformers' router
         probs = torch.softmax(logits, dim=-1, dtype=torch.float)
@@ -134,12 +135,13 @@ class SparseMoe(nn.Module):
         return (weights if self.spec.fp32_weights else weights.to(logits.dtype)), ids
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, ids = self.route(x)
+        xf = x.float().contiguous() if self.cpu_router is not None else None    # bound: the GEMMs' fp32 rows
+        weights, ids = self.route(x, xf)
         out = self.experts_forward(x, weights, ids)
         if self.spec.shared:
             s = self.shared_expert(x)
             if self.cpu_shared_gate is not None:    # bound: the gate's fp32 GEMM, added by the C stack's own call
-                g = cpu_ext.gemm(x.float().contiguous(), self.cpu_shared_gate, 1, None)
+                g = cpu_ext.gemm(xf, self.cpu_shared_gate, 1, None)
                 out = cpu_ext.moe_shared(out, s.contiguous(), g)
             else:
                 out = out + torch.sigmoid(self.shared_expert_gate(x)) * s
@@ -160,15 +162,13 @@ class SparseMoe(nn.Module):
         n = self.spec.experts
         gate, up, down, keep = (cpu_ext.Lin * n)(), (cpu_ext.Lin * n)(), (cpu_ext.Lin * n)(), []
         for j, ex in enumerate(self.experts):
-            parts = ((ex.gate_up_proj, None) if ex.gate_up_proj is not None else (ex.gate_proj, ex.up_proj)) + \
-                (ex.down_proj,)
-            for arr, m in zip((gate, up, down), parts):
-                got = cpu_ext.Lin() if m is None else cpu_lin(m, dtype, keep)
-                if isinstance(got, str):
-                    return f"expert {j}: {got}"
-                arr[j] = got
+            got = mlp_lins(ex, dtype, keep)
+            if isinstance(got, str):
+                return f"expert {j}: {got}"
+            gate[j], up[j], down[j] = got
         self.cpu_experts = (gate, up, down, keep)
         self.cpu_router = cpu_ext.pack_panels(self.gate.weight.detach().float().contiguous())
+        self.cpu_round_bf16 = dtype == torch.bfloat16 and not self.spec.fp32_weights
         if self.spec.shared:
             self.cpu_shared_gate = cpu_ext.pack_panels(self.shared_expert_gate.weight.detach().float().contiguous())
         return None

@@ -258,9 +258,10 @@ def moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate,
 def moe_route(logits: torch.Tensor, k: int, norm: bool, round_bf16: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """A router's choice in one call (lmi_moe_route): logits [T, X] fp32 -> (weights [T, k] fp32, expert
     ids [T, k] int64): the top-k of each row's fp32 softmax (ties to the lower id), renormalised to sum 1
-    where `norm`, rounded to bf16 values where `round_bf16`. The C layer stack routes by the same function."""
+    where `norm`, rounded to bf16 values where `round_bf16`. The C layer stack routes by the same function.
+    The kernel overwrites its logits: a copy is handed to it."""
     fn = load()
-    logits = logits.float().contiguous()
+    logits = logits.float().contiguous().clone()
     t, x = logits.shape
     if not 0 < k <= x:
         raise ValueError(f"moe_route: top-{k} of {x} experts")
