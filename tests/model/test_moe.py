@@ -18,7 +18,7 @@ import torch
 from handler.engine.request import SamplingParams
 from handler.model.moe import SparseMoe
 from handler.model.runner import ModelLoadError, ModelRunner
-from tests.model.test_cpu_stack import _WHY
+from tests.model.test_cpu_stack import _WHY, BUILD
 from tests.model.test_llama import _step_logits
 from tests.support.engine import NEW, PROMPTS, STRATEGIES, assert_drained, make_engine, run_all
 from tests.support.reference import hf_greedy
@@ -175,7 +175,7 @@ def test_the_bound_router_routes_as_the_reference(moe_dirs):
     if _WHY:
         pytest.skip(_WHY)
     for family in FAMILIES:
-        r = ModelRunner(moe_dirs[family], dtype="fp32", device="cpu", kv_cache_tokens=64)
+        r = ModelRunner(moe_dirs[family], dtype="fp32", device="cpu", kv_cache_tokens=64, cpu_kernels=BUILD)
         r.prepack_cpu()
         ref = AutoModelForCausalLM.from_pretrained(moe_dirs[family], dtype=torch.float32)
         i = r.model.arch.moe.sparse.index(True)
