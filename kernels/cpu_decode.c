@@ -596,11 +596,103 @@ int lmi_prefill_attention(const void *q, const void *k, const void *v, int64_t q
                             scale, 1, nthreads);
 }
 
+/* Bidirectional attention of an encoder's packed sequences, ER query rows at a time (no panels: an
+ * encoder's sequences are mostly short, where packing K and V as GEMM weights cost more than the
+ * products). Per (sequence, KV head) item: K^T [D, nk] and V [n, dp] of the head widened to fp32,
+ * zero padded (nk: n up to a multiple of EK keys, dp: D up to a multiple of EV columns); then for
+ * each of the g query heads, ER rows at a time: s = q K^T over EK-key tiles (ER independent sums in
+ * registers across D, each K load feeding ER rows), softmax, o = P V over EV-column tiles (in
+ * registers across the keys), o rounded once (bf16). The last block's missing rows repeat its last
+ * row and are not written. Same arguments as prompt_attention (causal = 0). Returns 0, or -2 when
+ * scratch memory ran out. */
+#define EK 16
+#define EV 32
+#define ER 4
+static int encoder_rows(const void *q, const void *k, const void *v, int64_t qs, int64_t ks, int64_t vs,
+                        int64_t qh, int64_t khs, int64_t vhs, void *out, int64_t os, int64_t oh, int bf16,
+                        const int64_t *starts, const int64_t *lens, const int64_t *order, int64_t P, int64_t H,
+                        int64_t Hkv, int64_t D, float scale, int nthreads) {
+    const int64_t g = H / Hkv, dp = (D + EV - 1) / EV * EV, es = bf16 ? 2 : 4;
+    int64_t nmax = 0;
+    for (int64_t p = 0; p < P; ++p) nmax = lens[p] > nmax ? lens[p] : nmax;
+    const int64_t np = (nmax + EK - 1) / EK * EK;
+    /* per thread: K^T [D, np]; V [nmax, dp]; s [ER, np]; the query rows [ER, D]; a row of K or V */
+    const size_t per = (size_t)(D * np + nmax * dp + ER * np + ER * D + dp + 16) * sizeof(float);
+    int failed = 0;
+#pragma omp parallel num_threads(nthreads)
+    {
+        float *kt = malloc(per);
+        if (!kt) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp barrier
+        if (!failed) {
+            float *vv = kt + D * np, *s = vv + nmax * dp, *qr = s + ER * np, *kr = qr + ER * D;
+#pragma omp for schedule(dynamic, 1)
+            for (int64_t item = 0; item < P * Hkv; ++item) {
+                const int64_t pi = order[item / Hkv], kh = item % Hkv;
+                const int64_t n = lens[pi], t0 = starts[pi], nk = (n + EK - 1) / EK * EK;
+                for (int64_t t = 0; t < n; ++t) {
+                    load_row(kr, k, (t0 + t) * ks + kh * khs, D, bf16);
+                    for (int64_t d = 0; d < D; ++d) kt[d * nk + t] = kr[d];
+                    float *vr = vv + t * dp;
+                    load_row(vr, v, (t0 + t) * vs + kh * vhs, D, bf16);
+                    for (int64_t d = D; d < dp; ++d) vr[d] = 0.f;
+                }
+                for (int64_t d = 0; d < D; ++d)
+                    for (int64_t t = n; t < nk; ++t) kt[d * nk + t] = 0.f;
+                for (int64_t j = 0; j < g; ++j)
+                    for (int64_t i0 = 0; i0 < n; i0 += ER) {
+                        const int64_t rows = n - i0 < ER ? n - i0 : ER;
+                        for (int64_t r = 0; r < ER; ++r)
+                            load_row(qr + r * D, q, (t0 + i0 + (r < rows ? r : rows - 1)) * qs + (kh * g + j) * qh,
+                                     D, bf16);
+                        for (int64_t t = 0; t < nk; t += EK) {
+                            float acc[ER][EK] = {{0}};
+                            for (int64_t d = 0; d < D; ++d) {
+                                const float *kd = kt + d * nk + t;
+                                for (int r = 0; r < ER; ++r) {
+                                    const float qd = qr[r * D + d];
+#pragma omp simd
+                                    for (int e = 0; e < EK; ++e) acc[r][e] += qd * kd[e];
+                                }
+                            }
+                            for (int r = 0; r < ER; ++r) memcpy(s + r * nk + t, acc[r], sizeof acc[r]);
+                        }
+                        for (int64_t r = 0; r < rows; ++r) row_softmax(s + r * nk, n, nk, scale);
+                        for (int64_t c = 0; c < dp; c += EV) {
+                            float acc[ER][EV] = {{0}};
+                            for (int64_t t = 0; t < n; ++t) {
+                                const float *vr = vv + t * dp + c;
+                                for (int r = 0; r < ER; ++r) {
+                                    const float pt = s[r * nk + t];
+#pragma omp simd
+                                    for (int e = 0; e < EV; ++e) acc[r][e] += pt * vr[e];
+                                }
+                            }
+                            const int64_t w = D - c < EV ? D - c : EV;
+                            for (int64_t r = 0; r < rows; ++r) {
+                                char *dst = (char *)out + ((t0 + i0 + r) * os + (kh * g + j) * oh) * es;
+                                if (bf16)
+                                    for (int64_t e = 0; e < w; ++e) ((uint16_t *)dst)[c + e] = f32_to_bf16(acc[r][e]);
+                                else
+                                    memcpy((float *)dst + c, acc[r], (size_t)w * sizeof(float));
+                            }
+                        }
+                    }
+            }
+        }
+        free(kt);
+    }
+    return failed ? -2 : 0;
+}
+
 int lmi_encoder_attention(const void *q, const void *k, const void *v, int64_t qs, int64_t ks, int64_t vs,
                           int64_t qh, int64_t khs, int64_t vhs, void *out, int64_t os, int64_t oh, int bf16,
                           const int64_t *starts, const int64_t *lens,
                           const int64_t *order, int64_t P, int64_t H, int64_t Hkv, int64_t D, float scale,
                           int nthreads) {
-    return prompt_attention(q, k, v, qs, ks, vs, qh, khs, vhs, out, os, oh, bf16, starts, lens, order, P, H, Hkv, D,
-                            scale, 0, nthreads);
+    return encoder_rows(q, k, v, qs, ks, vs, qh, khs, vhs, out, os, oh, bf16, starts, lens, order, P, H, Hkv, D,
+                        scale, nthreads);
 }

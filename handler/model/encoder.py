@@ -1,4 +1,6 @@
-"""Encoders (BERT; RoBERTa / XLM-R / CamemBERT) on our own forward over packed variable-length batches.
+"""Encoders (BERT, ELECTRA, DistilBERT; RoBERTa / XLM-R / CamemBERT; ModernBERT) on our own forward over
+packed variable-length batches; any other encoder transformers knows (MPNet, DeBERTa-v2, ...) on
+transformers' own forward over padded batches (`HFEncoder`), the same packed contract.
 
 The weights are transformers' modules (loaded with `AutoModel`, so every checkpoint naming it reads is
 read); the forward is ours: one [T, H] tensor for all of a batch's tokens (no padding), the linears
@@ -24,6 +26,7 @@ longer one under a band by torch's SDPA with the band as its mask.
 """
 from __future__ import annotations
 
+import inspect
 import logging
 
 import torch
@@ -37,18 +40,31 @@ log = logging.getLogger("lmi.encoder")
 # model_type -> where positions start (RoBERTa's family numbers them from padding_idx + 1).
 ROBERTA_TYPES = ("roberta", "xlm-roberta", "camembert")
 MODERN_TYPES = ("modernbert",)
-SUPPORTED_TYPES = ("bert",) + ROBERTA_TYPES + MODERN_TYPES
+BERT_TYPES = ("bert", "electra", "distilbert")
+SUPPORTED_TYPES = BERT_TYPES + ROBERTA_TYPES + MODERN_TYPES
 
 
 class EncoderLayer(nn.Module):
-    def __init__(self, layer: nn.Module, heads: int):
+    """A post-norm layer: (query, key, value) linears `qkv`, the attention output `o`, its LayerNorm
+    `ln1`, the MLP `up` / `act` / `down` and its LayerNorm `ln2` (module doc)."""
+
+    def __init__(self, qkv, o, ln1, up, act, down, ln2, heads: int):
         super().__init__()
-        att = layer.attention
-        self.qkv = _fused((att.self.query, att.self.key, att.self.value))
-        self.o, self.ln1 = att.output.dense, att.output.LayerNorm
-        self.up, self.act = layer.intermediate.dense, layer.intermediate.intermediate_act_fn
-        self.down, self.ln2 = layer.output.dense, layer.output.LayerNorm
+        self.qkv = _fused(qkv)
+        self.o, self.ln1, self.up, self.act, self.down, self.ln2 = o, ln1, up, act, down, ln2
         self.heads = heads
+
+    @classmethod
+    def of(cls, layer: nn.Module, heads: int) -> "EncoderLayer":
+        """A BertLayer-shaped module (BERT, RoBERTa, XLM-R, ELECTRA) or DistilBERT's TransformerBlock."""
+        if hasattr(layer, "sa_layer_norm"):     # DistilBERT
+            a, f = layer.attention, layer.ffn
+            return cls((a.q_lin, a.k_lin, a.v_lin), a.out_lin, layer.sa_layer_norm, f.lin1, f.activation, f.lin2,
+                       layer.output_layer_norm, heads)
+        att = layer.attention
+        return cls((att.self.query, att.self.key, att.self.value), att.output.dense, att.output.LayerNorm,
+                   layer.intermediate.dense, layer.intermediate.intermediate_act_fn, layer.output.dense,
+                   layer.output.LayerNorm, heads)
 
     def forward(self, x: torch.Tensor, spans: list[tuple[int, int]], lists: tuple[list, list]) -> torch.Tensor:
         """x [T, H]; spans each sequence's rows; lists (starts, lengths) of the same, for the C call."""
@@ -160,16 +176,20 @@ class ModernEncoder(nn.Module):
 
 
 class Encoder(nn.Module):
-    """The encoder stack of an HF BertModel / RobertaModel (`base`), with an optional sequence-
-    classification head (`head`: the HF *ForSequenceClassification model's)."""
+    """The encoder stack of an HF BertModel / RobertaModel / ElectraModel / DistilBertModel (`base`), with
+    an optional sequence-classification head (`head`: the HF *ForSequenceClassification model's;
+    DistilBERT's is (pre_classifier, classifier))."""
 
-    def __init__(self, base: nn.Module, config, head: nn.Module | None = None):
+    def __init__(self, base: nn.Module, config, head=None):
         super().__init__()
         emb = base.embeddings
         self.word, self.position = emb.word_embeddings, emb.position_embeddings
         self.token_type = getattr(emb, "token_type_embeddings", None)
         self.ln = emb.LayerNorm
-        self.layers = nn.ModuleList(EncoderLayer(layer, config.num_attention_heads) for layer in base.encoder.layer)
+        self.project = getattr(base, "embeddings_project", None)    # ELECTRA: embedding_size -> hidden_size
+        blocks = base.transformer.layer if config.model_type == "distilbert" else base.encoder.layer
+        heads = config.n_heads if config.model_type == "distilbert" else config.num_attention_heads
+        self.layers = nn.ModuleList(EncoderLayer.of(layer, heads) for layer in blocks)
         self.pos_offset = config.pad_token_id + 1 if config.model_type in ROBERTA_TYPES else 0
         self.max_positions = config.max_position_embeddings - self.pos_offset
         self.model_type = config.model_type
@@ -185,6 +205,8 @@ class Encoder(nn.Module):
         if self.token_type is not None:     # RoBERTa's one segment: a pair's second text is segment 0 too
             x = x + self.token_type(types if self.token_type.num_embeddings > 1 else torch.zeros_like(types))
         x = self.ln(x)
+        if self.project is not None:
+            x = self.project(x)
         lists = ([s for s, _ in spans], [e - s for s, e in spans])
         for layer in self.layers:
             x = layer(x, spans, lists)
@@ -195,20 +217,87 @@ class Encoder(nn.Module):
         first = hidden[[s for s, _ in spans]]
         if self.model_type in ROBERTA_TYPES:
             return self.head.out_proj(torch.tanh(self.head.dense(first)))
+        if self.model_type == "electra":    # ElectraClassificationHead: gelu where BERT's pooler has tanh
+            return self.head.out_proj(self.head.activation(self.head.dense(first)))
+        if self.model_type == "distilbert":
+            pre, classifier = self.head
+            return classifier(torch.relu(pre(first)))
         if self.pooler is not None:
             first = torch.tanh(self.pooler(first))
         return self.head(first)
 
 
-def load_encoder(model_dir: str, config, dtype: torch.dtype, classifier: bool) -> nn.Module:
-    """model_dir's encoder (and its sequence-classification head when `classifier`) on our forward."""
+# Encoders whose code comes with the checkpoint (trust_remote_code): nomic-embed's, gte's.
+REMOTE_ENCODERS = ("nomic_bert", "new")
+
+
+def is_encoder(config) -> bool:
+    """Whether `config` is a bidirectional encoder: one of ours, one transformers has a masked-LM head for
+    (MPNet, DeBERTa-v2, ...), or a remote-code encoder (REMOTE_ENCODERS). Anything else is a decoder."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_MASKED_LM_MAPPING_NAMES
+
+    mt = config.model_type
+    return mt in SUPPORTED_TYPES or mt in MODEL_FOR_MASKED_LM_MAPPING_NAMES or mt in REMOTE_ENCODERS
+
+
+class HFEncoder(nn.Module):
+    """Any other encoder (MPNet, DeBERTa-v2, ...) on transformers' own forward: the batch padded to its
+    longest sequence (the attention mask hides the padding, which sits after each sequence), its rows
+    packed back [T, H]; a classifier's logits come from the same forward (`classify` after it)."""
+
+    def __init__(self, model: nn.Module, config, classifier: bool):
+        super().__init__()
+        self.model, self.classifier, self.model_type = model, classifier, config.model_type
+        params = inspect.signature(model.forward).parameters
+        self.types = "token_type_ids" in params and int(getattr(config, "type_vocab_size", 0) or 0) > 1
+        self.pad = int(getattr(config, "pad_token_id", 0) or 0)
+        # MPNet numbers positions from padding_idx + 1, as RoBERTa does
+        offset = self.pad + 1 if config.model_type == "mpnet" else 0
+        self.max_positions = int(getattr(config, "max_position_embeddings", 0) or 1 << 30) - offset
+        self._logits = None
+
+    def forward(self, ids: torch.Tensor, types: torch.Tensor, spans: list[tuple[int, int]]) -> torch.Tensor:
+        b, width = len(spans), max(e - s for s, e in spans)
+        x = torch.full((b, width), self.pad, dtype=torch.long, device=ids.device)
+        mask = torch.zeros(b, width, dtype=torch.long, device=ids.device)
+        tt = torch.zeros(b, width, dtype=torch.long, device=ids.device)
+        for i, (s, e) in enumerate(spans):
+            x[i, :e - s], mask[i, :e - s], tt[i, :e - s] = ids[s:e], 1, types[s:e]
+        kw = {"token_type_ids": tt} if self.types else {}
+        out = self.model(input_ids=x, attention_mask=mask, output_hidden_states=self.classifier, **kw)
+        if self.classifier:
+            self._logits, hidden = out.logits, out.hidden_states[-1]
+        else:
+            hidden = out.last_hidden_state
+        rows = torch.cat([torch.arange(e - s, device=ids.device) + i * width for i, (s, e) in enumerate(spans)])
+        return hidden.reshape(b * width, -1)[rows]
+
+    def classify(self, hidden: torch.Tensor, spans: list[tuple[int, int]]) -> torch.Tensor:
+        """The logits [B, labels] of the forward that gave `hidden`."""
+        logits, self._logits = self._logits, None
+        return logits
+
+
+def load_encoder(model_dir: str, config, dtype: torch.dtype, classifier: bool,
+                 trust_remote_code: bool = False) -> nn.Module:
+    """model_dir's encoder (and its sequence-classification head when `classifier`): ours for
+    SUPPORTED_TYPES, else transformers' (HFEncoder)."""
     from transformers import AutoModel, AutoModelForSequenceClassification
 
+    if config.model_type not in SUPPORTED_TYPES:
+        cls = AutoModelForSequenceClassification if classifier else AutoModel
+        hf = cls.from_pretrained(model_dir, dtype=dtype, trust_remote_code=trust_remote_code).eval()
+        hf.requires_grad_(False)
+        log.info("encoder %s: transformers' forward over padded batches (ours covers %s)", config.model_type,
+                 ", ".join(SUPPORTED_TYPES))
+        return HFEncoder(hf, config, classifier)
     modern = config.model_type in MODERN_TYPES
     if classifier:
         hf = AutoModelForSequenceClassification.from_pretrained(model_dir, dtype=dtype)
         base = getattr(hf, hf.base_model_prefix)
-        head = (hf.head, hf.classifier) if modern else hf.classifier    # ModernBERT: prediction head, classifier
+        # ModernBERT: prediction head, classifier; DistilBERT: pre-classifier, classifier
+        head = ((hf.head, hf.classifier) if modern else (hf.pre_classifier, hf.classifier)
+                if config.model_type == "distilbert" else hf.classifier)
     else:
         hf = AutoModel.from_pretrained(model_dir, dtype=dtype)      # its pooler (if any) stays unused
         base, head = hf, None
@@ -216,5 +305,5 @@ def load_encoder(model_dir: str, config, dtype: torch.dtype, classifier: bool) -
     enc = (ModernEncoder if modern else Encoder)(base, config, head).eval()
     enc.requires_grad_(False)
     log.info("encoder attention: %s", "one C call a layer over the packed sequences (lmi_encoder_attention)"
-             if cpu_ext.prefill_attention_available(dtype) else f"torch SDPA per sequence (no C kernel for {dtype})")
+             if cpu_ext.encoder_attention_available(dtype) else f"torch SDPA per sequence (no C kernel for {dtype})")
     return enc

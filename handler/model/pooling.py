@@ -2,7 +2,8 @@
 forward, pooling, the classification head. The engine side is handler/engine/pooling.py.
 
 Models:
-  encoders (BERT, RoBERTa, XLM-R, CamemBERT, ModernBERT): handler/model/encoder.py, our forward over packed rows;
+  encoders (BERT, ELECTRA, DistilBERT, RoBERTa, XLM-R, CamemBERT, ModernBERT): handler/model/encoder.py, our
+    forward over packed rows; other encoders (MPNet, DeBERTa-v2, ...) transformers' forward, padded;
     a `*ForSequenceClassification` checkpoint adds its head (a cross-encoder when it has one label)
   decoders (Qwen, Llama, ...) with option.task=text_embedding: transformers' base model, one sequence
     a forward (causal attention), last-token pooling (Qwen3-Embedding's recipe), normalized
@@ -23,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from handler.engine.pooling import PoolInput
-from handler.model.encoder import SUPPORTED_TYPES, load_encoder
+from handler.model.encoder import is_encoder, load_encoder
 from handler.model.runner import ModelLoadError, pick_device, pick_dtype
 
 log = logging.getLogger("lmi.model")
@@ -191,15 +192,11 @@ class PoolingRunner:
             raise ModelLoadError(f"cannot read the model in {model_dir}: {type(e).__name__}: {e}") from None
         archs = config.architectures or []
         classifier = any(a.endswith("ForSequenceClassification") for a in archs)
-        self.encoder = config.model_type in SUPPORTED_TYPES
+        self.encoder = is_encoder(config)
         if task in ("classify", "rerank") and not (classifier and self.encoder):
             raise ModelLoadError(f"option.task={task} needs a sequence-classification encoder "
                                  f"(BertForSequenceClassification, XLMRobertaForSequenceClassification, ...); "
                                  f"{model_dir} is {', '.join(archs) or config.model_type}")
-        if not self.encoder and config.model_type in ("distilbert", "electra", "mpnet", "deberta",
-                                                      "deberta-v2", "nomic_bert", "new"):
-            raise ModelLoadError(f"the encoder {config.model_type} is not supported yet; supported encoders: "
-                                 f"{', '.join(SUPPORTED_TYPES)}; decoders (Qwen, Llama, ...) embed with last-token pooling")
         self.spec = pooling_spec(model_dir, decoder=not self.encoder)
         if normalize is not None and normalize != self.spec.normalize:
             self.spec = PoolingSpec(self.spec.mode, normalize, f"{self.spec.source}; option.normalize={str(normalize).lower()}",
@@ -208,7 +205,7 @@ class PoolingRunner:
         self.id2label = {int(k): v for k, v in (getattr(config, "id2label", None) or {}).items()} if classifier else {}
         with torch.device("cpu"):
             if self.encoder:
-                self.model = load_encoder(model_dir, config, self.dtype, classifier)
+                self.model = load_encoder(model_dir, config, self.dtype, classifier, trust_remote_code)
                 limit = self.model.max_positions
             else:
                 from transformers import AutoModel

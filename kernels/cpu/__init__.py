@@ -20,7 +20,8 @@ from __future__ import annotations
 from kernels.cpu import elementwise as _elementwise
 from kernels.cpu import lib as _lib
 from kernels.cpu.args import KV_DTYPES
-from kernels.cpu.attention import (decode_attention, decode_fused, encoder_attention, prefill_attention,
+from kernels.cpu.attention import (decode_attention, decode_fused, encoder_attention,
+                                   encoder_attention_available, prefill_attention,
                                    prefill_attention_available, step_layers, supports, write_kv)
 from kernels.cpu.bindings import (LIN_BF16, LIN_BF16W, LIN_F32, LIN_I8, LIN_Q, QK_FULL, QK_HEAD, QK_NONE, QS_F16,
                                   QS_F32, QS_I8, Layer, Lin)
@@ -43,8 +44,8 @@ def select(choice: str | None) -> tuple[str | None, str]:
 
 
 __all__ = [
-    "KV_DTYPES", "decode_attention", "decode_fused", "encoder_attention", "prefill_attention",
-    "prefill_attention_available", "step_layers", "supports", "write_kv", "LIN_BF16", "LIN_BF16W", "LIN_F32",
+    "KV_DTYPES", "decode_attention", "decode_fused", "encoder_attention", "encoder_attention_available",
+    "prefill_attention", "prefill_attention_available", "step_layers", "supports", "write_kv", "LIN_BF16", "LIN_BF16W", "LIN_F32",
     "LIN_I8", "LIN_Q", "QK_FULL", "QK_HEAD", "QK_NONE", "QS_F16", "QS_F32", "QS_I8", "Layer", "Lin",
     "rms_norm_bf16", "rms_norm_f32", "rms_norm_f32_lanes", "rotary_", "row_stats", "silu_exact", "silu_mul_",
     "stream_read", "Backend", "CpuLib", "backend", "cpu_flags", "current", "load", "PANEL", "QPack", "gemm",

@@ -154,6 +154,12 @@ def prefill_attention_available(dtype: torch.dtype) -> bool:
     return bool(fn.gemm_bf16_available and fn.gemm_bf16w_available if dtype == torch.bfloat16 else fn.gemm_available)
 
 
+def encoder_attention_available(dtype: torch.dtype) -> bool:
+    """Whether encoder_attention runs here for activations of `dtype` (fp32 or bf16, every build: its
+    products are fp32 FMAs on rows widened in registers, no panel GEMM)."""
+    return load() is not None and dtype in KV_DTYPES
+
+
 def prefill_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, starts: list[int],
                       lens: list[int], scale: float, out: torch.Tensor) -> bool:
     """Causal attention of whole prompts (each prompt's context is its own rows of this step), all
@@ -164,7 +170,8 @@ def prefill_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     Q K^T by vdpbf16ps, P V in fp32 over V widened in registers); False (nothing written) where the
     kernels cannot take them."""
     fn = load()
-    return _prompts(fn and fn.prefill_attention, query, key, value, starts, lens, scale, out)
+    return _prompts(fn and fn.prefill_attention, prefill_attention_available, query, key, value, starts, lens,
+                    scale, out)
 
 
 def encoder_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, starts: list[int],
@@ -172,12 +179,13 @@ def encoder_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     """prefill_attention's contract, bidirectional: an encoder's packed sequences (no padding), each
     row attending to every row of its own sequence and none of another's (lmi_encoder_attention)."""
     fn = load()
-    return _prompts(fn and fn.encoder_attention, query, key, value, starts, lens, scale, out)
+    return _prompts(fn and fn.encoder_attention, encoder_attention_available, query, key, value, starts, lens,
+                    scale, out)
 
 
-def _prompts(entry, query, key, value, starts, lens, scale, out) -> bool:
+def _prompts(entry, available, query, key, value, starts, lens, scale, out) -> bool:
     dt = query.dtype
-    if entry is None or not lens or not prefill_attention_available(dt):
+    if entry is None or not lens or not available(dt):
         return False
     t, h, d = query.shape
     if (not all(_plain(x, dt) for x in (query, key, value, out)) or key.dim() != 3 or key.shape != value.shape

@@ -480,11 +480,14 @@ def _causal64(q, k, v, scale, causal=True):
     return torch.einsum("hij,jhd->ihd", torch.softmax(s, -1), vv)
 
 
-def _packed(dtype, heads, kv_heads, d, lens, seed):
+def _packed(dtype, heads, kv_heads, d, lens, seed, panels=True):
     """q/k/v of packed sequences of `lens` rows ([H, T, D] storage read as [T, H, D]: token and head
-    strides as transformers' views have them), `out` filled with 7s, and the sequences' first rows."""
-    if not (cpu_ext.gemm_bf16_available() if dtype == torch.bfloat16 else cpu_ext.gemm_available()):
+    strides as transformers' views have them), `out` filled with 7s, and the sequences' first rows.
+    panels: the kernel under test needs the panel GEMM of `dtype` (the encoder's does not)."""
+    if panels and not (cpu_ext.gemm_bf16_available() if dtype == torch.bfloat16 else cpu_ext.gemm_available()):
         pytest.skip("the panel GEMM for this dtype is not in this build (bf16: the AVX512-BF16 dot GEMM)")
+    if not panels and not cpu_ext.encoder_attention_available(dtype):
+        pytest.skip("no C kernels in this build")
     g = torch.Generator().manual_seed(seed)
     t = sum(lens)
     q = torch.randn(heads, t, d, generator=g).to(dtype).transpose(0, 1)
@@ -514,7 +517,7 @@ def test_encoder_attention_is_bidirectional_within_each_sequence(dtype, tol, hea
     # Oracle: float64 softmax attention over all of a sequence's rows (an encoder's, no mask), per
     # packed sequence; lengths across the 64-row query chunk, 1 and odd; strided q/k/v views.
     lens = [5, 1, 16, 64, 65, 130, 7, 256]
-    q, k, v, out, starts = _packed(dtype, heads, kv_heads, d, lens, heads + d)
+    q, k, v, out, starts = _packed(dtype, heads, kv_heads, d, lens, heads + d, panels=False)
     scale = d ** -0.5
     assert cpu_ext.encoder_attention(q, k, v, starts[1:], lens[1:], scale, out)
     assert torch.equal(out[:5], torch.full((5, heads, d), 7.0, dtype=dtype))     # not a sequence given: untouched

@@ -38,6 +38,23 @@ def tiny_config(kind: str, vocab: int, **kw):
                                 eos_token_id=3, cls_token_id=2, sep_token_id=3, **common)
     if kind == "bert":
         return BertConfig(type_vocab_size=2, **common)
+    if kind == "electra":   # embeddings narrower than the layers: the projection between them
+        from transformers import ElectraConfig
+        return ElectraConfig(type_vocab_size=2, embedding_size=16, **common)
+    if kind == "distilbert":
+        from transformers import DistilBertConfig
+        return DistilBertConfig(vocab_size=vocab, dim=32, n_layers=2, n_heads=4, hidden_dim=64,
+                                max_position_embeddings=66, pad_token_id=0, activation="gelu", **kw)
+    if kind == "mpnet":     # relative position buckets (32: transformers reads that many whatever the config says);
+        # its positions start after padding_idx (our [PAD] 0)
+        from transformers import MPNetConfig
+        return MPNetConfig(pad_token_id=0, bos_token_id=2, eos_token_id=3,
+                           **common)
+    if kind == "deberta-v2":    # disentangled relative attention, no absolute positions, no segments
+        from transformers import DebertaV2Config
+        return DebertaV2Config(type_vocab_size=0, relative_attention=True, position_buckets=8,
+                               max_relative_positions=-1, pos_att_type=["p2c", "c2p"], position_biased_input=False,
+                               pad_token_id=0, **common)
     cls = RobertaConfig if kind == "roberta" else XLMRobertaConfig
     return cls(type_vocab_size=1, pad_token_id=0, bos_token_id=2, eos_token_id=3, **common)
 

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from handler.engine.pooling import PoolInput
+from handler.model.encoder import HFEncoder
 from handler.model.pooling import ModelLoadError, PoolingRunner, pooling_spec
 from tests.pooling.conftest import build
 
@@ -25,11 +26,14 @@ def _hf_hidden(model_dir, ids, types=None):
         return m(input_ids=torch.tensor([ids]), **kw).last_hidden_state[0]
 
 
-@pytest.mark.parametrize("kind", ["bert", "roberta", "xlm-roberta", "modernbert"])
+@pytest.mark.parametrize("kind", ["bert", "roberta", "xlm-roberta", "modernbert", "electra", "distilbert", "mpnet",
+                                  "deberta-v2"])
 @pytest.mark.parametrize("pooling", ["mean", "cls", "max"])
 def test_packed_embeddings_equal_transformers_per_sequence(kind, pooling, tmp_path):
     d = build(str(tmp_path / kind), kind, pooling=pooling, normalize=pooling != "max", seed=3)
     runner = PoolingRunner(d, "text_embedding", quantize="none")
+    # ours where we have the family, else transformers' forward over padded batches
+    assert isinstance(runner.model, HFEncoder) == (kind in ("mpnet", "deberta-v2"))
     inputs = [PoolInput(runner.tokenizer(t)["input_ids"]) for t in TEXTS]
     got = torch.tensor(runner.pool(inputs, "embed"))
     for i, x in enumerate(inputs):
@@ -43,7 +47,7 @@ def test_packed_embeddings_equal_transformers_per_sequence(kind, pooling, tmp_pa
     torch.testing.assert_close(alone, got[2], atol=2e-6, rtol=1e-5)
 
 
-@pytest.mark.parametrize("kind", ["bert", "roberta", "modernbert"])
+@pytest.mark.parametrize("kind", ["bert", "roberta", "modernbert", "electra", "distilbert", "mpnet", "deberta-v2"])
 @pytest.mark.parametrize("labels", [1, 3])
 def test_cross_encoder_logits_equal_transformers(kind, labels, tmp_path):
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
@@ -60,7 +64,7 @@ def test_cross_encoder_logits_equal_transformers(kind, labels, tmp_path):
     with torch.no_grad():
         for i, (q, t) in enumerate(pairs):
             enc = tok(q, t, return_tensors="pt")
-            if kind != "bert":      # one segment: RoBERTa's and ModernBERT's tokenizers send no segment ids
+            if kind not in ("bert", "electra"):     # models of one segment: their tokenizers send no segment ids
                 enc.pop("token_type_ids", None)
             want = hf(**enc).logits[0]
             torch.testing.assert_close(got[i], want, atol=2e-5, rtol=1e-4)
@@ -140,8 +144,8 @@ def test_a_classification_task_needs_a_classifier(tiny_bert):
 
 def test_attention_is_one_c_call_a_layer_over_the_packed_batch(tmp_path, monkeypatch):
     from kernels import cpu as cpu_ext
-    if not cpu_ext.prefill_attention_available(torch.float32):
-        pytest.skip("the C panel GEMM is not in this build: attention runs in torch (the test above covers it)")
+    if not cpu_ext.encoder_attention_available(torch.float32):
+        pytest.skip("no C kernels in this build: attention runs in torch (the test above covers it)")
     d = build(str(tmp_path / "bert"), "bert", pooling="mean", normalize=True, seed=5)
     runner = PoolingRunner(d, "text_embedding", quantize="none")
     inputs = [PoolInput(runner.tokenizer(t)["input_ids"]) for t in TEXTS]
