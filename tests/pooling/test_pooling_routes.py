@@ -246,3 +246,20 @@ def test_option_normalize_false_serves_the_pooled_vectors(tiny_bert, tmp_path):
                                                                      for x in got])   # TEI's normalize=true
     finally:
         state.engine.shutdown()
+
+
+def test_vectors_response_is_the_json_of_its_body():
+    # orjson's floats parse back to the same floats as json's; what orjson refuses (a lone surrogate
+    # echoed from a client) still answers, through json_response's escape
+    import json
+
+    from handler.http.routes.common import json_response, vectors_response
+    g = torch.Generator().manual_seed(0)
+    vec = torch.nn.functional.normalize(torch.randn(384, generator=g), dim=0).tolist() + [1e-300, 3.0, -0.0]
+    body = {"data": [{"index": 0, "embedding": vec}], "model": "m", "usage": {"prompt_tokens": 3}}
+    resp = vectors_response(body)
+    assert resp.mimetype == "application/json" and resp.status_code == 200
+    assert json.loads(resp.get_data()) == body == json.loads(json_response(body).get_data())
+    odd = {"model": "a\udc80b", "data": [0.5]}
+    data = vectors_response(odd).get_data()
+    assert b"a\\udc80b" in data and json.loads(data) == odd

@@ -13,6 +13,7 @@ import logging
 import os
 import re
 
+import orjson
 from flask import Response, current_app, g, request
 from werkzeug.exceptions import HTTPException
 from werkzeug.wsgi import ClosingIterator
@@ -51,6 +52,17 @@ def json_response(body, status: int = 200) -> Response:
     # A lone surrogate (echoed from a client's value) cannot be UTF-8: write it as its JSON escape.
     data = json.dumps(body, ensure_ascii=False).encode("utf-8", "backslashreplace")
     return Response(data, status=status, mimetype="application/json")
+
+
+def vectors_response(body) -> Response:
+    """json_response for bodies of many floats (embeddings, scores): orjson writes a float in ~1/20 of
+    json's time (the same shortest round-trip digits); a body orjson refuses (a lone surrogate echoed
+    from a client, an int beyond 64 bits) goes to json_response. A non-finite float becomes null (JSON
+    has no NaN; json would write the non-JSON token NaN)."""
+    try:
+        return Response(orjson.dumps(body), status=200, mimetype="application/json")
+    except TypeError:
+        return json_response(body)
 
 
 def error_response(status: int, message: str, field: str | None = None) -> Response:

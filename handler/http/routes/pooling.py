@@ -19,7 +19,7 @@ from handler.engine.request import RequestError
 from handler.http.protocols import pool_lmi, pool_openai, pool_rerank, pool_tei
 from handler.http.protocols.pooling import CLASSIFY, EMBED, Pooling, cosine, labels, relevance, tokenize
 from handler.http.routes.common import (TIMEOUT_HINT, _loading, body_json, current_state, error_response,
-                                        json_response, model_name, openai_error)
+                                        json_response, model_name, openai_error, vectors_response)
 
 bp = Blueprint("pooling", __name__)
 
@@ -88,7 +88,7 @@ def scores(query: str, docs: list[str], req: Pooling, raw: bool = False) -> tupl
 
 def _answer(error, work):
     try:
-        return json_response(work())
+        return vectors_response(work())
     except RequestError as e:
         return error(e.status, e.message, e.field)
     except Refused as e:
