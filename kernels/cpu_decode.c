@@ -482,6 +482,13 @@ static void row_softmax(float *s, int64_t L, int64_t Lp, float scale) {
     for (int64_t t = 0; t < Lp; ++t) s[t] *= inv;
 }
 
+/* The longest of P lengths (0 for none). */
+static int64_t longest(const int64_t *lens, int64_t P) {
+    int64_t n = 0;
+    for (int64_t p = 0; p < P; ++p) n = lens[p] > n ? lens[p] : n;
+    return n;
+}
+
 /* Attention of P whole prompts (each one's context is its own rows of this step) by the panel
  * GEMMs, causal (a decoder's prompts: lmi_prefill_attention) or bidirectional (an encoder's packed
  * sequences, every row seeing all its sequence's rows: lmi_encoder_attention): per (prompt, KV head) item, K packed as a weight (S = Q K^T, the g query heads'
@@ -497,8 +504,7 @@ static int prompt_attention(const void *q, const void *k, const void *v, int64_t
                             const int64_t *starts, const int64_t *lens, const int64_t *order, int64_t P, int64_t H,
                             int64_t Hkv, int64_t D, float scale, int causal, int nthreads) {
     const int64_t g = H / Hkv, es = bf16 ? 2 : 4;
-    int64_t nmax = 0;
-    for (int64_t p = 0; p < P; ++p) nmax = lens[p] > nmax ? lens[p] : nmax;
+    const int64_t nmax = longest(lens, P);
     const int64_t npad = (nmax + 31) / 32 * 32 + 2, dpad = (D + 31) / 32 * 32;
     const int64_t rows = g * PQ;
     /* per thread: A [rows, D]; K rows / V^T [n x D]; K panels; V panels;
@@ -613,8 +619,7 @@ static int encoder_rows(const void *q, const void *k, const void *v, int64_t qs,
                         const int64_t *starts, const int64_t *lens, const int64_t *order, int64_t P, int64_t H,
                         int64_t Hkv, int64_t D, float scale, int nthreads) {
     const int64_t g = H / Hkv, dp = (D + EV - 1) / EV * EV, es = bf16 ? 2 : 4;
-    int64_t nmax = 0;
-    for (int64_t p = 0; p < P; ++p) nmax = lens[p] > nmax ? lens[p] : nmax;
+    const int64_t nmax = longest(lens, P);
     const int64_t np = (nmax + EK - 1) / EK * EK;
     /* per thread: K^T [D, np]; V [nmax, dp]; s [ER, np]; the query rows [ER, D]; a row of K or V */
     const size_t per = (size_t)(D * np + nmax * dp + ER * np + ER * D + dp + 16) * sizeof(float);
