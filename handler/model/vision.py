@@ -264,10 +264,15 @@ def _gemma3_processor(model_dir: str, trust_remote_code: bool):
     return Gemma3KeepCrops.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
 
 
+_PAN_AND_SCAN = ("do_pan_and_scan", "pan_and_scan_min_crop_size", "pan_and_scan_max_num_crops",
+                 "pan_and_scan_min_ratio_to_activate")
+
+
 def _gemma3_call(hf) -> dict:
-    """Pan and scan as the image processor's config says (Gemma3Processor's own default, off, would win
-    over it)."""
-    return {"do_pan_and_scan": bool(getattr(hf.image_processor, "do_pan_and_scan", False))}
+    """Pan and scan as the image processor's config says: Gemma3Processor's own defaults (off; crops of at
+    least 256 pixels, at most 4) would win over it at each call."""
+    ip = hf.image_processor
+    return {k: getattr(ip, k) for k in _PAN_AND_SCAN if getattr(ip, k, None) is not None}
 
 
 def _image_only(processor_class: str):
@@ -552,4 +557,6 @@ class VisionStage:
                         parts.append(feats[m.key][row + lo - start:row + hi - start])
                     row += length
             base += n
+        if not parts:   # chunks only between an image's runs (the text between pan-and-scan crops, tiles)
+            return None
         return torch.tensor(rows, dtype=torch.long, device=self.device), torch.cat(parts)

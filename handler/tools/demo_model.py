@@ -226,7 +226,8 @@ def build_demo_idefics3(out_dir: str, seed: int = 0, *, tokenizer=None, tile: in
 
 
 def build_demo_gemma3(out_dir: str, seed: int = 0, *, tokenizer=None, image_size: int = 56, patch_size: int = 7,
-                      tokens_per_image: int = 16, pan_and_scan: bool = True, sliding_window: int = 6) -> str:
+                      tokens_per_image: int = 16, pan_and_scan: bool = True, sliding_window: int = 6,
+                      init: float = 0.1, tied: bool = False) -> str:
     """A tiny random Gemma 3 (Gemma3ForConditionalGeneration): a 2-layer SigLIP tower over `patch_size`-pixel
     patches, Gemma3MultiModalProjector (patches average-pooled to `tokens_per_image`, RMS-normed, projected),
     a 3-layer gemma3_text language model (sliding, full, sliding layers; window `sliding_window`); the demo
@@ -255,7 +256,7 @@ def build_demo_gemma3(out_dir: str, seed: int = 0, *, tokenizer=None, image_size
     ids = dict(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
     text = dict(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
                 num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=16, max_position_embeddings=1024,
-                initializer_range=0.1, sliding_window=sliding_window,
+                initializer_range=init, sliding_window=sliding_window, tie_word_embeddings=tied,
                 layer_types=["sliding_attention", "full_attention", "sliding_attention"],
                 rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                                  "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0}},
@@ -264,7 +265,8 @@ def build_demo_gemma3(out_dir: str, seed: int = 0, *, tokenizer=None, image_size
                   num_attention_heads=2, image_size=image_size, patch_size=patch_size)
     config = Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=tokens_per_image,
                           boi_token_index=conv(marks["boi_token"]), eoi_token_index=conv(marks["eoi_token"]),
-                          image_token_index=conv(marks["image_token"]), initializer_range=0.1, **ids)
+                          image_token_index=conv(marks["image_token"]), initializer_range=init,
+                          tie_word_embeddings=tied, **ids)
     torch.manual_seed(seed)
     model = Gemma3ForConditionalGeneration(config).eval()
     with torch.no_grad():   # transformers zeroes the norms and the projection at init: random ones show a misread
