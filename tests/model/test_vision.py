@@ -320,3 +320,10 @@ def test_gemma3_step_blocks_name_each_prompt_rows_image_runs():
              StepItem(4, list(range(8)), 0, [4], True, p, [], media=(causal,))]
     assert vision.blocks(items) == {2: [(3, 7), (10, 14)], 4: [(20, 24)]}
     assert vision.blocks(items[2:3] + items[4:]) is None
+
+
+def test_gemma3_refuses_batch_invariant_one_token_forwards(gemma3_dir, tmp_path):
+    """option.batch_invariant feeds a prompt one token a forward: an image run could not attend both ways."""
+    from handler.model.runner import ModelLoadError
+    with pytest.raises(ModelLoadError, match=r"option.batch_invariant=true .* gemma3 model's image tokens attend"):
+        make_engine(gemma3_dir, tmp_path, {**PROPS["rolling"], "option.batch_invariant": "true"})
