@@ -329,20 +329,17 @@ class LlamaFamilyForCausalLM(nn.Module):
             h = h * self.embed_scale
         if inject is not None and a.gemma:
             h.index_copy_(0, inject[0], inject[1].to(h.dtype))
+        # (cos, sin) [T, D] by rope key: one rope (key None), or Gemma 3's per layer type (Attention.rope)
         if mrope is not None:
-            cos, sin = self.rotary.mrope(mrope, a.mrope)
-        elif self.rotaries is not None:     # per layer type: each layer takes its own (_Rope)
-            cos = {t: r(pos, step.seq_lens_cpu, step.query_start_loc_cpu) for t, r in self.rotaries.items()}
-            sin = None
+            ropes = {None: self.rotary.mrope(mrope, a.mrope)}
+        elif self.rotaries is not None:
+            ropes = {t: r(pos, step.seq_lens_cpu, step.query_start_loc_cpu) for t, r in self.rotaries.items()}
         else:
-            cos, sin = self.rotary(pos, step.seq_lens_cpu, step.query_start_loc_cpu)
-        if self.decode_stack is None or not self.decode_stack.run(h, cos, sin, step):
+            ropes = {None: self.rotary(pos, step.seq_lens_cpu, step.query_start_loc_cpu)}
+        one = ropes.get(None)     # the C stack takes one rope (it refuses the Gemma families at load)
+        if one is None or self.decode_stack is None or not self.decode_stack.run(h, *one, step):
             for layer in self.model.layers:
-                if sin is None:
-                    c, s = cos[layer.self_attn.rope]
-                    h = layer(h, c, s, step)
-                else:
-                    h = layer(h, cos, sin, step)
+                h = layer(h, *ropes[layer.self_attn.rope], step)
         logits = self.lm_head(self.model.norm(h[keep]))
         if a.logits_divisor != 1.0:
             logits = logits / a.logits_divisor
