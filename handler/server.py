@@ -124,6 +124,11 @@ def engine_for(cfg, runner, on_step=None, waker=None):
     from handler.engine.scheduler import SchedulerPolicy
 
     width = _width(cfg)
+    vision = getattr(runner, "vision", None)
+    if cfg.batch_invariant and vision is not None and vision.family.bidirectional:
+        from handler.model.runner import ModelLoadError
+        raise ModelLoadError(f"option.batch_invariant=true feeds one token a forward, and a {vision.family.name} "
+                             "model's image tokens attend to each other both ways at prefill: not supported together")
     runner.batch_invariant = cfg.batch_invariant
     if getattr(cfg, "chat_template", None) and runner.tokenizer is not None:
         runner.tokenizer.chat_template = cfg.chat_template     # option.chat_template replaces the tokenizer's

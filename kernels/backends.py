@@ -4,11 +4,13 @@
                   step's rotary, KV write and attention in one call where every sequence feeds
                   one row; else decode rows read the pool in place, whole prompts go to the
                   prompt kernel, and what neither takes (chunks after cached rows, sliding
-                  windows or soft-caps on prompts) to the torch math (kernels/torch_paged.py)
+                  windows or soft-caps on prompts, prompts with Step.blocks) to the torch math
+                  (kernels/torch_paged.py)
   TorchAttention  plain torch (kernels/torch_paged.py): option.cpu_kernels=torch, a CPU without a
                   kernel build, or CUDA without triton
-  TritonAttention CUDA with triton (kernels/triton_kernels.py); a sliding window or a logit
-                  soft-cap goes to kernels/torch_paged.py (the Triton kernel has neither)
+  TritonAttention CUDA with triton (kernels/triton_kernels.py); a sliding window, a logit
+                  soft-cap or a step with blocks attending both ways (Step.blocks: Gemma 3's image runs)
+                  goes to kernels/torch_paged.py (the Triton kernel has none of them)
 
 `forward(q, k, v, k_cache, v_cache, step, scale, cos=, sin=, window=, soft_cap=)` is the layer's
 attention: q [T, H, D], k/v [T, Hkv, D] (rotated by cos/sin [T, D] first when given: our models;
@@ -49,7 +51,8 @@ class TorchAttention:
         return torch_paged.paged_attention(query, key_cache, value_cache, step.block_tables, step.seq_lens,
                                          step.query_start_loc, scale, seq_lens_cpu=step.seq_lens_cpu,
                                          query_start_loc_cpu=step.query_start_loc_cpu, sliding_window=window,
-                                         soft_cap=soft_cap, key=key, value=value, plan=step.plan)
+                                         soft_cap=soft_cap, key=key, value=value, plan=step.plan,
+                                         blocks=getattr(step, "blocks", None))
 
     def forward(self, q, k, v, key_cache, value_cache, step, scale: float, *, cos=None, sin=None,
                 window: int | None = None, soft_cap: float | None = None) -> torch.Tensor:
@@ -125,11 +128,14 @@ class CpuAttention(TorchAttention):
             out = torch.empty(t, h, d, dtype=query.dtype)
         torch_paged.decode_into(out, query, key_cache, value_cache, p, dec, scale, window, soft_cap)
         rest = p.chunks
-        if (p.whole and key is not None and window is None and soft_cap is None
-                and self.ext.prefill_attention(query, key, value, [p.qsl[s] for s in p.whole],
-                                               [p.lens[s] for s in p.whole], scale, out)):
-            rest = p.partial
-        torch_paged.prompts_into(out, query, key_cache, value_cache, p, rest, scale, window, soft_cap, key, value)
+        blocks = getattr(step, "blocks", None)    # rows attending both ways in blocks: the torch math's mask
+        whole = [s for s in p.whole if s not in blocks] if blocks else p.whole
+        if (whole and key is not None and window is None and soft_cap is None
+                and self.ext.prefill_attention(query, key, value, [p.qsl[s] for s in whole],
+                                               [p.lens[s] for s in whole], scale, out)):
+            rest = [s for s in p.chunks if s not in whole]
+        torch_paged.prompts_into(out, query, key_cache, value_cache, p, rest, scale, window, soft_cap, key, value,
+                                 blocks)
         return out
 
     def describe(self) -> str:
@@ -149,7 +155,7 @@ class TritonAttention(TorchAttention):
 
     def attend(self, query, key_cache, value_cache, step, scale: float, window=None, soft_cap=None,
                key=None, value=None) -> torch.Tensor:
-        if window is None and soft_cap is None:
+        if window is None and soft_cap is None and not getattr(step, "blocks", None):
             from kernels import triton_kernels
             return triton_kernels.paged_attention(query, as_pool(key_cache).data, as_pool(value_cache).data,
                                                   step.block_tables, step.seq_lens,

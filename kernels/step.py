@@ -24,6 +24,10 @@ class Step:
     seq_lens_cpu: list[int] | None = None
     query_start_loc_cpu: list[int] | None = None
     plan: StepPlan | None = None            # plan_step's, built once per step
+    # Sequence index -> [(first, end)] context positions whose rows attend to each other both ways (on
+    # top of causal; Gemma 3's image runs at prefill: handler/model/vision.py), each run in this step's rows
+    # or before them; None: causal only.
+    blocks: dict[int, list[tuple[int, int]]] | None = None
 
 
 @dataclass(frozen=True)

@@ -122,7 +122,8 @@ def paged_attention(query: torch.Tensor, key_cache: KVPool | torch.Tensor, value
                     soft_cap: float | None = None,
                     key: torch.Tensor | None = None,
                     value: torch.Tensor | None = None,
-                    plan: StepPlan | None = None) -> torch.Tensor:
+                    plan: StepPlan | None = None,
+                    blocks: dict | None = None) -> torch.Tensor:
     """Causal attention of packed query rows [T, H, D] over paged KV -> [T, H, D].
 
     Sequence s owns rows qsl[s]:qsl[s+1] (n_s rows) at positions seq_lens[s]-n_s ..
@@ -135,7 +136,9 @@ def paged_attention(query: torch.Tensor, key_cache: KVPool | torch.Tensor, value
     and values (already written to the pool); a sequence whose whole context is in this step
     attends to them directly instead of gathering them back. `plan` (optional): the step's
     kernels.step.StepPlan, made once per step by the runner; without it the row bookkeeping is
-    worked out here from the arguments above.
+    worked out here from the arguments above. `blocks` (optional): sequence index -> [(first, end)]
+    positions that attend to each other both ways (kernels.step.Step.blocks): a query row in a block
+    also sees the block's later keys (with a window: those that pass it; later keys always do).
     """
     t, h, d = query.shape
     _heads(query, key_cache)
@@ -144,7 +147,8 @@ def paged_attention(query: torch.Tensor, key_cache: KVPool | torch.Tensor, value
                          seq_lens_cpu=seq_lens_cpu, query_start_loc_cpu=query_start_loc_cpu, device=query.device)
     out = torch.empty(t, h, d, dtype=query.dtype, device=query.device)   # every row is written below
     decode_into(out, query, key_cache, value_cache, plan, plan.dec, scale, sliding_window, soft_cap)
-    prompts_into(out, query, key_cache, value_cache, plan, plan.chunks, scale, sliding_window, soft_cap, key, value)
+    prompts_into(out, query, key_cache, value_cache, plan, plan.chunks, scale, sliding_window, soft_cap, key, value,
+                 blocks)
     return out
 
 
@@ -190,9 +194,9 @@ def prompts_into(out: torch.Tensor, query: torch.Tensor, key_cache: KVPool | tor
                  value_cache: KVPool | torch.Tensor,
                  plan: StepPlan, seqs: list[int], scale: float, sliding_window: int | None = None,
                  soft_cap: float | None = None, key: torch.Tensor | None = None,
-                 value: torch.Tensor | None = None) -> None:
+                 value: torch.Tensor | None = None, blocks: dict | None = None) -> None:
     """`paged_attention`'s values for the rows of sequences `seqs` (each feeding several rows),
-    written into their rows of out."""
+    written into their rows of out; `blocks` as paged_attention's."""
     key_cache, value_cache = as_pool(key_cache), as_pool(value_cache)
     g = _heads(query, key_cache)
     bs = key_cache.shape[1]
@@ -202,7 +206,8 @@ def prompts_into(out: torch.Tensor, query: torch.Tensor, key_cache: KVPool | tor
         a, b = qsl[s], qsl[s + 1]
         n, ctx = b - a, lens[s]
         q = query[a:b].transpose(0, 1)  # [H, n, D]
-        if ctx == n and key is not None and sliding_window is None and soft_cap is None:
+        both = blocks.get(s) if blocks else None
+        if ctx == n and key is not None and sliding_window is None and soft_cap is None and not both:
             # The whole context is this step's: attend to its own keys, causally (no gather).
             # 4-D inputs: torch's CPU flash kernel, about 1.5-2x the 3-D math path at 15-160 tokens.
             o = F.scaled_dot_product_attention(q[None], key[a:b].transpose(0, 1)[None],
@@ -217,7 +222,9 @@ def prompts_into(out: torch.Tensor, query: torch.Tensor, key_cache: KVPool | tor
         qpos = torch.arange(ctx - n, ctx, device=dev)
         kpos = torch.arange(ctx, device=dev)[None, :]
         mask = kpos <= qpos[:, None]  # [n, L]
-        if sliding_window is not None:
+        for lo, hi in both or ():    # transformers' blockwise overlay: OR(causal, same block)
+            mask |= ((qpos >= lo) & (qpos < hi))[:, None] & ((kpos >= lo) & (kpos < hi))
+        if sliding_window is not None:  # ... AND the window (sliding layers)
             mask &= kpos > qpos[:, None] - sliding_window
         o = _attend(q.float(), k, v, mask, scale, g, soft_cap)
         out[a:b] = o.transpose(0, 1).to(query.dtype)

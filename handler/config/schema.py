@@ -324,7 +324,8 @@ KEYS: tuple[Key, ...] = (
         env=("HF_MODEL_TRUST_REMOTE_CODE",)),
     Key("option.model_impl", _enum(["auto", "lmi", "transformers"], {"vllm": "lmi"}),
         "the model's implementation: `auto` ours (handler/model/llama.py) for the Llama family (Llama, "
-        "SmolLM, Mistral, Qwen2, Qwen3, Granite, Phi-3, OLMo-2), transformers' for every other architecture; "
+        "SmolLM, Mistral, Qwen2, Qwen3, Granite, Phi-3, OLMo-2, Gemma 2, Gemma 3), transformers' for every "
+        "other architecture; "
         "`lmi` ours or a start-up error naming why not (`vllm`, vLLM's name, is taken for it); `transformers` "
         "transformers' own model through the paged attention interface", default="auto",
         env=("VLLM_MODEL_IMPL",)),

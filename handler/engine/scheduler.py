@@ -194,6 +194,17 @@ class Sequence:
             self._prompt_keys = keys
         return self._prompt_keys + self.tokens[len(self.prompt_ids):]
 
+    def chunk_end(self, start: int, n: int) -> int:
+        """n, the prompt tokens a chunk from `start` feeds, moved so that it ends no run of a `whole`
+        image inside: to the run's first token, or (a chunk that starts at or in the run) past its last."""
+        end = start + n
+        for m in self.media:
+            if m.whole:
+                for a, length in m.spans:
+                    if a < end < a + length:    # runs never overlap: at most one holds the end
+                        return (a if a > start else a + length) - start
+        return n
+
     def media_in(self, start: int, end: int) -> tuple:
         """The images whose placeholder tokens lie (partly) in positions start..end-1."""
         return tuple(m for m in self.media if m.overlaps(start, end)) if self.media else ()
@@ -561,6 +572,8 @@ class Scheduler:
             n = len(seq.tokens) - seq.num_computed
             if n > 1 and not unlimited:          # prefill chunk: its share of the token budget
                 n = shares.get(seq.seq_id, 0)
+                if n > 0 and seq.media:
+                    n = seq.chunk_end(seq.num_computed, n)
             if n > 0:
                 want[seq.seq_id] = n
         for seq in order:

@@ -43,6 +43,9 @@ class ImageRef:
     # An image whose placeholders come in several runs (Idefics3's tiles, text markers between them):
     # ((offset, length), ...) in order, their lengths summing to `length`; () for one run.
     runs: tuple = ()
+    # Each run attends to itself both ways at prefill (the model's family says so: Gemma 3), so a run is
+    # prefilled in one step: the scheduler ends a chunk before it or takes it whole (Sequence.chunk_end).
+    whole: bool = False
 
     @property
     def spans(self) -> tuple:

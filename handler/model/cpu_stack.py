@@ -97,6 +97,9 @@ def build(model, kv_cache, *, tp_size: int = 1, lora: bool = False,
     a = model.arch
     if tp_size > 1 or lora:
         return None, "tensor parallel" if tp_size > 1 else "LoRA"
+    if a.gemma:
+        return None, (f"{a.family}'s layer (1 + weight norms before and after each sublayer, a GELU-tanh MLP); "
+                      "its layers run in Python over the per-op kernels")
     if a.post_norms or a.residual_scale != 1.0:
         return None, f"{a.family}'s layer (post-norms or residual multipliers)"
     pool = kv_cache[0][0]

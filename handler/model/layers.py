@@ -133,16 +133,19 @@ class Rotary:
     default / linear / llama3 / yarn: one set of frequencies, a table over every position.
     dynamic (NTK) and longrope change the frequencies with a sequence's length: positions of a
     sequence whose length passes the original context are computed with the frequencies for
-    that length (transformers' `dynamic_rope_update` on one sequence)."""
+    that length (transformers' `dynamic_rope_update` on one sequence).
+    `layer_type`: a config with rope parameters per layer type (Gemma 3's `rope_parameters`
+    {"sliding_attention": {...}, "full_attention": {...}}): this type's."""
 
     GROWING = ("dynamic", "longrope")
 
-    def __init__(self, config, head_dim: int, max_positions: int, dtype, device):
+    def __init__(self, config, head_dim: int, max_positions: int, dtype, device, layer_type: str | None = None):
         from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-        params = rope_parameters(config)
+        params = rope_parameters(config) if layer_type is None else config.rope_parameters[layer_type]
         self.kind = params.get("rope_type", "default")
         self.config, self.dtype, self.device = config, dtype, device
+        self._kw = {} if layer_type is None else {"layer_type": layer_type}
         if self.kind == "default":
             base = float(params["rope_theta"])
             inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).to(torch.float) / head_dim))
@@ -150,7 +153,7 @@ class Rotary:
             self._init = None
         else:
             self._init = ROPE_INIT_FUNCTIONS[self.kind]
-            inv_freq, self.scale = self._init(config, torch.device("cpu"))
+            inv_freq, self.scale = self._init(config, torch.device("cpu"), **self._kw)
         self.inv_freq = inv_freq.to(device)
         self.original = int(params.get("original_max_position_embeddings")
                             or getattr(config, "max_position_embeddings", max_positions))
@@ -174,7 +177,7 @@ class Rotary:
                 cos[a:b], sin[a:b] = self.cos[pos[a:b]], self.sin[pos[a:b]]
             else:
                 kw = {"seq_len": n} if self.kind == "dynamic" else {"seq_len": self.original + 1}
-                inv, scale = self._init(self.config, self.device, **kw)
+                inv, scale = self._init(self.config, self.device, **kw, **self._kw)
                 cos[a:b], sin[a:b] = self._table(pos[a:b], inv, scale)
         return cos, sin
 
@@ -208,12 +211,21 @@ def fused(parts: list[nn.Linear]) -> nn.Linear:
     return out
 
 
-class GatedMlp(nn.Module):
-    """down(silu(gate(x)) * up(x)): Llama's MLP (handler/model/llama.py, which adds the all-reduce) and
-    each expert of a mixture (handler/model/moe.py), `width` its intermediate size (this rank's)."""
+# A gated MLP's activations by the config's name (hidden_act / Gemma's hidden_activation): transformers'
+# ACT2FN values, the same torch calls.
+ACTIVATIONS = {"silu": None, "gelu_pytorch_tanh": "tanh"}
 
-    def __init__(self, hidden: int, width: int, dtype, device):
+
+class GatedMlp(nn.Module):
+    """down(act(gate(x)) * up(x)), act SiLU (or Gemma's tanh-approximated GELU, `act`): Llama's MLP
+    (handler/model/llama.py, which adds the all-reduce) and each expert of a mixture
+    (handler/model/moe.py), `width` its intermediate size (this rank's)."""
+
+    def __init__(self, hidden: int, width: int, dtype, device, act: str = "silu"):
         super().__init__()
+        if act not in ACTIVATIONS:
+            raise ValueError(f"activation {act!r} (ours: {', '.join(ACTIVATIONS)})")
+        self.act = act
         self.gate_proj = linear(hidden, width, False, dtype, device)
         self.up_proj = linear(hidden, width, False, dtype, device)
         self.down_proj = linear(width, hidden, False, dtype, device)
@@ -224,10 +236,15 @@ class GatedMlp(nn.Module):
             # [T, 2I]: gate's half copied out (torch's SiLU on a strided view takes another path
             # that rounds differently from its vectorised one), activated in place, times up's.
             gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-            h = F.silu(gate.contiguous(), inplace=True).mul_(up)
+            h = self._act(gate.contiguous()).mul_(up)
         else:
-            h = F.silu(self.gate_proj(x), inplace=True).mul_(self.up_proj(x))
+            h = self._act(self.gate_proj(x)).mul_(self.up_proj(x))
         return self.down_proj(h)
+
+    def _act(self, gate: torch.Tensor) -> torch.Tensor:
+        if self.act == "silu":
+            return F.silu(gate, inplace=True)
+        return F.gelu(gate, approximate="tanh")
 
     def fuse(self) -> None:
         """gate and up as one layer, where both are still plain nn.Linear (a loader's quantized

@@ -9,6 +9,14 @@ Families (config.json's `model_type`) and what a flag covers:
   olmo2      no input norms: RMSNorms after attention and MLP, q/k RMSNorm over the projections
   qwen3_moe, qwen2_moe, mixtral, olmoe   mixture-of-experts MLPs (handler/model/moe.py); qwen3_moe
              has qwen3's q/k norms, qwen2_moe qwen2's biases, olmoe q/k RMSNorm over the projections
+  gemma3_text  Gemma 3 (also the language model of gemma3, handler/model/vision.py): RMSNorms times
+             1 + weight in fp32, a norm before and after attention and before and after the MLP (the
+             post norms on the sublayer's output, before the residual add), per-head q/k norms, a
+             GELU-tanh gated MLP, embeddings times sqrt(hidden) (rounded to the dtype, as
+             transformers), softmax scale query_pre_attn_scalar^-0.5, sliding-window and full layers
+             by `layer_types` each with its own rope (rope_parameters per layer type: local theta,
+             global theta and scaling), optional attention / final logit soft-caps
+  gemma2     Gemma 3's layer without q/k norms and with one rope; attention and final logit soft-caps
 Anything else (or these with `option.model_impl=transformers`) is served by transformers' own
 model through the attention interface (handler/model/attention.py).
 
@@ -33,7 +41,9 @@ from handler.config.numerics import Numerics
 from handler.model import layers, moe
 from handler.model.layers import RMSNorm, Rotary, Shard, TensorParallel, shard
 
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "granite", "phi3", "olmo2") + moe.MOE_FAMILIES
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "granite", "phi3", "olmo2", "gemma2", "gemma3_text") \
+    + moe.MOE_FAMILIES
+GEMMA = ("gemma2", "gemma3_text")
 # Language models of vision-language models (handler/model/vision.py) that are one of ours: Qwen2-VL's and
 # Qwen2.5-VL's are qwen2 with M-RoPE (positions in three sections: time, height, width).
 ALIASES = {"qwen2_vl_text": "qwen2", "qwen2_5_vl_text": "qwen2"}
@@ -68,6 +78,12 @@ class Arch:
     moe: moe.MoeSpec | None = None      # the MoE families: experts, routing, which layers are sparse
     qk_style: str = "olmo2"             # a "full" q/k norm's rounding (olmoe: "llama")
     mrope: tuple | None = None          # M-RoPE's frequency sections (Qwen2-VL): positions [3, T]
+    gemma: bool = False                 # Gemma 2/3: 1 + weight norms, four norms a layer, embeddings
+                                        # times embed_scale rounded to the dtype, images injected after it
+    act: str = "silu"                   # the MLP's activation (Gemma: gelu_pytorch_tanh)
+    attn_softcap: float | None = None   # Gemma 2: tanh(s / cap) * cap on the attention logits
+    final_softcap: float | None = None  # ... and on the output logits
+    rope_types: tuple | None = None     # per layer: its key of config.rope_parameters (Gemma 3), else one rope
 
 
 def arch_of(config) -> Arch:
@@ -79,9 +95,15 @@ def arch_of(config) -> Arch:
         mt = ALIASES[mt]
     if mt not in FAMILIES:
         raise Unsupported(f"model_type {mt!r} is not one of ours ({', '.join(FAMILIES)})")
-    act = getattr(config, "hidden_act", "silu")
-    if act != "silu":
-        raise Unsupported(f"hidden_act {act!r} (ours: silu)")
+    gemma = mt in GEMMA
+    act = (getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", None)) if gemma \
+        else getattr(config, "hidden_act", "silu")
+    if act != ("gelu_pytorch_tanh" if gemma else "silu"):
+        raise Unsupported(f"hidden_act {act!r} (ours: {'gelu_pytorch_tanh' if gemma else 'silu'})")
+    if gemma and getattr(config, "use_bidirectional_attention", False):
+        raise Unsupported("use_bidirectional_attention (an encoder's attention)")
+    if gemma and getattr(config, "attention_bias", False):
+        raise Unsupported("attention_bias")
     if float(getattr(config, "partial_rotary_factor", 1.0) or 1.0) != 1.0:
         raise Unsupported("partial rotary embeddings")
     if getattr(config, "mlp_bias", False):
@@ -99,17 +121,34 @@ def arch_of(config) -> Arch:
     windows = tuple((window if t == "sliding_attention" else None) for t in types) if types else (window,) * n
     g = mt == "granite"
     scaling = float(config.attention_multiplier) if g else head_dim ** -0.5
+    rope_types = None
+    if gemma:
+        scaling = float(config.query_pre_attn_scalar) ** -0.5
+        params = getattr(config, "rope_parameters", None) or {}
+        if mt == "gemma3_text" and all(t in params for t in set(types)):
+            rope_types = tuple(types)   # {"sliding_attention": {...}, "full_attention": {...}} (transformers 5)
+        elif mt == "gemma3_text":
+            raise Unsupported("a Gemma 3 config without rope_parameters per layer type")
     return Arch(
         family=mt, hidden=config.hidden_size, heads=heads, kv_heads=kv, head_dim=head_dim,
         intermediate=config.intermediate_size, layers=n, vocab=config.vocab_size,
         eps=float(config.rms_norm_eps), max_positions=config.max_position_embeddings,
         tied=bool(getattr(config, "tie_word_embeddings", False)), windows=windows,
-        qk_norm={"qwen3": "head", "qwen3_moe": "head", "olmo2": "full", "olmoe": "full"}.get(mt),
+        qk_norm={"qwen3": "head", "qwen3_moe": "head", "olmo2": "full", "olmoe": "full",
+                 "gemma3_text": "head"}.get(mt),
         post_norms=mt == "olmo2", fused=mt == "phi3",
-        embed_scale=float(config.embedding_multiplier) if g else 1.0,
+        embed_scale=float(config.embedding_multiplier) if g else config.hidden_size ** 0.5 if gemma else 1.0,
         residual_scale=float(config.residual_multiplier) if g else 1.0,
         logits_divisor=float(config.logits_scaling) if g else 1.0, scaling=scaling,
-        moe=moe.spec_of(config, Unsupported), qk_style="llama" if mt == "olmoe" else "olmo2", mrope=mrope)
+        moe=moe.spec_of(config, Unsupported), qk_style="llama" if mt == "olmoe" else "olmo2", mrope=mrope,
+        gemma=gemma, act=act, rope_types=rope_types,
+        attn_softcap=_softcap(config, "attn_logit_softcapping") if gemma else None,
+        final_softcap=_softcap(config, "final_logit_softcapping") if gemma else None)
+
+
+def _softcap(config, name: str) -> float | None:
+    v = getattr(config, name, None)
+    return float(v) if v else None
 
 
 _linear, _fused = layers.linear, layers.fused
@@ -127,10 +166,12 @@ class Attention(nn.Module):
         self.v_proj = _linear(e, self.kv_heads * d, biases.get("v_proj", False), dtype, device)
         self.o_proj = _linear(a.heads * d // tp.size, e, biases.get("o_proj", False), dtype, device)
         self.qkv_proj = None        # fuse(): q, k and v in one layer
-        self.qk_norm = a.qk_norm
+        self.qk_norm, self.soft_cap = a.qk_norm, a.attn_softcap
+        self.rope = a.rope_types[i] if a.rope_types else None     # its rope's key (Gemma 3: by layer type)
         if a.qk_norm == "head":
-            self.q_norm = RMSNorm(d, a.eps, dtype=dtype, device=device)
-            self.k_norm = RMSNorm(d, a.eps, dtype=dtype, device=device)
+            style = "gemma" if a.gemma else "llama"
+            self.q_norm = RMSNorm(d, a.eps, style, dtype=dtype, device=device)
+            self.k_norm = RMSNorm(d, a.eps, style, dtype=dtype, device=device)
         elif a.qk_norm == "full":   # over the whole projection (every head of every rank: _full_norm)
             self.q_norm = RMSNorm(self.heads * d, a.eps, a.qk_style, dtype=dtype, device=device)
             self.k_norm = RMSNorm(self.kv_heads * d, a.eps, a.qk_style, dtype=dtype, device=device)
@@ -149,7 +190,7 @@ class Attention(nn.Module):
         k_cache, v_cache = step.kv_cache[self.layer_idx]
         # rotary, the KV write and attention: the backend chosen at load (kernels/backends.py)
         out = step.backend.forward(q, k, v, k_cache, v_cache, step, self.scaling, cos=cos, sin=sin,
-                                   window=self.window)
+                                   window=self.window, soft_cap=self.soft_cap)
         return self.tp.reduce(self.o_proj(out.reshape(t, -1)))     # row-parallel: partial sums
 
     def _full_norm(self, norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
@@ -173,7 +214,7 @@ class MLP(layers.GatedMlp):
     """The dense MLP: gate/up column-parallel, down row-parallel, its partial sums all-reduced."""
 
     def __init__(self, a: Arch, tp: TensorParallel, dtype, device):
-        super().__init__(a.hidden, a.intermediate // tp.size, dtype, device)
+        super().__init__(a.hidden, a.intermediate // tp.size, dtype, device, a.act)
         self.tp = tp
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -188,15 +229,22 @@ class DecoderLayer(nn.Module):
             self.mlp = moe.SparseMoe(a.hidden, a.moe, tp, dtype, device)
         else:
             self.mlp = MLP(a, tp, dtype, device)
-        self.post_norms, self.residual_scale = a.post_norms, a.residual_scale
-        style = "olmo2" if a.post_norms else "llama"
-        if a.post_norms:
+        self.post_norms, self.residual_scale, self.gemma = a.post_norms, a.residual_scale, a.gemma
+        style = "olmo2" if a.post_norms else "gemma" if a.gemma else "llama"
+        if a.gemma:     # before and after each sublayer
+            self.input_layernorm = RMSNorm(a.hidden, a.eps, style, dtype=dtype, device=device)
+            self.pre_feedforward_layernorm = RMSNorm(a.hidden, a.eps, style, dtype=dtype, device=device)
+            self.post_feedforward_layernorm = RMSNorm(a.hidden, a.eps, style, dtype=dtype, device=device)
+        elif a.post_norms:
             self.post_feedforward_layernorm = RMSNorm(a.hidden, a.eps, style, dtype=dtype, device=device)
         else:
             self.input_layernorm = RMSNorm(a.hidden, a.eps, style, dtype=dtype, device=device)
         self.post_attention_layernorm = RMSNorm(a.hidden, a.eps, style, dtype=dtype, device=device)
 
     def forward(self, h: torch.Tensor, cos, sin, step) -> torch.Tensor:
+        if self.gemma:
+            h = h + self.post_attention_layernorm(self.self_attn(self.input_layernorm(h), cos, sin, step))
+            return h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
         if self.post_norms:     # OLMo-2
             h = h + self.post_attention_layernorm(self.self_attn(h, cos, sin, step))
             return h + self.post_feedforward_layernorm(self.mlp(h))
@@ -213,7 +261,8 @@ class Body(nn.Module):
         super().__init__()
         self.embed_tokens = nn.Embedding(a.vocab, a.hidden, dtype=dtype, device=device).requires_grad_(False)
         self.layers = nn.ModuleList(DecoderLayer(a, i, biases, tp, dtype, device) for i in range(a.layers))
-        self.norm = RMSNorm(a.hidden, a.eps, "olmo2" if a.post_norms else "llama", dtype=dtype, device=device)
+        self.norm = RMSNorm(a.hidden, a.eps, "olmo2" if a.post_norms else "gemma" if a.gemma else "llama",
+                            dtype=dtype, device=device)
 
 
 class LlamaFamilyForCausalLM(nn.Module):
@@ -228,7 +277,15 @@ class LlamaFamilyForCausalLM(nn.Module):
         self.lm_head = _linear(arch.hidden, arch.vocab, False, dtype, device)
         if arch.tied:
             self.lm_head.weight = self.model.embed_tokens.weight
-        self.rotary = Rotary(config, arch.head_dim, max_positions, dtype, rotary_device or device)
+        if arch.rope_types:     # Gemma 3: one rope per layer type (local and global theta, the global's scaling)
+            self.rotaries = {t: Rotary(config, arch.head_dim, max_positions, dtype, rotary_device or device,
+                                       layer_type=t) for t in dict.fromkeys(arch.rope_types)}
+            self.rotary = self.rotaries[arch.rope_types[0]]
+        else:
+            self.rotary = Rotary(config, arch.head_dim, max_positions, dtype, rotary_device or device)
+            self.rotaries = None
+        # Gemma: transformers multiplies by the scale rounded to the weights' dtype
+        self.embed_scale = float(torch.tensor(arch.embed_scale, dtype=dtype)) if arch.gemma else arch.embed_scale
         self.generation_config = None
         self.decode_stack = None    # CPU: handler.model.cpu_stack.DecodeStack, set by the runner
 
@@ -258,23 +315,36 @@ class LlamaFamilyForCausalLM(nn.Module):
              mrope: torch.Tensor | None = None) -> torch.Tensor:
         """ids/pos [T] -> logits [R, V] of the kept rows (see the module doc). `inject`: (rows [K],
         embeddings [K, E]) written over those rows' token embeddings (a VLM's image tokens:
-        handler/model/vision.py), before the embedding multiplier as transformers' VLMs do. `mrope`:
-        M-RoPE positions [3, T] (time, height, width) instead of `pos`, for a step that feeds image tokens."""
+        handler/model/vision.py), before the embedding multiplier as transformers' VLMs do (Gemma 3's:
+        after it, and its image token may lie past the vocabulary: those rows embed token 0 first).
+        `mrope`: M-RoPE positions [3, T] (time, height, width) instead of `pos`, for a step that feeds
+        image tokens."""
+        a = self.arch
+        if inject is not None and a.gemma:
+            ids = ids.masked_fill(ids >= a.vocab, 0)
         h = self.model.embed_tokens(ids)
-        if inject is not None:
+        if inject is not None and not a.gemma:
             h.index_copy_(0, inject[0], inject[1].to(h.dtype))
-        if self.arch.embed_scale != 1.0:
-            h = h * self.arch.embed_scale
+        if self.embed_scale != 1.0:
+            h = h * self.embed_scale
+        if inject is not None and a.gemma:
+            h.index_copy_(0, inject[0], inject[1].to(h.dtype))
+        # (cos, sin) [T, D] by rope key: one rope (key None), or Gemma 3's per layer type (Attention.rope)
         if mrope is not None:
-            cos, sin = self.rotary.mrope(mrope, self.arch.mrope)
+            ropes = {None: self.rotary.mrope(mrope, a.mrope)}
+        elif self.rotaries is not None:
+            ropes = {t: r(pos, step.seq_lens_cpu, step.query_start_loc_cpu) for t, r in self.rotaries.items()}
         else:
-            cos, sin = self.rotary(pos, step.seq_lens_cpu, step.query_start_loc_cpu)
-        if self.decode_stack is None or not self.decode_stack.run(h, cos, sin, step):
+            ropes = {None: self.rotary(pos, step.seq_lens_cpu, step.query_start_loc_cpu)}
+        one = ropes.get(None)     # the C stack takes one rope (it refuses the Gemma families at load)
+        if one is None or self.decode_stack is None or not self.decode_stack.run(h, *one, step):
             for layer in self.model.layers:
-                h = layer(h, cos, sin, step)
+                h = layer(h, *ropes[layer.self_attn.rope], step)
         logits = self.lm_head(self.model.norm(h[keep]))
-        if self.arch.logits_divisor != 1.0:
-            logits = logits / self.arch.logits_divisor
+        if a.logits_divisor != 1.0:
+            logits = logits / a.logits_divisor
+        if a.final_softcap is not None:
+            logits = torch.tanh(logits / a.final_softcap) * a.final_softcap
         return logits
 
 

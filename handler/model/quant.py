@@ -228,7 +228,7 @@ def smooth_groups(model: nn.Module, head: bool = False) -> list[tuple[nn.Module,
     Llama family with pre-norms (handler/model/llama.py); None for any other model. With `head`,
     the final norm and the output head too."""
     arch = getattr(model, "arch", None)
-    if arch is None or arch.post_norms:
+    if arch is None or arch.post_norms or arch.gemma:    # Gemma: the norms' 1 + weight does not scale
         return None
     groups = []
     for layer in model.model.layers:

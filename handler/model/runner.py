@@ -568,25 +568,26 @@ class ModelRunner:
             v_pool.copy_blocks(src, dst)
 
     @torch.inference_mode()
-    def forward(self, packed: torch.Tensor, inject=None, mrope=None) -> torch.Tensor:
+    def forward(self, packed: torch.Tensor, inject=None, mrope=None, blocks=None) -> torch.Tensor:
         """One packed step (every rank runs it): block copies, then the forward; logits [R, V]
         (R >= 1: pack_step keeps the last token's row when nothing samples). In a tensor-parallel group a failure here breaks
         the group."""
         try:
-            return self._forward(packed, inject, mrope)
+            return self._forward(packed, inject, mrope, blocks)
         except Exception as e:
             if self.ranks is not None:
                 self.ranks.fail(f"rank {self.ranks.rank}: forward failed: {type(e).__name__}: {e}")
             raise
 
-    def _forward(self, packed: torch.Tensor, inject=None, mrope=None) -> torch.Tensor:
+    def _forward(self, packed: torch.Tensor, inject=None, mrope=None, blocks=None) -> torch.Tensor:
         """`inject`: a VLM step's image embeddings, (rows, features) (VisionStage.inject); `mrope`: its
-        M-RoPE positions [3, T] when it feeds image tokens (_mrope)."""
+        M-RoPE positions [3, T] when it feeds image tokens (_mrope); `blocks`: positions attending both
+        ways (a bidirectional family's image runs: vision.blocks, kernels.step.Step.blocks)."""
         n_tok, n_seq, width, n_rows, n_copies = packed[:5].tolist()
         sizes = [n_tok, n_tok, n_tok, n_seq + 1, n_seq, n_seq * width, n_rows, n_copies, n_copies]
         host = packed[5:].split(sizes)
         if (self.graphs is not None and n_tok == n_seq == n_rows and not self.batch_invariant and inject is None
-                and mrope is None
+                and mrope is None and blocks is None
                 and self.graphs.fits(n_seq, width)):
             # Decode only (one token and one logit row per sequence): replay a captured graph.
             if n_copies:
@@ -605,7 +606,7 @@ class ModelRunner:
             block_tables=block_tables.to(torch.int32),
             seq_lens=seq_lens.to(torch.int32),
             query_start_loc=qsl.to(torch.int32),
-            seq_lens_cpu=seq_lens_cpu, query_start_loc_cpu=qsl_cpu,
+            seq_lens_cpu=seq_lens_cpu, query_start_loc_cpu=qsl_cpu, blocks=blocks,
             plan=plan_step(block_tables, seq_lens, qsl, self.block_size, slot_mapping=slots,
                            seq_lens_cpu=seq_lens_cpu, query_start_loc_cpu=qsl_cpu) if self.plan_steps else None)
         if self.own:
@@ -645,16 +646,19 @@ class ModelRunner:
         if self.ranks is not None:   # the other ranks run the same copies + forward on their shards
             self.ranks.send_step(packed)
         # a VLM: the images these items feed, encoded (or from the encoder cache) before the prefill
-        inject = mrope = None
+        inject = mrope = blocks = None
         if self.vision is not None:
             inject = self.vision.inject(items)
             mrope = self._mrope(packed, items)
+            if self.vision.family.bidirectional:     # image runs attending both ways at prefill (Gemma 3)
+                from handler.model.vision import blocks as image_blocks
+                blocks = image_blocks(items)
         if self.lora is not None:       # each adapter's rows get their low-rank update
             from handler.model.lora import step_context
             with step_context(self.lora.step(items)):
-                logits = self.forward(packed, inject, mrope)
+                logits = self.forward(packed, inject, mrope, blocks)
         else:
-            logits = self.forward(packed, inject, mrope)   # [len(rows), V]
+            logits = self.forward(packed, inject, mrope, blocks)   # [len(rows), V]
         results = [SampleResult() for _ in items]
         sample_rows, sample_items, where = [], [], []
         for k, it in enumerate(items):

@@ -23,6 +23,16 @@ Families (config.json's model_type):
   qwen2_5_vl   follows its size (image_grid_thw); the language model (qwen2) places tokens by M-RoPE: an
                image's tokens at (t, row, column) from where it starts, later tokens shifted by what
                the images before them took (positions(), from every ImageRef of the prompt)
+  gemma3       Gemma 3: SigLIP tower, Gemma3MultiModalProjector (patches average-pooled to
+               mm_tokens_per_image, RMS-normed, projected), a gemma3_text language model; each image a run
+               of mm_tokens_per_image tokens between <start_of_image> / <end_of_image> (the prompt's
+               placeholder is <start_of_image>); with pan and scan (the image processor's
+               do_pan_and_scan) a wide or tall image is also its crops, each a run after the whole image's
+               (one ImageRef, several runs). Its language model attends both ways within each run at
+               prefill (transformers' token_type_ids blocks): the family is `bidirectional`, so its
+               ImageRefs are `whole` (the scheduler never ends a prefill chunk inside a run) and the step's
+               attention lets each image row see its whole run (kernels/torch_paged.py `blocks`:
+               full layers causal OR same run, sliding layers that AND the window)
 """
 from __future__ import annotations
 
@@ -196,6 +206,75 @@ def _idefics_encode(tower, datas: list[dict]) -> tuple[list[torch.Tensor], int]:
     return list(feats.split([d["pixel_values"].shape[1] * per_tile for d in datas])), 1
 
 
+# ---- Gemma 3
+def _gemma3_tower(config) -> nn.Module:
+    """Gemma3Model without its language model: get_image_features reads the tower and the projector."""
+    from transformers import AutoModel
+    from transformers.models.gemma3.modeling_gemma3 import Gemma3Model, Gemma3MultiModalProjector
+    return _shell(Gemma3Model, config, vision_tower=AutoModel.from_config(config.vision_config),
+                  multi_modal_projector=Gemma3MultiModalProjector(config))
+
+
+def _gemma3_encode(tower, datas: list[dict]) -> tuple[list[torch.Tensor], int]:
+    """Every image and crop in one tower run (one size: the processor resizes them all); an image's rows
+    are its whole image's then its crops', as the prompt's runs."""
+    pixels = torch.cat([d["pixel_values"] for d in datas])
+    feats = tower.get_image_features(pixel_values=pixels, return_dict=True).pooler_output  # [crops, tokens, hidden]
+    out, a = [], 0
+    for d in datas:
+        b = a + d["pixel_values"].shape[0]
+        out.append(feats[a:b].reshape(-1, feats.shape[-1]))
+        a = b
+    return out, 1
+
+
+def _gemma3_lengths(proc, out, ids: list[int], where: list[int], n: int) -> list[list[int]]:
+    """Image i is 1 + num_crops[i] runs (the whole image, then its pan-and-scan crops), in prompt order."""
+    runs: list[int] = []
+    for k, p in enumerate(where):
+        if k and where[k - 1] == p - 1:
+            runs[-1] += 1
+        else:
+            runs.append(1)
+    crops = [int(c) for c in out["num_crops"]]
+    if len(crops) != n or sum(crops) + n != len(runs):
+        return []
+    images, k = [], 0
+    for c in crops:
+        images.append(runs[k:k + 1 + c])
+        k += 1 + c
+    return images
+
+
+def _gemma3_data(out, i: int, runs: list[list[int]]) -> dict:
+    a = sum(len(r) for r in runs[:i])
+    return {"pixel_values": out["pixel_values"][a:a + len(runs[i])]}
+
+
+def _gemma3_processor(model_dir: str, trust_remote_code: bool):
+    """Gemma3Processor keeping each image's num_crops in its output (transformers drops it: an input the
+    model does not take), which says how many runs of image tokens each image has."""
+    from transformers import Gemma3Processor
+
+    class Gemma3KeepCrops(Gemma3Processor):
+        @property
+        def unused_input_names(self) -> list[str]:
+            return []
+
+    return Gemma3KeepCrops.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
+
+
+_PAN_AND_SCAN = ("do_pan_and_scan", "pan_and_scan_min_crop_size", "pan_and_scan_max_num_crops",
+                 "pan_and_scan_min_ratio_to_activate")
+
+
+def _gemma3_call(hf) -> dict:
+    """Pan and scan as the image processor's config says: Gemma3Processor's own defaults (off; crops of at
+    least 256 pixels, at most 4) would win over it at each call."""
+    ip = hf.image_processor
+    return {k: getattr(ip, k) for k in _PAN_AND_SCAN if getattr(ip, k, None) is not None}
+
+
 def _image_only(processor_class: str):
     """The family's processor without its video half (transformers 5 builds video processors with
     torchvision; images need none): the same image tokens, from the same image processor and tokenizer."""
@@ -227,6 +306,12 @@ class Family:
     data: Callable                              # (processor output, i, runs) -> image i's tensors (ImageRef.data)
     processor: Callable | None = None           # (model_dir, trust) -> a processor where AutoProcessor cannot build one
     mrope: bool = False                         # positions by M-RoPE (positions())
+    own_processor: bool = False                 # `processor` always (not only where AutoProcessor fails)
+    call: Callable | None = None                # (processor) -> the keyword arguments of each processor call
+    # The language model attends both ways within each run of an image's tokens at prefill (Gemma 3): its
+    # ImageRefs are `whole` (no prefill chunk ends inside a run) and the runner gives the step's attention
+    # the runs (kernels/torch_paged.py `blocks`).
+    bidirectional: bool = False
 
 
 FAMILIES = {
@@ -237,6 +322,8 @@ FAMILIES = {
                          _qwen_tower("Qwen2_5_VLModel", "Qwen2_5_VisionTransformerPretrainedModel"),
                          _qwen_encode, _qwen_lengths, _qwen_data, _image_only("Qwen2_5_VLProcessor"), mrope=True),
     "idefics3": Family("idefics3", _idefics_names, _idefics_tower, _idefics_encode, _idefics_lengths, _idefics_data),
+    "gemma3": Family("gemma3", _llava_text_name, _gemma3_tower, _gemma3_encode, _gemma3_lengths, _gemma3_data,
+                     _gemma3_processor, own_processor=True, call=_gemma3_call, bidirectional=True),
 }
 
 
@@ -273,6 +360,23 @@ def positions(items, lengths: list[int]) -> torch.Tensor | None:
     return out
 
 
+def blocks(items) -> dict[int, list[tuple[int, int]]] | None:
+    """A bidirectional family's step (Gemma 3): sequence index -> [(first, end)] positions of the image
+    runs its prompt rows feed (kernels.step.Step.blocks; each run whole in this step's rows or begun
+    before them: the scheduler's chunks never end inside one), or None where no prompt row feeds one.
+    Sequences in pack order (runner.pack_step: a draft's rows are one sequence each)."""
+    out, s = {}, 0
+    for it in items:
+        n, a = len(it.token_ids), it.start_pos
+        if n > 1 and not it.draft:
+            runs = [(lo, lo + length) for m in it.media if m.whole for lo, length in m.spans
+                    if lo < a + n and a < lo + length]
+            if runs:
+                out[s] = runs
+        s += n if it.draft else 1
+    return out or None
+
+
 def family_of(config) -> Family | None:
     """The VLM family of a transformers config, or None (a text-only model)."""
     return FAMILIES.get(getattr(config, "model_type", None))
@@ -293,12 +397,16 @@ class Processor:
     def __init__(self, model_dir: str, config, family: Family, trust_remote_code: bool = False):
         from transformers import AutoProcessor
         try:
-            self.hf = AutoProcessor.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
+            if family.own_processor:
+                self.hf = family.processor(model_dir, trust_remote_code)
+            else:
+                self.hf = AutoProcessor.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
         except (ImportError, AttributeError, ValueError, TypeError):
-            if family.processor is None:
+            if family.processor is None or family.own_processor:
                 raise
             self.hf = family.processor(model_dir, trust_remote_code)
         self.family = family
+        self.call_kwargs = family.call(self.hf) if family.call is not None else {}
         self.placeholder = self.hf.image_token
         self.image_token_id = getattr(config, "image_token_id", None)
         if self.image_token_id is None:
@@ -311,7 +419,8 @@ class Processor:
             raise RequestError("messages", f"the chat template placed {placed} image placeholders "
                                            f"({self.placeholder!r}) for {len(images)} images")
         try:
-            out = self.hf(text=text, images=[i.image for i in images], return_tensors="pt", add_special_tokens=False)
+            out = self.hf(text=text, images=[i.image for i in images], return_tensors="pt", add_special_tokens=False,
+                          **self.call_kwargs)
         except (ValueError, TypeError) as e:    # an image the processor cannot take (a size it refuses)
             raise RequestError(images[0].where, f"the model's processor refused the image: {str(e)[:200]}") from None
         ids = out["input_ids"][0].tolist()
@@ -335,7 +444,7 @@ class Processor:
                     spans.append((run[0], n))
                 k += n
             refs.append(ImageRef(img.hash, spans[0][0], sum(runs[i]), data=self.family.data(out, i, runs),
-                                 runs=tuple(spans) if len(spans) > 1 else ()))
+                                 runs=tuple(spans) if len(spans) > 1 else (), whole=self.family.bidirectional))
         return ids, tuple(refs)
 
 
@@ -448,4 +557,6 @@ class VisionStage:
                         parts.append(feats[m.key][row + lo - start:row + hi - start])
                     row += length
             base += n
+        if not parts:   # chunks only between an image's runs (the text between pan-and-scan crops, tiles)
+            return None
         return torch.tensor(rows, dtype=torch.long, device=self.device), torch.cat(parts)

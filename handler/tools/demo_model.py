@@ -13,7 +13,15 @@ import sys
 import sysconfig
 
 FAMILIES = ("llama", "qwen2", "gpt2", "qwen3")
-VLM_FAMILIES = ("llava", "qwen2_vl", "qwen2_5_vl", "idefics3")
+VLM_FAMILIES = ("llava", "qwen2_vl", "qwen2_5_vl", "idefics3", "gemma3")
+# Gemma 3's layout (the demo tokenizer's roles): `<start_of_image>` where the part stood, which the processor
+# widens to "\n\n<start_of_image>" + mm_tokens_per_image soft tokens + "<end_of_image>\n\n" (and, with
+# pan and scan, the same for each crop after the whole image).
+GEMMA3_TEMPLATE = ("{% for m in messages %}<start_of_turn>{{ 'model' if m['role'] == 'assistant' else m['role'] }}\n"
+                   "{% if m['content'] is string %}{{ m['content'] }}{% else %}{% for c in m['content'] %}"
+                   "{% if c['type'] == 'image' %}<start_of_image>{% elif c['type'] == 'text' %}{{ c['text'] }}"
+                   "{% endif %}{% endfor %}{% endif %}<end_of_turn>\n{% endfor %}"
+                   "{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}")
 # Idefics3 / SmolVLM's layout: `<image>` where the part stood, which the processor widens to the image's
 # tiles (each between <fake_token_around_image> and its <row_r_col_c> / <global-img> marker).
 IDEFICS_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>\n{% if m['content'] is string %}{{ m['content'] }}"
@@ -217,6 +225,67 @@ def build_demo_idefics3(out_dir: str, seed: int = 0, *, tokenizer=None, tile: in
     return out_dir
 
 
+def build_demo_gemma3(out_dir: str, seed: int = 0, *, tokenizer=None, image_size: int = 56, patch_size: int = 7,
+                      tokens_per_image: int = 16, pan_and_scan: bool = True, sliding_window: int = 6,
+                      init: float = 0.1, tied: bool = False) -> str:
+    """A tiny random Gemma 3 (Gemma3ForConditionalGeneration): a 2-layer SigLIP tower over `patch_size`-pixel
+    patches, Gemma3MultiModalProjector (patches average-pooled to `tokens_per_image`, RMS-normed, projected),
+    a 3-layer gemma3_text language model (sliding, full, sliding layers; window `sliding_window`); the demo
+    tokenizer plus Gemma's image tokens and transformers' Gemma3Processor (images resized to `image_size`;
+    `pan_and_scan`: a wide or tall image also as crops, each its own run of image tokens)."""
+    import torch
+    from transformers import (AutoTokenizer, Gemma3Config, Gemma3ForConditionalGeneration, Gemma3ImageProcessorPil,
+                              Gemma3Processor)
+
+    tok = tokenizer if tokenizer is not None else build_tokenizer()
+    marks = {"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>", "image_token": "<image_soft_token>"}
+    tok.add_tokens(list(marks.values()) + ["<start_of_turn>", "<end_of_turn>"], special_tokens=True)
+    tok.chat_template = GEMMA3_TEMPLATE
+    os.makedirs(out_dir, exist_ok=True)
+    # Gemma3Processor reads the image tokens as the tokenizer's named special tokens (tokenizer_config.json's
+    # extra_special_tokens): saved, named, reloaded
+    tok.save_pretrained(out_dir)
+    path = os.path.join(out_dir, "tokenizer_config.json")
+    with open(path) as f:
+        tcfg = json.load(f)
+    tcfg["extra_special_tokens"] = marks
+    with open(path, "w") as f:
+        json.dump(tcfg, f)
+    tok = AutoTokenizer.from_pretrained(out_dir)
+    conv = tok.convert_tokens_to_ids
+    ids = dict(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    text = dict(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=16, max_position_embeddings=1024,
+                initializer_range=init, sliding_window=sliding_window, tie_word_embeddings=tied,
+                layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+                rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                 "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0}},
+                **ids)
+    vision = dict(model_type="siglip_vision_model", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                  num_attention_heads=2, image_size=image_size, patch_size=patch_size)
+    config = Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=tokens_per_image,
+                          boi_token_index=conv(marks["boi_token"]), eoi_token_index=conv(marks["eoi_token"]),
+                          image_token_index=conv(marks["image_token"]), initializer_range=init,
+                          tie_word_embeddings=tied, **ids)
+    torch.manual_seed(seed)
+    model = Gemma3ForConditionalGeneration(config).eval()
+    with torch.no_grad():   # transformers zeroes the norms and the projection at init: random ones show a misread
+        for name, p in model.named_parameters():
+            if "norm" in name or "mm_input_projection" in name:
+                torch.nn.init.normal_(p, std=0.3)
+    model.generation_config.pad_token_id = tok.pad_token_id
+    model.save_pretrained(out_dir, safe_serialization=True)
+    images = Gemma3ImageProcessorPil(size={"height": image_size, "width": image_size}, do_pan_and_scan=pan_and_scan,
+                                     pan_and_scan_min_crop_size=16, pan_and_scan_max_num_crops=3,
+                                     pan_and_scan_min_ratio_to_activate=1.2)
+    Gemma3Processor(image_processor=images, tokenizer=tok, image_seq_length=tokens_per_image,
+                    chat_template=GEMMA3_TEMPLATE).save_pretrained(out_dir)
+    tok.save_pretrained(out_dir)
+    with open(os.path.join(out_dir, "DEMO_MODEL.json"), "w") as f:
+        json.dump({"family": "gemma3", "seed": seed, "built_by": "handler.tools.demo_model"}, f)
+    return out_dir
+
+
 def build_demo_model(out_dir: str, family: str = "llama", seed: int = 0) -> str:
     """Write a tiny random-weight `family` model + tokenizer into out_dir; returns out_dir."""
     import torch
@@ -226,6 +295,8 @@ def build_demo_model(out_dir: str, family: str = "llama", seed: int = 0) -> str:
         return build_demo_llava(out_dir, seed)
     if family == "idefics3":
         return build_demo_idefics3(out_dir, seed)
+    if family == "gemma3":
+        return build_demo_gemma3(out_dir, seed)
     if family in ("qwen2_vl", "qwen2_5_vl"):
         return build_demo_qwen_vl(out_dir, seed, version="2" if family == "qwen2_vl" else "2.5")
 

@@ -67,3 +67,19 @@ def test_each_chunk_carries_the_images_it_feeds():
         touches = it.start_pos < 16 and end > 6          # the image is positions 6..15
         assert (it.media == seq.media) == touches and (not it.media) == (not touches), (it.start_pos, end)
     assert [it.start_pos for it in fed if it.media] == [4, 8, 12]     # 4-token chunks over positions 6..15
+
+
+def test_a_whole_image_run_is_never_cut_by_a_chunk():
+    """An image whose runs attend both ways at prefill (ImageRef.whole, Gemma 3): a chunk ends at a run's
+    first token, or takes the run whole past the budget (4 tokens here, runs of 10 and 3); a chunk that
+    starts inside a run (a prefix-cache hit) runs to its end. Other images are cut as before."""
+    s, runner = make(budget=4), FakeRunner(BS)
+    prompt = prompt_with_image() + [IMG] * 3 + [3, 4, 5, 6, 7]     # runs at 6..15 and 23..25
+    seq = Sequence(1, prompt, SamplingParams(max_new_tokens=2), 0.0,
+                   media=(ImageRef("red", 6, 13, data="red", runs=((6, 10), (23, 3)), whole=True),))
+    fed = run(s, seq, runner)
+    chunks = [(it.start_pos, it.start_pos + len(it.token_ids)) for it in fed if it.start_pos < len(prompt)]
+    assert chunks == [(0, 4), (4, 6), (6, 16), (16, 20), (20, 23), (23, 27), (27, 31)], chunks
+    assert seq.chunk_end(8, 4) == 16 - 8 and seq.chunk_end(2, 20) == 20    # starts inside / ends past both
+    assert seq.chunk_end(20, 4) == 3 and seq.chunk_end(23, 1) == 3
+    s.blocks.check_invariants()

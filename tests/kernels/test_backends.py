@@ -116,3 +116,55 @@ def test_cpu_backend_says_once_when_a_call_runs_in_torch(caplog):
     said = [r.getMessage() for r in caplog.records]
     assert sum("rotary in torch" in m for m in said) == 1, said
     assert sum("decode attention in torch" in m and "torch.float16" in m for m in said) == 1, said
+
+
+@pytest.mark.parametrize("window", [None, 5])
+def test_blocks_attend_both_ways_as_transformers_blockwise_masks(window, monkeypatch):
+    """Step.blocks (Gemma 3's image runs at prefill): every backend's attention equals attention under
+    transformers' own mask functions (masking_utils: OR(causal, blockwise_overlay) on full layers,
+    AND(that, sliding_window_overlay) on sliding ones), for whole prompts and for chunks whose run began
+    before them (a prefix-cache hit inside a run); rows outside the runs stay causal."""
+    from transformers.masking_utils import (and_masks, blockwise_overlay, causal_mask_function, or_masks,
+                                            sliding_window_overlay)
+    case = make_case(random.Random(11), num_seqs=6, block_size=4, hkv=2, group=2, head_dim=16,
+                     dtype=torch.float32, max_ctx=30)
+    lens, qsl = case["seq_lens"].tolist(), case["query_start_loc"].tolist()
+    blocks = {}
+    for s, ctx in enumerate(lens):
+        n = qsl[s + 1] - qsl[s]
+        if n >= 4:      # a run from before the chunk (or its first row) to inside it, and one at its end
+            blocks[s] = [(max(0, ctx - n - 2), ctx - n + 2), (ctx - 2, ctx)]
+    # whole prompts (the C prompt kernel's, else) and chunks after cached rows both hold runs
+    assert {qsl[s + 1] - qsl[s] == lens[s] for s in blocks} == {True, False}
+    step = _step(case)
+    step.blocks = blocks
+    want = torch.empty_like(case["query"])
+    bs = case["key_cache"].shape[1]
+    for s, ctx in enumerate(lens):
+        a, b = qsl[s], qsl[s + 1]
+        tbl = case["block_tables"][s].long()
+        k = torch.cat([case["key_cache"][tbl[i]] for i in range(-(-ctx // bs))])[:ctx].double()   # [L, Hkv, D]
+        v = torch.cat([case["value_cache"][tbl[i]] for i in range(-(-ctx // bs))])[:ctx].double()
+        ids = torch.full((1, ctx), -1)
+        for g, (lo, hi) in enumerate(blocks.get(s, ())):
+            ids[0, lo:hi] = g
+        fn = or_masks(causal_mask_function, blockwise_overlay(ids))
+        if window is not None:
+            fn = and_masks(fn, sliding_window_overlay(window))
+        qpos = torch.arange(ctx - (b - a), ctx)
+        zero = torch.tensor(0)
+        mask = fn(zero, zero, qpos[:, None], torch.arange(ctx)[None, :]).expand(len(qpos), ctx)   # [n, L]
+        q = case["query"][a:b].double().view(b - a, 2, 2, -1)          # [n, Hkv, g, D]
+        scores = torch.einsum("nhgd,lhd->hgnl", q, k) * case["scale"]
+        p = torch.softmax(scores.masked_fill(~mask, float("-inf")), -1)
+        want[a:b] = torch.einsum("hgnl,lhd->nhgd", p, v).reshape(b - a, 4, -1).float()
+    calls = _fake_triton(monkeypatch)       # Triton: a step with blocks goes to the torch math
+    for backend in (kernels.TorchAttention(), kernels.backend_for("cpu"), kernels.TritonAttention()):
+        got = backend.attend(case["query"], case["key_cache"], case["value_cache"], step, case["scale"], window)
+        assert rel_err(got, want) <= 1e-5, backend.name
+    assert calls == []
+    # the same step without blocks: causal, so the rows in runs differ
+    step.blocks = None
+    got = kernels.TorchAttention().attend(case["query"], case["key_cache"], case["value_cache"], step, case["scale"],
+                                          window)
+    assert rel_err(got, want) > 1e-3

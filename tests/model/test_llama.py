@@ -36,6 +36,18 @@ FAMILIES = {
                     residual_multiplier=0.5, logits_scaling=2.0),
     "phi3-fused": _cfg("Phi3Config"),
     "olmo2-post-norms": _cfg("Olmo2Config"),
+    # Gemma 3: 1 + weight norms around each sublayer, per-head q/k norms, GELU-tanh, sqrt(hidden) embeddings,
+    # query_pre_attn_scalar, a 5-token window on local layers with their own rope theta, the global layer's
+    # rope linearly scaled by 8 (transformers 5: rope_parameters per layer type), tied embeddings
+    "gemma3": _cfg("Gemma3TextConfig", head_dim=16, query_pre_attn_scalar=24, sliding_window=5,
+                   num_hidden_layers=3, layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+                   rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                    "full_attention": {"rope_type": "linear", "factor": 8.0,
+                                                       "rope_theta": 1000000.0}}),
+    # Gemma 2: no q/k norms, one rope, attention and final logit soft-caps (small: the caps bite)
+    "gemma2-softcaps": _cfg("Gemma2Config", head_dim=16, query_pre_attn_scalar=16, sliding_window=5,
+                            attn_logit_softcapping=2.0, final_logit_softcapping=3.0,
+                            layer_types=["sliding_attention", "full_attention"]),
 }
 ROPES = {
     "rope-linear": _cfg("LlamaConfig", rope_parameters={"rope_type": "linear", "factor": 4.0, "rope_theta": 10000.0}),
@@ -123,15 +135,17 @@ def test_greedy_parity_rope_scaling_kinds(name, family_dirs, tmp_path):
         engine.shutdown()
 
 
-def test_bf16_is_as_close_to_fp32_as_transformers_bf16(family_dirs):
+@pytest.mark.parametrize("name", ["llama", "gemma3"])
+def test_bf16_is_as_close_to_fp32_as_transformers_bf16(family_dirs, name):
     """bf16 rounds differently per implementation (fused norms, kernels): ours must stay as near
-    to the fp32 logits as transformers' own bf16 model does."""
+    to the fp32 logits as transformers' own bf16 model does (Gemma 3: its embedding scale rounded to
+    bf16, its norms in fp32)."""
     def rel(got, want):
         return ((got.float() - want).norm() / want.norm()).item()
 
-    want = _step_logits(ModelRunner(family_dirs["llama"], dtype="fp32", device="cpu", kv_cache_tokens=128))
-    ours = ModelRunner(family_dirs["llama"], dtype="bf16", device="cpu", kv_cache_tokens=128)
-    theirs = ModelRunner(family_dirs["llama"], dtype="bf16", device="cpu", kv_cache_tokens=128,
+    want = _step_logits(ModelRunner(family_dirs[name], dtype="fp32", device="cpu", kv_cache_tokens=128))
+    ours = ModelRunner(family_dirs[name], dtype="bf16", device="cpu", kv_cache_tokens=128)
+    theirs = ModelRunner(family_dirs[name], dtype="bf16", device="cpu", kv_cache_tokens=128,
                          model_impl="transformers")
     assert ours.own and ours.model.lm_head.weight.dtype == torch.bfloat16
     for got, ref, w in zip(_step_logits(ours), _step_logits(theirs), want):
@@ -175,3 +189,21 @@ def test_no_module_reads_transformers_source():
         for needle in needles:
             assert needle not in text, f"{path.relative_to(root.parent)} uses {needle}"
     assert os.path.isfile(root / "model" / "llama.py")
+
+
+@pytest.mark.parametrize("name", ["gemma3", "gemma2-softcaps"])
+def test_gemma_stays_on_the_python_layers_and_the_load_log_says_why(name, family_dirs, caplog):
+    """The C layer stack does not take Gemma's layer (1 + weight norms around each sublayer, GELU-tanh):
+    the stack refuses it by name at load, one log line, and the Python layers serve it."""
+    import logging
+
+    from handler.model import cpu_stack
+    with caplog.at_level(logging.INFO, logger="lmi.runner"):
+        r = ModelRunner(family_dirs[name], dtype="fp32", device="cpu", kv_cache_tokens=128)
+        r.prepack_cpu()     # as the server does: where the stack is decided
+    assert r.own and r.model.decode_stack is None
+    family = r.model.arch.family
+    stack, why = cpu_stack.build(r.model, r.kv_cache)
+    assert stack is None and why.startswith(f"{family}'s layer (1 + weight norms")
+    said = [rec.getMessage() for rec in caplog.records if rec.getMessage().startswith("CPU: a step's layers")]
+    assert said == [f"CPU: a step's layers in Python ({why})"], said

@@ -5,7 +5,10 @@ vision tower + projector from the checkpoint as the stage before prefill. For ti
 equals transformers' `*ForConditionalGeneration.generate` with the model's own processor, token for
 token, under rolling and paged (chunked prefill cutting images), with one and several images per
 request, images in different turns, batched with text-only requests; a repeated image is encoded once;
-the prefix cache never shares a block between two images behind the same tokens."""
+the prefix cache never shares a block between two images behind the same tokens. Gemma 3 (SigLIP,
+pan-and-scan crops as several runs, image runs attending both ways at prefill): the same parity, no
+prefill chunk ending inside a run, and the answers depend on the bidirectional runs (transformers'
+causal-only answers differ, and ours without the runs' blocks equal those)."""
 from __future__ import annotations
 
 import functools
@@ -61,7 +64,7 @@ REQUESTS = {
 }
 
 
-FAMILIES = ["llava", "qwen2_vl", "qwen2_5_vl", "idefics3"]
+FAMILIES = ["llava", "qwen2_vl", "qwen2_5_vl", "idefics3", "gemma3"]
 
 
 @pytest.fixture(scope="module")
@@ -83,9 +86,20 @@ def idefics_dir(demo_model_dir, tmp_path_factory):
                                tokenizer=AutoTokenizer.from_pretrained(demo_model_dir))
 
 
+@pytest.fixture(scope="module")
+def gemma3_dir(demo_model_dir, tmp_path_factory):
+    """Pan and scan on: images 1 and 2 (wide enough) are also 2 crops each, 3 runs of 16 tokens. Seed 1: a
+    random model whose first answers differ by image (the tests check the answers depend on the image)."""
+    from transformers import AutoTokenizer
+
+    from handler.tools.demo_model import build_demo_gemma3
+    return build_demo_gemma3(str(tmp_path_factory.mktemp("gemma3")), seed=1,
+                             tokenizer=AutoTokenizer.from_pretrained(demo_model_dir))
+
+
 @pytest.fixture(params=FAMILIES)
-def vlm_dir(request, llava_model_dir, qwen_dirs, idefics_dir):
-    return {"llava": llava_model_dir, "idefics3": idefics_dir, **qwen_dirs}[request.param]
+def vlm_dir(request, llava_model_dir, qwen_dirs, idefics_dir, gemma3_dir):
+    return {"llava": llava_model_dir, "idefics3": idefics_dir, "gemma3": gemma3_dir, **qwen_dirs}[request.param]
 
 
 @functools.lru_cache(maxsize=4)
@@ -99,11 +113,23 @@ def _hf(model_dir: str):
     from handler.model import vision
     family = json.load(open(os.path.join(model_dir, "DEMO_MODEL.json")))["family"]
     cls = {"llava": "LlavaForConditionalGeneration", "qwen2_vl": "Qwen2VLForConditionalGeneration",
-           "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration", "idefics3": "Idefics3ForConditionalGeneration"}[family]
+           "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration", "idefics3": "Idefics3ForConditionalGeneration",
+           "gemma3": "Gemma3ForConditionalGeneration"}[family]
     f = vision.FAMILIES[family]
     # Qwen's processors are built without their video half (torchvision): vision.Processor does the same
-    proc = transformers.AutoProcessor.from_pretrained(model_dir) if f.processor is None else f.processor(model_dir, False)
+    auto = f.processor is None or f.own_processor
+    proc = transformers.AutoProcessor.from_pretrained(model_dir) if auto else f.processor(model_dir, False)
     return proc, getattr(transformers, cls).from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
+def _call_kwargs(model_dir: str, proc) -> dict:
+    """The processor call's options as the model's config says (Gemma 3: pan and scan)."""
+    import json
+    import os
+
+    from handler.model import vision
+    f = vision.FAMILIES[json.load(open(os.path.join(model_dir, "DEMO_MODEL.json")))["family"]]
+    return f.call(proc) if f.call is not None else {}
 
 
 def _hf_messages(messages):
@@ -116,14 +142,18 @@ def _hf_messages(messages):
     return out
 
 
-def hf_greedy(model_dir: str, messages, n: int = NEW) -> tuple[list[int], list[int]]:
-    """(prompt ids, generated ids) from transformers: the processor's template and tokens, `generate`."""
+def hf_greedy(model_dir: str, messages, n: int = NEW, causal: bool = False) -> tuple[list[int], list[int]]:
+    """(prompt ids, generated ids) from transformers: the processor's template and tokens, `generate`.
+    `causal`: without token_type_ids (Gemma 3's image runs then attend causally only)."""
     proc, model = _hf(model_dir)
     prompt = proc.tokenizer.apply_chat_template(_hf_messages(messages), add_generation_prompt=True, tokenize=False)
     from PIL import Image
     images = [Image.open(io.BytesIO(png(_seed(p)))).convert("RGB")
               for m in messages if not isinstance(m["content"], str) for p in m["content"] if p["type"] == "image_url"]
-    inputs = proc(text=prompt, images=images or None, return_tensors="pt", add_special_tokens=False)
+    inputs = proc(text=prompt, images=images or None, return_tensors="pt", add_special_tokens=False,
+                  **(_call_kwargs(model_dir, proc) if images else {}))
+    if causal:
+        inputs.pop("token_type_ids")
     with torch.no_grad():
         out = model.generate(**inputs, max_new_tokens=n, do_sample=False, eos_token_id=None,
                              pad_token_id=proc.tokenizer.pad_token_id)
@@ -214,3 +244,86 @@ def test_the_prefix_cache_never_shares_blocks_between_images(vlm_dir, tmp_path):
         assert engine.stats()["encoder_images"] == 2            # 7, 8; 7 again is a cache hit
     finally:
         engine.shutdown()
+
+
+def _runs_cut(plans) -> list:
+    """Items whose chunk ends strictly inside a run of an image's tokens."""
+    return [(it.seq_id, it.start_pos, len(it.token_ids)) for p in plans for it in p.items for m in it.media
+            for a, n in m.spans if a < it.start_pos + len(it.token_ids) < a + n]
+
+
+@pytest.mark.parametrize("strategy", ["rolling", "paged"])
+@pytest.mark.parametrize("budget", ["12", "24"])
+def test_gemma3_image_runs_attend_both_ways_and_chunks_never_cut_them(gemma3_dir, tmp_path, strategy, budget):
+    """Gemma 3's image runs attend both ways at prefill (transformers' token_type_ids blocks). Prefill chunks
+    of 12 / 24 tokens meet runs of 16: a chunk ends before a run or takes it whole (past the budget where
+    the run is longer), never inside; the answers are transformers' generate with the processor's
+    token_type_ids, and differ from its causal-only answers, which ours equal with the runs' blocks taken
+    away (so the parity above rests on the bidirectional runs)."""
+    import dataclasses
+
+    from handler.engine.types import ImageRef
+    engine = make_engine(gemma3_dir, tmp_path, {**PROPS[strategy], "option.max_rolling_batch_prefill_tokens": budget})
+    plans = []
+    engine.on_step = plans.append
+    try:
+        sent = {name: submit(engine, msgs) for name, msgs in REQUESTS.items()}
+        got = {name: collect(ch) for name, (_, ch) in sent.items()}
+        refs = {name: engine.runner.media.process(*_rendered(engine, msgs)) for name, msgs in REQUESTS.items()
+                if name != "text only"}
+        assert all(isinstance(m, ImageRef) and m.whole for _, ms in refs.values() for m in ms)
+        assert len(refs["one image"][1][0].spans) == 3       # pan and scan: the whole image and 2 crops
+        for name, msgs in REQUESTS.items():
+            assert got[name] == hf_greedy(gemma3_dir, msgs)[1], (strategy, budget, name)
+        assert not _runs_cut(plans), _runs_cut(plans)
+        # chunks met runs: one ended at a run's first token, and (budget 12) one took a run past the budget
+        starts = {a for p in plans for it in p.items for m in it.media for a, _ in m.spans}
+        assert any(it.start_pos + len(it.token_ids) in starts for p in plans for it in p.items)
+        if budget == "12":
+            assert max(len(it.token_ids) for p in plans for it in p.items) > 12
+        causal = {name: hf_greedy(gemma3_dir, msgs, causal=True)[1] for name, msgs in REQUESTS.items()}
+        differ = [name for name in REQUESTS if causal[name] != got[name]]
+        assert differ, "the bidirectional runs changed no answer: the test would not see them dropped"
+        assert_drained(engine)
+        if strategy == "paged":     # its prefix cache would hand back the KV the runs computed both ways
+            return
+        # without the runs' blocks (causal attention over the image rows) ours give transformers' causal answers
+        engine.runner.vision.family = dataclasses.replace(engine.runner.vision.family, bidirectional=False)
+        for name in differ:
+            assert collect(submit(engine, REQUESTS[name])[1]) == causal[name], name
+    finally:
+        engine.shutdown()
+
+
+def _rendered(engine, messages):
+    """(the chat template's prompt, the images) as the HTTP layer hands them to the model's processor."""
+    images = [_Image(png(_seed(p))) for m in messages if not isinstance(m["content"], str)
+              for p in m["content"] if p["type"] == "image_url"]
+    prompt = engine.tokenizer.apply_chat_template(_hf_messages(messages), tokenize=False, add_generation_prompt=True)
+    return prompt, images
+
+
+def test_gemma3_step_blocks_name_each_prompt_rows_image_runs():
+    """vision.blocks: per sequence of the step (pack order, a draft's rows one sequence each), the runs of
+    `whole` images its prompt rows feed; decode rows and causal families' images none."""
+    from handler.engine.request import SamplingParams
+    from handler.engine.types import ImageRef, StepItem
+    from handler.model import vision
+    p = SamplingParams(max_new_tokens=1)
+    img_a = ImageRef("a", 3, 8, runs=((3, 4), (10, 4)), whole=True)
+    img_b = ImageRef("b", 20, 4, whole=True)
+    causal = ImageRef("c", 3, 4)
+    items = [StepItem(0, [1, 2], 5, [0], False, p, [], draft=(7,)),        # a draft: 2 sequences
+             StepItem(1, list(range(12)), 2, [1], False, p, [], media=(img_a,)),   # rows 2..13: both runs
+             StepItem(2, [5], 30, [2], True, p, [], media=(img_b,)),        # a decode row
+             StepItem(3, list(range(8)), 16, [3], True, p, [], media=(img_b,)),    # rows 16..23
+             StepItem(4, list(range(8)), 0, [4], True, p, [], media=(causal,))]
+    assert vision.blocks(items) == {2: [(3, 7), (10, 14)], 4: [(20, 24)]}
+    assert vision.blocks(items[2:3] + items[4:]) is None
+
+
+def test_gemma3_refuses_batch_invariant_one_token_forwards(gemma3_dir, tmp_path):
+    """option.batch_invariant feeds a prompt one token a forward: an image run could not attend both ways."""
+    from handler.model.runner import ModelLoadError
+    with pytest.raises(ModelLoadError, match=r"option.batch_invariant=true .* gemma3 model's image tokens attend"):
+        make_engine(gemma3_dir, tmp_path, {**PROPS["rolling"], "option.batch_invariant": "true"})
