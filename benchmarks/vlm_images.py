@@ -11,9 +11,12 @@ when its last one ends). With --with-vllm the same requests go to vLLM's CPU bui
 bench install-peer vllm`), started on the same checkpoint with the same running limit and prefill budget;
 the ratios (ours / vLLM's) are written beside. Writes result.json and README.md (the host named) in --out.
 
---build SHAPE writes a random-weight LLaVA checkpoint of a realistic shape (no hub; speed only):
-  clip-b16-smollm2   CLIP ViT-B/16 at 224 px (196 image tokens, 86 M) + SmolLM2-135M's language model
-  clip-l14-smollm2   CLIP ViT-L/14 at 336 px (576 image tokens, 304 M) + SmolLM2-135M's language model
+--build SHAPE writes a random-weight checkpoint of a realistic shape (no hub; speed only):
+  clip-b16-smollm2   LLaVA: CLIP ViT-B/16 at 224 px (196 image tokens, 86 M) + SmolLM2-135M's language model
+  clip-l14-smollm2   LLaVA: CLIP ViT-L/14 at 336 px (576 image tokens, 304 M) + SmolLM2-135M's language model
+  smolvlm-256m       Idefics3 as SmolVLM-256M: SigLIP-B/16 at 512 px (93 M), pixel shuffle by 4 (64 image
+                     tokens a tile; a 448 px image is one tile) + SmolLM2-135M's language model (the family
+                     vLLM CPU 0.32 serves without torchvision: its LLaVA, Qwen2-VL and Gemma 3 import it)
   tiny               the tests' tiny LLaVA (smoke runs)
 """
 from __future__ import annotations
@@ -51,10 +54,15 @@ SHAPES = {
 }
 
 
+SIGLIP_B16 = dict(hidden_size=768, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12, patch_size=16)
+
+
 def build(shape: str, out: str) -> str:
-    from handler.tools.demo_model import build_demo_llava
+    from handler.tools.demo_model import build_demo_idefics3, build_demo_llava
     if shape == "tiny":
         return build_demo_llava(out)
+    if shape == "smolvlm-256m":
+        return build_demo_idefics3(out, tile=512, longest=512, text=SMOLLM2, vision=SIGLIP_B16, scale=4)
     vision, size, patch, text = SHAPES[shape]
     return build_demo_llava(out, text=text, vision=vision, image_size=size, patch_size=patch)
 
@@ -156,7 +164,7 @@ class Vllm:
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model-dir")
-    p.add_argument("--build", choices=[*SHAPES, "tiny"], default="clip-b16-smollm2")
+    p.add_argument("--build", choices=[*SHAPES, "smolvlm-256m", "tiny"], default="clip-b16-smollm2")
     p.add_argument("--out", required=True)
     p.add_argument("--clients", default="1,4")
     p.add_argument("--requests", type=int, default=16, help="per client count")

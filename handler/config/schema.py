@@ -278,7 +278,8 @@ KEYS: tuple[Key, ...] = (
         unit="ms", default_doc="unset: every step takes the full prefill budget"),
     Key("option.scheduling_policy", _enum(["fcfs", "priority"]),
         "rolling/paged: `fcfs` admits in arrival order; `priority` admits the lowest request `priority` first "
-        "(vLLM's semantics) and lets a request preempt (recompute) running ones of a strictly higher number. "
+        "(vLLM's semantics) and lets a request preempt (recompute) running ones of a strictly higher number; "
+        "while a better class's prompt prefills, the worse classes' decode rows sit out every other step. "
         "Under `fcfs` a request with a non-zero `priority` is refused (400 naming the field), as vLLM does",
         default="fcfs"),
     Key("option.scheduling_aging_ms", _float(0.0, None, True, "a positive number of milliseconds"),

@@ -16,7 +16,10 @@ Latency under load (iteration-level strategies; handler/engine/stepcost.py measu
                    decode rows alone fill it admits and prefills nothing (the running batch shrinks
                    to what the target allows; with nothing decoding, prompts move by a floor)
   priority         waiting sequences are taken lowest `priority` first (vLLM's semantics), and one
-                   may preempt (recompute) running sequences of a strictly higher number
+                   may preempt (recompute) running sequences of a strictly higher number; while a
+                   better class's prompt prefills, the worse classes' decode rows sit out every
+                   other step (the step is as short as that prompt makes it: the better class's
+                   first token comes sooner; the worse keep decoding at least at half speed)
   aging_s          under priority: a sequence that has waited this long for admission or its first
                    token goes ahead of every class (under a TPOT target: at least the floor of prompt
                    tokens a step, first), and is no priority preemption's victim until its next
@@ -152,6 +155,7 @@ class Sequence:
     # in by the aging bound (then no priority preemption picks it before its next token).
     waiting_since: float | None = None
     aged_in: bool = False
+    sat_out: bool = False       # its decode row sat out the last step (Scheduler._sit_out): not this one
     # Images (types.ImageRef, by offset): their placeholder tokens are keyed by the image's hash in the
     # prefix cache (cache_keys), and each step's item carries those it feeds.
     media: tuple = ()
@@ -567,9 +571,12 @@ class Scheduler:
         items: list[StepItem] = []
         drafts = drafts if drafts and self._spec_on() else {}
         order = sorted(self.running, key=self._rank)
+        sit_out = self._sit_out() if self.policy.by_priority else ()
         want: dict[int, int] = {}       # seq_id -> tokens fed this step
         for seq in order:
             n = len(seq.tokens) - seq.num_computed
+            if n == 1 and seq.seq_id in sit_out:
+                continue
             if n > 1 and not unlimited:          # prefill chunk: its share of the token budget
                 n = shares.get(seq.seq_id, 0)
                 if n > 0 and seq.media:
@@ -605,6 +612,19 @@ class Scheduler:
         if items:
             plan.copies, self._copies = self._copies, []
         return plan
+
+    def _sit_out(self) -> set[int]:
+        """Under priority scheduling, while a better class's prompt prefills: the seq_ids of the worse
+        classes' decode rows that sit out this step (module doc). A row that sat out the last step does
+        not sit out this one, so every running sequence decodes at least every other step."""
+        best = min((q.priority for q in self.running if len(q.tokens) - q.num_computed > 1), default=None)
+        out = set()
+        for q in self.running:
+            q.sat_out = (best is not None and q.priority > best and not q.sat_out
+                         and len(q.tokens) - q.num_computed == 1)
+            if q.sat_out:
+                out.add(q.seq_id)
+        return out
 
     def _draft_len(self, seq: Sequence, n: int) -> int:
         """k, the tokens to propose for a sequence that decodes this step (n == 1 and it samples), or 0

@@ -191,10 +191,12 @@ def build_demo_qwen_vl(out_dir: str, seed: int = 0, *, version: str = "2", token
     return out_dir
 
 
-def build_demo_idefics3(out_dir: str, seed: int = 0, *, tokenizer=None, tile: int = 56, longest: int = 112) -> str:
+def build_demo_idefics3(out_dir: str, seed: int = 0, *, tokenizer=None, tile: int = 56, longest: int = 112,
+                        text: dict | None = None, vision: dict | None = None, scale: int = 2) -> str:
     """A tiny random Idefics3 (SmolVLM v1's architecture): a 2-layer SigLIP-style tower over 14-pixel
     patches of `tile`-pixel tiles, the pixel-shuffle connector (scale 2: (tile/28)^2 tokens a tile), a
-    2-layer Llama; images resized to `longest` pixels and split into tiles plus the whole image."""
+    2-layer Llama; images resized to `longest` pixels and split into tiles plus the whole image.
+    `text` / `vision`: config overrides (a realistic shape for benchmarks); `scale`: the connector's."""
     import torch
     from transformers import (Idefics3Config, Idefics3ForConditionalGeneration, Idefics3ImageProcessorPil,
                               Idefics3Processor)
@@ -204,11 +206,12 @@ def build_demo_idefics3(out_dir: str, seed: int = 0, *, tokenizer=None, tile: in
                    + [f"<row_{r}_col_{c}>" for r in range(1, 7) for c in range(1, 7)], special_tokens=True)
     tok.chat_template = IDEFICS_TEMPLATE
     ids = dict(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
-    text = dict(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                num_key_value_heads=2, max_position_embeddings=1024, initializer_range=0.1, model_type="llama", **ids)
-    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=tile,
-                  patch_size=14, initializer_range=0.1)
-    config = Idefics3Config(text_config=text, vision_config=vision, scale_factor=2,
+    tc = {**dict(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, max_position_embeddings=1024, initializer_range=0.1), **(text or {}),
+          "model_type": "llama", **ids}
+    vc = {**dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, patch_size=14,
+                 initializer_range=0.1), **(vision or {}), "image_size": tile}
+    config = Idefics3Config(text_config=tc, vision_config=vc, scale_factor=scale,
                             image_token_id=tok.convert_tokens_to_ids("<image>"), **ids)
     torch.manual_seed(seed)
     model = Idefics3ForConditionalGeneration(config).eval()
@@ -217,7 +220,7 @@ def build_demo_idefics3(out_dir: str, seed: int = 0, *, tokenizer=None, tile: in
     model.save_pretrained(out_dir, safe_serialization=True)
     images = Idefics3ImageProcessorPil(size={"longest_edge": longest}, max_image_size={"longest_edge": tile},
                                        do_image_splitting=True)
-    Idefics3Processor(image_processor=images, tokenizer=tok, image_seq_len=(tile // 28) ** 2,
+    Idefics3Processor(image_processor=images, tokenizer=tok, image_seq_len=(tile // (vc["patch_size"] * scale)) ** 2,
                       chat_template=IDEFICS_TEMPLATE).save_pretrained(out_dir)
     tok.save_pretrained(out_dir)
     with open(os.path.join(out_dir, "DEMO_MODEL.json"), "w") as f:
