@@ -17,9 +17,9 @@ Latency under load (iteration-level strategies; handler/engine/stepcost.py measu
                    to what the target allows; with nothing decoding, prompts move by a floor)
   priority         waiting sequences are taken lowest `priority` first (vLLM's semantics), and one
                    may preempt (recompute) running sequences of a strictly higher number; while a
-                   better class's prompt prefills, the worse classes' decode rows sit out every
-                   other step (the step is as short as that prompt makes it: the better class's
-                   first token comes sooner; the worse keep decoding at least at half speed)
+                   better class's prompt prefills, the worse classes' decode rows sit out (its
+                   steps are as short as that prompt makes them: the better class's first token
+                   comes sooner), at most SIT_OUT_STEPS steps in a row (then they decode one)
   aging_s          under priority: a sequence that has waited this long for admission or its first
                    token goes ahead of every class (under a TPOT target: at least the floor of prompt
                    tokens a step, first), and is no priority preemption's victim until its next
@@ -51,6 +51,9 @@ OLDEST_PREFILL_SHARE = 4
 # Speculative decoding: after m verify steps in a row that accepted nothing a sequence decodes
 # min(2^m, this) - 1 steps without proposals (its proposals are wasted rows meanwhile).
 MAX_SPEC_BACKOFF = 16
+# Under priority scheduling, the most steps in a row a worse class's decode row sits out while a better
+# class's prompt prefills (a short prompt's prefill takes 1-3 steps under a TPOT target).
+SIT_OUT_STEPS = 3
 # The aging bound under priority scheduling when none is given.
 DEFAULT_AGING_S = 2.0
 SCHEDULING_POLICIES = ("fcfs", "priority")
@@ -155,7 +158,7 @@ class Sequence:
     # in by the aging bound (then no priority preemption picks it before its next token).
     waiting_since: float | None = None
     aged_in: bool = False
-    sat_out: bool = False       # its decode row sat out the last step (Scheduler._sit_out): not this one
+    sat_out: int = 0            # steps in a row its decode row sat out (Scheduler._sit_out)
     # Images (types.ImageRef, by offset): their placeholder tokens are keyed by the image's hash in the
     # prefix cache (cache_keys), and each step's item carries those it feeds.
     media: tuple = ()
@@ -615,15 +618,18 @@ class Scheduler:
 
     def _sit_out(self) -> set[int]:
         """Under priority scheduling, while a better class's prompt prefills: the seq_ids of the worse
-        classes' decode rows that sit out this step (module doc). A row that sat out the last step does
-        not sit out this one, so every running sequence decodes at least every other step."""
+        classes' decode rows that sit out this step (module doc). A row that sat out SIT_OUT_STEPS steps
+        in a row decodes in this one, so every running sequence decodes at least once in
+        SIT_OUT_STEPS + 1 steps."""
         best = min((q.priority for q in self.running if len(q.tokens) - q.num_computed > 1), default=None)
         out = set()
         for q in self.running:
-            q.sat_out = (best is not None and q.priority > best and not q.sat_out
-                         and len(q.tokens) - q.num_computed == 1)
-            if q.sat_out:
+            if (best is not None and q.priority > best and q.sat_out < SIT_OUT_STEPS
+                    and len(q.tokens) - q.num_computed == 1):
+                q.sat_out += 1
                 out.add(q.seq_id)
+            else:
+                q.sat_out = 0
         return out
 
     def _draft_len(self, seq: Sequence, n: int) -> int:

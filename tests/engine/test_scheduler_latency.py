@@ -10,7 +10,7 @@ import pytest
 
 from handler.engine.blocks import BlockManager
 from handler.engine.request import SamplingParams
-from handler.engine.scheduler import Scheduler, SchedulerPolicy, Sequence, min_prefill_tokens
+from handler.engine.scheduler import SIT_OUT_STEPS, Scheduler, SchedulerPolicy, Sequence, min_prefill_tokens
 from handler.engine.stepcost import MIN_STEPS, StepCostModel
 from tests.support.fakes import FakeRunner, history_hash
 
@@ -263,27 +263,25 @@ def test_a_better_class_awaiting_prefill_keeps_the_worse_classes_prompts_out_of_
     assert sum(n for sid, n in ids.items() if sid != 50) <= min_prefill_tokens(4096)
     clock.run()
     assert set(clock.outputs) == {*range(1, 9), 50}   # nothing lost
-def test_worse_classes_decode_rows_sit_out_every_other_step_while_a_better_prompt_prefills():
-    """Priority: a better class's prompt prefills in a step without the worse classes' decode rows (its
-    first token sooner); a row that sat out decodes in the next step (at least half speed, none stalls);
+def test_worse_classes_decode_rows_sit_out_while_a_better_prompt_prefills_a_bounded_number_of_steps():
+    """Priority: a better class's prompt prefills in steps without the worse classes' decode rows (its
+    first token sooner); a row that sat out SIT_OUT_STEPS steps in a row decodes in the next (none stalls);
     fcfs and equal classes keep every decode row."""
-    s = make(max_batch_size=64, prefill_token_budget=24, scheduling_policy="priority", aging_s=100.0)
+    s = make(max_batch_size=64, prefill_token_budget=16, scheduling_policy="priority", aging_s=100.0)
     clock = Clock(s)
     for sid in range(1, 6):
-        s.add(seq(sid, 4, max_new=30, priority=10))
+        s.add(seq(sid, 4, max_new=40, priority=10))
     for _ in range(3):
         clock.step()
     assert all(len(q.tokens) - q.num_computed == 1 for q in s.running)      # all five decoding
-    s.add(seq(50, 60, max_new=2, arrival=clock.now, priority=0))             # prefills over 3 steps (24 a step)
-    first = {it.seq_id for it in clock.step().items}
-    assert first == {50}                            # the better prompt's step: nothing else in it
-    second = {it.seq_id for it in clock.step().items}
-    assert second == {50, *range(1, 6)}             # the rows that sat out decode now
-    third = {it.seq_id for it in clock.step().items}
-    assert third == {50}                            # ... and sit out again while it still prefills
+    s.add(seq(50, 16 * (SIT_OUT_STEPS + 2), max_new=2, arrival=clock.now, priority=0))  # 16 tokens a step
+    steps = [{it.seq_id for it in clock.step().items} for _ in range(SIT_OUT_STEPS + 2)]
+    assert steps[:SIT_OUT_STEPS] == [{50}] * SIT_OUT_STEPS      # the better prompt's steps: nothing else
+    assert steps[SIT_OUT_STEPS] == {50, *range(1, 6)}           # then the rows that sat out decode one
+    assert steps[SIT_OUT_STEPS + 1] == {50}                     # ... and sit out again while it prefills
     clock.run()
     assert set(clock.outputs) == {*range(1, 6), 50}
-    assert all(clock.outputs[sid] == alone(seq(sid, 4).prompt_ids, 30) for sid in range(1, 6))
+    assert all(clock.outputs[sid] == alone(seq(sid, 4).prompt_ids, 40) for sid in range(1, 6))
     for policy, pr in (("fcfs", 0), ("priority", 10)):     # fcfs, or the same class: nobody sits out
         s = make(max_batch_size=64, prefill_token_budget=24, scheduling_policy=policy, aging_s=100.0)
         clock = Clock(s)
@@ -313,7 +311,10 @@ def test_aged_worse_class_prompts_take_the_floor_beside_a_better_class():
     worse = sum(n for sid, n in ids.items() if sid != 50)
     assert worse <= min_prefill_tokens(4096)          # at most the floor beside it ...
     after = {it.seq_id: len(it.token_ids) for it in clock.step().items}
-    # ... and moving: in this step or the next (a worse decode row sits out at most every other step)
+    # ... and moving within SIT_OUT_STEPS + 1 steps (a worse decode row sits out at most that many in a row)
+    for _ in range(SIT_OUT_STEPS - 1):
+        worse += sum(n for sid, n in after.items() if sid != 50)
+        after = {it.seq_id: len(it.token_ids) for it in clock.step().items}
     assert 0 < worse + sum(n for sid, n in after.items() if sid != 50)
     clock.run()
     assert set(clock.outputs) == {*range(1, 9), 50}
