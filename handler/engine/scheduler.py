@@ -19,7 +19,8 @@ Latency under load (iteration-level strategies; handler/engine/stepcost.py measu
                    may preempt (recompute) running sequences of a strictly higher number; while a
                    better class's prompt prefills, the worse classes' decode rows sit out (its
                    steps are as short as that prompt makes them: the better class's first token
-                   comes sooner), at most SIT_OUT_STEPS steps in a row (then they decode one)
+                   comes sooner), and so do their prompts in steps the better class's fill, at most
+                   SIT_OUT_STEPS steps in a row (then they move one)
   aging_s          under priority: a sequence that has waited this long for admission or its first
                    token goes ahead of every class (under a TPOT target: at least the floor of prompt
                    tokens a step, first), and is no priority preemption's victim until its next
@@ -251,6 +252,7 @@ class Scheduler:
         self._copies: list[tuple[int, int]] = []     # copy-on-write of forked samples' blocks
         self._preempted: list[int] = []     # this step's victims (schedule)
         self._budget = self.policy.prefill_token_budget     # this step's prompt tokens (schedule)
+        self._held = 0      # steps in a row the worse classes' prompts sat out (_prefill_shares)
         self._admitted = False      # admit() ran for the step schedule() plans next
         self._now = 0.0
 
@@ -446,8 +448,9 @@ class Scheduler:
 
     def _step_budget(self, now: float) -> int:
         """This step's prompt tokens: option.max_rolling_batch_prefill_tokens, or under target_tpot_s
-        what the measured step cost leaves beside the decode rows; the full cap when an outranking
-        sequence awaits its prefill (the worse classes then take the floor beside it: _prefill_shares),
+        what the measured step cost leaves beside the decode rows; when an outranking sequence awaits
+        its prefill, what it leaves beside the rows of that class and better (the worse classes' decode
+        rows sit out, their prompts take the floor beside it: _prefill_shares), at least the floor;
         at least the floor when an aged one does (it goes first, so it moves every step without
         making the steps long: a flood of aged requests does not undo the target)."""
         p = self.policy
@@ -457,7 +460,13 @@ class Scheduler:
         pending = [*self.waiting, *(q for q in self.running if len(q.tokens) - q.num_computed > 1)]
         worst = max((q.priority for q in self.running), default=None) if p.by_priority else None
         if worst is not None and any(q.priority < worst for q in pending):
-            return cap
+            # An outranking prompt: its steps sized to the target beside the rows that run with it (the
+            # worse classes' decode rows sit out: _sit_out), at least the floor, so that several urgent
+            # prompts get their first tokens over a few short steps rather than all after one long one.
+            best = min(q.priority for q in pending)
+            rows = sum(1 for q in self.running if len(q.tokens) - q.num_computed == 1 and q.priority <= best)
+            b = self.cost.prefill_budget(rows, p.target_tpot_s)
+            return cap if b is None else max(min(b, cap), min_prefill_tokens(cap))
         rows = sum(1 for q in self.running if len(q.tokens) - q.num_computed == 1)
         b = self.cost.prefill_budget(rows, p.target_tpot_s)
         if b is None:
@@ -510,16 +519,23 @@ class Scheduler:
                 shares[q.seq_id] = shares.get(q.seq_id, 0) + more
                 left -= more
 
-        # The aged first, together at most the floor: each moves every step, and a flood of aged
-        # prompts cannot make the step long (the better classes' prompts and the target keep theirs).
+        by_priority = self.policy.by_priority
+        best = min(q.priority for q in pending) if by_priority else 0
+        # Under priority: in a step the best class's prompts fill, the worse classes' (aged or not) sit
+        # out, at most SIT_OUT_STEPS steps in a row (as their decode rows: _sit_out); then they move.
+        hold = (by_priority and any(q.priority != best for q in pending) and self._held < SIT_OUT_STEPS
+                and sum(n for sid, n in rem.items() if self.seqs[sid].priority == best) >= budget)
+        self._held = self._held + 1 if hold else 0
+        # The aged first, together at most the floor: each moves every step (but for `hold`), and a
+        # flood of aged prompts cannot make the step long (the better classes' prompts and the target
+        # keep theirs).
         aged_room = min_prefill_tokens(budget)
-        for q in sorted((q for q in pending if self._aged(q, now)), key=lambda q: q.waiting_since):
+        for q in sorted((q for q in pending if self._aged(q, now) and not (hold and q.priority != best)),
+                        key=lambda q: q.waiting_since):
             before = left
             give(q, aged_room)
             aged_room -= before - left
         give(min(pending, key=self._rank), max(1, budget // OLDEST_PREFILL_SHARE))
-        by_priority = self.policy.by_priority
-        best = min(q.priority for q in pending) if by_priority else 0
         capped = False
         for q in sorted(pending, key=lambda q: (q.priority if by_priority else 0, rem[q.seq_id], q.admitted)):
             if by_priority and q.priority != best and not capped:
@@ -527,7 +543,7 @@ class Scheduler:
                 # its prefill, they take at most the floor beside it, the aged and the oldest's share
                 # included, so the step stays about as short as the better class's prompts make it.
                 capped = True
-                left = min(left, min_prefill_tokens(budget) - sum(
+                left = min(left, (0 if hold else min_prefill_tokens(budget)) - sum(
                     n for sid, n in shares.items() if self.seqs[sid].priority != best))
             if left <= 0:
                 break

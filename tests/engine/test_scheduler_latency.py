@@ -293,6 +293,26 @@ def test_worse_classes_decode_rows_sit_out_while_a_better_prompt_prefills_a_boun
         assert {it.seq_id for it in clock.step().items} == {50, *range(1, 6)}
 
 
+def test_worse_prompts_sit_out_the_steps_a_better_prompt_fills_a_bounded_number_in_a_row():
+    """A better prompt larger than the step's budget: the worse classes' prompts (aged ones too) take
+    nothing beside it for SIT_OUT_STEPS steps in a row, then move in the next; nothing is lost."""
+    s = make(max_batch_size=64, prefill_token_budget=64, scheduling_policy="priority", aging_s=0.01)
+    clock = Clock(s)
+    for sid in range(1, 4):
+        s.add(seq(sid, 100, max_new=4, priority=10))
+    clock.step()
+    clock.now += 0.05                                 # the flood's prompts have aged
+    s.add(seq(50, 64 * (SIT_OUT_STEPS + 2), max_new=2, arrival=clock.now, priority=0))
+    worse = []
+    for _ in range(SIT_OUT_STEPS + 1):
+        ids = {it.seq_id: len(it.token_ids) for it in clock.step().items}
+        assert ids.get(50) is not None                # the better prompt moves every step
+        worse.append(sum(n for sid, n in ids.items() if sid != 50 and n > 1))
+    assert worse[:SIT_OUT_STEPS] == [0] * SIT_OUT_STEPS and worse[SIT_OUT_STEPS] > 0
+    clock.run()
+    assert set(clock.outputs) == {1, 2, 3, 50}
+
+
 def test_aged_worse_class_prompts_take_the_floor_beside_a_better_class():
     """The flood's prompts have aged (preempted and waiting): while a short better-class prompt awaits
     its prefill, the aged ones still move but together take at most the floor, so the short one's
