@@ -482,6 +482,17 @@ static void row_softmax(float *s, int64_t L, int64_t Lp, float scale) {
     for (int64_t t = 0; t < Lp; ++t) s[t] *= inv;
 }
 
+/* A thread's scratch inside an OpenMP region: malloc'd; *failed raised (atomically) when it is not (the
+ * caller's barrier then lets every thread see it). */
+static void *scratch(size_t bytes, int *failed) {
+    void *p = malloc(bytes);
+    if (!p) {
+#pragma omp atomic write
+        *failed = 1;
+    }
+    return p;
+}
+
 /* The longest of P lengths (0 for none). */
 static int64_t longest(const int64_t *lens, int64_t P) {
     int64_t n = 0;
@@ -515,11 +526,7 @@ static int prompt_attention(const void *q, const void *k, const void *v, int64_t
     int failed = 0;
 #pragma omp parallel num_threads(nthreads)
     {
-        char *mem = malloc(per);
-        if (!mem) {
-#pragma omp atomic write
-            failed = 1;
-        }
+        char *mem = scratch(per, &failed);
 #pragma omp barrier
         if (!failed) {
             char *a_buf = mem, *tmp = a_buf + rows * D * es, *kp = tmp + big * es;
@@ -626,11 +633,7 @@ static int encoder_rows(const void *q, const void *k, const void *v, int64_t qs,
     int failed = 0;
 #pragma omp parallel num_threads(nthreads)
     {
-        float *kt = malloc(per);
-        if (!kt) {
-#pragma omp atomic write
-            failed = 1;
-        }
+        float *kt = scratch(per, &failed);
 #pragma omp barrier
         if (!failed) {
             float *vv = kt + D * np, *s = vv + nmax * dp, *qr = s + ER * np, *kr = qr + ER * D;
