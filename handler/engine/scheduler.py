@@ -459,22 +459,20 @@ class Scheduler:
             return cap
         pending = [*self.waiting, *(q for q in self.running if len(q.tokens) - q.num_computed > 1)]
         worst = max((q.priority for q in self.running), default=None) if p.by_priority else None
-        if worst is not None and any(q.priority < worst for q in pending):
-            # An outranking prompt: its steps sized to the target beside the rows that run with it (the
-            # worse classes' decode rows sit out: _sit_out), at least the floor, so that several urgent
-            # prompts get their first tokens over a few short steps rather than all after one long one.
-            best = min(q.priority for q in pending)
-            rows = sum(1 for q in self.running if len(q.tokens) - q.num_computed == 1 and q.priority <= best)
-            b = self.cost.prefill_budget(rows, p.target_tpot_s)
-            return cap if b is None else max(min(b, cap), min_prefill_tokens(cap))
-        rows = sum(1 for q in self.running if len(q.tokens) - q.num_computed == 1)
+        # An outranking prompt: its steps sized to the target beside the rows that run with it (the worse
+        # classes' decode rows sit out: _sit_out), so that several urgent prompts get their first tokens
+        # over a few short steps rather than all after one long one.
+        best = min(q.priority for q in pending) if worst is not None and any(
+            q.priority < worst for q in pending) else None
+        rows = sum(1 for q in self.running
+                   if len(q.tokens) - q.num_computed == 1 and (best is None or q.priority <= best))
         b = self.cost.prefill_budget(rows, p.target_tpot_s)
         if b is None:
             return cap
-        if (b == 0 and rows == 0) or any(self._aged(q, now) for q in pending):
-            # Even an empty step overruns the target, or one has waited past the aging bound: prompts
-            # still move, by at least the floor (else nothing decodes, nothing finishes, nothing is
-            # admitted).
+        if best is not None or (b == 0 and rows == 0) or any(self._aged(q, now) for q in pending):
+            # An outranking prompt, an empty step that overruns the target, or one waited past the aging
+            # bound: prompts still move, by at least the floor (else nothing decodes, nothing finishes,
+            # nothing is admitted).
             return max(min(b, cap), min_prefill_tokens(cap))
         # 0 where the decode rows alone fill the target: nobody is admitted until running ones
         # finish (the running batch shrinks to what the target allows) or, under priority, one has aged.
