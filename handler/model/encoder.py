@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from handler.config.task import ENCODER_TYPES
 from kernels import cpu as cpu_ext
 
 log = logging.getLogger("lmi.encoder")
@@ -227,17 +228,13 @@ class Encoder(nn.Module):
         return self.head(first)
 
 
-# Encoders whose code comes with the checkpoint (trust_remote_code): nomic-embed's, gte's.
-REMOTE_ENCODERS = ("nomic_bert", "new")
-
-
 def is_encoder(config) -> bool:
-    """Whether `config` is a bidirectional encoder: one of ours, one transformers has a masked-LM head for
-    (MPNet, DeBERTa-v2, ...), or a remote-code encoder (REMOTE_ENCODERS). Anything else is a decoder."""
+    """Whether `config` is a bidirectional encoder: a model_type the task detection knows as one
+    (handler/config/task.py ENCODER_TYPES: ours, MPNet, DeBERTa, the remote-code nomic-bert and gte), or one
+    transformers has a masked-LM head for. Anything else is a decoder."""
     from transformers.models.auto.modeling_auto import MODEL_FOR_MASKED_LM_MAPPING_NAMES
 
-    mt = config.model_type
-    return mt in SUPPORTED_TYPES or mt in MODEL_FOR_MASKED_LM_MAPPING_NAMES or mt in REMOTE_ENCODERS
+    return config.model_type in ENCODER_TYPES or config.model_type in MODEL_FOR_MASKED_LM_MAPPING_NAMES
 
 
 class HFEncoder(nn.Module):
