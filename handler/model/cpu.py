@@ -329,24 +329,15 @@ def hugepage_report(model: nn.Module) -> str:
             "LMI_CPU_HUGEPAGES=0 turns it off)")
 
 
-# Modules that multiply many rows a call (many_rows: vision towers, encoders' packed batches): fp32 weights
-# with at least this many inputs go to oneDNN's prepacked GEMM, which blocks K where our panel kernel
-# streams a row block's whole K (14 rows x K floats leave L1 past K ~ 512). SigLIP-B/16's tower, 1,024
-# patches: 1.52 -> 1.27 s an image; GEMMs of K 768 at M 1,024: 162 -> 206 GFLOP/s; at K 384 the two tie
-# (benchmarks/results/vlm-smolvlm-r2/README.md). A rule on shapes, never a timing: replicas agree.
-ONEDNN_MIN_K = 768
-
-
 def prepack_linears(model: nn.Module, keep_weights: bool = False, widen_bf16: bool = False,
-                    bf16_panels: bool = False, arms: Arms = DEFAULT, many_rows: bool = False) -> int:
+                    bf16_panels: bool = False, arms: Arms = DEFAULT) -> int:
     """Replace every plain nn.Linear on CPU by a CpuLinear whose pack is PanelPack where
     kernels/cpu_gemm.c serves (fp32 weights, and bf16 ones when widen_bf16 where the bf16 panels cannot
     widen them), Bf16PanelPack for bf16 weights where kernels/cpu_gemm_bf16.c serves (widened in
     registers when widen_bf16, by vdpbf16ps when bf16_panels), else OneDnnPack (widened for bf16
     weights when widen_bf16); returns how many were packed. keep_weights: leave the original weights in
     place (LoRA reads their shape and dtype); a weight another module shares (a tied head) stays too.
-    arms: the prepack and gemm A/B arms. many_rows: every call multiplies many rows (a vision tower, an
-    encoder): fp32 weights of ONEDNN_MIN_K inputs or more take OneDnnPack where oneDNN packs them."""
+    arms: the prepack and gemm A/B arms."""
     tied = {id(p) for name, m in model.named_modules() if not isinstance(m, nn.Linear)
             for p in m.parameters(recurse=False)}
     if not arms.prepack:
@@ -361,8 +352,7 @@ def prepack_linears(model: nn.Module, keep_weights: bool = False, widen_bf16: bo
             w = m.weight.detach()
             if w.dtype == torch.bfloat16 and (dot or (widen and in_registers)):
                 pack = Bf16PanelPack(cpu_ext.pack_bf16(w), widen)
-            elif panels and (widen or w.dtype == torch.float32) and not (
-                    many_rows and not widen and m.in_features >= ONEDNN_MIN_K and can_prepack(torch.float32)):
+            elif panels and (widen or w.dtype == torch.float32):
                 pack = PanelPack(cpu_ext.pack_panels(w.float()), widen)
             else:
                 packed = _onednn_pack(name, m.weight, widen)

@@ -482,19 +482,16 @@ class VisionStage:
         if missing:
             raise ValueError(f"the checkpoint lacks {len(missing)} vision tensors, e.g. {missing[:3]}")
         self.tower = tower.to(device=device, dtype=dtype).eval()
-        packed, onednn = 0, 0
+        packed = 0
         if device.type == "cpu":    # the tower's linear layers on our GEMMs, as the language model's
-            from handler.model.cpu import OneDnnPack, can_prepack, prepack_linears
-            from handler.model.linear import packs
+            from handler.model.cpu import can_prepack, prepack_linears
             if can_prepack(dtype):
-                packed = prepack_linears(self.tower, many_rows=True)   # patches: hundreds of rows a call
-                onednn = sum(isinstance(p, OneDnnPack) for p in packs(self.tower))
+                packed = prepack_linears(self.tower)
         self.cache: OrderedDict[str, torch.Tensor] = OrderedDict()
         self.cache_bytes, self.held = cache_bytes, 0
         self.counts = {"encoder_runs": 0, "encoder_images": 0, "encoder_cache_hits": 0}
-        log.info("vision: %s tower (%d parameters) on %s, %d linear layers packed (%d of them for oneDNN's GEMM); "
-                 "encoder cache %.0f MB", family.name, sum(p.numel() for p in params.values()), device, packed,
-                 onednn, cache_bytes / 1e6)
+        log.info("vision: %s tower (%d parameters) on %s, %d linear layers packed; encoder cache %.0f MB",
+                 family.name, sum(p.numel() for p in params.values()), device, packed, cache_bytes / 1e6)
 
     def stats(self) -> dict:
         return {**self.counts, "encoder_cache_bytes": self.held, "encoder_cache_images": len(self.cache)}

@@ -278,35 +278,6 @@ def test_bf16_widening_packs_for_the_kernel_or_onednn(monkeypatch, onednn_bf16):
     assert prepack_linears(plain) == (1 if onednn_bf16 else 0)
 
 
-@needs_panels
-def test_many_rows_sends_wide_fp32_layers_to_onednn():
-    """many_rows (vision towers): fp32 layers of ONEDNN_MIN_K inputs or more on oneDNN's GEMM, narrower
-    ones on the panels; without it every fp32 layer on the panels. Each packed layer multiplies as F.linear."""
-    if not cpu.can_prepack(torch.float32):
-        pytest.skip("oneDNN cannot prepack fp32 weights in this torch build")
-    torch.manual_seed(0)
-    k = cpu.ONEDNN_MIN_K
-
-    def model():
-        torch.manual_seed(1)
-        return nn.Sequential(nn.Linear(k, 64), nn.Linear(64, k), nn.Linear(k + 32, 48, bias=False))
-
-    plain, tower, lm = model(), model(), model()
-    assert prepack_linears(tower, many_rows=True) == 3 and prepack_linears(lm) == 3
-    assert [_kind(m) for m in tower] == [ONEDNN, PANELS, ONEDNN]
-    assert [_kind(m) for m in lm] == [PANELS] * 3
-    with torch.no_grad():
-        for i, width in enumerate((k, 64, k + 32)):
-            x = torch.randn(300, width)
-            want = plain[i](x)
-            torch.testing.assert_close(tower[i](x), want, rtol=1e-4, atol=1e-4)
-            torch.testing.assert_close(lm[i](x), want, rtol=1e-4, atol=1e-4)
-    bf, bf2 = model().to(torch.bfloat16), model().to(torch.bfloat16)    # bf16 layers: as without many_rows
-    prepack_linears(bf, many_rows=True, widen_bf16=True)
-    prepack_linears(bf2, widen_bf16=True)
-    assert [_kind(m) for m in bf] == [_kind(m) for m in bf2]
-
-
 def test_prepacking_drops_only_weights_nobody_else_holds(demo_model_factory):
     model = _load(demo_model_factory("llama"))
     head = model.get_output_embeddings()

@@ -219,33 +219,6 @@ def test_greedy_parity_with_generate(vlm_dir, tmp_path, strategy):
         engine.shutdown()
 
 
-@pytest.mark.parametrize("family", ["llava", "idefics3"])
-def test_tower_on_onednn_keeps_greedy_parity(family, llava_model_dir, idefics_dir, tmp_path, monkeypatch):
-    """The tower's fp32 linears of ONEDNN_MIN_K inputs or more go to oneDNN's GEMM (many rows a call);
-    the demo towers are narrow, so the bound is lowered to 1 here: every tower linear on oneDNN, the
-    language model's still on our panels, and the greedy answers still transformers'."""
-    from handler.model import cpu
-    from handler.model.cpu import OneDnnPack
-    from handler.model.linear import packs
-    if not cpu.can_prepack(torch.float32):
-        pytest.skip("oneDNN cannot prepack fp32 weights in this torch build")
-    monkeypatch.setattr(cpu, "ONEDNN_MIN_K", 1)
-    model_dir = {"llava": llava_model_dir, "idefics3": idefics_dir}[family]
-    engine = make_engine(model_dir, tmp_path, PROPS["rolling"])
-    try:
-        tower = packs(engine.runner.vision.tower)
-        assert tower and all(isinstance(p, OneDnnPack) for p in tower)
-        if cpu.panels_wanted():
-            assert not any(isinstance(p, OneDnnPack) for p in packs(engine.runner.model))
-        for name in ("one image", "two images"):
-            ids, ch = submit(engine, REQUESTS[name])
-            want_ids, want = hf_greedy(model_dir, REQUESTS[name])
-            assert ids == want_ids and collect(ch) == want, name
-        assert_drained(engine)
-    finally:
-        engine.shutdown()
-
-
 def test_the_prefix_cache_never_shares_blocks_between_images(vlm_dir, tmp_path):
     """Same text, different images: only the blocks before the image are shared (and the
     answers stay transformers'); the same image again reuses its blocks."""
