@@ -174,12 +174,13 @@ def main(argv: list[str]) -> int:
     a = p.parse_args(argv)
     os.makedirs(a.out, exist_ok=True)
     model_dir = a.model_dir or build(a.build, os.path.join(tempfile.mkdtemp(prefix="vlm-bench-"), a.build))
+    shape = a.build if not a.model_dir else f"the checkpoint in {a.model_dir}"
     running, prefill, kv = 4, 2048, 8192
     props = (f"option.rolling_batch=auto\noption.max_rolling_batch_size={running}\n"
              f"option.max_rolling_batch_prefill_tokens={prefill}\noption.kv_cache_tokens={kv}\noption.dtype={a.dtype}\n"
              "option.encoder_cache_mb=0\n")
     clients = [int(c) for c in a.clients.split(",")]
-    result = {"host": platform.node(), "cpus": os.cpu_count(), "model_dir": model_dir, "shape": a.build,
+    result = {"host": platform.node(), "cpus": os.cpu_count(), "model_dir": model_dir, "shape": shape,
               "request": {"image": "448x448 PNG, a different one each request", "question": QUESTION,
                           "max_tokens": a.max_tokens, "stream": True, "ignore_eos": True},
               "properties": props, "ours": [], "vllm": None}
@@ -206,7 +207,7 @@ def main(argv: list[str]) -> int:
                             for o, v in zip(result["ours"], result["vllm"]["runs"])]
     with open(os.path.join(a.out, "result.json"), "w") as f:
         json.dump(result, f, indent=1)
-    lines = [f"# Image requests: {a.build} on {result['host']} ({result['cpus']} CPUs)", "",
+    lines = [f"# Image requests: {shape} on {result['host']} ({result['cpus']} CPUs)", "",
              f"`python benchmarks/vlm_images.py {' '.join(argv)}`", "",
              "| server | clients | requests/s | TTFT p50 (s) | TTFT p90 (s) |", "|---|---|---|---|---|"]
     for name, runs in (("ours", result["ours"]), ("vLLM CPU", (result["vllm"] or {}).get("runs", []))):

@@ -17,6 +17,7 @@
  * (about 1 MiB), the row blocks of a chunk near-equal in size (kernels/cpu_panel.h).
  */
 #include <stdint.h>
+#include <stdlib.h>
 
 #include <omp.h>
 
@@ -41,15 +42,17 @@ void lmi_pack_b(const float *W, int64_t N, int64_t K, float *out) {
 int lmi_gemm_available(void) { return lmi_arch_gemm_rows() > 0; }
 
 typedef struct {
-    const float *A, *Bp, *bias;
+    lmi_panel_pad A;                /* first: lmi_panel_pad_prep's */
+    const float *Bp, *bias;
     float *C;
-    int64_t lda, K, N, ldc;
+    int64_t K, N, ldc;
 } gemm_ctx;
 
 static void gemm_block(const void *v, int64_t row, int64_t rows, int64_t p, int next, int64_t i, int64_t nb) {
     const gemm_ctx *c = (const gemm_ctx *)v;
     const float *B = c->Bp + p * c->K * NR;
-    lmi_arch_gemm_block(c->A + row * c->lda, c->lda, B, c->K, c->C + row * c->ldc + p * NR, c->ldc,
+    lmi_arch_gemm_block((const float *)lmi_panel_pad_row(&c->A, row), c->A.ldp_bytes / 4, B, c->K,
+                        c->C + row * c->ldc + p * NR, c->ldc,
                         c->bias ? c->bias + p * NR : 0, c->N - p * NR < NR ? c->N - p * NR : NR,
                         next ? B + c->K * NR : 0, i, nb, rows);
 }
@@ -58,9 +61,11 @@ static void gemm_block(const void *v, int64_t row, int64_t rows, int64_t p, int 
  * C [M, N] at row stride ldc (kernels/cpu_panel.h's loop over this build's row blocks). */
 void lmi_gemm(const float *A, int64_t M, int64_t K, int64_t lda, const float *Bp, int64_t N,
               const float *bias, float *C, int64_t ldc, int nthreads) {
-    const gemm_ctx c = {A, Bp, bias, C, lda, K, N, ldc};
+    gemm_ctx c = {{0}, Bp, bias, C, K, N, ldc};
     const int64_t mr = lmi_arch_gemm_rows();
-    lmi_panel_drive(M, (N + NR - 1) / NR, lmi_panel_chunk(K * 4, mr), mr, nthreads, gemm_block, 0, &c);
+    const int64_t chunk = lmi_panel_pad_init(&c.A, A, M, K * 4, lda * 4, mr);
+    lmi_panel_drive(M, (N + NR - 1) / NR, chunk, mr, nthreads, gemm_block, c.A.dst ? lmi_panel_pad_prep : 0, &c);
+    free(c.A.dst);
 }
 
 /* The read-stream probe `bench floor` measures the memory floor with (handler/tools/bench/floor.py):

@@ -28,6 +28,7 @@
  * packs and drives them on kernels/cpu_panel.h.
  */
 #include <stdint.h>
+#include <stdlib.h>
 
 #include "cpu_api.h"
 #include "cpu_arch.h"
@@ -53,10 +54,11 @@ int lmi_gemm_bf16_available(void) { return lmi_arch_bf16_rows() > 0; }
 
 /* kernels/cpu_panel.h's loop over the arch layer's row blocks (rows of A of type ATYPE). */
 typedef struct {
-    const void *A, *bias;
+    lmi_panel_pad A;                /* first: lmi_panel_pad_prep's */
+    const void *bias;
     const uint16_t *Bp;
     void *C;
-    int64_t lda, K, N, ldc;
+    int64_t K, N, ldc;
     int out_bf16;
 } bf_ctx;
 
@@ -66,7 +68,7 @@ typedef struct {
         const int64_t kq = (c->K + 1) / 2;                                                          \
         const uint16_t *B = c->Bp + p * kq * NR * 2;                                                \
         const float *bias = (const float *)c->bias;                                                 \
-        KERNEL((const ATYPE *)c->A + row * c->lda, c->lda, B, c->K,                                 \
+        KERNEL((const ATYPE *)lmi_panel_pad_row(&c->A, row), c->A.ldp_bytes / sizeof(ATYPE), B, c->K, \
                (char *)c->C + (row * c->ldc + p * NR) * (c->out_bf16 ? 2 : 4), c->ldc, c->out_bf16, \
                bias ? bias + p * NR : 0, c->N - p * NR < NR ? c->N - p * NR : NR,                   \
                next ? B + kq * NR * 2 : 0, i, nb, rows);                                            \
@@ -78,9 +80,11 @@ BF_BLOCK(bf_block, lmi_arch_bf16_block, uint16_t)
  * C [M, N] at row stride ldc: fp32, or bf16 when out_bf16. Products and sums in fp32 FMAs. */
 void lmi_gemm_bf16w(const float *A, int64_t M, int64_t K, int64_t lda, const uint16_t *Bp, int64_t N,
                     const float *bias, void *C, int64_t ldc, int out_bf16, int nthreads) {
-    const bf_ctx c = {A, bias, Bp, C, lda, K, N, ldc, out_bf16};
+    bf_ctx c = {{0}, bias, Bp, C, K, N, ldc, out_bf16};
     const int64_t mr = lmi_arch_bf16w_rows();
-    lmi_panel_drive(M, (N + NR - 1) / NR, lmi_panel_chunk(K * 4, mr), mr, nthreads, bfw_block, 0, &c);
+    const int64_t chunk = lmi_panel_pad_init(&c.A, A, M, K * 4, lda * 4, mr);
+    lmi_panel_drive(M, (N + NR - 1) / NR, chunk, mr, nthreads, bfw_block, c.A.dst ? lmi_panel_pad_prep : 0, &c);
+    free(c.A.dst);
 }
 
 /* A [M, K] fp32 at row stride lda -> out [M, K] bf16 at row stride ldo (builds with vdpbf16ps only). */
@@ -98,6 +102,8 @@ void lmi_gemm_bf16(const uint16_t *A, int64_t M, int64_t K, int64_t lda, const u
                    const float *bias, void *C, int64_t ldc, int out_bf16, int nthreads) {
     const int64_t mr = lmi_arch_bf16_rows();
     if (!mr) return;
-    const bf_ctx c = {A, bias, Bp, C, lda, K, N, ldc, out_bf16};
-    lmi_panel_drive(M, (N + NR - 1) / NR, lmi_panel_chunk(K * 2, mr), mr, nthreads, bf_block, 0, &c);
+    bf_ctx c = {{0}, bias, Bp, C, K, N, ldc, out_bf16};
+    const int64_t chunk = lmi_panel_pad_init(&c.A, A, M, K * 2, lda * 2, mr);
+    lmi_panel_drive(M, (N + NR - 1) / NR, chunk, mr, nthreads, bf_block, c.A.dst ? lmi_panel_pad_prep : 0, &c);
+    free(c.A.dst);
 }

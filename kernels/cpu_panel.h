@@ -20,6 +20,8 @@
 #ifndef LMI_CPU_PANEL_H
 #define LMI_CPU_PANEL_H
 #include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
 #include <omp.h>
 
 typedef void (*lmi_panel_block_fn)(const void *ctx, int64_t row, int64_t rows, int64_t p, int next, int64_t i,
@@ -57,5 +59,57 @@ static inline void lmi_panel_drive(int64_t M, int64_t np, int64_t chunk, int64_t
             }
         }
     }
+}
+
+/* A padded copy of A. Rows at a stride that is a multiple of 4 KiB fall in the same L1 sets (one set
+ * of an 8-way 32 KiB L1 for every row of a block), so a row block's broadcasts keep missing: fp32,
+ * K = 3072 (a ViT's MLP down projection), M = 1,024 measured 132 GFLOP/s against 212 with the rows
+ * 64 bytes further apart (AMD Zen 4, 2 threads; benchmarks/results/vlm-smolvlm-r2/README.md). Such A
+ * (of at least LMI_PANEL_PAD_ROWS rows) is copied a chunk at a time, by the loop's prep, to a stride of an
+ * odd number of cache lines; the kernels read the same values, so no output changes.
+ * A GEMM's context starts with its lmi_panel_pad, so that lmi_panel_pad_prep serves as every GEMM's prep. */
+#define LMI_PANEL_PAD_ROWS 8
+
+typedef struct {
+    const char *src;
+    char *dst;                      /* the chunk's copy, or NULL: A read where it is */
+    int64_t row_bytes, lda_bytes, ldp_bytes, chunk;
+} lmi_panel_pad;
+
+/* pd for A (M rows of row_bytes at a stride of lda_bytes; blocks of mr rows): the copy when the
+ * stride aliases and its buffer is had. Returns the rows per chunk to drive. The caller frees pd->dst. */
+static inline int64_t lmi_panel_pad_init(lmi_panel_pad *pd, const void *A, int64_t M, int64_t row_bytes,
+                                         int64_t lda_bytes, int64_t mr) {
+    pd->src = (const char *)A;
+    pd->dst = 0;
+    pd->row_bytes = row_bytes;
+    pd->lda_bytes = pd->ldp_bytes = lda_bytes;
+    pd->chunk = lmi_panel_chunk(row_bytes, mr);
+    if (M >= LMI_PANEL_PAD_ROWS && lda_bytes % 4096 == 0) {
+        const int64_t lines = (row_bytes + 63) / 64, ldp = (lines | 1) * 64;  /* an odd count of lines: the
+                                                                                rows cycle through every set */
+        int64_t chunk = lmi_panel_chunk(ldp, mr);
+        if (chunk > M) chunk = M;
+        char *d = (char *)malloc((size_t)(chunk * ldp));
+        if (d) {                    /* else: A where it is, the same values */
+            pd->dst = d;
+            pd->ldp_bytes = ldp;
+            pd->chunk = chunk;
+        }
+    }
+    return pd->chunk;
+}
+
+/* The loop's prep for a context that starts with its lmi_panel_pad: thread t of nt copies its share
+ * of the chunk's rows. */
+static inline void lmi_panel_pad_prep(const void *ctx, int64_t row, int64_t rows, int t, int nt) {
+    const lmi_panel_pad *pd = (const lmi_panel_pad *)ctx;
+    for (int64_t r = rows * t / nt; r < rows * (t + 1) / nt; ++r)
+        memcpy(pd->dst + r * pd->ldp_bytes, pd->src + (row + r) * pd->lda_bytes, (size_t)pd->row_bytes);
+}
+
+/* Row `row` of A as the kernels read it (the chunk's copy: chunks start at multiples of pd->chunk). */
+static inline const void *lmi_panel_pad_row(const lmi_panel_pad *pd, int64_t row) {
+    return pd->dst ? pd->dst + (row % pd->chunk) * pd->ldp_bytes : pd->src + row * pd->lda_bytes;
 }
 #endif

@@ -110,6 +110,22 @@ def test_widened_rows_do_not_depend_on_the_batch_or_the_threads(each_build):
         torch.set_num_threads(before)
 
 
+def test_rows_at_a_4k_stride_are_copied_without_changing_a_bit(each_build):
+    # kernels/cpu_panel.h's padded copy of A (rows 4 KiB apart): widened, fp32 rows of K 1024; and on the
+    # vdpbf16ps build, bf16 rows of K 2048. Each row equals itself alone (one row: no copy).
+    for k, dot in ((1024, False), (2048, True)):
+        if dot and not cpu_ext.gemm_bf16_available():
+            continue
+        x, w, b = _data(64, k, 45, seed=k)
+        p = cpu_ext.pack_bf16(w)
+        a = x if dot else x.float() * 1.001
+        run = (lambda rows: cpu_ext.gemm_bf16(rows, p, 45, b)) if dot else \
+            (lambda rows: cpu_ext.gemm_bf16(rows, p, 45, b, torch.float32, widen=True))
+        alone = torch.cat([run(a[i:i + 1]) for i in range(64)])
+        for m in (8, 21, 64):
+            assert torch.equal(run(a[:m]), alone[:m]), (k, m)
+
+
 def test_only_the_avx512_build_has_the_dot_product_kernel(each_build):
     # vdpbf16ps is AVX512-BF16's; the AVX2 and NEON builds serve bf16 weights by widening them.
     assert cpu_ext.gemm_bf16w_available()

@@ -329,6 +329,28 @@ def test_gemm_rows_do_not_depend_on_the_batch_and_inputs_may_be_views(each_build
                        b.expand(4, n))                                  # no inputs: the bias alone
 
 
+@pytest.mark.parametrize("k", [1024, 3072])
+def test_gemm_rows_at_a_4k_stride_are_copied_without_changing_a_bit(each_build, k):
+    # Rows 4 KiB apart (or a multiple) go through a copy at another stride (kernels/cpu_panel.h
+    # lmi_panel_pad): each row still equals itself alone (one row: no copy), in one chunk or several,
+    # and a view whose stride aliases reads only its own columns (NaN after them).
+    g = torch.Generator().manual_seed(k)
+    n = 70
+    w, b = torch.randn(n, k, generator=g), torch.randn(n, generator=g)
+    p = cpu_ext.pack_panels(w)
+    x = torch.randn(300, k, generator=g)
+    alone = torch.cat([cpu_ext.gemm(x[i:i + 1], p, n, b) for i in range(300)])
+    for m in (8, 13, 40, 300):
+        assert torch.equal(cpu_ext.gemm(x[:m], p, n, b), alone[:m]), m
+    want = x.double() @ w.double().t() + b.double()
+    assert ((alone.double() - want).abs() <= (k + 1) * 2.0 ** -24 * (x.double().abs() @ w.double().abs().t()
+                                                                     + b.double().abs())).all()
+    wide = torch.full((300, 1024), float("nan"))
+    wide[:, :1000] = x[:, :1000]
+    q = cpu_ext.pack_panels(w[:, :1000])
+    assert torch.equal(cpu_ext.gemm(wide[:, :1000], q, n, b), cpu_ext.gemm(x[:, :1000].contiguous(), q, n, b))
+
+
 def test_gemm_gives_the_same_answer_on_any_number_of_threads(each_build):
     g = torch.Generator().manual_seed(2)
     x, w = torch.randn(37, 300, generator=g), torch.randn(130, 300, generator=g)

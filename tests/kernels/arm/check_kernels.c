@@ -102,13 +102,15 @@ static void ref_gemm(const float *A, int64_t M, int64_t K, int64_t lda, const fl
 }
 
 static void check_gemm(void) {
-    static const int64_t MS[] = {1, 3, 5, 13, 14, 15, 37}, KN[][2] = {{64, 1}, {96, 17}, {100, 70}, {33, 32}};
+    /* K 1024: rows 4 KiB apart, copied to another stride by kernels/cpu_panel.h (lmi_panel_pad) past 8 rows */
+    static const int64_t MS[] = {1, 3, 5, 13, 14, 15, 37},
+                         KN[][2] = {{64, 1}, {96, 17}, {100, 70}, {33, 32}, {1024, 40}};
     int ok = 1, cases = 0;
     char detail[160] = "";
     for (size_t a = 0; a < sizeof KN / sizeof KN[0]; ++a)
         for (size_t b = 0; b < sizeof MS / sizeof MS[0]; ++b)
             for (int bi = 0; bi < 2; ++bi) {
-                const int64_t K = KN[a][0], N = KN[a][1], M = MS[b], lda = K + 3, np = (N + 31) / 32;
+                const int64_t K = KN[a][0], N = KN[a][1], M = MS[b], lda = K % 1024 ? K + 3 : K, np = (N + 31) / 32;
                 float *A = alloc(sizeof(float) * M * lda), *W = alloc(sizeof(float) * N * K);
                 float *bias = alloc(sizeof(float) * N), *P = alloc(sizeof(float) * np * 32 * K);
                 float *C = alloc(sizeof(float) * M * N), *R = alloc(sizeof(float) * M * N);
@@ -135,10 +137,10 @@ static void check_gemm(void) {
 
 /* ---------------------------------------------------------------- bf16 weights */
 static void check_gemm_bf16w(void) {
-    static const int64_t MS[] = {1, 4, 12, 13, 30}, KN[][2] = {{64, 5}, {97, 40}, {128, 64}};
+    static const int64_t MS[] = {1, 4, 12, 13, 30}, KN[][2] = {{64, 5}, {97, 40}, {128, 64}, {1024, 33}};
     int ok = 1, cases = 0;
     char detail[160] = "";
-    for (size_t a = 0; a < 3; ++a)
+    for (size_t a = 0; a < 4; ++a)
         for (size_t b = 0; b < 5; ++b)
             for (int ob = 0; ob < 2; ++ob) {
                 const int64_t K = KN[a][0], N = KN[a][1], M = MS[b], np = (N + 31) / 32, kq = (K + 1) / 2;
