@@ -14,7 +14,8 @@
  * rows on NEON). Each output element is sum_k A[m, k] * W[n, k] accumulated in k order by fused
  * multiply-adds from 0, then + bias: a row's result depends only on that row (the same in any batch),
  * and every build gives the same values bit for bit. Rows go in chunks whose A slice stays in L2
- * (about 1 MiB), the row blocks of a chunk near-equal in size (kernels/cpu_panel.h).
+ * (about 1 MiB), the row blocks of a chunk near-equal in size (kernels/cpu_panel.h); rows 4 KiB apart
+ * (or a multiple) are read from a copy at another stride (lmi_panel_pad: the same values).
  */
 #include <stdint.h>
 #include <stdlib.h>
