@@ -85,6 +85,7 @@ typedef struct {
     const float *da, *sa;
     const int32_t *si;
     uint8_t *T;         /* int8 path: nt per-thread transposed panels (K x 32 bytes each) or NULL */
+    lmi_panel_pad pad;  /* exact path: A, or its copy where its rows are 4 KiB apart (kernels/cpu_panel.h) */
 } q_ctx;
 
 /* Threads for np panels: at most one a panel, at least one (as kernels/cpu_panel.h's loop). */
@@ -172,14 +173,21 @@ static void q_block(const void *v, int64_t row, int64_t rows, int64_t p, int nex
     if (c->W && (nb > 1 || rows > mrq)) {
         float *W = c->W + (int64_t)omp_get_thread_num() * K * NR;
         if (i == 0) lmi_arch_q_dequant(B, K, c->g, &s, c->bits, W, Bn);
-        lmi_arch_gemm_block_cached(c->A + row * c->lda, c->lda, W, K, C, c->ldc, bias, ncols, rows);
+        lmi_arch_gemm_block_cached((const float *)lmi_panel_pad_row(&c->pad, row), c->pad.ldp_bytes / 4, W, K, C,
+                                   c->ldc, bias, ncols, rows);
         return;
     }
     for (int64_t r0 = 0; r0 < rows; r0 += mrq) {   /* (more than one pass only if W's allocation failed) */
         const int64_t mr = rows - r0 < mrq ? rows - r0 : mrq;
-        lmi_arch_q_block(c->A + (row + r0) * c->lda, c->lda, B, K, c->g, &s, C + r0 * c->ldc, c->ldc, bias, ncols,
+        lmi_arch_q_block((const float *)lmi_panel_pad_row(&c->pad, row + r0), c->pad.ldp_bytes / 4, B, K, c->g, &s,
+                         C + r0 * c->ldc, c->ldc, bias, ncols,
                          r0 == 0 ? Bn : 0, c->pbytes >> 6, i, nb, c->bits, mr);
     }
+}
+
+/* The loop's prep on the exact path: the chunk's rows copied where they alias (lmi_panel_pad). */
+static void q_pad(const void *v, int64_t row, int64_t rows, int t, int nt) {
+    lmi_panel_pad_prep(&((const q_ctx *)v)->pad, row, rows, t, nt);
 }
 
 /* A [M, K] fp32 at row stride lda (K contiguous); Bp, S, Mn, D, E as packed (see the top), smode
@@ -198,6 +206,8 @@ void lmi_gemm_q(const float *A, int64_t M, int64_t K, int64_t lda, const uint8_t
     if (a8_serves(act8, K, g) && gemm_q_a8(&c, M, np, nthreads)) return;
     const int64_t mr = M > mrq ? lmi_arch_q_dequant_rows() : mrq;
     if (M > mrq) c.W = (float *)aligned_alloc(64, (size_t)team(nthreads, np) * (size_t)K * NR * sizeof(float));
-    lmi_panel_drive(M, np, lmi_panel_chunk(K * 4, mr), mr, nthreads, q_block, 0, &c);
+    const int64_t chunk = lmi_panel_pad_init(&c.pad, A, M, K * 4, lda * 4, mr);
+    lmi_panel_drive(M, np, chunk, mr, nthreads, q_block, c.pad.dst ? q_pad : 0, &c);
+    free(c.pad.dst);
     free(c.W);
 }

@@ -62,7 +62,8 @@ def test_kernel_is_bit_for_bit_the_fp32_panel_gemm_on_the_dequantized_weights(ea
     # its dequantized fp32 model's on the CPU path (register kernels and dequantized panels alike)
     if not cpu_ext.gemm_available():
         pytest.skip(f"the {each_build} build has no fp32 panel GEMM (kernels/cpu_gemm.c) to compare with")
-    for n, k, g, bits in [(96, 256, 32, 4), (50, 130, 64, 4), (64, 64, 32, 8)]:
+    # K 1024: rows 4 KiB apart, read from a copy past 8 rows (kernels/cpu_panel.h lmi_panel_pad)
+    for n, k, g, bits in [(96, 256, 32, 4), (50, 130, 64, 4), (64, 64, 32, 8), (40, 1024, 64, 4)]:
         w = _grouped(n, k, g, bits, seed=n)
         pw = cpu_ext.pack_panels(w.dequantize())
         for m in (1, 3, 4, 37):

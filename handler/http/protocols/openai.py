@@ -718,4 +718,6 @@ def models(model: str, created: int, adapters: list[str] = ()) -> dict:
 def error_body(status: int, message: str, field: str | None = None) -> dict:
     kind = {400: "invalid_request_error", 404: "not_found_error", 415: "invalid_request_error",
             503: "service_unavailable", 504: "timeout"}.get(status, "server_error")
-    return {"error": {"message": message, "type": kind, "param": field, "code": status}}
+    # the part named in the message too (as the TGI and Anthropic bodies do): SDKs show the message, not param
+    text = f"{field}: {message}" if field and not message.startswith(field) else message
+    return {"error": {"message": text, "type": kind, "param": field, "code": status}}
