@@ -64,9 +64,7 @@ void lmi_gemm(const float *A, int64_t M, int64_t K, int64_t lda, const float *Bp
               const float *bias, float *C, int64_t ldc, int nthreads) {
     gemm_ctx c = {{0}, Bp, bias, C, K, N, ldc};
     const int64_t mr = lmi_arch_gemm_rows();
-    const int64_t chunk = lmi_panel_pad_init(&c.A, A, M, K * 4, lda * 4, mr);
-    lmi_panel_drive(M, (N + NR - 1) / NR, chunk, mr, nthreads, gemm_block, c.A.dst ? lmi_panel_pad_prep : 0, &c);
-    free(c.A.dst);
+    lmi_panel_drive_rows(&c.A, A, M, K * 4, lda * 4, (N + NR - 1) / NR, mr, nthreads, gemm_block, &c);
 }
 
 /* The read-stream probe `bench floor` measures the memory floor with (handler/tools/bench/floor.py):

@@ -82,9 +82,7 @@ void lmi_gemm_bf16w(const float *A, int64_t M, int64_t K, int64_t lda, const uin
                     const float *bias, void *C, int64_t ldc, int out_bf16, int nthreads) {
     bf_ctx c = {{0}, bias, Bp, C, K, N, ldc, out_bf16};
     const int64_t mr = lmi_arch_bf16w_rows();
-    const int64_t chunk = lmi_panel_pad_init(&c.A, A, M, K * 4, lda * 4, mr);
-    lmi_panel_drive(M, (N + NR - 1) / NR, chunk, mr, nthreads, bfw_block, c.A.dst ? lmi_panel_pad_prep : 0, &c);
-    free(c.A.dst);
+    lmi_panel_drive_rows(&c.A, A, M, K * 4, lda * 4, (N + NR - 1) / NR, mr, nthreads, bfw_block, &c);
 }
 
 /* A [M, K] fp32 at row stride lda -> out [M, K] bf16 at row stride ldo (builds with vdpbf16ps only). */
@@ -103,7 +101,5 @@ void lmi_gemm_bf16(const uint16_t *A, int64_t M, int64_t K, int64_t lda, const u
     const int64_t mr = lmi_arch_bf16_rows();
     if (!mr) return;
     bf_ctx c = {{0}, bias, Bp, C, K, N, ldc, out_bf16};
-    const int64_t chunk = lmi_panel_pad_init(&c.A, A, M, K * 2, lda * 2, mr);
-    lmi_panel_drive(M, (N + NR - 1) / NR, chunk, mr, nthreads, bf_block, c.A.dst ? lmi_panel_pad_prep : 0, &c);
-    free(c.A.dst);
+    lmi_panel_drive_rows(&c.A, A, M, K * 2, lda * 2, (N + NR - 1) / NR, mr, nthreads, bf_block, &c);
 }

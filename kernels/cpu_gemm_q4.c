@@ -75,6 +75,7 @@ int lmi_gemm_q_act8_available(void) { return lmi_arch_q_a8_rows() > 0; }
 /* The context of a grouped GEMM's panel loop (kernels/cpu_panel.h): the operands as lmi_gemm_q takes
  * them; W: nt per-thread dequantized panels (K x 32 fp32 each) or NULL; aq, da, sa, si: the int8 rows. */
 typedef struct {
+    lmi_panel_pad pad;  /* first (lmi_panel_pad_prep's): exact path, A or its copy where its rows are 4 KiB apart */
     const float *A, *bias, *D, *E;
     const uint8_t *Bp;
     const void *S, *Mn;
@@ -85,7 +86,6 @@ typedef struct {
     const float *da, *sa;
     const int32_t *si;
     uint8_t *T;         /* int8 path: nt per-thread transposed panels (K x 32 bytes each) or NULL */
-    lmi_panel_pad pad;  /* exact path: A, or its copy where its rows are 4 KiB apart (kernels/cpu_panel.h) */
 } q_ctx;
 
 /* Threads for np panels: at most one a panel, at least one (as kernels/cpu_panel.h's loop). */
@@ -185,11 +185,6 @@ static void q_block(const void *v, int64_t row, int64_t rows, int64_t p, int nex
     }
 }
 
-/* The loop's prep on the exact path: the chunk's rows copied where they alias (lmi_panel_pad). */
-static void q_pad(const void *v, int64_t row, int64_t rows, int t, int nt) {
-    lmi_panel_pad_prep(&((const q_ctx *)v)->pad, row, rows, t, nt);
-}
-
 /* A [M, K] fp32 at row stride lda (K contiguous); Bp, S, Mn, D, E as packed (see the top), smode
  * and sg their mode; bits 4, 5, 6 or 8; g the group size along K; bias [N] or NULL; C [M, N] at row
  * stride ldc. kernels/cpu_panel.h's loop (threads own contiguous ranges of panels; rows in chunks
@@ -201,13 +196,11 @@ void lmi_gemm_q(const float *A, int64_t M, int64_t K, int64_t lda, const uint8_t
                 const void *Mn, const float *D, const float *E, int smode, int64_t sg, int bits, int64_t g,
                 int64_t N, const float *bias, float *C, int64_t ldc, int act8, int nthreads) {
     const int64_t np = (N + NR - 1) / NR, mrq = lmi_arch_q_rows();
-    q_ctx c = {A, bias, D, E, Bp, S, Mn, C, 0, lda, K, N, ldc, g, (K + g - 1) / g, sg, K * LMI_Q_ROW_BYTES(bits),
+    q_ctx c = {{0}, A, bias, D, E, Bp, S, Mn, C, 0, lda, K, N, ldc, g, (K + g - 1) / g, sg, K * LMI_Q_ROW_BYTES(bits),
                smode, bits, 0, 0, 0, 0, 0};
     if (a8_serves(act8, K, g) && gemm_q_a8(&c, M, np, nthreads)) return;
     const int64_t mr = M > mrq ? lmi_arch_q_dequant_rows() : mrq;
     if (M > mrq) c.W = (float *)aligned_alloc(64, (size_t)team(nthreads, np) * (size_t)K * NR * sizeof(float));
-    const int64_t chunk = lmi_panel_pad_init(&c.pad, A, M, K * 4, lda * 4, mr);
-    lmi_panel_drive(M, np, chunk, mr, nthreads, q_block, c.pad.dst ? q_pad : 0, &c);
-    free(c.pad.dst);
+    lmi_panel_drive_rows(&c.pad, A, M, K * 4, lda * 4, np, mr, nthreads, q_block, &c);
     free(c.W);
 }

@@ -108,6 +108,17 @@ static inline void lmi_panel_pad_prep(const void *ctx, int64_t row, int64_t rows
         memcpy(pd->dst + r * pd->ldp_bytes, pd->src + (row + r) * pd->lda_bytes, (size_t)pd->row_bytes);
 }
 
+/* lmi_panel_drive over A read through pd, the first member of ctx: the copy set up where A's rows alias,
+ * the chunks driven (each copied first by lmi_panel_pad_prep), the copy freed. */
+static inline void lmi_panel_drive_rows(lmi_panel_pad *pd, const void *A, int64_t M, int64_t row_bytes,
+                                        int64_t lda_bytes, int64_t np, int64_t mr, int nthreads,
+                                        lmi_panel_block_fn block, const void *ctx) {
+    const int64_t chunk = lmi_panel_pad_init(pd, A, M, row_bytes, lda_bytes, mr);
+    lmi_panel_drive(M, np, chunk, mr, nthreads, block, pd->dst ? lmi_panel_pad_prep : 0, ctx);
+    free(pd->dst);
+    pd->dst = 0;
+}
+
 /* Row `row` of A as the kernels read it (the chunk's copy: chunks start at multiples of pd->chunk). */
 static inline const void *lmi_panel_pad_row(const lmi_panel_pad *pd, int64_t row) {
     return pd->dst ? pd->dst + (row % pd->chunk) * pd->ldp_bytes : pd->src + row * pd->lda_bytes;

@@ -110,20 +110,32 @@ def test_widened_rows_do_not_depend_on_the_batch_or_the_threads(each_build):
         torch.set_num_threads(before)
 
 
+def _rows_alone(run, a):
+    """Each row of a computed alone (one row: no copy)."""
+    return torch.cat([run(a[i:i + 1]) for i in range(a.shape[0])])
+
+
 def test_rows_at_a_4k_stride_are_copied_without_changing_a_bit(each_build):
-    # kernels/cpu_panel.h's padded copy of A (rows 4 KiB apart): widened, fp32 rows of K 1024; and on the
-    # vdpbf16ps build, bf16 rows of K 2048. Each row equals itself alone (one row: no copy).
-    for k, dot in ((1024, False), (2048, True)):
-        if dot and not cpu_ext.gemm_bf16_available():
-            continue
-        x, w, b = _data(64, k, 45, seed=k)
-        p = cpu_ext.pack_bf16(w)
-        a = x if dot else x.float() * 1.001
-        run = (lambda rows: cpu_ext.gemm_bf16(rows, p, 45, b)) if dot else \
-            (lambda rows: cpu_ext.gemm_bf16(rows, p, 45, b, torch.float32, widen=True))
-        alone = torch.cat([run(a[i:i + 1]) for i in range(64)])
-        for m in (8, 21, 64):
-            assert torch.equal(run(a[:m]), alone[:m]), (k, m)
+    # kernels/cpu_panel.h's padded copy of A (rows 4 KiB apart): widened, fp32 rows of K 1024; each row
+    # equals itself alone, in a batch of 8, 21 or 64.
+    x, w, b = _data(64, 1024, 45, seed=1024)
+    p = cpu_ext.pack_bf16(w)
+    a = x.float() * 1.001
+    run = lambda rows: cpu_ext.gemm_bf16(rows, p, 45, b, torch.float32, widen=True)   # noqa: E731
+    alone = _rows_alone(run, a)
+    for m in (8, 21, 64):
+        assert torch.equal(run(a[:m]), alone[:m]), m
+
+
+@dot_needed
+def test_bf16_rows_at_a_4k_stride_are_copied_without_changing_a_bit(avx512):
+    # The same for the vdpbf16ps GEMM: bf16 rows of K 2048.
+    x, w, b = _data(64, 2048, 45, seed=2048)
+    p = cpu_ext.pack_bf16(w)
+    run = lambda rows: cpu_ext.gemm_bf16(rows, p, 45, b)    # noqa: E731
+    alone = _rows_alone(run, x)
+    for m in (8, 21, 64):
+        assert torch.equal(run(x[:m]), alone[:m]), m
 
 
 def test_only_the_avx512_build_has_the_dot_product_kernel(each_build):
