@@ -21,6 +21,7 @@ from handler.model.quant_formats import AT_LOAD           # option.quantize valu
 from handler.model.quant_int4 import QuantLoadError
 from handler.model.sampling import Sampler
 import kernels
+from kernels.backends import CpuAttention
 from kernels.pool import KVPool, allocate as pool_alloc
 from kernels.step import plan_step
 from handler.engine.types import SampleResult, StepItem
@@ -66,11 +67,24 @@ def model_geometry(config) -> tuple[int, int, int, int]:
     return g.layers, g.kv_heads, g.head_dim, g.max_positions
 
 
-def pack_step(items: list[StepItem], bs: int, copies=()) -> tuple[torch.Tensor, list[int]]:
+# A prompt chunk after cached rows (start > 0) whose rows together attend to at most this many keys goes
+# as one decode row per token (ModelRunner.rowwise_keys, CPU kernels only): see pack_step.
+ROWWISE_KEYS = 16384
+
+
+def pack_step(items: list[StepItem], bs: int, copies=(), rowwise_keys: int = 0) -> tuple[torch.Tensor, list[int]]:
     """One step as one int64 tensor (what rank 0 broadcasts to the other ranks):
     [T, S, W, R, C | ids T | positions T | KV slots T | query_start_loc S+1 | seq_lens S |
     block tables S*W | logit rows R | block copies 2C (src..., dst...)]; T tokens, S sequences,
-    W table width, R logit rows, C copied blocks. Also each item's first logit row."""
+    W table width, R logit rows, C copied blocks. Also each item's first logit row.
+
+    `rowwise_keys`: a prompt chunk after cached rows whose n rows attend to at most this many keys
+    (n * start + n (n + 1) / 2) is packed as n decode rows, as a draft is. The step then keeps the
+    shape the CPU layer stack takes in one call (decode rows, then whole prompts: kernels/step.py)
+    instead of running every layer in Python for the chunk's gathered attention: a chunked
+    prefill's continuation costs a step ~15 ms of Python on SmolLM2's 30 layers. Past the bound
+    the gathered GEMM attention is cheaper than row by row over the pool. The rows, their ids,
+    positions and slots are the same either way."""
     ids: list[int] = []
     pos: list[int] = []
     slots: list[int] = []
@@ -85,16 +99,19 @@ def pack_step(items: list[StepItem], bs: int, copies=()) -> tuple[torch.Tensor, 
         pos.extend(range(start, start + n))
         slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
         first_row.append(len(rows))
-        if it.draft:
-            # A draft's k+1 rows go as k+1 decode rows over the same block table, row j with
-            # context start+j+1: each layer writes every row's KV before any row attends (the
-            # C decode kernel, the torch math and Triton alike), so row j sees rows < j, causally,
+        if it.draft or (n > 1 and start > 0 and n * start + n * (n + 1) // 2 <= rowwise_keys):
+            # A draft's k+1 rows (or a short chunk's n) go as decode rows over the same block table,
+            # row j with context start+j+1: each layer writes every row's KV before any row attends
+            # (the C decode kernel, the torch math and Triton alike), so row j sees rows < j, causally,
             # and the step stays a decode step (kernels/cpu_layer.c's one-call stack).
             for j in range(n):
                 qsl.append(qsl[-1] + 1)
                 seq_lens.append(start + j + 1)
                 seq_tables.append(table)
-            rows.extend(range(qsl[-1] - n, qsl[-1]))
+            if it.draft or it.prompt_logprobs:
+                rows.extend(range(qsl[-1] - n, qsl[-1]))
+            elif it.sample:
+                rows.append(qsl[-1] - 1)
             continue
         qsl.append(qsl[-1] + n)
         seq_lens.append(start + n)
@@ -137,6 +154,9 @@ class ModelRunner:
     # and the processor HTTP threads call (the engine's MediaProcessor); None for a text-only model.
     vision = None
     media = None
+    # pack_step's bound for a prompt chunk packed as decode rows: the CPU kernels' layer stack (0: never;
+    # a VLM's chunks keep their sequence, which image runs attending both ways are keyed by)
+    rowwise_keys = 0
 
     def __init__(self, model_dir: str, *, dtype: str = "auto", device: str = "auto",
                  block_size: int = 16, kv_cache_tokens: int | None = None,
@@ -175,6 +195,8 @@ class ModelRunner:
         if self.device.type == "cpu":
             self._select_cpu_kernels(cpu_kernels)
         self.attention = kernels.backend_for(self.device)   # every layer's attention (kernels/backends.py)
+        if isinstance(self.attention, CpuAttention):
+            self.rowwise_keys = ROWWISE_KEYS
         try:
             self.tokenizer = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
             config = AutoConfig.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
@@ -304,6 +326,7 @@ class ModelRunner:
         else:
             log.info("model: our %s implementation (handler/model/llama.py)", model.arch.family)
         if family is not None:
+            self.rowwise_keys = 0
             self.vision = vision.VisionStage(model_dir, config, family, llama._safetensors(model_dir), self.dtype,
                                              self.device, int(self.encoder_cache_mb * 1e6))
             self.media = vision.Processor(model_dir, config, family, self.trust_remote_code)
@@ -642,7 +665,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def _packed_step(self, items: list[StepItem], copies: list[tuple[int, int]] = ()) -> list[SampleResult]:
-        packed, first_row = pack_step(items, self.block_size, copies)
+        packed, first_row = pack_step(items, self.block_size, copies, self.rowwise_keys)
         if self.ranks is not None:   # the other ranks run the same copies + forward on their shards
             self.ranks.send_step(packed)
         # a VLM: the images these items feed, encoded (or from the encoder cache) before the prefill

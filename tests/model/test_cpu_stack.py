@@ -190,13 +190,13 @@ def test_every_norm_has_its_cpu_kernel_chosen_at_load(demo_model_factory):
     assert all(m.cpu_kernel in ("f32", "torch") for m in norms) and norms[0].cpu_kernel in want
 
 
-def _run_steps(runner, steps: list, calls: list) -> tuple[list, list]:
+def _run_steps(runner, steps: list, calls: list, rowwise_keys: int = 0) -> tuple[list, list]:
     from handler.model.runner import pack_step
     stack = runner.model.decode_stack
     if stack is not None:
         real = stack.run
         stack.run = lambda *a: calls.append(real(*a)) or calls[-1]
-    out = [runner.forward(pack_step(items, 4)[0]).clone() for items in steps]
+    out = [runner.forward(pack_step(items, 4, rowwise_keys=rowwise_keys)[0]).clone() for items in steps]
     return out, [(k.data.clone(), v.data.clone()) for k, v in runner.kv_cache]
 
 
@@ -236,6 +236,57 @@ def test_stack_takes_long_prompts_and_declines_chunks_and_prompts_before_decodes
     for (gk, gv), (wk, wv) in zip(got_kv, want_kv):
         assert torch.equal(gk, wk) and torch.equal(gv, wv)
     assert calls == [True, True, True, False, False, True]
+
+
+@needs_stack
+@pytest.mark.parametrize("family,dtype", [("llama", "fp32"), ("qwen3", "fp32"),
+                                          pytest.param("llama", "bf16", marks=needs_bf16_panels)])
+def test_a_short_chunk_after_cached_rows_runs_in_the_stack_as_decode_rows(demo_model_factory, family, dtype):
+    # A continuation chunk of a prompt (rows after cached ones) within the runner's bound goes as one
+    # decode row per token (pack_step's rowwise_keys): the step keeps the stack's shape and runs in C,
+    # equal bit for bit to the Python layers on the same packing, and (the attention being the same
+    # causal attention over the cache) within rounding of the gathered attention's values.
+    from handler.engine.request import SamplingParams
+    from handler.engine.types import StepItem
+    from handler.model.runner import ROWWISE_KEYS, pack_step
+    path = demo_model_factory(family)
+    g = torch.Generator().manual_seed(11)
+    p = SamplingParams(max_new_tokens=16)
+    a, d = (torch.randint(5, 200, (n,), generator=g).tolist() for n in (30, 70))
+    tab = {"a": list(range(0, 10)), "d": list(range(10, 30))}
+    steps = [
+        [StepItem(1, a, 0, tab["a"], True, p, a), StepItem(4, d[:25], 0, tab["d"], False, p, d)],
+        [StepItem(1, [7], 30, tab["a"], True, p, a + [7]),                  # a decode row, then the
+         StepItem(4, d[25:50], 25, tab["d"], False, p, d)],                 # prompt's middle chunk
+        [StepItem(4, d[50:], 50, tab["d"], True, p, d),                     # its last chunk (samples)
+         StepItem(1, [9], 31, tab["a"], True, p, a + [7, 9])],              # before a decode row
+        [StepItem(1, [5], 32, tab["a"], True, p, []), StepItem(4, [6], 70, tab["d"], True, p, [])],
+    ]
+    assert 20 * 50 + 20 * 21 // 2 <= ROWWISE_KEYS       # the last chunk is within the bound
+    # The packing: the middle chunk is 25 sequences of one row, contexts 26 .. 50; one logit row each step.
+    packed, first = pack_step(steps[1], 4, rowwise_keys=ROWWISE_KEYS)
+    t, s_, w, r = packed[:4].tolist()
+    assert (t, s_, r) == (26, 26, 1) and first == [0, 1]
+    seq_lens = packed[5 + 3 * t + s_ + 1: 5 + 3 * t + 2 * s_ + 1].tolist()
+    assert seq_lens == [31] + list(range(26, 51))
+    fast, slow, gathered = (_runner(path, dtype, kv_tokens=512), _runner(path, dtype, stack=False, kv_tokens=512),
+                            _runner(path, dtype, stack=False, kv_tokens=512))
+    calls = []
+    got, got_kv = _run_steps(fast, steps, calls, rowwise_keys=ROWWISE_KEYS)
+    want, want_kv = _run_steps(slow, steps, [], rowwise_keys=ROWWISE_KEYS)
+    ref, _ = _run_steps(gathered, steps, [])
+    assert calls == [True, True, True, True]
+    for i, (x, y, z) in enumerate(zip(got, want, ref)):
+        assert x.shape == y.shape == z.shape and torch.equal(x, y), i
+        tol = 1e-5 if dtype == "fp32" else 3e-2     # relative to the largest logit (bf16: 8 bits)
+        err = (x.float() - z.float()).abs().max() / z.float().abs().max()
+        assert err < tol, (i, err)
+    for (gk, gv), (wk, wv) in zip(got_kv, want_kv):
+        assert torch.equal(gk, wk) and torch.equal(gv, wv)
+    # Past the bound the chunk keeps its sequence (the gathered attention) and the step its Python layers.
+    calls = []
+    _run_steps(_runner(path, dtype, kv_tokens=512), steps, calls, rowwise_keys=20 * 50)
+    assert calls == [True, True, False, True]
 
 
 def test_step_plan_reads_the_step_layout():

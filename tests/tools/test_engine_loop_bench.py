@@ -26,6 +26,10 @@ def test_closed_loop_answers_every_request_with_its_tokens(demo_model_dir):
     assert res["iterations"] >= max(m for _, m in reqs)
     assert max(seen) < 3                                         # at most 3 in flight
     assert res["req_per_s"] > 0 and res["cpu_s_per_1k_out_tok"] > 0
+    # Latency figures from the engine's own event times: every token after a request's first comes a
+    # step after the one before, so TPOT is positive; TTFT p90 >= p50 >= the quickest first token.
+    assert 0 < res["tpot_p50_ms"] <= res["tpot_p90_ms"]
+    assert 0 < res["ttft_p50_ms"] <= res["ttft_p90_ms"] < 1000.0 * res["wall_s"]
 
 
 def test_main_writes_every_repetition(demo_model_dir, tmp_path):
@@ -33,9 +37,10 @@ def test_main_writes_every_repetition(demo_model_dir, tmp_path):
     assert engine_loop.main(["--model-dir", demo_model_dir, "--requests", "6", "--concurrency", "2",
                              "--prompt-tokens", "4,9", "--max-new-tokens", "3", "--reps", "2",
                              "--kv-tokens", "1024", "--max-running", "4", "--arm", "decode_stack=0",
-                             "--out", str(out)]) == 0
+                             "--property", "option.target_tpot_ms=500", "--out", str(out)]) == 0
     data = json.loads(out.read_text())
     assert data["arms"] == ["decode_stack=0"]
+    assert data["properties"] == {"option.target_tpot_ms": "500"}
     assert [r["requests"] for r in data["runs"]] == [6, 6]
     assert [r["output_tokens"] for r in data["runs"]] == [18, 18]
     assert data["prompt_tokens"] == [4, 9] and data["concurrency"] == 2
@@ -65,3 +70,12 @@ def test_the_bench_command_refuses_an_unknown_arm_in_one_line(demo_model_dir, ca
         main(["engine-loop", "--model-dir", demo_model_dir, "--arm", "gemm=mkl"])
     assert e.value.code == 2
     assert "gemm='mkl': allowed panels, onednn" in capsys.readouterr().err
+
+
+def test_a_property_that_is_not_a_key_or_a_bad_value_is_refused_in_one_line(demo_model_dir, capsys):
+    from handler.tools.bench.cli import main
+    with pytest.raises(SystemExit) as e:
+        main(["engine-loop", "--model-dir", demo_model_dir, "--property", "target_tpot_ms"])
+    assert e.value.code == 2 and "expected option.KEY=VALUE" in capsys.readouterr().err
+    assert engine_loop.main(["--model-dir", demo_model_dir, "--property", "option.target_tpot_ms=fast"]) == 2
+    assert "option.target_tpot_ms" in capsys.readouterr().err

@@ -2,7 +2,8 @@
 
     python -m handler bench engine-loop --model-dir DIR [--dtype fp32|bf16] [--requests 200]
         [--concurrency 50] [--prompt-tokens 15,60,160] [--max-new-tokens 16,32,64] [--reps 2]
-        [--preset cpu|cpu-135m] [--quantize int8] [--arm NAME=VALUE ...] [--out engine_loop.json]
+        [--preset cpu|cpu-135m] [--quantize int8] [--arm NAME=VALUE ...] [--property option.KEY=VALUE ...]
+        [--out engine_loop.json]
 
 The same shape as `handler bench compare`'s `lmi` workload (50 closed-loop clients, greedy,
 ignore_eos, KV 12,800 tokens, 64 running, prefill budget 4,096, block 16), but the clients are
@@ -14,7 +15,9 @@ threads, their wake-ups per streamed token, JSON, and the load client sharing th
 Prompts are random token ids (no tokenizer round trip), drawn per repetition from one seed;
 with --preset, the preset's own request list as `bench compare` serves it (the same prompt
 token counts and output lengths: compare these runs with a served figure).
-CPU-s / 1k out tok: this process's user + system time over the measured loop. `--arm` sets the
+CPU-s / 1k out tok: this process's user + system time over the measured loop; TTFT and TPOT
+p50 / p90 from the engine's own token times (`--property` sets a scheduling policy: the latency it buys
+without HTTP's noise). `--arm` sets the
 runner's CPU A/B arms (handler/model/cpu.py Arms), as benchmarks/step_floor.py does.
 """
 from __future__ import annotations
@@ -55,8 +58,15 @@ def closed_loop(engine, requests, concurrency: int) -> dict:
         return engine.submit([ids], SamplingParams(max_new_tokens=m, ignore_eos=True))[0]
 
     live, nxt = {}, 0
+    # Per request: submitted, first token, last token (time.monotonic, the engine's event clock), tokens.
+    times: dict[int, list] = {}
+
+    def start(i):
+        live[i] = submit(i)
+        times[i] = [time.monotonic(), None, None, 0]
+
     while nxt < min(concurrency, len(requests)):
-        live[nxt] = submit(nxt)
+        start(nxt)
         nxt += 1
     t0, c0 = time.perf_counter(), os.times()
     done = tokens = steps = 0
@@ -69,17 +79,34 @@ def closed_loop(engine, requests, concurrency: int) -> dict:
                 if isinstance(ev, ErrorEvent):
                     raise RuntimeError(f"request {i} failed: {ev}")
                 tokens += 1
+                t = times[i]
+                t[1] = t[1] or ev.time
+                t[2], t[3] = ev.time, t[3] + 1
                 if ev.done is not None:
                     del live[i]
                     done += 1
                     if nxt < len(requests):
-                        live[nxt] = submit(nxt)
+                        start(nxt)
                         nxt += 1
     wall, c1 = time.perf_counter() - t0, os.times()
     cpu = (c1.user - c0.user) + (c1.system - c0.system)
+    ttft = [f - s for s, f, _, _ in times.values()]
+    tpot = [(e - f) / (n - 1) for _, f, e, n in times.values() if n > 1]
     return {"requests": done, "output_tokens": tokens, "iterations": steps, "wall_s": wall,
             "req_per_s": done / wall, "out_tok_per_s": tokens / wall,
-            "cpu_s_per_1k_out_tok": 1000.0 * cpu / max(1, tokens)}
+            "cpu_s_per_1k_out_tok": 1000.0 * cpu / max(1, tokens),
+            **{f"{name}_p{q}_ms": 1000.0 * _quantile(v, q / 100) for name, v in (("ttft", ttft), ("tpot", tpot))
+               for q in (50, 90)}}
+
+
+def _quantile(values: list[float], q: float) -> float:
+    """The q-quantile by linear interpolation (numpy's default), 0 for no values."""
+    if not values:
+        return 0.0
+    v = sorted(values)
+    x = q * (len(v) - 1)
+    lo = int(x)
+    return v[lo] + (v[min(lo + 1, len(v) - 1)] - v[lo]) * (x - lo)
 
 
 def main(argv: list[str], reexec: bool = False) -> int:
@@ -101,8 +128,17 @@ def main(argv: list[str], reexec: bool = False) -> int:
     p.add_argument("--arm", action="append", default=[], metavar="NAME=VALUE",
                    help="a CPU A/B arm of the runner, repeatable (handler/model/cpu.py Arms: prepack=0, "
                         "gemm=onednn, bf16_gemm=panels|bf16|fp32, kv_layout=token, decode_stack=0, moe_kernel=0)")
+    p.add_argument("--property", action="append", default=[], metavar="KEY=VALUE",
+                   help="a serving.properties key for the engine, repeatable (a scheduling policy: "
+                        "option.target_tpot_ms=125, option.max_rolling_batch_prefill_tokens=512, ...)")
     p.add_argument("--out")
     a = p.parse_args(argv)
+    props = {}
+    for kv in a.property:
+        key, eq, value = kv.partition("=")
+        if not eq or not key.startswith("option."):
+            p.error(f"--property {kv!r}: expected option.KEY=VALUE")
+        props[key] = value
     from handler.model.cpu import Arms, preload_env
     try:
         arms = Arms.parse(a.arm)
@@ -113,7 +149,7 @@ def main(argv: list[str], reexec: bool = False) -> int:
         os.execve(sys.executable, [sys.executable, "-m", "handler", "bench", "engine-loop", *argv], env)
     try:
         engine = make_engine(a.model_dir, a.dtype, a.max_running, a.kv_tokens, prefill_tokens=4096,
-                             quantize=a.quantize, arms=arms)
+                             quantize=a.quantize, arms=arms, properties=props)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -128,13 +164,16 @@ def main(argv: list[str], reexec: bool = False) -> int:
         res = closed_loop(engine, reqs, a.concurrency)
         runs.append(res)
         print(f"rep {r}: {res['req_per_s']:.2f} req/s, {res['out_tok_per_s']:.0f} out tok/s, "
-              f"{res['cpu_s_per_1k_out_tok']:.2f} CPU-s / 1k out tok", flush=True)
+              f"{res['cpu_s_per_1k_out_tok']:.2f} CPU-s / 1k out tok, TPOT p50/p90 {res['tpot_p50_ms']:.0f}/"
+              f"{res['tpot_p90_ms']:.0f} ms, TTFT p50/p90 {res['ttft_p50_ms']:.0f}/{res['ttft_p90_ms']:.0f} ms",
+              flush=True)
     prompts = ptoks if served is None else \
         {"preset": a.preset, "mean": sum(len(ids) for ids, _ in served) / len(served)}
     out = {"model_dir": a.model_dir, "dtype": a.dtype, "quantize": a.quantize,
            "requests": a.requests if served is None else len(served),
            "concurrency": a.concurrency, "prompt_tokens": prompts, "max_new_tokens": mnew,
-           "kv_tokens": a.kv_tokens, "max_running": a.max_running, "arms": a.arm, "runs": runs,
+           "kv_tokens": a.kv_tokens, "max_running": a.max_running, "arms": a.arm, "properties": props,
+           "runs": runs,
            "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
                        "ld_preload": os.environ.get("LD_PRELOAD", ""),
                        "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}}

@@ -7,10 +7,11 @@ import tempfile
 
 
 def make_engine(model_dir: str, dtype: str, batch: int, kv_tokens: int, prefill_tokens: int = 8192,
-                quantize: str | None = None, arms=None):
+                quantize: str | None = None, arms=None, properties: dict | None = None):
     """A paged engine (running limit `batch`, `kv_tokens` of KV, `prefill_tokens` a step) with its
     thread stopped: the caller runs `engine.step()`. `arms`: the runner's CPU A/B arms
-    (handler/model/cpu.py Arms; None: a server's defaults). The CPU kernels' build is
+    (handler/model/cpu.py Arms; None: a server's defaults); `properties`: more serving.properties
+    keys (a scheduling policy: option.target_tpot_ms, ...). The CPU kernels' build is
     LMI_CPU_KERNELS as a server reads it."""
     from handler.config import load_config
     from handler.server import build_engine
@@ -20,6 +21,7 @@ def make_engine(model_dir: str, dtype: str, batch: int, kv_tokens: int, prefill_
              "option.cpu_kernels": os.environ.get("LMI_CPU_KERNELS", "auto")}
     if quantize:
         props["option.quantize"] = quantize
+    props.update(properties or {})
     with tempfile.TemporaryDirectory() as d:
         path = os.path.join(d, "serving.properties")
         with open(path, "w") as f:
