@@ -121,7 +121,7 @@ def main(argv: list[str], reexec: bool = False) -> int:
     p.add_argument("--reps", type=int, default=2)
     p.add_argument("--kv-tokens", type=int, default=12800)
     p.add_argument("--max-running", type=int, default=64)
-    p.add_argument("--preset", choices=("cpu", "cpu-135m"),
+    p.add_argument("--preset", choices=("cpu", "cpu-135m", "cpu-qwen-0.5b", "cpu-qwen-1.5b"),
                    help="run this `bench compare` preset's lmi request list, tokenized as served "
                         "(every repetition the same list), instead of random prompts")
     p.add_argument("--quantize", help="option.quantize for the engine (e.g. int8)")
