@@ -13,6 +13,8 @@
 #define LMI_CPU_ARCH_H
 #include <stdint.h>
 
+#include "cpu_panel.h"
+
 #define LMI_HIDDEN __attribute__((visibility("hidden")))
 
 /* ---- fp32 panels (kernels/cpu_gemm.c): B [K][32] */
@@ -38,13 +40,14 @@ LMI_HIDDEN void lmi_arch_bf16_round_row(const float *a, int64_t K, uint16_t *o);
 
 /* ---- int8 (kernels/cpu_gemm_i8.c): activations Aq [M][Kp] uint8 (q + 128), panels [kq][32][4] */
 typedef struct {
+    lmi_panel_pad A;            /* first: lmi_panel_pad_prep's. Aq as the blocks read it (lmi_panel_pad_row) */
     const uint8_t *Aq;
-    int16_t *A16;               /* widened builds: the chunk's rows as lmi_arch_i8_widen left them */
+    int16_t *A16;               /* widened builds: the chunk's rows as lmi_arch_i8_widen left them, lda16 apart */
     const float *sa, *sw, *bias;
     const int8_t *Bp;
     const int32_t *wsum;
     float *C;
-    int64_t Kp, kq, N, ldc, chunk;
+    int64_t Kp, kq, N, ldc, chunk, lda16;
 } lmi_i8_args;
 /* the row quantization's vector part, for k < n (a multiple of 16): max |a[k]| (0 for n = 0), reduced in
  * the order of gcc's _mm512_reduce_max_ps; o[k] = clamp(round_even(a[k] * inv), -127, 127) + 128 */
@@ -54,7 +57,7 @@ LMI_HIDDEN int lmi_arch_i8_rows(void);
 /* 1: the blocks of 2+ rows read c->A16, each chunk's rows widened by lmi_arch_i8_widen first (the
  * loop's prep), row r of the chunk at A16 + (r % chunk) * Kp */
 LMI_HIDDEN int lmi_arch_i8_widened(void);
-LMI_HIDDEN void lmi_arch_i8_widen(const uint8_t *Aq, int64_t rows, int64_t Kp, int16_t *out);
+LMI_HIDDEN void lmi_arch_i8_widen(const uint8_t *Aq, int64_t rows, int64_t Kp, int16_t *out, int64_t ldo);
 LMI_HIDDEN void lmi_arch_i8_block(const lmi_i8_args *c, int64_t row, int64_t rows, int64_t p, int next, int64_t i,
                                   int64_t nb);
 

@@ -96,36 +96,40 @@ static void i8w_prep(const void *v, int64_t row, int64_t rows, int t, int nt) {
     const lmi_i8_args *c = (const lmi_i8_args *)v;
     if (rows < 2) return;
     const int64_t r0 = rows * t / nt, r1 = rows * (t + 1) / nt;
-    lmi_arch_i8_widen(c->Aq + (row + r0) * c->Kp, r1 - r0, c->Kp, c->A16 + r0 * c->Kp);
+    lmi_arch_i8_widen(c->Aq + (row + r0) * c->Kp, r1 - r0, c->Kp, c->A16 + r0 * c->lda16, c->lda16);
 }
 
 /* Aq [M, Kp] uint8 from lmi_quant_rows with its scales sa [M]; Bp, wsum from lmi_pack_i8; sw [N]
  * the weight scales; bias [N] or NULL; C [M, N] fp32 at row stride ldc (kernels/cpu_panel.h's
- * loop over the arch layer's row blocks). Widened builds (AVX2 without VNNI): the activations
- * widened chunk by chunk into one buffer the threads share (the loop's prep), blocks of 2-3 rows. */
+ * loop over the arch layer's row blocks). Rows of Kp bytes a multiple of 4 KiB apart (K = 4096,
+ * 8192, ...) are read from lmi_panel_pad's copy, as the fp32 panels' are. Widened builds (AVX2
+ * without VNNI): the activations widened chunk by chunk into one buffer the threads share (the loop's
+ * prep), blocks of 2-3 rows; its int16 rows are a cache line further apart where 2 Kp bytes would alias. */
 void lmi_gemm_i8(const uint8_t *Aq, int64_t M, int64_t Kp, const float *sa, const int8_t *Bp,
                  const int32_t *wsum, const float *sw, int64_t N, const float *bias, float *C, int64_t ldc,
                  int nthreads) {
     const int64_t np = (N + NR - 1) / NR;
     if (!lmi_arch_i8_widened()) {
-        const int64_t mr = lmi_arch_i8_rows();
-        const lmi_i8_args c = {Aq, 0, sa, sw, bias, Bp, wsum, C, Kp, Kp / 4, N, ldc, 0};
-        lmi_panel_drive(M, np, lmi_panel_chunk(Kp, mr), mr, nthreads, i8_block, 0, &c);
+        lmi_i8_args c = {{0}, Aq, 0, sa, sw, bias, Bp, wsum, C, Kp, Kp / 4, N, ldc, 0, 0};
+        lmi_panel_drive_rows(&c.A, Aq, M, Kp, Kp, np, lmi_arch_i8_rows(), nthreads, i8_block, &c);
         return;
     }
     const int64_t MRW = lmi_arch_i8_rows();
-    int64_t chunk = lmi_panel_chunk(2 * Kp, MRW);
+    const int64_t lda16 = M >= LMI_PANEL_PAD_ROWS && (2 * Kp) % 4096 == 0 ? Kp + 32 : Kp;
+    int64_t chunk = lmi_panel_chunk(2 * lda16, MRW);
     if (chunk > M) chunk = M;
     int16_t *A16 = 0;
     if (M > 1) {
-        while (!(A16 = (int16_t *)malloc((size_t)(chunk * Kp) * sizeof(int16_t))) && chunk > 2) chunk = (chunk + 1) / 2;
+        while (!(A16 = (int16_t *)malloc((size_t)(chunk * lda16) * sizeof(int16_t))) && chunk > 2)
+            chunk = (chunk + 1) / 2;
         if (!A16) {     /* not even two rows' 4 Kp bytes: the same sums, one row at a time */
             for (int64_t m = 0; m < M; ++m)
                 lmi_gemm_i8(Aq + m * Kp, 1, Kp, sa + m, Bp, wsum, sw, N, bias, C + m * ldc, ldc, nthreads);
             return;
         }
     }
-    const lmi_i8_args c = {Aq, A16, sa, sw, bias, Bp, wsum, C, Kp, Kp / 4, N, ldc, chunk > 0 ? chunk : 1};
+    lmi_i8_args c = {{0}, Aq, A16, sa, sw, bias, Bp, wsum, C, Kp, Kp / 4, N, ldc, chunk > 0 ? chunk : 1, lda16};
+    lmi_panel_pad_init(&c.A, Aq, 0, Kp, Kp, MRW);     /* no copy: the one-row blocks read Aq in place */
     lmi_panel_drive(M, np, c.chunk, MRW, nthreads, i8_block, i8w_prep, &c);
     free(A16);
 }

@@ -160,15 +160,15 @@ int lmi_arch_i8_rows(void) { return MRMAX; }
 
 void lmi_arch_i8_block(const lmi_i8_args *c, int64_t row, int64_t rows, int64_t p, int next, int64_t i, int64_t nb) {
     const int8_t *B = c->Bp + p * c->kq * NR * 4;
-    KI8[rows](c->Aq + row * c->Kp, c->Kp, B, c->kq, c->C + row * c->ldc + p * NR, c->ldc, c->sa + row,
+    KI8[rows]((const uint8_t *)lmi_panel_pad_row(&c->A, row), c->A.ldp_bytes, B, c->kq, c->C + row * c->ldc + p * NR, c->ldc, c->sa + row,
                 c->sw + p * NR, c->wsum + p * NR, c->bias ? c->bias + p * NR : 0,
                 c->N - p * NR < NR ? c->N - p * NR : NR, next ? B + c->kq * NR * 4 : 0, i, nb);
 }
 
 int lmi_arch_i8_widened(void) { return 0; }
 
-void lmi_arch_i8_widen(const uint8_t *Aq, int64_t rows, int64_t Kp, int16_t *out) {
-    (void)Aq; (void)rows; (void)Kp; (void)out;
+void lmi_arch_i8_widen(const uint8_t *Aq, int64_t rows, int64_t Kp, int16_t *out, int64_t ldo) {
+    (void)Aq; (void)rows; (void)Kp; (void)out; (void)ldo;
 }
 #else
 /* AVX2 (and AVX-512 builds without VNNI): the same panels, the same integers, the same epilogue,
@@ -237,15 +237,15 @@ int lmi_arch_i8_rows(void) { return V8_I8_ROWS; }
 
 void lmi_arch_i8_block(const lmi_i8_args *c, int64_t row, int64_t rows, int64_t p, int next, int64_t i, int64_t nb) {
     const int8_t *B = c->Bp + p * c->kq * NR * 4;
-    V8_I8[rows](c->Aq + row * c->Kp, c->Kp, B, c->kq, c->C + row * c->ldc + p * NR, c->ldc, c->sa + row,
+    V8_I8[rows]((const uint8_t *)lmi_panel_pad_row(&c->A, row), c->A.ldp_bytes, B, c->kq, c->C + row * c->ldc + p * NR, c->ldc, c->sa + row,
                 c->sw + p * NR, c->wsum + p * NR, c->bias ? c->bias + p * NR : 0,
                 c->N - p * NR < NR ? c->N - p * NR : NR, next ? B + c->kq * NR * 4 : 0, i, nb);
 }
 
 int lmi_arch_i8_widened(void) { return 0; }
 
-void lmi_arch_i8_widen(const uint8_t *Aq, int64_t rows, int64_t Kp, int16_t *out) {
-    (void)Aq; (void)rows; (void)Kp; (void)out;
+void lmi_arch_i8_widen(const uint8_t *Aq, int64_t rows, int64_t Kp, int16_t *out, int64_t ldo) {
+    (void)Aq; (void)rows; (void)Kp; (void)out; (void)ldo;
 }
 #else
 /* AVX2 without VNNI: int16 products by vpmaddwd, exact for any int8 operands.
@@ -372,14 +372,14 @@ __attribute__((noinline)) static void ks_1(const uint8_t *A, const int8_t *B, in
     }
 }
 
-/* Aq [rows][Kp] (uint8, q + 128) -> out [rows][Kp] int16, each k-group (q0, q2, q1, q3). */
-static void i8_widen_rows(const uint8_t *Aq, int64_t rows, int64_t Kp, int16_t *out) {
+/* Aq [rows][Kp] (uint8, q + 128) -> out [rows][Kp] int16 at a row stride of ldo, each k-group (q0, q2, q1, q3). */
+static void i8_widen_rows(const uint8_t *Aq, int64_t rows, int64_t Kp, int16_t *out, int64_t ldo) {
     const __m256i order = _mm256_setr_epi8(0, 1, 4, 5, 2, 3, 6, 7, 8, 9, 12, 13, 10, 11, 14, 15,
                                            0, 1, 4, 5, 2, 3, 6, 7, 8, 9, 12, 13, 10, 11, 14, 15);
     const __m256i off = _mm256_set1_epi16(128);
     for (int64_t m = 0; m < rows; ++m) {
         const uint8_t *a = Aq + m * Kp;
-        int16_t *o = out + m * Kp;
+        int16_t *o = out + m * ldo;
         int64_t k = 0;
         for (; k + 16 <= Kp; k += 16) {
             const __m256i w = _mm256_sub_epi16(_mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(a + k))), off);
@@ -394,7 +394,9 @@ static void i8_widen_rows(const uint8_t *Aq, int64_t rows, int64_t Kp, int16_t *
 
 int lmi_arch_i8_rows(void) { return MRW; }
 int lmi_arch_i8_widened(void) { return 1; }
-void lmi_arch_i8_widen(const uint8_t *Aq, int64_t rows, int64_t Kp, int16_t *out) { i8_widen_rows(Aq, rows, Kp, out); }
+void lmi_arch_i8_widen(const uint8_t *Aq, int64_t rows, int64_t Kp, int16_t *out, int64_t ldo) {
+    i8_widen_rows(Aq, rows, Kp, out, ldo);
+}
 
 /* One row: ks_1 over Aq; more: blocks of 2-3 rows x half panels over the chunk's widened rows
  * (c->A16, row % c->chunk), the panel's column halves sharing its prefetch. */
@@ -403,13 +405,13 @@ void lmi_arch_i8_block(const lmi_i8_args *c, int64_t row, int64_t rows, int64_t 
     const int8_t *B = c->Bp + p * kq * NR * 4, *Bn = next ? B + kq * NR * 4 : 0;
     float *C = c->C + row * c->ldc + p * NR;
     if (rows == 1) {    /* a chunk of one row (M = 1, or the last chunk) */
-        ks_1(c->Aq + row * c->Kp, B, kq, C, c->sa + row, c->sw + p * NR, c->bias ? c->bias + p * NR : 0, ncols,
+        ks_1((const uint8_t *)lmi_panel_pad_row(&c->A, row), B, kq, C, c->sa + row, c->sw + p * NR, c->bias ? c->bias + p * NR : 0, ncols,
              Bn, i, nb);
         return;
     }
-    const int16_t *A = c->A16 + (row % c->chunk) * c->Kp;
+    const int16_t *A = c->A16 + (row % c->chunk) * c->lda16;
     for (int64_t h = 0; h < 2 && ncols > 16 * h; ++h)
-        KW[rows](A, c->Kp, B + 64 * h, kq, C + 16 * h, c->ldc, c->sa + row, c->sw + p * NR + 16 * h,
+        KW[rows](A, c->lda16, B + 64 * h, kq, C + 16 * h, c->ldc, c->sa + row, c->sw + p * NR + 16 * h,
                  c->bias ? c->bias + p * NR + 16 * h : 0, ncols - 16 * h, Bn, i + nb * h, 2 * nb);
 }
 #endif

@@ -67,6 +67,25 @@ def _quant_and_gemm(x, qw, sw, n, bias):
     return aq, sa, cpu_ext.gemm_i8(x, panels, wsum, sw, n, bias)
 
 
+@pytest.mark.parametrize("k", [4096, 2048])
+def test_int8_rows_at_a_4k_stride_equal_each_row_alone(each_build, k):
+    # K 4096: the activation bytes' rows are 4 KiB apart, read from kernels/cpu_panel.h's padded copy
+    # past 8 rows; K 2048: the widened builds' int16 rows would be (their buffer's rows a line further
+    # apart). Each row still equals itself alone (one row: no copy, no widening), in one chunk or
+    # several (300 rows), and the integer product rescaled.
+    g = torch.Generator().manual_seed(k)
+    n = 70
+    x, w, b = torch.randn(300, k, generator=g), torch.randn(n, k, generator=g) * 0.05, torch.randn(n, generator=g)
+    qw, sw = quant.quantize_rows(w)
+    panels, wsum = cpu_ext.pack_i8(qw)
+    alone = torch.cat([cpu_ext.gemm_i8(x[i:i + 1], panels, wsum, sw, n, b) for i in range(300)])
+    for m in (8, 13, 40, 300):
+        assert torch.equal(cpu_ext.gemm_i8(x[:m], panels, wsum, sw, n, b), alone[:m]), m
+    aq, sa, _ = _quant_and_gemm(x, qw, sw, n, b)       # the kernel's own bytes: its integer sums are exact
+    want = ((aq.double()[:, :k] - 128) @ qw.double().T) * sa.double()[:, None] * sw.double()[None] + b.double()
+    assert ((alone.double() - want).abs().max() / want.abs().max()).item() < 1e-6
+
+
 def test_int8_kernel_sums_every_int8_weight_exactly(each_build):
     # Weights of any int8 value (-128 too, which quantize_rows never makes) and activations at both
     # ends of -127..127: AVX2's vpmaddubsw pair sums (|W| x signed q) must not saturate; the integer

@@ -228,10 +228,11 @@ static void ref_quant(const float *a, int64_t K, int64_t Kp, uint8_t *o, float *
 }
 
 static void check_gemm_i8(void) {
-    static const int64_t MS[] = {1, 2, 7, 14, 15, 29}, KN[][2] = {{64, 3}, {99, 40}, {256, 96}};
+    /* K 4096: rows of Kp bytes 4 KiB apart, copied to another stride (kernels/cpu_panel.h) past 8 rows */
+    static const int64_t MS[] = {1, 2, 7, 14, 15, 29}, KN[][2] = {{64, 3}, {99, 40}, {256, 96}, {4096, 33}};
     int ok = 1, cases = 0;
     char detail[160] = "";
-    for (size_t a = 0; a < 3; ++a)
+    for (size_t a = 0; a < 4; ++a)
         for (size_t b = 0; b < 6; ++b) {
             const int64_t K = KN[a][0], N = KN[a][1], M = MS[b], Kp = (K + 3) / 4 * 4, np = (N + 31) / 32;
             float *A = alloc(sizeof(float) * M * K), *sa = alloc(4 * M), *rsa = alloc(4 * M);
