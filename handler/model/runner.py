@@ -134,6 +134,19 @@ def pack_step(items: list[StepItem], bs: int, copies=(), rowwise_keys: int = 0) 
     return packed, first_row
 
 
+def stack_order(items: list[StepItem]) -> list[int] | None:
+    """The items' order with whole prompts (several rows from position 0) after every other item, where
+    a whole prompt comes before another item (None: already so). A step of decode rows then whole prompts
+    is the CPU layer stack's shape (kernels/step.py); each row's values do not depend on where its
+    sequence sits in the step, so the runner may pack them so (under priority scheduling a better class's
+    new prompt ranks before worse classes' decode rows; a recomputed sequence before younger ones)."""
+    whole = [len(it.token_ids) > 1 and it.start_pos == 0 and not it.draft for it in items]
+    first = next((i for i, w in enumerate(whole) if w), None)
+    if first is None or all(whole[first:]):
+        return None
+    return [i for i, w in enumerate(whole) if not w] + [i for i, w in enumerate(whole) if w]
+
+
 def _windowed(model) -> bool:
     """Whether a layer of `model` has a sliding window or an attention logit soft-cap."""
     arch = getattr(model, "arch", None)
@@ -665,6 +678,13 @@ class ModelRunner:
 
     @torch.inference_mode()
     def _packed_step(self, items: list[StepItem], copies: list[tuple[int, int]] = ()) -> list[SampleResult]:
+        order = stack_order(items) if self.rowwise_keys else None
+        if order is not None:       # whole prompts last: the step keeps the C layer stack's shape
+            got = self._packed_step([items[i] for i in order], copies)
+            back: list = [None] * len(items)
+            for j, i in enumerate(order):
+                back[i] = got[j]
+            return back
         packed, first_row = pack_step(items, self.block_size, copies, self.rowwise_keys)
         if self.ranks is not None:   # the other ranks run the same copies + forward on their shards
             self.ranks.send_step(packed)

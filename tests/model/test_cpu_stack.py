@@ -239,6 +239,42 @@ def test_stack_takes_long_prompts_and_declines_chunks_and_prompts_before_decodes
 
 
 @needs_stack
+def test_a_whole_prompt_before_decode_rows_is_packed_after_them_and_answers_the_same(demo_model_factory):
+    # The runner packs whole prompts after the other items (runner.stack_order), so a step whose prompt ranks
+    # before decode rows (a better priority class's new request) runs in the C stack; each item gets what it
+    # gets in stack order, and what the Python layers give it in the order asked.
+    from handler.engine.request import SamplingParams
+    from handler.engine.types import StepItem
+    from handler.model.runner import stack_order
+    path = demo_model_factory("llama")
+    g = torch.Generator().manual_seed(13)
+    p = SamplingParams(max_new_tokens=16)
+    a, b, c = (torch.randint(5, 200, (n,), generator=g).tolist() for n in (20, 33, 12))
+    tab = {"a": list(range(0, 8)), "b": list(range(8, 20)), "c": list(range(20, 26))}
+    first = [StepItem(1, a, 0, tab["a"], True, p, a), StepItem(3, c, 0, tab["c"], True, p, c)]
+    asked = [StepItem(2, b, 0, tab["b"], True, p, b),                       # a prompt, then decode rows
+             StepItem(1, [7], 20, tab["a"], True, p, a + [7]), StepItem(3, [9], 12, tab["c"], True, p, c + [9])]
+    assert stack_order(asked) == [1, 2, 0] and stack_order([asked[1], asked[2], asked[0]]) is None
+    assert stack_order(first) is None
+
+    def run(runner, items):
+        calls = []
+        stack = runner.model.decode_stack
+        if stack is not None:
+            real = stack.run
+            stack.run = lambda *x: calls.append(real(*x)) or calls[-1]
+        runner.step(first)
+        return [(r.token, r.logprob) for r in runner.step(items)], calls
+
+    got, calls = run(_runner(path), asked)
+    assert calls == [True, True]                                            # both steps in C
+    in_order, _ = run(_runner(path), [asked[1], asked[2], asked[0]])
+    slow, slow_calls = run(_runner(path, stack=False), asked)
+    assert slow_calls == []
+    assert got == [in_order[2], in_order[0], in_order[1]] == slow
+
+
+@needs_stack
 @pytest.mark.parametrize("family,dtype", [("llama", "fp32"), ("qwen3", "fp32"),
                                           pytest.param("llama", "bf16", marks=needs_bf16_panels)])
 def test_a_short_chunk_after_cached_rows_runs_in_the_stack_as_decode_rows(demo_model_factory, family, dtype):
