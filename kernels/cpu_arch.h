@@ -49,6 +49,10 @@ typedef struct {
     float *C;
     int64_t Kp, kq, N, ldc, chunk, lda16;
 } lmi_i8_args;
+/* Row `row` of the activation bytes as the blocks read it (c->A.ldp_bytes apart) */
+static inline const uint8_t *lmi_i8_row(const lmi_i8_args *c, int64_t row) {
+    return (const uint8_t *)lmi_panel_pad_row(&c->A, row);
+}
 /* the row quantization's vector part, for k < n (a multiple of 16): max |a[k]| (0 for n = 0), reduced in
  * the order of gcc's _mm512_reduce_max_ps; o[k] = clamp(round_even(a[k] * inv), -127, 127) + 128 */
 LMI_HIDDEN float lmi_arch_i8_absmax(const float *a, int64_t n);

@@ -23,8 +23,8 @@ one load-log line per layer that keeps prompts out. Per step the only question i
 shape, answered once by kernels/step.py (`plan.prompts`): every sequence decodes one row (those
 first) or feeds a whole prompt; any other step (a chunk of a longer prompt, a decode row after a
 prompt) runs the Python layers. A short chunk after cached rows comes as decode rows (the runner's
-pack_step, rowwise_keys), so a chunked prefill's continuation stays in the stack. Nothing inside a step falls back: tensors the C call does not take
-are a bug and raise. The decode_stack=0 A/B arm (handler/model/cpu.py Arms, a runner argument for
+pack_step, rowwise_keys), so a chunked prefill's continuation stays in the stack. Nothing inside a
+step falls back: tensors the C call does not take are a bug and raise. The decode_stack=0 A/B arm (handler/model/cpu.py Arms, a runner argument for
 benchmarks) turns it off.
 """
 from __future__ import annotations

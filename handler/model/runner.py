@@ -167,9 +167,6 @@ class ModelRunner:
     # and the processor HTTP threads call (the engine's MediaProcessor); None for a text-only model.
     vision = None
     media = None
-    # pack_step's bound for a prompt chunk packed as decode rows: the CPU kernels' layer stack (0: never;
-    # a VLM's chunks keep their sequence, which image runs attending both ways are keyed by)
-    rowwise_keys = 0
 
     def __init__(self, model_dir: str, *, dtype: str = "auto", device: str = "auto",
                  block_size: int = 16, kv_cache_tokens: int | None = None,
@@ -208,8 +205,6 @@ class ModelRunner:
         if self.device.type == "cpu":
             self._select_cpu_kernels(cpu_kernels)
         self.attention = kernels.backend_for(self.device)   # every layer's attention (kernels/backends.py)
-        if isinstance(self.attention, CpuAttention):
-            self.rowwise_keys = ROWWISE_KEYS
         try:
             self.tokenizer = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
             config = AutoConfig.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
@@ -339,7 +334,6 @@ class ModelRunner:
         else:
             log.info("model: our %s implementation (handler/model/llama.py)", model.arch.family)
         if family is not None:
-            self.rowwise_keys = 0
             self.vision = vision.VisionStage(model_dir, config, family, llama._safetensors(model_dir), self.dtype,
                                              self.device, int(self.encoder_cache_mb * 1e6))
             self.media = vision.Processor(model_dir, config, family, self.trust_remote_code)
@@ -675,6 +669,12 @@ class ModelRunner:
         if self.batch_invariant:
             return batch_invariant.step(self._packed_step, items, copies)
         return self._packed_step(items, copies)
+
+    @property
+    def rowwise_keys(self) -> int:
+        """pack_step's bound for a prompt chunk packed as decode rows: the CPU kernels' layer stack's (0:
+        other backends; a VLM's chunks keep their sequence, which image runs attending both ways are keyed by)."""
+        return ROWWISE_KEYS if isinstance(self.attention, CpuAttention) and self.vision is None else 0
 
     @torch.inference_mode()
     def _packed_step(self, items: list[StepItem], copies: list[tuple[int, int]] = ()) -> list[SampleResult]:

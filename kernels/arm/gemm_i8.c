@@ -111,7 +111,7 @@ int lmi_arch_i8_rows(void) { return V8_I8_ROWS; }
 
 void lmi_arch_i8_block(const lmi_i8_args *c, int64_t row, int64_t rows, int64_t p, int next, int64_t i, int64_t nb) {
     const int8_t *B = c->Bp + p * c->kq * NR * 4;
-    V8_I8[rows]((const uint8_t *)lmi_panel_pad_row(&c->A, row), c->A.ldp_bytes, B, c->kq, c->C + row * c->ldc + p * NR, c->ldc, c->sa + row,
+    V8_I8[rows](lmi_i8_row(c, row), c->A.ldp_bytes, B, c->kq, c->C + row * c->ldc + p * NR, c->ldc, c->sa + row,
                 c->sw + p * NR, c->wsum + p * NR, c->bias ? c->bias + p * NR : 0,
                 c->N - p * NR < NR ? c->N - p * NR : NR, next ? B + c->kq * NR * 4 : 0, i, nb);
 }

@@ -160,7 +160,7 @@ int lmi_arch_i8_rows(void) { return MRMAX; }
 
 void lmi_arch_i8_block(const lmi_i8_args *c, int64_t row, int64_t rows, int64_t p, int next, int64_t i, int64_t nb) {
     const int8_t *B = c->Bp + p * c->kq * NR * 4;
-    KI8[rows]((const uint8_t *)lmi_panel_pad_row(&c->A, row), c->A.ldp_bytes, B, c->kq, c->C + row * c->ldc + p * NR, c->ldc, c->sa + row,
+    KI8[rows](lmi_i8_row(c, row), c->A.ldp_bytes, B, c->kq, c->C + row * c->ldc + p * NR, c->ldc, c->sa + row,
                 c->sw + p * NR, c->wsum + p * NR, c->bias ? c->bias + p * NR : 0,
                 c->N - p * NR < NR ? c->N - p * NR : NR, next ? B + c->kq * NR * 4 : 0, i, nb);
 }
@@ -237,7 +237,7 @@ int lmi_arch_i8_rows(void) { return V8_I8_ROWS; }
 
 void lmi_arch_i8_block(const lmi_i8_args *c, int64_t row, int64_t rows, int64_t p, int next, int64_t i, int64_t nb) {
     const int8_t *B = c->Bp + p * c->kq * NR * 4;
-    V8_I8[rows]((const uint8_t *)lmi_panel_pad_row(&c->A, row), c->A.ldp_bytes, B, c->kq, c->C + row * c->ldc + p * NR, c->ldc, c->sa + row,
+    V8_I8[rows](lmi_i8_row(c, row), c->A.ldp_bytes, B, c->kq, c->C + row * c->ldc + p * NR, c->ldc, c->sa + row,
                 c->sw + p * NR, c->wsum + p * NR, c->bias ? c->bias + p * NR : 0,
                 c->N - p * NR < NR ? c->N - p * NR : NR, next ? B + c->kq * NR * 4 : 0, i, nb);
 }
@@ -405,8 +405,8 @@ void lmi_arch_i8_block(const lmi_i8_args *c, int64_t row, int64_t rows, int64_t 
     const int8_t *B = c->Bp + p * kq * NR * 4, *Bn = next ? B + kq * NR * 4 : 0;
     float *C = c->C + row * c->ldc + p * NR;
     if (rows == 1) {    /* a chunk of one row (M = 1, or the last chunk) */
-        ks_1((const uint8_t *)lmi_panel_pad_row(&c->A, row), B, kq, C, c->sa + row, c->sw + p * NR, c->bias ? c->bias + p * NR : 0, ncols,
-             Bn, i, nb);
+        ks_1(lmi_i8_row(c, row), B, kq, C, c->sa + row, c->sw + p * NR, c->bias ? c->bias + p * NR : 0, ncols, Bn, i,
+             nb);
         return;
     }
     const int16_t *A = c->A16 + (row % c->chunk) * c->lda16;

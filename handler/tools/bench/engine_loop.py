@@ -34,6 +34,7 @@ from handler.config import ConfigError
 from handler.engine.loop import ErrorEvent
 from handler.engine.request import SamplingParams
 from handler.tools.bench.inprocess import make_engine
+from handler.tools.bench.metrics import percentile
 
 
 def draw(n: int, prompt_tokens: list[int], max_new: list[int], vocab: int, seed: int):
@@ -95,18 +96,8 @@ def closed_loop(engine, requests, concurrency: int) -> dict:
     return {"requests": done, "output_tokens": tokens, "iterations": steps, "wall_s": wall,
             "req_per_s": done / wall, "out_tok_per_s": tokens / wall,
             "cpu_s_per_1k_out_tok": 1000.0 * cpu / max(1, tokens),
-            **{f"{name}_p{q}_ms": 1000.0 * _quantile(v, q / 100) for name, v in (("ttft", ttft), ("tpot", tpot))
+            **{f"{name}_p{q}_ms": 1000.0 * (percentile(v, q) or 0.0) for name, v in (("ttft", ttft), ("tpot", tpot))
                for q in (50, 90)}}
-
-
-def _quantile(values: list[float], q: float) -> float:
-    """The q-quantile by linear interpolation (numpy's default), 0 for no values."""
-    if not values:
-        return 0.0
-    v = sorted(values)
-    x = q * (len(v) - 1)
-    lo = int(x)
-    return v[lo] + (v[min(lo + 1, len(v) - 1)] - v[lo]) * (x - lo)
 
 
 def main(argv: list[str], reexec: bool = False) -> int:
