@@ -129,11 +129,14 @@ class CpuAttention(TorchAttention):
         torch_paged.decode_into(out, query, key_cache, value_cache, p, dec, scale, window, soft_cap)
         rest = p.chunks
         blocks = getattr(step, "blocks", None)    # rows attending both ways in blocks: the torch math's mask
-        whole = [s for s in p.whole if s not in blocks] if blocks else p.whole
-        if (whole and key is not None and window is None and soft_cap is None
-                and self.ext.prefill_attention(query, key, value, [p.qsl[s] for s in whole],
-                                               [p.lens[s] for s in whole], scale, out)):
-            rest = [s for s in p.chunks if s not in whole]
+        if rest and key is not None and window is None and soft_cap is None:
+            # prompts and chunks after cached rows in one call (a chunk's earlier keys read from the pools)
+            seqs = [s for s in rest if s not in blocks] if blocks else rest
+            n = [p.qsl[s + 1] - p.qsl[s] for s in seqs]
+            before = [p.lens[s] - k for s, k in zip(seqs, n)]
+            ctx = (key_cache, value_cache, p.tables[seqs], before) if any(before) else None
+            if seqs and self.ext.prefill_attention(query, key, value, [p.qsl[s] for s in seqs], n, scale, out, ctx):
+                rest = [s for s in rest if s not in seqs]
         torch_paged.prompts_into(out, query, key_cache, value_cache, p, rest, scale, window, soft_cap, key, value,
                                  blocks)
         return out

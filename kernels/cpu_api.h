@@ -58,6 +58,19 @@ typedef struct {
 /* decode attention's pool kind beside 0 (fp32) and 1 (bf16): int8 rows with fp32 scales */
 enum { KV_I8 = 2 };
 
+/* The keys a prompt chunk sees before its own rows (lmi_prefill_attention, lmi_step_layers): prompt p's
+ * first ctx[p] positions, read from the paged pools through its block table (tables [P, tw]), the pools'
+ * element strides and block size as lmi_decode_attention takes them; elements in the activations' dtype
+ * (kv = 0 fp32, 1 bf16) or int8 with row scales ksc / vsc (kv = KV_I8, read back as q * scale, rounded to
+ * bf16 for bf16 activations: what the prompt's own rows hold after lmi_kv_i8_roundtrip). */
+typedef struct {
+    const void *kc, *vc;
+    const float *ksc, *vsc;
+    int64_t kv, s_blk, s_tok, s_head, bs, tw;
+    const int32_t *tables;
+    const int64_t *ctx;
+} lmi_kv_ctx;
+
 /* cpu_gemm.c */
 void lmi_pack_b(const float *W, int64_t N, int64_t K, float *out);
 int lmi_gemm_available(void);
@@ -124,10 +137,11 @@ void lmi_rms_norm_bf16(const uint16_t *x, const uint16_t *w, uint16_t *out, int6
     int nthreads);
 void lmi_row_stats(const float *x, int64_t rows, int64_t V, int64_t ld, int64_t *argmax, float *maxv, float *logsum,
     int nthreads);
+/* (pc: the keys before each prompt's rows in the pools, NULL for whole prompts: see lmi_kv_ctx) */
 int lmi_prefill_attention(const void *q, const void *k, const void *v, int64_t qs, int64_t ks, int64_t vs,
     int64_t qh, int64_t khs, int64_t vhs, void *out, int64_t os, int64_t oh, int bf16, const int64_t *starts,
     const int64_t *lens, const int64_t *order, int64_t P, int64_t H, int64_t Hkv, int64_t D, float scale,
-    int nthreads);
+    const lmi_kv_ctx *pc, int nthreads);
 /* the same over an encoder's packed sequences, bidirectional (each row sees all its sequence's rows) */
 int lmi_encoder_attention(const void *q, const void *k, const void *v, int64_t qs, int64_t ks, int64_t vs,
     int64_t qh, int64_t khs, int64_t vhs, void *out, int64_t os, int64_t oh, int bf16, const int64_t *starts,
@@ -148,8 +162,9 @@ void lmi_silu_mul(void *g, const void *u, int64_t n, int bf16, int threads);
 int lmi_step_layers(const lmi_layer *layers, int64_t L, void *h, int64_t T, int64_t B, int64_t E, int64_t H,
     int64_t Hkv, int64_t D, int64_t I, float eps, int lanes, int bf16, const void *cos, const void *sin, int64_t cs,
     const int64_t *slots, int64_t nslots, const int32_t *tables, int64_t tw, const int32_t *lens, int64_t P,
-    const int64_t *pstarts, const int64_t *plens, const int64_t *porder, int64_t s_blk, int64_t s_tok,
-    int64_t s_head, int64_t bs, float scale, int threads);
+    const int64_t *pstarts, const int64_t *plens, const int64_t *porder, const int64_t *pctx,
+    const int32_t *ptables, int64_t ptw, int64_t s_blk, int64_t s_tok, int64_t s_head, int64_t bs, float scale,
+    int threads);
 /* a step's rows through a mixture-of-experts MLP's experts, grouped by expert, the routing weights applied
  * as the down projection's rows come out (cpu_layer.c) */
 int lmi_moe_experts(const lmi_lin *gate, const lmi_lin *up, const lmi_lin *down, int64_t X, const void *x,

@@ -500,6 +500,27 @@ static int64_t longest(const int64_t *lens, int64_t P) {
     return n;
 }
 
+/* Row t (< pc->ctx[p]) of prompt p's KV head kh from pool `pool` (int8: its row scales `sc`) into dst[0:D] in
+ * the activations' dtype (bf16 or fp32): lmi_kv_ctx's reading. */
+static void ctx_row(void *dst, const lmi_kv_ctx *pc, const void *pool, const float *sc, int64_t p, int64_t t,
+                    int64_t kh, int64_t D, int bf16) {
+    const int64_t off = (int64_t)pc->tables[p * pc->tw + t / pc->bs] * pc->s_blk + (t % pc->bs) * pc->s_tok
+                        + kh * pc->s_head;
+    if (pc->kv == KV_I8) {
+        const int8_t *r = (const int8_t *)pool + off;
+        const float s = sc[off / D];
+        for (int64_t d = 0; d < D; ++d) {
+            const float x = (float)r[d] * s;
+            if (bf16)
+                ((uint16_t *)dst)[d] = f32_to_bf16(x);
+            else
+                ((float *)dst)[d] = x;
+        }
+    } else {
+        memcpy(dst, (const char *)pool + off * (bf16 ? 2 : 4), (size_t)(D * (bf16 ? 2 : 4)));
+    }
+}
+
 /* Attention of P whole prompts (each one's context is its own rows of this step) by the panel
  * GEMMs, causal (a decoder's prompts: lmi_prefill_attention) or bidirectional (an encoder's packed
  * sequences, every row seeing all its sequence's rows: lmi_encoder_attention): per (prompt, KV head) item, K packed as a weight (S = Q K^T, the g query heads'
@@ -509,13 +530,20 @@ static int64_t longest(const int64_t *lens, int64_t P) {
  * for q, khs for k, vhs for v, oh for out), D contiguous; fp32 (bf16 = 0) or bf16 throughout
  * (bf16 = 1: Q K^T by vdpbf16ps, scores and softmax in fp32, P V with P kept in fp32 and V widened
  * in registers, O rounded to bf16 once). starts/lens [P]: each prompt's first row and length.
+ * pc (causal only; NULL: none): a prompt chunk's ctx earlier keys come from the pools (lmi_kv_ctx), its
+ * keys are then positions 0 .. ctx + n - 1 (the pool's, then its own rows) and its row i sees 0 .. ctx + i.
  * Returns 0, or -2 when scratch memory ran out. */
 static int prompt_attention(const void *q, const void *k, const void *v, int64_t qs, int64_t ks, int64_t vs,
                             int64_t qh, int64_t khs, int64_t vhs, void *out, int64_t os, int64_t oh, int bf16,
                             const int64_t *starts, const int64_t *lens, const int64_t *order, int64_t P, int64_t H,
-                            int64_t Hkv, int64_t D, float scale, int causal, int nthreads) {
+                            int64_t Hkv, int64_t D, float scale, int causal, const lmi_kv_ctx *pc,
+                            int nthreads) {
     const int64_t g = H / Hkv, es = bf16 ? 2 : 4;
-    const int64_t nmax = longest(lens, P);
+    int64_t nmax = 0;   /* the most keys an item reads */
+    for (int64_t p = 0; p < P; ++p) {
+        const int64_t nk = lens[p] + (pc ? pc->ctx[p] : 0);
+        nmax = nk > nmax ? nk : nmax;
+    }
     const int64_t npad = (nmax + 31) / 32 * 32 + 2, dpad = (D + 31) / 32 * 32;
     const int64_t rows = g * PQ;
     /* per thread: A [rows, D]; K rows / V^T [n x D]; K panels; V panels;
@@ -537,28 +565,36 @@ static int prompt_attention(const void *q, const void *k, const void *v, int64_t
             for (int64_t item = 0; item < P * Hkv; ++item) {
                 const int64_t pi = order[item / Hkv], kh = item % Hkv;
                 const int64_t n = lens[pi], t0 = starts[pi];
-                const int64_t kq = (n + 1) / 2;
-                /* K [n, D] and V^T [D, n] of this head, contiguous, then packed as weights */
+                const int64_t c0 = pc ? pc->ctx[pi] : 0, nk = c0 + n;     /* keys: c0 in the pools, then n */
+                const int64_t kq = (nk + 1) / 2;
+                /* K [nk, D] and V^T [D, nk] of this head, contiguous, then packed as weights */
+                for (int64_t t = 0; t < c0; ++t)
+                    ctx_row(tmp + t * D * es, pc, pc->kc, pc->ksc, pi, t, kh, D, bf16);
                 for (int64_t t = 0; t < n; ++t)
-                    memcpy(tmp + t * D * es, (const char *)k + ((t0 + t) * ks + kh * khs) * es, (size_t)(D * es));
+                    memcpy(tmp + (c0 + t) * D * es, (const char *)k + ((t0 + t) * ks + kh * khs) * es,
+                           (size_t)(D * es));
                 if (bf16)
-                    lmi_pack_bf16((const uint16_t *)tmp, n, D, (uint16_t *)kp);
+                    lmi_pack_bf16((const uint16_t *)tmp, nk, D, (uint16_t *)kp);
                 else
-                    lmi_pack_b((const float *)tmp, n, D, (float *)kp);
-                for (int64_t t = 0; t < n; ++t) {
-                    const int64_t at = (t0 + t) * vs + kh * vhs;
-                    if (bf16)
-                        for (int64_t d = 0; d < D; ++d) ((uint16_t *)tmp)[d * n + t] = ((const uint16_t *)v)[at + d];
+                    lmi_pack_b((const float *)tmp, nk, D, (float *)kp);
+                for (int64_t t = 0; t < nk; ++t) {
+                    const char *row = a_buf;    /* a pool row, read into A's room (free until the chunks) */
+                    if (t < c0)
+                        ctx_row(a_buf, pc, pc->vc, pc->vsc, pi, t, kh, D, bf16);
                     else
-                        for (int64_t d = 0; d < D; ++d) ((float *)tmp)[d * n + t] = ((const float *)v)[at + d];
+                        row = (const char *)v + ((t0 + t - c0) * vs + kh * vhs) * es;
+                    if (bf16)
+                        for (int64_t d = 0; d < D; ++d) ((uint16_t *)tmp)[d * nk + t] = ((const uint16_t *)row)[d];
+                    else
+                        for (int64_t d = 0; d < D; ++d) ((float *)tmp)[d * nk + t] = ((const float *)row)[d];
                 }
                 if (bf16)
-                    lmi_pack_bf16((const uint16_t *)tmp, D, n, (uint16_t *)vp);
+                    lmi_pack_bf16((const uint16_t *)tmp, D, nk, (uint16_t *)vp);
                 else
-                    lmi_pack_b((const float *)tmp, D, n, (float *)vp);
+                    lmi_pack_b((const float *)tmp, D, nk, (float *)vp);
                 for (int64_t i0 = 0; i0 < n; i0 += PQ) {
                     const int64_t i1 = i0 + PQ < n ? i0 + PQ : n, r = i1 - i0, m = g * r;
-                    const int64_t seen = causal ? i1 : n;      /* keys a row of this chunk may see */
+                    const int64_t seen = causal ? c0 + i1 : nk;    /* keys a row of this chunk may see */
                     const int64_t w = bf16 ? (seen + 1) / 2 * 2 : seen;    /* keys read: 0 .. seen - 1 (+ a zero) */
                     for (int64_t j = 0; j < g; ++j)     /* A row j * r + (i - i0): head kh * g + j at position i */
                         for (int64_t i = i0; i < i1; ++i)
@@ -571,7 +607,7 @@ static int prompt_attention(const void *q, const void *k, const void *v, int64_t
                     for (int64_t j = 0; j < g; ++j)
                         for (int64_t i = i0; i < i1; ++i) {
                             float *sr = s + (j * r + i - i0) * npad;
-                            const int64_t L = causal ? i + 1 : n;
+                            const int64_t L = causal ? c0 + i + 1 : nk;
                             row_softmax(sr, L, (L + 15) / 16 * 16, scale);
                             for (int64_t t = L; t < w; ++t) sr[t] = 0.f;
                         }
@@ -581,7 +617,7 @@ static int prompt_attention(const void *q, const void *k, const void *v, int64_t
                             lmi_gemm_bf16w(s, m, w, npad, (const uint16_t *)vp + (c / 32) * kq * 64, nc, 0, o + c,
                                            dpad, 0, 1);
                         else
-                            lmi_gemm(s, m, w, npad, (const float *)vp + (c / 32) * n * 32, nc, 0, o + c, dpad, 1);
+                            lmi_gemm(s, m, w, npad, (const float *)vp + (c / 32) * nk * 32, nc, 0, o + c, dpad, 1);
                     }
                     for (int64_t j = 0; j < g; ++j)
                         for (int64_t i = i0; i < i1; ++i) {
@@ -604,9 +640,9 @@ int lmi_prefill_attention(const void *q, const void *k, const void *v, int64_t q
                           int64_t qh, int64_t khs, int64_t vhs, void *out, int64_t os, int64_t oh, int bf16,
                           const int64_t *starts, const int64_t *lens,
                           const int64_t *order, int64_t P, int64_t H, int64_t Hkv, int64_t D, float scale,
-                          int nthreads) {
+                          const lmi_kv_ctx *pc, int nthreads) {
     return prompt_attention(q, k, v, qs, ks, vs, qh, khs, vhs, out, os, oh, bf16, starts, lens, order, P, H, Hkv, D,
-                            scale, 1, nthreads);
+                            scale, 1, pc, nthreads);
 }
 
 /* Bidirectional attention of an encoder's packed sequences, ER query rows at a time (no panels: an

@@ -233,9 +233,10 @@ static void expert_rows(const lmi_lin *gate, const lmi_lin *up, const lmi_lin *d
                         int threads);
 
 /* h [T, E] (in place: the residual stream after the last layer) for a step of B decoding
- * sequences (rows 0 .. B-1, one each) and P whole prompts (each prompt's context is its own rows
- * of this step: rows pstarts[p] .. pstarts[p] + plens[p] - 1, all >= B; porder: the prompts
- * longest first, as lmi_prefill_attention takes them). cos/sin [T, D] (row stride cs); slots [T];
+ * sequences (rows 0 .. B-1, one each) and P prompts or prompt chunks (rows pstarts[p] .. pstarts[p] +
+ * plens[p] - 1, all >= B; porder: the order lmi_prefill_attention takes them in, costliest first; pctx
+ * (NULL: every prompt whole, its context its own rows): the positions before each chunk's rows, whose keys
+ * the chunk reads from the layer's pools through its block table, ptables [P, ptw]: lmi_kv_ctx). cos/sin [T, D] (row stride cs); slots [T];
  * tables [B, tw], lens [B] as lmi_decode_fused takes them; pools share one layout (strides
  * s_blk/s_tok/s_head, elements), nslots slots each; a layer with ksc set has int8 pools
  * (lmi_decode_fused_i8, lmi_write_kv_i8). Decode rows: lmi_decode_fused (rotary, KV
@@ -246,8 +247,8 @@ int lmi_step_layers(const lmi_layer *layers, int64_t L, void *h, int64_t T, int6
                     int64_t Hkv, int64_t D, int64_t I, float eps, int lanes, int bf16, const void *cos,
                     const void *sin, int64_t cs, const int64_t *slots, int64_t nslots, const int32_t *tables,
                     int64_t tw, const int32_t *lens, int64_t P, const int64_t *pstarts, const int64_t *plens,
-                    const int64_t *porder, int64_t s_blk, int64_t s_tok, int64_t s_head, int64_t bs, float scale,
-                    int threads) {
+                    const int64_t *porder, const int64_t *pctx, const int32_t *ptables, int64_t ptw, int64_t s_blk,
+                    int64_t s_tok, int64_t s_head, int64_t bs, float scale, int threads) {
     const int64_t es = bf16 ? 2 : 4, nqkv = (H + 2 * Hkv) * D;
     for (int64_t t = 0; t < T; ++t)
         if (slots[t] >= nslots) return -1;
@@ -312,8 +313,10 @@ int lmi_step_layers(const lmi_layer *layers, int64_t L, void *h, int64_t T, int6
             } else
                 lmi_write_kv(ly->kc, ly->vc, k + qo, v + qo, es, s_blk, s_tok, s_head, nqkv, D, nqkv, D, slots + B,
                              np, Hkv, D, bs, nslots);
+            const lmi_kv_ctx pc = {ly->kc, ly->vc, ly->ksc, ly->vsc, ly->ksc ? KV_I8 : bf16, s_blk, s_tok, s_head, bs,
+                                   ptw, ptables, pctx};
             rc = lmi_prefill_attention(q, k, v, nqkv, nqkv, nqkv, D, D, D, attn, H * D, D, bf16, pstarts, plens,
-                                       porder, P, H, Hkv, D, scale, threads);
+                                       porder, P, H, Hkv, D, scale, pctx ? &pc : NULL, threads);
         }
         if (rc) break;
         linear(&ly->o, attn, T, o, E, bf16, ws, threads);

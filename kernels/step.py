@@ -5,7 +5,8 @@ lens[s]-n_s .. lens[s]-1 of its context. The layers' attention needs the same fa
 which sequences decode one row, their block tables cut to the longest and their lengths (the
 decode kernel's int32 inputs), which prompts are whole (their context is this step's rows), the
 KV slots as int64, and whether the step has the one-call layer stack's shape (decode rows first,
-then whole prompts). `plan_step` works them out from the host-side lists, once.
+then prompts or prompt chunks, a chunk's earlier keys read from the pools through its block table).
+`plan_step` works them out from the host-side lists, once.
 """
 from __future__ import annotations
 
@@ -44,9 +45,11 @@ class StepPlan:
     chunks: list[int]                   # sequences feeding several rows
     whole: list[int]                    # ... of them, those whose whole context is this step's rows
     partial: list[int]                  # ... the others (a chunk after cached or earlier rows)
-    prompts: torch.Tensor | None        # [3, P] int64 (first rows, lengths, order longest first) of the
-                                        # whole prompts when the step is decode rows then whole prompts
-                                        # only (the layer stack's shape); None for any other step
+    prompts: torch.Tensor | None        # [3, P] int64 (first rows, lengths, order costliest first) of the
+                                        # prompts and chunks when the step is decode rows then those only
+                                        # (the layer stack's shape); None for any other step
+    prompt_ctx: torch.Tensor | None = None      # [P] int64 positions before each one's rows (None: all whole)
+    prompt_tables: torch.Tensor | None = None   # [P, W] int32 their block tables (with prompt_ctx)
 
     @property
     def stack_tables(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -63,10 +66,12 @@ def _as_list(x, cpu_list) -> list[int]:
     return x.tolist() if isinstance(x, torch.Tensor) else [int(v) for v in x]
 
 
-def prompt_table(starts: list[int], lens: list[int]) -> torch.Tensor:
-    """Whole prompts as the prompt-attention kernel and the layer stack take them: int64 [3, P] of
-    first rows, lengths, and the prompts' order longest first (the largest start first on the pool)."""
-    order = sorted(range(len(lens)), key=lambda i: -lens[i])
+def prompt_table(starts: list[int], lens: list[int], before: list[int] | None = None) -> torch.Tensor:
+    """Prompts as the prompt-attention kernel and the layer stack take them: int64 [3, P] of first
+    rows, lengths, and their order costliest first (the largest start first on the pool): a prompt's
+    rows times the keys they read, `before` (positions before each one's rows) included."""
+    b = before or [0] * len(lens)
+    order = sorted(range(len(lens)), key=lambda i: -lens[i] * (2 * b[i] + lens[i]))
     return torch.tensor([list(starts), list(lens), order], dtype=torch.int64).view(3, len(lens))
 
 
@@ -103,12 +108,15 @@ def plan_step(block_tables, seq_lens, query_start_loc, block_size: int, *, slot_
         dec_rows = torch.tensor([qsl[s] for s in dec], device=device)
         dec_tables = tables[torch.tensor(dec, device=device), :nblk].to(torch.int32).contiguous()
         dec_lens = torch.tensor([lens[s] for s in dec], dtype=torch.int32, device=device)
-    prompts = None
+    prompts = prompt_ctx = prompt_tables = None
     b = len(dec)
-    if (lens and qsl[0] == 0 and qsl[-1] == t and dec == list(range(b))
-            and all(n >= 2 and n == ctx for n, ctx in zip(nq[b:], lens[b:]))):
-        prompts = prompt_table(qsl[b:-1], nq[b:])
+    if lens and qsl[0] == 0 and qsl[-1] == t and dec == list(range(b)) and all(n >= 2 for n in nq[b:]):
+        before = [ctx - n for n, ctx in zip(nq[b:], lens[b:])]
+        prompts = prompt_table(qsl[b:-1], nq[b:], before)
+        if any(before):
+            prompt_ctx = torch.tensor(before, dtype=torch.int64)
+            prompt_tables = tables[b:, :-(-max(lens[b:]) // block_size)].to(torch.int32).contiguous()
     return StepPlan(lens=lens, qsl=qsl, tables=tables, slots=slots, dec=dec,
                     all_decode=len(dec) == len(lens) == t and bool(qsl) and qsl[0] == 0,
                     dec_rows=dec_rows, dec_tables=dec_tables, dec_lens=dec_lens, chunks=chunks, whole=whole,
-                    partial=partial, prompts=prompts)
+                    partial=partial, prompts=prompts, prompt_ctx=prompt_ctx, prompt_tables=prompt_tables)

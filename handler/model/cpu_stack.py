@@ -21,9 +21,9 @@ reproduced here (cpu_ext.silu_exact). Whole prompts too unless a layer has a sli
 prompt attention kernel takes none) or the prompt kernel does not run for the dtype: `notes` has
 one load-log line per layer that keeps prompts out. Per step the only question is the step plan's
 shape, answered once by kernels/step.py (`plan.prompts`): every sequence decodes one row (those
-first) or feeds a whole prompt; any other step (a chunk of a longer prompt, a decode row after a
-prompt) runs the Python layers. A short chunk after cached rows comes as decode rows (the runner's
-pack_step, rowwise_keys), so a chunked prefill's continuation stays in the stack. Nothing inside a
+first) or feeds a prompt or a prompt's chunk (its earlier keys read from the pools through its block
+table); any other step (a decode row after a prompt) runs the Python layers. A short chunk after
+cached rows comes as decode rows (the runner's pack_step, rowwise_keys). Nothing inside a
 step falls back: tensors the C call does not take are a bug and raise. The decode_stack=0 A/B arm (handler/model/cpu.py Arms, a runner argument for
 benchmarks) turns it off.
 """
@@ -60,15 +60,17 @@ class DecodeStack:
         self.heads, self.kv_heads, self.head_dim = a.heads, a.kv_heads, a.head_dim
         self.intermediate, self.hidden, self.eps, self.scale = a.intermediate, a.hidden, a.eps, a.scaling
 
-    def takes(self, plan) -> bool:
+    def takes(self, plan, blocks=None) -> bool:
         """Whether a step of this plan runs here: the plan has the stack's shape (kernels/step.py
-        decides it once a step) and, with whole prompts in it, the stack takes prompts (load)."""
-        return plan is not None and plan.prompts is not None and (not plan.prompts.shape[1] or self.prompts)
+        decides it once a step) and, with prompts in it, the stack takes prompts (load); a chunk after
+        earlier rows not where rows attend both ways in blocks (`blocks`: a VLM's image runs)."""
+        return (plan is not None and plan.prompts is not None and (not plan.prompts.shape[1] or self.prompts)
+                and not (blocks and plan.prompt_ctx is not None))
 
     def run(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, step) -> bool:
         """Every layer of this step, in place on h [T, E]; False (nothing changed) when the step's
         plan is not the stack's (`takes`). Tensors other than the runner's are a bug: ValueError."""
-        if not self.takes(step.plan):
+        if not self.takes(step.plan, getattr(step, "blocks", None)):
             return False
         t = h.shape[0]
         if (step.kv_cache is not self.kv_cache or h.dtype != self.dtype or not h.is_contiguous()
@@ -83,7 +85,8 @@ class DecodeStack:
         tables, lens = plan.stack_tables
         cpu_ext.step_layers(self.layers, h, cos, sin, plan.slots, tables, lens, plan.prompts, heads=self.heads,
                             kv_heads=self.kv_heads, head_dim=self.head_dim, intermediate=self.intermediate,
-                            eps=self.eps, lanes=self.lanes, pool=pool, scale=self.scale)
+                            eps=self.eps, lanes=self.lanes, pool=pool, scale=self.scale, prompt_ctx=plan.prompt_ctx,
+                            prompt_tables=plan.prompt_tables)
         return True
 
 

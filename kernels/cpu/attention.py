@@ -8,6 +8,7 @@ import ctypes
 import torch
 
 from kernels.cpu.args import KV_DTYPES, plain as _plain
+from kernels.cpu.bindings import ENUM, STRUCTS
 from kernels.cpu.lib import load
 from kernels.pool import KVPool, as_pool
 from kernels.step import prompt_table
@@ -160,18 +161,49 @@ def encoder_attention_available(dtype: torch.dtype) -> bool:
     return load() is not None and dtype in KV_DTYPES
 
 
+KvCtx = STRUCTS["lmi_kv_ctx"]     # the keys before a prompt chunk's rows, in the pools (kernels/cpu_api.h)
+
+
+def kv_ctx(key_cache: KVPool | torch.Tensor, value_cache: KVPool | torch.Tensor, dtype: torch.dtype,
+           tables: torch.Tensor, before: torch.Tensor) -> KvCtx | None:
+    """The lmi_kv_ctx of prompt chunks whose first before[p] positions (int64 [P]) lie in these pools
+    through tables (int32 [P, W], contiguous), for activations of `dtype`; None where the kernel cannot
+    read the pools (another dtype than the activations', other layouts, not the CPU). The caller keeps
+    the tensors alive for the call."""
+    kp, vp = as_pool(key_cache), as_pool(value_cache)
+    if (not (supports(kp) and supports(vp)) or kp.int8 != vp.int8 or kp.data.stride() != vp.data.stride()
+            or (not kp.int8 and not kp.dtype == vp.dtype == dtype) or tables.dtype != torch.int32
+            or not tables.is_contiguous() or before.dtype != torch.int64 or tables.shape[0] != before.shape[0]):
+        return None
+    kc = kp.data
+    return KvCtx(kc=kc.data_ptr(), vc=vp.data.data_ptr(), ksc=kp.scales.data_ptr() if kp.int8 else None,
+                 vsc=vp.scales.data_ptr() if kp.int8 else None, kv=ENUM["KV_I8"] if kp.int8 else KV_DTYPES[dtype],
+                 s_blk=kc.stride(0), s_tok=kc.stride(1), s_head=kc.stride(2), bs=kc.shape[1], tw=tables.shape[1],
+                 tables=tables.data_ptr(), ctx=before.data_ptr())
+
+
 def prefill_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, starts: list[int],
-                      lens: list[int], scale: float, out: torch.Tensor) -> bool:
-    """Causal attention of whole prompts (each prompt's context is its own rows of this step), all
-    of them in one call by the panel GEMMs (kernels/cpu_decode.c lmi_prefill_attention): query /
-    out [T, H, D], key / value [T, Hkv, D] (any token and head strides, D contiguous), rows
-    starts[i] .. starts[i] + lens[i] - 1 of prompt i;
-    out's rows of the prompts written in place. fp32 (kernels/cpu_gemm.c) or bf16 (kernels/cpu_gemm_bf16.c:
-    Q K^T by vdpbf16ps, P V in fp32 over V widened in registers); False (nothing written) where the
-    kernels cannot take them."""
+                      lens: list[int], scale: float, out: torch.Tensor, ctx: tuple | None = None) -> bool:
+    """Causal attention of prompts, all of them in one call by the panel GEMMs (kernels/cpu_decode.c
+    lmi_prefill_attention): query / out [T, H, D], key / value [T, Hkv, D] (any token and head strides,
+    D contiguous), rows starts[i] .. starts[i] + lens[i] - 1 of prompt i; each prompt's context is its
+    own rows, or with `ctx` = (key_cache, value_cache, tables int32 [P, W], before [P]) also the
+    before[i] positions ahead of them, read from the pools through prompt i's block table (a chunk
+    after cached rows). out's rows of the prompts written in place. fp32 (kernels/cpu_gemm.c) or bf16
+    (kernels/cpu_gemm_bf16.c: Q K^T by vdpbf16ps, P V in fp32 over V widened in registers); False
+    (nothing written) where the kernels cannot take them."""
     fn = load()
+    pc = None
+    if ctx is not None:
+        key_cache, value_cache, tables, before = ctx
+        before = torch.as_tensor(before, dtype=torch.int64)
+        tables = tables.to(torch.int32).contiguous()
+        pc = kv_ctx(key_cache, value_cache, query.dtype, tables, before)
+        if pc is None:
+            return False
     return _prompts(fn and fn.prefill_attention, prefill_attention_available, query, key, value, starts, lens,
-                    scale, out)
+                    scale, out, (ctypes.addressof(pc) if pc is not None else None,),
+                    before.tolist() if pc is not None else None)
 
 
 def encoder_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, starts: list[int],
@@ -183,7 +215,7 @@ def encoder_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
                     scale, out)
 
 
-def _prompts(entry, available, query, key, value, starts, lens, scale, out) -> bool:
+def _prompts(entry, available, query, key, value, starts, lens, scale, out, extra=(), before=None) -> bool:
     dt = query.dtype
     if entry is None or not lens or not available(dt):
         return False
@@ -192,11 +224,11 @@ def _prompts(entry, available, query, key, value, starts, lens, scale, out) -> b
             or key.shape[0] != t or key.shape[2] != d or h % key.shape[1] or out.shape != query.shape or d % 2
             or any(x.stride(2) != 1 for x in (query, key, value, out))):
         return False
-    se = prompt_table(starts, lens)
+    se = prompt_table(starts, lens, before)
     rc = entry(query.data_ptr(), key.data_ptr(), value.data_ptr(), query.stride(0), key.stride(0),
                value.stride(0), query.stride(1), key.stride(1), value.stride(1), out.data_ptr(), out.stride(0),
                out.stride(1), KV_DTYPES[dt], se[0].data_ptr(),
-               se[1].data_ptr(), se[2].data_ptr(), len(lens), h, key.shape[1], d, float(scale),
+               se[1].data_ptr(), se[2].data_ptr(), len(lens), h, key.shape[1], d, float(scale), *extra,
                torch.get_num_threads())
     if rc != 0:
         raise MemoryError("CPU prompt attention: scratch allocation failed")
@@ -206,13 +238,16 @@ def _prompts(entry, available, query, key, value, starts, lens, scale, out) -> b
 def step_layers(layers, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor,
                 tables: torch.Tensor, lens: torch.Tensor, prompts: torch.Tensor, *, heads: int, kv_heads: int,
                 head_dim: int, intermediate: int, eps: float, lanes: int, pool: KVPool | torch.Tensor,
-                scale: float) -> None:
+                scale: float, prompt_ctx: torch.Tensor | None = None,
+                prompt_tables: torch.Tensor | None = None) -> None:
     """Every decoder layer of one step, in place on the residual stream h [T, E] (kernels/cpu_layer.c):
-    B = tables.shape[0] decoding sequences in rows 0 .. B-1 (one row each) and whole prompts after
-    them. `layers` a ctypes array of Layer, cos/sin [T, D], slots int64 [T], tables int32 [B, W], lens
-    int32 [B] (decode_fused's), prompts int64 [3, P] (first rows, lengths, the order longest first:
-    prefill_attention's), `pool` one of the layers' KV pools (their shared layout), `lanes`
-    rms_norm_f32's summing width (fp32). The caller checked every shape and dtype."""
+    B = tables.shape[0] decoding sequences in rows 0 .. B-1 (one row each) and prompts or prompt chunks
+    after them. `layers` a ctypes array of Layer, cos/sin [T, D], slots int64 [T], tables int32 [B, W],
+    lens int32 [B] (decode_fused's), prompts int64 [3, P] (first rows, lengths, the order costliest
+    first: prefill_attention's), prompt_ctx int64 [P] / prompt_tables int32 [P, W'] (None: every
+    prompt whole; else the positions before each one's rows, read from each layer's pools through its
+    table), `pool` one of the layers' KV pools (their shared layout), `lanes` rms_norm_f32's summing
+    width (fp32). The caller checked every shape and dtype."""
     fn = load()
     pool = as_pool(pool).data
     t, e = h.shape
@@ -221,8 +256,10 @@ def step_layers(layers, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, s
                         head_dim, intermediate, float(eps), lanes, int(h.dtype == torch.bfloat16), cos.data_ptr(),
                         sin.data_ptr(), cos.stride(0), slots.data_ptr(), nb * bs, tables.data_ptr(), tables.shape[1],
                         lens.data_ptr(), prompts.shape[1], prompts[0].data_ptr(), prompts[1].data_ptr(),
-                        prompts[2].data_ptr(), pool.stride(0), pool.stride(1), pool.stride(2), bs, float(scale),
-                        torch.get_num_threads())
+                        prompts[2].data_ptr(), None if prompt_ctx is None else prompt_ctx.data_ptr(),
+                        None if prompt_tables is None else prompt_tables.data_ptr(),
+                        0 if prompt_tables is None else prompt_tables.shape[1], pool.stride(0), pool.stride(1),
+                        pool.stride(2), bs, float(scale), torch.get_num_threads())
     if rc == -1:
         raise IndexError(f"step_layers: a slot is past the pool's {nb * bs} slots")
     if rc != 0:

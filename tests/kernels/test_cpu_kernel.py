@@ -533,6 +533,52 @@ def test_prompt_attention_is_causal_attention_of_each_prompt(dtype, tol, heads, 
         assert (out[a:a + n].double() - want).abs().max() <= tol * max(1.0, want.abs().max()), n
 
 
+@pytest.mark.parametrize("dtype,pool_dtype,tol", [(torch.float32, torch.float32, 2e-6),
+                                                   (torch.bfloat16, torch.bfloat16, 2e-2),
+                                                   (torch.float32, torch.int8, 2e-6), (torch.bfloat16, torch.int8, 2e-2)])
+@pytest.mark.parametrize("heads,kv_heads,d,head_major", [(4, 4, 64, False), (9, 3, 64, True), (6, 2, 48, True)])
+def test_prompt_chunks_read_their_earlier_keys_from_the_pool(dtype, pool_dtype, tol, heads, kv_heads, d, head_major):
+    # A prompt chunk after cached rows (prefix-cache hit, chunked prefill's continuation): its row i at
+    # position before + i sees positions 0 .. before + i, the earlier ones read from the paged pools through
+    # its block table (blocks scattered, tables padded past the context with -1), its own from this step's
+    # rows. Oracle: float64 causal attention over the whole context as the pools hold it (int8: each row
+    # quantized and read back, rounded to the activations' dtype); whole prompts (before 0) in the same call.
+    q, _, _, out, starts = _packed(dtype, heads, kv_heads, d, [3, 17, 2, 64, 65, 9], heads * d + 1)
+    lens, before, bs = [17, 2, 64, 65, 9], [5, 130, 0, 37, 64], 16
+    g = torch.Generator().manual_seed(d)
+    nblk = [-(-(b + n) // bs) for b, n in zip(before, lens)]
+    perm = torch.randperm(sum(nblk) + 3, generator=g).tolist()
+    tables = torch.full((len(lens), max(nblk) + 2), -1, dtype=torch.int32)
+    for i, m in enumerate(nblk):
+        tables[i, :m] = torch.tensor(perm[sum(nblk[:i]):sum(nblk[:i + 1])])
+    kp, vp = (kernels.pool.allocate((len(perm), bs, kv_heads, d), pool_dtype, head_major=head_major) for _ in "kv")
+    ks, vs, k, v = [], [], torch.zeros(out.shape[0], kv_heads, d, dtype=dtype), torch.zeros(out.shape[0], kv_heads, d,
+                                                                                          dtype=dtype)
+    for i, (b, n) in enumerate(zip(before, lens)):
+        kk, vv = (torch.randn(b + n, kv_heads, d, generator=g).to(dtype) for _ in "kv")
+        slots = torch.tensor([int(tables[i, t // bs]) * bs + t % bs for t in range(b + n)])
+        assert cpu_ext.write_kv(kp, vp, kk, vv, slots)
+        kk, vv = kernels.pool.as_stored(kp, kk), kernels.pool.as_stored(vp, vv)   # what the pools give back
+        ks.append(kk)
+        vs.append(vv)
+        a = starts[i + 1]
+        k[a:a + n], v[a:a + n] = kk[b:], vv[b:]        # this step's rows, as the layer hands them over
+    scale = d ** -0.5
+    assert cpu_ext.prefill_attention(q, k, v, starts[1:], lens, scale, out, (kp, vp, tables, before))
+    assert torch.equal(out[:3], torch.full((3, heads, d), 7.0, dtype=dtype))     # not a prompt given: untouched
+    for i, (a, b, n) in enumerate(zip(starts[1:], before, lens)):
+        full = torch.cat([torch.zeros(b, heads, d, dtype=dtype), q[a:a + n]])
+        want = _causal64(full, ks[i], vs[i], scale)[b:]
+        assert (out[a:a + n].double() - want).abs().max() <= tol * max(1.0, want.abs().max()), (b, n)
+    # pools another dtype than the activations' (and not int8): declined, nothing written
+    if pool_dtype != torch.int8:
+        other = torch.bfloat16 if dtype == torch.float32 else torch.float32
+        op = (kernels.pool.allocate((len(perm), bs, kv_heads, d), other) for _ in "kv")
+        mark = out.clone()
+        assert not cpu_ext.prefill_attention(q, k, v, starts[1:], lens, scale, out, (*op, tables, before))
+        assert torch.equal(out, mark)
+
+
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-6), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("heads,kv_heads,d", [(12, 12, 32), (4, 4, 64), (6, 2, 48)])
 def test_encoder_attention_is_bidirectional_within_each_sequence(dtype, tol, heads, kv_heads, d):
@@ -551,9 +597,9 @@ def test_encoder_attention_is_bidirectional_within_each_sequence(dtype, tol, hea
             assert (out[a].double() - causal[0]).abs().max() > 1e-3
 
 
-def test_paged_attention_sends_whole_prompts_to_the_c_kernel(monkeypatch):
-    # Two whole prompts and a continued one (5 tokens cached, 4 new): the whole ones go to the
-    # kernel in one call, the continued one to SDPA over the pool; the values are the reference's.
+def test_paged_attention_sends_prompts_and_chunks_to_the_c_kernel(monkeypatch):
+    # Two whole prompts and a continued one (5 tokens cached, 4 new) go to the kernel in one call, the
+    # continued one's earlier keys read from the pool; the values are the reference's.
     if not cpu_ext.gemm_available():
         pytest.skip("kernels/cpu_gemm.c is not in this build")
     g = torch.Generator().manual_seed(5)
@@ -571,5 +617,5 @@ def test_paged_attention_sends_whole_prompts_to_the_c_kernel(monkeypatch):
     args = (q, kc, vc, tables, torch.tensor(lens), torch.tensor(qsl), d ** -0.5)
     got = kernels.paged_attention(*args, key=k, value=v)
     want = reference.paged_attention(*args, key=k, value=v)
-    assert calls == [[9, 20]]
+    assert calls == [[9, 20, 4]]
     assert torch.allclose(got, want, atol=2e-6, rtol=1e-5)

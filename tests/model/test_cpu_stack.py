@@ -69,10 +69,11 @@ def test_silu_mul_rounds_as_torch(dtype, threads):
         torch.set_num_threads(old)
 
 
-def _runner(model_dir, dtype="fp32", quantize=None, stack=True, window=None, kv_tokens=256, arms=cpu.DEFAULT):
+def _runner(model_dir, dtype="fp32", quantize=None, stack=True, window=None, kv_tokens=256, arms=cpu.DEFAULT,
+            kv_cache_dtype="auto"):
     from handler.model.runner import ModelRunner
     r = ModelRunner(model_dir, dtype=dtype, device="cpu", block_size=4, kv_cache_tokens=kv_tokens, max_running=8,
-                    quantize=quantize, cpu_kernels=BUILD or "torch", arms=arms)
+                    quantize=quantize, cpu_kernels=BUILD or "torch", arms=arms, kv_cache_dtype=kv_cache_dtype)
     if window:      # a sliding window on every other layer (Mistral / Qwen2's per-layer windows)
         for layer in r.model.model.layers[::2]:
             layer.self_attn.window = window
@@ -325,6 +326,63 @@ def test_a_short_chunk_after_cached_rows_runs_in_the_stack_as_decode_rows(demo_m
     assert calls == [True, True, False, True]
 
 
+@needs_stack
+@pytest.mark.parametrize("family,dtype,quantize", [
+    ("llama", "fp32", None), ("qwen3", "fp32", None),
+    pytest.param("llama", "bf16", None, marks=needs_bf16_panels),
+    pytest.param("qwen2", "fp32", "int8", marks=needs_vnni),         # int8 weights
+])
+@pytest.mark.parametrize("kv_int8", [False, True])
+def test_a_long_chunk_after_cached_rows_runs_in_the_stack_over_the_pool(demo_model_factory, family, dtype, quantize,
+                                                                         kv_int8):
+    # Chunks past the runner's row-by-row bound (a prefix-cache hit's rest, a long prompt's continuation
+    # under a prefill budget) keep their sequence: after decode rows the step has the stack's shape, the
+    # chunk's earlier keys read from each layer's pools through its block table (lmi_kv_ctx). Equal bit
+    # for bit to the Python layers (the same kernel per layer), within rounding of the torch math's
+    # gathered attention, and the pools hold the same rows.
+    from handler.engine.request import SamplingParams
+    from handler.engine.types import StepItem
+    from handler.model.runner import ROWWISE_KEYS
+    from kernels.backends import TORCH
+    path = demo_model_factory(family)
+    g = torch.Generator().manual_seed(17)
+    p = SamplingParams(max_new_tokens=16)
+    a, d = (torch.randint(5, 200, (n,), generator=g).tolist() for n in (30, 150))
+    tab = {"a": list(range(40, 50)), "d": list(range(39, -1, -1))}    # d's blocks in reverse: scattered
+    steps = [
+        [StepItem(1, a, 0, tab["a"], True, p, a), StepItem(4, d[:60], 0, tab["d"], False, p, d)],
+        [StepItem(1, [7], 30, tab["a"], True, p, a + [7]),                # a decode row, then a chunk of 70
+         StepItem(4, d[60:130], 60, tab["d"], False, p, d)],              # after 60 cached rows
+        [StepItem(1, [9], 31, tab["a"], True, p, a + [7, 9]),             # ... and its last 20, sampling
+         StepItem(4, d[130:], 130, tab["d"], True, p, d)],
+        [StepItem(1, [5], 32, tab["a"], True, p, []), StepItem(4, [6], 150, tab["d"], True, p, [])],
+    ]
+
+    def runner(stack, attention=None):
+        r = _runner(path, dtype, quantize, stack=stack, kv_tokens=256, kv_cache_dtype="int8" if kv_int8 else "auto")
+        if attention is not None:
+            r.attention = attention
+        return r
+    fast, slow, gathered = runner(True), runner(False), runner(False, TORCH)
+    assert fast.model.decode_stack is not None and fast.model.decode_stack.prompts
+    calls = []
+    bound = 1000    # the runner's bound scaled to the tiny model's prompts: neither chunk goes row by row
+    assert 70 * 60 + 70 * 71 // 2 > bound and 20 * 130 + 20 * 21 // 2 > bound and bound < ROWWISE_KEYS
+    got, got_kv = _run_steps(fast, steps, calls, rowwise_keys=bound)
+    want, want_kv = _run_steps(slow, steps, [], rowwise_keys=bound)
+    ref, _ = _run_steps(gathered, steps, [])
+    assert calls == [True, True, True, True]
+    for i, (x, y, z) in enumerate(zip(got, want, ref)):
+        assert x.shape == y.shape == z.shape and torch.equal(x, y), i
+        # relative to the largest logit: bf16's 8 bits; int8 activations (W8A8) and int8 KV rows re-round what
+        # the other attention's last bits moved
+        tol = 3e-2 if dtype == "bf16" or quantize else 1e-3 if kv_int8 else 1e-5
+        err = (x.float() - z.float()).abs().max() / z.float().abs().max()
+        assert err < tol, (i, err)
+    for (gk, gv), (wk, wv) in zip(got_kv, want_kv):
+        assert torch.equal(gk, wk) and torch.equal(gv, wv)
+
+
 def test_step_plan_reads_the_step_layout():
     # Decode rows first, then whole prompts: the C stack's inputs (the plan's `prompts`); anything
     # else: None there, and the decode rows' own inputs wherever they are.
@@ -347,8 +405,15 @@ def test_step_plan_reads_the_step_layout():
     assert p.dec_tables.tolist() == [[0, 1], [2, 3]] and p.dec_rows.tolist() == [0, 1]
     p = plan([0, 3, 4], [3, 7])                                 # a decode row after a prompt
     assert p.prompts is None and p.dec == [1] and p.dec_rows.tolist() == [3] and p.dec_tables.tolist() == [[2, 3]]
-    p = plan([0, 1, 3], [6, 5])                                 # a chunk of a longer prompt
-    assert p.prompts is None and p.partial == [1] and p.whole == []
+    assert p.prompt_ctx is None and p.prompt_tables is None     # whole prompts: their own rows only
+    p = plan([0, 1, 3], [6, 5])                 # a chunk of a longer prompt after a decode row: its 3 earlier
+    assert p.partial == [1] and p.whole == [] and p.prompts.tolist() == [[1], [2], [0]]    # keys from the pool
+    assert p.prompt_ctx.tolist() == [3] and p.prompt_tables.dtype == torch.int32 and p.prompt_tables.tolist() == [[2, 3]]
+    p = plan([0, 2, 7, 8], [3, 9, 4])           # chunks of 2 (1 before) and 5 (4 before), then a decode row
+    assert p.prompts is None and p.partial == [0, 1]
+    p = plan([0, 2, 7], [3, 5])                 # a chunk (1 before) and a whole prompt, costliest first
+    assert p.prompts.tolist() == [[0, 2], [2, 5], [1, 0]] and p.prompt_ctx.tolist() == [1, 0]
+    assert p.prompt_tables.tolist() == [[0, 1], [2, 3]]
     with pytest.raises(ValueError, match="3 query rows do not fit its context length 2"):
         plan([0, 3], [2])
 

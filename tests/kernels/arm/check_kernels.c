@@ -662,8 +662,10 @@ static void check_prefill_attention(int bf, const char *name, int causal) {
         }
     }
     const float scale = 0.125f;
-    int ok = (causal ? lmi_prefill_attention : lmi_encoder_attention)(q, k, v, qs, ks, ks, D, D, D, out, qs, D, bf,
-                                                                      starts, lens, order, P, H, Hkv, D, scale, 2) == 0;
+    int ok = (causal ? lmi_prefill_attention(q, k, v, qs, ks, ks, D, D, D, out, qs, D, bf, starts, lens, order, P, H,
+                                             Hkv, D, scale, NULL, 2)
+                     : lmi_encoder_attention(q, k, v, qs, ks, ks, D, D, D, out, qs, D, bf, starts, lens, order, P, H,
+                                             Hkv, D, scale, 2)) == 0;
     double worst = 0;
     for (int64_t p = 0; p < P; ++p)
         for (int64_t h = 0; h < H; ++h)
@@ -735,7 +737,7 @@ static void check_stack(void) {
     memcpy(h2, h, 4 * T * E);
     lmi_set_sleef_expf((void *)plain_expf_v, PLAIN_LANES);
     const int rc = lmi_step_layers(&ly, 1, h, T, B, E, H, Hkv, D, I, eps, 8, 0, cs, sn, D, slots, NB * bs, tables, tw,
-                                   lens, P, pst, plen, pord, s_blk, s_tok, s_head, bs, scale, 2);
+                                   lens, P, pst, plen, pord, NULL, NULL, 0, s_blk, s_tok, s_head, bs, scale, 2);
     /* the same step one kernel at a time */
     float *x = alloc(4 * T * E), *qkv = alloc(4 * T * nq), *att = alloc(4 * T * H * D), *o = alloc(4 * T * E);
     float *gu = alloc(4 * T * 2 * I), *act = alloc(4 * T * I), *sq = alloc(4 * E), *qd = alloc(4 * B * H * D);
@@ -748,7 +750,7 @@ static void check_stack(void) {
     lmi_write_kv(kc2, vc2, qkv + B * nq + H * D, qkv + B * nq + (H + Hkv) * D, 4, s_blk, s_tok, s_head, nq, D, nq, D,
                  slots + B, T - B, Hkv, D, bs, NB * bs);
     rc2 |= lmi_prefill_attention(qkv, qkv + H * D, qkv + (H + Hkv) * D, nq, nq, nq, D, D, D, att, H * D, D, 0, pst,
-                                 plen, pord, P, H, Hkv, D, scale, 2);
+                                 plen, pord, P, H, Hkv, D, scale, NULL, 2);
     lmi_gemm(att, T, H * D, H * D, Po, E, 0, o, E, 2);
     for (int64_t i = 0; i < T * E; ++i) h2[i] += o[i];
     lmi_rms_norm_f32(h2, n2, x, T, E, eps, 8, sq);
@@ -821,7 +823,7 @@ static void check_stack_bf16(void) {
     const int64_t none[1] = {0};
     lmi_set_sleef_expf((void *)plain_expf_v, PLAIN_LANES);
     const int rc = lmi_step_layers(&ly, 1, h, B, B, E, H, Hkv, D, I, eps, 0, 1, cs, sn, D, slots, NB * bs, tables, tw,
-                                   lens, 0, none, none, none, s_blk, s_tok, s_head, bs, scale, 2);
+                                   lens, 0, none, none, none, NULL, NULL, 0, s_blk, s_tok, s_head, bs, scale, 2);
     uint16_t *x = alloc(2 * B * E), *qkv = alloc(2 * B * nq), *att = alloc(2 * B * H * D), *o = alloc(2 * B * E);
     uint16_t *gu = alloc(2 * B * 2 * I), *act = alloc(2 * B * I);
     lmi_rms_norm_bf16(h2, n1, x, B, E, eps, 2);
