@@ -99,7 +99,7 @@ def pack_step(items: list[StepItem], bs: int, copies=(), rowwise_keys: int = 0) 
         pos.extend(range(start, start + n))
         slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
         first_row.append(len(rows))
-        if it.draft or (n > 1 and start > 0 and n * start + n * (n + 1) // 2 <= rowwise_keys):
+        if as_rows(it, rowwise_keys):
             # A draft's k+1 rows (or a short chunk's n) go as decode rows over the same block table,
             # row j with context start+j+1: each layer writes every row's KV before any row attends
             # (the C decode kernel, the torch math and Triton alike), so row j sees rows < j, causally,
@@ -134,13 +134,21 @@ def pack_step(items: list[StepItem], bs: int, copies=(), rowwise_keys: int = 0) 
     return packed, first_row
 
 
-def stack_order(items: list[StepItem]) -> list[int] | None:
-    """The items' order with whole prompts (several rows from position 0) after every other item, where
-    a whole prompt comes before another item (None: already so). A step of decode rows then whole prompts
-    is the CPU layer stack's shape (kernels/step.py); each row's values do not depend on where its
-    sequence sits in the step, so the runner may pack them so (under priority scheduling a better class's
-    new prompt ranks before worse classes' decode rows; a recomputed sequence before younger ones)."""
-    whole = [len(it.token_ids) > 1 and it.start_pos == 0 and not it.draft for it in items]
+def as_rows(it: StepItem, rowwise_keys: int) -> bool:
+    """Whether pack_step packs `it` as one decode row per token: a draft's rows, or a prompt chunk after
+    cached rows whose rows attend to at most `rowwise_keys` keys in all."""
+    n, start = len(it.token_ids), it.start_pos
+    return it.draft or (n > 1 and start > 0 and n * start + n * (n + 1) // 2 <= rowwise_keys)
+
+
+def stack_order(items: list[StepItem], rowwise_keys: int = 0) -> list[int] | None:
+    """The items' order with prompts and prompt chunks (several rows packed as one sequence: not
+    `as_rows`) after every other item, where one comes before another item (None: already so). A step of
+    decode rows then prompts is the CPU layer stack's shape (kernels/step.py); each row's values do not
+    depend on where its sequence sits in the step, so the runner may pack them so (under priority
+    scheduling a better class's new prompt ranks before worse classes' decode rows; a recomputed
+    sequence before younger ones; a prompt's next chunk before the decode rows)."""
+    whole = [len(it.token_ids) > 1 and not as_rows(it, rowwise_keys) for it in items]
     first = next((i for i, w in enumerate(whole) if w), None)
     if first is None or all(whole[first:]):
         return None
@@ -678,8 +686,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def _packed_step(self, items: list[StepItem], copies: list[tuple[int, int]] = ()) -> list[SampleResult]:
-        order = stack_order(items) if self.rowwise_keys else None
-        if order is not None:       # whole prompts last: the step keeps the C layer stack's shape
+        order = stack_order(items, self.rowwise_keys) if self.rowwise_keys else None
+        if order is not None:       # prompts and chunks last: the step keeps the C layer stack's shape
             got = self._packed_step([items[i] for i in order], copies)
             back: list = [None] * len(items)
             for j, i in enumerate(order):

@@ -383,6 +383,21 @@ def test_a_long_chunk_after_cached_rows_runs_in_the_stack_over_the_pool(demo_mod
         assert torch.equal(gk, wk) and torch.equal(gv, wv)
 
 
+def test_stack_order_puts_chunks_packed_as_sequences_after_rows():
+    # A prompt's chunk after cached rows ranks as a prompt where pack_step keeps its sequence (past the
+    # bound), as decode rows where it goes row by row (within it); drafts are rows.
+    from handler.engine.request import SamplingParams
+    from handler.engine.types import StepItem
+    from handler.model.runner import as_rows, stack_order
+    p = SamplingParams(max_new_tokens=4)
+    chunk = StepItem(4, list(range(10, 40)), 100, list(range(40)), True, p, [])     # 30 rows after 100
+    dec = StepItem(1, [7], 20, [0, 1, 2, 3, 4, 5], True, p, [])
+    cost = 30 * 100 + 30 * 31 // 2
+    assert not as_rows(chunk, cost - 1) and as_rows(chunk, cost) and not as_rows(dec, cost)
+    assert stack_order([chunk, dec], cost - 1) == [1, 0] and stack_order([chunk, dec], cost) is None
+    assert stack_order([dec, chunk], cost - 1) is None
+
+
 def test_step_plan_reads_the_step_layout():
     # Decode rows first, then whole prompts: the C stack's inputs (the plan's `prompts`); anything
     # else: None there, and the decode rows' own inputs wherever they are.

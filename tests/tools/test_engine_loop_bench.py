@@ -79,3 +79,20 @@ def test_a_property_that_is_not_a_key_or_a_bad_value_is_refused_in_one_line(demo
     assert e.value.code == 2 and "expected option.KEY=VALUE" in capsys.readouterr().err
     assert engine_loop.main(["--model-dir", demo_model_dir, "--property", "option.target_tpot_ms=fast"]) == 2
     assert "option.target_tpot_ms" in capsys.readouterr().err
+
+
+def test_shared_prefix_starts_every_prompt_with_the_same_tokens(demo_model_dir, tmp_path, monkeypatch):
+    # --shared-prefix N: a system prompt ahead of each drawn prompt (warm-up included), so that with
+    # prefix caching each prompt's rest is a chunk after cached rows; every request still answered in full.
+    seen, real = [], engine_loop.closed_loop
+    monkeypatch.setattr(engine_loop, "closed_loop", lambda engine, reqs, c: seen.append(reqs) or real(engine, reqs, c))
+    out = tmp_path / "loop.json"
+    assert engine_loop.main(["--model-dir", demo_model_dir, "--requests", "5", "--concurrency", "2",
+                             "--prompt-tokens", "4,9", "--max-new-tokens", "3", "--reps", "1", "--kv-tokens", "1024",
+                             "--max-running", "4", "--shared-prefix", "40",
+                             "--property", "option.enable_prefix_caching=true", "--out", str(out)]) == 0
+    assert [len(r) for r in seen] == [2, 5]
+    heads = {tuple(ids[:40]) for reqs in seen for ids, _ in reqs}
+    assert len(heads) == 1 and all(len(ids) - 40 in (4, 9) for reqs in seen for ids, _ in reqs)
+    data = json.loads(out.read_text())
+    assert data["shared_prefix"] == 40 and [r["output_tokens"] for r in data["runs"]] == [15]

@@ -3,7 +3,7 @@
     python -m handler bench engine-loop --model-dir DIR [--dtype fp32|bf16] [--requests 200]
         [--concurrency 50] [--prompt-tokens 15,60,160] [--max-new-tokens 16,32,64] [--reps 2]
         [--preset cpu|cpu-135m] [--quantize int8] [--arm NAME=VALUE ...] [--property option.KEY=VALUE ...]
-        [--out engine_loop.json]
+        [--shared-prefix N] [--out engine_loop.json]
 
 The same shape as `handler bench compare`'s `lmi` workload (50 closed-loop clients, greedy,
 ignore_eos, KV 12,800 tokens, 64 running, prefill budget 4,096, block 16), but the clients are
@@ -122,6 +122,9 @@ def main(argv: list[str], reexec: bool = False) -> int:
     p.add_argument("--property", action="append", default=[], metavar="KEY=VALUE",
                    help="a serving.properties key for the engine, repeatable (a scheduling policy: "
                         "option.target_tpot_ms=125, option.max_rolling_batch_prefill_tokens=512, ...)")
+    p.add_argument("--shared-prefix", type=int, default=0, metavar="N",
+                   help="every prompt starts with the same N tokens (a system prompt; with "
+                        "--property option.enable_prefix_caching=true each prompt's rest is a chunk after cached rows)")
     p.add_argument("--out")
     a = p.parse_args(argv)
     props = {}
@@ -148,10 +151,14 @@ def main(argv: list[str], reexec: bool = False) -> int:
     ptoks = [int(x) for x in a.prompt_tokens.split(",")]
     mnew = [int(x) for x in a.max_new_tokens.split(",")]
     served = from_preset(a.preset, engine.tokenizer) if a.preset else None
-    closed_loop(engine, draw(a.concurrency, ptoks, mnew, vocab, seed=-1), a.concurrency)   # warm-up
+    prefix = draw(1, [a.shared_prefix], [0], vocab, seed=-2)[0][0] if a.shared_prefix else []
+
+    def prefixed(reqs):
+        return [(prefix + ids, m) for ids, m in reqs]
+    closed_loop(engine, prefixed(draw(a.concurrency, ptoks, mnew, vocab, seed=-1)), a.concurrency)   # warm-up
     runs = []
     for r in range(a.reps):
-        reqs = served if served is not None else draw(a.requests, ptoks, mnew, vocab, seed=r)
+        reqs = prefixed(served if served is not None else draw(a.requests, ptoks, mnew, vocab, seed=r))
         res = closed_loop(engine, reqs, a.concurrency)
         runs.append(res)
         print(f"rep {r}: {res['req_per_s']:.2f} req/s, {res['out_tok_per_s']:.0f} out tok/s, "
@@ -163,6 +170,7 @@ def main(argv: list[str], reexec: bool = False) -> int:
     out = {"model_dir": a.model_dir, "dtype": a.dtype, "quantize": a.quantize,
            "requests": a.requests if served is None else len(served),
            "concurrency": a.concurrency, "prompt_tokens": prompts, "max_new_tokens": mnew,
+           "shared_prefix": a.shared_prefix,
            "kv_tokens": a.kv_tokens, "max_running": a.max_running, "arms": a.arm, "properties": props,
            "runs": runs,
            "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
