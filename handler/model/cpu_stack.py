@@ -23,7 +23,7 @@ one load-log line per layer that keeps prompts out. Per step the only question i
 shape, answered once by kernels/step.py (`plan.prompts`): every sequence decodes one row (those
 first) or feeds a prompt or a prompt's chunk (its earlier keys read from the pools through its block
 table); any other step (a decode row after a prompt) runs the Python layers. A short chunk after
-cached rows comes as decode rows (the runner's pack_step, rowwise_keys). Nothing inside a
+cached rows comes as decode rows (the runner's pack_step, rowwise). Nothing inside a
 step falls back: tensors the C call does not take are a bug and raise. The decode_stack=0 A/B arm (handler/model/cpu.py Arms, a runner argument for
 benchmarks) turns it off.
 """

@@ -7,6 +7,7 @@ through `handler.model.attention` (block tables), and only the rows that sample 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 from dataclasses import dataclass
 
@@ -67,24 +68,29 @@ def model_geometry(config) -> tuple[int, int, int, int]:
     return g.layers, g.kv_heads, g.head_dim, g.max_positions
 
 
-# A prompt chunk after cached rows (start > 0) whose rows together attend to at most this many keys goes
-# as one decode row per token (ModelRunner.rowwise_keys, CPU kernels only): see pack_step.
+# A prompt chunk after cached rows (start > 0) of at most ROWWISE_ROWS rows goes as one decode row per token
+# (ModelRunner.rowwise, CPU kernels only: see pack_step); where prompts cannot take the C prompt kernel (a
+# sliding window, no kernel for the dtype) also one whose rows attend to at most ROWWISE_KEYS keys in all.
+ROWWISE_ROWS = 16
 ROWWISE_KEYS = 16384
 
 
-def pack_step(items: list[StepItem], bs: int, copies=(), rowwise_keys: int = 0) -> tuple[torch.Tensor, list[int]]:
+def pack_step(items: list[StepItem], bs: int, copies=(), rowwise: tuple[int, int] = (0, 0)) -> tuple[torch.Tensor, list[int]]:
     """One step as one int64 tensor (what rank 0 broadcasts to the other ranks):
     [T, S, W, R, C | ids T | positions T | KV slots T | query_start_loc S+1 | seq_lens S |
     block tables S*W | logit rows R | block copies 2C (src..., dst...)]; T tokens, S sequences,
     W table width, R logit rows, C copied blocks. Also each item's first logit row.
 
-    `rowwise_keys`: a prompt chunk after cached rows whose n rows attend to at most this many keys
-    (n * start + n (n + 1) / 2) is packed as n decode rows, as a draft is. The step then keeps the
-    shape the CPU layer stack takes in one call (decode rows, then whole prompts: kernels/step.py)
-    instead of running every layer in Python for the chunk's gathered attention: a chunked
-    prefill's continuation costs a step ~15 ms of Python on SmolLM2's 30 layers. Past the bound
-    the gathered GEMM attention is cheaper than row by row over the pool. The rows, their ids,
-    positions and slots are the same either way."""
+    `rowwise` (rows, keys): a prompt chunk of at most `rows` rows after cached rows, or whose rows attend to
+    at most `keys` keys in all (n * start + n (n + 1) / 2), is packed as decode rows, as a draft is; a longer
+    one keeps its sequence (the prompt kernel then reads its earlier keys from the pools). Either way the
+    step keeps the shape the CPU layer stack takes in one call (decode rows, then prompts:
+    kernels/step.py; `keys` is for stacks that take no prompts: their chunks otherwise run the Python
+    layers, ~15 ms a step on SmolLM2's 30). Row by row, each row reads its whole context from the pool; as a sequence the
+    keys are packed once for all rows' GEMMs: one layer's attention of n rows after c cached ones, row by row
+    against as a sequence, 0.3-0.5x the time at n = 2, ~1x at n = 16, 1.2-1.9x at n = 32-128, for c from 64
+    to 4096 (benchmarks/results/prefix-chunks/crossover.log). The rows, their ids, positions and slots are the
+    same either way."""
     ids: list[int] = []
     pos: list[int] = []
     slots: list[int] = []
@@ -99,7 +105,7 @@ def pack_step(items: list[StepItem], bs: int, copies=(), rowwise_keys: int = 0) 
         pos.extend(range(start, start + n))
         slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
         first_row.append(len(rows))
-        if as_rows(it, rowwise_keys):
+        if as_rows(it, rowwise):
             # A draft's k+1 rows (or a short chunk's n) go as decode rows over the same block table,
             # row j with context start+j+1: each layer writes every row's KV before any row attends
             # (the C decode kernel, the torch math and Triton alike), so row j sees rows < j, causally,
@@ -134,21 +140,21 @@ def pack_step(items: list[StepItem], bs: int, copies=(), rowwise_keys: int = 0) 
     return packed, first_row
 
 
-def as_rows(it: StepItem, rowwise_keys: int) -> bool:
+def as_rows(it: StepItem, rowwise: tuple[int, int]) -> bool:
     """Whether pack_step packs `it` as one decode row per token: a draft's rows, or a prompt chunk after
-    cached rows whose rows attend to at most `rowwise_keys` keys in all."""
+    cached rows within `rowwise` (rows, keys: pack_step's)."""
     n, start = len(it.token_ids), it.start_pos
-    return it.draft or (n > 1 and start > 0 and n * start + n * (n + 1) // 2 <= rowwise_keys)
+    return it.draft or (n > 1 and start > 0 and (n <= rowwise[0] or n * start + n * (n + 1) // 2 <= rowwise[1]))
 
 
-def stack_order(items: list[StepItem], rowwise_keys: int = 0) -> list[int] | None:
+def stack_order(items: list[StepItem], rowwise: tuple[int, int] = (0, 0)) -> list[int] | None:
     """The items' order with prompts and prompt chunks (several rows packed as one sequence: not
     `as_rows`) after every other item, where one comes before another item (None: already so). A step of
     decode rows then prompts is the CPU layer stack's shape (kernels/step.py); each row's values do not
     depend on where its sequence sits in the step, so the runner may pack them so (under priority
     scheduling a better class's new prompt ranks before worse classes' decode rows; a recomputed
     sequence before younger ones; a prompt's next chunk before the decode rows)."""
-    whole = [len(it.token_ids) > 1 and not as_rows(it, rowwise_keys) for it in items]
+    whole = [len(it.token_ids) > 1 and not as_rows(it, rowwise) for it in items]
     first = next((i for i, w in enumerate(whole) if w), None)
     if first is None or all(whole[first:]):
         return None
@@ -679,21 +685,33 @@ class ModelRunner:
         return self._packed_step(items, copies)
 
     @property
-    def rowwise_keys(self) -> int:
-        """pack_step's bound for a prompt chunk packed as decode rows: the CPU kernels' layer stack's (0:
-        other backends; a VLM's chunks keep their sequence, which image runs attending both ways are keyed by)."""
-        return ROWWISE_KEYS if isinstance(self.attention, CpuAttention) and self.vision is None else 0
+    def rowwise(self) -> tuple[int, int]:
+        """pack_step's bounds for a prompt chunk packed as decode rows: (0, 0) off the CPU kernels, and for a
+        VLM (its chunks keep their sequence, which image runs attending both ways are keyed by); the key
+        bound only where prompts do not reach the C prompt kernel (the stack's `prompts`, or without a stack
+        the kernel for the dtype and no sliding window)."""
+        if not isinstance(self.attention, CpuAttention) or self.vision is not None:
+            return 0, 0
+        stack = getattr(self.model, "decode_stack", None)
+        prompts = stack.prompts if stack is not None else self._prompt_kernel
+        return ROWWISE_ROWS, 0 if prompts else ROWWISE_KEYS
+
+    @functools.cached_property
+    def _prompt_kernel(self) -> bool:
+        from kernels import cpu as cpu_ext
+        return cpu_ext.prefill_attention_available(self.dtype) and not _windowed(self.model)
 
     @torch.inference_mode()
     def _packed_step(self, items: list[StepItem], copies: list[tuple[int, int]] = ()) -> list[SampleResult]:
-        order = stack_order(items, self.rowwise_keys) if self.rowwise_keys else None
+        rowwise = self.rowwise
+        order = stack_order(items, rowwise) if rowwise[0] else None
         if order is not None:       # prompts and chunks last: the step keeps the C layer stack's shape
             got = self._packed_step([items[i] for i in order], copies)
             back: list = [None] * len(items)
             for j, i in enumerate(order):
                 back[i] = got[j]
             return back
-        packed, first_row = pack_step(items, self.block_size, copies, self.rowwise_keys)
+        packed, first_row = pack_step(items, self.block_size, copies, rowwise)
         if self.ranks is not None:   # the other ranks run the same copies + forward on their shards
             self.ranks.send_step(packed)
         # a VLM: the images these items feed, encoded (or from the encoder cache) before the prefill

@@ -191,13 +191,13 @@ def test_every_norm_has_its_cpu_kernel_chosen_at_load(demo_model_factory):
     assert all(m.cpu_kernel in ("f32", "torch") for m in norms) and norms[0].cpu_kernel in want
 
 
-def _run_steps(runner, steps: list, calls: list, rowwise_keys: int = 0) -> tuple[list, list]:
+def _run_steps(runner, steps: list, calls: list, rowwise: tuple[int, int] = (0, 0)) -> tuple[list, list]:
     from handler.model.runner import pack_step
     stack = runner.model.decode_stack
     if stack is not None:
         real = stack.run
         stack.run = lambda *a: calls.append(real(*a)) or calls[-1]
-    out = [runner.forward(pack_step(items, 4, rowwise_keys=rowwise_keys)[0]).clone() for items in steps]
+    out = [runner.forward(pack_step(items, 4, rowwise=rowwise)[0]).clone() for items in steps]
     return out, [(k.data.clone(), v.data.clone()) for k, v in runner.kv_cache]
 
 
@@ -279,8 +279,9 @@ def test_a_whole_prompt_before_decode_rows_is_packed_after_them_and_answers_the_
 @pytest.mark.parametrize("family,dtype", [("llama", "fp32"), ("qwen3", "fp32"),
                                           pytest.param("llama", "bf16", marks=needs_bf16_panels)])
 def test_a_short_chunk_after_cached_rows_runs_in_the_stack_as_decode_rows(demo_model_factory, family, dtype):
-    # A continuation chunk of a prompt (rows after cached ones) within the runner's bound goes as one
-    # decode row per token (pack_step's rowwise_keys): the step keeps the stack's shape and runs in C,
+    # A continuation chunk of a prompt (rows after cached ones) within the runner's key bound (a stack that
+    # takes no prompts: sliding windows, no prompt kernel for the dtype) goes as one decode row per token
+    # (pack_step's rowwise): the step keeps the stack's shape and runs in C,
     # equal bit for bit to the Python layers on the same packing, and (the attention being the same
     # causal attention over the cache) within rounding of the gathered attention's values.
     from handler.engine.request import SamplingParams
@@ -300,8 +301,9 @@ def test_a_short_chunk_after_cached_rows_runs_in_the_stack_as_decode_rows(demo_m
         [StepItem(1, [5], 32, tab["a"], True, p, []), StepItem(4, [6], 70, tab["d"], True, p, [])],
     ]
     assert 20 * 50 + 20 * 21 // 2 <= ROWWISE_KEYS       # the last chunk is within the bound
+    rowwise = (0, ROWWISE_KEYS)
     # The packing: the middle chunk is 25 sequences of one row, contexts 26 .. 50; one logit row each step.
-    packed, first = pack_step(steps[1], 4, rowwise_keys=ROWWISE_KEYS)
+    packed, first = pack_step(steps[1], 4, rowwise=rowwise)
     t, s_, w, r = packed[:4].tolist()
     assert (t, s_, r) == (26, 26, 1) and first == [0, 1]
     seq_lens = packed[5 + 3 * t + s_ + 1: 5 + 3 * t + 2 * s_ + 1].tolist()
@@ -309,8 +311,8 @@ def test_a_short_chunk_after_cached_rows_runs_in_the_stack_as_decode_rows(demo_m
     fast, slow, gathered = (_runner(path, dtype, kv_tokens=512), _runner(path, dtype, stack=False, kv_tokens=512),
                             _runner(path, dtype, stack=False, kv_tokens=512))
     calls = []
-    got, got_kv = _run_steps(fast, steps, calls, rowwise_keys=ROWWISE_KEYS)
-    want, want_kv = _run_steps(slow, steps, [], rowwise_keys=ROWWISE_KEYS)
+    got, got_kv = _run_steps(fast, steps, calls, rowwise=rowwise)
+    want, want_kv = _run_steps(slow, steps, [], rowwise=rowwise)
     ref, _ = _run_steps(gathered, steps, [])
     assert calls == [True, True, True, True]
     for i, (x, y, z) in enumerate(zip(got, want, ref)):
@@ -322,7 +324,7 @@ def test_a_short_chunk_after_cached_rows_runs_in_the_stack_as_decode_rows(demo_m
         assert torch.equal(gk, wk) and torch.equal(gv, wv)
     # Past the bound the chunk keeps its sequence (the gathered attention) and the step its Python layers.
     calls = []
-    _run_steps(_runner(path, dtype, kv_tokens=512), steps, calls, rowwise_keys=20 * 50)
+    _run_steps(_runner(path, dtype, kv_tokens=512), steps, calls, rowwise=(0, 20 * 50))
     assert calls == [True, True, False, True]
 
 
@@ -342,7 +344,7 @@ def test_a_long_chunk_after_cached_rows_runs_in_the_stack_over_the_pool(demo_mod
     # gathered attention, and the pools hold the same rows.
     from handler.engine.request import SamplingParams
     from handler.engine.types import StepItem
-    from handler.model.runner import ROWWISE_KEYS
+    from handler.model.runner import ROWWISE_ROWS
     from kernels.backends import TORCH
     path = demo_model_factory(family)
     g = torch.Generator().manual_seed(17)
@@ -366,10 +368,10 @@ def test_a_long_chunk_after_cached_rows_runs_in_the_stack_over_the_pool(demo_mod
     fast, slow, gathered = runner(True), runner(False), runner(False, TORCH)
     assert fast.model.decode_stack is not None and fast.model.decode_stack.prompts
     calls = []
-    bound = 1000    # the runner's bound scaled to the tiny model's prompts: neither chunk goes row by row
-    assert 70 * 60 + 70 * 71 // 2 > bound and 20 * 130 + 20 * 21 // 2 > bound and bound < ROWWISE_KEYS
-    got, got_kv = _run_steps(fast, steps, calls, rowwise_keys=bound)
-    want, want_kv = _run_steps(slow, steps, [], rowwise_keys=bound)
+    rowwise = fast.rowwise      # the runner's bounds (a stack taking prompts: rows only): neither chunk row by row
+    assert rowwise == (ROWWISE_ROWS, 0) and ROWWISE_ROWS < 20
+    got, got_kv = _run_steps(fast, steps, calls, rowwise=rowwise)
+    want, want_kv = _run_steps(slow, steps, [], rowwise=rowwise)
     ref, _ = _run_steps(gathered, steps, [])
     assert calls == [True, True, True, True]
     for i, (x, y, z) in enumerate(zip(got, want, ref)):
@@ -383,19 +385,37 @@ def test_a_long_chunk_after_cached_rows_runs_in_the_stack_over_the_pool(demo_mod
         assert torch.equal(gk, wk) and torch.equal(gv, wv)
 
 
+@needs_stack
+def test_the_runner_packs_chunks_row_by_row_within_its_bounds(demo_model_factory):
+    # Where prompts reach the C prompt kernel (the stack's, or the Python layers' without a stack) only
+    # chunks of a few rows go row by row; where the stack takes no prompts (sliding windows) also those
+    # attending to few keys in all (else the step would run the Python layers); off the CPU kernels none.
+    from handler.model.runner import ROWWISE_KEYS, ROWWISE_ROWS
+    from kernels.backends import TORCH
+    path = demo_model_factory("llama")
+    r, windowed, bare = _runner(path), _runner(path, window=6), _runner(path, stack=False)
+    assert r.model.decode_stack.prompts and r.rowwise == (ROWWISE_ROWS, 0) == bare.rowwise
+    assert not windowed.model.decode_stack.prompts and windowed.rowwise == (ROWWISE_ROWS, ROWWISE_KEYS)
+    r.attention = TORCH
+    assert r.rowwise == (0, 0)
+
+
 def test_stack_order_puts_chunks_packed_as_sequences_after_rows():
     # A prompt's chunk after cached rows ranks as a prompt where pack_step keeps its sequence (past the
-    # bound), as decode rows where it goes row by row (within it); drafts are rows.
+    # bounds), as decode rows where it goes row by row (within either); drafts are rows.
     from handler.engine.request import SamplingParams
     from handler.engine.types import StepItem
     from handler.model.runner import as_rows, stack_order
     p = SamplingParams(max_new_tokens=4)
     chunk = StepItem(4, list(range(10, 40)), 100, list(range(40)), True, p, [])     # 30 rows after 100
     dec = StepItem(1, [7], 20, [0, 1, 2, 3, 4, 5], True, p, [])
+    whole = StepItem(2, list(range(10, 40)), 0, list(range(40, 50)), True, p, [])
     cost = 30 * 100 + 30 * 31 // 2
-    assert not as_rows(chunk, cost - 1) and as_rows(chunk, cost) and not as_rows(dec, cost)
-    assert stack_order([chunk, dec], cost - 1) == [1, 0] and stack_order([chunk, dec], cost) is None
-    assert stack_order([dec, chunk], cost - 1) is None
+    for rows, keys, packed_as_rows in ((29, 0, False), (30, 0, True), (0, cost - 1, False), (16, cost, True)):
+        assert as_rows(chunk, (rows, keys)) is packed_as_rows and not as_rows(dec, (rows, keys))
+        assert not as_rows(whole, (rows, keys))         # a whole prompt keeps its sequence
+        assert stack_order([chunk, dec], (rows, keys)) == (None if packed_as_rows else [1, 0])
+        assert stack_order([dec, chunk], (rows, keys)) is None
 
 
 def test_step_plan_reads_the_step_layout():
