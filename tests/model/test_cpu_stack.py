@@ -201,6 +201,23 @@ def _run_steps(runner, steps: list, calls: list, rowwise: tuple[int, int] = (0, 
     return out, [(k.data.clone(), v.data.clone()) for k, v in runner.kv_cache]
 
 
+def _same_as_python_layers(fast, slow, ref, steps: list, rowwise: tuple[int, int], tol: float) -> list:
+    """Runs `steps` on three runners: the stack's (`fast`), the Python layers' (`slow`), both packing chunks
+    by `rowwise`, and `ref` (its chunks as sequences); asserts fast equals slow bit for bit (logits and
+    pools) and is within `tol` of ref's logits (relative to the largest); returns whether the stack ran."""
+    calls = []
+    got, got_kv = _run_steps(fast, steps, calls, rowwise=rowwise)
+    want, want_kv = _run_steps(slow, steps, [], rowwise=rowwise)
+    ref_out, _ = _run_steps(ref, steps, [])
+    for i, (x, y, z) in enumerate(zip(got, want, ref_out)):
+        assert x.shape == y.shape == z.shape and torch.equal(x, y), i
+        err = (x.float() - z.float()).abs().max() / z.float().abs().max()
+        assert err < tol, (i, err)
+    for (gk, gv), (wk, wv) in zip(got_kv, want_kv):
+        assert torch.equal(gk, wk) and torch.equal(gv, wv)
+    return calls
+
+
 @needs_stack
 @pytest.mark.parametrize("family,dtype", [("llama", "fp32"), pytest.param("llama", "bf16", marks=needs_bf16_panels),
                                           ("qwen3", "fp32"), pytest.param("qwen3", "bf16", marks=needs_bf16_panels)])
@@ -283,7 +300,7 @@ def test_a_short_chunk_after_cached_rows_runs_in_the_stack_as_decode_rows(demo_m
     # takes no prompts: sliding windows, no prompt kernel for the dtype) goes as one decode row per token
     # (pack_step's rowwise): the step keeps the stack's shape and runs in C,
     # equal bit for bit to the Python layers on the same packing, and (the attention being the same
-    # causal attention over the cache) within rounding of the gathered attention's values.
+    # causal attention over the cache) within rounding of the chunk attended as one sequence.
     from handler.engine.request import SamplingParams
     from handler.engine.types import StepItem
     from handler.model.runner import ROWWISE_KEYS, pack_step
@@ -308,21 +325,11 @@ def test_a_short_chunk_after_cached_rows_runs_in_the_stack_as_decode_rows(demo_m
     assert (t, s_, r) == (26, 26, 1) and first == [0, 1]
     seq_lens = packed[5 + 3 * t + s_ + 1: 5 + 3 * t + 2 * s_ + 1].tolist()
     assert seq_lens == [31] + list(range(26, 51))
-    fast, slow, gathered = (_runner(path, dtype, kv_tokens=512), _runner(path, dtype, stack=False, kv_tokens=512),
-                            _runner(path, dtype, stack=False, kv_tokens=512))
-    calls = []
-    got, got_kv = _run_steps(fast, steps, calls, rowwise=rowwise)
-    want, want_kv = _run_steps(slow, steps, [], rowwise=rowwise)
-    ref, _ = _run_steps(gathered, steps, [])
+    fast, slow, seq = (_runner(path, dtype, kv_tokens=512), _runner(path, dtype, stack=False, kv_tokens=512),
+                       _runner(path, dtype, stack=False, kv_tokens=512))
+    calls = _same_as_python_layers(fast, slow, seq, steps, rowwise, 1e-5 if dtype == "fp32" else 3e-2)  # bf16: 8 bits
     assert calls == [True, True, True, True]
-    for i, (x, y, z) in enumerate(zip(got, want, ref)):
-        assert x.shape == y.shape == z.shape and torch.equal(x, y), i
-        tol = 1e-5 if dtype == "fp32" else 3e-2     # relative to the largest logit (bf16: 8 bits)
-        err = (x.float() - z.float()).abs().max() / z.float().abs().max()
-        assert err < tol, (i, err)
-    for (gk, gv), (wk, wv) in zip(got_kv, want_kv):
-        assert torch.equal(gk, wk) and torch.equal(gv, wv)
-    # Past the bound the chunk keeps its sequence (the gathered attention) and the step its Python layers.
+    # Past the bound the chunk keeps its sequence and, ranked before a decode row, the step its Python layers.
     calls = []
     _run_steps(_runner(path, dtype, kv_tokens=512), steps, calls, rowwise=(0, 20 * 50))
     assert calls == [True, True, False, True]
@@ -367,22 +374,11 @@ def test_a_long_chunk_after_cached_rows_runs_in_the_stack_over_the_pool(demo_mod
         return r
     fast, slow, gathered = runner(True), runner(False), runner(False, TORCH)
     assert fast.model.decode_stack is not None and fast.model.decode_stack.prompts
-    calls = []
     rowwise = fast.rowwise      # the runner's bounds (a stack taking prompts: rows only): neither chunk row by row
     assert rowwise == (ROWWISE_ROWS, 0) and ROWWISE_ROWS < 20
-    got, got_kv = _run_steps(fast, steps, calls, rowwise=rowwise)
-    want, want_kv = _run_steps(slow, steps, [], rowwise=rowwise)
-    ref, _ = _run_steps(gathered, steps, [])
-    assert calls == [True, True, True, True]
-    for i, (x, y, z) in enumerate(zip(got, want, ref)):
-        assert x.shape == y.shape == z.shape and torch.equal(x, y), i
-        # relative to the largest logit: bf16's 8 bits; int8 activations (W8A8) and int8 KV rows re-round what
-        # the other attention's last bits moved
-        tol = 3e-2 if dtype == "bf16" or quantize else 1e-3 if kv_int8 else 1e-5
-        err = (x.float() - z.float()).abs().max() / z.float().abs().max()
-        assert err < tol, (i, err)
-    for (gk, gv), (wk, wv) in zip(got_kv, want_kv):
-        assert torch.equal(gk, wk) and torch.equal(gv, wv)
+    # bf16's 8 bits; int8 activations (W8A8) and int8 KV rows re-round what the other attention's last bits moved
+    tol = 3e-2 if dtype == "bf16" or quantize else 1e-3 if kv_int8 else 1e-5
+    assert _same_as_python_layers(fast, slow, gathered, steps, rowwise, tol) == [True, True, True, True]
 
 
 @needs_stack
