@@ -546,7 +546,7 @@ class ModelRunner:
             # Decided here, once: a step whose plan has the stack's shape runs it whole; the log says
             # why not, per layer where a layer is the reason.
             log.info("CPU: a step's layers %s", f"in one C call (kernels/cpu_layer.c; decode rows"
-                     f"{', whole prompts' if stack.prompts else ''})" if stack is not None else f"in Python ({why})")
+                     f"{', prompts and chunks' if stack.prompts else ''})" if stack is not None else f"in Python ({why})")
             for note in stack.notes if stack is not None else ():
                 log.info("CPU: layer stack: %s", note)
 
