@@ -130,12 +130,18 @@ class CpuAttention(TorchAttention):
         rest = p.chunks
         blocks = getattr(step, "blocks", None)    # rows attending both ways in blocks: the torch math's mask
         if rest and key is not None and window is None and soft_cap is None:
-            # prompts and chunks after cached rows in one call (a chunk's earlier keys read from the pools)
-            seqs = [s for s in rest if s not in blocks] if blocks else rest
-            n = [p.qsl[s + 1] - p.qsl[s] for s in seqs]
-            before = [p.lens[s] - k for s, k in zip(seqs, n)]
-            ctx = (key_cache, value_cache, p.tables[seqs], before) if any(before) else None
-            if seqs and self.ext.prefill_attention(query, key, value, [p.qsl[s] for s in seqs], n, scale, out, ctx):
+            # prompts and chunks after cached rows in one call (a chunk's earlier keys read from the pools,
+            # as the plan gives them); not those whose rows attend both ways in blocks
+            keep = [i for i, s in enumerate(rest) if not blocks or s not in blocks]
+            seqs = [rest[i] for i in keep]
+            ctx = None
+            if p.prompt_ctx is not None:
+                tables, held = p.prompt_tables, p.prompt_ctx
+                if len(keep) < len(rest):
+                    tables, held = tables[keep], held[keep]
+                ctx = (key_cache, value_cache, tables, held)
+            if seqs and self.ext.prefill_attention(query, key, value, [p.qsl[s] for s in seqs],
+                                                   [p.qsl[s + 1] - p.qsl[s] for s in seqs], scale, out, ctx):
                 rest = [s for s in rest if s not in seqs]
         torch_paged.prompts_into(out, query, key_cache, value_cache, p, rest, scale, window, soft_cap, key, value,
                                  blocks)

@@ -235,8 +235,9 @@ static void expert_rows(const lmi_lin *gate, const lmi_lin *up, const lmi_lin *d
 /* h [T, E] (in place: the residual stream after the last layer) for a step of B decoding
  * sequences (rows 0 .. B-1, one each) and P prompts or prompt chunks (rows pstarts[p] .. pstarts[p] +
  * plens[p] - 1, all >= B; porder: the order lmi_prefill_attention takes them in, costliest first; pctx
- * (NULL: every prompt whole, its context its own rows): the positions before each chunk's rows, whose keys
- * the chunk reads from the layer's pools through its block table, ptables [P, ptw]: lmi_kv_ctx). cos/sin [T, D] (row stride cs); slots [T];
+ * (NULL: every prompt whole, its context its own rows): the positions before each chunk's rows, whose
+ * keys the chunk reads from the layer's pools through its block table, ptables [P, ptw]: lmi_kv_ctx).
+ * cos/sin [T, D] (row stride cs); slots [T];
  * tables [B, tw], lens [B] as lmi_decode_fused takes them; pools share one layout (strides
  * s_blk/s_tok/s_head, elements), nslots slots each; a layer with ksc set has int8 pools
  * (lmi_decode_fused_i8, lmi_write_kv_i8). Decode rows: lmi_decode_fused (rotary, KV

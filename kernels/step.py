@@ -47,9 +47,9 @@ class StepPlan:
     partial: list[int]                  # ... the others (a chunk after cached or earlier rows)
     prompts: torch.Tensor | None        # [3, P] int64 (first rows, lengths, order costliest first) of the
                                         # prompts and chunks when the step is decode rows then those only
-                                        # (the layer stack's shape); None for any other step
-    prompt_ctx: torch.Tensor | None = None      # [P] int64 positions before each one's rows (None: all whole)
-    prompt_tables: torch.Tensor | None = None   # [P, W] int32 their block tables (with prompt_ctx)
+                                        # (the layer stack's shape: then P are `chunks`); None for any other step
+    prompt_ctx: torch.Tensor | None = None      # [C] int64 positions before each of `chunks`' rows (None: all whole)
+    prompt_tables: torch.Tensor | None = None   # [C, W] int32 their block tables (with prompt_ctx)
 
     @property
     def stack_tables(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -108,14 +108,16 @@ def plan_step(block_tables, seq_lens, query_start_loc, block_size: int, *, slot_
         dec_rows = torch.tensor([qsl[s] for s in dec], device=device)
         dec_tables = tables[torch.tensor(dec, device=device), :nblk].to(torch.int32).contiguous()
         dec_lens = torch.tensor([lens[s] for s in dec], dtype=torch.int32, device=device)
-    prompts = prompt_ctx = prompt_tables = None
+    # the chunks' earlier positions, read from the pools by the prompt kernel, and their tables: once a step
+    before = [lens[s] - nq[s] for s in chunks]
+    prompt_ctx = prompt_tables = None
+    if any(before):
+        prompt_ctx = torch.tensor(before, dtype=torch.int64)
+        prompt_tables = tables[chunks, :-(-max(lens[s] for s in chunks) // block_size)].to(torch.int32).contiguous()
+    prompts = None
     b = len(dec)
     if lens and qsl[0] == 0 and qsl[-1] == t and dec == list(range(b)) and all(n >= 2 for n in nq[b:]):
-        before = [ctx - n for n, ctx in zip(nq[b:], lens[b:])]
-        prompts = prompt_table(qsl[b:-1], nq[b:], before)
-        if any(before):
-            prompt_ctx = torch.tensor(before, dtype=torch.int64)
-            prompt_tables = tables[b:, :-(-max(lens[b:]) // block_size)].to(torch.int32).contiguous()
+        prompts = prompt_table(qsl[b:-1], nq[b:], before)     # its prompts are `chunks`, in order
     return StepPlan(lens=lens, qsl=qsl, tables=tables, slots=slots, dec=dec,
                     all_decode=len(dec) == len(lens) == t and bool(qsl) and qsl[0] == 0,
                     dec_rows=dec_rows, dec_tables=dec_tables, dec_lens=dec_lens, chunks=chunks, whole=whole,

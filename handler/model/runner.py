@@ -75,7 +75,8 @@ ROWWISE_ROWS = 16
 ROWWISE_KEYS = 16384
 
 
-def pack_step(items: list[StepItem], bs: int, copies=(), rowwise: tuple[int, int] = (0, 0)) -> tuple[torch.Tensor, list[int]]:
+def pack_step(items: list[StepItem], bs: int, copies=(),
+              rowwise: tuple[int, int] = (0, 0)) -> tuple[torch.Tensor, list[int]]:
     """One step as one int64 tensor (what rank 0 broadcasts to the other ranks):
     [T, S, W, R, C | ids T | positions T | KV slots T | query_start_loc S+1 | seq_lens S |
     block tables S*W | logit rows R | block copies 2C (src..., dst...)]; T tokens, S sequences,
@@ -86,11 +87,11 @@ def pack_step(items: list[StepItem], bs: int, copies=(), rowwise: tuple[int, int
     one keeps its sequence (the prompt kernel then reads its earlier keys from the pools). Either way the
     step keeps the shape the CPU layer stack takes in one call (decode rows, then prompts:
     kernels/step.py; `keys` is for stacks that take no prompts: their chunks otherwise run the Python
-    layers, ~15 ms a step on SmolLM2's 30). Row by row, each row reads its whole context from the pool; as a sequence the
-    keys are packed once for all rows' GEMMs: one layer's attention of n rows after c cached ones, row by row
-    against as a sequence, 0.3-0.5x the time at n = 2, ~1x at n = 16, 1.2-1.9x at n = 32-128, for c from 64
-    to 4096 (benchmarks/results/prefix-chunks/crossover.log). The rows, their ids, positions and slots are the
-    same either way."""
+    layers, ~15 ms a step on SmolLM2's 30). Row by row, each row reads its whole context from the pool;
+    as a sequence the keys are packed once for all rows' GEMMs: one layer's attention of n rows after c
+    cached ones, row by row against as a sequence, 0.3-0.5x the time at n = 2, ~1x at n = 16, 1.2-1.9x
+    at n = 32-128, for c from 64 to 4096 (benchmarks/results/prefix-chunks/crossover.log). The rows,
+    their ids, positions and slots are the same either way."""
     ids: list[int] = []
     pos: list[int] = []
     slots: list[int] = []
@@ -545,8 +546,9 @@ class ModelRunner:
             stack = self.model.decode_stack
             # Decided here, once: a step whose plan has the stack's shape runs it whole; the log says
             # why not, per layer where a layer is the reason.
-            log.info("CPU: a step's layers %s", f"in one C call (kernels/cpu_layer.c; decode rows"
-                     f"{', prompts and chunks' if stack.prompts else ''})" if stack is not None else f"in Python ({why})")
+            took = ", prompts and chunks" if stack is not None and stack.prompts else ""
+            log.info("CPU: a step's layers %s", f"in one C call (kernels/cpu_layer.c; decode rows{took})"
+                     if stack is not None else f"in Python ({why})")
             for note in stack.notes if stack is not None else ():
                 log.info("CPU: layer stack: %s", note)
 

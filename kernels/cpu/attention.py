@@ -164,16 +164,13 @@ def encoder_attention_available(dtype: torch.dtype) -> bool:
 KvCtx = STRUCTS["lmi_kv_ctx"]     # the keys before a prompt chunk's rows, in the pools (kernels/cpu_api.h)
 
 
-def kv_ctx(key_cache: KVPool | torch.Tensor, value_cache: KVPool | torch.Tensor, dtype: torch.dtype,
-           tables: torch.Tensor, before: torch.Tensor) -> KvCtx | None:
-    """The lmi_kv_ctx of prompt chunks whose first before[p] positions (int64 [P]) lie in these pools
-    through tables (int32 [P, W], contiguous), for activations of `dtype`; None where the kernel cannot
-    read the pools (another dtype than the activations', other layouts, not the CPU). The caller keeps
-    the tensors alive for the call."""
+def _kv_ctx(key_cache: KVPool | torch.Tensor, value_cache: KVPool | torch.Tensor, dtype: torch.dtype,
+            tables: torch.Tensor, before: torch.Tensor) -> KvCtx | None:
+    """The lmi_kv_ctx of prompt chunks (prefill_attention's `ctx`) for activations of `dtype`; None where
+    the kernel cannot read the pools (another dtype than the activations', other layouts, not the CPU)."""
     kp, vp = as_pool(key_cache), as_pool(value_cache)
     if (not (supports(kp) and supports(vp)) or kp.int8 != vp.int8 or kp.data.stride() != vp.data.stride()
-            or (not kp.int8 and not kp.dtype == vp.dtype == dtype) or tables.dtype != torch.int32
-            or not tables.is_contiguous() or before.dtype != torch.int64 or tables.shape[0] != before.shape[0]):
+            or (not kp.int8 and not kp.dtype == vp.dtype == dtype)):
         return None
     kc = kp.data
     return KvCtx(kc=kc.data_ptr(), vc=vp.data.data_ptr(), ksc=kp.scales.data_ptr() if kp.int8 else None,
@@ -187,23 +184,24 @@ def prefill_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     """Causal attention of prompts, all of them in one call by the panel GEMMs (kernels/cpu_decode.c
     lmi_prefill_attention): query / out [T, H, D], key / value [T, Hkv, D] (any token and head strides,
     D contiguous), rows starts[i] .. starts[i] + lens[i] - 1 of prompt i; each prompt's context is its
-    own rows, or with `ctx` = (key_cache, value_cache, tables int32 [P, W], before [P]) also the
-    before[i] positions ahead of them, read from the pools through prompt i's block table (a chunk
-    after cached rows). out's rows of the prompts written in place. fp32 (kernels/cpu_gemm.c) or bf16
-    (kernels/cpu_gemm_bf16.c: Q K^T by vdpbf16ps, P V in fp32 over V widened in registers); False
-    (nothing written) where the kernels cannot take them."""
+    own rows, or with `ctx` = (key_cache, value_cache, tables [P, W], before [P]) also the before[i]
+    positions ahead of them, read from the pools through prompt i's block table (a chunk after cached
+    rows; the step plan's prompt_tables and prompt_ctx, int32 and int64, as they are). out's rows of
+    the prompts written in place. fp32 (kernels/cpu_gemm.c) or bf16 (kernels/cpu_gemm_bf16.c: Q K^T by
+    vdpbf16ps, P V in fp32 over V widened in registers); False (nothing written) where the kernels
+    cannot take them."""
     fn = load()
-    pc = None
+    pc = before = None
     if ctx is not None:
-        key_cache, value_cache, tables, before = ctx
-        before = torch.as_tensor(before, dtype=torch.int64)
-        tables = tables.to(torch.int32).contiguous()
-        pc = kv_ctx(key_cache, value_cache, query.dtype, tables, before)
+        key_cache, value_cache, tables, held = ctx
+        tables = tables.to(torch.int32).contiguous()       # no copy when the plan's
+        held = torch.as_tensor(held, dtype=torch.int64).contiguous()
+        pc = _kv_ctx(key_cache, value_cache, query.dtype, tables, held)
         if pc is None:
             return False
+        before = held.tolist()
     return _prompts(fn and fn.prefill_attention, prefill_attention_available, query, key, value, starts, lens,
-                    scale, out, (ctypes.addressof(pc) if pc is not None else None,),
-                    before.tolist() if pc is not None else None)
+                    scale, out, (None if pc is None else ctypes.addressof(pc),), before)
 
 
 def encoder_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, starts: list[int],

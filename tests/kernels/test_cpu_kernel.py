@@ -535,7 +535,8 @@ def test_prompt_attention_is_causal_attention_of_each_prompt(dtype, tol, heads, 
 
 @pytest.mark.parametrize("dtype,pool_dtype,tol", [(torch.float32, torch.float32, 2e-6),
                                                    (torch.bfloat16, torch.bfloat16, 2e-2),
-                                                   (torch.float32, torch.int8, 2e-6), (torch.bfloat16, torch.int8, 2e-2)])
+                                                   (torch.float32, torch.int8, 2e-6),
+                                                   (torch.bfloat16, torch.int8, 2e-2)])
 @pytest.mark.parametrize("heads,kv_heads,d,head_major", [(4, 4, 64, False), (9, 3, 64, True), (6, 2, 48, True)])
 def test_prompt_chunks_read_their_earlier_keys_from_the_pool(dtype, pool_dtype, tol, heads, kv_heads, d, head_major):
     # A prompt chunk after cached rows (prefix-cache hit, chunked prefill's continuation): its row i at

@@ -439,7 +439,8 @@ def test_step_plan_reads_the_step_layout():
     assert p.prompt_ctx is None and p.prompt_tables is None     # whole prompts: their own rows only
     p = plan([0, 1, 3], [6, 5])                 # a chunk of a longer prompt after a decode row: its 3 earlier
     assert p.partial == [1] and p.whole == [] and p.prompts.tolist() == [[1], [2], [0]]    # keys from the pool
-    assert p.prompt_ctx.tolist() == [3] and p.prompt_tables.dtype == torch.int32 and p.prompt_tables.tolist() == [[2, 3]]
+    assert p.prompt_ctx.tolist() == [3] and p.prompt_tables.dtype == torch.int32
+    assert p.prompt_tables.tolist() == [[2, 3]]
     p = plan([0, 2, 7, 8], [3, 9, 4])           # chunks of 2 (1 before) and 5 (4 before), then a decode row
     assert p.prompts is None and p.partial == [0, 1]
     p = plan([0, 2, 7], [3, 5])                 # a chunk (1 before) and a whole prompt, costliest first
