@@ -29,6 +29,13 @@
  * broadcasts (the panel loads fold into the FMAs); NEON's 32 q registers 3 rows' 24 (4-lane
  * halves) beside the broadcasts and a panel load. */
 #define V8_GEMM_ROWS 3
+/* The L1 prefetch distance in k-rows of the panel (8 k-rows: 1 KiB). A 1-row block streams its panel from
+ * memory at the loop's pace; an includer whose 1-row blocks get no next-panel L2 prefetch looks further
+ * ahead by defining V8_GEMM_PFD1 (kernels/x86/gemm.c). */
+#ifndef V8_GEMM_PFD1
+#define V8_GEMM_PFD1 8
+#endif
+#define V8_GEMM_PFD(MR) ((MR) == 1 ? V8_GEMM_PFD1 : 8)
 #define V8_GEMM_KERNEL(MR, NAME, PF)   /* PF 0: a panel already in the caches, nothing prefetched */ \
     static void NAME##_##MR(const float *A, int64_t lda, const float *B, int64_t K, float *C,           \
                         int64_t ldc, const float *bias, int64_t ncols, const float *Bn,             \
@@ -46,8 +53,8 @@
             }                                                                                       \
             const float *b = B + k * NR;                                                            \
             if (PF) {                                                                               \
-                LMI_PREFETCH_L1(b + 8 * NR);                                                        \
-                LMI_PREFETCH_L1(b + 8 * NR + 16);                                                   \
+                LMI_PREFETCH_L1(b + V8_GEMM_PFD(MR) * NR);                                          \
+                LMI_PREFETCH_L1(b + V8_GEMM_PFD(MR) * NR + 16);                                     \
             }                                                                                       \
             v8f a[MR];                                                                              \
             UNROLL_MR for (int r = 0; r < MR; ++r) a[r] = v8f_set1(A[r * lda + k]);                 \
