@@ -311,7 +311,7 @@ def test_int8_quality_on_the_real_model(real_model_dir):
     """Perplexity of the held-aside texts within 3% of fp32's; teacher-forced greedy agreement on
     the chat prompts at least 80% (handler/tools/quality.py measures both). Measured ratios (english / python):
     1.012 / 1.013 on an AVX-512 Zen 4 host (benchmarks/results/quality-smollm2-135m), 1.013 / 1.028 on an
-    AVX2-only Zen 3 host (the same numbers with option.cpu_kernels=torch there; why the python text moves: open)."""
+    AVX2-only Zen 3 host (why the python text moves there: open)."""
     from handler.tools import quality
     base = quality.measure(real_model_dir, "fp32", None, 32)
     cand = quality.measure(real_model_dir, "fp32", "int8", 32, reference=base["answers"])
