@@ -449,6 +449,39 @@ class Processor:
 
 
 # ---- the engine side: the encoder stage and its cache
+# ---- the towers' attention on CPU
+CPU_ATTENTION = "lmi_cpu"      # the name transformers' attention interface knows it by
+
+
+def _cpu_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling: float | None = None,
+                   is_causal: bool | None = None, **kwargs):
+    """transformers' attention interface for a vision tower on CPU: query [B, H, S, D], key / value
+    [B, Hkv, S, D] -> ([B, S, H, D], None). Where every row sees all of its image's rows (no mask, not
+    causal, no dropout: CLIP, SigLIP, Idefics3 and Gemma 3's towers on whole images, Qwen2-VL's per
+    window), the C encoder kernel (kernels/cpu/attention.py encoder_attention: the panel GEMMs for
+    long sequences, bf16 by vdpbf16ps); else (a padding mask, a dtype the kernel lacks) torch's SDPA."""
+    from kernels import cpu as cpu_ext
+    b, h, s, d = query.shape
+    if attention_mask is None and not is_causal and not dropout and key.shape[2] == s:
+        q, k, v = (x.transpose(1, 2).reshape(b * s, x.shape[1], d) for x in (query, key, value))
+        out = torch.empty(b * s, h, d, dtype=query.dtype)
+        if cpu_ext.encoder_attention(q, k, v, [i * s for i in range(b)], [s] * b,
+                                     d ** -0.5 if scaling is None else scaling, out):
+            return out.view(b, s, h, d), None
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                  is_causal=is_causal, **kwargs)
+
+
+def _use_cpu_attention(tower: nn.Module) -> None:
+    """The tower's attention layers call _cpu_attention (its masks are built as for SDPA)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+    AttentionInterface.register(CPU_ATTENTION, _cpu_attention)
+    AttentionMaskInterface.register(CPU_ATTENTION, sdpa_mask)
+    tower.set_attn_implementation(CPU_ATTENTION)
+
+
 class VisionStage:
     """The vision tower + projector (their own weights from the checkpoint) and the encoder cache
     (content hash -> embeddings [tokens, hidden], least recently used dropped past `cache_bytes`).
@@ -483,10 +516,12 @@ class VisionStage:
             raise ValueError(f"the checkpoint lacks {len(missing)} vision tensors, e.g. {missing[:3]}")
         self.tower = tower.to(device=device, dtype=dtype).eval()
         packed = 0
-        if device.type == "cpu":    # the tower's linear layers on our GEMMs, as the language model's
-            from handler.model.cpu import can_prepack, prepack_linears
-            if can_prepack(dtype):
-                packed = prepack_linears(self.tower)
+        if device.type == "cpu":    # the tower's linear layers on our GEMMs by the language model's rule
+            from handler.model.cpu import bf16_gemm_mode, can_prepack, prepack_linears
+            mode = bf16_gemm_mode(self.tower)[0] if dtype == torch.bfloat16 else "bf16"
+            if can_prepack(dtype) or mode != "bf16":
+                packed = prepack_linears(self.tower, widen_bf16=mode == "fp32", bf16_panels=mode == "panels")
+            _use_cpu_attention(self.tower)
         self.cache: OrderedDict[str, torch.Tensor] = OrderedDict()
         self.cache_bytes, self.held = cache_bytes, 0
         self.counts = {"encoder_runs": 0, "encoder_images": 0, "encoder_cache_hits": 0}

@@ -157,7 +157,8 @@ def prefill_attention_available(dtype: torch.dtype) -> bool:
 
 def encoder_attention_available(dtype: torch.dtype) -> bool:
     """Whether encoder_attention runs here for activations of `dtype` (fp32 or bf16, every build: its
-    products are fp32 FMAs on rows widened in registers, no panel GEMM)."""
+    short sequences' products are fp32 FMAs on rows widened in registers; long ones go to the panel
+    GEMMs where the build has them, else the same rows)."""
     return load() is not None and dtype in KV_DTYPES
 
 

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from handler.engine.request import SamplingParams
+from handler.engine.types import IMAGE_MARKER
 from handler.http import protocols as api
 from handler.http.protocols import openai
 from tests.support.engine import STRATEGIES, assert_drained, make_engine
@@ -327,3 +328,27 @@ def test_gemma3_refuses_batch_invariant_one_token_forwards(gemma3_dir, tmp_path)
     from handler.model.runner import ModelLoadError
     with pytest.raises(ModelLoadError, match=r"option.batch_invariant=true .* gemma3 model's image tokens attend"):
         make_engine(gemma3_dir, tmp_path, {**PROPS["rolling"], "option.batch_invariant": "true"})
+
+
+def test_the_tower_attends_in_the_c_kernel_as_sdpa_does(vlm_dir, tmp_path, monkeypatch):
+    # On CPU the tower's attention layers call the C encoder kernel (one call a layer a run, or a window
+    # for Qwen2-VL); its features equal the same tower's (same weights, same GEMMs) under torch's SDPA.
+    from kernels import cpu as cpu_ext
+    if not cpu_ext.encoder_attention_available(torch.float32):
+        pytest.skip("no C kernels in this build: the towers attend by SDPA (the parity test covers it)")
+    engine = make_engine(vlm_dir, tmp_path, PROPS["rolling"])
+    try:
+        stage, media = engine.runner.vision, engine.runner.media
+        refs = [r for s in (1, 2) for r in media.process(IMAGE_MARKER + " Hi", [_Image(png(s))])[1]]
+        calls, real = [], cpu_ext.encoder_attention
+        monkeypatch.setattr(cpu_ext, "encoder_attention", lambda *a: calls.append(a[4]) or real(*a))
+        ours = stage.encode(refs)
+        assert calls and all(sum(c) > 0 for c in calls)
+        stage.tower.set_attn_implementation("sdpa")
+        n = len(calls)
+        want = stage.encode(refs)
+        assert len(calls) == n                      # SDPA's run did not reach the kernel
+        for a, b in zip(ours, want):
+            torch.testing.assert_close(a, b, atol=2e-5, rtol=1e-4)
+    finally:
+        engine.shutdown()
