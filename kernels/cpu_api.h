@@ -77,7 +77,7 @@ int lmi_gemm_available(void);
 void lmi_gemm(const float *A, int64_t M, int64_t K, int64_t lda, const float *Bp, int64_t N, const float *bias,
     float *C, int64_t ldc, int nthreads);
 
-float lmi_stream_read(const float *x, int64_t n, int nthreads);
+float lmi_stream_read(const float *x, int64_t n, int64_t ahead, int nthreads);
 
 /* cpu_gemm_bf16.c */
 void lmi_pack_bf16(const uint16_t *W, int64_t N, int64_t K, uint16_t *out);

@@ -68,21 +68,28 @@ void lmi_gemm(const float *A, int64_t M, int64_t K, int64_t lda, const float *Bp
 }
 
 /* The read-stream probe `bench floor` measures the memory floor with (handler/tools/bench/floor.py):
- * n floats summed over nthreads threads, each a contiguous share, in 16 independent lanes (so the
- * compiler vectorises it without reassociating: wide loads, nothing written). Returns the sum, so
- * the loads cannot be dropped. */
-float lmi_stream_read(const float *x, int64_t n, int nthreads) {
+ * n floats summed over nthreads threads, each a contiguous share, in 4 x 16 independent lanes (so the
+ * compiler vectorises it without reassociating: wide loads, nothing written), each 64-float block
+ * prefetched `ahead` floats early (0: the hardware prefetchers alone; the 1-row GEMMs look 4 KiB
+ * ahead, past where those stop, and a probe without it read slower than served steps did). Returns
+ * the sum, so the loads cannot be dropped. */
+float lmi_stream_read(const float *x, int64_t n, int64_t ahead, int nthreads) {
     float total = 0.f;
 #pragma omp parallel num_threads(nthreads > 0 ? nthreads : 1) reduction(+ : total)
     {
         const int t = omp_get_thread_num(), nt = omp_get_num_threads();
-        const int64_t lo = n * t / nt / 16 * 16, hi = t + 1 == nt ? n : n * (t + 1) / nt / 16 * 16;
-        float acc[16] = {0};
+        const int64_t lo = n * t / nt / 64 * 64, hi = t + 1 == nt ? n : n * (t + 1) / nt / 64 * 64;
+        float acc[4][16] = {{0}};
         int64_t i = lo;
-        for (; i + 16 <= hi; i += 16)
-            for (int j = 0; j < 16; ++j) acc[j] += x[i + j];
-        for (; i < hi; ++i) acc[0] += x[i];
-        for (int j = 0; j < 16; ++j) total += acc[j];
+        for (; i + 64 <= hi; i += 64) {
+            if (ahead > 0 && i + ahead + 64 <= hi)
+                for (int l = 0; l < 4; ++l) __builtin_prefetch(x + i + ahead + 16 * l, 0, 0);
+            for (int l = 0; l < 4; ++l)
+                for (int j = 0; j < 16; ++j) acc[l][j] += x[i + 16 * l + j];
+        }
+        for (; i < hi; ++i) acc[0][0] += x[i];
+        for (int l = 0; l < 4; ++l)
+            for (int j = 0; j < 16; ++j) total += acc[l][j];
     }
     return total;
 }

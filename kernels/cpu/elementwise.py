@@ -146,13 +146,14 @@ def silu_exact(threads: int) -> bool:
     return probes.silu_matches(silu_mul_)
 
 
-def stream_read(x: torch.Tensor) -> float | None:
+def stream_read(x: torch.Tensor, ahead: int = 0) -> float | None:
     """Sum a contiguous fp32 tensor with kernels/cpu_gemm.c's read-stream probe over torch's threads
-    (what `bench floor` times); None where the C kernels do not load."""
+    (what `bench floor` times), prefetching `ahead` floats early (0: none); None where the C kernels
+    do not load."""
     fn = load()
     if fn is None:
         return None
-    return fn.stream_read(x.data_ptr(), x.numel(), torch.get_num_threads())
+    return fn.stream_read(x.data_ptr(), x.numel(), ahead, torch.get_num_threads())
 
 
 def forget() -> None:

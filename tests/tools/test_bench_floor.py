@@ -62,12 +62,14 @@ def test_qwen_presets_run_the_load_curve_with_prefixes_of_one_list():
 def test_read_probe_reads_every_element_and_measures_a_rate():
     import pytest
     from kernels import cpu as cpu_ext
-    x = torch.arange(1000 * 16 + 7, dtype=torch.float32) % 5       # a tail past the 16 lanes and the threads' cuts
+    x = torch.arange(1000 * 64 + 7, dtype=torch.float32) % 5       # a tail past the 64 lanes and the threads' cuts
     got = cpu_ext.stream_read(x)
     if got is None:
         pytest.skip("the C kernels do not load here (no compiler or no kernel build for this CPU): no read probe")
     assert got == pytest.approx(float(x.double().sum()), rel=1e-6)
-    assert torch.equal(x, torch.arange(1000 * 16 + 7, dtype=torch.float32) % 5)      # read only
+    for ahead in floor.AHEADS:      # a look-ahead past the end prefetches nothing it should not
+        assert cpu_ext.stream_read(x, ahead) == pytest.approx(float(x.double().sum()), rel=1e-6)
+    assert torch.equal(x, torch.arange(1000 * 64 + 7, dtype=torch.float32) % 5)      # read only
     assert floor.read_bandwidth(mib=8, reps=2) > 0
 
 
