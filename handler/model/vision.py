@@ -474,12 +474,21 @@ def _cpu_attention(module, query, key, value, attention_mask, dropout: float = 0
 
 
 def _use_cpu_attention(tower: nn.Module) -> None:
-    """The tower's attention layers call _cpu_attention (its masks are built as for SDPA)."""
+    """The tower's attention layers call _cpu_attention (its masks are built as for SDPA), and its
+    embeddings leave contiguous: SigLIP-style ones return patch_embeds.flatten(2).transpose(1, 2) plus
+    positions, a transposed layout the whole residual stream then keeps (every layer norm copied it)."""
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
     AttentionInterface.register(CPU_ATTENTION, _cpu_attention)
     AttentionMaskInterface.register(CPU_ATTENTION, sdpa_mask)
-    tower.set_attn_implementation(CPU_ATTENTION)
+    # every config but the language model's (a shell holds its text_config without the module: left as
+    # it is, transformers has nothing to warn about)
+    text = getattr(tower.config, "text_config", None)
+    keep = {"text_config": text._attn_implementation} if text is not None else {}
+    tower.set_attn_implementation({"": CPU_ATTENTION, **{k: CPU_ATTENTION for k in tower.config.sub_configs}, **keep})
+    for name, m in tower.named_modules():
+        if name.rsplit(".", 1)[-1] == "embeddings":
+            m.register_forward_hook(lambda _m, _args, out: out.contiguous() if isinstance(out, torch.Tensor) else out)
 
 
 class VisionStage:

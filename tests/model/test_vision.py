@@ -342,8 +342,13 @@ def test_the_tower_attends_in_the_c_kernel_as_sdpa_does(vlm_dir, tmp_path, monke
         refs = [r for s in (1, 2) for r in media.process(IMAGE_MARKER + " Hi", [_Image(png(s))])[1]]
         calls, real = [], cpu_ext.encoder_attention
         monkeypatch.setattr(cpu_ext, "encoder_attention", lambda *a: calls.append(a[4]) or real(*a))
+        laid = []       # the embeddings leave contiguous (SigLIP's would carry a transposed layout)
+        for name, m in stage.tower.named_modules():
+            if name.rsplit(".", 1)[-1] == "embeddings":
+                m.register_forward_hook(lambda _m, _a, out: laid.append(out.is_contiguous()))
         ours = stage.encode(refs)
         assert calls and all(sum(c) > 0 for c in calls)
+        assert all(laid)
         stage.tower.set_attn_implementation("sdpa")
         n = len(calls)
         want = stage.encode(refs)
