@@ -87,7 +87,8 @@ ENGINE_SERIES = {
     "prefix_cache_hit_tokens": ("lmi_prefix_cache_hit_tokens", "counter",
                                 "Prompt tokens found in the prefix cache"),
     # a vision-language model's encoder stage (handler/model/vision.py)
-    "encoder_runs": ("lmi_encoder_runs", "counter", "Vision encoder forwards (each encodes one image: its tiles or crops)"),
+    "encoder_runs": ("lmi_encoder_runs", "counter",
+                     "Vision encoder forwards (each encodes one image: its tiles or crops)"),
     "encoder_images": ("lmi_encoder_images", "counter", "Images run through the vision encoder"),
     "encoder_cache_hits": ("lmi_encoder_cache_hits", "counter",
                            "Image embeddings served from the encoder cache (by the image's content hash)"),

@@ -362,3 +362,13 @@ def prepack_linears(model: nn.Module, keep_weights: bool = False, widen_bf16: bo
         replace(model, name, CpuLinear(m, pack, keep_weight=keep_weights or id(m.weight) in tied))
         done += 1
     return done
+
+
+def prepack_by_rule(model: nn.Module, dtype: torch.dtype, keep_weights: bool = False,
+                    arms: Arms = DEFAULT) -> tuple[int, str, str | None]:
+    """prepack_linears as this CPU's rule has it for a model of `dtype`: bf16 layers as bf16_gemm_mode
+    says (vdpbf16ps panels, widened to fp32, or oneDNN's bf16), others as prepack_linears packs them.
+    Returns (layers packed, the bf16 mode, why; why is None for another dtype)."""
+    mode, why = bf16_gemm_mode(model, arms) if dtype == torch.bfloat16 else ("bf16", None)
+    n = prepack_linears(model, keep_weights, widen_bf16=mode == "fp32", bf16_panels=mode == "panels", arms=arms)
+    return n, mode, why

@@ -520,17 +520,14 @@ class ModelRunner:
         ranks each pack their own shards; transformers' tensor-parallel shards (DTensors) stay."""
         if self.device.type != "cpu" or (self.ranks is not None and not self.own):
             return
-        from handler.model.cpu import Bf16PanelPack, PanelPack, bf16_gemm_mode, prepack_linears
+        from handler.model.cpu import Bf16PanelPack, PanelPack, prepack_by_rule
         from handler.model.linear import packs
-        mode = "bf16"
-        if self.dtype == torch.bfloat16:
-            mode, why = bf16_gemm_mode(self.model, self.arms)
+        n, mode, why = prepack_by_rule(self.model, self.dtype, keep_weights, self.arms)
+        if why is not None:
             log.info("CPU: bf16 linear layers multiply in %s (%s)", {
                 "fp32": "fp32 over the same bf16 values",
                 "panels": "bf16 by kernels/cpu_gemm_bf16.c (vdpbf16ps panels)",
                 "bf16": "bf16"}[mode], why)
-        n = prepack_linears(self.model, keep_weights, widen_bf16=mode == "fp32", bf16_panels=mode == "panels",
-                            arms=self.arms)
         kinds = {type(p) for p in packs(self.model)}
         gemm = ("kernels/cpu_gemm_bf16.c" if Bf16PanelPack in kinds else
                 "kernels/cpu_gemm.c" if PanelPack in kinds else "oneDNN")

@@ -448,7 +448,6 @@ class Processor:
         return ids, tuple(refs)
 
 
-# ---- the engine side: the encoder stage and its cache
 # ---- the towers' attention on CPU
 CPU_ATTENTION = "lmi_cpu"      # the name transformers' attention interface knows it by
 
@@ -491,6 +490,7 @@ def _use_cpu_attention(tower: nn.Module) -> None:
             m.register_forward_hook(lambda _m, _args, out: out.contiguous() if isinstance(out, torch.Tensor) else out)
 
 
+# ---- the engine side: the encoder stage and its cache
 class VisionStage:
     """The vision tower + projector (their own weights from the checkpoint) and the encoder cache
     (content hash -> embeddings [tokens, hidden], least recently used dropped past `cache_bytes`).
@@ -526,10 +526,8 @@ class VisionStage:
         self.tower = tower.to(device=device, dtype=dtype).eval()
         packed = 0
         if device.type == "cpu":    # the tower's linear layers on our GEMMs by the language model's rule
-            from handler.model.cpu import bf16_gemm_mode, can_prepack, prepack_linears
-            mode = bf16_gemm_mode(self.tower)[0] if dtype == torch.bfloat16 else "bf16"
-            if can_prepack(dtype) or mode != "bf16":
-                packed = prepack_linears(self.tower, widen_bf16=mode == "fp32", bf16_panels=mode == "panels")
+            from handler.model.cpu import prepack_by_rule
+            packed = prepack_by_rule(self.tower, dtype)[0]
             _use_cpu_attention(self.tower)
         self.cache: OrderedDict[str, torch.Tensor] = OrderedDict()
         self.cache_bytes, self.held = cache_bytes, 0

@@ -19,9 +19,10 @@ copy bandwidth              a memcpy probe: torch's copy_ of a 512 MiB fp32 buff
 and beside it the tighter floor a decode step can approach, `floor_read_ms`, the smaller of two reads:
 the same bytes at the host's read bandwidth (kernels/cpu_gemm.c's read-stream probe, the best of 5
 passes at each of its software look-aheads: none, 1, 4 and 8 KiB), and the time that probe takes to
-read the served model's own weight tensors once (the same best: `floor_weights_ms`), where they sit. Both probes read memory placed as the served weights are: the
-probe buffers come from the weights' allocator (kernels/cpu/memory.py, 2 MiB pages where the OS takes
-the advice), so a probe in 4 KiB pages cannot put the floor above a step that runs in huge pages.
+read the served model's own weight tensors once (the same best: `floor_weights_ms`), where they sit.
+Both probes read memory placed as the served weights are: the probe buffers come from the weights'
+allocator (kernels/cpu/memory.py, 2 MiB pages where the OS takes the advice), so a probe in 4 KiB
+pages cannot put the floor above a step that runs in huge pages.
 Where the C kernels do not load there is no read probe: twice the copy rate, as a bound.
 `x_floor_read` is TPOT over it.
 
