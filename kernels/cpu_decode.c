@@ -521,6 +521,53 @@ static void ctx_row(void *dst, const lmi_kv_ctx *pc, const void *pool, const flo
     }
 }
 
+/* Row t of K [nk, D] (fp32 or bf16) into lmi_pack_b's / lmi_pack_bf16's panels of K: K's rows are the
+ * panels' columns (row t is column t % 32 of panel t / 32; bf16 keeps K's d pairs together). */
+static void put_k_row(void *kp, const void *row, int64_t t, int64_t D, int bf16) {
+    const int64_t p = t / 32, j = t % 32;
+    if (bf16) {
+        const uint32_t *r = (const uint32_t *)row;  /* D is even (the caller's contract) */
+        uint32_t *dst = (uint32_t *)kp + p * (D / 2) * 32 + j;
+        for (int64_t q = 0; q < D / 2; ++q) dst[q * 32] = r[q];
+    } else {
+        const float *r = (const float *)row;
+        float *dst = (float *)kp + p * D * 32 + j;
+        for (int64_t d = 0; d < D; ++d) dst[d * 32] = r[d];
+    }
+}
+
+/* The columns past nk in K's last panel: zero (as the packers pad). */
+static void pad_k_rows(void *kp, int64_t nk, int64_t D, int bf16) {
+    for (int64_t t = nk; t % 32; ++t) {
+        const int64_t p = t / 32, j = t % 32;
+        for (int64_t d = 0; d < (bf16 ? D / 2 : D); ++d) {
+            if (bf16)
+                ((uint32_t *)kp)[(p * (D / 2) + d) * 32 + j] = 0;
+            else
+                ((float *)kp)[(p * D + d) * 32 + j] = 0.f;
+        }
+    }
+}
+
+/* Row t of V [nk, D] into the panels lmi_pack_b / lmi_pack_bf16 make of V^T [D, nk]: panel p holds V's
+ * columns p * 32 .. p * 32 + 31 (zero past D), fp32 one row after another ([nk][32]), bf16 two rows
+ * interleaved ([kq][32][2], t's slot t % 2). */
+static void put_v_row(void *vp, const void *row, int64_t t, int64_t nk, int64_t D, int bf16) {
+    const int64_t kq = (nk + 1) / 2;
+    for (int64_t c = 0; c < D; c += 32) {
+        const int64_t nc = D - c < 32 ? D - c : 32, p = c / 32;
+        if (bf16) {
+            const uint16_t *r = (const uint16_t *)row + c;
+            uint16_t *dst = (uint16_t *)vp + (p * kq + t / 2) * 64 + t % 2;
+            for (int64_t j = 0; j < 32; ++j) dst[2 * j] = j < nc ? r[j] : 0;
+        } else {
+            float *dst = (float *)vp + (p * nk + t) * 32;
+            memcpy(dst, (const float *)row + c, (size_t)nc * 4);
+            for (int64_t j = nc; j < 32; ++j) dst[j] = 0.f;
+        }
+    }
+}
+
 /* Attention of P whole prompts (each one's context is its own rows of this step) by the panel
  * GEMMs, causal (a decoder's prompts: lmi_prefill_attention) or bidirectional (an encoder's long
  * sequences, every row seeing all its sequence's rows: lmi_encoder_attention): per (prompt, KV head)
@@ -547,10 +594,8 @@ static int prompt_attention(const void *q, const void *k, const void *v, int64_t
     }
     const int64_t npad = (nmax + 31) / 32 * 32 + 2, dpad = (D + 31) / 32 * 32;
     const int64_t rows = g * PQ;
-    /* per thread: A [rows, D]; K rows / V^T [n x D]; K panels; V panels;
-     * S (then P) [rows, npad] fp32; O [rows, dpad] fp32 */
-    const int64_t big = nmax * D + 64;
-    const size_t per = (size_t)(rows * D * es + big * es + npad * (D + 2) * es + dpad * (npad + 2) * es
+    /* per thread: A [rows, D]; K panels; V panels; S (then P) [rows, npad] fp32; O [rows, dpad] fp32 */
+    const size_t per = (size_t)(rows * D * es + npad * (D + 2) * es + dpad * (npad + 2) * es
                                 + rows * npad * 4 + rows * dpad * 4 + 64 * 8);
     int failed = 0;
 #pragma omp parallel num_threads(nthreads)
@@ -558,7 +603,7 @@ static int prompt_attention(const void *q, const void *k, const void *v, int64_t
         char *mem = scratch(per, &failed);
 #pragma omp barrier
         if (!failed) {
-            char *a_buf = mem, *tmp = a_buf + rows * D * es, *kp = tmp + big * es;
+            char *a_buf = mem, *kp = a_buf + rows * D * es;
             char *vp = kp + npad * (D + 2) * es;
             float *s = (float *)(vp + dpad * (npad + 2) * es);
             float *o = s + rows * npad;
@@ -568,31 +613,32 @@ static int prompt_attention(const void *q, const void *k, const void *v, int64_t
                 const int64_t n = lens[pi], t0 = starts[pi];
                 const int64_t c0 = pc ? pc->ctx[pi] : 0, nk = c0 + n;     /* keys: c0 in the pools, then n */
                 const int64_t kq = (nk + 1) / 2;
-                /* K [nk, D] and V^T [D, nk] of this head, contiguous, then packed as weights */
-                for (int64_t t = 0; t < c0; ++t)
-                    ctx_row(tmp + t * D * es, pc, pc->kc, pc->ksc, pi, t, kh, D, bf16);
-                for (int64_t t = 0; t < n; ++t)
-                    memcpy(tmp + (c0 + t) * D * es, (const char *)k + ((t0 + t) * ks + kh * khs) * es,
-                           (size_t)(D * es));
-                if (bf16)
-                    lmi_pack_bf16((const uint16_t *)tmp, nk, D, (uint16_t *)kp);
-                else
-                    lmi_pack_b((const float *)tmp, nk, D, (float *)kp);
+                /* K [nk, D] and V^T [D, nk] of this head written straight into the panels lmi_pack_b /
+                 * lmi_pack_bf16 would make of them (a pool row read into A's room first: free until the
+                 * chunks); V^T's panel p is V's columns p * 32 .. p * 32 + 31 row after row, so V is never
+                 * transposed (a 4 KiB-strided scalar scatter took a fifth of the attention) */
                 for (int64_t t = 0; t < nk; ++t) {
-                    const char *row = a_buf;    /* a pool row, read into A's room (free until the chunks) */
+                    const char *row = a_buf;
+                    if (t < c0)
+                        ctx_row(a_buf, pc, pc->kc, pc->ksc, pi, t, kh, D, bf16);
+                    else
+                        row = (const char *)k + ((t0 + t - c0) * ks + kh * khs) * es;
+                    put_k_row(kp, row, t, D, bf16);
+                }
+                pad_k_rows(kp, nk, D, bf16);
+                for (int64_t t = 0; t < nk; ++t) {
+                    const char *row = a_buf;
                     if (t < c0)
                         ctx_row(a_buf, pc, pc->vc, pc->vsc, pi, t, kh, D, bf16);
                     else
                         row = (const char *)v + ((t0 + t - c0) * vs + kh * vhs) * es;
-                    if (bf16)
-                        for (int64_t d = 0; d < D; ++d) ((uint16_t *)tmp)[d * nk + t] = ((const uint16_t *)row)[d];
-                    else
-                        for (int64_t d = 0; d < D; ++d) ((float *)tmp)[d * nk + t] = ((const float *)row)[d];
+                    put_v_row(vp, row, t, nk, D, bf16);
                 }
-                if (bf16)
-                    lmi_pack_bf16((const uint16_t *)tmp, D, nk, (uint16_t *)vp);
-                else
-                    lmi_pack_b((const float *)tmp, D, nk, (float *)vp);
+                if (bf16 && nk % 2)     /* the odd key's pair partner: zero */
+                    for (int64_t c = 0; c < D; c += 32) {
+                        uint16_t *last = (uint16_t *)vp + (c / 32 * kq + kq - 1) * 64;
+                        for (int64_t j = 0; j < 32; ++j) last[2 * j + 1] = 0;
+                    }
                 for (int64_t i0 = 0; i0 < n; i0 += PQ) {
                     const int64_t i1 = i0 + PQ < n ? i0 + PQ : n, r = i1 - i0, m = g * r;
                     const int64_t seen = causal ? c0 + i1 : nk;    /* keys a row of this chunk may see */
