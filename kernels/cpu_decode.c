@@ -525,10 +525,13 @@ static void ctx_row(void *dst, const lmi_kv_ctx *pc, const void *pool, const flo
  * panels' columns (row t is column t % 32 of panel t / 32; bf16 keeps K's d pairs together). */
 static void put_k_row(void *kp, const void *row, int64_t t, int64_t D, int bf16) {
     const int64_t p = t / 32, j = t % 32;
-    if (bf16) {
-        const uint32_t *r = (const uint32_t *)row;  /* D is even (the caller's contract) */
-        uint32_t *dst = (uint32_t *)kp + p * (D / 2) * 32 + j;
-        for (int64_t q = 0; q < D / 2; ++q) dst[q * 32] = r[q];
+    if (bf16) {     /* D is even (the caller's contract): pair q of the row is column j of pair-row q */
+        const uint16_t *r = (const uint16_t *)row;
+        uint16_t *dst = (uint16_t *)kp + (p * (D / 2) * 32 + j) * 2;
+        for (int64_t q = 0; q < D / 2; ++q) {
+            dst[q * 64] = r[2 * q];
+            dst[q * 64 + 1] = r[2 * q + 1];
+        }
     } else {
         const float *r = (const float *)row;
         float *dst = (float *)kp + p * D * 32 + j;
@@ -540,9 +543,9 @@ static void put_k_row(void *kp, const void *row, int64_t t, int64_t D, int bf16)
 static void pad_k_rows(void *kp, int64_t nk, int64_t D, int bf16) {
     for (int64_t t = nk; t % 32; ++t) {
         const int64_t p = t / 32, j = t % 32;
-        for (int64_t d = 0; d < (bf16 ? D / 2 : D); ++d) {
-            if (bf16)
-                ((uint32_t *)kp)[(p * (D / 2) + d) * 32 + j] = 0;
+        for (int64_t d = 0; d < D; ++d) {
+            if (bf16)       /* element d of the row: pair-row d / 2, slot d % 2 */
+                ((uint16_t *)kp)[((p * (D / 2) + d / 2) * 32 + j) * 2 + d % 2] = 0;
             else
                 ((float *)kp)[(p * D + d) * 32 + j] = 0.f;
         }
